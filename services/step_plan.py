@@ -1,0 +1,132 @@
+"""The scheduler → worker contract as plain dataclasses: the twin of worker.proto's StepRequest
+and StepResult (the seeds' SchedulerOutputs, sent as deltas).
+
+The worker keeps a mirror of every sequence it has been told about, keyed by `seq_id`:
+- a sequence is sent whole once (`NewSequence`): when first scheduled, after a preemption (swap or
+  recompute; the worker forgot it), or when forked from a parent (n > 1, beam search);
+- afterwards only its delta (`RunningSequence`): tokens appended since the last step, block-table
+  changes, and how many tokens to compute now;
+- `finished_seq_ids` / `preempted_seq_ids` drop mirrors.
+
+Per step the worker: swaps out, swaps in, copies blocks (in that order), applies the deltas, builds
+the flattened batch (prefill chunks first, then decodes), runs the model, and samples for every
+sequence whose computed tokens reach the end of its known tokens after this step. Token ids travel
+as lists of ints, never tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewSequence:
+    seq_id: int
+    request_id: str
+    token_ids: list[int]  # prompt + every output token so far
+    prompt_len: int  # token_ids[:prompt_len] is the prompt (penalties and prompt logprobs use it)
+    block_ids: list[int]  # the whole block table
+    num_computed_tokens: int  # tokens whose KV is already in the blocks (prefix hit, swap-in, fork)
+    num_scheduled_tokens: int  # tokens to compute this step, from num_computed_tokens on
+    sampling: SamplingParams
+    seed: int | None = None  # per-sequence seed the scheduler derived; None = unseeded
+    num_samples: int = 1  # tokens to sample (best_of at a group's fork; 2*beam at beam steps)
+
+
+@dataclass(frozen=True, slots=True)
+class RunningSequence:
+    seq_id: int
+    new_token_ids: list[int]  # tokens the scheduler appended since the sequence last ran
+    block_ids_start: int  # block_table[block_ids_start:] = block_ids (append, or copy-on-write)
+    block_ids: list[int]
+    num_scheduled_tokens: int
+    num_samples: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One engine step. Lists of (src, dst) pairs are physical block ids."""
+
+    scheduler_epoch: int
+    step_id: int
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    running_seqs: list[RunningSequence] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)
+    preempted_seq_ids: list[int] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (device, device)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.new_seqs) + sum(
+            s.num_scheduled_tokens for s in self.running_seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.new_seqs or self.running_seqs)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class SampledSequence:
+    """What the worker sampled for one sequence this step."""
+
+    seq_id: int
+    token_ids: list[int]  # num_samples tokens (beam search: best first)
+    logprobs: list[float]  # logprob of each sampled token under the processed distribution
+    top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # per token, if asked
+    # prompt logprobs of the chunk computed this step, for positions 1.. of the prompt
+    prompt_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimings:
+    cache_ops_ns: int = 0
+    prepare_ns: int = 0
+    forward_ns: int = 0
+    sample_ns: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    step_id: int
+    # sequences that sampled, and sequences with prompt logprobs from a non-final prefill chunk
+    # (those have empty token_ids)
+    outputs: list[SampledSequence] = field(default_factory=list)
+    timings: StepTimings = field(default_factory=StepTimings)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a worker reports after LoadModel (GetInfo); the scheduler sizes everything from it."""
+
+    rank: int
+    device: str  # "cpu", "cuda:0", ...
+    dtype: str  # "float32", "bfloat16", ...
+    architecture: str  # e.g. "LlamaForCausalLM"
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    attention_backend: str
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryProfile:
+    """ProfileMemory's answer (vLLM's determine_num_available_blocks)."""
+
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    weights_bytes: int
+    activations_peak_bytes: int
+    kv_bytes_per_block: int  # all layers, K and V
