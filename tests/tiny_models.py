@@ -1,0 +1,52 @@
+"""Tiny random-weight models built from transformers configs, saved as HF folders.
+
+HF transformers runs the same weights as the reference, so every parity test needs no download.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "opt")
+
+_COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, max_position_embeddings=512,
+               bos_token_id=1, eos_token_id=2)
+
+
+def tiny_config(arch: str) -> transformers.PretrainedConfig:
+    if arch == "llama":
+        return transformers.LlamaConfig(**_COMMON, intermediate_size=128, num_attention_heads=4,
+                                        num_key_value_heads=2, tie_word_embeddings=False)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**_COMMON, intermediate_size=128, num_attention_heads=4,
+                                        num_key_value_heads=2, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**_COMMON, intermediate_size=128, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=32,
+                                        tie_word_embeddings=False)
+    if arch == "opt":
+        return transformers.OPTConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                      ffn_dim=128, num_attention_heads=4,
+                                      max_position_embeddings=512, word_embed_proj_dim=64,
+                                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    raise ValueError(f"unknown tiny architecture {arch!r}")
+
+
+def make_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
+    """Random weights (std large enough that greedy decoding does not collapse), saved to path."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch), torch_dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return Path(path)
+
+
+def load_hf(path: Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, torch_dtype=torch.float32, attn_implementation="eager").eval()
