@@ -1,0 +1,137 @@
+"""Converters for the messages of common.proto that several services share: SamplingParams,
+token logprobs, finish reasons, usage. Free functions, one pair per message; only the edge
+modules (servicers, clients, convert.py) call them, the cores never see protobuf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
+from google.protobuf.message import Message
+
+from pagedserve.v1 import common_pb2
+from services.errors import InvalidRequest
+from services.sampling_params import SamplingParams
+from services.step_plan import TokenLogprob
+
+# `optional` in the proto: unset means "vLLM's default", which differs from the zero value.
+_OPTIONAL_FIELDS = ("n", "best_of", "length_penalty", "temperature", "top_p", "repetition_penalty",
+                    "seed", "max_tokens", "logprobs", "prompt_logprobs", "skip_special_tokens")
+# plain in the proto: the zero value is vLLM's default.
+_PLAIN_FIELDS = ("use_beam_search", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "include_stop_str_in_output", "ignore_eos", "min_tokens")
+
+FINISH_REASONS: dict[str, int] = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
+
+
+def _set(msg: Message, name: str, value: object) -> None:
+    try:
+        setattr(msg, name, value)
+    except (TypeError, ValueError) as e:  # out of the proto field's range (int32, int64, ...)
+        raise InvalidRequest(f"{name} is out of range, got {value!r}") from e
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """Every set field travels; optional fields left None (best_of, seed, logprobs, ...) stay
+    unset, so the receiver applies the same defaults."""
+    msg = common_pb2.SamplingParams()
+    for name in _OPTIONAL_FIELDS + _PLAIN_FIELDS:
+        value = getattr(params, name)
+        if value is not None:
+            _set(msg, name, value)
+    msg.stop.extend(params.stop)
+    try:
+        msg.stop_token_ids.extend(params.stop_token_ids)
+    except (TypeError, ValueError) as e:
+        raise InvalidRequest(
+            f"stop_token_ids is out of range, got {list(params.stop_token_ids)}") from e
+    return msg
+
+
+def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take vLLM's defaults; validation runs (InvalidRequest names the
+    field and the value)."""
+    kwargs = {name: getattr(msg, name) for name in _PLAIN_FIELDS}
+    kwargs.update({name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)})
+    return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
+
+
+def token_logprob_to_proto(logprob: TokenLogprob, text: str = "") -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob, text=text)
+
+
+def token_logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(token_id=msg.token_id, logprob=msg.logprob)
+
+
+def token_logprobs_to_proto(candidates: Iterable[TokenLogprob]) -> common_pb2.TokenLogprobs:
+    """One position's candidates, in order."""
+    msg = common_pb2.TokenLogprobs()
+    for c in candidates:
+        msg.candidates.add(token_id=c.token_id, logprob=c.logprob)
+    return msg
+
+
+def token_logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> list[TokenLogprob]:
+    return [TokenLogprob(token_id=c.token_id, logprob=c.logprob) for c in msg.candidates]
+
+
+def add_logprob_lists(container: RepeatedCompositeFieldContainer[common_pb2.TokenLogprobs],
+                      positions: Sequence[Sequence[TokenLogprob]]) -> None:
+    """Append one TokenLogprobs per position to a `repeated TokenLogprobs` field."""
+    for candidates in positions:
+        position = container.add()
+        for c in candidates:
+            position.candidates.add(token_id=c.token_id, logprob=c.logprob)
+
+
+def logprob_lists_from_proto(container: Iterable[common_pb2.TokenLogprobs]) -> list[list[TokenLogprob]]:
+    return [token_logprobs_from_proto(position) for position in container]
+
+
+def finish_reason_to_proto(reason: str | None) -> int:
+    """None (still running) → FINISH_REASON_UNSPECIFIED; "stop"/"length"/"abort"/"error"."""
+    if reason is None:
+        return common_pb2.FINISH_REASON_UNSPECIFIED
+    try:
+        return FINISH_REASONS[reason]
+    except KeyError:
+        raise ValueError(
+            f"finish reason must be one of {sorted(FINISH_REASONS)} or None, got {reason!r}") from None
+
+
+def finish_reason_from_proto(value: int) -> str | None:
+    if value == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    try:
+        return _FINISH_REASON_NAMES[value]
+    except KeyError:
+        raise ValueError(f"unknown FinishReason value {value}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one request (all n outputs together); the twin of common.proto's Usage."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+def usage_to_proto(usage: Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(prompt_tokens=usage.prompt_tokens,
+                            completion_tokens=usage.completion_tokens,
+                            cached_tokens=usage.cached_tokens)
+
+
+def usage_from_proto(msg: common_pb2.Usage) -> Usage:
+    return Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
+                 cached_tokens=msg.cached_tokens)

@@ -1,0 +1,172 @@
+"""worker.proto ↔ services/step_plan.py: the only place the worker contract's protobuf and its
+dataclasses meet. Free functions, one pair per message; the servicer and the scheduler's worker
+client call them, the cores never see protobuf.
+
+ExecuteStep runs these once per engine step, so they copy repeated fields wholesale (`extend`,
+constructor lists) rather than element by element where they can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedserve.v1 import worker_pb2
+from services.errors import InvalidRequest
+from services.proto_common import (
+    add_logprob_lists,
+    logprob_lists_from_proto,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+)
+from services.step_plan import (
+    MemoryProfile,
+    NewSequence,
+    RunningSequence,
+    SampledSequence,
+    StepOutput,
+    StepPlan,
+    StepTimings,
+    WorkerInfo,
+)
+
+
+def block_pairs_to_proto(pairs: Sequence[tuple[int, int]], msg: worker_pb2.BlockPairs) -> None:
+    """Fill `msg` (a message field, e.g. `request.blocks_to_copy`) with (src, dst) pairs."""
+    msg.src.extend(src for src, _ in pairs)
+    msg.dst.extend(dst for _, dst in pairs)
+
+
+def block_pairs_from_proto(msg: worker_pb2.BlockPairs, name: str) -> list[tuple[int, int]]:
+    """`name` is the field, for the error message when src and dst differ in length."""
+    if len(msg.src) != len(msg.dst):
+        raise InvalidRequest(
+            f"{name} must pair every src with a dst, got {len(msg.src)} src and {len(msg.dst)} dst")
+    return list(zip(msg.src, msg.dst, strict=True))
+
+
+def new_sequence_to_proto(seq: NewSequence) -> worker_pb2.NewSequence:
+    msg = worker_pb2.NewSequence(
+        seq_id=seq.seq_id, request_id=seq.request_id, token_ids=seq.token_ids,
+        prompt_len=seq.prompt_len, block_ids=seq.block_ids,
+        num_computed_tokens=seq.num_computed_tokens, num_scheduled_tokens=seq.num_scheduled_tokens,
+        sampling=sampling_params_to_proto(seq.sampling), num_samples=seq.num_samples)
+    if seq.seed is not None:
+        msg.seed = seq.seed
+    return msg
+
+
+def new_sequence_from_proto(msg: worker_pb2.NewSequence) -> NewSequence:
+    return NewSequence(
+        seq_id=msg.seq_id, request_id=msg.request_id, token_ids=list(msg.token_ids),
+        prompt_len=msg.prompt_len, block_ids=list(msg.block_ids),
+        num_computed_tokens=msg.num_computed_tokens, num_scheduled_tokens=msg.num_scheduled_tokens,
+        sampling=sampling_params_from_proto(msg.sampling),
+        seed=msg.seed if msg.HasField("seed") else None, num_samples=msg.num_samples)
+
+
+def running_sequence_to_proto(seq: RunningSequence) -> worker_pb2.RunningSequence:
+    return worker_pb2.RunningSequence(
+        seq_id=seq.seq_id, new_token_ids=seq.new_token_ids, block_ids_start=seq.block_ids_start,
+        block_ids=seq.block_ids, num_scheduled_tokens=seq.num_scheduled_tokens,
+        num_samples=seq.num_samples)
+
+
+def running_sequence_from_proto(msg: worker_pb2.RunningSequence) -> RunningSequence:
+    return RunningSequence(
+        seq_id=msg.seq_id, new_token_ids=list(msg.new_token_ids),
+        block_ids_start=msg.block_ids_start, block_ids=list(msg.block_ids),
+        num_scheduled_tokens=msg.num_scheduled_tokens, num_samples=msg.num_samples)
+
+
+def step_plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
+    msg = worker_pb2.StepRequest(
+        scheduler_epoch=plan.scheduler_epoch, step_id=plan.step_id,
+        new_seqs=[new_sequence_to_proto(s) for s in plan.new_seqs],
+        running_seqs=[running_sequence_to_proto(s) for s in plan.running_seqs],
+        finished_seq_ids=plan.finished_seq_ids, preempted_seq_ids=plan.preempted_seq_ids)
+    block_pairs_to_proto(plan.blocks_to_swap_out, msg.blocks_to_swap_out)
+    block_pairs_to_proto(plan.blocks_to_swap_in, msg.blocks_to_swap_in)
+    block_pairs_to_proto(plan.blocks_to_copy, msg.blocks_to_copy)
+    return msg
+
+
+def step_plan_from_proto(msg: worker_pb2.StepRequest) -> StepPlan:
+    """Raises InvalidRequest for a malformed request (bad sampling params, unpaired block ids)."""
+    return StepPlan(
+        scheduler_epoch=msg.scheduler_epoch, step_id=msg.step_id,
+        new_seqs=[new_sequence_from_proto(s) for s in msg.new_seqs],
+        running_seqs=[running_sequence_from_proto(s) for s in msg.running_seqs],
+        finished_seq_ids=list(msg.finished_seq_ids),
+        preempted_seq_ids=list(msg.preempted_seq_ids),
+        blocks_to_swap_out=block_pairs_from_proto(msg.blocks_to_swap_out, "blocks_to_swap_out"),
+        blocks_to_swap_in=block_pairs_from_proto(msg.blocks_to_swap_in, "blocks_to_swap_in"),
+        blocks_to_copy=block_pairs_from_proto(msg.blocks_to_copy, "blocks_to_copy"))
+
+
+def sampled_sequence_to_proto(seq: SampledSequence) -> worker_pb2.SampledSequence:
+    msg = worker_pb2.SampledSequence(seq_id=seq.seq_id, token_ids=seq.token_ids,
+                                     logprobs=seq.logprobs)
+    add_logprob_lists(msg.top_logprobs, seq.top_logprobs)
+    add_logprob_lists(msg.prompt_logprobs, seq.prompt_logprobs)
+    return msg
+
+
+def sampled_sequence_from_proto(msg: worker_pb2.SampledSequence) -> SampledSequence:
+    return SampledSequence(
+        seq_id=msg.seq_id, token_ids=list(msg.token_ids), logprobs=list(msg.logprobs),
+        top_logprobs=logprob_lists_from_proto(msg.top_logprobs),
+        prompt_logprobs=logprob_lists_from_proto(msg.prompt_logprobs))
+
+
+def step_timings_to_proto(timings: StepTimings) -> worker_pb2.StepTimings:
+    return worker_pb2.StepTimings(cache_ops_ns=timings.cache_ops_ns, prepare_ns=timings.prepare_ns,
+                                  forward_ns=timings.forward_ns, sample_ns=timings.sample_ns)
+
+
+def step_timings_from_proto(msg: worker_pb2.StepTimings) -> StepTimings:
+    return StepTimings(cache_ops_ns=msg.cache_ops_ns, prepare_ns=msg.prepare_ns,
+                       forward_ns=msg.forward_ns, sample_ns=msg.sample_ns)
+
+
+def step_output_to_proto(output: StepOutput) -> worker_pb2.StepResult:
+    return worker_pb2.StepResult(
+        step_id=output.step_id, outputs=[sampled_sequence_to_proto(s) for s in output.outputs],
+        timings=step_timings_to_proto(output.timings))
+
+
+def step_output_from_proto(msg: worker_pb2.StepResult) -> StepOutput:
+    return StepOutput(step_id=msg.step_id,
+                      outputs=[sampled_sequence_from_proto(s) for s in msg.outputs],
+                      timings=step_timings_from_proto(msg.timings))
+
+
+def worker_info_to_proto(info: WorkerInfo) -> worker_pb2.WorkerInfo:
+    return worker_pb2.WorkerInfo(
+        rank=info.rank, device=info.device, dtype=info.dtype, architecture=info.architecture,
+        vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+        eos_token_ids=info.eos_token_ids, num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads, head_size=info.head_size,
+        attention_backend=info.attention_backend)
+
+
+def worker_info_from_proto(msg: worker_pb2.WorkerInfo) -> WorkerInfo:
+    return WorkerInfo(
+        rank=msg.rank, device=msg.device, dtype=msg.dtype, architecture=msg.architecture,
+        vocab_size=msg.vocab_size, max_model_len=msg.max_model_len,
+        eos_token_ids=list(msg.eos_token_ids), num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads, head_size=msg.head_size,
+        attention_backend=msg.attention_backend)
+
+
+def memory_profile_to_proto(profile: MemoryProfile) -> worker_pb2.ProfileMemoryResponse:
+    return worker_pb2.ProfileMemoryResponse(
+        num_gpu_blocks=profile.num_gpu_blocks, num_cpu_blocks=profile.num_cpu_blocks,
+        weights_bytes=profile.weights_bytes, activations_peak_bytes=profile.activations_peak_bytes,
+        kv_bytes_per_block=profile.kv_bytes_per_block)
+
+
+def memory_profile_from_proto(msg: worker_pb2.ProfileMemoryResponse) -> MemoryProfile:
+    return MemoryProfile(
+        num_gpu_blocks=msg.num_gpu_blocks, num_cpu_blocks=msg.num_cpu_blocks,
+        weights_bytes=msg.weights_bytes, activations_peak_bytes=msg.activations_peak_bytes,
+        kv_bytes_per_block=msg.kv_bytes_per_block)
