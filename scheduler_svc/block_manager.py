@@ -1,0 +1,340 @@
+"""The block space manager: every sequence's block table, on the GPU or swapped to the CPU.
+
+Block tables map a sequence's logical blocks (`block_size` tokens each) to physical block ids of
+one device. Forked sequences (n > 1, beam search) share blocks by reference count and split them
+by copy-on-write when one of them is about to write a shared block. Preemption by swap moves a
+group's blocks between devices, each shared block once. With prefix caching, full computed GPU
+blocks are registered by chained hash and reused by later prompts with the same prefix; blocks
+held only by the prefix cache (ref 0, evictable) count as free.
+
+Every call returns the cache operations the worker must run before the step's forward pass, in the
+worker's order: swap out, swap in, copy. A scheduler that frees, swaps out, swaps in and appends
+(in that order) within one step therefore never sees a block reused before its data has moved.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+
+from scheduler_svc.block_pool import BlockPool, Device
+from scheduler_svc.prefix_cache import (
+    BlockHash,
+    PrefixCache,
+    hash_block_tokens,
+    hash_prompt_blocks,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class AllocStatus(enum.Enum):
+    OK = enum.auto()  # fits now
+    LATER = enum.auto()  # fits once running sequences free blocks
+    NEVER = enum.auto()  # does not fit even in an empty pool
+
+
+@dataclass(slots=True)
+class _SeqBlocks:
+    block_ids: list[int]  # physical ids on `device`
+    num_tokens: int  # tokens the block table was sized for
+    device: Device = Device.GPU
+    # chained hashes of the leading full blocks known to be computed (prefix caching only)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
+        assert block_size >= 1 and 0.0 <= watermark < 1.0, (block_size, watermark)
+        self.block_size = block_size
+        self.watermark = watermark
+        # blocks kept free at admission so running sequences can still grow
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.gpu_pool = BlockPool(Device.GPU, num_gpu_blocks)
+        self.cpu_pool = BlockPool(Device.CPU, num_cpu_blocks)
+        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self._seqs: dict[int, _SeqBlocks] = {}
+
+    # ---- usage figures ----------------------------------------------------------------------
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.gpu_pool.num_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_blocks
+
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        """Free-list blocks plus unreferenced prefix-cache blocks (evictable on demand)."""
+        num_evictable = self.prefix_cache.num_evictable_blocks if self.prefix_cache else 0
+        return self.gpu_pool.num_free_blocks + num_evictable
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_free_blocks
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.prefix_cache is not None
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache by `allocate` (0 when caching is off)."""
+        return self.prefix_cache.num_queried_tokens if self.prefix_cache else 0
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Tokens among `prefix_cache_queries` whose KV was reused (the num_cached_tokens sum)."""
+        return self.prefix_cache.num_hit_tokens if self.prefix_cache else 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """prefix_cache_hits / prefix_cache_queries, in tokens; 0.0 before any query."""
+        return self.prefix_cache.hit_rate if self.prefix_cache else 0.0
+
+    # ---- per-sequence queries ---------------------------------------------------------------
+
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self._seqs[seq_id].block_ids)
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return self._seqs[seq_id].device is Device.CPU
+
+    def num_tokens(self, seq_id: int) -> int:
+        """Tokens the sequence's block table was last sized for (allocate / append_slots)."""
+        return self._seqs[seq_id].num_tokens
+
+    # ---- admission --------------------------------------------------------------------------
+
+    def can_allocate(self, token_ids: list[int]) -> AllocStatus:
+        num_required = _cdiv(len(token_ids), self.block_size)
+        if num_required > self.num_gpu_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        _, hit_block_ids = self._match_prefix(token_ids)
+        # a hit on a shared block costs nothing; a hit on an evictable block takes it out of the
+        # free count just like a new block does
+        num_evictable_hits = sum(1 for b in hit_block_ids if self.gpu_pool.ref_counts[b] == 0)
+        num_taken = num_required - len(hit_block_ids) + num_evictable_hits
+        if self.num_free_gpu_blocks - num_taken >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, seq_id: int, token_ids: list[int]) -> int:
+        """Give `seq_id` a block table covering `token_ids`; returns num_cached_tokens, the
+        leading tokens whose KV already sits in reused prefix-cache blocks."""
+        assert seq_id not in self._seqs, f"seq {seq_id} already has blocks"
+        assert token_ids, "a sequence has at least one token"
+        hit_hashes, hit_block_ids = self._match_prefix(token_ids)
+        # claim the hits first so that allocating the rest cannot evict them
+        for block_id in hit_block_ids:
+            if self.gpu_pool.ref_counts[block_id] == 0:
+                assert self.prefix_cache is not None
+                self.prefix_cache.unpark(block_id)
+            self.gpu_pool.incref(block_id)
+        block_ids = hit_block_ids + [
+            self._allocate_gpu_block()
+            for _ in range(_cdiv(len(token_ids), self.block_size) - len(hit_block_ids))]
+        self._seqs[seq_id] = _SeqBlocks(block_ids=block_ids, num_tokens=len(token_ids),
+                                        block_hashes=hit_hashes)
+        num_cached_tokens = len(hit_block_ids) * self.block_size
+        if self.prefix_cache is not None:
+            self.prefix_cache.record_query(len(token_ids), num_cached_tokens)
+        return num_cached_tokens
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        assert child_seq_id not in self._seqs, f"seq {child_seq_id} already has blocks"
+        parent = self._seqs[parent_seq_id]
+        pool = self._pool(parent.device)
+        for block_id in parent.block_ids:
+            pool.incref(block_id)
+        self._seqs[child_seq_id] = _SeqBlocks(
+            block_ids=list(parent.block_ids), num_tokens=parent.num_tokens,
+            device=parent.device, block_hashes=list(parent.block_hashes))
+
+    # ---- growth and copy-on-write -----------------------------------------------------------
+
+    def can_append_slots(self, seq_ids: list[int], num_new_tokens: list[int]) -> bool:
+        """Room for each sequence to grow by `num_new_tokens` beyond `num_tokens(seq_id)`, counting
+        every copy-on-write it might need (a group sharing a block may over-count by one)."""
+        assert len(seq_ids) == len(num_new_tokens), (len(seq_ids), len(num_new_tokens))
+        num_needed = 0
+        for seq_id, num_new in zip(seq_ids, num_new_tokens, strict=True):
+            seq = self._seqs[seq_id]
+            num_total = seq.num_tokens + num_new
+            num_needed += max(0, _cdiv(num_total, self.block_size) - len(seq.block_ids))
+            num_needed += len(self._shared_written_blocks(seq, num_total))
+        return num_needed <= self.num_free_gpu_blocks
+
+    def append_slots(self, seq_id: int, num_total_tokens: int) -> list[tuple[int, int]]:
+        """Grow the block table to hold `num_total_tokens`. Blocks this step will write (from the
+        old end of the table, and always the one holding the last token) that are shared get a
+        private copy; returns those (src, dst) pairs for `blocks_to_copy`."""
+        seq = self._seqs[seq_id]
+        assert seq.device is Device.GPU, f"seq {seq_id} is swapped out"
+        assert num_total_tokens >= 1, num_total_tokens
+        blocks_to_copy: list[tuple[int, int]] = []
+        for i in self._shared_written_blocks(seq, num_total_tokens):
+            src = seq.block_ids[i]
+            dst = self._allocate_gpu_block()
+            remaining = self.gpu_pool.decref(src)
+            assert remaining >= 1, (src, remaining)
+            seq.block_ids[i] = dst
+            blocks_to_copy.append((src, dst))
+        for _ in range(_cdiv(num_total_tokens, self.block_size) - len(seq.block_ids)):
+            seq.block_ids.append(self._allocate_gpu_block())
+        seq.num_tokens = max(seq.num_tokens, num_total_tokens)
+        return blocks_to_copy
+
+    def _shared_written_blocks(self, seq: _SeqBlocks, num_total_tokens: int) -> list[int]:
+        """Indexes of existing, shared blocks that positions [start, num_total_tokens) touch, where
+        start is the old end of the table, or the last token if the table was already that long.
+        Positions below it are computed (or will be by whoever shares them), so never written."""
+        first_written = min(seq.num_tokens, num_total_tokens - 1)
+        end = min(len(seq.block_ids), _cdiv(num_total_tokens, self.block_size))
+        ref_counts = self.gpu_pool.ref_counts
+        return [i for i in range(first_written // self.block_size, end)
+                if ref_counts[seq.block_ids[i]] > 1]
+
+    # ---- release ----------------------------------------------------------------------------
+
+    def free(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        # tail first: the evictor then drops a prefix's last blocks before the blocks they chain on
+        for block_id in reversed(seq.block_ids):
+            self._release(seq.device, block_id)
+
+    # ---- swap -------------------------------------------------------------------------------
+
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        return len(self._unique_blocks(seq_ids, Device.GPU)) <= self.num_free_cpu_blocks
+
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move these sequences to the CPU; returns (gpu, cpu) pairs, each shared block once.
+        The GPU originals are released like freed blocks (cached ones stay evictable, the CPU
+        copies are never in the prefix cache)."""
+        return self._move(seq_ids, Device.GPU, Device.CPU)
+
+    def can_swap_in(self, seq_ids: list[int]) -> bool:
+        num_required = len(self._unique_blocks(seq_ids, Device.CPU))
+        return self.num_free_gpu_blocks - num_required >= self.watermark_blocks
+
+    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move these sequences back to the GPU; returns (cpu, gpu) pairs, each shared block once.
+        Their computed full blocks are registered in the prefix cache again where no other block
+        holds the hash."""
+        mapping = self._move(seq_ids, Device.CPU, Device.GPU)
+        for seq_id in seq_ids:
+            seq = self._seqs[seq_id]
+            for i, block_hash in enumerate(seq.block_hashes):
+                self._register(seq.block_ids[i], block_hash)
+        return mapping
+
+    def _unique_blocks(self, seq_ids: list[int], device: Device) -> set[int]:
+        block_ids: set[int] = set()
+        for seq_id in seq_ids:
+            seq = self._seqs[seq_id]
+            assert seq.device is device, f"seq {seq_id} is on {seq.device.value}, not {device.value}"
+            block_ids.update(seq.block_ids)
+        return block_ids
+
+    def _move(self, seq_ids: list[int], src_device: Device,
+              dst_device: Device) -> list[tuple[int, int]]:
+        dst_pool = self._pool(dst_device)
+        mapping: dict[int, int] = {}  # src block -> dst block, insertion order = copy order
+        for seq_id in dict.fromkeys(seq_ids):
+            seq = self._seqs[seq_id]
+            assert seq.device is src_device, f"seq {seq_id} is on {seq.device.value}"
+            for i, src in enumerate(seq.block_ids):
+                dst = mapping.get(src)
+                if dst is None:
+                    dst = mapping[src] = (self._allocate_gpu_block() if dst_device is Device.GPU
+                                          else dst_pool.allocate())
+                else:
+                    dst_pool.incref(dst)
+                seq.block_ids[i] = dst
+                # sequences outside `seq_ids` may still hold src; it is released with its last ref
+                self._release(src_device, src)
+            seq.device = dst_device
+        return list(mapping.items())
+
+    # ---- prefix caching ---------------------------------------------------------------------
+
+    def mark_computed(self, seq_id: int, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Record that the KV of `token_ids[:num_computed_tokens]` is in the sequence's blocks
+        (call after the step that computed them ran). Blocks now full and computed are hashed and
+        registered in the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        seq = self._seqs[seq_id]
+        assert seq.device is Device.GPU, f"seq {seq_id} is swapped out"
+        num_full = min(num_computed_tokens, len(token_ids)) // self.block_size
+        assert num_full <= len(seq.block_ids), (num_full, len(seq.block_ids))
+        num_hashed = len(seq.block_hashes)
+        if num_full <= num_hashed:
+            return
+        parent_hash = seq.block_hashes[-1] if seq.block_hashes else None
+        new_hashes = hash_prompt_blocks(token_ids, self.block_size, num_full, parent_hash,
+                                        first_block=num_hashed)
+        for i, block_hash in enumerate(new_hashes, start=num_hashed):
+            self._register(seq.block_ids[i], block_hash)
+        seq.block_hashes.extend(new_hashes)
+
+    def _match_prefix(self, token_ids: list[int]) -> tuple[list[BlockHash], list[int]]:
+        """Hashes and block ids of the leading cached blocks of a prompt. At least one token is
+        always left to compute (the last one's logits are needed), so an exact full-block hit
+        stops one block short and that block is recomputed into a private block."""
+        if self.prefix_cache is None:
+            return [], []
+        hashes: list[BlockHash] = []
+        block_ids: list[int] = []
+        parent_hash: BlockHash | None = None
+        for i in range((len(token_ids) - 1) // self.block_size):
+            parent_hash = hash_block_tokens(
+                parent_hash, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block_id = self.prefix_cache.lookup(parent_hash)
+            if block_id is None:
+                break
+            hashes.append(parent_hash)
+            block_ids.append(block_id)
+        return hashes, block_ids
+
+    def _register(self, block_id: int, block_hash: BlockHash) -> None:
+        assert self.prefix_cache is not None
+        self.prefix_cache.register(block_id, block_hash)
+
+    # ---- physical blocks --------------------------------------------------------------------
+
+    def _pool(self, device: Device) -> BlockPool:
+        return self.gpu_pool if device is Device.GPU else self.cpu_pool
+
+    def _allocate_gpu_block(self) -> int:
+        """From the free list first, else reclaim the least recently used cached block."""
+        if self.gpu_pool.num_free_blocks or self.prefix_cache is None:
+            return self.gpu_pool.allocate()
+        assert self.prefix_cache.num_evictable_blocks, "no free gpu block"
+        block_id = self.prefix_cache.evict()
+        self.gpu_pool.incref(block_id)
+        return block_id
+
+    def _release(self, device: Device, block_id: int) -> None:
+        """Drop one reference; an unreferenced cached GPU block stays cached (evictable)."""
+        pool = self._pool(device)
+        if pool.decref(block_id):
+            return
+        if device is Device.GPU and self.prefix_cache and self.prefix_cache.is_cached(block_id):
+            self.prefix_cache.park(block_id)
+        else:
+            pool.release(block_id)
