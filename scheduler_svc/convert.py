@@ -1,0 +1,124 @@
+"""scheduler.proto ↔ the scheduler's dataclasses: the only place they meet. Free functions, one
+pair per message; the scheduler servicer and the gateway's scheduler client call them, the engine
+core never sees protobuf.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pagedserve.v1 import common_pb2, scheduler_pb2
+from scheduler_svc.engine_core import EngineLoad
+from scheduler_svc.outputs import CompletionOutput, RequestOutput
+from services.proto_common import (
+    add_logprob_lists,
+    finish_reason_from_proto,
+    finish_reason_to_proto,
+    logprob_lists_from_proto,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+)
+from services.sampling_params import SamplingParams
+from services.step_plan import TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitRequest:
+    """One request as the scheduler service receives it (the twin of SubmitRequest)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    arrival_time_s: float = 0.0  # the gateway's wall clock (Unix seconds); 0 = on receipt
+
+    def arrival_time_monotonic(self) -> float | None:
+        """The arrival on this process's monotonic clock (the engine's FCFS key); None = now."""
+        if self.arrival_time_s <= 0.0:
+            return None
+        return time.monotonic() - max(0.0, time.time() - self.arrival_time_s)
+
+
+def submit_request_to_proto(request: SubmitRequest) -> scheduler_pb2.SubmitRequest:
+    return scheduler_pb2.SubmitRequest(
+        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+        sampling=sampling_params_to_proto(request.sampling), priority=request.priority,
+        arrival_time_s=request.arrival_time_s)
+
+
+def submit_request_from_proto(msg: scheduler_pb2.SubmitRequest) -> SubmitRequest:
+    """Raises InvalidRequest (naming the field and the value) for bad sampling parameters."""
+    return SubmitRequest(
+        request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
+        sampling=sampling_params_from_proto(msg.sampling), priority=msg.priority,
+        arrival_time_s=msg.arrival_time_s)
+
+
+def completion_output_to_proto(output: CompletionOutput) -> scheduler_pb2.SequenceDelta:
+    msg = scheduler_pb2.SequenceDelta(
+        index=output.index, token_ids=output.token_ids, logprobs=output.logprobs,
+        finish_reason=finish_reason_to_proto(output.finish_reason),
+        cumulative_logprob=output.cumulative_logprob, error=output.error or "")
+    add_logprob_lists(msg.top_logprobs, output.top_logprobs)
+    return msg
+
+
+def completion_output_from_proto(msg: scheduler_pb2.SequenceDelta) -> CompletionOutput:
+    return CompletionOutput(
+        index=msg.index, token_ids=list(msg.token_ids), logprobs=list(msg.logprobs),
+        top_logprobs=logprob_lists_from_proto(msg.top_logprobs),
+        cumulative_logprob=msg.cumulative_logprob,
+        finish_reason=finish_reason_from_proto(msg.finish_reason), error=msg.error or None)
+
+
+def token_event_to_proto(output: RequestOutput) -> scheduler_pb2.TokenEvent:
+    """A position whose KV came from the prefix cache (None) travels as an empty TokenLogprobs."""
+    msg = scheduler_pb2.TokenEvent(
+        outputs=[completion_output_to_proto(o) for o in output.outputs],
+        num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens)
+    if output.prompt_logprobs is not None:
+        add_logprob_lists(msg.prompt_logprobs, [p or [] for p in output.prompt_logprobs])
+    return msg
+
+
+def token_event_from_proto(msg: scheduler_pb2.TokenEvent, request_id: str,
+                           has_prompt_logprobs: bool = False) -> RequestOutput:
+    """`finished` is true when every output of the event carries a finish reason; the stream's
+    end is the authoritative signal. `has_prompt_logprobs`: the request asked for them and this
+    is its first event (protobuf cannot tell an absent list from an empty one)."""
+    outputs = [completion_output_from_proto(o) for o in msg.outputs]
+    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+    if has_prompt_logprobs or msg.prompt_logprobs:
+        prompt_logprobs = [p or None for p in logprob_lists_from_proto(msg.prompt_logprobs)]
+    return RequestOutput(
+        request_id=request_id, outputs=outputs,
+        finished=bool(outputs) and all(o.finish_reason is not None for o in outputs),
+        num_prompt_tokens=msg.num_prompt_tokens, num_cached_tokens=msg.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs)
+
+
+def abort_request_to_proto(request_id: str) -> common_pb2.AbortRequest:
+    return common_pb2.AbortRequest(request_id=request_id)
+
+
+def abort_request_from_proto(msg: common_pb2.AbortRequest) -> str:
+    return msg.request_id
+
+
+def load_to_proto(load: EngineLoad) -> scheduler_pb2.Load:
+    return scheduler_pb2.Load(
+        num_running_requests=load.num_running, num_waiting_requests=load.num_waiting,
+        num_swapped_requests=load.num_swapped, num_gpu_blocks_used=load.num_gpu_blocks_used,
+        num_gpu_blocks=load.num_gpu_blocks, num_cpu_blocks_used=load.num_cpu_blocks_used,
+        num_cpu_blocks=load.num_cpu_blocks, prefix_cache_hit_rate=load.prefix_cache_hit_rate,
+        num_preemptions=load.num_preemptions)
+
+
+def load_from_proto(msg: scheduler_pb2.Load) -> EngineLoad:
+    return EngineLoad(
+        num_running=msg.num_running_requests, num_waiting=msg.num_waiting_requests,
+        num_swapped=msg.num_swapped_requests, num_gpu_blocks_used=msg.num_gpu_blocks_used,
+        num_gpu_blocks=msg.num_gpu_blocks, num_cpu_blocks_used=msg.num_cpu_blocks_used,
+        num_cpu_blocks=msg.num_cpu_blocks, prefix_cache_hit_rate=msg.prefix_cache_hit_rate,
+        num_preemptions=msg.num_preemptions)

@@ -1,0 +1,103 @@
+"""scheduler.proto converters: every field survives the wire."""
+
+import dataclasses
+import time
+
+import pytest
+
+from pagedserve.v1 import common_pb2, scheduler_pb2
+from scheduler_svc.convert import (
+    SubmitRequest,
+    abort_request_from_proto,
+    abort_request_to_proto,
+    completion_output_from_proto,
+    completion_output_to_proto,
+    load_from_proto,
+    load_to_proto,
+    submit_request_from_proto,
+    submit_request_to_proto,
+    token_event_from_proto,
+    token_event_to_proto,
+)
+from scheduler_svc.engine_core import EngineLoad
+from scheduler_svc.outputs import CompletionOutput, RequestOutput
+from services.errors import InvalidRequest
+from services.sampling_params import SamplingParams
+from services.step_plan import TokenLogprob
+
+
+def _wire(msg):
+    return type(msg).FromString(msg.SerializeToString())
+
+
+TOP = [[TokenLogprob(5, -0.25), TokenLogprob(9, -1.5)], [TokenLogprob(3, -0.125)]]
+
+
+def test_every_proto_field_is_converted():
+    assert set(scheduler_pb2.SubmitRequest.DESCRIPTOR.fields_by_name) == {
+        f.name for f in dataclasses.fields(SubmitRequest)}
+    assert set(scheduler_pb2.SequenceDelta.DESCRIPTOR.fields_by_name) == {
+        f.name for f in dataclasses.fields(CompletionOutput)}
+    assert len(scheduler_pb2.Load.DESCRIPTOR.fields) == len(dataclasses.fields(EngineLoad))
+
+
+def test_submit_request_round_trip():
+    request = SubmitRequest(
+        request_id="req-1", prompt_token_ids=[1, 49151, 0, 7],
+        sampling=SamplingParams(n=2, temperature=0.7, seed=3, logprobs=4, stop=("x",)),
+        priority=-3, arrival_time_s=1_700_000_000.25)
+    assert submit_request_from_proto(_wire(submit_request_to_proto(request))) == request
+
+
+def test_submit_request_with_bad_sampling_names_the_field():
+    msg = scheduler_pb2.SubmitRequest(request_id="r", prompt_token_ids=[1],
+                                      sampling=common_pb2.SamplingParams(top_p=0.0))
+    with pytest.raises(InvalidRequest, match="top_p"):
+        submit_request_from_proto(msg)
+
+
+def test_arrival_time_maps_onto_the_monotonic_clock():
+    now = SubmitRequest("r", [1], SamplingParams())
+    assert now.arrival_time_monotonic() is None
+    earlier = SubmitRequest("r", [1], SamplingParams(), arrival_time_s=time.time() - 2.0)
+    assert time.monotonic() - earlier.arrival_time_monotonic() == pytest.approx(2.0, abs=0.1)
+
+
+@pytest.mark.parametrize("output", [
+    CompletionOutput(index=1, token_ids=[4, 5], logprobs=[-0.5, -2.0], top_logprobs=TOP,
+                     cumulative_logprob=-2.5, finish_reason="length"),
+    CompletionOutput(index=0, token_ids=[], finish_reason="error", error="worker died"),
+    CompletionOutput(index=3, token_ids=[7]),
+], ids=["finished", "error", "running"])
+def test_completion_output_round_trip(output):
+    assert completion_output_from_proto(_wire(completion_output_to_proto(output))) == output
+
+
+def test_token_event_round_trip_keeps_prefix_cache_holes():
+    output = RequestOutput(
+        request_id="req-2",
+        outputs=[CompletionOutput(index=0, token_ids=[8], logprobs=[-0.5], finish_reason="stop",
+                                  cumulative_logprob=-0.5),
+                 CompletionOutput(index=1, token_ids=[9], logprobs=[-0.75], finish_reason="abort",
+                                  cumulative_logprob=-0.75)],
+        finished=True, num_prompt_tokens=40, num_cached_tokens=32,
+        prompt_logprobs=[None, None, [TokenLogprob(3, -1.0), TokenLogprob(4, -0.5)]])
+    msg = _wire(token_event_to_proto(output))
+    assert token_event_from_proto(msg, "req-2", has_prompt_logprobs=True) == output
+
+
+def test_token_event_without_prompt_logprobs_or_finish():
+    output = RequestOutput(request_id="r", outputs=[CompletionOutput(index=0, token_ids=[1, 2])],
+                           finished=False, num_prompt_tokens=3, num_cached_tokens=0)
+    assert token_event_from_proto(_wire(token_event_to_proto(output)), "r") == output
+
+
+def test_abort_request_round_trip():
+    assert abort_request_from_proto(_wire(abort_request_to_proto("req-9"))) == "req-9"
+
+
+def test_load_round_trip():
+    load = EngineLoad(num_running=3, num_waiting=2, num_swapped=1, num_gpu_blocks_used=17,
+                      num_gpu_blocks=512, num_cpu_blocks_used=4, num_cpu_blocks=256,
+                      prefix_cache_hit_rate=0.375, num_preemptions=2**40)
+    assert load_from_proto(_wire(load_to_proto(load))) == load
