@@ -1,0 +1,106 @@
+"""One beam-search step for a group, with Hugging Face transformers' rules (early_stopping=False).
+
+Every live beam sampled its top 2*beam_width tokens (best first). The step:
+1. ranks all (beam, token) candidates by cumulative logprob and keeps the best 2*beam_width;
+2. a candidate that ends its beam (EOS, a stop token id, max_tokens, max_model_len) becomes a
+   finished hypothesis if it ranks among the best beam_width, scored
+   cum_logprob / num_output_tokens ** length_penalty (the final token counted); the group keeps
+   the best beam_width hypotheses;
+3. the best beam_width candidates that do not end continue as the live beams: the first
+   continuation of a beam reuses its sequence, further ones fork it (shared blocks, copy-on-write
+   later), and beams with no continuation are freed;
+4. the search stops when no beam continues, or when beam_width hypotheses exist and the best
+   live beam's score at its current length cannot beat the worst of them (HF's heuristic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler_svc.sequence import BeamHypothesis, Sequence, SequenceGroup
+from services.step_plan import SampledSequence, TokenLogprob
+
+
+@dataclass(slots=True)
+class _Candidate:
+    parent: Sequence
+    token_id: int
+    logprob: float
+    top_logprobs: list[TokenLogprob] | None
+    cumulative_logprob: float
+
+
+def beam_search_step(group: SequenceGroup, sampled: list[tuple[Sequence, SampledSequence]],
+                     stop_reason: Callable[[Sequence, int], str | None],
+                     fork: Callable[[SequenceGroup, Sequence], Sequence],
+                     free: Callable[[Sequence], None]) -> None:
+    """Advance `group` by one token per beam. `stop_reason(seq, token_id)` says whether appending
+    the token to `seq` would end it; `fork(group, parent)` adds a child sharing the parent's
+    blocks; `free(seq)` gives a sequence's blocks back."""
+    beam_width = group.beam_width
+    length_penalty = group.sampling.length_penalty
+    candidates: list[_Candidate] = []
+    for seq, out in sampled:
+        for i, (token_id, logprob) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            top = out.top_logprobs[i] if i < len(out.top_logprobs) else None
+            candidates.append(_Candidate(seq, token_id, logprob, top,
+                                         seq.cumulative_logprob + logprob))
+    candidates.sort(key=lambda c: c.cumulative_logprob, reverse=True)
+    candidates = candidates[:2 * beam_width]
+
+    continuing: list[_Candidate] = []
+    for rank, cand in enumerate(candidates):
+        reason = stop_reason(cand.parent, cand.token_id)
+        if reason is None:
+            if len(continuing) < beam_width:
+                continuing.append(cand)
+        elif rank < beam_width:
+            num_output_tokens = cand.parent.num_output_tokens + 1
+            group.beam_hypotheses.append(BeamHypothesis(
+                token_ids=cand.parent.output_token_ids + [cand.token_id],
+                cumulative_logprob=cand.cumulative_logprob,
+                score=cand.cumulative_logprob / num_output_tokens ** length_penalty,
+                logprobs=cand.parent.output_logprobs + [cand.logprob],
+                top_logprobs=cand.parent.output_top_logprobs
+                + ([cand.top_logprobs] if cand.top_logprobs is not None else []),
+                finish_reason=reason))
+    group.beam_hypotheses.sort(key=lambda h: h.score, reverse=True)
+    del group.beam_hypotheses[beam_width:]
+
+    # fork before any parent changes: a child copies its parent's tokens as they are now
+    reused: set[int] = set()
+    new_beams: list[tuple[Sequence, _Candidate]] = []
+    for cand in continuing:
+        if cand.parent.seq_id in reused:
+            new_beams.append((fork(group, cand.parent), cand))
+        else:
+            reused.add(cand.parent.seq_id)
+            new_beams.append((cand.parent, cand))
+    for seq, _ in sampled:
+        if seq.seq_id not in reused:
+            seq.finish("stop")
+            free(seq)
+    for seq, cand in new_beams:
+        seq.append_token(cand.token_id, cand.logprob, cand.top_logprobs)
+    group.has_forked = True
+    if new_beams:
+        group.seqs = [seq for seq, _ in new_beams]
+    else:  # keep the finished sequences: the group still needs its prompt
+        group.seqs = [seq for seq, _ in sampled]
+    if _is_done(group, [seq for seq, _ in new_beams], beam_width, length_penalty):
+        for seq, _ in new_beams:
+            seq.finish("stop")
+            free(seq)
+
+
+def _is_done(group: SequenceGroup, beams: list[Sequence], beam_width: int,
+             length_penalty: float) -> bool:
+    """`beams` are best first (by cumulative logprob)."""
+    if not beams:
+        return True
+    if len(group.beam_hypotheses) < beam_width:
+        return False
+    best = beams[0]
+    best_score = best.cumulative_logprob / best.num_output_tokens ** length_penalty
+    return group.beam_hypotheses[-1].score >= best_score

@@ -1,0 +1,122 @@
+"""Turns a worker's StepOutput into sequence state and RequestOutputs.
+
+Per scheduled sequence: advance num_computed_tokens, register newly full blocks with the prefix
+cache, collect prompt logprobs. Per sequence that sampled: append the token and check the finish
+conditions (EOS unless ignore_eos, stop_token_ids -- both only after min_tokens --, max_tokens,
+max_model_len). A group of best_of > 1 samples best_of tokens at the end of its prompt and forks
+into best_of sequences sharing the prompt blocks; beam search is delegated to beam_search.py.
+Finished sequences give their blocks back at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from scheduler_svc.beam_search import beam_search_step
+from scheduler_svc.outputs import RequestOutput, make_request_output
+from scheduler_svc.scheduler import Scheduler, SchedulerOutput
+from scheduler_svc.sequence import Sequence, SequenceGroup, derive_seed
+from services.sampling_params import SamplingParams
+from services.step_plan import SampledSequence, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, eos_token_ids: list[int], max_model_len: int,
+                 seq_ids: itertools.count) -> None:
+        self.scheduler = scheduler
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self._seq_ids = seq_ids  # shared with whoever creates the first sequence of a group
+
+    def process(self, scheduled: SchedulerOutput, step_output: StepOutput) -> list[RequestOutput]:
+        by_seq_id = {out.seq_id: out for out in step_output.outputs}
+        groups: dict[int, SequenceGroup] = {}
+        samples: dict[int, list[tuple[Sequence, SampledSequence]]] = {}
+        for item in scheduled.scheduled:
+            group, seq = item.group, item.seq
+            groups[id(group)] = group
+            sampled = by_seq_id.get(seq.seq_id)
+            if sampled is not None and sampled.prompt_logprobs and _collects_prompt_logprobs(group):
+                group.prompt_logprobs.extend(sampled.prompt_logprobs)
+                del group.prompt_logprobs[group.prompt_len - 1:]
+            seq.num_computed_tokens += item.num_scheduled_tokens
+            self.scheduler.block_manager.mark_computed(seq.seq_id, seq.token_ids,
+                                                       seq.num_computed_tokens)
+            if not item.samples or group.is_finished:
+                continue
+            if sampled is None or len(sampled.token_ids) != item.num_samples:
+                got = 0 if sampled is None else len(sampled.token_ids)
+                self.scheduler.finish_group(group, "error", (
+                    f"worker returned {got} sampled tokens for seq_id {seq.seq_id}, "
+                    f"expected {item.num_samples}"))
+                continue
+            samples.setdefault(id(group), []).append((seq, sampled))
+
+        for key, sampled_seqs in samples.items():
+            group = groups[key]
+            if group.is_finished:
+                continue
+            if group.is_beam_search:
+                beam_search_step(
+                    group, sampled_seqs,
+                    lambda seq, token_id, sampling=group.sampling: self._stop_reason(
+                        sampling, seq, token_id),
+                    self._fork, self.scheduler.free_seq)
+            elif not group.has_forked and group.sampling.num_candidates > 1:
+                self._fork_candidates(group, *sampled_seqs[0])
+            else:
+                for seq, sampled in sampled_seqs:
+                    self._append(group, seq, sampled, 0)
+            self.scheduler.release_finished(group)
+
+        outputs = []
+        for group in itertools.chain(groups.values(), scheduled.rejected):
+            report = make_request_output(group)
+            if report is not None:
+                outputs.append(report)
+        return outputs
+
+    def _append(self, group: SequenceGroup, seq: Sequence, sampled: SampledSequence,
+                i: int) -> None:
+        top = sampled.top_logprobs[i] if i < len(sampled.top_logprobs) else None
+        token_id = sampled.token_ids[i]
+        reason = self._stop_reason(group.sampling, seq, token_id)
+        seq.append_token(token_id, sampled.logprobs[i], top)
+        if reason is not None:
+            seq.finish(reason)
+
+    def _fork_candidates(self, group: SequenceGroup, parent: Sequence,
+                         sampled: SampledSequence) -> None:
+        """The prompt is done: best_of candidates share its blocks, one sampled token each."""
+        children = [self._fork(group, parent) for _ in range(1, len(sampled.token_ids))]
+        group.has_forked = True
+        for i, seq in enumerate([parent, *children]):
+            self._append(group, seq, sampled, i)
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        index = max(s.index for s in group.seqs) + 1
+        child = parent.fork(next(self._seq_ids), index, derive_seed(group.sampling.seed, index))
+        self.scheduler.fork_seq(parent, child)
+        group.seqs.append(child)
+        return child
+
+    def _stop_reason(self, sampling: SamplingParams, seq: Sequence, token_id: int) -> str | None:
+        """How `seq` would finish if `token_id` were appended to it; None if it goes on."""
+        num_output_tokens = seq.num_output_tokens + 1
+        if num_output_tokens > sampling.min_tokens:
+            if not sampling.ignore_eos and token_id in self.eos_token_ids:
+                return "stop"
+            if token_id in sampling.stop_token_ids:
+                return "stop"
+        if num_output_tokens >= sampling.max_tokens or len(seq.token_ids) + 1 >= self.max_model_len:
+            return "length"
+        return None
+
+
+def _collects_prompt_logprobs(group: SequenceGroup) -> bool:
+    """Only the first prefill reports prompt logprobs (a recompute would repeat them)."""
+    return (group.sampling.prompt_logprobs is not None
+            and len(group.prompt_logprobs) < group.prompt_len - 1)

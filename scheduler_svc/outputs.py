@@ -1,0 +1,91 @@
+"""What the engine reports per request and step: RequestOutput with one CompletionOutput per index.
+
+Plain requests (n == best_of, no beam search) stream: each CompletionOutput carries the tokens
+added since the previous report of that index. Beam search and best_of > n report once, when the
+request finishes, with the whole output of the n winners (which candidates win is known only
+then).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.sequence import Sequence, SequenceGroup
+from services.step_plan import TokenLogprob
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    token_ids: list[int]  # new tokens since the last report (streamed) or the whole output
+    logprobs: list[float] = field(default_factory=list)  # one per token in token_ids
+    top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # if asked, per token
+    cumulative_logprob: float = 0.0  # of the whole output so far
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    # positions 1.. of the prompt (None where the KV came from the prefix cache); first report only
+    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+
+
+def make_request_output(group: SequenceGroup) -> RequestOutput | None:
+    """The report for `group` now, or None if nothing new happened since the last one."""
+    if group.is_streamed:
+        outputs = [_stream_delta(seq) for seq in group.seqs]
+        outputs = [o for o in outputs if o is not None]
+    elif group.is_finished and group.num_reports == 0:
+        outputs = _final_outputs(group)
+    else:
+        outputs = []
+    if not outputs and not (group.is_finished and group.num_reports == 0):
+        return None
+    prompt_logprobs = None
+    if group.num_reports == 0 and group.sampling.prompt_logprobs is not None:
+        prompt_logprobs = list(group.prompt_logprobs)
+    group.num_reports += 1
+    return RequestOutput(request_id=group.request_id, outputs=outputs, finished=group.is_finished,
+                         num_prompt_tokens=group.prompt_len,
+                         num_cached_tokens=group.num_cached_tokens,
+                         prompt_logprobs=prompt_logprobs)
+
+
+def _stream_delta(seq: Sequence) -> CompletionOutput | None:
+    start = seq.num_emitted_tokens
+    new_token_ids = seq.output_token_ids[start:]
+    reports_finish = seq.is_finished and not seq.is_finish_reported
+    if not new_token_ids and not reports_finish:
+        return None
+    seq.num_emitted_tokens += len(new_token_ids)
+    seq.is_finish_reported = seq.is_finished
+    return CompletionOutput(
+        index=seq.index, token_ids=new_token_ids, logprobs=seq.output_logprobs[start:],
+        top_logprobs=seq.output_top_logprobs[start:], cumulative_logprob=seq.cumulative_logprob,
+        finish_reason=seq.finish_reason, error=seq.error)
+
+
+def _final_outputs(group: SequenceGroup) -> list[CompletionOutput]:
+    n = group.sampling.n
+    if group.is_beam_search and group.beam_hypotheses:
+        best = sorted(group.beam_hypotheses, key=lambda h: h.score, reverse=True)[:n]
+        return [CompletionOutput(index=i, token_ids=list(h.token_ids), logprobs=list(h.logprobs),
+                                 top_logprobs=list(h.top_logprobs),
+                                 cumulative_logprob=h.cumulative_logprob,
+                                 finish_reason=h.finish_reason)
+                for i, h in enumerate(best)]
+    # best_of > n keeps the n best by cumulative logprob (vLLM's rule); an aborted or failed
+    # beam search reports its live beams the same way
+    best = sorted(group.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
+    return [CompletionOutput(index=i, token_ids=list(s.output_token_ids),
+                             logprobs=list(s.output_logprobs),
+                             top_logprobs=list(s.output_top_logprobs),
+                             cumulative_logprob=s.cumulative_logprob,
+                             finish_reason=s.finish_reason, error=s.error)
+            for i, s in enumerate(best)]

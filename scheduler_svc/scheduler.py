@@ -1,0 +1,419 @@
+"""The scheduler: three queues (waiting, running, swapped), budgets, preemption, and the StepPlan.
+
+It owns every sequence's place in the queues and, through the BlockManager, its blocks. It also
+tracks what each worker mirror holds (Sequence.worker_block_ids / num_worker_tokens) so every
+StepPlan carries deltas only. The OutputProcessor calls back into it to fork and free sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler_svc.block_manager import AllocStatus, BlockManager
+from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+from services.config import SchedulerConfig
+from services.step_plan import NewSequence, RunningSequence, StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    group: SequenceGroup
+    seq: Sequence
+    num_scheduled_tokens: int
+    num_samples: int
+    samples: bool  # the worker samples for it: this step computes up to its last known token
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    plan: StepPlan | None  # None: nothing for the workers this step
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    rejected: list[SequenceGroup] = field(default_factory=list)  # finished with an error here
+    swapped_out: list[SequenceGroup] = field(default_factory=list)  # their KV moves this step
+
+
+@dataclass(slots=True)
+class _Budget:
+    max_num_tokens: int
+    max_num_seqs: int
+    num_tokens: int = 0
+    num_seqs: int = 0
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.max_num_tokens - self.num_tokens
+
+    @property
+    def remaining_seqs(self) -> int:
+        return self.max_num_seqs - self.num_seqs
+
+
+@dataclass(slots=True)
+class _Step:
+    """What one schedule() call accumulates before it becomes a StepPlan."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    rejected: list[SequenceGroup] = field(default_factory=list)
+    swapped_out: list[SequenceGroup] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    has_preempted: bool = False
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 scheduler_epoch: int = 0) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.scheduler_epoch = scheduler_epoch
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: deque[SequenceGroup] = deque()
+        self.swapped: deque[SequenceGroup] = deque()
+        self.num_preemptions = 0
+        self._step_id = 0
+        # mirrors the workers must drop, sent with the next plan that goes out
+        self._finished_seq_ids: list[int] = []
+        self._preempted_seq_ids: list[int] = []
+
+    # --- queues -------------------------------------------------------------------------------
+
+    def add_group(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish_group(self, group: SequenceGroup, reason: str, error: str | None = None) -> None:
+        """Finish every live sequence of `group` (abort, error), free its blocks, unqueue it."""
+        group.finish(reason, error)
+        self.release_finished(group)
+
+    def release_finished(self, group: SequenceGroup) -> None:
+        """Free the blocks of the group's finished sequences; unqueue the group once all are."""
+        for seq in group.seqs:
+            if seq.is_finished:
+                self.free_seq(seq)
+        if group.is_finished:
+            for queue in (self.waiting, self.running, self.swapped):
+                if group in queue:
+                    queue.remove(group)
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Give a sequence's blocks back and have the workers drop its mirror (idempotent)."""
+        if seq.is_known_to_worker:
+            self._finished_seq_ids.append(seq.seq_id)
+            seq.worker_block_ids = None
+        self.block_manager.free(seq.seq_id)
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        """`child` starts sharing `parent`'s blocks; the worker learns it whole (NewSequence)."""
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.worker_block_ids = None
+
+    def forget_worker_state(self, scheduler_epoch: int) -> None:
+        """The workers lost their mirrors (ClearState after a failed step): resend everything."""
+        self.scheduler_epoch = scheduler_epoch
+        for queue in (self.running, self.swapped, self.waiting):
+            for group in queue:
+                for seq in group.seqs:
+                    seq.worker_block_ids = None
+        self._finished_seq_ids.clear()
+        self._preempted_seq_ids.clear()
+
+    # --- scheduling ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose what runs in the next engine step and describe it as a StepPlan of deltas.
+
+        Order (chunked prefill, the default): decodes of running groups first (one token per
+        live sequence), then prefill chunks of running groups, then swapped groups coming back
+        (only if nothing was preempted this step), then new prompts from `waiting` (only if
+        nothing was preempted and nothing is still swapped out) -- all within
+        `max_num_batched_tokens` tokens and `max_num_seqs` sequences. A prompt longer than the
+        token budget left is split into chunks over several steps. Without chunked prefill a step
+        is either all whole prompts or all decodes (vLLM V0); a lone prompt may then use up to
+        max(max_num_batched_tokens, max_model_len) tokens so every prompt can run.
+
+        Queues are ordered by the policy: FCFS (arrival time) or priority (lower `priority`
+        first, then arrival). When a running group cannot get a block for its next token, the
+        lowest-ordered running group not yet scheduled this step is preempted (possibly the group
+        itself): by recompute (blocks freed, back to the front of `waiting`, the whole token list
+        is prefilled again later) for single-sequence groups, by swap (blocks copied to CPU
+        blocks, to `swapped`) for multi-sequence groups; `SchedulerConfig.preemption_mode`
+        overrides the choice, and a swap without CPU room falls back to recompute.
+
+        A waiting prompt that can never run (not shorter than max_model_len, or more blocks than
+        the device has: AllocStatus.NEVER) finishes with finish_reason "error" and is returned in
+        `SchedulerOutput.rejected`; the groups behind it proceed.
+
+        A multi-sequence group re-running its prefill (recompute after a fork) computes each
+        sequence up to one token short, so all its sequences sample together in one later
+        decode-phase step (beam search needs every beam's candidates at once).
+
+        The plan: a sequence the workers do not know (first run, after any preemption, after a
+        fork, after ClearState) is sent whole as a NewSequence with its num_computed_tokens
+        (prefix-cache hit, swapped-in or forked KV); a known one as a RunningSequence with the
+        tokens appended since it last ran and the tail of its block table that changed (growth or
+        copy-on-write). `finished_seq_ids` / `preempted_seq_ids` name mirrors to drop;
+        `blocks_to_swap_out` / `blocks_to_swap_in` / `blocks_to_copy` are the cache ops, run in
+        that order before the forward. `step_id` grows by one per plan; a step with nothing to
+        compute and no cache ops yields `plan=None` and keeps the pending drops for later.
+        """
+        step = _Step()
+        chunked = self.config.enable_chunked_prefill
+        for queue in (self.waiting, self.running, self.swapped):
+            self._sort(queue)
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        if not chunked:
+            budget.max_num_tokens = max(budget.max_num_tokens, self.max_model_len)
+            if not self.swapped:
+                self._schedule_waiting(budget, step)
+            if step.scheduled:
+                return self._build(step)
+            budget.max_num_tokens = self.config.max_num_batched_tokens
+        self._schedule_running(budget, step)
+        if not step.has_preempted:
+            self._schedule_swapped(budget, step)
+            if chunked and not self.swapped:
+                self._schedule_waiting(budget, step)
+        return self._build(step)
+
+    def _key(self, group: SequenceGroup) -> tuple[float, ...]:
+        if self.config.policy == "priority":
+            return (group.priority, group.arrival_time)
+        return (group.arrival_time,)
+
+    def _sort(self, queue: deque[SequenceGroup]) -> None:
+        ordered = sorted(queue, key=self._key)
+        queue.clear()
+        queue.extend(ordered)
+
+    def _schedule_running(self, budget: _Budget, step: _Step) -> None:
+        groups = list(self.running)
+        pending = [g for g in groups if g.is_decode_phase()] + [
+            g for g in groups if not g.is_decode_phase()]
+        skipped: list[SequenceGroup] = []  # running, not scheduled this step, still preemptible
+        kept: list[SequenceGroup] = []
+        while pending:
+            group = pending.pop(0)
+            assignment = self._assign_tokens(group, budget)
+            if assignment is None:
+                skipped.append(group)
+                continue
+            while not self._can_append(assignment):
+                candidates = pending + skipped
+                victim = max(candidates, key=self._key) if candidates else group
+                if victim is not group:
+                    (pending if victim in pending else skipped).remove(victim)
+                self._preempt(victim, step)
+                if victim is group:
+                    break
+            else:
+                self._add(group, assignment, budget, step)
+                kept.append(group)
+        self.running = deque(kept + skipped)
+
+    def _schedule_swapped(self, budget: _Budget, step: _Step) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            seq_ids = [s.seq_id for s in group.live_seqs()]
+            assignment = self._assign_tokens(group, budget)
+            if assignment is None or not self._can_swap_in(seq_ids):
+                return
+            self.swapped.popleft()
+            step.blocks_to_swap_in += self.block_manager.swap_in(seq_ids)
+            for seq in group.live_seqs():
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(group)
+            if not self._can_append(assignment):
+                continue  # back on the device; it runs next step (or is preempted again)
+            self._add(group, assignment, budget, step)
+
+    def _schedule_waiting(self, budget: _Budget, step: _Step) -> None:
+        while self.waiting and budget.remaining_tokens > 0:
+            group = self.waiting[0]
+            live = group.live_seqs()
+            if not group.is_admitted and group.prompt_len >= self.max_model_len:
+                self._reject(group, step, f"prompt has {group.prompt_len} tokens; it must be "
+                             f"shorter than max_model_len={self.max_model_len}")
+                continue
+            if budget.remaining_seqs < len(live):
+                return
+            status = self._allocate(live)
+            if status is AllocStatus.NEVER:
+                self._reject(group, step, f"{len(live[0].token_ids)} tokens need more KV-cache "
+                             f"blocks than the device has "
+                             f"(num_gpu_blocks={self.block_manager.num_gpu_blocks})")
+                continue
+            if status is AllocStatus.LATER:
+                return
+            if not group.is_admitted:
+                group.is_admitted = True
+                group.num_cached_tokens = live[0].num_computed_tokens
+                if group.sampling.prompt_logprobs is not None:
+                    group.prompt_logprobs = [None] * group.num_cached_tokens
+            assignment = self._assign_tokens(group, budget)
+            if assignment is None:  # whole prompts only, and this one does not fit any more
+                for seq in live:
+                    self.block_manager.free(seq.seq_id)
+                    seq.num_computed_tokens = 0
+                return
+            self.waiting.popleft()
+            for seq in live:
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(group)
+            self._add(group, assignment, budget, step)
+
+    def _allocate(self, seqs: list[Sequence]) -> AllocStatus:
+        """Blocks for every sequence's known tokens, all or none."""
+        done: list[Sequence] = []
+        for seq in seqs:
+            status = self.block_manager.can_allocate(seq.token_ids)
+            if status is not AllocStatus.OK:
+                for other in done:
+                    self.block_manager.free(other.seq_id)
+                    other.num_computed_tokens = 0
+                return status
+            seq.num_computed_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+            done.append(seq)
+        return AllocStatus.OK
+
+    def _assign_tokens(self, group: SequenceGroup,
+                       budget: _Budget) -> list[tuple[Sequence, int]] | None:
+        """Tokens to compute per live sequence this step within the budget; None if none fit."""
+        live = group.live_seqs()
+        if budget.remaining_seqs < len(live):
+            return None
+        left = budget.remaining_tokens
+        chunked = self.config.enable_chunked_prefill
+        if group.is_decode_phase():
+            return [(s, 1) for s in live] if len(live) <= left else None
+        if len(live) == 1:
+            want = live[0].num_uncomputed_tokens
+            num_tokens = min(want, left) if chunked else (want if want <= left else 0)
+            return [(live[0], num_tokens)] if num_tokens > 0 else None
+        assignment = []
+        for seq in live:
+            want = seq.num_uncomputed_tokens - 1
+            num_tokens = min(want, left) if chunked else want
+            if num_tokens > 0:
+                assignment.append((seq, num_tokens))
+                left -= num_tokens
+        return assignment if assignment and left >= 0 else None
+
+    def _can_swap_in(self, seq_ids: list[int]) -> bool:
+        """Room to swap in, plus a block per sequence to grow right after (vLLM's margin), so a
+        group that comes back can run instead of being swapped straight out again."""
+        bm = self.block_manager
+        num_blocks = len({b for seq_id in seq_ids for b in bm.block_table(seq_id)})
+        return (bm.can_swap_in(seq_ids)
+                and bm.num_free_gpu_blocks >= num_blocks + len(seq_ids))
+
+    def _can_append(self, assignment: list[tuple[Sequence, int]]) -> bool:
+        """Free blocks for the slots (and copy-on-writes) this assignment needs."""
+        bm = self.block_manager
+        return bm.can_append_slots(
+            [seq.seq_id for seq, _ in assignment],
+            [max(0, seq.num_computed_tokens + n - bm.num_tokens(seq.seq_id))
+             for seq, n in assignment])
+
+    def _add(self, group: SequenceGroup, assignment: list[tuple[Sequence, int]],
+             budget: _Budget, step: _Step) -> None:
+        num_samples = group.num_samples()
+        for seq, num_tokens in assignment:
+            step.blocks_to_copy += self.block_manager.append_slots(
+                seq.seq_id, seq.num_computed_tokens + num_tokens)
+            samples = seq.num_computed_tokens + num_tokens == len(seq.token_ids)
+            step.scheduled.append(ScheduledSequence(group, seq, num_tokens, num_samples, samples))
+            budget.num_tokens += num_tokens
+        budget.num_seqs += len(assignment)
+
+    def _preempt(self, group: SequenceGroup, step: _Step) -> None:
+        live = group.live_seqs()
+        seq_ids = [s.seq_id for s in live]
+        mode = self.config.preemption_mode
+        if mode == "auto":
+            mode = "recompute" if len(live) == 1 else "swap"
+        if mode == "swap" and not self.block_manager.can_swap_out(seq_ids):
+            logger.warning("no CPU swap space for request %s; preempting by recompute",
+                           group.request_id)
+            mode = "recompute"
+        self.num_preemptions += 1
+        step.has_preempted = True
+        for seq in live:
+            if seq.is_known_to_worker:
+                self._preempted_seq_ids.append(seq.seq_id)
+                seq.worker_block_ids = None
+        if mode == "swap":
+            step.blocks_to_swap_out += self.block_manager.swap_out(seq_ids)
+            step.swapped_out.append(group)
+            for seq in live:
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+        else:
+            for seq in live:
+                self.block_manager.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(group)
+        logger.debug("preempted request %s by %s", group.request_id, mode)
+
+    def _reject(self, group: SequenceGroup, step: _Step, message: str) -> None:
+        logger.warning("request %s rejected: %s", group.request_id, message)
+        self.waiting.popleft()
+        group.finish("error", message)
+        for seq in group.seqs:
+            self.free_seq(seq)
+        step.rejected.append(group)
+
+    def _build(self, step: _Step) -> SchedulerOutput:
+        out = SchedulerOutput(plan=None, scheduled=step.scheduled, rejected=step.rejected,
+                              swapped_out=step.swapped_out)
+        if not (step.scheduled or step.blocks_to_swap_out or step.blocks_to_swap_in
+                or step.blocks_to_copy):
+            return out
+        new_seqs: list[NewSequence] = []
+        running_seqs: list[RunningSequence] = []
+        for item in step.scheduled:
+            seq = item.seq
+            block_ids = self.block_manager.block_table(seq.seq_id)
+            if seq.worker_block_ids is None:
+                new_seqs.append(NewSequence(
+                    seq_id=seq.seq_id, request_id=item.group.request_id,
+                    token_ids=list(seq.token_ids), prompt_len=seq.prompt_len,
+                    block_ids=list(block_ids), num_computed_tokens=seq.num_computed_tokens,
+                    num_scheduled_tokens=item.num_scheduled_tokens,
+                    sampling=item.group.sampling, seed=seq.seed, num_samples=item.num_samples))
+            else:
+                start = _first_difference(seq.worker_block_ids, block_ids)
+                running_seqs.append(RunningSequence(
+                    seq_id=seq.seq_id, new_token_ids=seq.token_ids[seq.num_worker_tokens:],
+                    block_ids_start=start, block_ids=list(block_ids[start:]),
+                    num_scheduled_tokens=item.num_scheduled_tokens,
+                    num_samples=item.num_samples))
+            seq.worker_block_ids = list(block_ids)
+            seq.num_worker_tokens = len(seq.token_ids)
+        self._step_id += 1
+        out.plan = StepPlan(
+            scheduler_epoch=self.scheduler_epoch, step_id=self._step_id, new_seqs=new_seqs,
+            running_seqs=running_seqs, finished_seq_ids=self._finished_seq_ids,
+            preempted_seq_ids=self._preempted_seq_ids,
+            blocks_to_swap_out=step.blocks_to_swap_out, blocks_to_swap_in=step.blocks_to_swap_in,
+            blocks_to_copy=step.blocks_to_copy)
+        self._finished_seq_ids = []
+        self._preempted_seq_ids = []
+        return out
+
+
+def _first_difference(old: list[int], new: list[int]) -> int:
+    """Block tables only grow or have blocks replaced (copy-on-write): the changed tail's start."""
+    for i, (a, b) in enumerate(zip(old, new, strict=False)):
+        if a != b:
+            return i
+    return min(len(old), len(new))

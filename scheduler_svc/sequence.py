@@ -1,0 +1,199 @@
+"""Requests as the scheduler sees them: a `SequenceGroup` per request, one `Sequence` per candidate.
+
+A group runs a single sequence through its prompt; n > 1 / best_of and beam search fork it when
+the prompt is done. Every sequence also remembers what the worker's mirror of it holds
+(`worker_block_ids`, `num_worker_tokens`), so the scheduler can send deltas instead of whole
+sequences (see services.step_plan).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+from services.sampling_params import SamplingParams
+from services.step_plan import TokenLogprob
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
+}
+FINISHED_BY_REASON = {reason: status for status, reason in _FINISH_REASONS.items()}
+
+
+def derive_seed(seed: int | None, index: int) -> int | None:
+    """A stable per-sequence seed for sequence `index` of a seeded group (the worker draws its
+    noise statelessly from (seed, position), so siblings need distinct seeds)."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # fits a signed int64
+
+
+@dataclass(slots=True, eq=False)  # identity semantics: queues look groups up by `is`
+class Sequence:
+    seq_id: int
+    token_ids: list[int]  # prompt + outputs
+    prompt_len: int
+    index: int = 0  # which of the group's best_of candidates (the output index for n > 1)
+    seed: int | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in this sequence's blocks
+    cumulative_logprob: float = 0.0
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    error: str | None = None
+    # the worker's mirror: None = the worker does not know this sequence (send it whole)
+    worker_block_ids: list[int] | None = None
+    num_worker_tokens: int = 0  # len(token_ids) the worker has seen
+    num_emitted_tokens: int = 0  # output tokens already reported in a RequestOutput
+    is_finish_reported: bool = False
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self.status)
+
+    @property
+    def is_known_to_worker(self) -> bool:
+        return self.worker_block_ids is not None
+
+    def append_token(self, token_id: int, logprob: float,
+                     top_logprobs: list[TokenLogprob] | None = None) -> None:
+        self.token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = FINISHED_BY_REASON[reason]
+        self.error = error
+
+    def fork(self, seq_id: int, index: int, seed: int | None) -> Sequence:
+        """A child sharing everything computed so far (its blocks are forked by the caller)."""
+        return Sequence(
+            seq_id=seq_id, token_ids=list(self.token_ids), prompt_len=self.prompt_len, index=index,
+            seed=seed, status=self.status, num_computed_tokens=self.num_computed_tokens,
+            cumulative_logprob=self.cumulative_logprob,
+            output_logprobs=list(self.output_logprobs),
+            output_top_logprobs=list(self.output_top_logprobs),
+            num_emitted_tokens=self.num_emitted_tokens)
+
+
+@dataclass(slots=True)
+class BeamHypothesis:
+    """A finished beam: kept as data only, its sequence (and blocks) are gone."""
+
+    token_ids: list[int]  # outputs only
+    cumulative_logprob: float
+    score: float  # cumulative_logprob / num_output_tokens ** length_penalty
+    logprobs: list[float]
+    top_logprobs: list[list[TokenLogprob]]
+    finish_reason: str
+
+
+@dataclass(slots=True, eq=False)
+class SequenceGroup:
+    request_id: str
+    sampling: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower runs first under the priority policy
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    is_admitted: bool = False  # has held blocks at least once
+    has_forked: bool = False  # best_of candidates (or beams) already split off the prompt
+    # positions 1.. of the prompt; None where the KV came from the prefix cache
+    prompt_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    beam_hypotheses: list[BeamHypothesis] = field(default_factory=list)
+    error: str | None = None  # set when the whole group failed
+    num_reports: int = 0  # RequestOutputs made so far (prompt logprobs go with the first)
+
+    @classmethod
+    def from_prompt(cls, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                    seq_id: int, priority: int = 0,
+                    arrival_time: float | None = None) -> SequenceGroup:
+        """A new request: one waiting sequence holding the prompt."""
+        seq = Sequence(seq_id=seq_id, token_ids=list(prompt_token_ids),
+                       prompt_len=len(prompt_token_ids), seed=derive_seed(sampling.seed, 0))
+        return cls(request_id=request_id, sampling=sampling, seqs=[seq], priority=priority,
+                   arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].token_ids[:self.seqs[0].prompt_len]
+
+    @property
+    def prompt_len(self) -> int:
+        return self.seqs[0].prompt_len
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.sampling.use_beam_search
+
+    @property
+    def beam_width(self) -> int:
+        return self.sampling.num_candidates
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def is_streamed(self) -> bool:
+        """Plain requests stream token deltas; beam search and best_of > n report only at the end
+        (which candidates win is known only then)."""
+        return not self.is_beam_search and self.sampling.num_candidates == self.sampling.n
+
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    def is_decode_phase(self) -> bool:
+        """Every live sequence has exactly its last sampled token left to compute."""
+        return all(s.num_uncomputed_tokens == 1 for s in self.live_seqs())
+
+    def num_samples(self) -> int:
+        """Tokens the worker samples for one of this group's sequences when it reaches its end."""
+        if self.is_beam_search:
+            return 2 * self.beam_width
+        return 1 if self.has_forked else self.sampling.num_candidates
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        for seq in self.live_seqs():
+            seq.finish(reason, error)
+        if reason == "error":
+            self.error = error

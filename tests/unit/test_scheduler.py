@@ -1,0 +1,269 @@
+"""Scheduler + output processor on CPU with hand-built worker outputs (no model)."""
+
+from __future__ import annotations
+
+import itertools
+
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.output_processor import OutputProcessor
+from scheduler_svc.scheduler import Scheduler, SchedulerOutput
+from scheduler_svc.sequence import SequenceGroup
+from services.config import SchedulerConfig
+from services.sampling_params import SamplingParams
+from services.step_plan import NewSequence, RunningSequence, SampledSequence, StepOutput
+
+EOS = 2
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+class Harness:
+    """A scheduler, its block manager and output processor; `step()` plays the worker by hand."""
+
+    def __init__(self, num_gpu_blocks: int = 64, num_cpu_blocks: int = 64, block_size: int = 4,
+                 max_model_len: int = 256, **scheduler_kw) -> None:
+        self.bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, watermark=0.0)
+        self.scheduler = Scheduler(SchedulerConfig(**scheduler_kw), self.bm, max_model_len)
+        self.seq_ids = itertools.count()
+        self.processor = OutputProcessor(self.scheduler, [EOS], max_model_len, self.seq_ids)
+        self.arrival = itertools.count()
+        self.groups: dict[str, SequenceGroup] = {}
+        self.next_token = 10  # sampled ids count up from here, so every sample is distinct
+
+    def add(self, request_id: str, prompt_len: int, sampling: SamplingParams = GREEDY,
+            priority: int = 0) -> SequenceGroup:
+        group = SequenceGroup.from_prompt(request_id, list(range(100, 100 + prompt_len)),
+                                          sampling, next(self.seq_ids), priority,
+                                          arrival_time=float(next(self.arrival)))
+        self.scheduler.add_group(group)
+        self.groups[request_id] = group
+        return group
+
+    def step(self, logprobs: dict[int, list[float]] | None = None, tokens=None):
+        """One engine step; `logprobs[seq_id]` / `tokens[seq_id]` override the sampled values."""
+        out = self.scheduler.schedule()
+        samples = []
+        for item in out.scheduled:
+            if item.samples:
+                sid = item.seq.seq_id
+                ids = (tokens or {}).get(sid)
+                if ids is None:
+                    ids = list(range(self.next_token, self.next_token + item.num_samples))
+                    self.next_token += item.num_samples
+                lps = (logprobs or {}).get(sid, [-0.1 * (i + 1) for i in range(len(ids))])
+                samples.append(SampledSequence(seq_id=sid, token_ids=ids, logprobs=lps))
+        step_id = out.plan.step_id if out.plan else 0
+        reports = self.processor.process(out, StepOutput(step_id=step_id, outputs=samples))
+        return out, reports
+
+    def run_to_end(self, max_steps: int = 200) -> list:
+        reports = []
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished():
+                return reports
+            reports += self.step()[1]
+        raise AssertionError("did not finish")
+
+    def all_free(self) -> bool:
+        return (self.bm.num_free_gpu_blocks == self.bm.num_gpu_blocks
+                and self.bm.num_free_cpu_blocks == self.bm.num_cpu_blocks)
+
+
+def scheduled_ids(out: SchedulerOutput) -> list[str]:
+    return [item.group.request_id for item in out.scheduled]
+
+
+def test_max_num_seqs_is_respected():
+    h = Harness(max_num_seqs=2)
+    for i in range(4):
+        h.add(f"r{i}", 5)
+    out, _ = h.step()
+    assert scheduled_ids(out) == ["r0", "r1"]
+    out, _ = h.step()
+    assert len(out.scheduled) == 2  # r0, r1 decode; r2 waits for a slot
+    h.run_to_end()
+    assert h.all_free()
+
+
+def test_token_budget_chunks_a_long_prompt():
+    h = Harness(max_num_batched_tokens=8)
+    h.add("long", 20)
+    chunks = []
+    for _ in range(3):
+        out, reports = h.step()
+        assert out.plan.num_scheduled_tokens <= 8
+        chunks.append(out.plan)
+    new, = chunks[0].new_seqs
+    assert isinstance(new, NewSequence)
+    assert (new.num_computed_tokens, new.num_scheduled_tokens, len(new.token_ids)) == (0, 8, 20)
+    assert new.block_ids == h.bm.block_table(new.seq_id)  # 5 blocks of 4 for the whole prompt
+    second, third = chunks[1].running_seqs[0], chunks[2].running_seqs[0]
+    assert isinstance(second, RunningSequence)
+    assert (second.num_scheduled_tokens, second.new_token_ids, second.block_ids) == (8, [], [])
+    assert third.num_scheduled_tokens == 4
+    assert reports[0].outputs[0].token_ids == [10]  # sampled only after the last chunk
+
+
+def test_decodes_run_before_prefill_chunks():
+    h = Harness(max_num_batched_tokens=6)
+    h.add("a", 3)
+    h.step()  # a's prompt; a now decodes
+    h.add("b", 20)
+    out, _ = h.step()
+    assert scheduled_ids(out) == ["a", "b"]
+    assert [i.num_scheduled_tokens for i in out.scheduled] == [1, 5]
+    decode, = out.plan.running_seqs
+    assert decode.new_token_ids == [10] and decode.num_scheduled_tokens == 1
+
+
+def test_without_chunked_prefill_a_step_is_all_prompts_or_all_decodes():
+    h = Harness(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    h.add("a", 3)
+    h.step()
+    h.add("b", 20)  # longer than the budget: runs alone, whole (budget grows to max_model_len)
+    out, _ = h.step()
+    assert scheduled_ids(out) == ["b"] and out.scheduled[0].num_scheduled_tokens == 20
+    out, _ = h.step()
+    assert sorted(scheduled_ids(out)) == ["a", "b"]
+    assert all(i.num_scheduled_tokens == 1 for i in out.scheduled)
+
+
+def test_fcfs_runs_in_arrival_order():
+    h = Harness(max_num_seqs=1)
+    h.add("first", 3)
+    h.add("second", 3, priority=-5)  # ignored under fcfs
+    out, _ = h.step()
+    assert scheduled_ids(out) == ["first"]
+
+
+def test_priority_runs_lower_value_first_then_arrival():
+    h = Harness(max_num_seqs=1, policy="priority")
+    h.add("low", 3, priority=5)
+    h.add("high_late", 3, priority=0)
+    h.add("high_later", 3, priority=0)
+    order = []
+    for _ in range(30):
+        out, reports = h.step()
+        order += [r.request_id for r in reports if r.finished]
+    assert order == ["high_late", "high_later", "low"]
+
+
+def test_recompute_preemption_resends_the_whole_sequence():
+    # 4 blocks of 4 tokens: two 6-token prompts take 2 blocks each; computing position 8 needs a
+    # third block for the first, so the later request is preempted by recompute
+    h = Harness(num_gpu_blocks=4, num_cpu_blocks=0, block_size=4)
+    sampling = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    a, b = h.add("a", 6, sampling), h.add("b", 6, sampling)
+    for _ in range(3):  # prompt, then positions 6 and 7
+        out, _ = h.step()
+        assert not out.plan.preempted_seq_ids
+    out, _ = h.step()
+    b_seq = b.seqs[0]
+    assert out.plan.preempted_seq_ids == [b_seq.seq_id]
+    assert scheduled_ids(out) == ["a"] and not out.plan.blocks_to_swap_out
+    assert h.scheduler.num_preemptions == 1 and list(h.scheduler.waiting) == [b]
+    for _ in range(10):
+        out, _ = h.step()
+        resent = [s for s in out.plan.new_seqs if s.seq_id == b_seq.seq_id]
+        if resent:
+            break
+    resent, = resent
+    assert resent.num_computed_tokens == 0 and resent.prompt_len == 6
+    assert resent.token_ids == b_seq.token_ids[:len(resent.token_ids)]
+    assert len(resent.token_ids) == 9  # prompt + the 3 outputs sampled before the preemption
+    assert resent.num_scheduled_tokens == 9
+    reports = h.run_to_end()
+    assert a.seqs[0].num_output_tokens == 6 and b_seq.num_output_tokens == 6
+    assert all(r.outputs[0].finish_reason == "length" for r in reports if r.finished)
+    assert h.all_free()
+
+
+def test_swap_preemption_moves_blocks_and_resends_with_computed_tokens():
+    h = Harness(num_gpu_blocks=6, num_cpu_blocks=8, block_size=4)
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=8, ignore_eos=True)
+    h.add("first", 4, GREEDY_LONG)
+    group = h.add("pair", 4, sampling)
+    h.step()  # both prompts; "pair" forks into two sequences
+    assert len(group.seqs) == 2
+    swapped_at = None
+    for step in range(12):
+        out, _ = h.step()
+        if out.plan.blocks_to_swap_out:
+            swapped_at = step
+            break
+    assert swapped_at is not None, "the tiny pool must force a swap"
+    seq_ids = sorted(s.seq_id for s in group.seqs)
+    assert sorted(out.plan.preempted_seq_ids) == seq_ids
+    assert list(h.scheduler.swapped) == [group]
+    assert all(h.bm.is_swapped(sid) for sid in seq_ids)
+    computed = {s.seq_id: s.num_computed_tokens for s in group.seqs}
+    for _ in range(20):
+        out, _ = h.step()
+        if out.plan and out.plan.blocks_to_swap_in:
+            break
+    resent = {s.seq_id: s for s in out.plan.new_seqs}
+    assert sorted(resent) == seq_ids
+    assert all(resent[sid].num_computed_tokens == computed[sid] for sid in seq_ids)
+    assert len({cpu for cpu, _ in out.plan.blocks_to_swap_in}) == len(out.plan.blocks_to_swap_in)
+    h.run_to_end()
+    assert all(s.num_output_tokens == 8 for s in group.seqs)
+    assert h.all_free()
+
+
+GREEDY_LONG = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def test_never_fitting_prompts_fail_alone():
+    h = Harness(num_gpu_blocks=4, block_size=4, max_model_len=64)
+    h.add("huge", 30)  # 8 blocks > 4 in the device
+    h.add("too_long", 64)  # not shorter than max_model_len
+    h.add("ok", 5)
+    out, reports = h.step()
+    assert scheduled_ids(out) == ["ok"]
+    by_id = {r.request_id: r for r in reports}
+    for rid in ("huge", "too_long"):
+        assert by_id[rid].finished
+        assert by_id[rid].outputs[0].finish_reason == "error"
+        assert by_id[rid].outputs[0].error
+    h.run_to_end()
+    assert h.all_free()
+
+
+def test_forked_group_copies_the_shared_last_block():
+    h = Harness(block_size=4)
+    sampling = SamplingParams(n=3, temperature=1.0, max_tokens=3, ignore_eos=True)
+    group = h.add("n3", 6, sampling)  # the second block is half full, shared after the fork
+    out, reports = h.step()
+    assert out.scheduled[0].num_samples == 3
+    assert len(group.seqs) == 3 and [r.outputs for r in reports][0]
+    parent = group.seqs[0]
+    shared = h.bm.block_table(parent.seq_id)
+    out, _ = h.step()
+    children = {s.seq_id for s in out.plan.new_seqs}
+    assert children == {s.seq_id for s in group.seqs[1:]}
+    # the half-full second block is written by all three: two writers get a private copy
+    assert sorted(src for src, _ in out.plan.blocks_to_copy) == [shared[1], shared[1]]
+    second_blocks = {h.bm.block_table(s.seq_id)[1] for s in group.seqs}
+    assert second_blocks == {shared[1]} | {dst for _, dst in out.plan.blocks_to_copy}
+    for new in out.plan.new_seqs:
+        assert new.num_computed_tokens == 6 and new.num_scheduled_tokens == 1
+        assert new.block_ids[0] == shared[0]  # the full first block stays shared
+    parent_delta, = out.plan.running_seqs
+    assert parent_delta.new_token_ids == parent.token_ids[6:7]
+    # the parent runs first, so it writes into a copy: its table delta replaces block 1
+    assert parent_delta.block_ids_start == 1
+    assert parent_delta.block_ids == [h.bm.block_table(parent.seq_id)[1]] != [shared[1]]
+    h.run_to_end()
+    assert h.all_free()
+
+
+def test_abort_frees_everything():
+    h = Harness(max_num_batched_tokens=8)
+    h.add("a", 20)
+    h.add("b", 3)
+    h.step()
+    for group in list(h.groups.values()):
+        h.scheduler.finish_group(group, "abort")
+    assert not h.scheduler.has_unfinished()
+    out, _ = h.step()
+    assert out.plan is None
+    assert h.all_free()
