@@ -1,0 +1,78 @@
+"""Stop strings over streamed text, with held-back text.
+
+Text that could still become the start of a stop string is held back until the next text decides
+it, so a client never sees text that a stop later takes away. The first stop string to *complete*
+in the text wins (the one a character-by-character stream would meet first; among those ending at
+the same character, the one starting earliest), so the result does not depend on how the text was
+split into pushes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class StopStringMatcher:
+    """One per output sequence. Not thread-safe."""
+
+    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool) -> None:
+        if any(not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty, got {list(stop)}")
+        self._stop = tuple(dict.fromkeys(stop))
+        self._include_stop_str = include_stop_str_in_output
+        self._max_hold = max((len(s) for s in self._stop), default=1) - 1
+        self._held = ""
+        self._is_stopped = False
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._is_stopped
+
+    @property
+    def held_text(self) -> str:
+        return self._held
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit now, whether a stop string matched). After a match the
+        sequence is over: later pushes emit nothing."""
+        if self._is_stopped:
+            return "", True
+        if not self._stop:
+            return text, False
+        buffer = self._held + text
+        match = self._first_match(buffer)
+        if match is not None:
+            start, end = match
+            self._is_stopped = True
+            self._held = ""
+            return buffer[:end if self._include_stop_str else start], True
+        num_held = self._num_held(buffer)
+        self._held = buffer[len(buffer) - num_held:]
+        return buffer[:len(buffer) - num_held], False
+
+    def flush(self) -> str:
+        """The held-back text, when the sequence ends without a stop string."""
+        held, self._held = self._held, ""
+        return held
+
+    def _first_match(self, buffer: str) -> tuple[int, int] | None:
+        """(start, end) of the stop string that completes first. Only the held text and the new
+        text are searched: emitted text never starts a match, because a suffix that could start
+        one is always held."""
+        best: tuple[int, int] | None = None
+        for stop in self._stop:
+            start = buffer.find(stop)
+            if start < 0:
+                continue
+            end = start + len(stop)
+            if best is None or (end, start) < (best[1], best[0]):
+                best = (start, end)
+        return best
+
+    def _num_held(self, buffer: str) -> int:
+        """Length of the longest suffix of `buffer` that is a proper prefix of a stop string."""
+        for length in range(min(len(buffer), self._max_hold), 0, -1):
+            suffix = buffer[len(buffer) - length:]
+            if any(stop.startswith(suffix) for stop in self._stop):
+                return length
+        return 0

@@ -1,0 +1,115 @@
+"""Tokenizer: a thin wrapper over a Hugging Face tokenizer loaded from a model folder.
+
+One object answers everything the gateway and the offline `LLM` need from the tokenizer: encode,
+chat template, decode, EOS ids and the special-token set. Decoding never cleans up tokenization
+spaces, so incremental detokenization (`services.detokenizer`) can reproduce a full decode exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import jinja2
+import transformers
+
+from services.errors import InvalidRequest
+
+logger = logging.getLogger(__name__)
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class Tokenizer:
+    """Wraps a `transformers` tokenizer (fast, tokenizers-backed)."""
+
+    def __init__(self, hf_tokenizer: transformers.PreTrainedTokenizerBase,
+                 extra_eos_token_ids: Sequence[int] = ()) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        eos = [hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else []
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos, *extra_eos_token_ids]))
+        # Ids that decode(skip_special_tokens=True) drops: the named special tokens plus every
+        # added token flagged special (the tokenizers backend skips exactly those).
+        added_special = [i for i, tok in hf_tokenizer.added_tokens_decoder.items() if tok.special]
+        self.special_token_ids: frozenset[int] = frozenset(
+            [*hf_tokenizer.all_special_ids, *added_special])
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """Load the tokenizer of a model folder; EOS ids also come from generation_config.json."""
+        path = Path(path)
+        if not path.is_dir():
+            raise InvalidRequest(f"tokenizer folder {str(path)!r} does not exist")
+        hf = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return cls(hf, extra_eos_token_ids=_generation_eos_ids(path))
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens the tokenizer knows, added tokens included (the model's may be larger)."""
+        return len(self.hf_tokenizer)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf_tokenizer.bos_token_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.hf_tokenizer.chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
+                                        clean_up_tokenization_spaces=False)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry of one id (byte-level pieces as stored, e.g. 'Ġworld')."""
+        return self.hf_tokenizer.convert_ids_to_tokens(token_id)
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]],
+                    add_generation_prompt: bool = True) -> str:
+        """The chat template applied to `messages`, as text (special tokens spelled out)."""
+        if not self.has_chat_template:
+            raise InvalidRequest("messages need a chat template, but the model has none; "
+                                 "send a text prompt or token_ids instead")
+        _check_messages(messages)
+        try:
+            return self.hf_tokenizer.apply_chat_template(
+                [dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                tokenize=False)
+        except jinja2.TemplateError as exc:  # e.g. a template's raise_exception("roles must alternate")
+            raise InvalidRequest(f"messages rejected by the chat template: {exc}") from exc
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat. The template writes its own BOS/role markers, so the
+        text is encoded without adding special tokens a second time."""
+        text = self.render_chat(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _check_messages(messages: Sequence[Mapping[str, str]]) -> None:
+    if not messages:
+        raise InvalidRequest("messages must not be empty")
+    for i, message in enumerate(messages):
+        role = message.get("role", "")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        content = message.get("content", "")
+        if not isinstance(content, str) or not content:
+            raise InvalidRequest(f"messages[{i}].content must be a non-empty string, got {content!r}")
+
+
+def _generation_eos_ids(path: Path) -> list[int]:
+    """generation_config.json may name several EOS ids (chat models often do)."""
+    config_file = path / "generation_config.json"
+    if not config_file.exists():
+        return []
+    eos = json.loads(config_file.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
