@@ -1,0 +1,57 @@
+"""Logits masks that follow the penalties: min_tokens, top-k, top-p and min-p (vLLM's semantics).
+
+Each works on a batch of rows at once; the sampler hands it only the rows that need it, so a
+row that asked for none of them keeps its logits bit for bit whatever else is batched with it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def mask_tokens(
+    logits: torch.Tensor,  # [num_rows, vocab_size], modified in place
+    rows: list[int],
+    token_ids: list[int],  # rows[i] loses token_ids[i]
+) -> torch.Tensor:
+    """Sets logits[rows[i], token_ids[i]] to -inf (min_tokens hides EOS and stop ids)."""
+    if rows:
+        row_index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        token_index = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+        logits[row_index, token_index] = float("-inf")
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,  # [num_rows, vocab_size]
+    top_k: torch.Tensor,  # [num_rows] long in [1, vocab_size]; vocab_size = off
+    top_p: torch.Tensor,  # [num_rows] float in (0, 1]; 1 = off
+) -> torch.Tensor:
+    """Returns logits with everything outside top-k, then outside top-p, set to -inf.
+
+    One ascending sort serves both. top-k keeps ties with the k-th value; top-p is measured on the
+    distribution renormalised after top-k and keeps the smallest set of the most probable tokens
+    whose mass reaches p (at least one token).
+    """
+    vocab_size = logits.shape[1]
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)  # [num_rows, vocab_size]
+    kth_value = logits_sort.gather(1, (vocab_size - top_k).unsqueeze(1))  # [num_rows, 1]
+    logits_sort.masked_fill_(logits_sort < kth_value, float("-inf"))
+
+    probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)  # [num_rows, vocab_size]
+    top_p_mask = probs_sum <= (1.0 - top_p).unsqueeze(1)
+    top_p_mask[:, -1] = False  # the most probable token always stays
+    # rows without top-p must not lose tokens whose probability underflowed to 0
+    top_p_mask &= (top_p < 1.0).unsqueeze(1)
+    logits_sort.masked_fill_(top_p_mask, float("-inf"))
+    return torch.empty_like(logits_sort).scatter_(1, logits_idx, logits_sort)
+
+
+def apply_min_p(
+    logits: torch.Tensor,  # [num_rows, vocab_size], modified in place
+    min_p: torch.Tensor,  # [num_rows] float in [0, 1]
+) -> torch.Tensor:
+    """Masks tokens whose probability is below min_p × the most probable token's probability."""
+    probs = logits.softmax(dim=-1)  # [num_rows, vocab_size]
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [num_rows, 1]
+    return logits.masked_fill_(probs < threshold, float("-inf"))

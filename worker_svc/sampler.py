@@ -1,0 +1,307 @@
+"""The worker's sampler: logits at each sequence's last position → sampled token ids + logprobs.
+
+Order (vLLM's): penalties on the raw logits → min_tokens mask → temperature → top-k / top-p →
+min-p. The result is the "processed logits"; logprobs are their log_softmax. Greedy rows (beam
+search included) skip temperature and the top-k / top-p / min-p masks.
+
+Random rows sample with the exponential race, argmax(probs / Exponential(1)), which needs no
+host sync. A seeded row draws its noise from a generator re-seeded from (seed, number of tokens)
+every step, so its tokens depend on nothing else in the batch and survive the worker forgetting
+the sequence (preemption). Unseeded rows share one draw from the global RNG.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from services.sampling_params import SamplingParams
+from services.step_plan import SampledSequence, TokenLogprob
+from worker_svc.logits_processor import apply_min_p, apply_top_k_top_p, mask_tokens
+from worker_svc.penalties import apply_penalties
+
+_MASK_64 = (1 << 64) - 1
+_PROMPT_LOGPROBS_CHUNK = 1024  # rows per log_softmax, bounds the extra memory of long prompts
+
+
+@dataclass(slots=True)
+class SeqSamplingState:
+    """One sequence that samples this step."""
+
+    seq_id: int
+    sampling: SamplingParams
+    token_ids: list[int]  # prompt + outputs so far (before this step's sample)
+    prompt_len: int
+    seed: int | None  # per-sequence seed derived by the scheduler; None = unseeded
+    num_samples: int  # 1; best_of when a group forks after its prompt; 2*beam_width for beams
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK_64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return x ^ (x >> 31)
+
+
+def step_seed(seed: int, num_tokens: int) -> int:
+    """The generator seed of a seeded sequence at a given length.
+
+    Hashed rather than seed + num_tokens, so that sibling sequences whose seeds differ by one do
+    not replay each other's noise one step apart. 63 bits: every torch generator accepts it.
+    """
+    return _splitmix64(_splitmix64(seed & _MASK_64) ^ num_tokens) >> 1
+
+
+def _has_penalty(sampling: SamplingParams) -> bool:
+    return (sampling.repetition_penalty != 1.0 or sampling.frequency_penalty != 0.0
+            or sampling.presence_penalty != 0.0)
+
+
+def _on_rows(logits: torch.Tensor, rows: list[int],
+             fn: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
+    """Applies fn to logits[rows] only (the whole tensor when rows is every row)."""
+    if len(rows) == logits.shape[0]:
+        return fn(logits, rows)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logits[index] = fn(logits[index], rows)
+    return logits
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = torch.device(device)
+        # re-seeded before every use, so it carries no state from one step to the next
+        self._generator = torch.Generator(device=self.device)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [num_seqs, >= vocab_size] float32; row i ↔ seqs[i]
+        seqs: list[SeqSamplingState],
+    ) -> list[SampledSequence]:
+        self._verify(logits, seqs)
+        if not seqs:
+            return []
+        processed = self._process(logits[:, :self.vocab_size], seqs)  # [num_seqs, vocab_size]
+
+        num_samples = [s.num_samples for s in seqs]
+        offsets = list(itertools.accumulate(num_samples, initial=0))
+        greedy_rows = [i for i, s in enumerate(seqs)
+                       if s.sampling.is_greedy and not s.sampling.use_beam_search]
+        beam_rows = [i for i, s in enumerate(seqs) if s.sampling.use_beam_search]
+        random_rows = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy]
+        top_rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs]
+
+        if len(greedy_rows) == len(seqs) and not top_rows:
+            # fast path: argmax, and its logprob without materialising log_softmax
+            sampled = processed.argmax(dim=-1)  # [num_seqs]
+            sampled_logprobs = (processed.gather(1, sampled.unsqueeze(1)).squeeze(1)
+                                - processed.logsumexp(dim=-1))  # [num_seqs]
+            return self._build(seqs, offsets, sampled, sampled_logprobs, [], None, None)
+
+        logprobs = torch.log_softmax(processed, dim=-1)  # [num_seqs, vocab_size]
+        sampled = torch.empty(offsets[-1], dtype=torch.long, device=self.device)
+        if greedy_rows:
+            greedy_ids = processed[self._tensor(greedy_rows, torch.long)].argmax(dim=-1)
+            self._put(sampled, [offsets[i] for i in greedy_rows], greedy_ids)
+        if beam_rows:
+            self._sample_beams(sampled, logprobs, seqs, beam_rows, offsets)
+        if random_rows:
+            self._sample_random(sampled, logprobs, seqs, random_rows, offsets)
+        sample_rows = [i for i, k in enumerate(num_samples) for _ in range(k)]
+        sampled_logprobs = logprobs[self._tensor(sample_rows, torch.long), sampled]
+
+        top_values = top_ids = None
+        if top_rows:
+            max_top = min(max(seqs[i].sampling.logprobs for i in top_rows), self.vocab_size)
+            # [num_top_rows, max_top], descending
+            top_values, top_ids = logprobs[self._tensor(top_rows, torch.long)].topk(max_top)
+        return self._build(seqs, offsets, sampled, sampled_logprobs, top_rows, top_values, top_ids)
+
+    def _verify(self, logits: torch.Tensor, seqs: list[SeqSamplingState]) -> None:
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"logits must be [num_seqs={len(seqs)}, vocab], "
+                             f"got {tuple(logits.shape)}")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns, fewer than "
+                             f"vocab_size={self.vocab_size}")
+        for s in seqs:
+            if s.num_samples < 1:
+                raise ValueError(f"seq {s.seq_id}: num_samples must be >= 1, got {s.num_samples}")
+            if s.sampling.use_beam_search:
+                if s.num_samples > self.vocab_size:
+                    raise ValueError(f"seq {s.seq_id}: num_samples={s.num_samples} exceeds "
+                                     f"vocab_size={self.vocab_size}")
+            elif s.sampling.is_greedy and s.num_samples != 1:
+                raise ValueError(f"seq {s.seq_id}: greedy sampling needs num_samples=1, "
+                                 f"got {s.num_samples}")
+            if not 0 <= s.prompt_len <= len(s.token_ids):
+                raise ValueError(f"seq {s.seq_id}: prompt_len={s.prompt_len} outside "
+                                 f"[0, {len(s.token_ids)}]")
+
+    def _process(self, logits: torch.Tensor, seqs: list[SeqSamplingState]) -> torch.Tensor:
+        """Penalties, min_tokens, temperature, top-k / top-p, min-p → processed logits.
+
+        Returns `logits` itself (no copy) when no row needs any of them.
+        """
+        penalty_rows = [i for i, s in enumerate(seqs) if _has_penalty(s.sampling)]
+        mask_rows, mask_ids = [], []
+        for i, s in enumerate(seqs):
+            if s.num_output_tokens < s.sampling.min_tokens:
+                hidden = set(s.sampling.stop_token_ids)
+                if not s.sampling.ignore_eos:
+                    hidden.update(self.eos_token_ids)
+                hidden_ids = sorted(t for t in hidden if t < self.vocab_size)
+                mask_rows.extend([i] * len(hidden_ids))
+                mask_ids.extend(hidden_ids)
+        has_temperature = any(s.sampling.temperature != 1.0 for s in seqs
+                              if not s.sampling.is_greedy)
+        top_rows = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy
+                    and (0 < s.sampling.top_k < self.vocab_size or s.sampling.top_p < 1.0)]
+        min_p_rows = [i for i, s in enumerate(seqs)
+                      if not s.sampling.is_greedy and s.sampling.min_p > 0.0]
+        if not (penalty_rows or mask_rows or has_temperature or top_rows or min_p_rows):
+            return logits.float()
+
+        processed = logits.to(torch.float32, copy=True)  # [num_seqs, vocab_size]
+        if penalty_rows:
+            processed = _on_rows(processed, penalty_rows, lambda sub, rows: apply_penalties(
+                sub,
+                [seqs[i].token_ids for i in rows],
+                [seqs[i].prompt_len for i in rows],
+                [seqs[i].sampling.repetition_penalty for i in rows],
+                [seqs[i].sampling.frequency_penalty for i in rows],
+                [seqs[i].sampling.presence_penalty for i in rows]))
+        mask_tokens(processed, mask_rows, mask_ids)
+        if has_temperature:
+            # dividing a greedy or temperature-1 row by 1.0 leaves it bit for bit unchanged
+            temperatures = [1.0 if s.sampling.is_greedy else s.sampling.temperature for s in seqs]
+            processed.div_(self._column(temperatures))
+        if top_rows:
+            processed = _on_rows(processed, top_rows, lambda sub, rows: apply_top_k_top_p(
+                sub,
+                self._tensor([self._top_k(seqs[i].sampling) for i in rows], torch.long),
+                self._tensor([seqs[i].sampling.top_p for i in rows], torch.float32)))
+        if min_p_rows:
+            processed = _on_rows(processed, min_p_rows, lambda sub, rows: apply_min_p(
+                sub, self._tensor([seqs[i].sampling.min_p for i in rows], torch.float32)))
+        return processed
+
+    def _top_k(self, sampling: SamplingParams) -> int:
+        return sampling.top_k if 0 < sampling.top_k < self.vocab_size else self.vocab_size
+
+    def _sample_beams(self, sampled: torch.Tensor, logprobs: torch.Tensor,
+                      seqs: list[SeqSamplingState], rows: list[int], offsets: list[int]) -> None:
+        """Beam rows: the num_samples most probable tokens, best first (deterministic)."""
+        max_k = max(seqs[i].num_samples for i in rows)
+        index = self._tensor(rows, torch.long)
+        _, top_ids = logprobs[index].topk(max_k, dim=-1)  # [num_beam_rows, max_k], descending
+        positions, sources = [], []
+        for b, i in enumerate(rows):
+            for j in range(seqs[i].num_samples):
+                positions.append(offsets[i] + j)
+                sources.append(b * max_k + j)
+        self._put(sampled, positions, top_ids.flatten()[self._tensor(sources, torch.long)])
+
+    def _sample_random(self, sampled: torch.Tensor, logprobs: torch.Tensor,
+                       seqs: list[SeqSamplingState], rows: list[int], offsets: list[int]) -> None:
+        """Random rows: num_samples independent draws each (with replacement), exponential race."""
+        # unseeded rows first, so the global RNG fills one contiguous slice in one draw
+        rows = sorted(rows, key=lambda i: seqs[i].seed is not None)
+        expanded = [i for i in rows for _ in range(seqs[i].num_samples)]
+        positions = [offsets[i] + j for i in rows for j in range(seqs[i].num_samples)]
+        probs = logprobs[self._tensor(expanded, torch.long)].exp()  # [num_draws, vocab_size]
+        noise = torch.empty_like(probs)  # [num_draws, vocab_size]
+        start = 0
+        num_unseeded = sum(seqs[i].num_samples for i in rows if seqs[i].seed is None)
+        if num_unseeded:
+            noise[:num_unseeded].exponential_()
+            start = num_unseeded
+        for seq in (seqs[i] for i in rows if seqs[i].seed is not None):
+            self._generator.manual_seed(step_seed(seq.seed, len(seq.token_ids)))
+            noise[start:start + seq.num_samples].exponential_(generator=self._generator)
+            start += seq.num_samples
+        # an exponential draw of exactly 0 would turn a masked token's 0 / 0 into NaN
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        self._put(sampled, positions, probs.div_(noise).argmax(dim=-1))
+
+    def _build(
+        self,
+        seqs: list[SeqSamplingState],
+        offsets: list[int],
+        sampled: torch.Tensor,  # [num_samples_total]
+        sampled_logprobs: torch.Tensor,  # [num_samples_total]
+        top_rows: list[int],
+        top_values: torch.Tensor | None,  # [num_top_rows, max_top]
+        top_ids: torch.Tensor | None,  # [num_top_rows, max_top]
+    ) -> list[SampledSequence]:
+        token_ids = sampled.tolist()
+        logprobs = sampled_logprobs.tolist()
+        tops: dict[int, list[TokenLogprob]] = {}
+        if top_rows:
+            for i, ids, values in zip(top_rows, top_ids.tolist(), top_values.tolist(), strict=True):
+                n = seqs[i].sampling.logprobs
+                tops[i] = [TokenLogprob(t, v) for t, v in zip(ids[:n], values[:n], strict=True)]
+        outputs = []
+        for i, seq in enumerate(seqs):
+            start, end = offsets[i], offsets[i + 1]
+            top_logprobs = [] if seq.sampling.logprobs is None else [
+                list(tops.get(i, [])) for _ in range(seq.num_samples)]
+            outputs.append(SampledSequence(seq_id=seq.seq_id, token_ids=token_ids[start:end],
+                                           logprobs=logprobs[start:end],
+                                           top_logprobs=top_logprobs))
+        return outputs
+
+    def _put(self, sampled: torch.Tensor, positions: list[int], values: torch.Tensor) -> None:
+        sampled[self._tensor(positions, torch.long)] = values
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _column(self, values: list[float]) -> torch.Tensor:  # [num_rows, 1]
+        return self._tensor(values, torch.float32).unsqueeze(1)
+
+
+def prompt_logprobs(
+    logits: torch.Tensor,  # [num_positions, >= vocab_size]; row j predicts target_ids[j]
+    target_ids: list[int],
+    num_top: int,
+    vocab_size: int | None = None,  # drop padded columns beyond it; None = every column
+) -> list[list[TokenLogprob]]:
+    """Per position: [the target's logprob, then the num_top most probable tokens, best first].
+
+    Logprobs of the raw logits (no penalties or temperature), as vLLM reports prompt logprobs.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(target_ids):
+        raise ValueError(f"logits must be [len(target_ids)={len(target_ids)}, vocab], "
+                         f"got {tuple(logits.shape)}")
+    if num_top < 0:
+        raise ValueError(f"num_top must be >= 0, got {num_top}")
+    if vocab_size is not None:
+        logits = logits[:, :vocab_size]
+    num_top = min(num_top, logits.shape[1])
+    targets = torch.tensor(target_ids, dtype=torch.long, device=logits.device)
+    entries: list[list[TokenLogprob]] = []
+    for start in range(0, len(target_ids), _PROMPT_LOGPROBS_CHUNK):
+        end = start + _PROMPT_LOGPROBS_CHUNK
+        logprobs = torch.log_softmax(logits[start:end].float(), dim=-1)  # [chunk, vocab_size]
+        chunk_targets = targets[start:end]
+        target_logprobs = logprobs.gather(1, chunk_targets.unsqueeze(1)).squeeze(1).tolist()
+        if num_top > 0:
+            top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [chunk, num_top]
+            tops = zip(top_ids.tolist(), top_values.tolist(), strict=True)
+        else:
+            tops = (([], []) for _ in target_logprobs)
+        for target, logprob, (ids, values) in zip(chunk_targets.tolist(), target_logprobs, tops,
+                                                  strict=True):
+            entries.append([TokenLogprob(target, logprob)]
+                           + [TokenLogprob(t, v) for t, v in zip(ids, values, strict=True)])
+    return entries
