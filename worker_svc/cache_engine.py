@@ -1,0 +1,89 @@
+"""The physical KV cache of one worker: per-layer device tensors the attention kernels read and
+write, a CPU swap cache for preempted sequences, and the block moves between them."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from services.errors import InvalidRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One block of every layer, K and V."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * elem
+
+    def block_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+
+
+def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device,
+                       pin_memory: bool = False) -> list[torch.Tensor]:
+    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_size] tensor per layer."""
+    return [torch.zeros(spec.block_shape(num_blocks), dtype=spec.dtype, device=device,
+                        pin_memory=pin_memory)
+            for _ in range(spec.num_layers)]
+
+
+class CacheEngine:
+    def __init__(self, spec: KVCacheSpec, num_gpu_blocks: int, num_cpu_blocks: int,
+                 device: torch.device, backend: ModuleType) -> None:
+        self.spec = spec
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.device = device
+        self.backend = backend
+        self.gpu_cache = allocate_kv_caches(spec, num_gpu_blocks, device)
+        # pinned host memory lets swaps overlap with compute; only meaningful beside a GPU
+        self.cpu_cache = allocate_kv_caches(spec, num_cpu_blocks, torch.device("cpu"),
+                                            pin_memory=device.type == "cuda")
+        logger.info("KV cache: %d device blocks, %d CPU blocks, %d bytes per block",
+                    num_gpu_blocks, num_cpu_blocks, spec.bytes_per_block)
+
+    def _mapping(self, pairs: list[tuple[int, int]], num_src: int, num_dst: int,
+                 device: torch.device) -> torch.Tensor:
+        for src, dst in pairs:
+            if not (0 <= src < num_src and 0 <= dst < num_dst):
+                raise InvalidRequest(f"block pair ({src}, {dst}) out of range: "
+                                     f"src must be < {num_src}, dst < {num_dst}")
+        return torch.tensor(pairs, dtype=torch.int64, device=device).view(-1, 2)  # [n, 2]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, CPU block) pairs."""
+        if not pairs:
+            return
+        mapping = self._mapping(pairs, self.num_gpu_blocks, self.num_cpu_blocks,
+                                torch.device("cpu"))
+        for gpu_layer, cpu_layer in zip(self.gpu_cache, self.cpu_cache, strict=True):
+            self.backend.swap_blocks(gpu_layer, cpu_layer, mapping)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(CPU block, device block) pairs."""
+        if not pairs:
+            return
+        mapping = self._mapping(pairs, self.num_cpu_blocks, self.num_gpu_blocks,
+                                torch.device("cpu"))
+        for gpu_layer, cpu_layer in zip(self.gpu_cache, self.cpu_cache, strict=True):
+            self.backend.swap_blocks(cpu_layer, gpu_layer, mapping)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, device block) pairs: copy-on-write inside every layer."""
+        if not pairs:
+            return
+        mapping = self._mapping(pairs, self.num_gpu_blocks, self.num_gpu_blocks, self.device)
+        self.backend.copy_blocks(self.gpu_cache, mapping)

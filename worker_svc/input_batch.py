@@ -1,0 +1,115 @@
+"""The worker's mirror of the scheduler's sequences, kept up to date from StepPlan deltas.
+
+The scheduler is the truth; this mirror only holds what the worker needs to run a sequence
+without being sent its whole history every step (vLLM V1's persistent batch): its tokens, block
+table, how many tokens already have KV in the cache, and its sampling settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.errors import InvalidRequest, NotFound
+from services.sampling_params import SamplingParams
+from services.step_plan import NewSequence, RunningSequence, StepPlan
+
+
+@dataclass(slots=True)
+class CachedSequence:
+    seq_id: int
+    request_id: str
+    token_ids: list[int]  # prompt + outputs known to the worker
+    prompt_len: int
+    block_table: list[int]
+    num_computed_tokens: int  # tokens whose KV is in the cache
+    sampling: SamplingParams
+    seed: int | None
+    num_samples: int
+    num_scheduled_tokens: int = 0  # this step's tokens, from num_computed_tokens on
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than one token this step: a prompt (chunk) or a recomputation."""
+        return self.num_scheduled_tokens > 1
+
+    @property
+    def samples_this_step(self) -> bool:
+        """Its computed tokens reach the end of its known tokens after this step."""
+        return self.num_computed_tokens + self.num_scheduled_tokens >= len(self.token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return (self.sampling.prompt_logprobs is not None
+                and self.num_computed_tokens < self.prompt_len - 1)
+
+
+class InputBatch:
+    """seq_id → CachedSequence, and the order in which this step's sequences are batched."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.seqs: dict[int, CachedSequence] = {}
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def clear(self) -> None:
+        self.seqs.clear()
+
+    def apply(self, plan: StepPlan) -> list[CachedSequence]:
+        """Apply the plan's deltas; returns this step's sequences, prefills first, then decodes
+        (plan order inside each group)."""
+        for seq_id in plan.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for seq_id in plan.preempted_seq_ids:
+            self.seqs.pop(seq_id, None)
+        scheduled = [self._add(new) for new in plan.new_seqs]
+        scheduled += [self._update(delta) for delta in plan.running_seqs]
+        for seq in scheduled:
+            self._verify(seq)
+        return ([s for s in scheduled if s.is_prefill]
+                + [s for s in scheduled if not s.is_prefill])
+
+    def advance(self, scheduled: list[CachedSequence]) -> None:
+        """After the forward: this step's tokens now have KV in the cache."""
+        for seq in scheduled:
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+
+    def _add(self, new: NewSequence) -> CachedSequence:
+        # a sequence sent whole replaces whatever the worker knew of it
+        seq = CachedSequence(
+            seq_id=new.seq_id, request_id=new.request_id, token_ids=list(new.token_ids),
+            prompt_len=new.prompt_len, block_table=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens, sampling=new.sampling, seed=new.seed,
+            num_samples=new.num_samples, num_scheduled_tokens=new.num_scheduled_tokens)
+        self.seqs[new.seq_id] = seq
+        return seq
+
+    def _update(self, delta: RunningSequence) -> CachedSequence:
+        seq = self.seqs.get(delta.seq_id)
+        if seq is None:
+            raise NotFound(f"seq_id {delta.seq_id} is not known to the worker; send it as a "
+                           "new sequence")
+        if not 0 <= delta.block_ids_start <= len(seq.block_table):
+            raise InvalidRequest(f"seq {delta.seq_id}: block_ids_start={delta.block_ids_start} "
+                                 f"outside [0, {len(seq.block_table)}]")
+        seq.token_ids.extend(delta.new_token_ids)
+        seq.block_table[delta.block_ids_start:] = delta.block_ids
+        seq.num_scheduled_tokens = delta.num_scheduled_tokens
+        seq.num_samples = delta.num_samples
+        return seq
+
+    def _verify(self, seq: CachedSequence) -> None:
+        end = seq.num_computed_tokens + seq.num_scheduled_tokens
+        if seq.num_scheduled_tokens < 1 or seq.num_computed_tokens < 0 or end > len(seq.token_ids):
+            raise InvalidRequest(
+                f"seq {seq.seq_id}: num_scheduled_tokens={seq.num_scheduled_tokens} from "
+                f"num_computed_tokens={seq.num_computed_tokens} must be >= 1 and stay within "
+                f"its {len(seq.token_ids)} tokens")
+        if len(seq.block_table) * self.block_size < end:
+            raise InvalidRequest(f"seq {seq.seq_id}: block table of {len(seq.block_table)} blocks "
+                                 f"cannot hold {end} tokens (block_size {self.block_size})")
+        if not 0 <= seq.prompt_len <= len(seq.token_ids):
+            raise InvalidRequest(f"seq {seq.seq_id}: prompt_len={seq.prompt_len} outside "
+                                 f"[0, {len(seq.token_ids)}]")

@@ -1,0 +1,142 @@
+"""Weight loading: the HF config, a model built from it, and its weights streamed tensor by
+tensor from safetensors (or pytorch_model.bin) into the model's fused parameters.
+
+`load_format="dummy"` fills every parameter with seeded random values of the real shapes, for
+benchmarks that need no checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from services.config import ModelConfig
+from services.errors import ConfigError
+from worker_svc.layers.linear import default_weight_loader
+from worker_svc.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+# (fused parameter name part, checkpoint name part, shard id), vLLM's stacked_params_mapping
+StackedParamsMapping = list[tuple[str, str, str | int]]
+
+
+def load_hf_config(model_dir: str) -> transformers.PretrainedConfig:
+    path = Path(model_dir)
+    if not (path / "config.json").exists():
+        raise ConfigError(f"model must be a folder with a config.json, got {model_dir!r}")
+    return transformers.AutoConfig.from_pretrained(path)
+
+
+def eos_token_ids(model_dir: str, hf_config: transformers.PretrainedConfig) -> list[int]:
+    """EOS ids of config.json and generation_config.json together, in first-seen order."""
+    ids: list[int] = []
+    sources: list[Any] = [getattr(hf_config, "eos_token_id", None)]
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.exists():
+        sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+    for value in sources:
+        for token_id in (value if isinstance(value, list) else [value]):
+            if token_id is not None and token_id not in ids:
+                ids.append(int(token_id))
+    return ids
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def iterate_weights(model_dir: str, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor, one file and one tensor at a time."""
+    path = Path(model_dir)
+    st_files = sorted(path.glob("*.safetensors"))
+    bin_files = sorted(path.glob("pytorch_model*.bin"))
+    if load_format in ("auto", "safetensors") and st_files:
+        from safetensors import safe_open
+
+        for file in st_files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+        return
+    if load_format in ("auto", "pt") and bin_files:
+        for file in bin_files:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            yield from state.items()
+            del state
+        return
+    raise ConfigError(f"no {load_format} weights found in model folder {model_dir!r} "
+                      "(expected *.safetensors or pytorch_model*.bin)")
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                       stacked_params_mapping: StackedParamsMapping,
+                       skip_prefixes: tuple[str, ...] = ()) -> set[str]:
+    """Copy checkpoint tensors into `model`'s parameters (fused ones through their weight_loader);
+    returns the names of the parameters that received data. Names that start with one of
+    `skip_prefixes` (e.g. a tied lm_head) or that the model lacks (rotary inv_freq) are ignored."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name.startswith(skip_prefixes):
+            continue
+        for param_part, weight_part, shard_id in stacked_params_mapping:
+            if weight_part not in name:
+                continue
+            fused = name.replace(weight_part, param_part)
+            if fused in params:
+                params[fused].weight_loader(params[fused], tensor, shard_id)
+                loaded.add(fused)
+                break
+        else:
+            if name not in params:
+                logger.debug("checkpoint tensor %s has no parameter; skipped", name)
+                continue
+            param = params[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(name)
+    return loaded
+
+
+def _fill_dummy(model: nn.Module, seed: int) -> None:
+    """vLLM's dummy weights: uniform in [-1e-3, 1e-3], norms at 1 so activations stay sane."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name and name.endswith("weight"):
+            param.data.fill_(1.0)
+            continue
+        values = torch.empty(param.shape, dtype=torch.float32).uniform_(
+            -1e-3, 1e-3, generator=generator)
+        param.data.copy_(values)
+
+
+def load_model(model_config: ModelConfig, hf_config: transformers.PretrainedConfig,
+               dtype: torch.dtype, device: torch.device, **model_kwargs: Any) -> nn.Module:
+    """Build the architecture named in config.json on `device` in `dtype` and fill its weights.
+    Every parameter must receive a value: a checkpoint that misses one is an error."""
+    model_class = get_model_class(getattr(hf_config, "architectures", None) or [])
+    with _default_dtype(dtype), torch.device(device):
+        model = model_class(hf_config, **model_kwargs)
+    if model_config.load_format == "dummy":
+        _fill_dummy(model, model_config.seed)
+    else:
+        loaded = model.load_weights(iterate_weights(model_config.model, model_config.load_format))
+        missing = sorted(set(dict(model.named_parameters())) - loaded)
+        if missing:
+            raise ConfigError(f"checkpoint in {model_config.model!r} lacks weights for "
+                              f"{missing[:5]}{' …' if len(missing) > 5 else ''}")
+    return model.eval()

@@ -1,0 +1,89 @@
+"""How many KV blocks fit (vLLM's determine_num_available_blocks).
+
+On CUDA: a dummy forward at the largest step the scheduler may send (max_num_batched_tokens
+split over max_num_seqs sequences) measures the activation peak; the KV cache gets what remains
+of gpu_memory_utilization × total memory after weights, that peak and memory torch does not own
+(the CUDA context, other processes). On CPU there is nothing to fill: the budget is
+CacheConfig.kv_cache_memory_gib. Swap blocks come from swap_space_gib; overrides win.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+from torch import nn
+
+from services.config import CacheConfig, GiB, SchedulerConfig
+from services.errors import ConfigError
+from services.step_plan import MemoryProfile
+from worker_svc.cache_engine import KVCacheSpec, allocate_kv_caches
+from worker_svc.model_runner import ModelRunner, dummy_num_blocks
+
+logger = logging.getLogger(__name__)
+
+
+def profile_query_lens(scheduler_config: SchedulerConfig, max_model_len: int) -> list[int]:
+    """max_num_batched_tokens split over max_num_seqs prompts, the remainder on the first, none
+    longer than max_model_len."""
+    num_tokens = scheduler_config.max_num_batched_tokens
+    num_seqs = min(scheduler_config.max_num_seqs, num_tokens)
+    lens = [num_tokens // num_seqs] * num_seqs
+    lens[0] += num_tokens % num_seqs
+    return [min(n, max_model_len) for n in lens]
+
+
+def weights_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _profile_cuda(runner: ModelRunner, spec: KVCacheSpec, query_lens: list[int],
+                  device: torch.device) -> int:
+    """Activation peak of the largest step, in bytes (the dummy run's own KV blocks excluded)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    num_blocks = dummy_num_blocks(query_lens, spec.block_size)
+    kv_caches = allocate_kv_caches(spec, num_blocks, device)
+    runner.dummy_run(query_lens, kv_caches)
+    peak = torch.cuda.max_memory_allocated(device) - baseline - num_blocks * spec.bytes_per_block
+    del kv_caches
+    gc.collect()
+    torch.cuda.empty_cache()
+    return max(peak, 0)
+
+
+def profile_memory(runner: ModelRunner, model: nn.Module, spec: KVCacheSpec,
+                   cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                   max_model_len: int, device: torch.device) -> MemoryProfile:
+    bytes_per_block = spec.bytes_per_block
+    model_bytes = weights_bytes(model)
+    activations = 0
+    if device.type == "cuda":
+        activations = _profile_cuda(runner, spec, profile_query_lens(scheduler_config,
+                                                                     max_model_len), device)
+        free, total = torch.cuda.mem_get_info(device)
+        not_torch = total - free - torch.cuda.memory_reserved(device)
+        budget = (total * cache_config.gpu_memory_utilization - not_torch - model_bytes
+                  - activations)
+        num_gpu_blocks = int(budget // bytes_per_block)
+        logger.info("memory profile: total %.2f GiB, weights %.2f GiB, activations %.2f GiB, "
+                    "other %.2f GiB", total / GiB, model_bytes / GiB, activations / GiB,
+                    not_torch / GiB)
+    else:
+        num_gpu_blocks = int(cache_config.kv_cache_memory_gib * GiB // bytes_per_block)
+    if cache_config.num_gpu_blocks_override > 0:
+        num_gpu_blocks = cache_config.num_gpu_blocks_override
+    if num_gpu_blocks <= 0:
+        raise ConfigError(f"no memory left for the KV cache (weights {model_bytes} bytes, "
+                          f"activations {activations} bytes); raise gpu_memory_utilization="
+                          f"{cache_config.gpu_memory_utilization} or lower max_num_batched_tokens="
+                          f"{scheduler_config.max_num_batched_tokens}")
+    num_cpu_blocks = int(cache_config.swap_space_gib * GiB // bytes_per_block)
+    if cache_config.num_cpu_blocks_override >= 0:
+        num_cpu_blocks = cache_config.num_cpu_blocks_override
+    return MemoryProfile(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+                         weights_bytes=model_bytes, activations_peak_bytes=activations,
+                         kv_bytes_per_block=bytes_per_block)

@@ -1,0 +1,117 @@
+"""One step's flattened batch: every scheduled sequence's new tokens concatenated (prefill chunks
+first, then decodes), their positions and cache slots, the attention metadata, and which hidden
+rows need logits.
+
+Built with numpy over whole arrays: the Python work per step is per sequence, never per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels.metadata import AttentionMetadata
+from worker_svc.input_batch import CachedSequence
+
+
+@dataclass(slots=True)
+class PromptLogprobSpan:
+    """Logits rows [start, start + len(target_ids)) predict target_ids of one sequence's prompt."""
+
+    seq: CachedSequence
+    start: int
+    target_ids: list[int]
+
+
+@dataclass(slots=True)
+class ModelInput:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    # hidden rows to compute logits at: the sampled sequences' last rows, then prompt-logprob rows
+    logits_indices: torch.Tensor  # [num_logits_rows] int64
+    sample_seqs: list[CachedSequence]  # logits row i ↔ sample_seqs[i]
+    prompt_logprob_spans: list[PromptLogprobSpan]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cpu":
+        return tensor
+    # pinned staging (torch caches pinned blocks) lets the copy run without blocking the host
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch.device
+                      ) -> ModelInput:
+    """seqs: this step's sequences, prefills first, each with num_scheduled_tokens set."""
+    num_seqs = len(seqs)
+    query_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int64, num_seqs)
+    context_lens = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
+    seq_lens = context_lens + query_lens
+    query_start_loc = np.zeros(num_seqs + 1, np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+
+    input_ids = np.empty(num_tokens, np.int64)
+    for seq, start, end in zip(seqs, query_start_loc[:-1].tolist(),
+                               query_start_loc[1:].tolist(), strict=True):
+        nc = seq.num_computed_tokens
+        input_ids[start:end] = seq.token_ids[nc:nc + end - start]
+
+    # position of every token: its index in the batch, shifted to its sequence's context
+    seq_index = np.repeat(np.arange(num_seqs), query_lens)  # [num_tokens]
+    positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - context_lens, query_lens)
+
+    num_blocks = (seq_lens + block_size - 1) // block_size
+    block_tables = np.zeros((num_seqs, int(num_blocks.max(initial=0))), np.int32)
+    for i, (seq, n) in enumerate(zip(seqs, num_blocks.tolist(), strict=True)):
+        block_tables[i, :n] = seq.block_table[:n]
+    slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
+                    + positions % block_size)
+
+    num_prefills = sum(1 for s in seqs if s.is_prefill)
+    query_lens_list = query_lens.tolist()
+    seq_lens_list = seq_lens.tolist()
+    meta = AttentionMetadata(
+        slot_mapping=_to_device(slot_mapping, device),
+        block_tables=_to_device(block_tables, device),
+        seq_lens=_to_device(seq_lens.astype(np.int32), device),
+        query_start_loc=_to_device(query_start_loc.astype(np.int32), device),
+        max_query_len=max(query_lens_list, default=0),
+        max_seq_len=max(seq_lens_list, default=0),
+        num_prefills=num_prefills,
+        num_prefill_tokens=int(query_start_loc[num_prefills]),
+        query_lens_cpu=query_lens_list,
+        seq_lens_cpu=seq_lens_list,
+    )
+
+    sample_rows = [i for i, s in enumerate(seqs) if s.samples_this_step]
+    logits_indices = [int(query_start_loc[i + 1]) - 1 for i in sample_rows]
+    spans = []
+    for i, seq in enumerate(seqs):
+        if not seq.wants_prompt_logprobs:
+            continue
+        # logits at position p predict token p + 1: this chunk's positions that predict a
+        # prompt token are [nc, min(nc + q, prompt_len - 1))
+        nc = seq.num_computed_tokens
+        count = min(nc + seq.num_scheduled_tokens, seq.prompt_len - 1) - nc
+        spans.append(PromptLogprobSpan(seq, len(logits_indices),
+                                       seq.token_ids[nc + 1:nc + 1 + count]))
+        row = int(query_start_loc[i])
+        logits_indices.extend(range(row, row + count))
+
+    return ModelInput(
+        input_ids=_to_device(input_ids, device),
+        positions=_to_device(positions, device),
+        meta=meta,
+        logits_indices=_to_device(np.asarray(logits_indices, np.int64), device),
+        sample_seqs=[seqs[i] for i in sample_rows],
+        prompt_logprob_spans=spans,
+    )

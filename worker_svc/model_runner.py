@@ -1,0 +1,111 @@
+"""Runs one engine step: cache ops, mirror deltas, the flattened forward, logits at the selected
+rows only, sampling, and prompt logprobs."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+from torch import nn
+
+from services.sampling_params import SamplingParams
+from services.step_plan import SampledSequence, StepOutput, StepPlan, StepTimings
+from worker_svc.cache_engine import CacheEngine
+from worker_svc.input_batch import CachedSequence, InputBatch
+from worker_svc.model_input import ModelInput, build_model_input
+from worker_svc.sampler import Sampler, SeqSamplingState, prompt_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, sampler: Sampler, vocab_size: int, block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.sampler = sampler
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.device = device
+        self.input_batch = InputBatch(block_size)
+
+    def _sync(self) -> None:
+        # only so the step timings attribute GPU time to the right phase
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def execute_step(self, plan: StepPlan, cache_engine: CacheEngine) -> StepOutput:
+        """One engine step, in the contract's order: swap out, swap in, copy, apply the deltas,
+        forward, then sample for every sequence whose computed tokens reach its known tokens."""
+        t0 = time.perf_counter_ns()
+        cache_engine.swap_out(plan.blocks_to_swap_out)
+        cache_engine.swap_in(plan.blocks_to_swap_in)
+        cache_engine.copy(plan.blocks_to_copy)
+        t1 = time.perf_counter_ns()
+        scheduled = self.input_batch.apply(plan)
+        if not scheduled:
+            return StepOutput(step_id=plan.step_id,
+                              timings=StepTimings(cache_ops_ns=t1 - t0,
+                                                  prepare_ns=time.perf_counter_ns() - t1))
+        model_input = build_model_input(scheduled, self.block_size, self.device)
+        t2 = time.perf_counter_ns()
+        logits = self._forward(model_input, cache_engine.gpu_cache)
+        self._sync()
+        t3 = time.perf_counter_ns()
+        outputs = self._sample(model_input, logits)
+        self.input_batch.advance(scheduled)
+        t4 = time.perf_counter_ns()
+        return StepOutput(step_id=plan.step_id, outputs=outputs, timings=StepTimings(
+            cache_ops_ns=t1 - t0, prepare_ns=t2 - t1, forward_ns=t3 - t2, sample_ns=t4 - t3))
+
+    def _forward(self, model_input: ModelInput, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Hidden states of the whole batch, then logits only at the selected rows:
+        [num_logits_rows, vocab] float32."""
+        hidden_states = self.model(model_input.input_ids, model_input.positions, kv_caches,
+                                   model_input.meta)  # [num_tokens, hidden]
+        return self.model.compute_logits(hidden_states[model_input.logits_indices])
+
+    def _sample(self, model_input: ModelInput, logits: torch.Tensor) -> list[SampledSequence]:
+        sample_seqs = model_input.sample_seqs
+        states = [SeqSamplingState(seq_id=s.seq_id, sampling=s.sampling, token_ids=s.token_ids,
+                                   prompt_len=s.prompt_len, seed=s.seed,
+                                   num_samples=s.num_samples) for s in sample_seqs]
+        sampled = self.sampler(logits[:len(sample_seqs)], states)
+        if not model_input.prompt_logprob_spans:
+            return sampled
+        by_seq = {s.seq_id: s for s in sampled}
+        for span in model_input.prompt_logprob_spans:
+            rows = logits[span.start:span.start + len(span.target_ids)]
+            entries = prompt_logprobs(rows, span.target_ids, span.seq.sampling.prompt_logprobs,
+                                      self.vocab_size)
+            seq_id = span.seq.seq_id
+            if seq_id in by_seq:
+                by_seq[seq_id] = dataclasses.replace(by_seq[seq_id], prompt_logprobs=entries)
+            else:
+                by_seq[seq_id] = SampledSequence(seq_id=seq_id, token_ids=[], logprobs=[],
+                                                 prompt_logprobs=entries)
+        return list(by_seq.values())
+
+    @torch.inference_mode()
+    def dummy_run(self, query_lens: list[int], kv_caches: list[torch.Tensor]) -> None:
+        """A forward of prompts of the given lengths (token id 0) through `kv_caches`, laid out
+        block after block, with logits at each last row: the memory profile and the warm-up."""
+        seqs, next_block = [], 0
+        for i, query_len in enumerate(query_lens):
+            num_blocks = -(-query_len // self.block_size)
+            seqs.append(CachedSequence(
+                seq_id=i, request_id="dummy", token_ids=[0] * query_len, prompt_len=query_len,
+                block_table=list(range(next_block, next_block + num_blocks)),
+                num_computed_tokens=0, sampling=SamplingParams(temperature=0.0), seed=None,
+                num_samples=1, num_scheduled_tokens=query_len))
+            next_block += num_blocks
+        seqs.sort(key=lambda s: not s.is_prefill)
+        self._forward(build_model_input(seqs, self.block_size, self.device), kv_caches)
+        self._sync()
+
+
+def dummy_num_blocks(query_lens: list[int], block_size: int) -> int:
+    """Blocks `ModelRunner.dummy_run` needs for these prompt lengths."""
+    return sum(-(-n // block_size) for n in query_lens)

@@ -1,0 +1,35 @@
+"""Architecture name (config.json `architectures`) → model class, imported on first use."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from services.errors import ConfigError
+
+# architecture → (module, class)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("worker_svc.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("worker_svc.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("worker_svc.models.llama", "Qwen3ForCausalLM"),
+    "OPTForCausalLM": ("worker_svc.models.opt", "OPTForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architectures: list[str]) -> type[nn.Module]:
+    module, name = _MODELS[resolve_architecture(architectures)]
+    return getattr(importlib.import_module(module), name)
+
+
+def resolve_architecture(architectures: list[str]) -> str:
+    """The first supported name in config.json's `architectures`."""
+    for arch in architectures:
+        if arch in _MODELS:
+            return arch
+    raise ConfigError(f"model architectures {architectures} are not supported; "
+                      f"supported: {supported_architectures()}")

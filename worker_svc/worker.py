@@ -1,0 +1,185 @@
+"""The worker core: one model replica on one device, driven by the scheduler one call at a time
+(in process directly, or through the gRPC servicer, which wraps these methods 1:1).
+
+Lifecycle: Worker(config) → load_model() → profile_memory() → init_cache(...) → warm_up() →
+execute_step(plan) per engine step. `clear_state(epoch)` forgets every sequence (a new scheduler
+took over); steps from an older epoch are refused with StaleEpoch.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+from kernels.backend import get_backend, resolve_backend_name
+from services.config import EngineConfig
+from services.errors import ConfigError, InvalidRequest, StaleEpoch, Unavailable
+from services.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
+from worker_svc.cache_engine import CacheEngine, KVCacheSpec, allocate_kv_caches
+from worker_svc.layers.attention import Attention
+from worker_svc.loader import eos_token_ids, load_hf_config, load_model
+from worker_svc.memory import profile_memory
+from worker_svc.model_runner import ModelRunner, dummy_num_blocks
+from worker_svc.models.registry import resolve_architecture
+from worker_svc.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but CUDA is not available")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        if config.parallel.tensor_parallel_size != 1:
+            raise ConfigError("tensor_parallel_size must be 1 (this worker runs the whole model), "
+                              f"got {config.parallel.tensor_parallel_size}")
+        self.config = config
+        self.rank = rank
+        self.device = resolve_device(config.device.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.backend_name = resolve_backend_name(config.device.attention_backend, self.device)
+        if config.device.num_threads > 0:
+            torch.set_num_threads(config.device.num_threads)
+        self.scheduler_epoch = 0
+        self.info: WorkerInfo | None = None
+        self.runner: ModelRunner | None = None
+        self.cache_engine: CacheEngine | None = None
+        self.kv_spec: KVCacheSpec | None = None
+        self.backend: ModuleType | None = None  # the kernel module, imported by load_model
+
+    # --- startup ------------------------------------------------------------------------------
+
+    def load_model(self) -> WorkerInfo:
+        model_config = self.config.model
+        hf_config = load_hf_config(model_config.model)
+        architecture = resolve_architecture(getattr(hf_config, "architectures", None) or [])
+        model_max_len = int(hf_config.max_position_embeddings)
+        if model_config.max_model_len > model_max_len:
+            raise ConfigError(f"max_model_len={model_config.max_model_len} exceeds the model's "
+                              f"max_position_embeddings={model_max_len}")
+        max_model_len = model_config.max_model_len or model_max_len
+        self.backend = get_backend(self.backend_name, self.device)
+        model = load_model(model_config, hf_config, self.dtype, self.device, backend=self.backend,
+                           max_position=max_model_len)
+        attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.kv_spec = KVCacheSpec(num_layers=len(attn_layers),
+                                   num_kv_heads=attn_layers[0].num_kv_heads,
+                                   head_size=attn_layers[0].head_size,
+                                   block_size=self.config.cache.block_size, dtype=self.dtype)
+        vocab_size = int(hf_config.vocab_size)
+        eos_ids = eos_token_ids(model_config.model, hf_config)
+        self.runner = ModelRunner(model, Sampler(vocab_size, eos_ids, self.device), vocab_size,
+                                  self.kv_spec.block_size, self.device)
+        self.info = WorkerInfo(
+            rank=self.rank, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            architecture=architecture, vocab_size=vocab_size, max_model_len=max_model_len,
+            eos_token_ids=eos_ids, num_layers=self.kv_spec.num_layers,
+            num_kv_heads=self.kv_spec.num_kv_heads, head_size=self.kv_spec.head_size,
+            attention_backend=self.backend_name)
+        logger.info("loaded %s from %s on %s (%s, %s backend)", architecture, model_config.model,
+                    self.device, self.info.dtype, self.backend_name)
+        return self.info
+
+    def get_info(self) -> WorkerInfo:
+        if self.info is None:
+            raise Unavailable("worker has no model loaded yet (call load_model)")
+        return self.info
+
+    def profile_memory(self) -> MemoryProfile:
+        runner = self._runner()
+        return profile_memory(runner, runner.model, self.kv_spec, self.config.cache,
+                              self.config.scheduler, self.get_info().max_model_len, self.device)
+
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, scheduler_epoch: int) -> None:
+        """Allocate the KV cache (replacing any previous one) and adopt the scheduler's epoch;
+        the mirror starts empty."""
+        runner = self._runner()
+        if num_gpu_blocks < 1 or num_cpu_blocks < 0:
+            raise InvalidRequest(f"num_gpu_blocks must be >= 1 and num_cpu_blocks >= 0, got "
+                                 f"{num_gpu_blocks} and {num_cpu_blocks}")
+        self._check_epoch(scheduler_epoch, "init_cache")
+        self.cache_engine = None
+        gc.collect()
+        self.cache_engine = CacheEngine(self.kv_spec, num_gpu_blocks, num_cpu_blocks, self.device,
+                                        self.backend)
+        self.scheduler_epoch = scheduler_epoch
+        runner.input_batch.clear()
+
+    def warm_up(self) -> None:
+        """One small prefill and decode-sized forward, so the first real step pays no one-time
+        costs (allocator growth, kernel selection)."""
+        runner = self._runner()
+        query_lens = [min(8, self.get_info().max_model_len), 1]
+        kv_caches = allocate_kv_caches(self.kv_spec, dummy_num_blocks(query_lens,
+                                                                      self.kv_spec.block_size),
+                                       self.device)
+        runner.dummy_run(query_lens, kv_caches)
+
+    # --- steps --------------------------------------------------------------------------------
+
+    def execute_step(self, plan: StepPlan) -> StepOutput:
+        """Run one StepPlan (see services.step_plan for the protocol)."""
+        runner = self._runner()
+        cache_engine = self._cache_engine()
+        if plan.scheduler_epoch != self.scheduler_epoch:
+            raise StaleEpoch(f"step {plan.step_id} has scheduler_epoch={plan.scheduler_epoch}, "
+                             f"the worker serves epoch {self.scheduler_epoch}")
+        return runner.execute_step(plan, cache_engine)
+
+    def swap_blocks(self, pairs: list[tuple[int, int]], direction: Literal["in", "out"]) -> None:
+        """direction "out": (device, cpu) pairs; "in": (cpu, device) pairs."""
+        cache_engine = self._cache_engine()
+        if direction == "out":
+            cache_engine.swap_out(pairs)
+        elif direction == "in":
+            cache_engine.swap_in(pairs)
+        else:
+            raise InvalidRequest(f"direction must be 'in' or 'out', got {direction!r}")
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self._cache_engine().copy(pairs)
+
+    def clear_state(self, scheduler_epoch: int) -> None:
+        """Forget every sequence and serve `scheduler_epoch` from now on (KV blocks stay; the
+        new scheduler resends its sequences as new)."""
+        runner = self._runner()
+        self._check_epoch(scheduler_epoch, "clear_state")
+        self.scheduler_epoch = scheduler_epoch
+        runner.input_batch.clear()
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _check_epoch(self, scheduler_epoch: int, what: str) -> None:
+        if scheduler_epoch < self.scheduler_epoch:
+            raise StaleEpoch(f"{what} with scheduler_epoch={scheduler_epoch}, older than the "
+                             f"worker's epoch {self.scheduler_epoch}")
+
+    def _runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise Unavailable("worker has no model loaded yet (call load_model)")
+        return self.runner
+
+    def _cache_engine(self) -> CacheEngine:
+        if self.cache_engine is None:
+            raise Unavailable("worker has no KV cache yet (call init_cache)")
+        return self.cache_engine
