@@ -1,0 +1,126 @@
+"""gRPC server plumbing every service shares: a grpc.aio server with the standard
+grpc.health.v1 Health service and server reflection, and the graceful shutdown.
+
+    server, port = create_server([ServiceBinding(servicer, add_GenerationServicer_to_server,
+                                                 "pagedserve.v1.Generation")], host, port)
+    await server.start()
+    await server.set_serving(True)              # once the model is loaded, the cache allocated
+    await server.serve_until_signal(drain=...)  # SIGTERM/SIGINT: NOT_SERVING, drain, stop(grace)
+
+Health starts NOT_SERVING for the whole server ("") and each bound service; the owner marks it
+serving when it can take work. Shutdown: health goes NOT_SERVING (load balancers stop routing),
+`is_draining` turns true (owners refuse new work with UNAVAILABLE), the owner's `drain` waits for
+work in flight, then `server.stop(grace)` ends the calls still open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+_MAX_MESSAGE_BYTES = 64 << 20  # prompts of token ids and prompt logprobs can be large
+DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),  # two services must never share a port by accident
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceBinding:
+    """One servicer and how the generated code adds it to a server."""
+
+    servicer: object
+    add_to_server: Callable[[Any, grpc.aio.Server], None]  # e.g. add_GenerationServicer_to_server
+    name: str  # full service name, e.g. "pagedserve.v1.Generation"
+
+
+class ServiceServer:
+    """A started-or-not grpc.aio server with its health state."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, service_names: Sequence[str],
+                 health: health_aio.HealthServicer) -> None:
+        self.server = server
+        self.port = port
+        self.service_names = tuple(service_names)
+        self._health = health
+        self._is_draining = False
+
+    @property
+    def is_draining(self) -> bool:
+        return self._is_draining
+
+    async def start(self) -> None:
+        await self.set_serving(False)  # Health's own default for "" is SERVING
+        await self.server.start()
+        logger.info("serving %s on port %d (health: NOT_SERVING until ready)",
+                    ", ".join(self.service_names), self.port)
+
+    async def set_serving(self, is_serving: bool) -> None:
+        """Health of the server and of every bound service."""
+        status = (health_pb2.HealthCheckResponse.SERVING if is_serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", *self.service_names):
+            await self._health.set(name, status)
+
+    async def shutdown(self, grace_s: float, drain: Callable[[], Awaitable[None]] | None = None
+                       ) -> None:
+        """NOT_SERVING, stop admitting, drain (the owner's wait for work in flight, bounded by
+        the owner), then stop the server: calls still open after `grace_s` are cancelled."""
+        if self._is_draining:
+            return
+        self._is_draining = True
+        await self.set_serving(False)
+        await self._health.enter_graceful_shutdown()
+        if drain is not None:
+            await drain()
+        await self.server.stop(grace_s)
+        logger.info("server on port %d stopped", self.port)
+
+    async def serve_until_signal(self, grace_s: float = 30.0,
+                                 drain: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Block until SIGTERM or SIGINT, then shut down."""
+        loop = asyncio.get_running_loop()
+        stop_requested = asyncio.Event()
+        signals = (signal.SIGTERM, signal.SIGINT)
+        for sig in signals:
+            loop.add_signal_handler(sig, stop_requested.set)
+        try:
+            await stop_requested.wait()
+            logger.info("signal received: draining")
+            await self.shutdown(grace_s, drain)
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
+
+def create_server(bindings: Sequence[ServiceBinding], host: str = "127.0.0.1", port: int = 0,
+                  options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS
+                  ) -> tuple[ServiceServer, int]:
+    """A grpc.aio server with `bindings`, Health and reflection, bound to host:port (0 = any
+    free port). Returns the server (not started) and the port it bound."""
+    server = grpc.aio.server(options=list(options))
+    for binding in bindings:
+        binding.add_to_server(binding.servicer, server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = [b.name for b in bindings]
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME], server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound_port = server.add_insecure_port(address)
+    if bound_port == 0:
+        raise OSError(f"cannot bind {address}")
+    return ServiceServer(server, bound_port, names, health), bound_port

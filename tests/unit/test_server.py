@@ -1,0 +1,93 @@
+import asyncio
+import os
+import signal
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pagedserve.v1 import gateway_pb2, gateway_pb2_grpc
+from services.server import ServiceBinding, create_server
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class SlowTokenize(gateway_pb2_grpc.GenerationServicer):
+    def __init__(self):
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def Tokenize(self, request, context):
+        self.started.set()
+        await self.release.wait()
+        return gateway_pb2.TokenizeResponse(token_ids=[1, 2, 3])
+
+
+def make_server(servicer):
+    return create_server([ServiceBinding(servicer, gateway_pb2_grpc.add_GenerationServicer_to_server,
+                                         "pagedserve.v1.Generation")], port=0)
+
+
+async def check(channel, service=""):
+    stub = health_pb2_grpc.HealthStub(channel)
+    response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return response.status
+
+
+def test_health_not_serving_until_marked_and_reflection_lists_services():
+    async def main():
+        server, port = make_server(SlowTokenize())
+        assert port > 0 and server.port == port
+        await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            before = (await check(channel), await check(channel, "pagedserve.v1.Generation"))
+            await server.set_serving(True)
+            after = (await check(channel), await check(channel, "pagedserve.v1.Generation"))
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            call = stub.ServerReflectionInfo(timeout=5)
+            await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            listed = await call.read()
+            await call.done_writing()
+        await server.shutdown(grace_s=0)
+        return before, after, {s.name for s in listed.list_services_response.service}
+
+    before, after, services = asyncio.run(main())
+    assert before == (NOT_SERVING, NOT_SERVING)
+    assert after == (SERVING, SERVING)
+    assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= services
+
+
+def test_sigterm_drains_then_stops_letting_calls_in_flight_finish():
+    events = []
+
+    async def main():
+        servicer = SlowTokenize()
+        server, port = make_server(servicer)
+        await server.start()
+        await server.set_serving(True)
+
+        async def drain():
+            events.append(("drain", server.is_draining))
+            servicer.release.set()  # the owner's work in flight completes during the drain
+
+        serving = asyncio.create_task(server.serve_until_signal(grace_s=5, drain=drain))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = gateway_pb2_grpc.GenerationStub(channel)
+            in_flight = asyncio.ensure_future(stub.Tokenize(gateway_pb2.TokenizeRequest(), timeout=10))
+            await servicer.started.wait()
+            os.kill(os.getpid(), signal.SIGTERM)
+            response = await in_flight
+            await asyncio.wait_for(serving, 10)
+            events.append(("response", list(response.token_ids)))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                await gateway_pb2_grpc.GenerationStub(channel).Tokenize(
+                    gateway_pb2.TokenizeRequest(), timeout=1)
+            except grpc.aio.AioRpcError as err:
+                events.append(("after", err.code()))
+
+    asyncio.run(main())
+    assert events[0] == ("drain", True)
+    assert events[1] == ("response", [1, 2, 3])
+    assert events[2][1] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
