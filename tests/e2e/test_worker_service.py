@@ -1,0 +1,162 @@
+"""The Worker service over loopback: the scheduler's GrpcWorker gets exactly what an in-process
+Worker computes, stale epochs are refused, health follows the cache, a dead worker is
+UNAVAILABLE at once."""
+
+import dataclasses
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    WorkerServiceConfig,
+)
+from services.errors import InvalidRequest, StaleEpoch, Unavailable
+from services.sampling_params import SamplingParams
+from services.step_plan import NewSequence, RunningSequence, StepOutput, StepPlan
+from tests.e2e.background import BackgroundLoop
+from worker_svc.client import GrpcWorker
+from worker_svc.servicer import create_worker_server
+from worker_svc.worker import Worker
+
+EPOCH = 7
+
+
+def _config(model_dir) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(model=str(model_dir)),
+                        cache=CacheConfig(block_size=16, kv_cache_memory_gib=0.01,
+                                          swap_space_gib=0.01),
+                        device=DeviceConfig(device="cpu"))
+
+
+def _health(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="pagedserve.v1.Worker"), timeout=5).status
+
+
+def _without_timings(output: StepOutput) -> StepOutput:
+    return dataclasses.replace(output, timings=None)
+
+
+def _plans() -> list[StepPlan]:
+    """A greedy sequence with top-3 logprobs and a seeded random one with prompt logprobs:
+    prefill, then decode steps (the tokens fed back are filled in by the test)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
+    seeded = SamplingParams(temperature=0.9, top_k=20, seed=5, max_tokens=8, prompt_logprobs=2)
+    return [StepPlan(scheduler_epoch=EPOCH, step_id=0, new_seqs=[
+        NewSequence(seq_id=0, request_id="a", token_ids=[1, 17, 33, 99, 5], prompt_len=5,
+                    block_ids=[0], num_computed_tokens=0, num_scheduled_tokens=5,
+                    sampling=greedy),
+        NewSequence(seq_id=1, request_id="b", token_ids=[1, 200, 4, 4, 8, 61, 7], prompt_len=7,
+                    block_ids=[3], num_computed_tokens=0, num_scheduled_tokens=7,
+                    sampling=seeded, seed=1234)])]
+
+
+def _decode(step_id: int, last: StepOutput) -> StepPlan:
+    return StepPlan(scheduler_epoch=EPOCH, step_id=step_id, running_seqs=[
+        RunningSequence(seq_id=s.seq_id, new_token_ids=list(s.token_ids), block_ids_start=1,
+                        block_ids=[], num_scheduled_tokens=1) for s in last.outputs])
+
+
+@pytest.fixture(scope="module")
+def served_worker(tiny_model_dir):
+    config = _config(tiny_model_dir("llama"))
+    loop = BackgroundLoop()
+    server, servicer = loop.run(_create(config))
+    loop.run(server.start())
+    client = GrpcWorker(f"127.0.0.1:{server.port}", config, step_timeout_s=30,
+                        startup_timeout_s=120)
+    yield config, server, client
+    client.close()
+    loop.run(server.shutdown(grace_s=0))
+    servicer.close()
+    loop.close()
+
+
+async def _create(config):
+    return create_worker_server(config, WorkerServiceConfig(port=0))
+
+
+def test_execute_step_over_grpc_equals_in_process(served_worker):
+    config, server, client = served_worker
+    local = Worker(config)
+    assert client.load_model() == local.load_model()
+    assert _health(server.port) == health_pb2.HealthCheckResponse.NOT_SERVING
+    remote_profile, local_profile = client.profile_memory(), local.profile_memory()
+    assert remote_profile.num_gpu_blocks == local_profile.num_gpu_blocks > 0
+    client.init_cache(32, 8, EPOCH)
+    local.init_cache(32, 8, EPOCH)
+    assert _health(server.port) == health_pb2.HealthCheckResponse.SERVING
+    client.warm_up()
+
+    plan = _plans()[0]
+    greedy_tokens = []
+    for step_id in range(1, 5):
+        remote, expected = client.execute_step(plan), local.execute_step(plan)
+        assert _without_timings(remote) == _without_timings(expected)
+        assert [len(s.token_ids) for s in remote.outputs] == [1, 1]
+        greedy_tokens += remote.outputs[0].token_ids
+        plan = _decode(step_id, remote)
+
+    # Copy and swaps travel too: block 0 (sequence 0's KV) is copied to 5, swapped out to CPU
+    # block 2 and back in to 6. A sequence resumed on block 6 remotely must sample what one
+    # resumed on the untouched block 0 samples in process.
+    client.copy_blocks([(0, 5)], EPOCH)
+    client.swap_blocks([(5, 2)], "out", EPOCH)
+    client.swap_blocks([(2, 6)], "in", EPOCH)
+    first = _plans()[0].new_seqs[0]
+    token_ids = first.token_ids + greedy_tokens
+
+    def resume(block_id: int) -> StepPlan:
+        seq = dataclasses.replace(first, seq_id=10, token_ids=token_ids, block_ids=[block_id],
+                                  num_computed_tokens=len(token_ids) - 1,
+                                  num_scheduled_tokens=1)
+        return StepPlan(scheduler_epoch=EPOCH, step_id=9, new_seqs=[seq])
+
+    resumed = client.execute_step(resume(6))
+    assert _without_timings(resumed) == _without_timings(local.execute_step(resume(0)))
+    assert len(resumed.outputs[0].token_ids) == 1
+
+
+def test_stale_epochs_and_bad_pairs_are_refused(served_worker):
+    config, _, client = served_worker
+    client.load_model()
+    client.init_cache(16, 4, EPOCH)
+    stale = dataclasses.replace(_plans()[0], scheduler_epoch=EPOCH - 1)
+    with pytest.raises(StaleEpoch, match="scheduler_epoch=6"):
+        client.execute_step(stale)
+    with pytest.raises(StaleEpoch):
+        client.copy_blocks([(0, 1)], EPOCH - 1)
+    client.clear_state(EPOCH + 1)
+    with pytest.raises(StaleEpoch):
+        client.execute_step(_plans()[0])
+    mismatched = GrpcWorker(client.address, dataclasses.replace(
+        config, cache=dataclasses.replace(config.cache, block_size=32)), 30, 30)
+    with pytest.raises(InvalidRequest, match="block_size=32"):
+        mismatched.profile_memory()
+    mismatched.close()
+
+
+def test_a_dead_worker_is_unavailable_at_once(tiny_model_dir):
+    config = _config(tiny_model_dir("llama"))
+    loop = BackgroundLoop()
+    server, servicer = loop.run(_create(config))
+    loop.run(server.start())
+    client = GrpcWorker(f"127.0.0.1:{server.port}", config, step_timeout_s=30,
+                        startup_timeout_s=30)
+    with pytest.raises(Unavailable, match="no model loaded"):
+        client.get_info()
+    loop.run(server.shutdown(grace_s=0))
+    servicer.close()
+    loop.close()
+    start = time.monotonic()
+    with pytest.raises(Unavailable):
+        client.execute_step(_plans()[0])
+    assert time.monotonic() - start < 5
+    client.close()

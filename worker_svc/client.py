@@ -1,0 +1,116 @@
+"""The scheduler's gRPC client for one worker: `GrpcWorker` has the WorkerLike methods EngineCore
+calls (scheduler_svc/engine_core.py), so the engine drives remote workers exactly as it drives
+in-process ones.
+
+The calls are synchronous: EngineCore runs on the scheduler's engine thread. Every call carries
+a deadline (startup_timeout_s for the handshake, step_timeout_s for the rest); a worker that is
+gone or misses its deadline raises Unavailable, so a step fails fast instead of hanging. The
+handshake waits for the worker to come up (wait_for_ready), so the scheduler may start first.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from pagedserve.v1 import worker_pb2, worker_pb2_grpc
+from services.config import EngineConfig
+from services.status import error_from_rpc
+from services.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
+from worker_svc.convert import (
+    block_pairs_to_proto,
+    memory_profile_from_proto,
+    step_output_from_proto,
+    step_plan_to_proto,
+    worker_info_from_proto,
+)
+
+logger = logging.getLogger(__name__)
+
+# ExecuteStep carries whole prompts; the default 4 MiB would cap a batch of long ones.
+_MAX_MESSAGE_BYTES = 256 << 20
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
+
+
+class GrpcWorker:
+    def __init__(self, address: str, config: EngineConfig, step_timeout_s: float,
+                 startup_timeout_s: float) -> None:
+        """`config` is the scheduler's: its block size and step budget must match the worker's
+        (the worker refuses a mismatch); memory budgets and the model come from the worker's
+        own flags."""
+        self.address = address
+        self.config = config
+        self.step_timeout_s = step_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: str, request, timeout_s: float, wait_for_ready: bool = False):
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout_s,
+                                               wait_for_ready=wait_for_ready)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e, f"worker {self.address} {method}") from e
+
+    # --- the handshake --------------------------------------------------------------------------
+
+    def load_model(self) -> WorkerInfo:
+        response = self._call("LoadModel", worker_pb2.LoadModelRequest(),
+                              self.startup_timeout_s, wait_for_ready=True)
+        return worker_info_from_proto(response.info)
+
+    def get_info(self) -> WorkerInfo:
+        return worker_info_from_proto(
+            self._call("GetInfo", worker_pb2.GetInfoRequest(), self.step_timeout_s))
+
+    def profile_memory(self) -> MemoryProfile:
+        request = worker_pb2.ProfileMemoryRequest(
+            block_size=self.config.cache.block_size,
+            max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
+            max_num_seqs=self.config.scheduler.max_num_seqs)
+        return memory_profile_from_proto(
+            self._call("ProfileMemory", request, self.startup_timeout_s))
+
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, scheduler_epoch: int) -> None:
+        self._call("InitCache", worker_pb2.InitCacheRequest(
+            num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+            block_size=self.config.cache.block_size, scheduler_epoch=scheduler_epoch),
+            self.startup_timeout_s)
+
+    def warm_up(self) -> None:
+        self._call("WarmUp", worker_pb2.WarmUpRequest(), self.startup_timeout_s)
+
+    # --- steps ----------------------------------------------------------------------------------
+
+    def execute_step(self, plan: StepPlan) -> StepOutput:
+        return step_output_from_proto(
+            self._call("ExecuteStep", step_plan_to_proto(plan), self.step_timeout_s))
+
+    def swap_blocks(self, pairs: list[tuple[int, int]], direction: str,
+                    scheduler_epoch: int) -> None:
+        """direction "in" (cpu → device) or "out" (device → cpu)."""
+        request = worker_pb2.SwapBlocksRequest(
+            direction=_DIRECTIONS[direction], scheduler_epoch=scheduler_epoch)
+        block_pairs_to_proto(pairs, request.blocks)
+        self._call("SwapBlocks", request, self.step_timeout_s)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]], scheduler_epoch: int) -> None:
+        request = worker_pb2.CopyBlocksRequest(scheduler_epoch=scheduler_epoch)
+        block_pairs_to_proto(pairs, request.blocks)
+        self._call("CopyBlocks", request, self.step_timeout_s)
+
+    def clear_state(self, scheduler_epoch: int) -> None:
+        response = self._call("ClearState",
+                              worker_pb2.ClearStateRequest(scheduler_epoch=scheduler_epoch),
+                              self.step_timeout_s)
+        logger.info("worker %s cleared %d sequences (epoch %d)", self.address,
+                    response.num_cleared_seqs, scheduler_epoch)
+
+
+_DIRECTIONS = {"in": worker_pb2.SwapBlocksRequest.DIRECTION_IN,
+               "out": worker_pb2.SwapBlocksRequest.DIRECTION_OUT}

@@ -1,0 +1,244 @@
+"""The Worker gRPC service over the worker core: convert in, call, convert out.
+
+Every model call (load, profile, steps, cache ops) runs on ONE dedicated thread, in order: the
+model and its KV cache are not thread-safe, and the event loop stays free to answer health
+checks while a step runs. Health is NOT_SERVING until a model is loaded and its cache allocated.
+
+The model is loaded at startup from the worker's own flags (`load()`), so the scheduler's
+LoadModel -- whose empty or zero fields keep those flags -- is instant unless it asks for
+something else, in which case the model is loaded again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+
+from pagedserve.v1 import worker_pb2, worker_pb2_grpc
+from services.config import EngineConfig, WorkerServiceConfig
+from services.errors import InvalidRequest, StaleEpoch, Unavailable
+from services.server import ServiceBinding, ServiceServer, create_server
+from services.status import map_errors
+from services.step_plan import WorkerInfo
+from worker_svc.convert import (
+    block_pairs_from_proto,
+    memory_profile_to_proto,
+    step_output_to_proto,
+    step_plan_from_proto,
+    worker_info_to_proto,
+)
+from worker_svc.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_DIRECTIONS = {worker_pb2.SwapBlocksRequest.DIRECTION_IN: "in",
+               worker_pb2.SwapBlocksRequest.DIRECTION_OUT: "out"}
+
+
+def merge_load_request(config: EngineConfig, msg: worker_pb2.LoadModelRequest) -> EngineConfig:
+    """`config` with the request's non-empty, non-zero fields applied (validation runs)."""
+    model = config.model
+    overrides: dict[str, Any] = {name: getattr(msg, name)
+                                 for name in ("model", "dtype", "max_model_len", "load_format",
+                                              "seed") if getattr(msg, name)}
+    parallel = config.parallel
+    if msg.tensor_parallel_size:
+        parallel = dataclasses.replace(parallel, tensor_parallel_size=msg.tensor_parallel_size)
+    return dataclasses.replace(config, model=dataclasses.replace(model, **overrides),
+                               parallel=parallel)
+
+
+def _check_matches(field: str, requested: float, own: float) -> None:
+    """A budget the scheduler sized itself by must be the one the worker uses (0 = don't care)."""
+    if requested and requested != own:
+        raise InvalidRequest(f"{field}={requested} differs from the worker's own {field}={own}; "
+                             f"start the scheduler and the worker with the same value")
+
+
+def _check_epoch(worker: Worker, scheduler_epoch: int, what: str) -> None:
+    """Runs on the model thread, so it sees the epoch of every InitCache/ClearState before it."""
+    if scheduler_epoch != worker.scheduler_epoch:
+        raise StaleEpoch(f"{what} has scheduler_epoch={scheduler_epoch}, the worker serves "
+                         f"epoch {worker.scheduler_epoch}")
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, config: EngineConfig, rank: int = 0,
+                 on_ready: Callable[[bool], Awaitable[None]] | None = None) -> None:
+        """`on_ready(is_ready)` is told when the worker can (or can no longer) run steps: the
+        server's health."""
+        self.config = config
+        self.rank = rank
+        self.on_ready = on_ready
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="worker-model")
+        self._worker: Worker | None = None
+        self._load_lock = asyncio.Lock()  # LoadModel during the startup load waits for it
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _set_ready(self, is_ready: bool) -> None:
+        if self.on_ready is not None:
+            await self.on_ready(is_ready)
+
+    def _loaded(self) -> Worker:
+        if self._worker is None:
+            raise Unavailable("the worker has no model loaded yet (LoadModel)")
+        return self._worker
+
+    async def load(self, config: EngineConfig | None = None) -> WorkerInfo:
+        """Load the model (the worker's flags, or `config`) on the model thread; the previous
+        model and its cache go away first."""
+        async with self._load_lock:
+            return await self._load(config or self.config)
+
+    async def _load(self, config: EngineConfig) -> WorkerInfo:
+        await self._set_ready(False)
+        self._worker = None
+
+        def load() -> tuple[Worker, WorkerInfo]:
+            worker = Worker(config, self.rank)
+            return worker, worker.load_model()
+
+        worker, info = await self._run(load)
+        self._worker = worker
+        return info
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # --- RPCs ---------------------------------------------------------------------------------
+
+    @map_errors
+    async def GetInfo(self, request: worker_pb2.GetInfoRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+        return worker_info_to_proto(self._loaded().get_info())
+
+    @map_errors
+    async def LoadModel(self, request: worker_pb2.LoadModelRequest,
+                        context: grpc.aio.ServicerContext) -> worker_pb2.LoadModelResponse:
+        config = merge_load_request(self.config, request)
+        async with self._load_lock:
+            worker = self._worker
+            if worker is not None and worker.config.model == config.model \
+                    and worker.config.parallel == config.parallel:
+                info = worker.get_info()
+            else:
+                info = await self._load(config)
+        return worker_pb2.LoadModelResponse(info=worker_info_to_proto(info))
+
+    @map_errors
+    async def ProfileMemory(self, request: worker_pb2.ProfileMemoryRequest,
+                            context: grpc.aio.ServicerContext
+                            ) -> worker_pb2.ProfileMemoryResponse:
+        worker = self._loaded()
+        cache, scheduler = worker.config.cache, worker.config.scheduler
+        _check_matches("block_size", request.block_size, cache.block_size)
+        _check_matches("gpu_memory_utilization", request.gpu_memory_utilization,
+                       cache.gpu_memory_utilization)
+        _check_matches("kv_cache_memory_gib", request.kv_cache_memory_gib,
+                       cache.kv_cache_memory_gib)
+        _check_matches("swap_space_gib", request.swap_space_gib, cache.swap_space_gib)
+        _check_matches("max_num_batched_tokens", request.max_num_batched_tokens,
+                       scheduler.max_num_batched_tokens)
+        _check_matches("max_num_seqs", request.max_num_seqs, scheduler.max_num_seqs)
+        return memory_profile_to_proto(await self._run(worker.profile_memory))
+
+    @map_errors
+    async def InitCache(self, request: worker_pb2.InitCacheRequest,
+                        context: grpc.aio.ServicerContext) -> worker_pb2.InitCacheResponse:
+        worker = self._loaded()
+        _check_matches("block_size", request.block_size, worker.config.cache.block_size)
+        await self._set_ready(False)
+        await self._run(worker.init_cache, request.num_gpu_blocks, request.num_cpu_blocks,
+                        request.scheduler_epoch)
+        await self._set_ready(True)
+        logger.info("KV cache: %d device and %d CPU blocks (scheduler epoch %d)",
+                    request.num_gpu_blocks, request.num_cpu_blocks, request.scheduler_epoch)
+        return worker_pb2.InitCacheResponse()
+
+    @map_errors
+    async def WarmUp(self, request: worker_pb2.WarmUpRequest,
+                     context: grpc.aio.ServicerContext) -> worker_pb2.WarmUpResponse:
+        await self._run(self._loaded().warm_up)
+        return worker_pb2.WarmUpResponse(num_graphs_captured=0)
+
+    @map_errors
+    async def ExecuteStep(self, request: worker_pb2.StepRequest,
+                          context: grpc.aio.ServicerContext) -> worker_pb2.StepResult:
+        worker = self._loaded()
+        plan = step_plan_from_proto(request)
+        return step_output_to_proto(await self._run(worker.execute_step, plan))
+
+    @map_errors
+    async def SwapBlocks(self, request: worker_pb2.SwapBlocksRequest,
+                         context: grpc.aio.ServicerContext) -> worker_pb2.SwapBlocksResponse:
+        worker = self._loaded()
+        direction = _DIRECTIONS.get(request.direction)
+        if direction is None:
+            raise InvalidRequest(f"direction must be DIRECTION_IN or DIRECTION_OUT, "
+                                 f"got {request.direction}")
+        pairs = block_pairs_from_proto(request.blocks, "blocks")
+
+        def swap() -> None:
+            _check_epoch(worker, request.scheduler_epoch, "SwapBlocks")
+            worker.swap_blocks(pairs, direction)
+
+        await self._run(swap)
+        return worker_pb2.SwapBlocksResponse()
+
+    @map_errors
+    async def CopyBlocks(self, request: worker_pb2.CopyBlocksRequest,
+                         context: grpc.aio.ServicerContext) -> worker_pb2.CopyBlocksResponse:
+        worker = self._loaded()
+        pairs = block_pairs_from_proto(request.blocks, "blocks")
+
+        def copy() -> None:
+            _check_epoch(worker, request.scheduler_epoch, "CopyBlocks")
+            worker.copy_blocks(pairs)
+
+        await self._run(copy)
+        return worker_pb2.CopyBlocksResponse()
+
+    @map_errors
+    async def ClearState(self, request: worker_pb2.ClearStateRequest,
+                         context: grpc.aio.ServicerContext) -> worker_pb2.ClearStateResponse:
+        worker = self._loaded()
+
+        def clear() -> int:
+            num_seqs = len(worker.runner.input_batch) if worker.runner is not None else 0
+            worker.clear_state(request.scheduler_epoch)
+            return num_seqs
+
+        return worker_pb2.ClearStateResponse(num_cleared_seqs=await self._run(clear))
+
+
+def create_worker_server(config: EngineConfig, service: WorkerServiceConfig
+                         ) -> tuple[ServiceServer, WorkerServicer]:
+    """The Worker service bound to service.host:port (not started, no model loaded yet)."""
+    servicer = WorkerServicer(config, service.rank)
+    server, _ = create_server([ServiceBinding(servicer, worker_pb2_grpc.add_WorkerServicer_to_server,
+                                              "pagedserve.v1.Worker")], service.host, service.port)
+    servicer.on_ready = server.set_serving
+    return server, servicer
+
+
+async def serve(config: EngineConfig, service: WorkerServiceConfig, grace_s: float = 5.0) -> None:
+    """Run a worker until SIGTERM/SIGINT: listen, load the model from its flags, then wait for a
+    scheduler's handshake (health turns SERVING once it has allocated the cache)."""
+    server, servicer = create_worker_server(config, service)
+    await server.start()
+    logger.info("worker rank %d listening on %s:%d", service.rank, service.host, server.port)
+    try:
+        await servicer.load()
+        await server.serve_until_signal(grace_s)
+    finally:
+        await server.server.stop(0)
+        servicer.close()
