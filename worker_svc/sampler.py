@@ -20,7 +20,12 @@ import torch
 
 from services.sampling_params import SamplingParams
 from services.step_plan import SampledSequence, TokenLogprob
-from worker_svc.logits_processor import apply_min_p, apply_top_k_top_p, mask_tokens
+from worker_svc.logits_processor import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_k_top_p,
+    mask_tokens,
+)
 from worker_svc.penalties import apply_penalties
 
 _MASK_64 = (1 << 64) - 1
@@ -100,23 +105,20 @@ class Sampler:
         random_rows = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy]
         top_rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs]
 
-        if len(greedy_rows) == len(seqs) and not top_rows:
-            # fast path: argmax, and its logprob without materialising log_softmax
-            sampled = processed.argmax(dim=-1)  # [num_seqs]
-            sampled_logprobs = (processed.gather(1, sampled.unsqueeze(1)).squeeze(1)
-                                - processed.logsumexp(dim=-1))  # [num_seqs]
-            return self._build(seqs, offsets, sampled, sampled_logprobs, [], None, None)
-
         logprobs = torch.log_softmax(processed, dim=-1)  # [num_seqs, vocab_size]
-        sampled = torch.empty(offsets[-1], dtype=torch.long, device=self.device)
-        if greedy_rows:
-            greedy_ids = processed[self._tensor(greedy_rows, torch.long)].argmax(dim=-1)
-            self._put(sampled, [offsets[i] for i in greedy_rows], greedy_ids)
-        if beam_rows:
-            self._sample_beams(sampled, logprobs, seqs, beam_rows, offsets)
-        if random_rows:
-            self._sample_random(sampled, logprobs, seqs, random_rows, offsets)
+        if len(greedy_rows) == len(seqs):
+            sampled = processed.argmax(dim=-1)  # [num_seqs]; fast path: nothing to scatter
+        else:
+            sampled = torch.empty(offsets[-1], dtype=torch.long, device=self.device)
+            if greedy_rows:
+                greedy_ids = processed[self._tensor(greedy_rows, torch.long)].argmax(dim=-1)
+                self._put(sampled, [offsets[i] for i in greedy_rows], greedy_ids)
+            if beam_rows:
+                self._sample_beams(sampled, logprobs, seqs, beam_rows, offsets)
+            if random_rows:
+                self._sample_random(sampled, logprobs, seqs, random_rows, offsets)
         sample_rows = [i for i, k in enumerate(num_samples) for _ in range(k)]
+        # [num_samples_total]
         sampled_logprobs = logprobs[self._tensor(sample_rows, torch.long), sampled]
 
         top_values = top_ids = None
@@ -186,10 +188,14 @@ class Sampler:
             temperatures = [1.0 if s.sampling.is_greedy else s.sampling.temperature for s in seqs]
             processed.div_(self._column(temperatures))
         if top_rows:
-            processed = _on_rows(processed, top_rows, lambda sub, rows: apply_top_k_top_p(
-                sub,
-                self._tensor([self._top_k(seqs[i].sampling) for i in rows], torch.long),
-                self._tensor([seqs[i].sampling.top_p for i in rows], torch.float32)))
+            top_k = [self._top_k(seqs[i].sampling) for i in top_rows]
+            if any(seqs[i].sampling.top_p < 1.0 for i in top_rows):
+                top_p = [seqs[i].sampling.top_p for i in top_rows]
+                processed = _on_rows(processed, top_rows, lambda sub, _: apply_top_k_top_p(
+                    sub, self._tensor(top_k, torch.long), self._tensor(top_p, torch.float32)))
+            else:
+                processed = _on_rows(processed, top_rows, lambda sub, _: apply_top_k(
+                    sub, self._tensor(top_k, torch.long), max(top_k)))
         if min_p_rows:
             processed = _on_rows(processed, min_p_rows, lambda sub, rows: apply_min_p(
                 sub, self._tensor([seqs[i].sampling.min_p for i in rows], torch.float32)))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from services.sampling_params import SamplingParams
-from worker_svc.logits_processor import apply_min_p, apply_top_k_top_p
+from worker_svc.logits_processor import apply_min_p, apply_top_k, apply_top_k_top_p
 from worker_svc.penalties import apply_penalties
 from worker_svc.sampler import Sampler, SeqSamplingState, prompt_logprobs
 
@@ -45,6 +45,15 @@ def test_top_k_keeps_exactly_the_k_largest():
     assert kept(out[0]) == {1, 3}
     assert torch.equal(out[1], logits[1])  # k = vocab is off
     assert torch.equal(out[0, [1, 3]], logits[0, [1, 3]])  # survivors unchanged
+
+
+def test_partial_top_k_equals_the_sorted_one_ties_included():
+    torch.manual_seed(9)
+    logits = torch.randint(-3, 4, (6, 40)).float()  # many ties
+    top_k = torch.tensor([1, 2, 5, 7, 40, 3])
+    expected = apply_top_k_top_p(logits, top_k, torch.ones(6))
+    assert torch.equal(apply_top_k(logits.clone(), top_k, 40), expected)
+    assert all(len(kept(row)) >= k for row, k in zip(expected, top_k.tolist(), strict=True))
 
 
 @pytest.mark.parametrize(("top_p", "expected"), [
@@ -296,3 +305,14 @@ def test_prompt_logprobs_give_target_then_top_n():
         assert [t.token_id for t in entry[1:]] == ids.tolist()
         assert [t.logprob for t in entry[1:]] == pytest.approx(values.tolist(), abs=1e-5)
     assert [len(e) for e in prompt_logprobs(logits[:, :VOCAB], targets, num_top=0)] == [1] * 4
+
+
+def test_greedy_rows_do_not_depend_on_the_batch():
+    torch.manual_seed(10)
+    logits = torch.randn(3, VOCAB)
+    greedy = seq(0, [1, 5, 5], prompt_len=1, temperature=0.0, frequency_penalty=0.4, logprobs=2)
+    others = [seq(1, seed=1, temperature=0.6, top_p=0.5, min_p=0.1),
+              seq(2, temperature=0.0, use_beam_search=True, best_of=2, num_samples=4)]
+    alone = sampler()(logits[:1], [greedy])[0]
+    batched = sampler()(logits, [greedy, *others])[0]
+    assert batched == alone
