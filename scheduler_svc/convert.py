@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from pagedserve.v1 import common_pb2, scheduler_pb2
-from scheduler_svc.engine_core import EngineLoad
+from scheduler_svc.engine_core import EngineCore, EngineLoad
 from scheduler_svc.outputs import CompletionOutput, RequestOutput
 from services.proto_common import (
     add_logprob_lists,
@@ -122,3 +122,11 @@ def load_from_proto(msg: scheduler_pb2.Load) -> EngineLoad:
         num_gpu_blocks=msg.num_gpu_blocks, num_cpu_blocks_used=msg.num_cpu_blocks_used,
         num_cpu_blocks=msg.num_cpu_blocks, prefix_cache_hit_rate=msg.prefix_cache_hit_rate,
         num_preemptions=msg.num_preemptions)
+
+
+def served_model_to_proto(model: str, engine: EngineCore) -> scheduler_pb2.ServedModel:
+    """What the workers serve (rank 0's info) under the limits the scheduler enforces."""
+    info = engine.worker_info
+    return scheduler_pb2.ServedModel(
+        model=model, architecture=info.architecture, max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size, eos_token_ids=engine.eos_token_ids)

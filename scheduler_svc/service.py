@@ -1,0 +1,240 @@
+"""The engine loop of the scheduler service: EngineCore driven from asyncio.
+
+EngineCore is not thread-safe, so it is touched in two places only, never at once:
+- the engine thread (one dedicated thread) runs `step()`;
+- the event loop applies queued operations (add, abort) and takes the load snapshot, always
+  between two steps.
+Each Submit call owns an asyncio.Queue; after every step the loop pushes each RequestOutput to
+its request's queue. With no work the loop sleeps on an asyncio.Event (no polling); a new
+operation wakes it. A Submit whose consumer goes away (client gone, deadline, gateway abort)
+queues an abort that runs before the next step, so its blocks are free by then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from scheduler_svc.convert import SubmitRequest
+from scheduler_svc.engine_core import EngineCore, EngineLoad
+from scheduler_svc.outputs import RequestOutput
+from services.errors import NotFound, Unavailable
+
+logger = logging.getLogger(__name__)
+
+_Item = RequestOutput | BaseException  # what a Submit queue carries; an exception ends it
+
+
+class RequestStream:
+    """One request's outputs, ending after the finished one (or with the exception that failed
+    it). Use it as `async with stream:` so that leaving early aborts the request."""
+
+    def __init__(self, request_id: str, queue: asyncio.Queue[_Item],
+                 on_abandon: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self._queue = queue
+        self._on_abandon = on_abandon
+        self._is_finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._is_finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._is_finished = True
+            raise item
+        self._is_finished = item.finished
+        return item
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._is_finished:
+            self._is_finished = True
+            self._on_abandon(self.request_id)
+
+
+class EngineService:
+    def __init__(self, engine: EngineCore, executor: ThreadPoolExecutor | None = None) -> None:
+        self.engine = engine
+        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._streams: dict[str, asyncio.Queue[_Item]] = {}
+        self._pending: list[tuple[Callable[[], Any], asyncio.Future | None]] = []
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()  # set while no request is live (drain waits on it)
+        self._idle.set()
+        self._is_stepping = False
+        self._is_accepting = True
+        self._load = engine.get_load()
+        self._task: asyncio.Task | None = None
+
+    @classmethod
+    async def start(cls, build_engine: Callable[[], EngineCore]) -> EngineService:
+        """Run the worker handshake (`build_engine`, blocking: model load, profiling) on the
+        engine thread, then start the loop."""
+        executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        engine = await asyncio.get_running_loop().run_in_executor(executor, build_engine)
+        service = cls(engine, executor)
+        service._task = asyncio.create_task(service._run(), name="engine-loop")
+        return service
+
+    # --- requests -----------------------------------------------------------------------------
+
+    async def submit(self, request: SubmitRequest) -> RequestStream:
+        """Queue the request; bad input raises InvalidRequest. Iterate the stream for its
+        outputs; closing it before the request finished aborts the request."""
+        if not self._is_accepting:
+            raise Unavailable("the scheduler is draining and accepts no new requests")
+        request_id = request.request_id or uuid.uuid4().hex
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+
+        def add() -> None:
+            self.engine.add_request(request_id, request.prompt_token_ids, request.sampling,
+                                    request.priority, request.arrival_time_monotonic())
+            self._streams[request_id] = queue
+            self._idle.clear()
+
+        try:
+            await self._call(add)
+        except asyncio.CancelledError:
+            self._drop(request_id)  # added just before the cancel: abort it again
+            raise
+        return RequestStream(request_id, queue, self._drop)
+
+    async def abort(self, request_id: str) -> bool:
+        """Finish the request with "abort" (its stream gets the final outputs); False if it is
+        unknown or already finished."""
+        def abort() -> bool:
+            try:
+                report = self.engine.abort_request(request_id)
+            except NotFound:
+                return False
+            self._push(report)
+            return True
+
+        return await self._call(abort)
+
+    def get_load(self) -> EngineLoad:
+        """Live when the engine is between steps; during a step, as of just before it."""
+        return self._load if self._is_stepping else self.engine.get_load()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    # --- shutdown -----------------------------------------------------------------------------
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests, then wait (at most timeout_s) for the live ones to finish."""
+        self._is_accepting = False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+
+    async def stop(self) -> None:
+        """End the loop; requests still live fail with UNAVAILABLE."""
+        self._is_accepting = False
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for request_id in list(self._streams):
+            self._end(request_id, Unavailable("the scheduler is shutting down"))
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def _call(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """Run `fn` on the event loop between two steps; the future holds its result."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((fn, future))
+        self._wakeup.set()
+        return future
+
+    def _drop(self, request_id: str) -> None:
+        """The consumer left: forget its stream now, abort the request before the next step."""
+        if self._streams.pop(request_id, None) is None:
+            return
+        self._update_idle()
+
+        def abort() -> None:
+            with contextlib.suppress(NotFound):
+                self.engine.abort_request(request_id)
+                logger.info("request %s aborted: its caller went away", request_id)
+
+        self._pending.append((abort, None))
+        self._wakeup.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_pending()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.clear()
+                if not self._pending:
+                    await self._wakeup.wait()
+                continue
+            self._load = self.engine.get_load()
+            self._is_stepping = True
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as exc:  # EngineCore contains worker failures; this is a bug
+                logger.exception("engine step raised; failing every live request")
+                self._fail_all(exc)
+                continue
+            finally:
+                self._is_stepping = False
+            for output in outputs:
+                self._push(output)
+
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for fn, future in pending:
+            if future is not None and future.cancelled():
+                continue  # its caller is gone
+            try:
+                result = fn()
+            except Exception as exc:
+                if future is None:
+                    logger.exception("queued engine operation failed")
+                elif not future.done():
+                    future.set_exception(exc)
+            else:
+                if future is not None and not future.done():
+                    future.set_result(result)
+
+    def _push(self, output: RequestOutput) -> None:
+        queue = self._streams.get(output.request_id)
+        if queue is None:
+            return  # its caller left; the abort is queued
+        queue.put_nowait(output)
+        if output.finished:
+            del self._streams[output.request_id]
+            self._update_idle()
+
+    def _end(self, request_id: str, exc: BaseException) -> None:
+        queue = self._streams.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(exc)
+        self._update_idle()
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in list(self._streams):
+            with contextlib.suppress(Exception):
+                self.engine.abort_request(request_id)
+            self._end(request_id, RuntimeError(f"engine step failed: {exc}"))
+
+    def _update_idle(self) -> None:
+        if not self._streams:
+            self._idle.set()

@@ -1,0 +1,140 @@
+"""The Scheduler gRPC service: Submit (one server-streaming call per request), Abort, GetLoad,
+GetServedModel -- convert in, call the EngineService, convert out.
+
+Startup: the server listens at once with health NOT_SERVING, the worker handshake runs
+(EngineCore: load model, profile memory, allocate the cache, warm up), then health turns SERVING.
+Shutdown (SIGTERM): NOT_SERVING, refuse new requests, let live ones finish (bounded), stop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pagedserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.convert import (
+    abort_request_from_proto,
+    load_to_proto,
+    served_model_to_proto,
+    submit_request_from_proto,
+    token_event_to_proto,
+)
+from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.service import EngineService
+from services.config import EngineConfig, SchedulerServiceConfig
+from services.errors import Unavailable
+from services.server import ServiceBinding, ServiceServer, create_server
+from services.status import map_errors
+from worker_svc.client import GrpcWorker
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, model: str, service: EngineService | None = None) -> None:
+        """`model`: the folder the workers serve (reported by GetServedModel). `service` is set
+        once the worker handshake is done; until then every call is UNAVAILABLE."""
+        self.model = model
+        self.service = service
+
+    def _service(self) -> EngineService:
+        if self.service is None:
+            raise Unavailable("the scheduler is starting (worker handshake in progress)")
+        return self.service
+
+    @map_errors
+    async def Submit(self, request: scheduler_pb2.SubmitRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        service = self._service()
+        # leaving the block early (client gone, deadline, cancel) aborts the request
+        async with await service.submit(submit_request_from_proto(request)) as stream:
+            async for output in stream:
+                yield token_event_to_proto(output)
+                errors = [o.error for o in output.outputs if o.finish_reason == "error"]
+                if output.finished and errors:
+                    await context.abort(grpc.StatusCode.INTERNAL,
+                                        errors[0] or "the request failed inside the engine")
+
+    @map_errors
+    async def Abort(self, request: common_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
+        was_found = await self._service().abort(abort_request_from_proto(request))
+        return common_pb2.AbortResponse(was_found=was_found)
+
+    @map_errors
+    async def GetLoad(self, request: scheduler_pb2.GetLoadRequest,
+                      context: grpc.aio.ServicerContext) -> scheduler_pb2.Load:
+        return load_to_proto(self._service().get_load())
+
+    @map_errors
+    async def GetServedModel(self, request: scheduler_pb2.GetServedModelRequest,
+                             context: grpc.aio.ServicerContext) -> scheduler_pb2.ServedModel:
+        return served_model_to_proto(self.model, self._service().engine)
+
+
+def create_scheduler_server(config: EngineConfig, service_config: SchedulerServiceConfig
+                            ) -> tuple[ServiceServer, SchedulerServicer]:
+    """The Scheduler service bound to host:port (not started, no engine yet)."""
+    servicer = SchedulerServicer(config.model.model)
+    server, _ = create_server(
+        [ServiceBinding(servicer, scheduler_pb2_grpc.add_SchedulerServicer_to_server,
+                        "pagedserve.v1.Scheduler")],
+        service_config.host, service_config.port)
+    return server, servicer
+
+
+async def start_engine(config: EngineConfig, service_config: SchedulerServiceConfig
+                       ) -> EngineService:
+    """The worker handshake over gRPC, then the engine loop."""
+    workers = [GrpcWorker(address, config, service_config.step_timeout_s,
+                          service_config.startup_timeout_s)
+               for address in service_config.worker_addresses]
+    try:
+        return await EngineService.start(lambda: EngineCore(config, workers))
+    except BaseException:
+        for worker in workers:
+            worker.close()
+        raise
+
+
+async def start_scheduler(config: EngineConfig, service_config: SchedulerServiceConfig
+                          ) -> tuple[ServiceServer, SchedulerServicer]:
+    """Listen (NOT_SERVING), run the worker handshake, start the engine loop, turn SERVING.
+    The engine is `servicer.service`."""
+    server, servicer = create_scheduler_server(config, service_config)
+    await server.start()
+    logger.info("scheduler listening on %s:%d; handshake with workers %s", service_config.host,
+                server.port, ", ".join(service_config.worker_addresses))
+    try:
+        servicer.service = await start_engine(config, service_config)
+    except BaseException:
+        await server.server.stop(0)
+        raise
+    await server.set_serving(True)
+    logger.info("scheduler serving on port %d", server.port)
+    return server, servicer
+
+
+async def stop_scheduler(server: ServiceServer, servicer: SchedulerServicer,
+                         grace_s: float = 0.0) -> None:
+    """Drain (bounded by grace_s), stop the server, end the engine loop, close the workers."""
+    service = servicer.service
+    drain = None if service is None else (lambda: service.drain(grace_s))
+    await server.shutdown(grace_s, drain)
+    if service is not None:
+        await service.stop()
+        for worker in service.engine.workers:
+            worker.close()
+
+
+async def serve(config: EngineConfig, service_config: SchedulerServiceConfig,
+                grace_s: float = 30.0) -> None:
+    """Run the scheduler until SIGTERM/SIGINT, then drain and stop."""
+    server, servicer = await start_scheduler(config, service_config)
+    service = servicer.service
+    try:
+        await server.serve_until_signal(grace_s, drain=lambda: service.drain(grace_s))
+    finally:
+        await stop_scheduler(server, servicer)
