@@ -141,6 +141,8 @@ class GatewayConfig:
     host: str = opt("127.0.0.1", "address the gateway listens on")
     port: int = opt(50051, "gateway port; 0 = any free port")
     scheduler_address: str = opt("127.0.0.1:50052", "host:port of the scheduler service")
+    tokenizer: str = opt("", "folder with the tokenizer and chat template; empty = the model "
+                             "folder the scheduler reports serving")
     rpc_timeout_s: float = opt(10.0, "deadline of unary calls to the scheduler")
     max_concurrent_requests: int = opt(1024, "requests in flight before RESOURCE_EXHAUSTED")
 

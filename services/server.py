@@ -34,6 +34,9 @@ DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),  # two services must never share a port by accident
+    # Clients ping every 10 s to find a vanished peer during long streams; allow it.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 )
 
 

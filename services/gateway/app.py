@@ -1,0 +1,80 @@
+"""The gateway process: wait for the scheduler, load the tokenizer of the model it serves, serve
+Generation and Models (plus Health and reflection) until SIGTERM, then drain.
+
+Health stays NOT_SERVING until the scheduler answered and the tokenizer is loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from pagedserve.v1 import gateway_pb2_grpc
+from services.config import GatewayConfig
+from services.gateway.convert import model_info_from_served_model
+from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.servicer import Admission, GenerationServicer, ModelsServicer
+from services.server import ServiceBinding, ServiceServer, create_server
+from services.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Gateway:
+    server: ServiceServer
+    scheduler: SchedulerClient
+    admission: Admission
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests; wait at most timeout_s for the live ones."""
+        self.admission.start_draining()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.admission.wait_idle(), timeout_s)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await self.server.shutdown(grace_s)
+        await self.scheduler.close()
+
+
+async def start_gateway(config: GatewayConfig) -> Gateway:
+    """Started and SERVING once the scheduler serves; raises if the scheduler cannot tell what
+    it serves."""
+    scheduler = SchedulerClient(config.scheduler_address, config.rpc_timeout_s)
+    try:
+        logger.info("waiting for the scheduler at %s", config.scheduler_address)
+        await scheduler.wait_until_serving()
+        served = await scheduler.get_served_model()
+        tokenizer = Tokenizer.from_pretrained(config.tokenizer or served.model)
+        info = model_info_from_served_model(served, tokenizer.has_chat_template)
+    except BaseException:
+        await scheduler.close()
+        raise
+    admission = Admission(config.max_concurrent_requests)
+    server, port = create_server([
+        ServiceBinding(GenerationServicer(tokenizer, scheduler, info, admission),
+                       gateway_pb2_grpc.add_GenerationServicer_to_server,
+                       "pagedserve.v1.Generation"),
+        ServiceBinding(ModelsServicer(info), gateway_pb2_grpc.add_ModelsServicer_to_server,
+                       "pagedserve.v1.Models"),
+    ], config.host, config.port)
+    await server.start()
+    await server.set_serving(True)
+    logger.info("gateway serving %s (max_model_len %d) on port %d", info.model,
+                info.max_model_len, port)
+    return Gateway(server, scheduler, admission)
+
+
+async def serve(config: GatewayConfig, grace_s: float = 30.0) -> None:
+    """Run until SIGTERM/SIGINT: NOT_SERVING, refuse new requests, let live ones finish."""
+    gateway = await start_gateway(config)
+    try:
+        await gateway.server.serve_until_signal(grace_s, drain=lambda: gateway.drain(grace_s))
+    finally:
+        await gateway.scheduler.close()

@@ -1,0 +1,178 @@
+"""gateway.proto (and scheduler.proto's ServedModel) ↔ the gateway's dataclasses: the only place
+they meet. Free functions, one pair per message."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedserve.v1 import common_pb2, gateway_pb2, scheduler_pb2
+from services.errors import InvalidRequest
+from services.gateway.text_stream import DecodedLogprob, StreamDelta
+from services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
+from services.proto_common import (
+    finish_reason_from_proto,
+    finish_reason_to_proto,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+    usage_from_proto,
+    usage_to_proto,
+)
+
+# --- GenerateRequest --------------------------------------------------------------------------
+
+
+def _messages_from_proto(msg: gateway_pb2.ChatMessages) -> tuple[ChatMessage, ...]:
+    return tuple(ChatMessage(role=m.role, content=m.content) for m in msg.messages)
+
+
+def generate_request_from_proto(msg: gateway_pb2.GenerateRequest) -> GenerateInput:
+    """Bad sampling values raise InvalidRequest naming the field and the value."""
+    prompt = msg.WhichOneof("prompt")
+    return GenerateInput(
+        request_id=msg.request_id,
+        text=msg.text if prompt == "text" else None,
+        token_ids=tuple(msg.token_ids.token_ids) if prompt == "token_ids" else None,
+        messages=_messages_from_proto(msg.messages) if prompt == "messages" else None,
+        sampling=sampling_params_from_proto(msg.sampling), priority=msg.priority)
+
+
+def generate_request_to_proto(request: GenerateInput) -> gateway_pb2.GenerateRequest:
+    msg = gateway_pb2.GenerateRequest(request_id=request.request_id, priority=request.priority,
+                                      sampling=sampling_params_to_proto(request.sampling))
+    if request.text is not None:
+        msg.text = request.text
+    elif request.token_ids is not None:
+        msg.token_ids.SetInParent()
+        msg.token_ids.token_ids.extend(request.token_ids)
+    elif request.messages is not None:
+        msg.messages.SetInParent()
+        for m in request.messages:
+            msg.messages.messages.add(role=m.role, content=m.content)
+    return msg
+
+
+# --- logprobs ---------------------------------------------------------------------------------
+
+
+def _logprob_to_proto(logprob: DecodedLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob,
+                                   text=logprob.text)
+
+
+def _logprob_from_proto(msg: common_pb2.TokenLogprob) -> DecodedLogprob:
+    return DecodedLogprob(token_id=msg.token_id, logprob=msg.logprob, text=msg.text)
+
+
+def _positions_to_proto(positions: Sequence[Sequence[DecodedLogprob]]
+                        ) -> list[common_pb2.TokenLogprobs]:
+    return [common_pb2.TokenLogprobs(candidates=[_logprob_to_proto(c) for c in p])
+            for p in positions]
+
+
+def _positions_from_proto(msgs: Sequence[common_pb2.TokenLogprobs]) -> list[list[DecodedLogprob]]:
+    return [[_logprob_from_proto(c) for c in p.candidates] for p in msgs]
+
+
+# --- GenerateStreamResponse -------------------------------------------------------------------
+
+
+def stream_delta_to_proto(delta: StreamDelta, request_id: str
+                          ) -> gateway_pb2.GenerateStreamResponse:
+    """cumulative_logprob and error are not on the wire per delta: the unary response and the
+    status message carry them."""
+    msg = gateway_pb2.GenerateStreamResponse(
+        request_id=request_id, index=delta.index, text=delta.text, token_ids=delta.token_ids,
+        logprobs=[_logprob_to_proto(lp) for lp in delta.logprobs],
+        top_logprobs=_positions_to_proto(delta.top_logprobs),
+        finish_reason=finish_reason_to_proto(delta.finish_reason))
+    if delta.usage is not None:
+        msg.usage.CopyFrom(usage_to_proto(delta.usage))
+    if delta.prompt_logprobs is not None:
+        msg.prompt_logprobs.extend(_positions_to_proto(delta.prompt_logprobs))
+    return msg
+
+
+def stream_delta_from_proto(msg: gateway_pb2.GenerateStreamResponse) -> StreamDelta:
+    return StreamDelta(
+        index=msg.index, text=msg.text, token_ids=list(msg.token_ids),
+        logprobs=[_logprob_from_proto(lp) for lp in msg.logprobs],
+        top_logprobs=_positions_from_proto(msg.top_logprobs),
+        finish_reason=finish_reason_from_proto(msg.finish_reason),
+        usage=usage_from_proto(msg.usage) if msg.HasField("usage") else None,
+        prompt_logprobs=_positions_from_proto(msg.prompt_logprobs) or None)
+
+
+# --- GenerateResponse: the deltas of a request folded into whole outputs ----------------------
+
+
+def generate_response_to_proto(request_id: str, deltas: Sequence[StreamDelta], n: int
+                               ) -> gateway_pb2.GenerateResponse:
+    outputs = [gateway_pb2.CompletionOutput(index=i) for i in range(n)]
+    msg = gateway_pb2.GenerateResponse(request_id=request_id)
+    for delta in deltas:
+        out = outputs[delta.index]
+        out.text += delta.text
+        out.token_ids.extend(delta.token_ids)
+        out.logprobs.extend(_logprob_to_proto(lp) for lp in delta.logprobs)
+        out.top_logprobs.extend(_positions_to_proto(delta.top_logprobs))
+        out.cumulative_logprob = delta.cumulative_logprob
+        if delta.finish_reason is not None:
+            out.finish_reason = finish_reason_to_proto(delta.finish_reason)
+        if delta.usage is not None:
+            msg.usage.CopyFrom(usage_to_proto(delta.usage))
+        if delta.prompt_logprobs is not None:
+            msg.prompt_logprobs.extend(_positions_to_proto(delta.prompt_logprobs))
+    msg.outputs.extend(outputs)
+    return msg
+
+
+# --- Tokenize ---------------------------------------------------------------------------------
+
+
+def tokenize_request_from_proto(msg: gateway_pb2.TokenizeRequest) -> GenerateInput:
+    """Tokenize takes text or messages; the request is checked like a GenerateRequest's prompt."""
+    prompt = msg.WhichOneof("prompt")
+    if prompt is None:
+        raise InvalidRequest("prompt must be set: one of text or messages")
+    return GenerateInput(text=msg.text if prompt == "text" else None,
+                         messages=_messages_from_proto(msg.messages) if prompt == "messages"
+                         else None)
+
+
+def tokenize_response_to_proto(token_ids: Sequence[int], max_model_len: int
+                               ) -> gateway_pb2.TokenizeResponse:
+    return gateway_pb2.TokenizeResponse(token_ids=token_ids, max_model_len=max_model_len)
+
+
+# --- model info -------------------------------------------------------------------------------
+
+
+def model_info_to_proto(info: ModelInfo) -> gateway_pb2.ModelInfo:
+    return gateway_pb2.ModelInfo(
+        model=info.model, architecture=info.architecture, max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
+        has_chat_template=info.has_chat_template)
+
+
+def model_info_from_proto(msg: gateway_pb2.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        model=msg.model, architecture=msg.architecture, max_model_len=msg.max_model_len,
+        vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids),
+        has_chat_template=msg.has_chat_template)
+
+
+def model_info_from_served_model(msg: scheduler_pb2.ServedModel, has_chat_template: bool
+                                 ) -> ModelInfo:
+    """The scheduler's ServedModel plus the gateway tokenizer's chat template; the model is
+    named by its folder's name."""
+    name = msg.model.rstrip("/").rsplit("/", 1)[-1]
+    return ModelInfo(model=name, architecture=msg.architecture, max_model_len=msg.max_model_len,
+                     vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids),
+                     has_chat_template=has_chat_template)
+
+
+def served_model_to_proto(model_dir: str, info: ModelInfo) -> scheduler_pb2.ServedModel:
+    """For the scheduler servicer (and test doubles of it)."""
+    return scheduler_pb2.ServedModel(
+        model=model_dir, architecture=info.architecture, max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids)

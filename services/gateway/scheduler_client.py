@@ -1,0 +1,117 @@
+"""The gateway's side of scheduler.proto: one channel, Submit streams, unary calls with deadlines.
+
+A Submit call has no deadline (a request lives as long as it generates), so a dead scheduler is
+found otherwise: the call is only opened on a connected channel (a bounded wait, else
+UNAVAILABLE), and HTTP/2 keepalive pings end a stream whose peer vanished without closing it.
+Leaving the `submit` iterator early (stop string, client gone, deadline) cancels the call, which
+aborts the request in the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.convert import SubmitRequest, submit_request_to_proto, token_event_from_proto
+from scheduler_svc.outputs import RequestOutput
+from services.errors import Unavailable
+from services.gateway.validation import PreparedRequest
+from services.status import error_from_rpc
+
+logger = logging.getLogger(__name__)
+
+PEER = "scheduler"
+MAX_RECONNECT_BACKOFF_MS = 2_000  # a restarted scheduler is used again within this
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+)
+_FAILED_STATES = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
+
+
+class SchedulerClient:
+    def __init__(self, address: str, rpc_timeout_s: float) -> None:
+        self.address = address
+        self._rpc_timeout_s = rpc_timeout_s
+        self._channel = grpc.aio.insecure_channel(address, options=list(CHANNEL_OPTIONS))
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def wait_until_serving(self) -> None:
+        """Wait (no polling: a Health.Watch stream that waits for the connection) until the
+        scheduler reports SERVING."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        call = stub.Watch(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True)
+        try:
+            async for response in call:
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, PEER) from exc
+        finally:
+            call.cancel()
+        raise Unavailable(f"{PEER} at {self.address} ended its health stream before serving")
+
+    async def get_served_model(self) -> scheduler_pb2.ServedModel:
+        try:
+            return await self._stub.GetServedModel(scheduler_pb2.GetServedModelRequest(),
+                                                   timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, PEER) from exc
+
+    async def abort(self, request_id: str) -> bool:
+        try:
+            response = await self._stub.Abort(common_pb2.AbortRequest(request_id=request_id),
+                                              timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, PEER) from exc
+        return response.was_found
+
+    async def submit(self, request: PreparedRequest, arrival_time_s: float | None = None
+                     ) -> AsyncIterator[RequestOutput]:
+        """The request's token events until the scheduler ends the stream."""
+        await self._ensure_connected()
+        msg = submit_request_to_proto(SubmitRequest(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling, priority=request.priority,
+            arrival_time_s=arrival_time_s if arrival_time_s is not None else time.time()))
+        call = self._stub.Submit(msg)
+        wants_prompt_logprobs = request.sampling.prompt_logprobs is not None
+        try:
+            async for event in call:
+                yield token_event_from_proto(event, request.request_id, wants_prompt_logprobs)
+                wants_prompt_logprobs = False
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, PEER) from exc
+        finally:
+            call.cancel()  # no-op once the stream ended; otherwise it aborts the request
+
+    async def _ensure_connected(self) -> None:
+        """READY, or UNAVAILABLE: at once when the last connection attempt failed (reconnects
+        back off at most MAX_RECONNECT_BACKOFF_MS), else after waiting rpc_timeout_s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._rpc_timeout_s
+        state = self._channel.get_state(try_to_connect=True)
+        while state != grpc.ChannelConnectivity.READY:
+            remaining = deadline - loop.time()
+            if state in _FAILED_STATES or remaining <= 0:
+                raise Unavailable(f"{PEER} at {self.address} is unreachable ({state.name})")
+            try:
+                await asyncio.wait_for(self._channel.wait_for_state_change(state), remaining)
+            except TimeoutError:
+                continue
+            state = self._channel.get_state(try_to_connect=True)

@@ -1,0 +1,124 @@
+"""The scheduler's token events of one request as the client's text deltas.
+
+Per output index: incremental detokenization, then stop strings (text that could still become a
+stop string is held back). An index ends with the scheduler's finish reason, or with "stop" when
+a stop string matches; the request is over when every index has ended (the caller then cancels
+the Submit call, which aborts what the scheduler still runs). Usage rides on the request's last
+delta. No gRPC here: the servicer converts the deltas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.outputs import CompletionOutput, RequestOutput
+from services.detokenizer import IncrementalDetokenizer
+from services.gateway.validation import PreparedRequest
+from services.proto_common import Usage
+from services.step_plan import TokenLogprob
+from services.stop_strings import StopStringMatcher
+from services.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedLogprob:
+    token_id: int
+    logprob: float
+    text: str
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[DecodedLogprob] = field(default_factory=list)  # per token, if asked
+    top_logprobs: list[list[DecodedLogprob]] = field(default_factory=list)  # per token, if asked
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
+    cumulative_logprob: float = 0.0
+    error: str | None = None  # with finish_reason "error"
+    usage: Usage | None = None  # on the request's last delta
+    prompt_logprobs: list[list[DecodedLogprob]] | None = None  # on the first delta, if asked
+
+
+@dataclass(slots=True)
+class _IndexState:
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    num_tokens: int = 0
+    is_finished: bool = False
+
+
+class TextStream:
+    """One request's text. Not thread-safe."""
+
+    def __init__(self, request: PreparedRequest, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        sampling = request.sampling
+        self._wants_logprobs = sampling.logprobs is not None
+        self._indices = [
+            _IndexState(IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
+                                               sampling.skip_special_tokens),
+                        StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output))
+            for _ in range(sampling.n)]
+        self._num_prompt_tokens = len(request.prompt_token_ids)
+        self._num_cached_tokens = 0
+        self._has_sent_prompt_logprobs = False
+
+    @property
+    def is_finished(self) -> bool:
+        return all(state.is_finished for state in self._indices)
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self._num_prompt_tokens,
+                     completion_tokens=sum(s.num_tokens for s in self._indices),
+                     cached_tokens=self._num_cached_tokens)
+
+    def on_output(self, output: RequestOutput) -> list[StreamDelta]:
+        """The deltas one token event makes (none while text is held back and no token came)."""
+        self._num_prompt_tokens = output.num_prompt_tokens or self._num_prompt_tokens
+        self._num_cached_tokens = output.num_cached_tokens
+        deltas = [d for o in output.outputs if (d := self._on_completion(o)) is not None]
+        if output.prompt_logprobs is not None and not self._has_sent_prompt_logprobs:
+            self._has_sent_prompt_logprobs = True
+            if not deltas:
+                deltas.append(StreamDelta(index=0))
+            deltas[0].prompt_logprobs = [self._decoded(p or []) for p in output.prompt_logprobs]
+        if deltas and self.is_finished:
+            deltas[-1].usage = self.usage
+        return deltas
+
+    def _on_completion(self, completion: CompletionOutput) -> StreamDelta | None:
+        if not 0 <= completion.index < len(self._indices):
+            raise ValueError(f"output index {completion.index} outside [0, {len(self._indices)})")
+        state = self._indices[completion.index]
+        if state.is_finished:
+            return None  # a stop string ended it; the scheduler may not know yet
+        state.num_tokens += len(completion.token_ids)
+        text, is_stopped = state.stop_matcher.push(state.detokenizer.push(completion.token_ids))
+        finish_reason = "stop" if is_stopped else None
+        if not is_stopped and completion.finish_reason is not None:
+            tail, is_stopped = state.stop_matcher.push(state.detokenizer.flush())
+            text += tail if is_stopped else tail + state.stop_matcher.flush()
+            finish_reason = "stop" if is_stopped else completion.finish_reason
+        state.is_finished = finish_reason is not None
+        if not (text or completion.token_ids or state.is_finished):
+            return None
+        delta = StreamDelta(index=completion.index, text=text, token_ids=list(completion.token_ids),
+                            finish_reason=finish_reason,
+                            cumulative_logprob=completion.cumulative_logprob,
+                            error=completion.error if finish_reason == "error" else None)
+        if self._wants_logprobs:
+            delta.logprobs = [DecodedLogprob(t, lp, self._token_text(t))
+                              for t, lp in zip(completion.token_ids, completion.logprobs,
+                                               strict=False)]
+            delta.top_logprobs = [self._decoded(c) for c in completion.top_logprobs]
+        return delta
+
+    def _decoded(self, candidates: list[TokenLogprob]) -> list[DecodedLogprob]:
+        return [DecodedLogprob(c.token_id, c.logprob, self._token_text(c.token_id))
+                for c in candidates]
+
+    def _token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)

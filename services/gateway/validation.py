@@ -1,0 +1,99 @@
+"""A client's request checked against the served model and turned into prompt token ids.
+
+Every problem raises InvalidRequest naming the field and the value (→ INVALID_ARGUMENT); the
+sampling fields were already checked by SamplingParams when the request was converted.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from services.errors import InvalidRequest
+from services.sampling_params import SamplingParams
+from services.tokenizer import Tokenizer
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateInput:
+    """What the client asked for; exactly one of text, token_ids, messages is set."""
+
+    request_id: str = ""
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    sampling: SamplingParams = SamplingParams()
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The served model, as the scheduler reports it plus what the gateway's tokenizer knows."""
+
+    model: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    has_chat_template: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """Ready for the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int
+
+
+def prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo) -> list[int]:
+    """The prompt as token ids: text is tokenized (with the model's BOS), messages go through
+    the chat template, token ids are checked against the vocabulary."""
+    if request.text is not None:
+        if not request.text:
+            raise InvalidRequest("prompt text must not be empty, got ''")
+        return tokenizer.encode(request.text, add_special_tokens=True)
+    if request.messages is not None:
+        if not info.has_chat_template:
+            raise InvalidRequest(f"prompt messages need a chat template, but model "
+                                 f"{info.model!r} has none; send text or token_ids")
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if request.token_ids is not None:
+        token_ids = list(request.token_ids)
+        if not token_ids:
+            raise InvalidRequest("prompt token_ids must not be empty, got []")
+        bad = [t for t in token_ids if not 0 <= t < info.vocab_size][:8]
+        if bad:
+            raise InvalidRequest(
+                f"prompt token_ids must be in [0, vocab_size={info.vocab_size}), got {bad}")
+        return token_ids
+    raise InvalidRequest("prompt must be set: one of text, token_ids or messages")
+
+
+def prepare_request(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo
+                    ) -> PreparedRequest:
+    request_id = request.request_id or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, "
+                             f"got {len(request_id)}")
+    sampling = request.sampling
+    sampling.verify_for_model(info.vocab_size)
+    token_ids = prompt_token_ids(request, tokenizer, info)
+    num_tokens = len(token_ids) + sampling.max_tokens
+    if num_tokens > info.max_model_len:
+        raise InvalidRequest(
+            f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) must be at "
+            f"most max_model_len={info.max_model_len}, got {num_tokens}")
+    return PreparedRequest(request_id=request_id, prompt_token_ids=token_ids, sampling=sampling,
+                           priority=request.priority)

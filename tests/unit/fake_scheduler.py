@@ -1,0 +1,92 @@
+"""A test double of the scheduler service over real grpc.aio (port 0): it answers every Submit
+with a scripted reply, one token per event, for each of the n outputs, then ends with EOS ("stop")
+or "length" at max_tokens. With `hang=True` it keeps the stream open after the reply until the
+request is aborted or the call cancelled, and records which happened."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pagedserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.gateway.convert import served_model_to_proto
+from services.gateway.validation import ModelInfo
+from services.proto_common import sampling_params_from_proto
+from services.server import ServiceBinding, ServiceServer, create_server
+
+
+class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, model_dir: str, info: ModelInfo, reply_ids: list[int]) -> None:
+        self.served_model = served_model_to_proto(model_dir, info)
+        self.reply_ids = reply_ids
+        self.hang = False
+        self.error: str | None = None  # finish every output with "error" and this text
+        self.submits: list[scheduler_pb2.SubmitRequest] = []
+        self.cancelled: set[str] = set()
+        self.aborted: set[str] = set()
+        self._abort_events: dict[str, asyncio.Event] = {}
+        self.any_cancelled = asyncio.Event()
+
+    async def Submit(self, request, context):
+        self.submits.append(request)
+        request_id = request.request_id
+        sampling = sampling_params_from_proto(request.sampling)
+        abort = self._abort_events[request_id] = asyncio.Event()
+        prompt_len = len(request.prompt_token_ids)
+        num_tokens = min(sampling.max_tokens, len(self.reply_ids))
+        is_complete = False
+        try:
+            for step in range(num_tokens):
+                if abort.is_set():
+                    break
+                is_last = step == num_tokens - 1 and not self.hang
+                finish = common_pb2.FINISH_REASON_UNSPECIFIED
+                if is_last:
+                    finish = (common_pb2.FINISH_REASON_LENGTH if step + 1 == sampling.max_tokens
+                              else common_pb2.FINISH_REASON_STOP)
+                if is_last and self.error:
+                    finish = common_pb2.FINISH_REASON_ERROR
+                event = scheduler_pb2.TokenEvent(num_prompt_tokens=prompt_len, num_cached_tokens=1)
+                token_id = self.reply_ids[step]
+                for index in range(sampling.n):
+                    delta = event.outputs.add(index=index, token_ids=[token_id],
+                                              finish_reason=finish, cumulative_logprob=-0.5 * (step + 1),
+                                              error=self.error if is_last and self.error else "")
+                    if sampling.logprobs is not None:
+                        delta.logprobs.append(-0.5)
+                        delta.top_logprobs.add().candidates.add(token_id=token_id, logprob=-0.5)
+                yield event
+                await asyncio.sleep(0)
+            if self.hang or abort.is_set():
+                await abort.wait()
+                self.aborted.add(request_id)
+                event = scheduler_pb2.TokenEvent(num_prompt_tokens=prompt_len)
+                for index in range(sampling.n):
+                    event.outputs.add(index=index, finish_reason=common_pb2.FINISH_REASON_ABORT)
+                yield event
+            is_complete = True
+        finally:
+            # the caller went away: grpc cancels the handler task or closes this generator
+            if not is_complete:
+                self.cancelled.add(request_id)
+                self.any_cancelled.set()
+            self._abort_events.pop(request_id, None)
+
+    async def Abort(self, request, context):
+        event = self._abort_events.get(request.request_id)
+        if event is not None:
+            event.set()
+        return common_pb2.AbortResponse(was_found=event is not None)
+
+    async def GetLoad(self, request, context):
+        return scheduler_pb2.Load()
+
+    async def GetServedModel(self, request, context):
+        return self.served_model
+
+
+async def start_fake_scheduler(fake: FakeScheduler) -> ServiceServer:
+    server, _ = create_server([ServiceBinding(
+        fake, scheduler_pb2_grpc.add_SchedulerServicer_to_server, "pagedserve.v1.Scheduler")])
+    await server.start()
+    await server.set_serving(True)
+    return server

@@ -1,0 +1,275 @@
+"""The gateway over real gRPC against a test double of the scheduler (tests/unit/fake_scheduler)."""
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.config import GatewayConfig
+from services.gateway.app import start_gateway
+from services.gateway.validation import ModelInfo
+from tests.unit.fake_scheduler import FakeScheduler, start_fake_scheduler
+from tests.unit.tiny_tokenizers import byte_level_bpe
+
+REPLY = "hello 你好 😀 world. STOP and more"
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    tokenizer = byte_level_bpe()
+    tokenizer.hf_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@dataclass
+class Harness:
+    fake: FakeScheduler
+    generation: gateway_pb2_grpc.GenerationStub
+    models: gateway_pb2_grpc.ModelsStub
+    channel: grpc.aio.Channel
+    stop_scheduler: object
+
+
+@contextlib.asynccontextmanager
+async def harness(model_dir, max_concurrent_requests=8):
+    tokenizer = byte_level_bpe()
+    info = ModelInfo(model="tiny", architecture="LlamaForCausalLM", max_model_len=MAX_MODEL_LEN,
+                     vocab_size=tokenizer.vocab_size, eos_token_ids=(2,), has_chat_template=True)
+    fake = FakeScheduler(model_dir, info, tokenizer.encode(REPLY, add_special_tokens=False))
+    scheduler_server = await start_fake_scheduler(fake)
+    gateway = await start_gateway(GatewayConfig(
+        port=0, scheduler_address=f"127.0.0.1:{scheduler_server.port}", rpc_timeout_s=2.0,
+        max_concurrent_requests=max_concurrent_requests))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
+    try:
+        yield Harness(fake, gateway_pb2_grpc.GenerationStub(channel),
+                      gateway_pb2_grpc.ModelsStub(channel), channel,
+                      lambda: scheduler_server.shutdown(grace_s=0))
+    finally:
+        await channel.close()
+        await gateway.stop(grace_s=0)
+        await scheduler_server.shutdown(grace_s=0)
+
+
+def run(model_dir, body, **kw):
+    async def main():
+        async with harness(model_dir, **kw) as h:
+            return await asyncio.wait_for(body(h), 20)
+
+    return asyncio.run(main())
+
+
+def request(**sampling):
+    return gateway_pb2.GenerateRequest(request_id="r1", text="the quick brown fox",
+                                       sampling=common_pb2.SamplingParams(**sampling))
+
+
+async def collect(call):
+    return [r async for r in call]
+
+
+async def read_rest(call):
+    responses = []
+    while (r := await call.read()) is not grpc.aio.EOF:
+        responses.append(r)
+    return responses
+
+
+def test_stream_text_equals_reply_and_ends_with_finish_and_usage(model_dir):
+    async def body(h):
+        return await collect(h.generation.GenerateStream(request(max_tokens=40), timeout=10))
+
+    responses = run(model_dir, body)
+    assert "".join(r.text for r in responses) == REPLY
+    assert all("\ufffd" not in r.text for r in responses)
+    assert all(r.request_id == "r1" for r in responses)
+    last = responses[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert all(r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
+    num_tokens = sum(len(r.token_ids) for r in responses)
+    assert last.usage.completion_tokens == num_tokens
+    assert last.usage.prompt_tokens == len(byte_level_bpe().encode("the quick brown fox"))
+    assert last.usage.cached_tokens == 1
+
+
+def test_max_tokens_finishes_with_length(model_dir):
+    async def body(h):
+        return await collect(h.generation.GenerateStream(request(max_tokens=3), timeout=10))
+
+    responses = run(model_dir, body)
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert sum(len(r.token_ids) for r in responses) == 3
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_ends_the_stream_and_cancels_the_scheduler_call(model_dir, include):
+    async def body(h):
+        h.fake.hang = True  # the scheduler would go on forever
+        responses = await collect(h.generation.GenerateStream(
+            request(max_tokens=40, stop=["STOP"], include_stop_str_in_output=include), timeout=10))
+        await asyncio.wait_for(h.fake.any_cancelled.wait(), 5)
+        return responses, h.fake.cancelled
+
+    responses, cancelled = run(model_dir, body)
+    expected = "hello 你好 😀 world. STOP" if include else "hello 你好 😀 world. "
+    assert "".join(r.text for r in responses) == expected
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert cancelled == {"r1"}
+
+
+def test_generate_unary_aggregates_n_outputs_with_logprobs(model_dir):
+    async def body(h):
+        return await h.generation.Generate(request(max_tokens=40, n=2, logprobs=1), timeout=10)
+
+    response = run(model_dir, body)
+    assert [o.index for o in response.outputs] == [0, 1]
+    for output in response.outputs:
+        assert output.text == REPLY
+        assert output.finish_reason == common_pb2.FINISH_REASON_STOP
+        assert len(output.logprobs) == len(output.token_ids) == len(output.top_logprobs)
+        assert output.logprobs[0].text == byte_level_bpe().decode([output.token_ids[0]])
+        assert output.cumulative_logprob == pytest.approx(-0.5 * len(output.token_ids))
+    assert response.usage.completion_tokens == 2 * len(response.outputs[0].token_ids)
+
+
+def test_client_deadline_cancels_the_scheduler_call(model_dir):
+    async def body(h):
+        h.fake.hang = True
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(h.generation.GenerateStream(request(max_tokens=40), timeout=0.5))
+        await asyncio.wait_for(h.fake.any_cancelled.wait(), 5)
+        return err.value.code()
+
+    assert run(model_dir, body) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_abort_forwards_to_the_scheduler_and_ends_the_stream(model_dir):
+    async def body(h):
+        h.fake.hang = True
+        call = h.generation.GenerateStream(request(max_tokens=40), timeout=10)
+        first = await call.read()
+        abort = await h.generation.Abort(common_pb2.AbortRequest(request_id="r1"), timeout=5)
+        rest = await read_rest(call)
+        unknown = await h.generation.Abort(common_pb2.AbortRequest(request_id="nope"), timeout=5)
+        return first, abort, rest, unknown
+
+    first, abort, rest, unknown = run(model_dir, body)
+    assert first.text
+    assert abort.was_found and not unknown.was_found
+    assert rest[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert rest[-1].HasField("usage")
+
+
+@pytest.mark.parametrize("req, words", [
+    (gateway_pb2.GenerateRequest(text=""), ["text", "''"]),
+    (gateway_pb2.GenerateRequest(), ["prompt must be set"]),
+    (gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds()), ["token_ids", "[]"]),
+    (gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(token_ids=[1, 99999])),
+     ["token_ids", "99999"]),
+    (request(temperature=-1.0), ["temperature", "-1.0"]),
+    (request(max_tokens=0), ["max_tokens", "0"]),
+    (request(n=0), ["n must", "0"]),
+    (request(logprobs=21), ["logprobs", "21"]),
+    (request(stop_token_ids=[99999]), ["stop_token_ids", "99999"]),
+    (request(stop=["ok", ""]), ["stop", "''"]),
+    (request(max_tokens=MAX_MODEL_LEN), ["max_model_len", str(MAX_MODEL_LEN)]),
+    (gateway_pb2.GenerateRequest(messages=gateway_pb2.ChatMessages(messages=[
+        gateway_pb2.ChatMessage(role="robot", content="hi")])), ["role", "robot"]),
+    (gateway_pb2.GenerateRequest(messages=gateway_pb2.ChatMessages()), ["messages", "empty"]),
+])
+def test_invalid_requests_name_the_field_and_value(model_dir, req, words):
+    async def body(h):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(h.generation.GenerateStream(req, timeout=5))
+        return err.value, h.fake.submits
+
+    err, submits = run(model_dir, body)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for word in words:
+        assert word in err.details()
+    assert submits == []  # never reached the scheduler
+
+
+def test_chat_messages_go_through_the_template(model_dir):
+    async def body(h):
+        messages = gateway_pb2.ChatMessages(messages=[
+            gateway_pb2.ChatMessage(role="user", content="hello")])
+        await collect(h.generation.GenerateStream(
+            gateway_pb2.GenerateRequest(messages=messages), timeout=5))
+        tokenized = await h.generation.Tokenize(gateway_pb2.TokenizeRequest(messages=messages))
+        return list(h.fake.submits[0].prompt_token_ids), tokenized
+
+    prompt_ids, tokenized = run(model_dir, body)
+    text = byte_level_bpe().decode(prompt_ids, skip_special_tokens=False)
+    assert text == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert list(tokenized.token_ids) == prompt_ids
+    assert tokenized.max_model_len == MAX_MODEL_LEN
+
+
+def test_model_info_and_health(model_dir):
+    async def body(h):
+        info = await h.models.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5)
+        health = await health_pb2_grpc.HealthStub(h.channel).Check(
+            health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation"), timeout=5)
+        return info, health.status
+
+    info, status = run(model_dir, body)
+    assert info.max_model_len == MAX_MODEL_LEN
+    assert info.vocab_size == byte_level_bpe().vocab_size
+    assert list(info.eos_token_ids) == [2]
+    assert info.has_chat_template
+    assert info.model.startswith("tokenizer")  # the served folder's name
+    assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_engine_error_fails_the_call_with_internal(model_dir):
+    async def body(h):
+        h.fake.error = "worker 0 crashed"
+        call = h.generation.GenerateStream(request(max_tokens=40), timeout=5)
+        responses = []
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for r in call:
+                responses.append(r)
+        return responses, err.value
+
+    responses, err = run(model_dir, body)
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_ERROR
+    assert err.code() == grpc.StatusCode.INTERNAL
+    assert "worker 0 crashed" in err.details()
+
+
+def test_overloaded_when_too_many_requests_are_live(model_dir):
+    async def body(h):
+        h.fake.hang = True
+        first = h.generation.GenerateStream(request(max_tokens=40), timeout=10)
+        await first.read()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(h.generation.GenerateStream(
+                gateway_pb2.GenerateRequest(request_id="r2", text="x"), timeout=5))
+        first.cancel()
+        return err.value
+
+    err = run(model_dir, body, max_concurrent_requests=1)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_concurrent_requests" in err.details()
+
+
+def test_dead_scheduler_gives_unavailable_fast(model_dir):
+    async def body(h):
+        await h.stop_scheduler()
+        start = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(h.generation.GenerateStream(request(max_tokens=4), timeout=10))
+        return err.value, time.monotonic() - start
+
+    err, elapsed = run(model_dir, body)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert "scheduler" in err.details()
+    assert elapsed < 3.0
