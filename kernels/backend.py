@@ -5,6 +5,8 @@ signatures; the worker picks one explicitly by name and imports it lazily, never
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 from types import ModuleType
 
 import torch
@@ -20,6 +22,18 @@ BACKEND_MODULES = {
 
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
+
+
+def available_backends(device: torch.device) -> list[str]:
+    """Backends that can run on `device` in this process. Triton needs CUDA, or its interpreter
+    (`TRITON_INTERPRET=1`) for CPU tensors; flash_attn needs the package and CUDA."""
+    names = ["ref", "torch"]
+    has_triton = importlib.util.find_spec("triton") is not None
+    if has_triton and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        names.append("triton")
+    if device.type == "cuda" and flash_attn_available():
+        names.append("flash_attn")
+    return names
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:

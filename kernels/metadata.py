@@ -8,7 +8,7 @@ attend causally to every earlier position through the sequence's block table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,10 @@ class AttentionMetadata:
     num_prefill_tokens: int
     query_lens_cpu: list[int]  # host copies, so backends never sync to read shapes
     seq_lens_cpu: list[int]
+    # Per-step tensors a backend derives from the fields above (gather indices, masks, launch
+    # plans): built by the first layer's call and reused by every later layer of the same step.
+    # Valid because a metadata object describes one step and is not mutated after it is built.
+    derived: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

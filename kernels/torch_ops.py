@@ -1,0 +1,227 @@
+"""Vectorized torch backend: the default on CPU, and the baseline the GPU kernels are measured against.
+
+Every op is a handful of tensor ops with no per-sequence Python loop. Paged attention gathers each
+sequence's K/V rows through its block table into a padded [num_seqs, max_seq_len, ...] tensor with
+one index op and hands that to scaled_dot_product_attention, with a causal + padding mask. Prefill
+chunks and decode tokens run as two batched calls. The index tensors and masks depend only on the
+step's metadata, so they are built by the first layer and reused by the rest (`meta.derived`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import AttentionMetadata
+
+_DERIVED_KEY = "torch"
+
+
+@dataclass(slots=True)
+class PrefillPlan:
+    """How the prefill sequences map onto padded [num_prefills, max_query_len | max_seq_len] grids."""
+
+    slots: torch.Tensor  # [num_prefills * max_seq_len] int64 flat cache row of each key position
+    max_query_len: int
+    max_seq_len: int
+    attn_mask: torch.Tensor | None  # [num_prefills, 1, max_query_len, max_seq_len] bool, None = causal
+    token_rows: torch.Tensor | None  # [num_prefill_tokens] row in the padded query grid, None = unpadded
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    slots: torch.Tensor  # [num_decodes * max_seq_len] int64
+    max_seq_len: int
+    attn_mask: torch.Tensor  # [num_decodes, 1, 1, max_seq_len] bool: key position < seq_len
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    prefill: PrefillPlan | None
+    decode: DecodePlan | None
+
+
+def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The flat [num_blocks * block_size, ...] views every op takes need contiguous caches."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache/v_cache must be [num_blocks, block_size, num_kv_heads, head_size] "
+                         f"and equal, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter each token's K/V to its slot; slot -1 is skipped."""
+    check_cache_pair(k_cache, v_cache)
+    num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
+    k_flat = k_cache.view(-1, num_kv_heads, head_size)  # [num_blocks * block_size, kv_heads, head]
+    v_flat = v_cache.view(-1, num_kv_heads, head_size)
+    is_written = slot_mapping >= 0  # [num_tokens]
+    slots = slot_mapping[is_written].long()
+    k_flat.index_copy_(0, slots, key[is_written].to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, value[is_written].to(v_cache.dtype))
+
+
+def gather_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                 block_size: int) -> torch.Tensor:
+    """Flat cache row of positions 0..max_seq_len-1 of each sequence: [num_seqs, max_seq_len].
+
+    Positions at or past a sequence's length point at its position 0 instead: that row is always
+    written, so padded keys never read uninitialized memory (NaN there would leak through the
+    masked softmax as 0 * NaN).
+    """
+    pos = torch.arange(max_seq_len, device=block_tables.device)  # [max_seq_len]
+    blocks = block_tables.index_select(1, pos // block_size).long()  # [num_seqs, max_seq_len]
+    slots = blocks * block_size + pos % block_size
+    return torch.where(pos < seq_lens.unsqueeze(1), slots, slots[:, :1])
+
+
+def _prefill_plan(meta: AttentionMetadata, block_size: int) -> PrefillPlan:
+    num_prefills = meta.num_prefills
+    query_lens = meta.query_lens_cpu[:num_prefills]
+    seq_lens_cpu = meta.seq_lens_cpu[:num_prefills]
+    max_query_len, max_seq_len = max(query_lens), max(seq_lens_cpu)
+    seq_lens = meta.seq_lens[:num_prefills]  # [num_prefills] on the device
+    slots = gather_slots(meta.block_tables[:num_prefills], seq_lens, max_seq_len, block_size)
+    is_uniform = all(q == max_query_len for q in query_lens)
+    if is_uniform and all(s == max_query_len for s in seq_lens_cpu):
+        # Fresh prompts of one length: the query covers the whole context, plain causal attention.
+        return PrefillPlan(slots.flatten(), max_query_len, max_seq_len, None, None)
+
+    starts = meta.query_start_loc[:num_prefills + 1].long()
+    query_lens_t = starts[1:] - starts[:-1]  # [num_prefills]
+    context_lens = seq_lens - query_lens_t
+    q_idx = torch.arange(max_query_len, device=starts.device)
+    # Bottom-right causal: query i of a sequence sits at position context_len + i. Padding rows
+    # are clamped to the last position so they see valid keys (their output is dropped).
+    q_pos = torch.minimum(context_lens.unsqueeze(1) + q_idx, seq_lens.unsqueeze(1) - 1)
+    k_pos = torch.arange(max_seq_len, device=starts.device)
+    attn_mask = (k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)  # [P, 1, max_q, max_s]
+
+    token_rows = None
+    if not is_uniform:
+        num_tokens = meta.num_prefill_tokens
+        seq_idx = torch.repeat_interleave(torch.arange(num_prefills, device=starts.device),
+                                          query_lens_t, output_size=num_tokens)  # [num_tokens]
+        token_idx = torch.arange(num_tokens, device=starts.device)
+        token_rows = seq_idx * max_query_len + token_idx - starts[seq_idx]
+    return PrefillPlan(slots.flatten(), max_query_len, max_seq_len, attn_mask, token_rows)
+
+
+def _decode_plan(meta: AttentionMetadata, block_size: int) -> DecodePlan:
+    first = meta.num_prefills
+    max_seq_len = max(meta.seq_lens_cpu[first:])
+    seq_lens = meta.seq_lens[first:]  # [num_decodes]
+    slots = gather_slots(meta.block_tables[first:], seq_lens, max_seq_len, block_size)
+    k_pos = torch.arange(max_seq_len, device=seq_lens.device)
+    attn_mask = (k_pos < seq_lens.unsqueeze(1)).view(len(seq_lens), 1, 1, max_seq_len)
+    return DecodePlan(slots.flatten(), max_seq_len, attn_mask)
+
+
+def attention_plan(meta: AttentionMetadata, block_size: int) -> AttentionPlan:
+    """The step's gather indices and masks, built once and cached on the metadata."""
+    plan = meta.derived.get(_DERIVED_KEY)
+    if plan is None:
+        plan = AttentionPlan(
+            _prefill_plan(meta, block_size) if meta.num_prefills else None,
+            _decode_plan(meta, block_size) if meta.num_decode_tokens else None,
+        )
+        meta.derived[_DERIVED_KEY] = plan
+    return plan
+
+
+def _gather(flat_cache: torch.Tensor, slots: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """[num_seqs, num_kv_heads, max_seq_len, head_size] view of the gathered rows."""
+    rows = flat_cache.index_select(0, slots)  # [num_seqs * max_seq_len, kv_heads, head]
+    return rows.view(num_seqs, -1, *flat_cache.shape[1:]).transpose(1, 2)
+
+
+def _prefill_attention(query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                       plan: PrefillPlan, num_prefills: int, scale: float) -> torch.Tensor:
+    num_heads, head_size = query.shape[1], query.shape[2]
+    if plan.token_rows is None:
+        q = query.view(num_prefills, plan.max_query_len, num_heads, head_size)
+    else:
+        q = query.new_zeros(num_prefills * plan.max_query_len, num_heads, head_size)
+        q.index_copy_(0, plan.token_rows, query)
+        q = q.view(num_prefills, plan.max_query_len, num_heads, head_size)
+    k = _gather(k_flat, plan.slots, num_prefills)  # [P, kv_heads, max_seq_len, head]
+    v = _gather(v_flat, plan.slots, num_prefills)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=plan.attn_mask, is_causal=plan.attn_mask is None,
+        scale=scale, enable_gqa=num_heads != k.shape[1])  # [P, heads, max_query_len, head]
+    out = out.transpose(1, 2).reshape(-1, num_heads, head_size)
+    return out if plan.token_rows is None else out.index_select(0, plan.token_rows)
+
+
+def _decode_attention(query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                      plan: DecodePlan, scale: float) -> torch.Tensor:
+    num_decodes, num_heads, head_size = query.shape
+    k = _gather(k_flat, plan.slots, num_decodes)  # [num_decodes, kv_heads, max_seq_len, head]
+    v = _gather(v_flat, plan.slots, num_decodes)
+    # One query row per head: the heads of a GQA group become the "query length" of their KV
+    # head, so no KV expansion is needed and the mask broadcasts over them.
+    q = query.view(num_decodes, k.shape[1], num_heads // k.shape[1], head_size)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.attn_mask, scale=scale)
+    return out.reshape(num_decodes, num_heads, head_size)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Same contract as `kernels.ref.paged_attention`: query [num_tokens, num_heads, head_size]."""
+    check_cache_pair(k_cache, v_cache)
+    block_size, num_kv_heads, head_size = k_cache.shape[1:]
+    if query.shape[1] % num_kv_heads or query.shape[2] != head_size:
+        raise ValueError(f"query {tuple(query.shape)} does not fit a cache of {num_kv_heads} KV "
+                         f"heads of size {head_size}")
+    plan = attention_plan(meta, block_size)
+    k_flat = k_cache.view(-1, num_kv_heads, head_size)  # [num_blocks * block_size, kv_heads, head]
+    v_flat = v_cache.view(-1, num_kv_heads, head_size)
+    out = torch.empty_like(query)
+    query = query.to(k_cache.dtype)
+    num_prefill_tokens = meta.num_prefill_tokens
+    if plan.prefill is not None:
+        out[:num_prefill_tokens] = _prefill_attention(
+            query[:num_prefill_tokens], k_flat, v_flat, plan.prefill, meta.num_prefills, scale)
+    if plan.decode is not None:
+        out[num_prefill_tokens:] = _decode_attention(
+            query[num_prefill_tokens:], k_flat, v_flat, plan.decode, scale)
+    return out
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy whole blocks of one layer between devices: one gather, one transfer, one scatter.
+
+    src, dst: [2, num_blocks, block_size, num_kv_heads, head_size]; block_mapping: [n, 2].
+    Device → host waits for the transfer, because the host scatter reads it right away; host →
+    device goes through pinned memory without blocking, ordered on the device's stream.
+    """
+    if block_mapping.numel() == 0:
+        return
+    mapping = block_mapping.to("cpu", torch.long)
+    src_ids = mapping[:, 0].to(src.device)
+    dst_ids = mapping[:, 1].to(dst.device)
+    blocks = src.index_select(1, src_ids)  # [2, n, block_size, kv_heads, head]
+    if blocks.device != dst.device:
+        is_upload = blocks.device.type == "cpu" and dst.device.type != "cpu"
+        if is_upload and torch.cuda.is_available():
+            blocks = blocks.pin_memory()
+        blocks = blocks.to(dst.device, non_blocking=is_upload)
+    dst.index_copy_(1, dst_ids, blocks)
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Copy-on-write inside each layer: one gather and one scatter per layer.
+
+    Destinations are fresh blocks and never sources, so a gather-then-scatter equals the
+    reference's pair-by-pair copies.
+    """
+    if block_mapping.numel() == 0 or not kv_caches:
+        return
+    mapping = block_mapping.to(kv_caches[0].device, torch.long)
+    src_ids, dst_ids = mapping[:, 0], mapping[:, 1]
+    for kv_cache in kv_caches:
+        kv_cache.index_copy_(1, dst_ids, kv_cache.index_select(1, src_ids))

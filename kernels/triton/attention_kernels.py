@@ -1,0 +1,202 @@
+"""Triton paged attention: a unified kernel for prefill chunks and decodes, and a split-KV
+(flash-decoding) pair of kernels for decodes over long contexts.
+
+Both read K/V through the block table one tile of TILE_N key positions at a time; a tile may span
+several cache blocks (block_size 8 with TILE_N 32), so each key position looks up its own block.
+Softmax is online (running max m, running sum l, rescaled accumulator) in fp32.
+
+GQA: the NUM_QUERIES_PER_KV query heads of one KV head are handled by the same program, as extra
+rows of the query tile, so each K/V tile is loaded once per group. Rows are laid out
+row = query_token * GROUP_P2 + head_in_group, GROUP_P2 being the group padded to a power of two.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc,  # [BLOCK_M, HEAD_P2], [BLOCK_M], [BLOCK_M], [BLOCK_M, HEAD_P2]
+    q_pos,  # [BLOCK_M] sequence position of each row's query; a key is visible up to it
+    k_cache_ptr, v_cache_ptr, block_table_ptr, tile_start, kv_end, kv_head, scale,
+    stride_cache_block, stride_cache_pos, stride_cache_head,
+    HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold key positions tile_start .. tile_start + TILE_N (those < kv_end) into the softmax."""
+    k_pos = tile_start + tl.arange(0, TILE_N)  # [TILE_N]
+    is_key = k_pos < kv_end
+    dim = tl.arange(0, HEAD_P2)
+    is_dim = dim < HEAD_SIZE
+    block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=is_key, other=0).to(tl.int64)
+    row = block * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_pos \
+        + kv_head * stride_cache_head  # [TILE_N]
+    # Keys past kv_end are not loaded at all: unwritten slots may hold NaN, and 0 * NaN is NaN.
+    k = tl.load(k_cache_ptr + row[None, :] + dim[:, None],
+                mask=is_key[None, :] & is_dim[:, None], other=0.0)  # [HEAD_P2, TILE_N]
+    v = tl.load(v_cache_ptr + row[:, None] + dim[None, :],
+                mask=is_key[:, None] & is_dim[None, :], other=0.0)  # [TILE_N, HEAD_P2]
+
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N]
+    is_visible = (k_pos[None, :] <= q_pos[:, None]) & is_key[None, :]
+    s = tl.where(is_visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+    # A row that has seen no key yet keeps m = -inf; shift by 0 so exp gives 0, not NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_shift[:, None])  # [BLOCK_M, TILE_N]
+    alpha = tl.exp(m_i - m_shift)  # [BLOCK_M] rescales what was summed under the old max
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def unified_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_size]
+    query_ptr,  # [num_tokens, num_heads, head_size], last dim contiguous
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache_ptr,
+    block_tables_ptr,  # [num_seqs, max_num_blocks] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    scale,
+    stride_query_token, stride_query_head,
+    stride_out_token, stride_out_head,
+    stride_cache_block, stride_cache_pos, stride_cache_head,
+    stride_block_table,
+    NUM_QUERIES_PER_KV: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (sequence, query block, KV head): BLOCK_Q query tokens × the group's heads."""
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + rows // GROUP_P2  # [BLOCK_M] query token within the sequence
+    head_in_group = rows % GROUP_P2
+    head = kv_head * NUM_QUERIES_PER_KV + head_in_group  # [BLOCK_M]
+    is_row = (q_idx < q_len) & (head_in_group < NUM_QUERIES_PER_KV)
+    dim = tl.arange(0, HEAD_P2)
+    is_dim = dim < HEAD_SIZE
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(query_ptr + token[:, None] * stride_query_token
+                + head[:, None] * stride_query_head + dim[None, :],
+                mask=is_row[:, None] & is_dim[None, :], other=0.0)  # [BLOCK_M, HEAD_P2]
+    q_pos = context_len + q_idx  # [BLOCK_M]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_P2], tl.float32)
+    # Causality: no row of this query block sees past its last query's position.
+    kv_end = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    for tile_start in range(0, kv_end, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, tile_start,
+            kv_end, kv_head, scale, stride_cache_block, stride_cache_pos, stride_cache_head,
+            HEAD_SIZE, HEAD_P2, BLOCK_SIZE, TILE_N, DOT_PRECISION)
+
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # padding rows have l = 0
+    tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head
+             + dim[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=is_row[:, None] & is_dim[None, :])
+
+
+@triton.jit
+def decode_partition_kernel(
+    partial_out_ptr,  # [num_decodes, num_heads, max_num_partitions, HEAD_P2] fp32, normalized
+    partial_max_ptr,  # [num_decodes, num_heads, max_num_partitions] fp32: softmax max m
+    partial_sum_ptr,  # [num_decodes, num_heads, max_num_partitions] fp32: softmax sum l
+    query_ptr,  # [num_tokens, num_heads, head_size]: decode d is token first_token + d
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_tables_ptr,  # [num_seqs, max_num_blocks]: decode d is sequence first_seq + d
+    seq_lens_ptr,  # [num_seqs]
+    scale, first_seq, first_token,
+    stride_query_token, stride_query_head,
+    stride_cache_block, stride_cache_pos, stride_cache_head,
+    stride_block_table,
+    NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, MAX_NUM_PARTITIONS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (decode, KV head, partition): attention of the group's heads over one
+    PARTITION_SIZE slice of the context; decode_reduce_kernel merges the slices."""
+    decode = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    partition = tl.program_id(2)
+    seq = first_seq + decode
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_start = partition * PARTITION_SIZE
+    if kv_start >= seq_len:
+        return
+    kv_end = tl.minimum(kv_start + PARTITION_SIZE, seq_len)
+
+    rows = tl.arange(0, BLOCK_M)  # one row per query head of the group, padded for tl.dot
+    head = kv_head * NUM_QUERIES_PER_KV + rows
+    is_row = rows < NUM_QUERIES_PER_KV
+    dim = tl.arange(0, HEAD_P2)
+    is_dim = dim < HEAD_SIZE
+    token = (first_token + decode).to(tl.int64)
+    q = tl.load(query_ptr + token * stride_query_token + head[:, None] * stride_query_head
+                + dim[None, :], mask=is_row[:, None] & is_dim[None, :], other=0.0)
+    q_pos = tl.full([BLOCK_M], seq_len - 1, tl.int32)  # the decode token is the last position
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_P2], tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    for tile_start in range(kv_start, kv_end, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, tile_start,
+            kv_end, kv_head, scale, stride_cache_block, stride_cache_pos, stride_cache_head,
+            HEAD_SIZE, HEAD_P2, BLOCK_SIZE, TILE_N, DOT_PRECISION)
+
+    # [num_decodes, num_heads, MAX_NUM_PARTITIONS] index of (decode, head, partition)
+    stat = (decode.to(tl.int64) * (tl.num_programs(1) * NUM_QUERIES_PER_KV) + head) \
+        * MAX_NUM_PARTITIONS + partition  # [BLOCK_M]
+    tl.store(partial_max_ptr + stat, m_i, mask=is_row)
+    tl.store(partial_sum_ptr + stat, l_i, mask=is_row)
+    tl.store(partial_out_ptr + stat[:, None] * HEAD_P2 + dim[None, :], acc / l_i[:, None],
+             mask=is_row[:, None])
+
+
+@triton.jit
+def decode_reduce_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_size]
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr,  # as written by decode_partition_kernel
+    seq_lens_ptr, first_seq, first_token,
+    stride_out_token, stride_out_head,
+    MAX_NUM_PARTITIONS: tl.constexpr, PARTITIONS_P2: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, PARTITION_SIZE: tl.constexpr,
+):
+    """Program (decode, head): merge the partitions' softmax states, each weighted by
+    l_p * exp(m_p - max_p m_p)."""
+    decode = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + first_seq + decode)
+    num_partitions = tl.cdiv(seq_len, PARTITION_SIZE)
+    partition = tl.arange(0, PARTITIONS_P2)
+    is_partition = partition < num_partitions
+    stat = (decode.to(tl.int64) * tl.num_programs(1) + head) * MAX_NUM_PARTITIONS + partition
+    part_max = tl.load(partial_max_ptr + stat, mask=is_partition, other=float("-inf"))  # [P2]
+    part_sum = tl.load(partial_sum_ptr + stat, mask=is_partition, other=0.0)  # [P2]
+    # unused partitions: 0 * exp(-inf) = 0
+    weight = part_sum * tl.exp(part_max - tl.max(part_max, 0))
+    dim = tl.arange(0, HEAD_P2)
+    partial = tl.load(partial_out_ptr + stat[:, None] * HEAD_P2 + dim[None, :],
+                      mask=is_partition[:, None], other=0.0)  # [P2, HEAD_P2]
+    out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)  # [HEAD_P2]
+    token = (first_token + decode).to(tl.int64)
+    tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dim,
+             out.to(out_ptr.dtype.element_ty), mask=dim < HEAD_SIZE)

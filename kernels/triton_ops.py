@@ -1,0 +1,162 @@
+"""Triton backend: the four ops of `kernels.ref` on Triton kernels (kernels/triton/*).
+
+The wrappers check shapes and strides and hold the launch policy; the kernels hold none. On a CPU
+machine the kernels run under `TRITON_INTERPRET=1` on CPU tensors (set before this module is
+imported: Triton reads it when the kernels are decorated).
+
+swap_blocks moves blocks between the GPU and host memory, which no single kernel can address
+portably, so it is the torch backend's one gather + one transfer + one scatter per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernels.metadata import AttentionMetadata
+from kernels.torch_ops import check_cache_pair, swap_blocks
+from kernels.triton.attention_kernels import (
+    decode_partition_kernel,
+    decode_reduce_kernel,
+    unified_attention_kernel,
+)
+from kernels.triton.cache_kernels import copy_blocks_kernel, write_kv_kernel
+
+__all__ = ["write_kv", "paged_attention", "swap_blocks", "copy_blocks"]
+
+_DERIVED_KEY = "triton"
+TILE_N = 32  # key positions per inner-loop step; tl.dot needs at least 16
+# Decodes whose context is longer than one partition use the split-KV path: a short batch of long
+# sequences otherwise leaves most of the GPU idle, one program per (sequence, KV head).
+DECODE_PARTITION_SIZE = 512
+
+
+@dataclass(slots=True)
+class LaunchPlan:
+    """The step's launch geometry, the same for every layer."""
+
+    num_unified_seqs: int  # sequences the unified kernel covers (all, or only the prefills)
+    max_unified_query_len: int
+    num_split_decodes: int  # decodes handled by the split-KV kernels (0 = none)
+    max_num_partitions: int
+
+
+def _launch_plan(meta: AttentionMetadata) -> LaunchPlan:
+    plan = meta.derived.get(_DERIVED_KEY)
+    if plan is None:
+        decode_seq_lens = meta.seq_lens_cpu[meta.num_prefills:]
+        is_split = bool(decode_seq_lens) and max(decode_seq_lens) > DECODE_PARTITION_SIZE
+        num_unified = meta.num_prefills if is_split else meta.num_seqs
+        plan = LaunchPlan(
+            num_unified_seqs=num_unified,
+            max_unified_query_len=max(meta.query_lens_cpu[:num_unified], default=0),
+            num_split_decodes=len(decode_seq_lens) if is_split else 0,
+            max_num_partitions=triton.cdiv(max(decode_seq_lens), DECODE_PARTITION_SIZE)
+            if is_split else 0,
+        )
+        meta.derived[_DERIVED_KEY] = plan
+    return plan
+
+
+def _check_rows(name: str, x: torch.Tensor, num_heads: int, head_size: int) -> None:
+    if x.dim() != 3 or x.shape[1:] != (num_heads, head_size) or x.stride(-1) != 1:
+        raise ValueError(f"{name} must be [num_tokens, {num_heads}, {head_size}] with a contiguous "
+                         f"last dim, got shape {tuple(x.shape)} strides {x.stride()}")
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    check_cache_pair(k_cache, v_cache)
+    num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
+    _check_rows("key", key, num_kv_heads, head_size)
+    _check_rows("value", value, num_kv_heads, head_size)
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    write_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
+        HEADS_P2=triton.next_power_of_2(num_kv_heads), HEAD_P2=triton.next_power_of_2(head_size),
+    )
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Same contract as `kernels.ref.paged_attention`."""
+    check_cache_pair(k_cache, v_cache)
+    block_size, num_kv_heads, head_size = k_cache.shape[1:]
+    num_heads = query.shape[1]
+    _check_rows("query", query, num_heads, head_size)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if query.dtype != k_cache.dtype:
+        raise ValueError(f"query dtype {query.dtype} differs from the cache's {k_cache.dtype}")
+    plan = _launch_plan(meta)
+    out = torch.empty_like(query)
+    group = num_heads // num_kv_heads
+    head_p2 = max(16, triton.next_power_of_2(head_size))  # tl.dot needs K >= 16
+    # fp32 would otherwise round through TF32 on NVIDIA GPUs; fp16/bf16 ignore the setting.
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    common = dict(HEAD_SIZE=head_size, HEAD_P2=head_p2, BLOCK_SIZE=block_size, TILE_N=TILE_N,
+                  DOT_PRECISION=precision)
+
+    if plan.num_unified_seqs:
+        group_p2 = triton.next_power_of_2(group)
+        # Rows per program: 64 for long prompts, 16 (the tl.dot minimum) for short queries.
+        block_m = 64 if plan.max_unified_query_len * group_p2 >= 64 else 16
+        block_q = max(1, block_m // group_p2)
+        grid = (plan.num_unified_seqs, triton.cdiv(plan.max_unified_query_len, block_q),
+                num_kv_heads)
+        unified_attention_kernel[grid](
+            out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            *cache_strides, meta.block_tables.stride(0),
+            NUM_QUERIES_PER_KV=group, GROUP_P2=group_p2, BLOCK_Q=block_q, **common)
+
+    if plan.num_split_decodes:
+        num_decodes, max_parts = plan.num_split_decodes, plan.max_num_partitions
+        stats = torch.empty(2, num_decodes, num_heads, max_parts, dtype=torch.float32,
+                            device=query.device)  # softmax max, softmax sum
+        partial_out = torch.empty(num_decodes, num_heads, max_parts, head_p2,
+                                  dtype=torch.float32, device=query.device)
+        first_seq, first_token = meta.num_prefills, meta.num_prefill_tokens
+        decode_partition_kernel[(num_decodes, num_kv_heads, max_parts)](
+            partial_out, stats[0], stats[1], query, k_cache, v_cache, meta.block_tables,
+            meta.seq_lens, scale, first_seq, first_token, query.stride(0), query.stride(1),
+            *cache_strides, meta.block_tables.stride(0),
+            NUM_QUERIES_PER_KV=group, BLOCK_M=max(16, triton.next_power_of_2(group)),
+            MAX_NUM_PARTITIONS=max_parts, PARTITION_SIZE=DECODE_PARTITION_SIZE, **common)
+        decode_reduce_kernel[(num_decodes, num_heads)](
+            out, partial_out, stats[0], stats[1], meta.seq_lens, first_seq, first_token,
+            out.stride(0), out.stride(1), MAX_NUM_PARTITIONS=max_parts,
+            PARTITIONS_P2=triton.next_power_of_2(max_parts), HEAD_SIZE=head_size, HEAD_P2=head_p2,
+            PARTITION_SIZE=DECODE_PARTITION_SIZE)
+    return out
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Copy-on-write in every layer with one launch: programs (pair, layer, K or V)."""
+    if block_mapping.numel() == 0 or not kv_caches:
+        return
+    first = kv_caches[0]
+    if not first.is_contiguous():
+        raise ValueError("kv_cache of layer 0 must be contiguous")
+    for layer, kv_cache in enumerate(kv_caches):
+        if (kv_cache.shape != first.shape or kv_cache.dtype != first.dtype
+                or kv_cache.device != first.device or not kv_cache.is_contiguous()):
+            raise ValueError(f"kv_cache of layer {layer} differs from layer 0 in shape, dtype, "
+                             f"device or contiguity")
+    element_size = first.element_size()
+    layer_offsets = torch.tensor(
+        [(c.data_ptr() - first.data_ptr()) // element_size for c in kv_caches],
+        dtype=torch.int64, device=first.device)
+    mapping = block_mapping.to(first.device, torch.int64).contiguous()  # [num_pairs, 2]
+    block_numel = first[0, 0].numel()
+    copy_blocks_kernel[(mapping.shape[0], len(kv_caches), 2)](
+        first, layer_offsets, mapping, first.stride(0), first.stride(1),
+        BLOCK_NUMEL=block_numel, TILE=min(1024, triton.next_power_of_2(block_numel)))
