@@ -170,9 +170,3 @@ def model_info_from_served_model(msg: scheduler_pb2.ServedModel, has_chat_templa
                      vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids),
                      has_chat_template=has_chat_template)
 
-
-def served_model_to_proto(model_dir: str, info: ModelInfo) -> scheduler_pb2.ServedModel:
-    """For the scheduler servicer (and test doubles of it)."""
-    return scheduler_pb2.ServedModel(
-        model=model_dir, architecture=info.architecture, max_model_len=info.max_model_len,
-        vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 
 from pagedserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.gateway.convert import served_model_to_proto
 from services.gateway.validation import ModelInfo
 from services.proto_common import sampling_params_from_proto
 from services.server import ServiceBinding, ServiceServer, create_server
@@ -16,7 +15,9 @@ from services.server import ServiceBinding, ServiceServer, create_server
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, model_dir: str, info: ModelInfo, reply_ids: list[int]) -> None:
-        self.served_model = served_model_to_proto(model_dir, info)
+        self.served_model = scheduler_pb2.ServedModel(
+            model=model_dir, architecture=info.architecture, max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids)
         self.reply_ids = reply_ids
         self.hang = False
         self.error: str | None = None  # finish every output with "error" and this text

@@ -1,0 +1,94 @@
+import pytest
+
+from pagedserve.v1 import common_pb2, gateway_pb2, scheduler_pb2
+from services.errors import InvalidRequest
+from services.gateway.convert import (
+    generate_request_from_proto,
+    generate_request_to_proto,
+    generate_response_to_proto,
+    model_info_from_proto,
+    model_info_from_served_model,
+    model_info_to_proto,
+    stream_delta_from_proto,
+    stream_delta_to_proto,
+    tokenize_request_from_proto,
+)
+from services.gateway.text_stream import DecodedLogprob, StreamDelta
+from services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
+from services.proto_common import Usage
+from services.sampling_params import SamplingParams
+
+SAMPLING = SamplingParams(n=2, temperature=0.7, top_k=5, stop=("\n",), stop_token_ids=(7,),
+                          max_tokens=9, logprobs=3, seed=11)
+
+
+@pytest.mark.parametrize("request_input", [
+    GenerateInput(request_id="a", text="hello", sampling=SAMPLING, priority=3),
+    GenerateInput(token_ids=(1, 2, 3)),
+    GenerateInput(request_id="c", messages=(ChatMessage("system", "be brief"),
+                                            ChatMessage("user", "hi"))),
+    GenerateInput(token_ids=()),  # empty but set: validation rejects it by name later
+])
+def test_generate_request_round_trip(request_input):
+    assert generate_request_from_proto(generate_request_to_proto(request_input)) == request_input
+
+
+def test_unset_sampling_takes_vllm_defaults():
+    converted = generate_request_from_proto(gateway_pb2.GenerateRequest(text="x"))
+    assert converted.sampling == SamplingParams()
+
+
+def test_bad_sampling_names_field_and_value():
+    msg = gateway_pb2.GenerateRequest(text="x", sampling=common_pb2.SamplingParams(top_p=1.5))
+    with pytest.raises(InvalidRequest, match=r"top_p .* got 1.5"):
+        generate_request_from_proto(msg)
+
+
+def test_stream_delta_round_trip():
+    lp = DecodedLogprob(5, -0.25, " the")
+    delta = StreamDelta(index=1, text=" the", token_ids=[5], logprobs=[lp],
+                        top_logprobs=[[lp, DecodedLogprob(6, -2.0, " a")]], finish_reason="length",
+                        usage=Usage(prompt_tokens=4, completion_tokens=9, cached_tokens=2),
+                        prompt_logprobs=[[DecodedLogprob(3, -1.0, "x")], []])
+    msg = stream_delta_to_proto(delta, "req")
+    assert msg.request_id == "req"
+    assert stream_delta_from_proto(msg) == delta
+
+
+def test_running_delta_has_no_usage_or_finish():
+    msg = stream_delta_to_proto(StreamDelta(index=0, text="a", token_ids=[1]), "r")
+    assert not msg.HasField("usage")
+    assert msg.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+    assert stream_delta_from_proto(msg) == StreamDelta(index=0, text="a", token_ids=[1])
+
+
+def test_generate_response_folds_deltas_per_index():
+    deltas = [StreamDelta(0, "he", [1], cumulative_logprob=-1.0),
+              StreamDelta(1, "yo", [4], cumulative_logprob=-0.5),
+              StreamDelta(0, "llo", [2], finish_reason="stop", cumulative_logprob=-1.5),
+              StreamDelta(1, "", [], finish_reason="length", cumulative_logprob=-0.5,
+                          usage=Usage(3, 3, 0))]
+    msg = generate_response_to_proto("r", deltas, n=2)
+    assert [(o.index, o.text, list(o.token_ids)) for o in msg.outputs] == [
+        (0, "hello", [1, 2]), (1, "yo", [4])]
+    assert msg.outputs[0].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert msg.outputs[0].cumulative_logprob == -1.5
+    assert (msg.usage.prompt_tokens, msg.usage.completion_tokens) == (3, 3)
+
+
+def test_model_info_round_trip_and_from_served_model():
+    info = ModelInfo("SmolLM2-135M-Instruct", "LlamaForCausalLM", 8192, 49152, (2,), True)
+    assert model_info_from_proto(model_info_to_proto(info)) == info
+    served = scheduler_pb2.ServedModel(model="/models/SmolLM2-135M-Instruct/",
+                                       architecture="LlamaForCausalLM", max_model_len=8192,
+                                       vocab_size=49152, eos_token_ids=[2])
+    assert model_info_from_served_model(served, has_chat_template=True) == info
+
+
+def test_tokenize_request():
+    assert tokenize_request_from_proto(gateway_pb2.TokenizeRequest(text="hi")).text == "hi"
+    messages = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="q")])
+    converted = tokenize_request_from_proto(gateway_pb2.TokenizeRequest(messages=messages))
+    assert converted.messages == (ChatMessage("user", "q"),)
+    with pytest.raises(InvalidRequest, match="prompt must be set"):
+        tokenize_request_from_proto(gateway_pb2.TokenizeRequest())

@@ -1,0 +1,109 @@
+"""TextStream and prepare_request without gRPC: token events in, client deltas out."""
+
+import pytest
+
+from scheduler_svc.outputs import CompletionOutput, RequestOutput
+from services.errors import InvalidRequest
+from services.gateway.text_stream import TextStream
+from services.gateway.validation import (
+    ChatMessage,
+    GenerateInput,
+    ModelInfo,
+    PreparedRequest,
+    prepare_request,
+)
+from services.sampling_params import SamplingParams
+from services.step_plan import TokenLogprob
+from tests.unit.tiny_tokenizers import byte_level_bpe
+
+TOKENIZER = byte_level_bpe()
+INFO = ModelInfo("tiny", "LlamaForCausalLM", 32, TOKENIZER.vocab_size, (2,), True)
+
+
+def ids(text):
+    return TOKENIZER.encode(text, add_special_tokens=False)
+
+
+def prepared(**sampling):
+    return PreparedRequest("r", ids("the fox"), SamplingParams(**sampling), 0)
+
+
+def event(*outputs, **kw):
+    return RequestOutput("r", list(outputs), finished=False, num_prompt_tokens=2,
+                         num_cached_tokens=0, **kw)
+
+
+def token_events(text, index=0, finish="stop"):
+    token_ids = ids(text)
+    return [event(CompletionOutput(index, [t], finish_reason=finish if i == len(token_ids) - 1
+                                   else None)) for i, t in enumerate(token_ids)]
+
+
+def run(stream, events):
+    return [d for e in events for d in stream.on_output(e)]
+
+
+def test_stop_string_at_the_very_end_is_found_after_the_flush():
+    # "END" arrives in the last token with the scheduler's EOS: still a stop-string finish
+    stream = TextStream(prepared(stop=["END"]), TOKENIZER)
+    deltas = run(stream, token_events("hello END"))
+    assert "".join(d.text for d in deltas) == "hello "
+    assert deltas[-1].finish_reason == "stop"
+
+
+def test_held_text_is_released_when_the_sequence_ends():
+    stream = TextStream(prepared(stop=["there!"]), TOKENIZER)
+    deltas = run(stream, token_events("hello there", finish="length"))
+    assert "".join(d.text for d in deltas) == "hello there"
+    assert deltas[-1].finish_reason == "length"
+    assert deltas[-1].usage.completion_tokens == len(ids("hello there"))
+
+
+def test_n2_one_index_stopped_the_other_runs_on():
+    stream = TextStream(prepared(n=2, stop=["X"], temperature=0.8), TOKENIZER)
+    first = stream.on_output(event(CompletionOutput(0, ids("aX")), CompletionOutput(1, ids("ab"))))
+    assert [(d.index, d.text, d.finish_reason) for d in first] == [(0, "a", "stop"), (1, "ab", None)]
+    assert not stream.is_finished and all(d.usage is None for d in first)
+    later = stream.on_output(event(CompletionOutput(0, ids("zz")),  # the scheduler ran on: dropped
+                                   CompletionOutput(1, ids("c"), finish_reason="length")))
+    assert [(d.index, d.text, d.finish_reason) for d in later] == [(1, "c", "length")]
+    assert stream.is_finished
+    assert later[-1].usage.completion_tokens == len(ids("aX")) + len(ids("abc"))
+
+
+def test_logprobs_and_prompt_logprobs_carry_token_text():
+    stream = TextStream(prepared(logprobs=1, prompt_logprobs=1), TOKENIZER)
+    token = ids(" fox")[0]
+    deltas = stream.on_output(event(
+        CompletionOutput(0, [token], logprobs=[-0.1], top_logprobs=[[TokenLogprob(token, -0.1)]]),
+        prompt_logprobs=[None, [TokenLogprob(token, -3.0)]]))
+    (delta,) = deltas
+    assert [(lp.token_id, lp.text) for lp in delta.logprobs] == [(token, " fox")]
+    assert delta.top_logprobs[0][0].text == " fox"
+    assert delta.prompt_logprobs[0] == []  # a prefix-cache hit: no logprobs there
+    assert delta.prompt_logprobs[1][0].logprob == -3.0
+
+
+def test_held_back_text_still_streams_token_ids():
+    stream = TextStream(prepared(stop=["STOP"]), TOKENIZER)
+    deltas = stream.on_output(event(CompletionOutput(0, ids("ok ST"))))
+    assert deltas[0].text == "ok " and deltas[0].token_ids == ids("ok ST")
+
+
+def test_prepare_request_limits():
+    request = GenerateInput(token_ids=tuple(range(3, 19)), sampling=SamplingParams(max_tokens=16))
+    ready = prepare_request(request, TOKENIZER, INFO)  # 16 + 16 == max_model_len: fits
+    assert ready.prompt_token_ids == list(range(3, 19)) and len(ready.request_id) == 32
+    too_long = GenerateInput(token_ids=tuple(range(3, 20)), sampling=SamplingParams(max_tokens=16))
+    with pytest.raises(InvalidRequest, match=r"prompt \(17 tokens\) \+ max_tokens \(16\)"):
+        prepare_request(too_long, TOKENIZER, INFO)
+    with pytest.raises(InvalidRequest, match="request_id"):
+        prepare_request(GenerateInput(request_id="x" * 300, text="hi"), TOKENIZER, INFO)
+
+
+def test_text_prompt_and_messages_without_template():
+    no_template = ModelInfo("tiny", "LlamaForCausalLM", 32, TOKENIZER.vocab_size, (2,), False)
+    with pytest.raises(InvalidRequest, match="chat template"):
+        prepare_request(GenerateInput(messages=(ChatMessage("user", "hi"),)), TOKENIZER, no_template)
+    ready = prepare_request(GenerateInput(text="hello there"), TOKENIZER, INFO)
+    assert ready.prompt_token_ids == TOKENIZER.encode("hello there")
