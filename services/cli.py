@@ -1,0 +1,267 @@
+"""The `pagedserve` command.
+
+    pagedserve serve                   worker + scheduler + gateway on this machine, one command
+    pagedserve worker | scheduler | gateway     one service each (a Kubernetes pod)
+    pagedserve generate "The capital of France is" --max-tokens 32 --temperature 0
+    pagedserve chat "What is the capital of France?"      (or no message: an interactive chat)
+
+Service flags are generated from the config dataclasses (services/config.py); sampling flags
+from SamplingParams, with vLLM's defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import functools
+import logging
+import os
+import sys
+import typing
+from pathlib import Path
+
+from services.config import (
+    EngineConfig,
+    GatewayConfig,
+    SchedulerServiceConfig,
+    WorkerServiceConfig,
+    add_arguments,
+    default_model_dir,
+    from_args,
+)
+from services.errors import InvalidRequest
+from services.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+# --- services ---------------------------------------------------------------------------------
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from services.supervisor import serve_stack
+
+    config = from_args(EngineConfig, args)
+    if config.model.model == default_model_dir():
+        from services.model_prep import prepare_default_model
+
+        prepare_default_model(Path(config.model.model))
+    if not (Path(config.model.model) / "config.json").is_file():
+        raise InvalidRequest(f"model must be a Hugging Face model folder, got "
+                             f"{config.model.model!r} (no config.json)")
+    return asyncio.run(serve_stack(config, args.host, args.port, args.scheduler_port,
+                                   args.worker_port, args.startup_timeout_s,
+                                   args.drain_timeout_s))
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from worker_svc.servicer import serve
+
+    asyncio.run(serve(from_args(EngineConfig, args), from_args(WorkerServiceConfig, args),
+                      args.drain_timeout_s))
+    return 0
+
+
+def _scheduler(args: argparse.Namespace) -> int:
+    from scheduler_svc.servicer import serve
+
+    asyncio.run(serve(from_args(EngineConfig, args), from_args(SchedulerServiceConfig, args),
+                      args.drain_timeout_s))
+    return 0
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from services.gateway.app import serve
+
+    asyncio.run(serve(from_args(GatewayConfig, args), args.drain_timeout_s))
+    return 0
+
+
+# --- clients ----------------------------------------------------------------------------------
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pagedserve.v1 import gateway_pb2
+
+    prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+    sampling = _sampling(args)
+    with _Client(args.address, args.timeout_s) as client:
+        return client.stream(gateway_pb2.GenerateRequest(text=prompt), sampling)[0]
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """One message and its answer, or (no message) a conversation until EOF or 'exit'."""
+    from pagedserve.v1 import gateway_pb2
+
+    sampling = _sampling(args)
+    messages = [gateway_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
+    is_interactive = args.message is None
+    with _Client(args.address, args.timeout_s) as client:
+        while True:
+            if is_interactive:
+                try:
+                    content = input("> ")
+                except EOFError:
+                    print()
+                    return 0
+                if content.strip() in ("exit", "quit"):
+                    return 0
+            else:
+                content = args.message
+            messages.append(gateway_pb2.ChatMessage(role="user", content=content))
+            code, reply = client.stream(gateway_pb2.GenerateRequest(
+                messages=gateway_pb2.ChatMessages(messages=messages)), sampling)
+            if code or not is_interactive:
+                return code
+            messages.append(gateway_pb2.ChatMessage(role="assistant", content=reply))
+
+
+class _Client:
+    """A Generation stub on one channel; `stream` prints a request's text as it arrives."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        import grpc
+
+        from pagedserve.v1 import gateway_pb2_grpc
+
+        self._channel = grpc.insecure_channel(address)
+        self._stub = gateway_pb2_grpc.GenerationStub(self._channel)
+        self._timeout_s = timeout_s
+
+    def __enter__(self) -> _Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._channel.close()
+
+    def stream(self, request, sampling: SamplingParams) -> tuple[int, str]:
+        """(exit code, text of output 0). One output streams to stdout; n > 1 prints each
+        whole at the end. Finish reasons and token counts go to stderr."""
+        import grpc
+
+        from pagedserve.v1 import common_pb2
+        from services.proto_common import sampling_params_to_proto
+
+        request.sampling.CopyFrom(sampling_params_to_proto(sampling))
+        texts: dict[int, list[str]] = {i: [] for i in range(sampling.n)}
+        finish: dict[int, str] = {}
+        try:
+            for delta in self._stub.GenerateStream(request, timeout=self._timeout_s):
+                texts[delta.index].append(delta.text)
+                if sampling.n == 1:
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+                if delta.finish_reason:
+                    finish[delta.index] = common_pb2.FinishReason.Name(
+                        delta.finish_reason).removeprefix("FINISH_REASON_").lower()
+                if delta.HasField("usage"):
+                    usage = delta.usage
+                    print(f"[finish: {', '.join(finish[i] for i in sorted(finish))}; prompt "
+                          f"{usage.prompt_tokens} tokens, completion {usage.completion_tokens}, "
+                          f"cached {usage.cached_tokens}]", file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1, ""
+        if sampling.n == 1:
+            print()
+        else:
+            for i, parts in texts.items():
+                print(f"--- output {i} ---\n{''.join(parts)}")
+        return 0, "".join(texts[0])
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags given (the rest keep vLLM's defaults); validated here already."""
+    names = [f.name for f in dataclasses.fields(SamplingParams)]
+    return SamplingParams(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling (unset flags keep vLLM's defaults)")
+    hints = typing.get_type_hints(SamplingParams)
+    for f in dataclasses.fields(SamplingParams):
+        tp = hints[f.name]
+        args = typing.get_args(tp)
+        kw: dict[str, typing.Any] = {"dest": f.name, "default": argparse.SUPPRESS,
+                                     "help": f"default: {f.default}"}
+        flag = "--" + f.name.replace("_", "-")
+        if tp is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif typing.get_origin(tp) is tuple:
+            group.add_argument(flag, nargs="+", type=args[0], **kw)
+        else:
+            base = next((a for a in args if a is not type(None)), tp)
+            group.add_argument(flag, type=base, **kw)
+
+
+# --- the parser -------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.splitlines()[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_parser = functools.partial(commands.add_parser, parents=[common])
+
+    serve = add_parser(
+        "serve", help="worker, scheduler and gateway on this machine (Ctrl-C stops all three)")
+    add_arguments(serve, EngineConfig)
+    serve.add_argument("--host", default="127.0.0.1", help="address every service listens on")
+    serve.add_argument("--port", type=int, default=50051, help="gateway port; 0 = any free port")
+    serve.add_argument("--scheduler-port", type=int, default=0, help="0 = any free port")
+    serve.add_argument("--worker-port", type=int, default=0, help="0 = any free port")
+    serve.add_argument("--startup-timeout-s", type=float, default=600.0,
+                       help="how long the three may take to become ready")
+    serve.set_defaults(run=_serve)
+
+    for name, config_cls, run, help_text in (
+            ("worker", WorkerServiceConfig, _worker, "the Worker service: one model replica"),
+            ("scheduler", SchedulerServiceConfig, _scheduler,
+             "the Scheduler service: the engine loop over its workers"),
+            ("gateway", GatewayConfig, _gateway, "the public Generation and Models services")):
+        command = add_parser(name, help=help_text)
+        if name != "gateway":
+            add_arguments(command, EngineConfig)
+        add_arguments(command, config_cls)
+        command.set_defaults(run=run)
+    for command in (serve, *(commands.choices[n] for n in ("worker", "scheduler", "gateway"))):
+        command.add_argument("--drain-timeout-s", type=float, default=30.0,
+                             help="on SIGTERM, how long live requests may take to finish")
+
+    generate = add_parser("generate", help="stream a completion of a prompt to stdout")
+    generate.add_argument("prompt", nargs="?", help="the prompt text; '-' or none = stdin")
+    generate.set_defaults(run=_generate)
+    chat = add_parser("chat", help="chat with the model (its chat template)")
+    chat.add_argument("message", nargs="?", help="one message and its answer; none = interactive")
+    chat.add_argument("--system", default="", help="a system message first")
+    chat.set_defaults(run=_chat)
+    for command in (generate, chat):
+        command.add_argument("--address", default=DEFAULT_ADDRESS, help="the gateway's host:port")
+        command.add_argument("--timeout-s", type=float, default=600.0,
+                             help="deadline of one request")
+        _add_sampling_arguments(command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr,
+        format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC core's own INFO lines are noise
+    try:
+        return args.run(args)
+    except InvalidRequest as e:  # bad flags (ConfigError included) or sampling parameters
+        parser.exit(2, f"pagedserve {args.command}: error: {e}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

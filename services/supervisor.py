@@ -1,0 +1,222 @@
+"""`pagedserve serve`: worker, scheduler and gateway as supervised child processes of one command.
+
+Each child is `python -m services.cli <role> ...` in its own session, so a Ctrl-C at the terminal
+reaches only the supervisor, which then stops them in order: the gateway first (it drains its
+streams), then the scheduler, then the worker. Readiness is the children's own grpc.health.v1
+status, watched (a server stream, no polling) until SERVING; a child that exits on its own stops
+the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
+                           ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the child binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def config_to_argv(config: Any) -> list[str]:
+    """The flags that rebuild `config` through services.config.from_args (nested dataclasses
+    flattened), so a child process gets exactly the parent's configuration."""
+    argv: list[str] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if dataclasses.is_dataclass(value):
+            argv += config_to_argv(value)
+        elif isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            if value:
+                argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+@dataclass(slots=True)
+class Child:
+    role: str  # "worker", "scheduler", "gateway"
+    address: str  # host:port it serves on
+    process: asyncio.subprocess.Process
+
+    async def wait_serving(self, timeout_s: float) -> None:
+        """Until its health is SERVING; raises if it exits first or the time runs out."""
+        serving = asyncio.create_task(_watch_until_serving(self.address))
+        exited = asyncio.create_task(self.process.wait())
+        try:
+            done, _ = await asyncio.wait({serving, exited}, timeout=timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            serving.cancel()
+            exited.cancel()
+        if serving in done:
+            serving.result()
+        elif exited in done:
+            raise RuntimeError(f"the {self.role} exited with code {self.process.returncode} "
+                               f"before it was ready")
+        else:
+            raise TimeoutError(f"the {self.role} was not ready after {timeout_s:.0f} s")
+
+    async def stop(self, timeout_s: float) -> int:
+        """SIGTERM (the child drains), then SIGKILL after timeout_s; its exit code."""
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.process.wait(), timeout_s)
+            except TimeoutError:
+                logger.warning("the %s did not stop within %.0f s; killing it", self.role,
+                               timeout_s)
+                with contextlib.suppress(ProcessLookupError):
+                    self.process.kill()
+                await self.process.wait()
+        return self.process.returncode
+
+
+async def _watch_until_serving(address: str) -> None:
+    async with grpc.aio.insecure_channel(address, options=_HEALTH_CHANNEL_OPTIONS) as channel:
+        call = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=""), wait_for_ready=True)
+        async for response in call:
+            if response.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+    raise RuntimeError(f"{address} ended its health stream before serving")
+
+
+async def start_child(role: str, address: str, argv: Sequence[str]) -> Child:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", role, *argv, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "ERROR"})
+    logger.info("started the %s (pid %d) on %s", role, process.pid, address)
+    return Child(role, address, process)
+
+
+class Supervisor:
+    """Children in start order, stopped in reverse order. Create it inside the running event
+    loop: from then on SIGINT and SIGTERM request a stop instead of killing the supervisor."""
+
+    def __init__(self, stop_timeout_s: float) -> None:
+        self.children: list[Child] = []
+        self.stop_timeout_s = stop_timeout_s
+        self._stop_requested = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop_requested.set)
+
+    async def start(self, role: str, address: str, argv: Sequence[str]) -> Child:
+        child = await start_child(role, address, argv)
+        self.children.append(child)
+        return child
+
+    async def wait_serving(self, timeout_s: float) -> bool:
+        """True once every child serves; False if a stop was requested first. Raises if a
+        child exits or is not ready in time."""
+        ready = asyncio.ensure_future(asyncio.gather(
+            *(child.wait_serving(timeout_s) for child in self.children)))
+        stop = asyncio.create_task(self._stop_requested.wait())
+        done, _ = await asyncio.wait({ready, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if ready not in done:
+            ready.cancel()
+            return False
+        ready.result()
+        return True
+
+    async def run_until_stopped(self) -> int:
+        """Until SIGINT/SIGTERM (0) or a child exits on its own (1)."""
+        waits = {asyncio.create_task(child.process.wait()): child for child in self.children}
+        stop = asyncio.create_task(self._stop_requested.wait())
+        done, _ = await asyncio.wait({stop, *waits}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (stop, *waits):
+            task.cancel()
+        if stop in done:
+            logger.info("stopping: gateway first, then scheduler, then worker")
+            return 0
+        for task in done:
+            child = waits[task]
+            logger.error("the %s exited on its own (code %s); stopping the others", child.role,
+                         child.process.returncode)
+        return 1
+
+    async def stop(self) -> None:
+        for child in reversed(self.children):
+            code = await child.stop(self.stop_timeout_s)
+            logger.info("the %s stopped (code %s)", child.role, code)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
+def example_commands(address: str) -> list[str]:
+    prompt = "The capital of France is"
+    request = json.dumps({"text": prompt, "sampling": {"max_tokens": 32, "temperature": 0}})
+    return [
+        f'pagedserve generate --address {address} "{prompt}" --max-tokens 32 --temperature 0',
+        f'pagedserve chat --address {address} "What is the capital of France?" --temperature 0',
+        f"grpcurl -plaintext -d '{request}' {address} pagedserve.v1.Generation/GenerateStream",
+    ]
+
+
+async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, worker_port: int,
+                      startup_timeout_s: float, drain_timeout_s: float) -> int:
+    """Start worker, scheduler and gateway (`config` is the EngineConfig every one gets), wait
+    until all three serve, print the gateway's address and examples, run until Ctrl-C or
+    SIGTERM (0) or until a child dies (1), then stop them gateway first."""
+    connect = _connect_host(host)
+    worker_port = worker_port or free_port(host)
+    scheduler_port = scheduler_port or free_port(host)
+    port = port or free_port(host)
+    engine_argv = config_to_argv(config)
+    drain = ["--drain-timeout-s", str(drain_timeout_s)]
+    supervisor = Supervisor(stop_timeout_s=drain_timeout_s + 10.0)
+    try:
+        await supervisor.start("worker", f"{connect}:{worker_port}", [
+            *engine_argv, *drain, "--host", host, "--port", str(worker_port)])
+        await supervisor.start("scheduler", f"{connect}:{scheduler_port}", [
+            *engine_argv, *drain, "--host", host, "--port", str(scheduler_port),
+            "--worker-addresses", f"{connect}:{worker_port}",
+            "--startup-timeout-s", str(startup_timeout_s)])
+        await supervisor.start("gateway", f"{connect}:{port}", [
+            *drain, "--host", host, "--port", str(port),
+            "--scheduler-address", f"{connect}:{scheduler_port}",
+            "--tokenizer", config.model.tokenizer_path])
+        if not await supervisor.wait_serving(startup_timeout_s):
+            return 0
+        address = f"{connect}:{port}"
+        print(f"\npagedserve is serving {config.model.model} on {address}\n", flush=True)
+        print("Try:\n  " + "\n  ".join(example_commands(address)), flush=True)
+        print("\nCtrl-C stops it.\n", flush=True)
+        return await supervisor.run_until_stopped()
+    except (RuntimeError, TimeoutError) as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        await supervisor.stop()

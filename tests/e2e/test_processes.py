@@ -1,0 +1,145 @@
+"""The `pagedserve` command as real processes: `serve` runs the stack and stops it cleanly; the
+services started one by one survive and report a dead scheduler as UNAVAILABLE quickly."""
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.supervisor import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL_CACHE = ["--kv-cache-memory-gib", "0.01", "--swap-space-gib", "0.01", "--device", "cpu"]
+
+
+def pagedserve(*argv: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True, **kwargs)
+
+
+def read_lines(stream) -> queue.Queue:
+    """The stream's lines as they come, then None at its end."""
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def rest(lines: queue.Queue, timeout_s: float = 10) -> list[str]:
+    return list(iter(lambda: lines.get(timeout=timeout_s), None))
+
+
+def wait_for_line(lines: queue.Queue, needle: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        assert line is not None, f"the output ended before {needle!r}"
+        if needle in line:
+            return line
+
+
+def wait_serving(address: str, timeout_s: float = 120) -> None:
+    with grpc.insecure_channel(address) as channel:
+        for response in health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service=""), wait_for_ready=True, timeout=timeout_s):
+            if response.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+
+
+def stop(process: subprocess.Popen, sig=signal.SIGTERM, timeout_s: float = 30) -> int:
+    if process.poll() is None:
+        process.send_signal(sig)
+    try:
+        return process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+
+
+def test_serve_runs_the_stack_and_ctrl_c_stops_it(tiny_served_model_dir):
+    serve = pagedserve("serve", "--model", str(tiny_served_model_dir), "--port", "0",
+                       *SMALL_CACHE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = read_lines(serve.stdout), read_lines(serve.stderr)
+        address = wait_for_line(out, "pagedserve is serving", 180).split(" on ")[-1].strip()
+        example = wait_for_line(out, "pagedserve generate", 5).strip()
+        assert f"--address {address}" in example
+        assert "grpcurl -plaintext" in wait_for_line(out, "grpcurl", 5)
+
+        generate = subprocess.run(
+            [sys.executable, "-m", "services.cli", "generate", "--address", address,
+             "the quick brown fox", "--max-tokens", "8", "--temperature", "0", "--ignore-eos"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert generate.returncode == 0, generate.stderr
+        assert "finish: length; prompt" in generate.stderr
+        with grpc.insecure_channel(address) as channel:
+            response = gateway_pb2_grpc.GenerationStub(channel).Generate(
+                gateway_pb2.GenerateRequest(text="the quick brown fox", sampling=common_pb2.SamplingParams(
+                    temperature=0.0, max_tokens=8, ignore_eos=True)), timeout=30)
+        assert generate.stdout == response.outputs[0].text + "\n"
+
+        assert stop(serve, signal.SIGINT) == 0
+        log = rest(err)
+        order = [role for line in log for role in ("gateway", "scheduler", "worker")
+                 if f"the {role} stopped (code 0)" in line]
+        assert order == ["gateway", "scheduler", "worker"], "".join(log)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+
+
+def test_a_killed_scheduler_fails_open_calls_with_unavailable_within_5s(tiny_served_model_dir):
+    worker_port, scheduler_port, gateway_port = free_port(), free_port(), free_port()
+    model = ["--model", str(tiny_served_model_dir), *SMALL_CACHE]
+    processes = [
+        pagedserve("worker", *model, "--port", str(worker_port)),
+        pagedserve("scheduler", *model, "--port", str(scheduler_port),
+                   "--worker-addresses", f"127.0.0.1:{worker_port}"),
+        pagedserve("gateway", "--port", str(gateway_port),
+                   "--scheduler-address", f"127.0.0.1:{scheduler_port}"),
+    ]
+    worker, scheduler, gateway = processes
+    address = f"127.0.0.1:{gateway_port}"
+    try:
+        wait_serving(address, timeout_s=180)
+        with grpc.insecure_channel(address) as channel:
+            stub = gateway_pb2_grpc.GenerationStub(channel)
+            call = stub.GenerateStream(gateway_pb2.GenerateRequest(
+                token_ids=gateway_pb2.TokenIds(token_ids=[1, 2, 3]),
+                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=500,
+                                                   ignore_eos=True)), timeout=120)
+            next(call)
+            scheduler.kill()
+            killed_at = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in call:
+                    pass
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+            assert time.monotonic() - killed_at < 5
+            # new requests fail fast too, and the gateway itself keeps answering
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Generate(gateway_pb2.GenerateRequest(text="hello"), timeout=30)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - start < 5
+        assert stop(gateway) == 0
+        assert stop(worker) == 0
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
