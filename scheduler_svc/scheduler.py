@@ -246,6 +246,8 @@ class Scheduler:
             if budget.remaining_seqs < len(live):
                 return
             status = self._allocate(live)
+            if status is AllocStatus.LATER and not self.running and self._is_pool_idle():
+                status = AllocStatus.NEVER  # several sequences that do not fit side by side
             if status is AllocStatus.NEVER:
                 self._reject(group, step, f"{len(live[0].token_ids)} tokens need more KV-cache "
                              f"blocks than the device has "
@@ -269,6 +271,10 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
             self._add(group, assignment, budget, step)
+
+    def _is_pool_idle(self) -> bool:
+        bm = self.block_manager
+        return bm.num_free_gpu_blocks == bm.num_gpu_blocks
 
     def _allocate(self, seqs: list[Sequence]) -> AllocStatus:
         """Blocks for every sequence's known tokens, all or none."""

@@ -267,3 +267,62 @@ def test_abort_frees_everything():
     out, _ = h.step()
     assert out.plan is None
     assert h.all_free()
+
+
+def test_recompute_of_a_forked_group_samples_all_sequences_together():
+    h = Harness(num_gpu_blocks=6, num_cpu_blocks=0, block_size=4, preemption_mode="recompute")
+    first = h.add("first", 4, GREEDY_LONG)
+    pair = h.add("pair", 4, SamplingParams(n=2, temperature=1.0, max_tokens=6, ignore_eos=True))
+    h.step()
+    for _ in range(10):
+        out, _ = h.step()
+        if out.plan.preempted_seq_ids:
+            break
+    assert sorted(out.plan.preempted_seq_ids) == sorted(s.seq_id for s in pair.seqs)
+    tokens_before = [list(s.token_ids) for s in pair.seqs]
+    while not pair.seqs[0].is_known_to_worker:
+        out, _ = h.step()
+    resent = [s for s in out.plan.new_seqs if s.request_id == "pair"]
+    assert [s.num_scheduled_tokens for s in resent] == [len(t) - 1 for t in tokens_before]
+    assert not any(i.samples for i in out.scheduled if i.group is pair)
+    out, _ = h.step()
+    pair_items = [i for i in out.scheduled if i.group is pair]
+    assert len(pair_items) == 2 and all(i.samples for i in pair_items)
+    h.run_to_end()
+    assert first.is_finished and all(s.num_output_tokens == 6 for s in pair.seqs)
+    assert [s.token_ids[:len(t)] for s, t in zip(pair.seqs, tokens_before, strict=True)] == tokens_before
+    assert h.all_free()
+
+
+def test_swap_without_cpu_room_falls_back_to_recompute():
+    h = Harness(num_gpu_blocks=4, num_cpu_blocks=0, block_size=4, preemption_mode="swap")
+    sampling = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    h.add("a", 6, sampling)
+    b = h.add("b", 6, sampling)
+    for _ in range(4):
+        out, _ = h.step()
+    assert out.plan.preempted_seq_ids == [b.seqs[0].seq_id] and not out.plan.blocks_to_swap_out
+    assert list(h.scheduler.waiting) == [b]
+    h.run_to_end()
+    assert h.all_free()
+
+
+def test_the_victim_is_the_lowest_priority_running_group():
+    h = Harness(num_gpu_blocks=4, num_cpu_blocks=0, block_size=4, policy="priority")
+    sampling = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    low = h.add("low", 6, sampling, priority=9)
+    high = h.add("high", 6, sampling, priority=0)
+    for _ in range(4):
+        out, _ = h.step()
+    assert out.plan.preempted_seq_ids == [low.seqs[0].seq_id]
+    assert high.seqs[0].status.value == "running"
+
+
+def test_a_recomputed_group_too_big_for_the_pool_fails_instead_of_stalling():
+    h = Harness(num_gpu_blocks=5, num_cpu_blocks=0, block_size=4, preemption_mode="recompute")
+    h.add("first", 4, GREEDY_LONG)
+    pair = h.add("pair", 4, SamplingParams(n=2, temperature=1.0, max_tokens=6, ignore_eos=True))
+    reports = h.run_to_end(max_steps=40)
+    final = [r for r in reports if r.request_id == "pair" and r.finished]
+    assert final and all(o.finish_reason == "error" for o in final[0].outputs)
+    assert pair.is_finished and h.all_free()
