@@ -3,16 +3,19 @@ engine talks to the worker over gRPC) and gateway, on one background event loop.
 
 from __future__ import annotations
 
-import dataclasses
+import time
 from dataclasses import dataclass
 
 import grpc
 
-from pagedserve.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.servicer import SchedulerServicer, start_scheduler, stop_scheduler
 from services.config import (
+    CacheConfig,
+    DeviceConfig,
     EngineConfig,
     GatewayConfig,
+    ModelConfig,
     SchedulerServiceConfig,
     WorkerServiceConfig,
 )
@@ -36,9 +39,6 @@ class Stack:
     @property
     def scheduler_address(self) -> str:
         return f"127.0.0.1:{self.scheduler[0].port}"
-
-    def generation(self, channel: grpc.Channel) -> gateway_pb2_grpc.GenerationStub:
-        return gateway_pb2_grpc.GenerationStub(channel)
 
     def load(self) -> scheduler_pb2.Load:
         with grpc.insecure_channel(self.scheduler_address) as channel:
@@ -76,6 +76,20 @@ def start_stack(config: EngineConfig, step_timeout_s: float = 30.0) -> Stack:
         raise
 
 
-def with_model(config: EngineConfig, model_dir: str, **model_fields) -> EngineConfig:
-    return dataclasses.replace(config, model=dataclasses.replace(
-        config.model, model=model_dir, **model_fields))
+def tiny_config(model_dir) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(model=str(model_dir)),
+                        cache=CacheConfig(kv_cache_memory_gib=0.01, swap_space_gib=0.01),
+                        device=DeviceConfig(device="cpu"))
+
+
+def assert_idle(stack, timeout_s: float = 2.0) -> scheduler_pb2.Load:
+    """Every block free and no request left; the abort of a cancelled call runs before the
+    next engine step, so this holds within a step or two."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = stack.load()
+        if (load.num_gpu_blocks_used, load.num_cpu_blocks_used, load.num_running_requests,
+                load.num_waiting_requests, load.num_swapped_requests) == (0, 0, 0, 0, 0):
+            return load
+        assert time.monotonic() < deadline, f"blocks or requests still held: {load}"
+        time.sleep(0.02)

@@ -4,10 +4,14 @@ that says what failed, every block is freed, and the scheduler and gateway keep 
 import grpc
 import pytest
 
-from pagedserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
-from pagedserve.v1 import scheduler_pb2_grpc
-from tests.e2e.stack import start_stack
-from tests.e2e.test_stack import assert_idle, tiny_config
+from pagedserve.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+from tests.e2e.stack import assert_idle, start_stack, tiny_config
 
 
 def test_a_failed_step_ends_its_requests_with_internal_and_the_service_keeps_serving(

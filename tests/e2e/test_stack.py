@@ -2,7 +2,6 @@
 random-weight Llama: what a client of the public API sees."""
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -15,19 +14,12 @@ from pagedserve.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from services.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
-from tests.e2e.stack import start_stack
+from tests.e2e.stack import assert_idle, start_stack, tiny_config
 from tests.tiny_models import load_hf
 
 STOP = common_pb2.FINISH_REASON_STOP
 LENGTH = common_pb2.FINISH_REASON_LENGTH
 ABORT = common_pb2.FINISH_REASON_ABORT
-
-
-def tiny_config(model_dir) -> EngineConfig:
-    return EngineConfig(model=ModelConfig(model=str(model_dir)),
-                        cache=CacheConfig(kv_cache_memory_gib=0.01, swap_space_gib=0.01),
-                        device=DeviceConfig(device="cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -48,19 +40,6 @@ def request(prompt, **sampling) -> gateway_pb2.GenerateRequest:
                     else {"token_ids": gateway_pb2.TokenIds(token_ids=prompt)})
     return gateway_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(**sampling),
                                        **prompt_field)
-
-
-def assert_idle(stack, timeout_s: float = 2.0) -> scheduler_pb2.Load:
-    """Every block free and no request left; the abort of a cancelled call runs before the
-    next engine step, so this holds within a step or two."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        load = stack.load()
-        if (load.num_gpu_blocks_used, load.num_cpu_blocks_used, load.num_running_requests,
-                load.num_waiting_requests, load.num_swapped_requests) == (0, 0, 0, 0, 0):
-            return load
-        assert time.monotonic() < deadline, f"blocks or requests still held: {load}"
-        time.sleep(0.02)
 
 
 def hf_greedy(model_dir, prompt: list[int], num_tokens: int) -> list[int]:
