@@ -1,0 +1,157 @@
+"""The in-process engine with real workers on a tiny random-weight model: a request's greedy
+output does not depend on preemption, prefix caching or chunked prefill, and every block is free
+at the end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.errors import InvalidRequest, NotFound
+from services.llm_engine import LLMEngine
+from services.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def make_engine(model_dir, **kw) -> LLMEngine:
+    options = dict(model=str(model_dir), device="cpu", attention_backend="torch", block_size=8,
+                   num_gpu_blocks_override=128, num_cpu_blocks_override=64)
+    options.update(kw)
+    return LLMEngine.from_kwargs(**options)
+
+
+def prompts(seed: int, lengths: list[int], prefix: list[int] | None = None) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [(prefix or []) + [rng.randrange(3, 256) for _ in range(n)] for n in lengths]
+
+
+def generate(engine: LLMEngine, prompt_ids: list[list[int]],
+             sampling: SamplingParams = GREEDY) -> dict[str, list[int]]:
+    for i, ids in enumerate(prompt_ids):
+        engine.add_request(f"r{i}", ids, sampling)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompt_ids))}
+    for _ in range(1000):
+        if not engine.has_unfinished_requests():
+            break
+        for report in engine.step():
+            tokens[report.request_id] += report.outputs[0].token_ids if report.outputs else []
+            if report.finished:
+                assert report.outputs[0].finish_reason == "length", report
+    assert not engine.has_unfinished_requests()
+    return tokens
+
+
+def assert_all_blocks_free(engine: LLMEngine) -> None:
+    load = engine.get_load()
+    assert load.num_gpu_blocks_used == 0 and load.num_cpu_blocks_used == 0, load
+    assert (load.num_running, load.num_waiting, load.num_swapped) == (0, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """Greedy outputs with a pool large enough that nothing is preempted."""
+    engine = make_engine(llama_dir)
+    out = generate(engine, prompts(0, [13, 29, 7, 21]))
+    assert all(len(tokens) == GREEDY.max_tokens for tokens in out.values())
+    assert engine.get_load().num_preemptions == 0
+    assert_all_blocks_free(engine)
+    return out
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_preemption_does_not_change_greedy_output(llama_dir, reference, preemption_mode):
+    # 4 sequences of up to 53 tokens need 26 blocks of 8; 12 force preemptions
+    engine = make_engine(llama_dir, num_gpu_blocks_override=12, preemption_mode=preemption_mode)
+    assert generate(engine, prompts(0, [13, 29, 7, 21])) == reference
+    assert engine.get_load().num_preemptions > 0
+    assert_all_blocks_free(engine)
+
+
+def test_chunked_prefill_on_and_off_agree(llama_dir, reference):
+    chunked = make_engine(llama_dir, max_num_batched_tokens=16)  # every prompt > 16 is chunked
+    assert generate(chunked, prompts(0, [13, 29, 7, 21])) == reference
+    whole = make_engine(llama_dir, enable_chunked_prefill=False)
+    assert generate(whole, prompts(0, [13, 29, 7, 21])) == reference
+    assert_all_blocks_free(chunked)
+    assert_all_blocks_free(whole)
+
+
+def test_prefix_cache_hits_and_outputs_do_not_change(llama_dir):
+    shared = prompts(1, [24])[0]  # three full blocks of 8
+    batch = prompts(2, [5, 9, 3], prefix=shared)
+    expected = {}
+    for i, ids in enumerate(batch):  # one at a time, so nothing could be shared anyway
+        expected[f"r{i}"] = generate(make_engine(llama_dir), [ids])["r0"]
+    cached = make_engine(llama_dir, enable_prefix_caching=True)
+    first = generate(cached, batch[:1])
+    assert first["r0"] == expected["r0"] and len(first["r0"]) == GREEDY.max_tokens
+    later = {}
+    for i, ids in enumerate(batch[1:], start=1):
+        cached.add_request(f"r{i}", ids, GREEDY)
+        later[f"r{i}"] = []
+    while cached.has_unfinished_requests():
+        for report in cached.step():
+            later[report.request_id] += report.outputs[0].token_ids
+            if report.finished:
+                assert report.num_cached_tokens == 24
+    assert later == {k: v for k, v in expected.items() if k != "r0"}
+    assert cached.get_load().prefix_cache_hit_rate > 0
+    assert_all_blocks_free(cached)
+
+
+def test_bad_requests_fail_alone(llama_dir):
+    engine = make_engine(llama_dir, max_model_len=64)
+    with pytest.raises(InvalidRequest, match="prompt_token_ids"):
+        engine.add_request("empty", [], GREEDY)
+    with pytest.raises(InvalidRequest, match="max_model_len=64"):
+        engine.add_request("long", [5] * 64, GREEDY)
+    with pytest.raises(InvalidRequest, match="vocab_size"):
+        engine.add_request("oov", [5, 999], GREEDY)
+    engine.add_request("ok", [5, 6, 7], GREEDY)
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.add_request("ok", [5], GREEDY)
+    with pytest.raises(NotFound):
+        engine.abort_request("nope")
+    engine.step()
+    report = engine.abort_request("ok")
+    assert report.finished and report.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
+
+
+class FlakyWorker:
+    """A real worker whose execute_step fails once, on the step chosen by the test."""
+
+    def __init__(self, worker, fail_on_step: int) -> None:
+        self.worker = worker
+        self.fail_on_step = fail_on_step
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def execute_step(self, plan):
+        if plan.step_id == self.fail_on_step:
+            raise RuntimeError("device lost")
+        return self.worker.execute_step(plan)
+
+
+def test_a_failed_step_errors_its_requests_and_the_engine_keeps_serving(llama_dir, reference):
+    engine = make_engine(llama_dir)
+    core = engine.core
+    core.workers = [FlakyWorker(core.workers[0], fail_on_step=core.scheduler._step_id + 3)]
+    engine.add_request("victim", prompts(0, [13])[0], GREEDY)
+    reports = []
+    for _ in range(4):
+        reports += engine.step()
+    failed = [r for r in reports if r.finished]
+    assert failed and failed[0].outputs[0].finish_reason == "error"
+    assert "device lost" in failed[0].outputs[0].error
+    assert_all_blocks_free(engine)
+    assert generate(engine, prompts(0, [13, 29, 7, 21])) == reference
