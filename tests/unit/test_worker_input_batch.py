@@ -1,0 +1,75 @@
+"""The worker's sequence mirror (StepPlan deltas) and the flattened batch built from it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.errors import InvalidRequest, NotFound
+from services.sampling_params import SamplingParams
+from services.step_plan import NewSequence, RunningSequence, StepPlan
+from worker_svc.input_batch import InputBatch
+from worker_svc.model_input import build_model_input
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _new(seq_id: int, token_ids: list[int], block_ids: list[int], num_computed: int,
+         num_scheduled: int, **kw) -> NewSequence:
+    return NewSequence(seq_id=seq_id, request_id=f"r{seq_id}", token_ids=token_ids,
+                       prompt_len=kw.pop("prompt_len", len(token_ids)), block_ids=block_ids,
+                       num_computed_tokens=num_computed, num_scheduled_tokens=num_scheduled,
+                       sampling=kw.pop("sampling", GREEDY), **kw)
+
+
+def test_deltas_update_tokens_and_block_tables():
+    batch = InputBatch(block_size=4)
+    batch.apply(StepPlan(1, 1, new_seqs=[_new(0, [1, 2, 3, 4, 5], [7, 8], 0, 5),
+                                         _new(1, [9, 9], [3], 0, 2)]))
+    batch.advance(list(batch.seqs.values()))
+    scheduled = batch.apply(StepPlan(1, 2, running_seqs=[
+        RunningSequence(0, new_token_ids=[6], block_ids_start=2, block_ids=[],
+                        num_scheduled_tokens=1),
+        RunningSequence(1, new_token_ids=[4], block_ids_start=0, block_ids=[11],
+                        num_scheduled_tokens=1)]))
+    seq0, seq1 = batch.seqs[0], batch.seqs[1]
+    assert seq0.token_ids == [1, 2, 3, 4, 5, 6] and seq0.block_table == [7, 8]
+    assert seq1.block_table == [11]  # copy-on-write replaced block 0 of the table
+    assert [s.num_scheduled_tokens for s in scheduled] == [1, 1]
+    batch.apply(StepPlan(1, 3, finished_seq_ids=[0], preempted_seq_ids=[1, 42]))
+    assert len(batch) == 0
+
+
+def test_unknown_running_sequence_and_overscheduling_are_refused():
+    batch = InputBatch(block_size=4)
+    with pytest.raises(NotFound, match="seq_id 5"):
+        batch.apply(StepPlan(1, 1, running_seqs=[RunningSequence(5, [], 0, [], 1)]))
+    with pytest.raises(InvalidRequest, match="num_scheduled_tokens=4"):
+        batch.apply(StepPlan(1, 1, new_seqs=[_new(0, [1, 2, 3], [0], 0, 4)]))
+    with pytest.raises(InvalidRequest, match="cannot hold 5 tokens"):
+        batch.apply(StepPlan(1, 1, new_seqs=[_new(1, [1] * 5, [0], 0, 5)]))
+
+
+def test_flattened_batch_puts_prefills_first_and_maps_slots():
+    batch = InputBatch(block_size=4)
+    decode = _new(0, [1, 2, 3, 4, 5, 6], [9, 2], 5, 1)  # decode at position 5
+    chunk = _new(1, list(range(10, 20)), [4, 6, 1], 3, 5)  # prefill chunk, positions 3..7
+    prompt_lp = _new(2, [30, 31, 32], [5], 0, 2,
+                     sampling=SamplingParams(temperature=0.0, prompt_logprobs=1))
+    scheduled = batch.apply(StepPlan(1, 1, new_seqs=[decode, chunk, prompt_lp]))
+    assert [s.seq_id for s in scheduled] == [1, 2, 0]
+    model_input = build_model_input(scheduled, 4, torch.device("cpu"))
+    meta = model_input.meta
+    assert model_input.input_ids.tolist() == [13, 14, 15, 16, 17, 30, 31, 6]
+    assert model_input.positions.tolist() == [3, 4, 5, 6, 7, 0, 1, 5]
+    assert meta.slot_mapping.tolist() == [4 * 4 + 3, 6 * 4, 6 * 4 + 1, 6 * 4 + 2, 6 * 4 + 3,
+                                          5 * 4, 5 * 4 + 1, 2 * 4 + 1]
+    assert meta.query_start_loc.tolist() == [0, 5, 7, 8]
+    assert meta.seq_lens.tolist() == [8, 2, 6]
+    assert meta.block_tables.tolist() == [[4, 6], [5, 0], [9, 2]]
+    assert (meta.num_prefills, meta.num_prefill_tokens, meta.max_query_len) == (2, 7, 5)
+    # only the decode reaches the end of its tokens; seq 2's positions 0, 1 predict prompt tokens 1, 2
+    assert [s.seq_id for s in model_input.sample_seqs] == [0]
+    span = model_input.prompt_logprob_spans[0]
+    assert (span.seq.seq_id, span.start, span.target_ids) == (2, 1, [31, 32])
+    assert model_input.logits_indices.tolist() == [7, 5, 6]

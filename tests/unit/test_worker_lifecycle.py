@@ -1,0 +1,112 @@
+"""Worker lifecycle and its errors: unknown architectures, stale epochs, calls out of order,
+dummy weights, what WorkerInfo reports."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from services.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
+from services.errors import ConfigError, InvalidRequest, NotFound, StaleEpoch, Unavailable
+from services.step_plan import RunningSequence, StepPlan
+from tests.integration.worker_driver import Driver, make_worker
+from worker_svc.worker import Worker
+
+
+def _config(path, **model_kw) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(model=str(path), **model_kw),
+                        cache=CacheConfig(num_gpu_blocks_override=16, num_cpu_blocks_override=4),
+                        device=DeviceConfig(device="cpu", attention_backend="ref"))
+
+
+def test_unknown_architecture_lists_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["MambaForCausalLM"], "model_type": "llama", "vocab_size": 8}))
+    with pytest.raises(ConfigError) as err:
+        Worker(_config(tmp_path)).load_model()
+    message = str(err.value)
+    assert "MambaForCausalLM" in message
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "OPTForCausalLM"):
+        assert arch in message
+
+
+def test_missing_model_folder_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="config.json"):
+        Worker(_config(tmp_path / "nope")).load_model()
+
+
+def test_worker_info_reports_model_shape(tiny_model_dir, tmp_path):
+    path = tmp_path / "qwen3"
+    shutil.copytree(tiny_model_dir("qwen3"), path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    info = Worker(_config(path)).load_model()
+    assert (info.architecture, info.vocab_size, info.max_model_len) == ("Qwen3ForCausalLM", 256, 512)
+    assert (info.num_layers, info.num_kv_heads, info.head_size) == (2, 2, 32)
+    assert info.eos_token_ids == [2, 7]
+    assert (info.device, info.dtype, info.attention_backend) == ("cpu", "float32", "ref")
+    assert Worker(_config(path, max_model_len=100)).load_model().max_model_len == 100
+    with pytest.raises(ConfigError, match="max_model_len=1000"):
+        Worker(_config(path, max_model_len=1000)).load_model()
+
+
+def test_calls_out_of_order_are_unavailable(tiny_model_dir):
+    worker = Worker(_config(tiny_model_dir("llama")))
+    with pytest.raises(Unavailable):
+        worker.get_info()
+    worker.load_model()
+    with pytest.raises(Unavailable, match="init_cache"):
+        worker.execute_step(StepPlan(scheduler_epoch=0, step_id=1))
+    with pytest.raises(InvalidRequest, match="num_gpu_blocks"):
+        worker.init_cache(0, 0, scheduler_epoch=1)
+
+
+def test_stale_epoch_is_refused_and_clear_state_forgets(tiny_model_dir):
+    driver = Driver(make_worker(tiny_model_dir("llama"), epoch=3), epoch=3)
+    driver.add(0, [5, 6, 7])
+    driver.step({0: 3})
+    with pytest.raises(StaleEpoch, match="scheduler_epoch=2"):
+        driver.worker.execute_step(StepPlan(scheduler_epoch=2, step_id=9))
+    with pytest.raises(StaleEpoch):
+        driver.worker.clear_state(2)
+    driver.worker.clear_state(4)
+    with pytest.raises(StaleEpoch):  # the old scheduler's steps no longer run
+        driver.worker.execute_step(driver.plan({0: 1}))
+    delta = RunningSequence(seq_id=0, new_token_ids=[1], block_ids_start=1, block_ids=[],
+                            num_scheduled_tokens=1)
+    with pytest.raises(NotFound, match="seq_id 0"):
+        driver.worker.execute_step(StepPlan(scheduler_epoch=4, step_id=10, running_seqs=[delta]))
+
+
+def test_dummy_weights_need_no_checkpoint_and_are_seeded(tiny_model_dir, tmp_path):
+    path = tmp_path / "config_only"
+    path.mkdir()
+    shutil.copy(tiny_model_dir("llama") / "config.json", path / "config.json")
+    params = []
+    for seed in (0, 0, 1):
+        worker = Worker(_config(path, load_format="dummy", seed=seed))
+        worker.load_model()
+        params.append(dict(worker.runner.model.named_parameters()))
+    real = Worker(_config(tiny_model_dir("llama")))
+    real.load_model()
+    for name, param in real.runner.model.named_parameters():
+        assert params[0][name].shape == param.shape
+        assert torch.equal(params[0][name], params[1][name])
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    assert not torch.equal(params[0][qkv], params[2][qkv])
+    # a dummy model still runs a step
+    driver = Driver(make_worker(path, load_format="dummy"))
+    driver.add(0, [1, 2, 3])
+    assert len(driver.step({0: 3}).outputs[0].token_ids) == 1
+
+
+def test_bad_swap_direction_and_block_ids(tiny_model_dir):
+    worker = make_worker(tiny_model_dir("llama"), num_gpu_blocks=8, num_cpu_blocks=2)
+    with pytest.raises(InvalidRequest, match="direction"):
+        worker.swap_blocks([(0, 0)], "sideways")
+    with pytest.raises(InvalidRequest, match="out of range"):
+        worker.swap_blocks([(0, 5)], "out")
+    with pytest.raises(InvalidRequest, match="out of range"):
+        worker.copy_blocks([(9, 1)])
