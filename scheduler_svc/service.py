@@ -130,10 +130,6 @@ class EngineService:
         """Live when the engine is between steps; during a step, as of just before it."""
         return self._load if self._is_stepping else self.engine.get_load()
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._streams)
-
     # --- shutdown -----------------------------------------------------------------------------
 
     async def drain(self, timeout_s: float) -> None:

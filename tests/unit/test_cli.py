@@ -1,0 +1,50 @@
+"""The `pagedserve` command line: `serve` hands its children exactly its configuration, sampling
+flags become SamplingParams, bad flags are refused with the field's name."""
+
+import pytest
+
+from services.cli import _sampling, build_parser, main
+from services.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    from_args,
+)
+from services.sampling_params import SamplingParams
+from services.supervisor import config_to_argv
+
+
+def test_config_to_argv_round_trips_through_the_generated_flags():
+    config = EngineConfig(
+        model=ModelConfig(model="/models/x", tokenizer="/tok", dtype="bfloat16",
+                          max_model_len=1024, seed=3),
+        cache=CacheConfig(block_size=32, kv_cache_memory_gib=0.25, swap_space_gib=0.0,
+                          num_cpu_blocks_override=7, enable_prefix_caching=True),
+        scheduler=SchedulerConfig(max_num_seqs=9, enable_chunked_prefill=False,
+                                  preemption_mode="swap", policy="priority", watermark=0.1),
+        device=DeviceConfig(device="cpu", attention_backend="torch", enable_cuda_graph=False))
+    for command in ("worker", "scheduler"):
+        args = build_parser().parse_args([command, *config_to_argv(config)])
+        assert from_args(EngineConfig, args) == config
+
+
+def test_sampling_flags_keep_vllm_defaults_for_the_rest():
+    args = build_parser().parse_args([
+        "generate", "hi", "--temperature", "0.5", "--n", "2", "--seed", "7", "--stop", "a", "bc",
+        "--stop-token-ids", "5", "9", "--ignore-eos", "--logprobs", "3"])
+    assert _sampling(args) == SamplingParams(temperature=0.5, n=2, seed=7, stop=("a", "bc"),
+                                             stop_token_ids=(5, 9), ignore_eos=True, logprobs=3)
+    assert _sampling(build_parser().parse_args(["chat"])) == SamplingParams()
+
+
+def test_bad_flags_exit_with_the_field_named(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "hi", "--top-p", "0"])
+    assert info.value.code == 2
+    assert "top_p must be in (0, 1], got 0.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["worker", "--block-size", "12"])
+    assert info.value.code == 2
+    assert "block_size must be one of" in capsys.readouterr().err
