@@ -1,4 +1,5 @@
-"""The real default model through all three services: greedy answers equal Hugging Face's."""
+"""The real default model through all three services: greedy answers equal Hugging Face's and
+the in-process LLM's (the gRPC split adds transport, never logic)."""
 
 import grpc
 import pytest
@@ -7,6 +8,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
+from services.llm import LLM
+from services.sampling_params import SamplingParams
 from tests.e2e.stack import start_stack
 
 pytestmark = pytest.mark.slow
@@ -21,6 +24,12 @@ def hf(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     return tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir):
+    return LLM(model=str(smollm2_dir), device="cpu", kv_cache_memory_gib=0.1,
+               swap_space_gib=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +58,7 @@ def greedy(**sampling) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, **sampling)
 
 
-def test_chat_answer_equals_hugging_face(generation, hf):
+def test_chat_answer_equals_hugging_face_and_llm(generation, hf, llm):
     tokenizer, _ = hf
     prompt_text = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
                                                 add_generation_prompt=True, tokenize=False)
@@ -63,11 +72,20 @@ def test_chat_answer_equals_hugging_face(generation, hf):
     assert list(output.token_ids) == expected_ids
     assert output.text == expected_text
     assert "Paris" in output.text
+    (in_process,) = llm.chat([{"role": "user", "content": QUESTION}],
+                             SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                             use_tqdm=False)
+    assert in_process.outputs[0].token_ids == expected_ids
+    assert in_process.outputs[0].text == output.text
 
 
-def test_text_completion_stream_equals_hugging_face(generation, hf):
+def test_text_completion_stream_equals_hugging_face_and_llm(generation, hf, llm):
     _, expected_ids, expected_text = hf_greedy(hf, PROMPT)
     deltas = list(generation.GenerateStream(gateway_pb2.GenerateRequest(
         text=PROMPT, sampling=greedy()), timeout=120))
     assert [t for d in deltas for t in d.token_ids] == expected_ids
     assert "".join(d.text for d in deltas) == expected_text
+    (in_process,) = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                                 use_tqdm=False)
+    assert in_process.outputs[0].token_ids == expected_ids
+    assert in_process.outputs[0].text == expected_text

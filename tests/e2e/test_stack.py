@@ -14,6 +14,8 @@ from pagedserve.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from services.llm import LLM
+from services.sampling_params import SamplingParams
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
 from tests.tiny_models import load_hf
 
@@ -53,13 +55,18 @@ def hf_greedy(model_dir, prompt: list[int], num_tokens: int) -> list[int]:
     return token_ids[len(prompt):]
 
 
-def test_greedy_equals_hugging_face(stack, generation, tiny_served_model_dir):
+def test_greedy_equals_hugging_face_and_llm(stack, generation, tiny_served_model_dir):
     prompt = [1, 57, 300, 12, 99, 401, 7]
     response = generation.Generate(request(prompt, temperature=0.0, max_tokens=24,
                                            ignore_eos=True), timeout=60)
     expected = hf_greedy(tiny_served_model_dir, prompt, 24)
+    llm = LLM(model=str(tiny_served_model_dir), device="cpu", kv_cache_memory_gib=0.01,
+              swap_space_gib=0.01)
+    (in_process,) = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24,
+                                                        ignore_eos=True), use_tqdm=False)
     (output,) = response.outputs
-    assert list(output.token_ids) == expected
+    assert list(output.token_ids) == expected == in_process.outputs[0].token_ids
+    assert output.text == in_process.outputs[0].text
     assert output.finish_reason == LENGTH
     assert response.usage.prompt_tokens == len(prompt)
     assert response.usage.completion_tokens == 24
