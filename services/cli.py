@@ -30,7 +30,7 @@ from services.config import (
     default_model_dir,
     from_args,
 )
-from services.errors import InvalidRequest
+from services.errors import InvalidRequest, PagedServeError
 from services.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except InvalidRequest as e:  # bad flags (ConfigError included) or sampling parameters
         parser.exit(2, f"pagedserve {args.command}: error: {e}\n")
+    except PagedServeError as e:  # e.g. no worker answered the scheduler's handshake
+        logger.error("%s", e)
+        return 1
     except KeyboardInterrupt:
         return 130
 
