@@ -230,15 +230,27 @@ def create_worker_server(config: EngineConfig, service: WorkerServiceConfig
     return server, servicer
 
 
-async def serve(config: EngineConfig, service: WorkerServiceConfig, grace_s: float = 5.0) -> None:
-    """Run a worker until SIGTERM/SIGINT: listen, load the model from its flags, then wait for a
-    scheduler's handshake (health turns SERVING once it has allocated the cache)."""
+async def start_worker(config: EngineConfig, service: WorkerServiceConfig
+                       ) -> tuple[ServiceServer, WorkerServicer]:
+    """Listen, then load the model from the worker's flags; health turns SERVING once a
+    scheduler's handshake has allocated the cache."""
     server, servicer = create_worker_server(config, service)
     await server.start()
     logger.info("worker rank %d listening on %s:%d", service.rank, service.host, server.port)
     try:
         await servicer.load()
+    except BaseException:
+        await server.server.stop(0)
+        servicer.close()
+        raise
+    return server, servicer
+
+
+async def serve(config: EngineConfig, service: WorkerServiceConfig, grace_s: float = 5.0) -> None:
+    """Run a worker until SIGTERM/SIGINT."""
+    server, servicer = await start_worker(config, service)
+    try:
         await server.serve_until_signal(grace_s)
     finally:
-        await server.server.stop(0)
+        await server.shutdown(0)
         servicer.close()
