@@ -91,12 +91,13 @@ def test_append_slots_within_the_table_is_a_no_op():
 
 
 def test_append_slots_copies_when_the_table_already_held_the_written_token():
-    # the table was sized for position 6 before the fork: the shared block holding it is copied
+    # the table was sized for position 7 before the fork: the shared block holding it is copied
     bm = BlockManager(BS, 8, 4, watermark=0.0)
-    bm.allocate(1, list(range(7)))
+    bm.allocate(1, list(range(8)))
     bm.fork(1, 2)
-    copies = bm.append_slots(2, 7)
+    copies = bm.append_slots(2, 8)
     assert [src for src, _ in copies] == [bm.block_table(1)[1]]
+    assert bm.block_table(2)[0] == bm.block_table(1)[0]
 
 
 def test_can_append_slots_counts_new_blocks_and_copies():
@@ -176,7 +177,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     NUM_GPU = 16
     NUM_CPU = 16
-    PREFIXES = ((), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9, 9, 9))
+    PREFIXES = ((), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9, 9, 9),
+                (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12))
 
     @initialize(enable_prefix_caching=st.booleans())
     def setup(self, enable_prefix_caching: bool) -> None:
@@ -206,8 +208,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.kv[dst_swapped][dst] = list(self.kv[src_swapped][src])
 
     @rule(prefix=st.sampled_from(PREFIXES),
-          tail=st.lists(st.integers(0, 3), min_size=0, max_size=10))
-    def allocate(self, prefix: tuple[int, ...], tail: list[int]) -> None:
+          tail=st.lists(st.integers(0, 3), min_size=0, max_size=10), prefill=st.booleans())
+    def allocate(self, prefix: tuple[int, ...], tail: list[int], prefill: bool) -> None:
         token_ids = list(prefix) + tail
         if not token_ids:
             return
@@ -229,6 +231,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.tokens[seq_id] = token_ids
         self.computed[seq_id] = num_cached
         self.group_of[seq_id] = seq_id
+        if prefill:
+            self._compute(seq_id, len(token_ids))
 
     @precondition(lambda self: self._running())
     @rule(data=st.data(), new_tokens=st.lists(st.integers(0, 3), min_size=1, max_size=6))
@@ -254,7 +258,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def compute(self, data: st.DataObject) -> None:
         seq_id = data.draw(st.sampled_from(self._running()))
         token_ids = self.tokens[seq_id]
-        new_computed = data.draw(st.integers(self.computed[seq_id], len(token_ids)))
+        self._compute(seq_id, data.draw(st.integers(self.computed[seq_id], len(token_ids))))
+
+    def _compute(self, seq_id: int, new_computed: int) -> None:
+        token_ids = self.tokens[seq_id]
         table = self.bm.block_table(seq_id)
         for pos in range(self.computed[seq_id], new_computed):
             self.kv[False][table[pos // BS]][pos % BS] = tuple(token_ids[:pos + 1])
@@ -372,6 +379,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert all(r == 0 for r in self.bm.gpu_pool.ref_counts + self.bm.cpu_pool.ref_counts)
 
 
-BlockManagerMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40,
+BlockManagerMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=50,
                                                  deadline=None)
 TestBlockManagerMachine = BlockManagerMachine.TestCase
