@@ -46,8 +46,9 @@ class CachedSequence:
 class InputBatch:
     """seq_id → CachedSequence, and the order in which this step's sequences are batched."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, max_model_len: int) -> None:
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.seqs: dict[int, CachedSequence] = {}
 
     def __len__(self) -> int:
@@ -107,6 +108,9 @@ class InputBatch:
                 f"seq {seq.seq_id}: num_scheduled_tokens={seq.num_scheduled_tokens} from "
                 f"num_computed_tokens={seq.num_computed_tokens} must be >= 1 and stay within "
                 f"its {len(seq.token_ids)} tokens")
+        if end > self.max_model_len:
+            raise InvalidRequest(f"seq {seq.seq_id}: {end} tokens exceed max_model_len="
+                                 f"{self.max_model_len}")
         if len(seq.block_table) * self.block_size < end:
             raise InvalidRequest(f"seq {seq.seq_id}: block table of {len(seq.block_table)} blocks "
                                  f"cannot hold {end} tokens (block_size {self.block_size})")

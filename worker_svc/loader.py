@@ -70,7 +70,7 @@ def iterate_weights(model_dir: str, load_format: str) -> Iterator[tuple[str, tor
 
         for file in st_files:
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                for name in f.keys():
                     yield name, f.get_tensor(name)
         return
     if load_format in ("auto", "pt") and bin_files:

@@ -22,13 +22,13 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: nn.Module, sampler: Sampler, vocab_size: int, block_size: int,
-                 device: torch.device) -> None:
+                 max_model_len: int, device: torch.device) -> None:
         self.model = model
         self.sampler = sampler
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.device = device
-        self.input_batch = InputBatch(block_size)
+        self.input_batch = InputBatch(block_size, max_model_len)
 
     def _sync(self) -> None:
         # only so the step timings attribute GPU time to the right phase

@@ -89,7 +89,7 @@ class Worker:
         vocab_size = int(hf_config.vocab_size)
         eos_ids = eos_token_ids(model_config.model, hf_config)
         self.runner = ModelRunner(model, Sampler(vocab_size, eos_ids, self.device), vocab_size,
-                                  self.kv_spec.block_size, self.device)
+                                  self.kv_spec.block_size, max_model_len, self.device)
         self.info = WorkerInfo(
             rank=self.rank, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             architecture=architecture, vocab_size=vocab_size, max_model_len=max_model_len,
@@ -138,7 +138,11 @@ class Worker:
     # --- steps --------------------------------------------------------------------------------
 
     def execute_step(self, plan: StepPlan) -> StepOutput:
-        """Run one StepPlan (see services.step_plan for the protocol)."""
+        """Run one StepPlan (see services.step_plan for the protocol).
+
+        A step that raises may leave the mirror half-updated: the scheduler then calls
+        clear_state and resends its sequences as new (the KV blocks are still valid).
+        """
         runner = self._runner()
         cache_engine = self._cache_engine()
         if plan.scheduler_epoch != self.scheduler_epoch:

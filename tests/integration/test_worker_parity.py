@@ -76,7 +76,15 @@ def test_chunked_prefill_equals_single_prefill(arch_setup):
         assert len(a) == 4
 
 
-def test_smollm2_greedy_matches_hf(smollm2_dir):
+@pytest.fixture
+def one_thread():
+    """Worker(num_threads=1) sets torch's process-wide thread count; put it back afterwards."""
+    previous = torch.get_num_threads()
+    yield 1
+    torch.set_num_threads(previous)
+
+
+def test_smollm2_greedy_matches_hf(smollm2_dir, one_thread):
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
@@ -87,8 +95,9 @@ def test_smollm2_greedy_matches_hf(smollm2_dir):
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                              add_generation_prompt=True, tokenize=True,
                                              return_dict=True)["input_ids"] for q in questions]
+    # one thread: a 2-thread OpenMP region stalls badly on a shared, oversubscribed CPU
     driver = Driver(make_worker(smollm2_dir, num_gpu_blocks=128, block_size=16,
-                                backend="torch"))
+                                num_threads=one_thread))
     for seq_id, prompt in enumerate(prompts):
         driver.add(seq_id, prompt)
     driver.step({i: len(p) for i, p in enumerate(prompts)})

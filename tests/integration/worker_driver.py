@@ -32,12 +32,13 @@ class RecordingSampler(Sampler):
 
 
 def make_worker(model_dir: Path, num_gpu_blocks: int = 96, num_cpu_blocks: int = 32,
-                block_size: int = 8, backend: str = "ref", epoch: int = 1, **model_kw) -> Worker:
+                block_size: int = 8, backend: str = "torch", epoch: int = 1, device: str = "cpu",
+                num_threads: int = 0, **model_kw) -> Worker:
     config = EngineConfig(
         model=ModelConfig(model=str(model_dir), **model_kw),
         cache=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_gpu_blocks,
                           num_cpu_blocks_override=num_cpu_blocks),
-        device=DeviceConfig(device="cpu", attention_backend=backend))
+        device=DeviceConfig(device=device, attention_backend=backend, num_threads=num_threads))
     worker = Worker(config)
     worker.load_model()
     profile = worker.profile_memory()

@@ -23,7 +23,7 @@ def _new(seq_id: int, token_ids: list[int], block_ids: list[int], num_computed: 
 
 
 def test_deltas_update_tokens_and_block_tables():
-    batch = InputBatch(block_size=4)
+    batch = InputBatch(block_size=4, max_model_len=64)
     batch.apply(StepPlan(1, 1, new_seqs=[_new(0, [1, 2, 3, 4, 5], [7, 8], 0, 5),
                                          _new(1, [9, 9], [3], 0, 2)]))
     batch.advance(list(batch.seqs.values()))
@@ -41,17 +41,19 @@ def test_deltas_update_tokens_and_block_tables():
 
 
 def test_unknown_running_sequence_and_overscheduling_are_refused():
-    batch = InputBatch(block_size=4)
+    batch = InputBatch(block_size=4, max_model_len=64)
     with pytest.raises(NotFound, match="seq_id 5"):
         batch.apply(StepPlan(1, 1, running_seqs=[RunningSequence(5, [], 0, [], 1)]))
     with pytest.raises(InvalidRequest, match="num_scheduled_tokens=4"):
         batch.apply(StepPlan(1, 1, new_seqs=[_new(0, [1, 2, 3], [0], 0, 4)]))
     with pytest.raises(InvalidRequest, match="cannot hold 5 tokens"):
         batch.apply(StepPlan(1, 1, new_seqs=[_new(1, [1] * 5, [0], 0, 5)]))
+    with pytest.raises(InvalidRequest, match="max_model_len=64"):
+        batch.apply(StepPlan(1, 1, new_seqs=[_new(2, [1] * 65, list(range(17)), 0, 65)]))
 
 
 def test_flattened_batch_puts_prefills_first_and_maps_slots():
-    batch = InputBatch(block_size=4)
+    batch = InputBatch(block_size=4, max_model_len=64)
     decode = _new(0, [1, 2, 3, 4, 5, 6], [9, 2], 5, 1)  # decode at position 5
     chunk = _new(1, list(range(10, 20)), [4, 6, 1], 3, 5)  # prefill chunk, positions 3..7
     prompt_lp = _new(2, [30, 31, 32], [5], 0, 2,
