@@ -139,6 +139,27 @@ class EngineCore:
         assert report is not None, "a newly finished group always reports"
         return report
 
+    def stop_sequence(self, request_id: str, index: int) -> RequestOutput | None:
+        """Finish output `index` of a running request with finish_reason "stop" -- the caller
+        matched a stop string in its text -- and free its blocks. Returns the request's report
+        if that ended the request (its other outputs keep running otherwise). Beam search and
+        best_of > n pick their winners only at the end: stop their strings in the final text."""
+        group = self._groups.get(request_id)
+        if group is None:
+            raise NotFound(f"request_id {request_id!r} is not running")
+        if not group.is_streamed:
+            raise InvalidRequest(f"request_id {request_id!r} uses beam search or best_of > n; "
+                                 "its outputs cannot be stopped one by one")
+        seqs = [s for s in group.seqs if s.index == index and not s.is_finished]
+        if not seqs:
+            raise NotFound(f"request_id {request_id!r} has no running output index {index}")
+        seqs[0].finish("stop")
+        self.scheduler.release_finished(group)
+        if not group.is_finished:
+            return None
+        del self._groups[request_id]
+        return make_request_output(group)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 

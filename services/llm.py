@@ -1,0 +1,205 @@
+"""LLM: offline batch generation on the in-process engine.
+
+    llm = LLM(model="/path/to/model", enable_prefix_caching=True)
+    outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
+
+Text is detokenized incrementally (skip_special_tokens by default). Stop strings are matched in
+that text: when one matches, that output is stopped in the engine (its blocks freed) and reported
+with finish_reason "stop". Beam search and best_of > n pick their winners only at the end, so their
+stop strings cut the final text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from scheduler_svc.outputs import RequestOutput
+from services.config import default_model_dir
+from services.detokenizer import IncrementalDetokenizer
+from services.errors import InvalidRequest
+from services.llm_engine import LLMEngine, engine_config_from_kwargs
+from services.sampling_params import SamplingParams
+from services.step_plan import TokenLogprob
+from services.stop_strings import StopStringMatcher
+from services.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+Message = Mapping[str, str]
+
+
+@dataclass(slots=True)
+class LLMCompletion:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    logprobs: list[float] = field(default_factory=list)  # of each token in token_ids
+    top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # if asked
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class LLMOutput:
+    request_id: str
+    prompt: str | None  # None when the prompt was given as token ids
+    prompt_token_ids: list[int]
+    outputs: list[LLMCompletion]
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+
+
+class _TextStream:
+    """One output index: detokenizer + stop strings over its tokens, one token at a time."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
+                 sampling: SamplingParams, index: int) -> None:
+        self.completion = LLMCompletion(index=index)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                                  sampling.skip_special_tokens)
+        self.matcher = StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output)
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.matcher.is_stopped
+
+    def push(self, token_ids: list[int], logprobs: list[float],
+             top_logprobs: list[list[TokenLogprob]]) -> None:
+        """Add tokens until a stop string matches; tokens after the match are dropped."""
+        out = self.completion
+        for i, token_id in enumerate(token_ids):
+            if self.matcher.is_stopped:
+                return
+            out.token_ids.append(token_id)
+            if i < len(logprobs):
+                out.cumulative_logprob += logprobs[i]
+                out.logprobs.append(logprobs[i])
+            if i < len(top_logprobs):
+                out.top_logprobs.append(top_logprobs[i])
+            text, stopped = self.matcher.push(self.detokenizer.push([token_id]))
+            out.text += text
+            if stopped:
+                out.finish_reason = "stop"
+
+    def finish(self, reason: str | None, error: str | None) -> None:
+        if self.matcher.is_stopped:
+            return
+        text, stopped = self.matcher.push(self.detokenizer.flush())
+        self.completion.text += text if stopped else text + self.matcher.flush()
+        self.completion.finish_reason = "stop" if stopped else reason
+        self.completion.error = error
+
+
+class _Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 sampling: SamplingParams, tokenizer: Tokenizer) -> None:
+        self.output = LLMOutput(request_id=request_id, prompt=prompt,
+                                prompt_token_ids=prompt_token_ids, outputs=[])
+        self.sampling = sampling
+        self.tokenizer = tokenizer
+        self.streams: dict[int, _TextStream] = {}
+        self.is_finished = False
+
+    def stream(self, index: int) -> _TextStream:
+        if index not in self.streams:
+            self.streams[index] = _TextStream(self.tokenizer, self.output.prompt_token_ids,
+                                              self.sampling, index)
+        return self.streams[index]
+
+    def update(self, report: RequestOutput) -> list[int]:
+        """Take one engine report; returns the indices a stop string just stopped."""
+        if report.prompt_logprobs is not None:
+            self.output.prompt_logprobs = report.prompt_logprobs
+        self.output.num_cached_tokens = report.num_cached_tokens
+        stopped = []
+        for completion in report.outputs:
+            stream = self.stream(completion.index)
+            was_stopped = stream.is_stopped
+            stream.push(completion.token_ids, completion.logprobs, completion.top_logprobs)
+            if completion.finish_reason is not None:
+                stream.finish(completion.finish_reason, completion.error)
+            elif stream.is_stopped and not was_stopped:
+                stopped.append(completion.index)
+        if report.finished:
+            self.is_finished = True
+            self.output.outputs = [self.streams[i].completion for i in sorted(self.streams)]
+        return stopped
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`kwargs` are flat engine options (block_size, enable_prefix_caching, max_num_seqs,
+        num_gpu_blocks_override, preemption_mode, enable_chunked_prefill, dtype, seed, ...)."""
+        config = engine_config_from_kwargs(model=model or default_model_dir(), **kwargs)
+        self.tokenizer = Tokenizer.from_pretrained(config.model.tokenizer_path)
+        self.engine = LLMEngine(config)
+        self._request_ids = itertools.count()
+
+    def generate(self, prompts: str | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[LLMOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in input order."""
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        encoded = [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p))
+                   for p in prompts]
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[LLMOutput]:
+        """One conversation (a list of {"role", "content"} messages) or a list of them, through
+        the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        encoded = []
+        for conversation in conversations:
+            text = self.tokenizer.render_chat(conversation, add_generation_prompt)
+            encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool) -> list[LLMOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(encoded)
+        if len(sampling_params) != len(encoded):
+            raise InvalidRequest(f"sampling_params has {len(sampling_params)} entries for "
+                                 f"{len(encoded)} prompts")
+        requests: dict[str, _Request] = {}
+        try:
+            for (prompt, ids), sampling in zip(encoded, sampling_params, strict=True):
+                request_id = str(next(self._request_ids))
+                self.engine.add_request(request_id, ids, sampling)
+                requests[request_id] = _Request(request_id, prompt, ids, sampling,
+                                                self.tokenizer)
+            self._step_until_done(requests, use_tqdm)
+        finally:
+            for request_id, request in requests.items():
+                if not request.is_finished:  # an error or an interrupt: leave nothing behind
+                    self.engine.abort_request(request_id)
+        return [request.output for request in requests.values()]
+
+    def _step_until_done(self, requests: dict[str, _Request], use_tqdm: bool) -> None:
+        with tqdm(total=len(requests), desc="Generating", unit="req",
+                  disable=not use_tqdm) as progress:
+            while self.engine.has_unfinished_requests():
+                reports = self.engine.step()
+                while reports:
+                    report = reports.pop()
+                    request = requests[report.request_id]
+                    for index in request.update(report):
+                        final = self.engine.core.stop_sequence(report.request_id, index)
+                        if final is not None:
+                            reports.append(final)
+                    if report.finished:
+                        progress.update(1)
