@@ -20,20 +20,39 @@ _DERIVED_KEY = "torch"
 
 
 @dataclass(slots=True)
+class KVGather:
+    """Gathers sequences' K/V rows through their block tables, head-major, into buffers that
+    every layer of the step reuses (a fresh 10+ MB tensor per layer costs page faults on CPU)."""
+
+    rows: torch.Tensor  # [num_seqs * num_kv_heads * max_seq_len] int64 rows of the cache viewed
+    #                     as [num_blocks * block_size * num_kv_heads, head_size]
+    shape: tuple[int, int, int, int]  # (num_seqs, num_kv_heads, max_seq_len, head_size)
+    k_out: torch.Tensor  # [num_seqs * num_kv_heads * max_seq_len, head_size]
+    v_out: torch.Tensor
+
+    def gather(self, k_cache: torch.Tensor,
+               v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as [num_seqs, num_kv_heads, max_seq_len, head_size], contiguous."""
+        head_size = self.shape[-1]
+        k = torch.index_select(k_cache.view(-1, head_size), 0, self.rows, out=self.k_out)
+        v = torch.index_select(v_cache.view(-1, head_size), 0, self.rows, out=self.v_out)
+        return k.view(self.shape), v.view(self.shape)
+
+
+@dataclass(slots=True)
 class PrefillPlan:
     """How the prefill sequences map onto padded [num_prefills, max_query_len | max_seq_len] grids."""
 
-    slots: torch.Tensor  # [num_prefills * max_seq_len] int64 flat cache row of each key position
+    kv: KVGather
     max_query_len: int
-    max_seq_len: int
     attn_mask: torch.Tensor | None  # [num_prefills, 1, max_query_len, max_seq_len] bool, None = causal
     token_rows: torch.Tensor | None  # [num_prefill_tokens] row in the padded query grid, None = unpadded
+    padded_query: torch.Tensor | None  # [num_prefills * max_query_len, num_heads, head_size]
 
 
 @dataclass(slots=True)
 class DecodePlan:
-    slots: torch.Tensor  # [num_decodes * max_seq_len] int64
-    max_seq_len: int
+    kv: KVGather
     attn_mask: torch.Tensor  # [num_decodes, 1, 1, max_seq_len] bool: key position < seq_len
 
 
@@ -67,9 +86,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 def gather_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                  block_size: int) -> torch.Tensor:
-    """Flat cache row of positions 0..max_seq_len-1 of each sequence: [num_seqs, max_seq_len].
+    """Flat cache slot of positions 0..max_seq_len-1 of each sequence: [num_seqs, max_seq_len].
 
-    Positions at or past a sequence's length point at its position 0 instead: that row is always
+    Positions at or past a sequence's length point at its position 0 instead: that slot is always
     written, so padded keys never read uninitialized memory (NaN there would leak through the
     masked softmax as 0 * NaN).
     """
@@ -79,17 +98,29 @@ def gather_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len
     return torch.where(pos < seq_lens.unsqueeze(1), slots, slots[:, :1])
 
 
-def _prefill_plan(meta: AttentionMetadata, block_size: int) -> PrefillPlan:
+def _kv_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+               k_cache: torch.Tensor) -> KVGather:
+    block_size, num_kv_heads, head_size = k_cache.shape[1:]
+    slots = gather_slots(block_tables, seq_lens, max_seq_len, block_size)  # [num_seqs, max_seq_len]
+    heads = torch.arange(num_kv_heads, device=slots.device).view(1, -1, 1)
+    rows = (slots.unsqueeze(1) * num_kv_heads + heads).flatten()  # (seq, kv_head, position) order
+    num_rows = rows.numel()
+    return KVGather(rows, (slots.shape[0], num_kv_heads, max_seq_len, head_size),
+                    k_cache.new_empty(num_rows, head_size), k_cache.new_empty(num_rows, head_size))
+
+
+def _prefill_plan(meta: AttentionMetadata, query: torch.Tensor,
+                  k_cache: torch.Tensor) -> PrefillPlan:
     num_prefills = meta.num_prefills
     query_lens = meta.query_lens_cpu[:num_prefills]
     seq_lens_cpu = meta.seq_lens_cpu[:num_prefills]
     max_query_len, max_seq_len = max(query_lens), max(seq_lens_cpu)
     seq_lens = meta.seq_lens[:num_prefills]  # [num_prefills] on the device
-    slots = gather_slots(meta.block_tables[:num_prefills], seq_lens, max_seq_len, block_size)
+    kv = _kv_gather(meta.block_tables[:num_prefills], seq_lens, max_seq_len, k_cache)
     is_uniform = all(q == max_query_len for q in query_lens)
     if is_uniform and all(s == max_query_len for s in seq_lens_cpu):
         # Fresh prompts of one length: the query covers the whole context, plain causal attention.
-        return PrefillPlan(slots.flatten(), max_query_len, max_seq_len, None, None)
+        return PrefillPlan(kv, max_query_len, None, None, None)
 
     starts = meta.query_start_loc[:num_prefills + 1].long()
     query_lens_t = starts[1:] - starts[:-1]  # [num_prefills]
@@ -100,68 +131,60 @@ def _prefill_plan(meta: AttentionMetadata, block_size: int) -> PrefillPlan:
     q_pos = torch.minimum(context_lens.unsqueeze(1) + q_idx, seq_lens.unsqueeze(1) - 1)
     k_pos = torch.arange(max_seq_len, device=starts.device)
     attn_mask = (k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)  # [P, 1, max_q, max_s]
+    if is_uniform:
+        return PrefillPlan(kv, max_query_len, attn_mask, None, None)
 
-    token_rows = None
-    if not is_uniform:
-        num_tokens = meta.num_prefill_tokens
-        seq_idx = torch.repeat_interleave(torch.arange(num_prefills, device=starts.device),
-                                          query_lens_t, output_size=num_tokens)  # [num_tokens]
-        token_idx = torch.arange(num_tokens, device=starts.device)
-        token_rows = seq_idx * max_query_len + token_idx - starts[seq_idx]
-    return PrefillPlan(slots.flatten(), max_query_len, max_seq_len, attn_mask, token_rows)
+    num_tokens = meta.num_prefill_tokens
+    seq_idx = torch.repeat_interleave(torch.arange(num_prefills, device=starts.device),
+                                      query_lens_t, output_size=num_tokens)  # [num_tokens]
+    token_idx = torch.arange(num_tokens, device=starts.device)
+    token_rows = seq_idx * max_query_len + token_idx - starts[seq_idx]
+    # Zeros once: padding rows must hold finite values; later layers leave stale finite ones.
+    padded_query = query.new_zeros(num_prefills * max_query_len, *query.shape[1:])
+    return PrefillPlan(kv, max_query_len, attn_mask, token_rows, padded_query)
 
 
-def _decode_plan(meta: AttentionMetadata, block_size: int) -> DecodePlan:
+def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> DecodePlan:
     first = meta.num_prefills
     max_seq_len = max(meta.seq_lens_cpu[first:])
     seq_lens = meta.seq_lens[first:]  # [num_decodes]
-    slots = gather_slots(meta.block_tables[first:], seq_lens, max_seq_len, block_size)
+    kv = _kv_gather(meta.block_tables[first:], seq_lens, max_seq_len, k_cache)
     k_pos = torch.arange(max_seq_len, device=seq_lens.device)
     attn_mask = (k_pos < seq_lens.unsqueeze(1)).view(len(seq_lens), 1, 1, max_seq_len)
-    return DecodePlan(slots.flatten(), max_seq_len, attn_mask)
+    return DecodePlan(kv, attn_mask)
 
 
-def attention_plan(meta: AttentionMetadata, block_size: int) -> AttentionPlan:
-    """The step's gather indices and masks, built once and cached on the metadata."""
+def attention_plan(meta: AttentionMetadata, query: torch.Tensor,
+                   k_cache: torch.Tensor) -> AttentionPlan:
+    """The step's gather indices, masks and buffers, built by the first layer, reused by the rest."""
     plan = meta.derived.get(_DERIVED_KEY)
     if plan is None:
         plan = AttentionPlan(
-            _prefill_plan(meta, block_size) if meta.num_prefills else None,
-            _decode_plan(meta, block_size) if meta.num_decode_tokens else None,
+            _prefill_plan(meta, query, k_cache) if meta.num_prefills else None,
+            _decode_plan(meta, k_cache) if meta.num_decode_tokens else None,
         )
         meta.derived[_DERIVED_KEY] = plan
     return plan
 
 
-def _gather(flat_cache: torch.Tensor, slots: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """[num_seqs, num_kv_heads, max_seq_len, head_size] view of the gathered rows."""
-    rows = flat_cache.index_select(0, slots)  # [num_seqs * max_seq_len, kv_heads, head]
-    return rows.view(num_seqs, -1, *flat_cache.shape[1:]).transpose(1, 2)
-
-
-def _prefill_attention(query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        plan: PrefillPlan, num_prefills: int, scale: float) -> torch.Tensor:
     num_heads, head_size = query.shape[1], query.shape[2]
-    if plan.token_rows is None:
-        q = query.view(num_prefills, plan.max_query_len, num_heads, head_size)
-    else:
-        q = query.new_zeros(num_prefills * plan.max_query_len, num_heads, head_size)
-        q.index_copy_(0, plan.token_rows, query)
-        q = q.view(num_prefills, plan.max_query_len, num_heads, head_size)
-    k = _gather(k_flat, plan.slots, num_prefills)  # [P, kv_heads, max_seq_len, head]
-    v = _gather(v_flat, plan.slots, num_prefills)
+    if plan.token_rows is not None:
+        query = plan.padded_query.index_copy_(0, plan.token_rows, query)
+    q = query.view(num_prefills, plan.max_query_len, num_heads, head_size).transpose(1, 2)
+    k, v = plan.kv.gather(k_cache, v_cache)  # [P, kv_heads, max_seq_len, head]
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=plan.attn_mask, is_causal=plan.attn_mask is None,
-        scale=scale, enable_gqa=num_heads != k.shape[1])  # [P, heads, max_query_len, head]
+        q, k, v, attn_mask=plan.attn_mask, is_causal=plan.attn_mask is None, scale=scale,
+        enable_gqa=num_heads != k.shape[1])  # [P, heads, max_query_len, head]
     out = out.transpose(1, 2).reshape(-1, num_heads, head_size)
     return out if plan.token_rows is None else out.index_select(0, plan.token_rows)
 
 
-def _decode_attention(query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       plan: DecodePlan, scale: float) -> torch.Tensor:
     num_decodes, num_heads, head_size = query.shape
-    k = _gather(k_flat, plan.slots, num_decodes)  # [num_decodes, kv_heads, max_seq_len, head]
-    v = _gather(v_flat, plan.slots, num_decodes)
+    k, v = plan.kv.gather(k_cache, v_cache)  # [num_decodes, kv_heads, max_seq_len, head]
     # One query row per head: the heads of a GQA group become the "query length" of their KV
     # head, so no KV expansion is needed and the mask broadcasts over them.
     q = query.view(num_decodes, k.shape[1], num_heads // k.shape[1], head_size)
@@ -173,22 +196,20 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Same contract as `kernels.ref.paged_attention`: query [num_tokens, num_heads, head_size]."""
     check_cache_pair(k_cache, v_cache)
-    block_size, num_kv_heads, head_size = k_cache.shape[1:]
+    num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
     if query.shape[1] % num_kv_heads or query.shape[2] != head_size:
         raise ValueError(f"query {tuple(query.shape)} does not fit a cache of {num_kv_heads} KV "
                          f"heads of size {head_size}")
-    plan = attention_plan(meta, block_size)
-    k_flat = k_cache.view(-1, num_kv_heads, head_size)  # [num_blocks * block_size, kv_heads, head]
-    v_flat = v_cache.view(-1, num_kv_heads, head_size)
     out = torch.empty_like(query)
     query = query.to(k_cache.dtype)
+    plan = attention_plan(meta, query, k_cache)
     num_prefill_tokens = meta.num_prefill_tokens
     if plan.prefill is not None:
         out[:num_prefill_tokens] = _prefill_attention(
-            query[:num_prefill_tokens], k_flat, v_flat, plan.prefill, meta.num_prefills, scale)
+            query[:num_prefill_tokens], k_cache, v_cache, plan.prefill, meta.num_prefills, scale)
     if plan.decode is not None:
         out[num_prefill_tokens:] = _decode_attention(
-            query[num_prefill_tokens:], k_flat, v_flat, plan.decode, scale)
+            query[num_prefill_tokens:], k_cache, v_cache, plan.decode, scale)
     return out
 
 
