@@ -1,10 +1,11 @@
 """Vectorized torch backend: the default on CPU, and the baseline the GPU kernels are measured against.
 
 Every op is a handful of tensor ops with no per-sequence Python loop. Paged attention gathers each
-sequence's K/V rows through its block table into a padded [num_seqs, max_seq_len, ...] tensor with
-one index op and hands that to scaled_dot_product_attention, with a causal + padding mask. Prefill
-chunks and decode tokens run as two batched calls. The index tensors and masks depend only on the
-step's metadata, so they are built by the first layer and reused by the rest (`meta.derived`).
+sequence's K/V rows through its block table into a padded [num_seqs, num_kv_heads, max_seq_len,
+head_size] tensor with one index op and hands that to scaled_dot_product_attention, with a causal
++ padding mask. Prefill chunks and decode tokens run as two batched calls. The index tensors,
+masks and gather buffers depend only on the step's metadata, so the first layer builds them and
+the rest reuse them (`meta.derived`).
 """
 
 from __future__ import annotations
