@@ -113,15 +113,16 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
 
 
 def _fill_dummy(model: nn.Module, seed: int) -> None:
-    """vLLM's dummy weights: uniform in [-1e-3, 1e-3], norms at 1 so activations stay sane."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    """vLLM's dummy weights: uniform in [-1e-3, 1e-3], norms at 1 so activations stay sane.
+    Drawn on the parameters' device (a CPU generator would take minutes for a 7B model)."""
+    generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if "norm" in name and name.endswith("weight"):
             param.data.fill_(1.0)
             continue
-        values = torch.empty(param.shape, dtype=torch.float32).uniform_(
-            -1e-3, 1e-3, generator=generator)
-        param.data.copy_(values)
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        param.data.uniform_(-1e-3, 1e-3, generator=generators[param.device])
 
 
 def load_model(model_config: ModelConfig, hf_config: transformers.PretrainedConfig,
