@@ -38,6 +38,8 @@ class OutputProcessor:
         for item in scheduled.scheduled:
             group, seq = item.group, item.seq
             groups[id(group)] = group
+            if group.is_finished:  # failed earlier in this loop: its blocks are gone
+                continue
             sampled = by_seq_id.get(seq.seq_id)
             if sampled is not None and sampled.prompt_logprobs and _collects_prompt_logprobs(group):
                 group.prompt_logprobs.extend(sampled.prompt_logprobs)
@@ -45,7 +47,7 @@ class OutputProcessor:
             seq.num_computed_tokens += item.num_scheduled_tokens
             self.scheduler.block_manager.mark_computed(seq.seq_id, seq.token_ids,
                                                        seq.num_computed_tokens)
-            if not item.samples or group.is_finished:
+            if not item.samples:
                 continue
             if sampled is None or len(sampled.token_ids) != item.num_samples:
                 got = 0 if sampled is None else len(sampled.token_ids)

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from services.errors import InvalidRequest, NotFound
-from services.llm_engine import LLMEngine
+from services.errors import ConfigError, InvalidRequest, NotFound
+from services.llm_engine import LLMEngine, engine_config_from_kwargs
 from services.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 def make_engine(model_dir, **kw) -> LLMEngine:
     options = dict(model=str(model_dir), device="cpu", attention_backend="torch", block_size=8,
-                   num_gpu_blocks_override=128, num_cpu_blocks_override=64)
+                   num_gpu_blocks_override=128, num_cpu_blocks_override=64, num_threads=1)
     options.update(kw)
     return LLMEngine.from_kwargs(**options)
 
@@ -155,3 +155,14 @@ def test_a_failed_step_errors_its_requests_and_the_engine_keeps_serving(llama_di
     assert "device lost" in failed[0].outputs[0].error
     assert_all_blocks_free(engine)
     assert generate(engine, prompts(0, [13, 29, 7, 21])) == reference
+
+
+def test_flat_options_build_the_config_tree_and_unknown_ones_are_rejected():
+    config = engine_config_from_kwargs(model="m", block_size=32, max_num_seqs=7,
+                                       enable_prefix_caching=True, attention_backend="torch")
+    assert (config.cache.block_size, config.scheduler.max_num_seqs) == (32, 7)
+    assert config.cache.enable_prefix_caching and config.device.attention_backend == "torch"
+    with pytest.raises(ConfigError, match="blok_size"):
+        engine_config_from_kwargs(model="m", blok_size=32)
+    with pytest.raises(ConfigError, match="block_size"):
+        engine_config_from_kwargs(model="m", block_size=7)

@@ -16,8 +16,9 @@ QUESTIONS = ["What is the capital of France?", "List three prime numbers.",
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir) -> LLM:
+    # one thread: the CPU test machines are shared, and oversubscription costs more than it gains
     return LLM(str(smollm2_dir), device="cpu", attention_backend="torch", block_size=16,
-               num_gpu_blocks_override=256, num_cpu_blocks_override=64)
+               num_gpu_blocks_override=256, num_cpu_blocks_override=64, num_threads=1)
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,10 @@ class Harness:
     """A scheduler, its block manager and output processor; `step()` plays the worker by hand."""
 
     def __init__(self, num_gpu_blocks: int = 64, num_cpu_blocks: int = 64, block_size: int = 4,
-                 max_model_len: int = 256, **scheduler_kw) -> None:
-        self.bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, watermark=0.0)
+                 max_model_len: int = 256, enable_prefix_caching: bool = False,
+                 **scheduler_kw) -> None:
+        self.bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, watermark=0.0,
+                               enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(**scheduler_kw), self.bm, max_model_len)
         self.seq_ids = itertools.count()
         self.processor = OutputProcessor(self.scheduler, [EOS], max_model_len, self.seq_ids)

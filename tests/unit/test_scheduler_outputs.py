@@ -130,3 +130,18 @@ def test_beam_search_final_output_is_the_best_hypothesis():
     assert [o.token_ids for o in final.outputs] == [[11, 30], [11, 31]]
     assert [o.finish_reason for o in final.outputs] == ["length", "length"]
     assert h.all_free()
+
+
+def test_a_malformed_worker_answer_fails_only_its_request():
+    h = Harness(enable_prefix_caching=True)
+    pair = h.add("pair", 9, SamplingParams(n=2, temperature=1.0, max_tokens=3, ignore_eos=True))
+    other = h.add("other", 9)
+    h.step()
+    first, second = pair.seqs
+    # two tokens for a sequence that asked for one
+    _, reports = h.step(tokens={first.seq_id: [5, 6]})
+    failed = next(r for r in reports if r.request_id == "pair")
+    assert failed.finished and {o.finish_reason for o in failed.outputs} == {"error"}
+    assert "expected 1" in failed.outputs[0].error
+    h.run_to_end()
+    assert other.seqs[0].finish_reason == "length" and h.all_free()
