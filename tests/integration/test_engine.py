@@ -166,3 +166,31 @@ def test_flat_options_build_the_config_tree_and_unknown_ones_are_rejected():
         engine_config_from_kwargs(model="m", blok_size=32)
     with pytest.raises(ConfigError, match="block_size"):
         engine_config_from_kwargs(model="m", block_size=7)
+
+
+def all_outputs(engine: LLMEngine, prompt_ids: list[list[int]],
+                sampling: SamplingParams) -> dict[str, list[list[int]]]:
+    """Every index's whole output per request (streamed deltas joined, or the final report)."""
+    for i, ids in enumerate(prompt_ids):
+        engine.add_request(f"r{i}", ids, sampling)
+    tokens: dict[str, dict[int, list[int]]] = {f"r{i}": {} for i in range(len(prompt_ids))}
+    while engine.has_unfinished_requests():
+        for report in engine.step():
+            for out in report.outputs:
+                tokens[report.request_id].setdefault(out.index, []).extend(out.token_ids)
+    return {rid: [by_index[i] for i in sorted(by_index)] for rid, by_index in tokens.items()}
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True),
+    SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0, max_tokens=12),
+], ids=["seeded_n2", "beam3"])
+@pytest.mark.parametrize("preemption_mode", ["auto", "recompute"])
+def test_forked_groups_do_not_depend_on_preemption(llama_dir, sampling, preemption_mode):
+    batch = prompts(3, [11, 19, 6])
+    expected = all_outputs(make_engine(llama_dir), batch, sampling)
+    assert all(len(outs) == 2 for outs in expected.values())
+    engine = make_engine(llama_dir, num_gpu_blocks_override=14, preemption_mode=preemption_mode)
+    assert all_outputs(engine, batch, sampling) == expected
+    assert engine.get_load().num_preemptions > 0
+    assert_all_blocks_free(engine)
