@@ -12,9 +12,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler_svc.block_manager import AllocStatus, BlockManager
+from scheduler_svc.deltas import sequence_deltas
 from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
 from services.config import SchedulerConfig
-from services.step_plan import NewSequence, RunningSequence, StepPlan
+from services.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -156,14 +157,13 @@ class Scheduler:
         sequence up to one token short, so all its sequences sample together in one later
         decode-phase step (beam search needs every beam's candidates at once).
 
-        The plan: a sequence the workers do not know (first run, after any preemption, after a
-        fork, after ClearState) is sent whole as a NewSequence with its num_computed_tokens
-        (prefix-cache hit, swapped-in or forked KV); a known one as a RunningSequence with the
-        tokens appended since it last ran and the tail of its block table that changed (growth or
-        copy-on-write). `finished_seq_ids` / `preempted_seq_ids` name mirrors to drop;
-        `blocks_to_swap_out` / `blocks_to_swap_in` / `blocks_to_copy` are the cache ops, run in
-        that order before the forward. `step_id` grows by one per plan; a step with nothing to
-        compute and no cache ops yields `plan=None` and keeps the pending drops for later.
+        The plan carries deltas against the workers' mirrors (scheduler_svc.deltas): NewSequence
+        whole for a sequence the workers do not know (with its num_computed_tokens: prefix-cache
+        hit, swapped-in or forked KV), RunningSequence otherwise. `finished_seq_ids` /
+        `preempted_seq_ids` name mirrors to drop; `blocks_to_swap_out` / `blocks_to_swap_in` /
+        `blocks_to_copy` are the cache ops, run in that order before the forward. `step_id` grows
+        by one per plan; a step with nothing to compute and no cache ops yields `plan=None` and
+        keeps the pending drops for the next plan.
         """
         step = _Step()
         chunked = self.config.enable_chunked_prefill
@@ -384,27 +384,9 @@ class Scheduler:
         if not (step.scheduled or step.blocks_to_swap_out or step.blocks_to_swap_in
                 or step.blocks_to_copy):
             return out
-        new_seqs: list[NewSequence] = []
-        running_seqs: list[RunningSequence] = []
-        for item in step.scheduled:
-            seq = item.seq
-            block_ids = self.block_manager.block_table(seq.seq_id)
-            if seq.worker_block_ids is None:
-                new_seqs.append(NewSequence(
-                    seq_id=seq.seq_id, request_id=item.group.request_id,
-                    token_ids=list(seq.token_ids), prompt_len=seq.prompt_len,
-                    block_ids=list(block_ids), num_computed_tokens=seq.num_computed_tokens,
-                    num_scheduled_tokens=item.num_scheduled_tokens,
-                    sampling=item.group.sampling, seed=seq.seed, num_samples=item.num_samples))
-            else:
-                start = _first_difference(seq.worker_block_ids, block_ids)
-                running_seqs.append(RunningSequence(
-                    seq_id=seq.seq_id, new_token_ids=seq.token_ids[seq.num_worker_tokens:],
-                    block_ids_start=start, block_ids=list(block_ids[start:]),
-                    num_scheduled_tokens=item.num_scheduled_tokens,
-                    num_samples=item.num_samples))
-            seq.worker_block_ids = list(block_ids)
-            seq.num_worker_tokens = len(seq.token_ids)
+        new_seqs, running_seqs = sequence_deltas(
+            [(i.group, i.seq, i.num_scheduled_tokens, i.num_samples) for i in step.scheduled],
+            self.block_manager)
         self._step_id += 1
         out.plan = StepPlan(
             scheduler_epoch=self.scheduler_epoch, step_id=self._step_id, new_seqs=new_seqs,
@@ -415,11 +397,3 @@ class Scheduler:
         self._finished_seq_ids = []
         self._preempted_seq_ids = []
         return out
-
-
-def _first_difference(old: list[int], new: list[int]) -> int:
-    """Block tables only grow or have blocks replaced (copy-on-write): the changed tail's start."""
-    for i, (a, b) in enumerate(zip(old, new, strict=False)):
-        if a != b:
-            return i
-    return min(len(old), len(new))

@@ -1,0 +1,49 @@
+"""What each worker mirror holds, and the StepPlan deltas that bring it up to date.
+
+A sequence the worker does not know (`Sequence.worker_block_ids is None`: first run, after a
+preemption, after a fork, after ClearState) is sent whole as a NewSequence; a known one as a
+RunningSequence with the tokens appended since it last ran and the tail of its block table that
+changed. Block tables only grow or have blocks replaced by copy-on-write, so one (start, ids)
+pair describes any change.
+"""
+
+from __future__ import annotations
+
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.sequence import Sequence, SequenceGroup
+from services.step_plan import NewSequence, RunningSequence
+
+
+def sequence_deltas(
+    scheduled: list[tuple[SequenceGroup, Sequence, int, int]], block_manager: BlockManager,
+) -> tuple[list[NewSequence], list[RunningSequence]]:
+    """Deltas for (group, seq, num_scheduled_tokens, num_samples) entries; records what the
+    worker will know after this step on each sequence."""
+    new_seqs: list[NewSequence] = []
+    running_seqs: list[RunningSequence] = []
+    for group, seq, num_scheduled_tokens, num_samples in scheduled:
+        block_ids = block_manager.block_table(seq.seq_id)
+        if seq.worker_block_ids is None:
+            new_seqs.append(NewSequence(
+                seq_id=seq.seq_id, request_id=group.request_id, token_ids=list(seq.token_ids),
+                prompt_len=seq.prompt_len, block_ids=list(block_ids),
+                num_computed_tokens=seq.num_computed_tokens,
+                num_scheduled_tokens=num_scheduled_tokens, sampling=group.sampling,
+                seed=seq.seed, num_samples=num_samples))
+        else:
+            start = _first_difference(seq.worker_block_ids, block_ids)
+            running_seqs.append(RunningSequence(
+                seq_id=seq.seq_id, new_token_ids=seq.token_ids[seq.num_worker_tokens:],
+                block_ids_start=start, block_ids=list(block_ids[start:]),
+                num_scheduled_tokens=num_scheduled_tokens, num_samples=num_samples))
+        seq.worker_block_ids = list(block_ids)
+        seq.num_worker_tokens = len(seq.token_ids)
+    return new_seqs, running_seqs
+
+
+def _first_difference(old: list[int], new: list[int]) -> int:
+    """Where the changed tail of a block table starts."""
+    for i, (a, b) in enumerate(zip(old, new, strict=False)):
+        if a != b:
+            return i
+    return min(len(old), len(new))
