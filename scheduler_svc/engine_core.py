@@ -99,6 +99,8 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids,
                                                 self.max_model_len, self._seq_ids)
         self._groups: dict[str, SequenceGroup] = {}
+        # what the latest step ran, for observers between steps (the service's step span)
+        self.last_scheduled: SchedulerOutput | None = None
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -119,6 +121,12 @@ class EngineCore:
             raise InvalidRequest(
                 f"prompt_token_ids has {len(prompt_token_ids)} tokens; the prompt must be shorter "
                 f"than max_model_len={self.max_model_len}")
+        usable_blocks = self.num_gpu_blocks - self.block_manager.watermark_blocks
+        num_prompt_blocks = -(-len(prompt_token_ids) // self.block_manager.block_size)
+        if num_prompt_blocks > usable_blocks:
+            raise InvalidRequest(
+                f"prompt_token_ids has {len(prompt_token_ids)} tokens, which need "
+                f"{num_prompt_blocks} KV-cache blocks; the cache has {usable_blocks} usable blocks")
         sampling.verify_for_model(self.vocab_size)
         if sampling.num_candidates > self.config.scheduler.max_num_seqs:
             raise InvalidRequest(f"best_of={sampling.num_candidates} exceeds "
@@ -181,6 +189,7 @@ class EngineCore:
         A failed step finishes the requests it touched with finish_reason "error", resets the
         workers' mirrors (new epoch, clear_state) and leaves every other request running."""
         scheduled = self.scheduler.schedule()
+        self.last_scheduled = scheduled
         if scheduled.plan is None:
             outputs = [r for g in scheduled.rejected if (r := make_request_output(g)) is not None]
         else:

@@ -126,6 +126,16 @@ def test_bad_requests_fail_alone(llama_dir):
     assert_all_blocks_free(engine)
 
 
+def test_prompt_larger_than_the_whole_cache_is_rejected_up_front(llama_dir):
+    engine = make_engine(llama_dir, num_gpu_blocks_override=4)  # 4 blocks of 8 tokens
+    with pytest.raises(InvalidRequest, match="40 tokens, which need 5 KV-cache blocks"):
+        engine.add_request("huge", [5] * 40, GREEDY)
+    engine.add_request("fits", [5] * 24, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(engine)
+
+
 class FlakyWorker:
     """A real worker whose execute_step fails once, on the step chosen by the test."""
 
