@@ -8,6 +8,12 @@ Each Submit call owns an asyncio.Queue; after every step the loop pushes each Re
 its request's queue. With no work the loop sleeps on an asyncio.Event (no polling); a new
 operation wakes it. A Submit whose consumer goes away (client gone, deadline, gateway abort)
 queues an abort that runs before the next step, so its blocks are free by then.
+
+Tracing: every step is an "engine_step" span, current on the engine thread while it runs, so the
+worker calls (ExecuteStep, CLIENT spans) are its children. A step serves many requests, so it is
+drawn in the trace of one of them -- the oldest live request, as a child of its Submit span -- and
+links to the Submit spans of the others it ran. A lone request thus reads as one trace from the
+gateway down to the worker; in a batch, the other requests' steps are found through the links.
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanContext, Status, StatusCode
+
 from scheduler_svc.convert import SubmitRequest
 from scheduler_svc.engine_core import EngineCore, EngineLoad
 from scheduler_svc.outputs import RequestOutput
@@ -28,6 +38,13 @@ from services.errors import NotFound, Unavailable
 logger = logging.getLogger(__name__)
 
 _Item = RequestOutput | BaseException  # what a Submit queue carries; an exception ends it
+
+# Attributes of the engine step span (the worker's ExecuteStep spans share step_id's name).
+STEP_SPAN = "engine_step"
+STEP_ID = "pagedserve.step_id"
+NUM_SEQS = "pagedserve.num_seqs"
+NUM_SCHEDULED_TOKENS = "pagedserve.num_scheduled_tokens"
+NUM_PREEMPTED = "pagedserve.num_preempted"
 
 
 class RequestStream:
@@ -79,6 +96,9 @@ class EngineService:
         self._is_accepting = True
         self._load = engine.get_load()
         self._task: asyncio.Task | None = None
+        self._tracer = trace.get_tracer(__name__)
+        # live requests' Submit spans, oldest first (only while tracing: else never valid)
+        self._span_contexts: dict[str, SpanContext] = {}
 
     @classmethod
     async def start(cls, build_engine: Callable[[], EngineCore]) -> EngineService:
@@ -99,11 +119,14 @@ class EngineService:
             raise Unavailable("the scheduler is draining and accepts no new requests")
         request_id = request.request_id or uuid.uuid4().hex
         queue: asyncio.Queue[_Item] = asyncio.Queue()
+        span_context = trace.get_current_span().get_span_context()  # the Submit call's span
 
         def add() -> None:
             self.engine.add_request(request_id, request.prompt_token_ids, request.sampling,
                                     request.priority, request.arrival_time_monotonic())
             self._streams[request_id] = queue
+            if span_context.is_valid:
+                self._span_contexts[request_id] = span_context
             self._idle.clear()
 
         try:
@@ -182,9 +205,11 @@ class EngineService:
                     await self._wakeup.wait()
                 continue
             self._load = self.engine.get_load()
+            parent = self._step_span_parent()
+            span = self._tracer.start_span(STEP_SPAN, context=_context_of(parent))
             self._is_stepping = True
             try:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                outputs = await loop.run_in_executor(self._executor, self._step, span, parent)
             except Exception as exc:  # EngineCore contains worker failures; this is a bug
                 logger.exception("engine step raised; failing every live request")
                 self._fail_all(exc)
@@ -193,6 +218,44 @@ class EngineService:
                 self._is_stepping = False
             for output in outputs:
                 self._push(output)
+
+    def _step_span_parent(self) -> SpanContext | None:
+        """The Submit span of the oldest live request (forgetting those that ended)."""
+        for request_id in [r for r in self._span_contexts if r not in self._streams]:
+            del self._span_contexts[request_id]
+        return next(iter(self._span_contexts.values()), None)
+
+    def _step(self, span: trace.Span, parent: SpanContext | None) -> list[RequestOutput]:
+        """engine.step on the engine thread, inside its span."""
+        num_preemptions = self.engine.scheduler.num_preemptions
+        with trace.use_span(span, end_on_exit=True):
+            outputs = self.engine.step()
+            if span.is_recording():
+                self._record_step(span, parent, outputs,
+                                  self.engine.scheduler.num_preemptions - num_preemptions)
+        return outputs
+
+    def _record_step(self, span: trace.Span, parent: SpanContext | None,
+                     outputs: list[RequestOutput], num_preempted: int) -> None:
+        """What the step ran; links to the Submit spans of its requests. Reads the dict of span
+        contexts with single lookups only: the event loop may add to it meanwhile."""
+        scheduled = self.engine.last_scheduled
+        if scheduled is None:
+            return
+        span.set_attributes({NUM_SEQS: len(scheduled.scheduled), NUM_PREEMPTED: num_preempted})
+        if scheduled.plan is not None:
+            span.set_attributes({STEP_ID: scheduled.plan.step_id,
+                                 NUM_SCHEDULED_TOKENS: scheduled.plan.num_scheduled_tokens})
+        request_ids = dict.fromkeys(item.group.request_id for item in scheduled.scheduled)
+        for request_id in request_ids:
+            span_context = self._span_contexts.get(request_id)
+            if span_context is not None and span_context != parent:
+                span.add_link(span_context)
+        # a failed step finishes the requests it ran with "error" (rejected ones are not its own)
+        errors = [o.error for r in outputs if r.request_id in request_ids
+                  for o in r.outputs if o.finish_reason == "error"]
+        if errors:
+            span.set_status(Status(StatusCode.ERROR, errors[0]))
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -234,3 +297,10 @@ class EngineService:
     def _update_idle(self) -> None:
         if not self._streams:
             self._idle.set()
+
+
+def _context_of(parent: SpanContext | None) -> Context:
+    """A context whose current span is `parent`; None: an empty one (the step starts a trace)."""
+    if parent is None:
+        return Context()
+    return trace.set_span_in_context(trace.NonRecordingSpan(parent), Context())

@@ -27,6 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from services.tracing import ServerTracingInterceptor
+
 logger = logging.getLogger(__name__)
 
 _MAX_MESSAGE_BYTES = 64 << 20  # prompts of token ids and prompt logprobs can be large
@@ -112,8 +114,10 @@ def create_server(bindings: Sequence[ServiceBinding], host: str = "127.0.0.1", p
                   options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS
                   ) -> tuple[ServiceServer, int]:
     """A grpc.aio server with `bindings`, Health and reflection, bound to host:port (0 = any
-    free port). Returns the server (not started) and the port it bound."""
-    server = grpc.aio.server(options=list(options))
+    free port), tracing every call (services/tracing.py; a no-op unless tracing is set up).
+    Returns the server (not started) and the port it bound."""
+    server = grpc.aio.server(options=list(options),
+                             interceptors=[ServerTracingInterceptor()])
     for binding in bindings:
         binding.add_to_server(binding.servicer, server)
     health = health_aio.HealthServicer()

@@ -18,6 +18,7 @@ from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.config import EngineConfig
 from services.status import error_from_rpc
 from services.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
+from services.tracing import ClientTracingInterceptor
 from worker_svc.convert import (
     block_pairs_to_proto,
     memory_profile_from_proto,
@@ -44,7 +45,9 @@ class GrpcWorker:
         self.config = config
         self.step_timeout_s = step_timeout_s
         self.startup_timeout_s = startup_timeout_s
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = grpc.intercept_channel(
+            grpc.insecure_channel(address, options=_CHANNEL_OPTIONS),
+            ClientTracingInterceptor(address))
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ from scheduler_svc.outputs import RequestOutput
 from services.errors import Unavailable
 from services.gateway.validation import PreparedRequest
 from services.status import error_from_rpc
+from services.tracing import aio_client_interceptors
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ class SchedulerClient:
     def __init__(self, address: str, rpc_timeout_s: float) -> None:
         self.address = address
         self._rpc_timeout_s = rpc_timeout_s
-        self._channel = grpc.aio.insecure_channel(address, options=list(CHANNEL_OPTIONS))
+        self._channel = grpc.aio.insecure_channel(address, options=list(CHANNEL_OPTIONS),
+                                                  interceptors=aio_client_interceptors(address))
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     async def close(self) -> None:

@@ -1,0 +1,477 @@
+"""OpenTelemetry tracing: one trace per request across gateway → scheduler → worker.
+
+- `setup_tracing(service_name, exporter, endpoint)` installs the process's TracerProvider (once).
+  Off by default: with exporter "none" nothing is installed, the global tracer stays the no-op
+  one, spans are non-recording and nothing is exported.
+- W3C trace context (`traceparent`, `tracestate`) travels in gRPC metadata.
+- `ServerTracingInterceptor` (grpc.aio) opens one SERVER span per RPC, a child of the caller's
+  context; a server-streaming RPC's span covers the whole stream.
+- `aio_client_interceptors` (grpc.aio) and `ClientTracingInterceptor` (sync grpc) open one
+  CLIENT span per call, a child of the current span, and send its context along.
+
+Spans are named `package.Service/Method` and carry rpc.system / rpc.service / rpc.method /
+rpc.grpc.status_code (OpenTelemetry's RPC conventions), plus what `_RPC_ATTRIBUTES` reads from
+the messages of pagedserve's own methods (request_id, token counts, step_id, step timings...).
+Health and reflection calls are not traced: probes would drown the requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from services.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+Exporter = Literal["none", "console", "otlp"]
+INSTRUMENTATION_NAME = "pagedserve"
+UNTRACED_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+                               "grpc.reflection.v1.ServerReflection"})
+
+# Span attributes of pagedserve's own methods (and of the engine step span).
+REQUEST_ID = "pagedserve.request_id"
+N = "pagedserve.n"
+MAX_TOKENS = "pagedserve.max_tokens"
+NUM_PROMPT_TOKENS = "pagedserve.num_prompt_tokens"
+NUM_CACHED_TOKENS = "pagedserve.num_cached_tokens"
+NUM_OUTPUT_TOKENS = "pagedserve.num_output_tokens"
+FINISH_REASONS = "pagedserve.finish_reasons"
+STEP_ID = "pagedserve.step_id"
+NUM_SEQS = "pagedserve.num_seqs"
+NUM_SCHEDULED_TOKENS = "pagedserve.num_scheduled_tokens"
+NUM_PREEMPTED = "pagedserve.num_preempted"
+STEP_TIMINGS = ("cache_ops_ns", "prepare_ns", "forward_ns", "sample_ns")  # pagedserve.<name>
+
+# OpenTelemetry's RPC conventions: which codes make a SERVER span an error (the server's fault).
+_SERVER_ERROR_CODES = frozenset({
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
+_CODE_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+# --- setup ------------------------------------------------------------------------------------
+
+
+def build_tracer_provider(service_name: str, exporter: Exporter,
+                          endpoint: str = "") -> TracerProvider | None:
+    """A TracerProvider exporting to `exporter` in batches, or None for "none" (tracing off)."""
+    if exporter == "none":
+        return None
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
+    provider.add_span_processor(BatchSpanProcessor(_span_exporter(exporter, endpoint)))
+    return provider
+
+
+def _span_exporter(exporter: Exporter, endpoint: str) -> SpanExporter:
+    if exporter == "console":
+        return ConsoleSpanExporter()
+    if exporter == "otlp":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError as exc:
+            raise ConfigError("otel_exporter='otlp' needs opentelemetry-exporter-otlp-proto-grpc "
+                              "(pip install 'pagedserve[otlp]'), which is not installed") from exc
+        # no endpoint: OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317
+        return OTLPSpanExporter(endpoint=endpoint or None)
+    raise ConfigError(f"otel_exporter must be one of none, console, otlp, got {exporter!r}")
+
+
+def setup_tracing(service_name: str, exporter: Exporter = "none",
+                  endpoint: str = "") -> TracerProvider | None:
+    """Install the global TracerProvider for `exporter` and return it; None when tracing is off.
+    Idempotent: once an SDK TracerProvider is installed (an earlier call, a test) it is returned
+    as it is. Call it before the servers and channels serve traffic."""
+    current = trace.get_tracer_provider()
+    if isinstance(current, TracerProvider):
+        return current
+    provider = build_tracer_provider(service_name, exporter, endpoint)
+    if provider is not None:
+        trace.set_tracer_provider(provider)
+        logger.info("tracing on: service.name=%s, exporter=%s%s", service_name, exporter,
+                    f" ({endpoint})" if endpoint else "")
+    return provider
+
+
+# --- propagation ------------------------------------------------------------------------------
+
+
+def inject_metadata(metadata: Iterable[tuple[str, Any]] | None,
+                    context: Context | None = None) -> list[tuple[str, Any]]:
+    """`metadata` plus the trace context of `context` (default: the current one)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=context)
+    return [*(metadata or ()), *carrier.items()]
+
+
+def extract_context(metadata: Iterable[tuple[str, Any]] | None) -> Context:
+    """The trace context a caller sent in `metadata` (an empty context if none)."""
+    return propagate.extract({key: value for key, value in metadata or ()
+                              if isinstance(value, str)})
+
+
+# --- spans of one call ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RpcMethod:
+    service: str  # "pagedserve.v1.Scheduler"
+    method: str  # "Submit"
+
+    @classmethod
+    def parse(cls, full_method: str | bytes) -> RpcMethod:
+        """From gRPC's "/package.Service/Method"."""
+        if isinstance(full_method, bytes):
+            full_method = full_method.decode()
+        service, _, method = full_method.lstrip("/").rpartition("/")
+        return cls(service, method)
+
+    @property
+    def span_name(self) -> str:
+        return f"{self.service}/{self.method}"
+
+    def attributes(self) -> dict[str, str]:
+        return {"rpc.system": "grpc", "rpc.service": self.service, "rpc.method": self.method}
+
+
+class _CallSpan:
+    """One call's span: the method's attributes from its request and responses, then the status.
+    Nothing is computed when the span does not record (tracing off)."""
+
+    __slots__ = ("span", "_is_server", "_attributes", "_fold_response", "_num_responses")
+
+    def __init__(self, span: Span, rpc: RpcMethod, request: Any, is_server: bool) -> None:
+        self.span = span
+        self._is_server = is_server
+        self._attributes: dict[str, Any] = {}
+        self._fold_response = None
+        self._num_responses = 0
+        recorded = _RPC_ATTRIBUTES.get(rpc.span_name) if span.is_recording() else None
+        if recorded is not None:
+            if recorded.request is not None:
+                self._attributes.update(recorded.request(request))
+            self._fold_response = recorded.response
+
+    def on_response(self, response: Any, is_streamed: bool) -> None:
+        if is_streamed and self._num_responses == 0 and self.span.is_recording():
+            self.span.add_event("first_response")  # time to first token, seen from here
+        self._num_responses += 1
+        if self._fold_response is not None:
+            self._fold_response(response, self._attributes)
+
+    def end(self, code: grpc.StatusCode, details: str | None = None,
+            error: BaseException | None = None, end_time: int | None = None) -> None:
+        span = self.span
+        if span.is_recording():
+            span.set_attributes(self._attributes)
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            # A client that cancels its own call (a stop string matched) did nothing wrong.
+            is_error = (code in _SERVER_ERROR_CODES if self._is_server
+                        else code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED))
+            if is_error:
+                span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details or ''}"))
+            if error is not None:
+                span.record_exception(error)
+        span.end(end_time=end_time)
+
+
+def _status_code(code: Any) -> grpc.StatusCode:
+    """A servicer context's code (a StatusCode, a number, or None = OK) as a StatusCode."""
+    if code is None:
+        return grpc.StatusCode.OK
+    if isinstance(code, grpc.StatusCode):
+        return code
+    return _CODE_BY_NUMBER.get(int(code), grpc.StatusCode.UNKNOWN)
+
+
+# --- server -----------------------------------------------------------------------------------
+
+
+class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
+    """A SERVER span per RPC, child of the trace context in the call's metadata and current
+    while the handler runs, so the handler's own calls and spans become its children."""
+
+    def __init__(self, tracer_provider: trace.TracerProvider | None = None,
+                 untraced_services: frozenset[str] = UNTRACED_SERVICES) -> None:
+        self._tracer = trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
+        self._untraced = untraced_services
+
+    async def intercept_service(self, continuation: Callable[[Any], Any],
+                                handler_call_details: grpc.HandlerCallDetails
+                                ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        rpc = RpcMethod.parse(handler_call_details.method)
+        if handler is None or rpc.service in self._untraced:
+            return handler
+        # pagedserve's methods all take one request; client-streaming ones pass untraced
+        kw = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+        metadata = handler_call_details.invocation_metadata
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap(handler.unary_unary, rpc, metadata), **kw)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap(handler.unary_stream, rpc, metadata), **kw)
+        return handler
+
+    def _start(self, rpc: RpcMethod, metadata: Any, request: Any) -> _CallSpan:
+        span = self._tracer.start_span(rpc.span_name, context=extract_context(metadata),
+                                       kind=SpanKind.SERVER, attributes=rpc.attributes())
+        return _CallSpan(span, rpc, request, is_server=True)
+
+    def _wrap(self, behavior: Callable[..., Any], rpc: RpcMethod,
+              metadata: Any) -> Callable[..., Any]:
+        if inspect.isasyncgenfunction(behavior):
+            async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                call = self._start(rpc, metadata, request)
+                span_context = trace.set_span_in_context(call.span)
+                # Current only while the handler runs: between responses gRPC writes, and a
+                # stream abandoned there is closed from another task (another context).
+                async with contextlib.aclosing(behavior(request, context)) as responses:
+                    while True:
+                        token = otel_context.attach(span_context)
+                        try:
+                            response = await anext(responses)
+                        except StopAsyncIteration:
+                            break
+                        except BaseException as exc:
+                            _end_server_call(call, context, exc)
+                            raise
+                        finally:
+                            otel_context.detach(token)
+                        call.on_response(response, is_streamed=True)
+                        try:
+                            yield response
+                        except BaseException as exc:
+                            _end_server_call(call, context, exc)
+                            raise
+                _end_server_call(call, context, None)
+
+            return streaming
+        if not inspect.iscoroutinefunction(behavior):
+            return behavior  # a synchronous handler: none of ours
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            call = self._start(rpc, metadata, request)
+            with trace.use_span(call.span, record_exception=False, set_status_on_exception=False):
+                try:
+                    response = await behavior(request, context)
+                except BaseException as exc:
+                    _end_server_call(call, context, exc)
+                    raise
+                if response is not None:
+                    call.on_response(response, is_streamed=False)
+                _end_server_call(call, context, None)
+                return response
+
+        return unary
+
+
+def _end_server_call(call: _CallSpan, context: grpc.aio.ServicerContext,
+                     exc: BaseException | None) -> None:
+    """The status the client will see: what the handler set or aborted with; a handler that was
+    cancelled (the client left) CANCELLED; any other exception UNKNOWN (gRPC's own answer)."""
+    if exc is None or isinstance(exc, grpc.aio.AbortError):
+        call.end(_status_code(context.code()), context.details())
+    elif isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        call.end(grpc.StatusCode.CANCELLED)
+    else:
+        call.end(_status_code(context.code() or grpc.StatusCode.UNKNOWN), str(exc), error=exc)
+
+
+# --- clients ----------------------------------------------------------------------------------
+
+
+class _ClientSpans:
+    """What the client interceptors share: a CLIENT span per call, child of the current span,
+    and the call's metadata with that span's context added."""
+
+    def __init__(self, target: str, tracer_provider: trace.TracerProvider | None,
+                 untraced_services: frozenset[str]) -> None:
+        self._tracer = trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
+        self._untraced = untraced_services
+        host, _, port = target.rpartition(":")
+        self._peer: dict[str, Any] = ({"server.address": host, "server.port": int(port)}
+                                      if port.isdigit() else {"server.address": target})
+
+    def start(self, details: Any, request: Any) -> tuple[_CallSpan | None, Any]:
+        """(the call's span, details carrying its context); (None, details) if untraced."""
+        rpc = RpcMethod.parse(details.method)
+        if rpc.service in self._untraced:
+            return None, details
+        span = self._tracer.start_span(rpc.span_name, kind=SpanKind.CLIENT,
+                                       attributes={**rpc.attributes(), **self._peer})
+        metadata = inject_metadata(details.metadata, trace.set_span_in_context(span))
+        return _CallSpan(span, rpc, request, is_server=False), metadata
+
+
+class _AioClientInterceptor:
+    def __init__(self, spans: _ClientSpans) -> None:
+        self._spans = spans
+        self._endings: set[asyncio.Task] = set()  # strong references until they ran
+
+    async def _intercept(self, continuation: Callable[..., Any], details: Any,
+                         request: Any) -> Any:
+        call_span, metadata = self._spans.start(details, request)
+        if call_span is None:
+            return await continuation(details, request)
+        try:
+            call = await continuation(details._replace(metadata=grpc.aio.Metadata(*metadata)),
+                                      request)
+        except BaseException as exc:
+            call_span.end(grpc.StatusCode.CANCELLED if isinstance(exc, asyncio.CancelledError)
+                          else grpc.StatusCode.UNKNOWN, str(exc))
+            raise
+        # The caller reads the responses; the span ends when the call does, however it ends
+        # (last response, error, or the caller cancelling a stream it left early).
+        call.add_done_callback(lambda done: self._on_done(call_span, done))
+        return call
+
+    def _on_done(self, call_span: _CallSpan, call: grpc.aio.Call) -> None:
+        end_time = time.time_ns()
+
+        async def end() -> None:  # an aio call's status is only readable by awaiting it
+            call_span.end(await call.code(), await call.details(), end_time=end_time)
+
+        task = asyncio.get_running_loop().create_task(end())
+        self._endings.add(task)
+        task.add_done_callback(self._endings.discard)
+
+
+class _AioUnaryUnaryInterceptor(_AioClientInterceptor, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await self._intercept(continuation, client_call_details, request)
+
+
+class _AioUnaryStreamInterceptor(_AioClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await self._intercept(continuation, client_call_details, request)
+
+
+def aio_client_interceptors(target: str, tracer_provider: trace.TracerProvider | None = None,
+                            untraced_services: frozenset[str] = UNTRACED_SERVICES
+                            ) -> list[grpc.aio.ClientInterceptor]:
+    """For `grpc.aio.insecure_channel(target, interceptors=...)`: unary and server-streaming
+    calls (the only kinds pagedserve's clients make)."""
+    spans = _ClientSpans(target, tracer_provider, untraced_services)
+    return [_AioUnaryUnaryInterceptor(spans), _AioUnaryStreamInterceptor(spans)]
+
+
+class ClientTracingInterceptor(grpc.UnaryUnaryClientInterceptor):
+    """For `grpc.intercept_channel` on a synchronous channel (the scheduler's worker clients,
+    called from the engine thread, where the engine step span is current)."""
+
+    def __init__(self, target: str, tracer_provider: trace.TracerProvider | None = None,
+                 untraced_services: frozenset[str] = UNTRACED_SERVICES) -> None:
+        self._spans = _ClientSpans(target, tracer_provider, untraced_services)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        call_span, metadata = self._spans.start(client_call_details, request)
+        if call_span is None:
+            return continuation(client_call_details, request)
+        outcome = continuation(client_call_details._replace(metadata=metadata), request)
+        outcome.add_done_callback(lambda done: call_span.end(done.code(), done.details()))
+        return outcome
+
+
+# --- what pagedserve's methods record ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Recorded:
+    request: Callable[[Any], dict[str, Any]] | None = None
+    response: Callable[[Any, dict[str, Any]], None] | None = None  # folds one into the dict
+
+
+def _finish_reason(msg: Any) -> str:
+    enum = msg.DESCRIPTOR.fields_by_name["finish_reason"].enum_type
+    return enum.values_by_number[msg.finish_reason].name.removeprefix("FINISH_REASON_").lower()
+
+
+def _add_finish_reason(msg: Any, attributes: dict[str, Any]) -> None:
+    if msg.finish_reason:
+        attributes[FINISH_REASONS] = [*attributes.get(FINISH_REASONS, ()), _finish_reason(msg)]
+
+
+def _generate_request(msg: Any) -> dict[str, Any]:
+    """What the client asked for; unset sampling fields keep their defaults, not recorded."""
+    attributes: dict[str, Any] = {REQUEST_ID: msg.request_id} if msg.request_id else {}
+    if msg.sampling.HasField("n"):
+        attributes[N] = msg.sampling.n
+    if msg.sampling.HasField("max_tokens"):
+        attributes[MAX_TOKENS] = msg.sampling.max_tokens
+    return attributes
+
+
+def _usage(msg: Any, attributes: dict[str, Any]) -> None:
+    attributes[REQUEST_ID] = msg.request_id  # the server's own when the client sent none
+    if msg.HasField("usage"):
+        attributes[NUM_PROMPT_TOKENS] = msg.usage.prompt_tokens
+        attributes[NUM_OUTPUT_TOKENS] = msg.usage.completion_tokens
+        attributes[NUM_CACHED_TOKENS] = msg.usage.cached_tokens
+
+
+def _generate_stream_response(msg: Any, attributes: dict[str, Any]) -> None:
+    _usage(msg, attributes)
+    _add_finish_reason(msg, attributes)
+
+
+def _generate_response(msg: Any, attributes: dict[str, Any]) -> None:
+    _usage(msg, attributes)
+    for output in msg.outputs:
+        _add_finish_reason(output, attributes)
+
+
+def _submit_request(msg: Any) -> dict[str, Any]:
+    return {REQUEST_ID: msg.request_id, NUM_PROMPT_TOKENS: len(msg.prompt_token_ids),
+            N: msg.sampling.n, MAX_TOKENS: msg.sampling.max_tokens}
+
+
+def _token_event(msg: Any, attributes: dict[str, Any]) -> None:
+    attributes[NUM_CACHED_TOKENS] = msg.num_cached_tokens
+    num_tokens = sum(len(delta.token_ids) for delta in msg.outputs)
+    attributes[NUM_OUTPUT_TOKENS] = attributes.get(NUM_OUTPUT_TOKENS, 0) + num_tokens
+    for delta in msg.outputs:
+        _add_finish_reason(delta, attributes)
+
+
+def _step_request(msg: Any) -> dict[str, Any]:
+    seqs = [*msg.new_seqs, *msg.running_seqs]
+    return {STEP_ID: msg.step_id, NUM_SEQS: len(seqs),
+            NUM_SCHEDULED_TOKENS: sum(s.num_scheduled_tokens for s in seqs)}
+
+
+def _step_result(msg: Any, attributes: dict[str, Any]) -> None:
+    for name in STEP_TIMINGS:
+        attributes[f"pagedserve.{name}"] = getattr(msg.timings, name)
+
+
+def _abort_request(msg: Any) -> dict[str, Any]:
+    return {REQUEST_ID: msg.request_id}
+
+
+_RPC_ATTRIBUTES: dict[str, _Recorded] = {
+    "pagedserve.v1.Generation/GenerateStream": _Recorded(_generate_request,
+                                                         _generate_stream_response),
+    "pagedserve.v1.Generation/Generate": _Recorded(_generate_request, _generate_response),
+    "pagedserve.v1.Generation/Abort": _Recorded(_abort_request),
+    "pagedserve.v1.Scheduler/Submit": _Recorded(_submit_request, _token_event),
+    "pagedserve.v1.Scheduler/Abort": _Recorded(_abort_request),
+    "pagedserve.v1.Worker/ExecuteStep": _Recorded(_step_request, _step_result),
+}

@@ -1,0 +1,182 @@
+"""One trace across the services: a request's spans in the gateway, the scheduler and the worker
+(real gRPC over loopback, one process) share the trace id of the caller's span, each parented by
+the span that made the call."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from pagedserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from scheduler_svc.service import STEP_SPAN
+from services.tracing import inject_metadata
+from tests.e2e.stack import start_stack, tiny_config
+
+GENERATE_STREAM = "pagedserve.v1.Generation/GenerateStream"
+SUBMIT = "pagedserve.v1.Scheduler/Submit"
+EXECUTE_STEP = "pagedserve.v1.Worker/ExecuteStep"
+CALLER = TracerProvider().get_tracer("caller")  # the client's own tracing, apart from ours
+
+
+@pytest.fixture(scope="module")
+def exporter():
+    """Spans of this module's tests, on the process's SDK provider (installed here unless
+    tracing was set up already: a process has one global provider)."""
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield exporter
+    exporter.shutdown()  # keeps no spans of later tests
+
+
+@pytest.fixture(scope="module")
+def stack(exporter, tiny_served_model_dir):
+    stack = start_stack(tiny_config(tiny_served_model_dir))
+    yield stack
+    stack.close()
+
+
+@pytest.fixture()
+def generation(stack, exporter):
+    exporter.clear()  # startup's handshake spans, earlier tests' spans
+    with grpc.insecure_channel(stack.gateway_address) as channel:
+        yield gateway_pb2_grpc.GenerationStub(channel)
+
+
+def request(prompt: list[int], request_id: str = "", **sampling) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(request_id=request_id,
+                                       token_ids=gateway_pb2.TokenIds(token_ids=prompt),
+                                       sampling=common_pb2.SamplingParams(**sampling))
+
+
+def wait_for_spans(exporter, trace_ids: set[int], done,
+                   timeout_s: float = 5.0) -> list[ReadableSpan]:
+    """The finished spans of these traces, once `done(spans)`: spans end a little after the
+    caller saw its answer (the services finish their calls)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans = [s for s in exporter.get_finished_spans() if s.context.trace_id in trace_ids]
+        if done(spans) or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.02)
+
+
+def named(spans, name: str, kind: SpanKind | None = None) -> list[ReadableSpan]:
+    return [s for s in spans if s.name == name and (kind is None or s.kind == kind)]
+
+
+def one(spans, name: str, kind: SpanKind) -> ReadableSpan:
+    found = named(spans, name, kind)
+    assert len(found) == 1, f"{len(found)} {kind.name} spans named {name}: {found}"
+    return found[0]
+
+
+def test_one_stream_is_one_trace_from_the_caller_down_to_the_worker(generation, exporter):
+    prompt = [1, 57, 300, 12, 99, 401, 7]
+    max_tokens = 4
+    with CALLER.start_as_current_span("client") as client_span:
+        responses = list(generation.GenerateStream(
+            request(prompt, "traced-1", temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            metadata=inject_metadata(None), timeout=30))
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    trace_id = client_span.get_span_context().trace_id
+    spans = wait_for_spans(exporter, {trace_id},
+                           lambda spans: len(named(spans, STEP_SPAN)) >= max_tokens
+                           and len(named(spans, SUBMIT)) == 2
+                           and named(spans, GENERATE_STREAM, SpanKind.SERVER))
+
+    assert len(spans) == 3 + 3 * max_tokens  # nothing else in the trace
+    gateway = one(spans, GENERATE_STREAM, SpanKind.SERVER)
+    submit_out = one(spans, SUBMIT, SpanKind.CLIENT)
+    submit_in = one(spans, SUBMIT, SpanKind.SERVER)
+    assert gateway.parent.span_id == client_span.get_span_context().span_id
+    assert submit_out.parent.span_id == gateway.context.span_id
+    assert submit_in.parent.span_id == submit_out.context.span_id
+
+    # one step span per engine step (prefill + decodes), each the parent of one worker call
+    steps = sorted(named(spans, STEP_SPAN), key=lambda s: s.start_time)
+    assert len(steps) == max_tokens
+    assert all(s.parent.span_id == submit_in.context.span_id for s in steps)
+    step_ids = [s.attributes["pagedserve.step_id"] for s in steps]
+    assert step_ids == sorted(set(step_ids))
+    calls = named(spans, EXECUTE_STEP, SpanKind.CLIENT)
+    served = named(spans, EXECUTE_STEP, SpanKind.SERVER)
+    assert len(calls) == len(served) == max_tokens
+    for step in steps:
+        call = next(c for c in calls if c.parent.span_id == step.context.span_id)
+        execution = next(s for s in served if s.parent.span_id == call.context.span_id)
+        assert execution.attributes["pagedserve.step_id"] == step.attributes["pagedserve.step_id"]
+        assert execution.attributes["pagedserve.forward_ns"] > 0
+        assert (execution.start_time >= call.start_time >= step.start_time
+                and execution.end_time <= call.end_time <= step.end_time)
+    assert steps[0].attributes["pagedserve.num_scheduled_tokens"] == len(prompt)
+    assert [s.attributes["pagedserve.num_scheduled_tokens"] for s in steps[1:]] == [1, 1, 1]
+    assert {(s.attributes["pagedserve.num_seqs"], s.attributes["pagedserve.num_preempted"])
+            for s in steps} == {(1, 0)}
+
+    # what each hop recorded about the request
+    for span in (gateway, submit_out, submit_in):
+        assert span.attributes["pagedserve.request_id"] == "traced-1"
+        assert span.attributes["pagedserve.max_tokens"] == max_tokens
+        assert span.status.status_code == StatusCode.UNSET
+    assert gateway.attributes["rpc.grpc.status_code"] == grpc.StatusCode.OK.value[0]
+    # the gateway leaves Submit as soon as the last event came, maybe before its status did
+    assert {submit_out.attributes["rpc.grpc.status_code"],
+            submit_in.attributes["rpc.grpc.status_code"]} <= {grpc.StatusCode.OK.value[0],
+                                                              grpc.StatusCode.CANCELLED.value[0]}
+    assert gateway.attributes["pagedserve.num_prompt_tokens"] == len(prompt)
+    assert submit_out.attributes["pagedserve.num_prompt_tokens"] == len(prompt)
+    assert submit_out.attributes["pagedserve.n"] == 1
+    assert submit_in.attributes["pagedserve.num_cached_tokens"] == 0
+    assert submit_in.attributes["pagedserve.num_output_tokens"] == max_tokens
+    assert submit_in.attributes["pagedserve.finish_reasons"] == ("length",)
+    assert gateway.attributes["pagedserve.finish_reasons"] == ("length",)
+    assert [e.name for e in submit_in.events] == ["first_response"]
+
+
+def test_a_step_of_two_requests_lives_in_one_trace_and_links_the_other(generation, exporter):
+    def generate(request_id: str) -> int:
+        with CALLER.start_as_current_span(request_id) as caller_span:
+            response = generation.Generate(
+                request([1, 2, 3, 4, 5], request_id, temperature=0.0, max_tokens=12,
+                        ignore_eos=True), metadata=inject_metadata(None), timeout=30)
+        assert len(response.outputs[0].token_ids) == 12
+        return caller_span.get_span_context().trace_id
+
+    with ThreadPoolExecutor(2) as pool:
+        trace_ids = set(pool.map(generate, ["pair-a", "pair-b"]))
+    spans = wait_for_spans(exporter, trace_ids, lambda spans: len(named(spans, SUBMIT)) == 4)
+
+    submits = {s.attributes["pagedserve.request_id"]: s
+               for s in named(spans, SUBMIT, SpanKind.SERVER)}
+    assert {s.context.trace_id for s in submits.values()} == trace_ids
+    shared = [s for s in named(spans, STEP_SPAN) if s.attributes["pagedserve.num_seqs"] == 2]
+    assert shared, "the two requests never ran in the same step"
+    for step in shared:
+        parent = next(s for s in submits.values() if s.context.span_id == step.parent.span_id)
+        other = next(s for s in submits.values() if s is not parent)
+        assert step.context.trace_id == parent.context.trace_id
+        assert [link.context.span_id for link in step.links] == [other.context.span_id]
+
+
+def test_a_bad_request_is_recorded_with_its_status_but_is_no_server_error(generation, exporter):
+    with CALLER.start_as_current_span("bad") as caller_span, \
+            pytest.raises(grpc.RpcError) as failure:
+        generation.GenerateStream(request([1, 2, 3], temperature=-1.0),
+                                  metadata=inject_metadata(None), timeout=10).next()
+    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    spans = wait_for_spans(exporter, {caller_span.get_span_context().trace_id},
+                           lambda spans: named(spans, GENERATE_STREAM))
+    gateway = one(spans, GENERATE_STREAM, SpanKind.SERVER)
+    assert gateway.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert gateway.status.status_code == StatusCode.UNSET  # the caller's fault, per the convention
+    assert len(spans) == 1  # it never reached the scheduler
