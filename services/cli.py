@@ -25,6 +25,7 @@ from services.config import (
     EngineConfig,
     GatewayConfig,
     SchedulerServiceConfig,
+    TracingConfig,
     WorkerServiceConfig,
     add_arguments,
     default_model_dir,
@@ -57,26 +58,37 @@ def _serve(args: argparse.Namespace) -> int:
                                    args.drain_timeout_s))
 
 
+def _setup_tracing(tracing: TracingConfig, service: str) -> None:
+    from services.tracing import setup_tracing
+
+    setup_tracing(tracing.service_name or f"pagedserve-{service}", tracing.otel_exporter,
+                  tracing.otel_endpoint)
+
+
 def _worker(args: argparse.Namespace) -> int:
     from worker_svc.servicer import serve
 
-    asyncio.run(serve(from_args(EngineConfig, args), from_args(WorkerServiceConfig, args),
-                      args.drain_timeout_s))
+    service = from_args(WorkerServiceConfig, args)
+    _setup_tracing(service.tracing, "worker")
+    asyncio.run(serve(from_args(EngineConfig, args), service, args.drain_timeout_s))
     return 0
 
 
 def _scheduler(args: argparse.Namespace) -> int:
     from scheduler_svc.servicer import serve
 
-    asyncio.run(serve(from_args(EngineConfig, args), from_args(SchedulerServiceConfig, args),
-                      args.drain_timeout_s))
+    service = from_args(SchedulerServiceConfig, args)
+    _setup_tracing(service.tracing, "scheduler")
+    asyncio.run(serve(from_args(EngineConfig, args), service, args.drain_timeout_s))
     return 0
 
 
 def _gateway(args: argparse.Namespace) -> int:
     from services.gateway.app import serve
 
-    asyncio.run(serve(from_args(GatewayConfig, args), args.drain_timeout_s))
+    service = from_args(GatewayConfig, args)
+    _setup_tracing(service.tracing, "gateway")
+    asyncio.run(serve(service, args.drain_timeout_s))
     return 0
 
 

@@ -136,6 +136,29 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
+OTEL_EXPORTERS = ("none", "console", "otlp")
+
+
+@dataclass(slots=True)
+class TracingConfig:
+    """OpenTelemetry tracing of one service (services/tracing.py); off by default."""
+
+    otel_exporter: Literal["none", "console", "otlp"] = opt(
+        "none", "where spans go: none = tracing off, console = stdout, otlp = an OTLP/gRPC "
+                "collector (needs the otlp extra: pip install 'pagedserve[otlp]')")
+    otel_endpoint: str = opt("", "OTLP collector, e.g. http://otel-collector:4317; empty = "
+                                 "OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317")
+    service_name: str = opt("", "service.name of the spans; empty = pagedserve-<service>")
+
+    def __post_init__(self) -> None:
+        _check(self.otel_exporter in OTEL_EXPORTERS,
+               f"otel_exporter must be one of {', '.join(OTEL_EXPORTERS)}, "
+               f"got {self.otel_exporter!r}")
+        _check(not self.otel_endpoint or self.otel_exporter == "otlp",
+               f"otel_endpoint is only used with otel_exporter='otlp', got "
+               f"otel_endpoint={self.otel_endpoint!r} with otel_exporter={self.otel_exporter!r}")
+
+
 @dataclass(slots=True)
 class GatewayConfig:
     host: str = opt("127.0.0.1", "address the gateway listens on")
@@ -145,6 +168,7 @@ class GatewayConfig:
                              "folder the scheduler reports serving")
     rpc_timeout_s: float = opt(10.0, "deadline of unary calls to the scheduler")
     max_concurrent_requests: int = opt(1024, "requests in flight before RESOURCE_EXHAUSTED")
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
@@ -160,6 +184,7 @@ class SchedulerServiceConfig:
     worker_addresses: list[str] = opt(["127.0.0.1:50053"], "host:port of each worker, by rank")
     step_timeout_s: float = opt(60.0, "deadline of one ExecuteStep call")
     startup_timeout_s: float = opt(600.0, "deadline of the worker handshake (model load)")
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
@@ -172,6 +197,7 @@ class WorkerServiceConfig:
     host: str = opt("127.0.0.1", "address the worker listens on")
     port: int = opt(50053, "worker port; 0 = any free port")
     rank: int = opt(0, "tensor-parallel rank of this worker")
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
