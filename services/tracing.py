@@ -1,13 +1,14 @@
 """OpenTelemetry tracing: one trace per request across gateway → scheduler → worker.
 
-- `setup_tracing(service_name, exporter, endpoint)` installs the process's TracerProvider (once).
-  Off by default: with exporter "none" nothing is installed, the global tracer stays the no-op
-  one, spans are non-recording and nothing is exported.
+- `setup_tracing(service_name, exporter, endpoint)` installs the process's TracerProvider (once),
+  before the servers and channels are made. Off by default: with exporter "none" nothing is
+  installed, servers and channels get no interceptors (zero cost per call), the engine's own
+  spans come from the no-op tracer, and nothing is exported.
 - W3C trace context (`traceparent`, `tracestate`) travels in gRPC metadata.
 - `ServerTracingInterceptor` (grpc.aio) opens one SERVER span per RPC, a child of the caller's
   context; a server-streaming RPC's span covers the whole stream.
-- `aio_client_interceptors` (grpc.aio) and `ClientTracingInterceptor` (sync grpc) open one
-  CLIENT span per call, a child of the current span, and send its context along.
+- `aio_client_interceptors` (grpc.aio) and `client_interceptors` (sync grpc) open one CLIENT
+  span per call, a child of the current span, and send its context along.
 
 Spans are named `package.Service/Method` and carry rpc.system / rpc.service / rpc.method /
 rpc.grpc.status_code (OpenTelemetry's RPC conventions), plus what `_RPC_ATTRIBUTES` reads from
@@ -44,7 +45,7 @@ INSTRUMENTATION_NAME = "pagedserve"
 UNTRACED_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                                "grpc.reflection.v1.ServerReflection"})
 
-# Span attributes of pagedserve's own methods (and of the engine step span).
+# Span attributes of pagedserve's own methods.
 REQUEST_ID = "pagedserve.request_id"
 N = "pagedserve.n"
 MAX_TOKENS = "pagedserve.max_tokens"
@@ -55,7 +56,6 @@ FINISH_REASONS = "pagedserve.finish_reasons"
 STEP_ID = "pagedserve.step_id"
 NUM_SEQS = "pagedserve.num_seqs"
 NUM_SCHEDULED_TOKENS = "pagedserve.num_scheduled_tokens"
-NUM_PREEMPTED = "pagedserve.num_preempted"
 STEP_TIMINGS = ("cache_ops_ns", "prepare_ns", "forward_ns", "sample_ns")  # pagedserve.<name>
 
 # OpenTelemetry's RPC conventions: which codes make a SERVER span an error (the server's fault).
@@ -106,6 +106,16 @@ def setup_tracing(service_name: str, exporter: Exporter = "none",
         logger.info("tracing on: service.name=%s, exporter=%s%s", service_name, exporter,
                     f" ({endpoint})" if endpoint else "")
     return provider
+
+
+def is_tracing_on() -> bool:
+    """Whether an SDK TracerProvider is installed (setup_tracing with an exporter, or a test)."""
+    return isinstance(trace.get_tracer_provider(), TracerProvider)
+
+
+def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
+    """For `grpc.aio.server(interceptors=...)`: none while tracing is off."""
+    return [ServerTracingInterceptor()] if is_tracing_on() else []
 
 
 # --- propagation ------------------------------------------------------------------------------
@@ -310,11 +320,11 @@ class _ClientSpans:
         self._peer: dict[str, Any] = ({"server.address": host, "server.port": int(port)}
                                       if port.isdigit() else {"server.address": target})
 
-    def start(self, details: Any, request: Any) -> tuple[_CallSpan | None, Any]:
-        """(the call's span, details carrying its context); (None, details) if untraced."""
+    def start(self, details: Any, request: Any) -> tuple[_CallSpan | None, list[Any]]:
+        """(the call's span, the call's metadata with its context); (None, []) if untraced."""
         rpc = RpcMethod.parse(details.method)
         if rpc.service in self._untraced:
-            return None, details
+            return None, []
         span = self._tracer.start_span(rpc.span_name, kind=SpanKind.CLIENT,
                                        attributes={**rpc.attributes(), **self._peer})
         metadata = inject_metadata(details.metadata, trace.set_span_in_context(span))
@@ -368,7 +378,10 @@ def aio_client_interceptors(target: str, tracer_provider: trace.TracerProvider |
                             untraced_services: frozenset[str] = UNTRACED_SERVICES
                             ) -> list[grpc.aio.ClientInterceptor]:
     """For `grpc.aio.insecure_channel(target, interceptors=...)`: unary and server-streaming
-    calls (the only kinds pagedserve's clients make)."""
+    calls (the only kinds pagedserve's clients make). None while tracing is off, unless a
+    provider is given."""
+    if tracer_provider is None and not is_tracing_on():
+        return []
     spans = _ClientSpans(target, tracer_provider, untraced_services)
     return [_AioUnaryUnaryInterceptor(spans), _AioUnaryStreamInterceptor(spans)]
 
@@ -388,6 +401,11 @@ class ClientTracingInterceptor(grpc.UnaryUnaryClientInterceptor):
         outcome = continuation(client_call_details._replace(metadata=metadata), request)
         outcome.add_done_callback(lambda done: call_span.end(done.code(), done.details()))
         return outcome
+
+
+def client_interceptors(target: str) -> list[ClientTracingInterceptor]:
+    """For `grpc.intercept_channel(channel, *...)`: none while tracing is off."""
+    return [ClientTracingInterceptor(target)] if is_tracing_on() else []
 
 
 # --- what pagedserve's methods record ---------------------------------------------------------

@@ -6,6 +6,8 @@ The calls are synchronous: EngineCore runs on the scheduler's engine thread. Eve
 a deadline (startup_timeout_s for the handshake, step_timeout_s for the rest); a worker that is
 gone or misses its deadline raises Unavailable, so a step fails fast instead of hanging. The
 handshake waits for the worker to come up (wait_for_ready), so the scheduler may start first.
+Once tracing is set up, every call is a CLIENT span (services/tracing.py), child of the span
+current on the calling thread (the engine step's, for ExecuteStep).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.config import EngineConfig
 from services.status import error_from_rpc
 from services.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
-from services.tracing import ClientTracingInterceptor
+from services.tracing import client_interceptors
 from worker_svc.convert import (
     block_pairs_to_proto,
     memory_profile_from_proto,
@@ -47,7 +49,7 @@ class GrpcWorker:
         self.startup_timeout_s = startup_timeout_s
         self._channel = grpc.intercept_channel(
             grpc.insecure_channel(address, options=_CHANNEL_OPTIONS),
-            ClientTracingInterceptor(address))
+            *client_interceptors(address))
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
     def close(self) -> None:

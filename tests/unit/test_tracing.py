@@ -327,15 +327,21 @@ def test_otlp_without_its_package_is_a_config_error_that_says_what_to_install():
 
 
 def test_setup_tracing_installs_one_global_provider_and_none_leaves_the_no_op_tracer():
-    """In a fresh interpreter (a process has one global provider): "none" installs nothing,
-    "console" installs a provider once and prints the spans."""
+    """In a fresh interpreter (a process has one global provider): "none" installs nothing and
+    servers and channels get no interceptors; "console" installs a provider once and prints."""
     script = """
 from opentelemetry import trace
-from services.tracing import setup_tracing
+from services.tracing import (aio_client_interceptors, client_interceptors, server_interceptors,
+                              setup_tracing)
+def num_interceptors():
+    return [len(server_interceptors()), len(aio_client_interceptors("h:1")),
+            len(client_interceptors("h:1"))]
 assert setup_tracing("pagedserve-gateway", "none") is None
 assert not trace.get_tracer("t").start_span("off").is_recording()
+assert num_interceptors() == [0, 0, 0]
 provider = setup_tracing("pagedserve-gateway", "console")
 assert setup_tracing("other", "console") is provider is trace.get_tracer_provider()
+assert num_interceptors() == [1, 2, 1]
 trace.get_tracer("t").start_span("printed").end()
 provider.shutdown()
 """
