@@ -40,6 +40,16 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_choices(config: Any) -> None:
+    """Literal-typed fields take one of their listed values (argparse checks flags; this checks
+    configs built in code)."""
+    for name, tp in typing.get_type_hints(type(config)).items():
+        if typing.get_origin(tp) is Literal:
+            value = getattr(config, name)
+            _check(value in typing.get_args(tp),
+                   f"{name} must be one of {list(typing.get_args(tp))}, got {value!r}")
+
+
 @dataclass(slots=True)
 class ModelConfig:
     model: str = field(default_factory=default_model_dir, metadata={
@@ -53,6 +63,7 @@ class ModelConfig:
     seed: int = opt(0, "seed for dummy weights and unseeded sampling")
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
         _check(bool(self.model), "model must name a model folder, got ''")
 
@@ -98,6 +109,7 @@ class SchedulerConfig:
     watermark: float = opt(0.01, "fraction of device blocks kept free when admitting prompts")
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -107,12 +119,14 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class DeviceConfig:
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "where the worker runs the model")
-    attention_backend: Literal["auto", "torch", "triton", "flash_attn"] = opt(
-        "auto", "kernels: auto = flash_attn if installed on CUDA, else triton on CUDA, else torch")
+    attention_backend: Literal["auto", "torch", "triton", "flash_attn", "ref"] = opt(
+        "auto", "kernels: auto = flash_attn if installed on CUDA, else triton on CUDA, else torch; "
+        "ref = the slow readable reference")
     enable_cuda_graph: bool = opt(True, "capture CUDA graphs for decode-only steps (CUDA)")
     num_threads: int = opt(0, "torch CPU threads; 0 = torch's default")
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
 
 

@@ -1,0 +1,78 @@
+"""The config tree: validation quotes the offending value, flags are generated from the fields."""
+
+import argparse
+
+import pytest
+
+from services.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    GatewayConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SchedulerServiceConfig,
+    WorkerServiceConfig,
+    add_arguments,
+    from_args,
+)
+from services.errors import ConfigError, InvalidRequest
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "message"), [
+    (CacheConfig, {"block_size": 7}, "block_size must be one of 8, 16, 32, 64, 128, got 7"),
+    (CacheConfig, {"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1], got 1.5"),
+    (CacheConfig, {"kv_cache_memory_gib": 0}, "kv_cache_memory_gib must be > 0, got 0"),
+    (CacheConfig, {"swap_space_gib": -1}, "swap_space_gib must be >= 0, got -1"),
+    (CacheConfig, {"num_cpu_blocks_override": -2}, "num_cpu_blocks_override must be >= -1, got -2"),
+    (SchedulerConfig, {"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
+    (SchedulerConfig, {"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1, got 0"),
+    (SchedulerConfig, {"watermark": 1.0}, "watermark must be in [0, 1), got 1.0"),
+    (SchedulerConfig, {"preemption_mode": "evict"},
+     "preemption_mode must be one of ['auto', 'recompute', 'swap'], got 'evict'"),
+    (ModelConfig, {"max_model_len": -1}, "max_model_len must be >= 0, got -1"),
+    (ModelConfig, {"dtype": "int8"}, "dtype must be one of"),
+    (ModelConfig, {"model": ""}, "model must name a model folder"),
+    (DeviceConfig, {"device": "tpu"}, "device must be one of ['auto', 'cpu', 'cuda'], got 'tpu'"),
+    (DeviceConfig, {"num_threads": -1}, "num_threads must be >= 0, got -1"),
+    (ParallelConfig, {"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1, got 0"),
+    (GatewayConfig, {"port": 70000}, "port must be in [0, 65535], got 70000"),
+    (SchedulerServiceConfig, {"worker_addresses": []}, "worker_addresses must name at least one"),
+    (WorkerServiceConfig, {"rank": -1}, "rank must be >= 0, got -1"),
+])
+def test_bad_values_are_rejected_with_the_value_quoted(cls, kwargs, message):
+    with pytest.raises(ConfigError) as err:
+        cls(**kwargs)
+    assert message in str(err.value)
+    assert isinstance(err.value, InvalidRequest)  # a bad config is bad input: INVALID_ARGUMENT
+
+
+def test_flags_are_generated_from_the_fields_and_keep_defaults():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig)
+    args = parser.parse_args(["--block-size", "32", "--no-enable-chunked-prefill",
+                              "--enable-prefix-caching", "--preemption-mode", "swap",
+                              "--model", "/models/x"])
+    config = from_args(EngineConfig, args)
+    assert config.cache.block_size == 32 and config.cache.enable_prefix_caching
+    assert not config.scheduler.enable_chunked_prefill
+    assert config.scheduler.preemption_mode == "swap"
+    assert config.model.model == "/models/x"
+    assert config.scheduler.max_num_seqs == SchedulerConfig().max_num_seqs  # untouched default
+
+
+def test_flags_validate_choices_and_values():
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser, EngineConfig)
+    with pytest.raises(argparse.ArgumentError):
+        parser.parse_args(["--device", "tpu"])
+    with pytest.raises(ConfigError, match="block_size must be one of"):
+        from_args(EngineConfig, parser.parse_args(["--block-size", "12"]))
+
+
+def test_list_flags():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, SchedulerServiceConfig)
+    args = parser.parse_args(["--worker-addresses", "w0:1", "w1:2"])
+    assert from_args(SchedulerServiceConfig, args).worker_addresses == ["w0:1", "w1:2"]
