@@ -237,8 +237,8 @@ class EngineService:
 
     def _record_step(self, span: trace.Span, parent: SpanContext | None,
                      outputs: list[RequestOutput], num_preempted: int) -> None:
-        """What the step ran; links to the Submit spans of its requests. Reads the dict of span
-        contexts with single lookups only: the event loop may add to it meanwhile."""
+        """What the step ran; links to the Submit spans of its requests. On the engine thread:
+        the event loop changes the span contexts only between steps."""
         scheduled = self.engine.last_scheduled
         if scheduled is None:
             return

@@ -216,17 +216,15 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
     """A SERVER span per RPC, child of the trace context in the call's metadata and current
     while the handler runs, so the handler's own calls and spans become its children."""
 
-    def __init__(self, tracer_provider: trace.TracerProvider | None = None,
-                 untraced_services: frozenset[str] = UNTRACED_SERVICES) -> None:
+    def __init__(self, tracer_provider: trace.TracerProvider | None = None) -> None:
         self._tracer = trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
-        self._untraced = untraced_services
 
     async def intercept_service(self, continuation: Callable[[Any], Any],
                                 handler_call_details: grpc.HandlerCallDetails
                                 ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         rpc = RpcMethod.parse(handler_call_details.method)
-        if handler is None or rpc.service in self._untraced:
+        if handler is None or rpc.service in UNTRACED_SERVICES:
             return handler
         # pagedserve's methods all take one request; client-streaming ones pass untraced
         kw = {"request_deserializer": handler.request_deserializer,
@@ -312,10 +310,8 @@ class _ClientSpans:
     """What the client interceptors share: a CLIENT span per call, child of the current span,
     and the call's metadata with that span's context added."""
 
-    def __init__(self, target: str, tracer_provider: trace.TracerProvider | None,
-                 untraced_services: frozenset[str]) -> None:
+    def __init__(self, target: str, tracer_provider: trace.TracerProvider | None) -> None:
         self._tracer = trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
-        self._untraced = untraced_services
         host, _, port = target.rpartition(":")
         self._peer: dict[str, Any] = ({"server.address": host, "server.port": int(port)}
                                       if port.isdigit() else {"server.address": target})
@@ -323,7 +319,7 @@ class _ClientSpans:
     def start(self, details: Any, request: Any) -> tuple[_CallSpan | None, list[Any]]:
         """(the call's span, the call's metadata with its context); (None, []) if untraced."""
         rpc = RpcMethod.parse(details.method)
-        if rpc.service in self._untraced:
+        if rpc.service in UNTRACED_SERVICES:
             return None, []
         span = self._tracer.start_span(rpc.span_name, kind=SpanKind.CLIENT,
                                        attributes={**rpc.attributes(), **self._peer})
@@ -374,15 +370,14 @@ class _AioUnaryStreamInterceptor(_AioClientInterceptor, grpc.aio.UnaryStreamClie
         return await self._intercept(continuation, client_call_details, request)
 
 
-def aio_client_interceptors(target: str, tracer_provider: trace.TracerProvider | None = None,
-                            untraced_services: frozenset[str] = UNTRACED_SERVICES
+def aio_client_interceptors(target: str, tracer_provider: trace.TracerProvider | None = None
                             ) -> list[grpc.aio.ClientInterceptor]:
     """For `grpc.aio.insecure_channel(target, interceptors=...)`: unary and server-streaming
     calls (the only kinds pagedserve's clients make). None while tracing is off, unless a
     provider is given."""
     if tracer_provider is None and not is_tracing_on():
         return []
-    spans = _ClientSpans(target, tracer_provider, untraced_services)
+    spans = _ClientSpans(target, tracer_provider)
     return [_AioUnaryUnaryInterceptor(spans), _AioUnaryStreamInterceptor(spans)]
 
 
@@ -390,9 +385,8 @@ class ClientTracingInterceptor(grpc.UnaryUnaryClientInterceptor):
     """For `grpc.intercept_channel` on a synchronous channel (the scheduler's worker clients,
     called from the engine thread, where the engine step span is current)."""
 
-    def __init__(self, target: str, tracer_provider: trace.TracerProvider | None = None,
-                 untraced_services: frozenset[str] = UNTRACED_SERVICES) -> None:
-        self._spans = _ClientSpans(target, tracer_provider, untraced_services)
+    def __init__(self, target: str, tracer_provider: trace.TracerProvider | None = None) -> None:
+        self._spans = _ClientSpans(target, tracer_provider)
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
         call_span, metadata = self._spans.start(client_call_details, request)
