@@ -136,16 +136,11 @@ class EngineService:
             raise
         return RequestStream(request_id, queue, self._drop)
 
-    async def abort(self, request_id: str) -> bool:
-        """Finish the request with "abort" (its stream gets the final outputs); False if it is
+    async def abort(self, request_id: str) -> None:
+        """Finish the request with "abort" (its stream gets the final outputs); NotFound if it is
         unknown or already finished."""
-        def abort() -> bool:
-            try:
-                report = self.engine.abort_request(request_id)
-            except NotFound:
-                return False
-            self._push(report)
-            return True
+        def abort() -> None:
+            self._push(self.engine.abort_request(request_id))
 
         return await self._call(abort)
 

@@ -60,8 +60,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     @map_errors
     async def Abort(self, request: common_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
-        was_found = await self._service().abort(abort_request_from_proto(request))
-        return common_pb2.AbortResponse(was_found=was_found)
+        await self._service().abort(abort_request_from_proto(request))
+        return common_pb2.AbortResponse()
 
     @map_errors
     async def GetLoad(self, request: scheduler_pb2.GetLoadRequest,

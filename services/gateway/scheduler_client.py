@@ -75,13 +75,13 @@ class SchedulerClient:
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, PEER) from exc
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str) -> None:
+        """NotFound when the scheduler has no live request with that id."""
         try:
-            response = await self._stub.Abort(common_pb2.AbortRequest(request_id=request_id),
-                                              timeout=self._rpc_timeout_s)
+            await self._stub.Abort(common_pb2.AbortRequest(request_id=request_id),
+                                   timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, PEER) from exc
-        return response.was_found
 
     async def submit(self, request: PreparedRequest, arrival_time_s: float | None = None
                      ) -> AsyncIterator[RequestOutput]:

@@ -116,8 +116,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         request's own stream then ends with finish_reason ABORT."""
         if not request.request_id:
             raise InvalidRequest("request_id must not be empty, got ''")
-        was_found = await self._scheduler.abort(request.request_id)
-        return common_pb2.AbortResponse(was_found=was_found)
+        await self._scheduler.abort(request.request_id)
+        return common_pb2.AbortResponse()
 
     def _prepare(self, request: gateway_pb2.GenerateRequest) -> PreparedRequest:
         return prepare_request(generate_request_from_proto(request), self._tokenizer, self._info)

@@ -168,11 +168,13 @@ def test_abort_by_request_id_ends_the_stream_with_abort(stack, generation):
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)),
         timeout=60)
     next(call)
-    assert generation.Abort(common_pb2.AbortRequest(request_id="abort-me"), timeout=10).was_found
+    generation.Abort(common_pb2.AbortRequest(request_id="abort-me"), timeout=10)
     rest = list(call)
     assert rest[-1].finish_reason == ABORT
-    assert not generation.Abort(common_pb2.AbortRequest(request_id="abort-me"),
-                                timeout=10).was_found
+    with pytest.raises(grpc.RpcError) as again:  # finished now: unknown to the scheduler
+        generation.Abort(common_pb2.AbortRequest(request_id="abort-me"), timeout=10)
+    assert again.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "abort-me" in again.value.details()
     assert_idle(stack)
 
 

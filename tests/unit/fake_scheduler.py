@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+
 from pagedserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.gateway.validation import ModelInfo
 from services.proto_common import sampling_params_from_proto
@@ -74,9 +76,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Abort(self, request, context):
         event = self._abort_events.get(request.request_id)
-        if event is not None:
-            event.set()
-        return common_pb2.AbortResponse(was_found=event is not None)
+        if event is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"request_id {request.request_id!r} is not running")
+        event.set()
+        return common_pb2.AbortResponse()
 
     async def GetLoad(self, request, context):
         return scheduler_pb2.Load()

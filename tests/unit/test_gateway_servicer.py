@@ -155,14 +155,15 @@ def test_abort_forwards_to_the_scheduler_and_ends_the_stream(model_dir):
         h.fake.hang = True
         call = h.generation.GenerateStream(request(max_tokens=40), timeout=10)
         first = await call.read()
-        abort = await h.generation.Abort(common_pb2.AbortRequest(request_id="r1"), timeout=5)
+        await h.generation.Abort(common_pb2.AbortRequest(request_id="r1"), timeout=5)
         rest = await read_rest(call)
-        unknown = await h.generation.Abort(common_pb2.AbortRequest(request_id="nope"), timeout=5)
-        return first, abort, rest, unknown
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await h.generation.Abort(common_pb2.AbortRequest(request_id="nope"), timeout=5)
+        return first, rest, unknown.value
 
-    first, abort, rest, unknown = run(model_dir, body)
+    first, rest, unknown = run(model_dir, body)
     assert first.text
-    assert abort.was_found and not unknown.was_found
+    assert unknown.code() == grpc.StatusCode.NOT_FOUND and "nope" in unknown.details()
     assert rest[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
     assert rest[-1].HasField("usage")
 
