@@ -8,6 +8,7 @@ time.
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import logging
 import time
@@ -234,4 +235,7 @@ class EngineCore:
     def _on_all_workers(self, call):
         if self._pool is None:
             return [call(self.workers[0])]
-        return list(self._pool.map(call, self.workers))
+        # each call runs in a copy of this thread's context, so the engine-step span (tracing)
+        # stays the parent of every rank's ExecuteStep
+        contexts = [contextvars.copy_context() for _ in self.workers]
+        return list(self._pool.map(lambda ctx, w: ctx.run(call, w), contexts, self.workers))

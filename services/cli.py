@@ -55,7 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
                              f"{config.model.model!r} (no config.json)")
     return asyncio.run(serve_stack(config, args.host, args.port, args.scheduler_port,
                                    args.worker_port, args.startup_timeout_s,
-                                   args.drain_timeout_s))
+                                   args.drain_timeout_s, from_args(TracingConfig, args)))
 
 
 def _setup_tracing(tracing: TracingConfig, service: str) -> None:
@@ -223,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = add_parser(
         "serve", help="worker, scheduler and gateway on this machine (Ctrl-C stops all three)")
     add_arguments(serve, EngineConfig)
+    add_arguments(serve, TracingConfig)
     serve.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     serve.add_argument("--port", type=int, default=50051, help="gateway port; 0 = any free port")
     serve.add_argument("--scheduler-port", type=int, default=0, help="0 = any free port")

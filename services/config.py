@@ -150,9 +150,6 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
-OTEL_EXPORTERS = ("none", "console", "otlp")
-
-
 @dataclass(slots=True)
 class TracingConfig:
     """OpenTelemetry tracing of one service (services/tracing.py); off by default."""
@@ -165,9 +162,7 @@ class TracingConfig:
     service_name: str = opt("", "service.name of the spans; empty = pagedserve-<service>")
 
     def __post_init__(self) -> None:
-        _check(self.otel_exporter in OTEL_EXPORTERS,
-               f"otel_exporter must be one of {', '.join(OTEL_EXPORTERS)}, "
-               f"got {self.otel_exporter!r}")
+        _check_choices(self)
         _check(not self.otel_endpoint or self.otel_exporter == "otlp",
                f"otel_endpoint is only used with otel_exporter='otlp', got "
                f"otel_endpoint={self.otel_endpoint!r} with otel_exporter={self.otel_exporter!r}")

@@ -186,8 +186,10 @@ def example_commands(address: str) -> list[str]:
 
 
 async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, worker_port: int,
-                      startup_timeout_s: float, drain_timeout_s: float) -> int:
-    """Start worker, scheduler and gateway (`config` is the EngineConfig every one gets), wait
+                      startup_timeout_s: float, drain_timeout_s: float,
+                      tracing: Any = None) -> int:
+    """Start worker, scheduler and gateway (`config` is the EngineConfig every one gets, and
+    `tracing` the TracingConfig, if given), wait
     until all three serve, print the gateway's address and examples, run until Ctrl-C or
     SIGTERM (0) or until a child dies (1), then stop them gateway first."""
     connect = _connect_host(host)
@@ -195,7 +197,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     scheduler_port = scheduler_port or free_port(host)
     port = port or free_port(host)
     engine_argv = config_to_argv(config)
-    drain = ["--drain-timeout-s", str(drain_timeout_s)]
+    drain = ["--drain-timeout-s", str(drain_timeout_s),
+             *(config_to_argv(tracing) if tracing is not None else [])]
     supervisor = Supervisor(stop_timeout_s=drain_timeout_s + 10.0)
     try:
         await supervisor.start("worker", f"{connect}:{worker_port}", [

@@ -10,6 +10,7 @@ from services.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    TracingConfig,
     from_args,
 )
 from services.sampling_params import SamplingParams
@@ -28,6 +29,16 @@ def test_config_to_argv_round_trips_through_the_generated_flags():
     for command in ("worker", "scheduler"):
         args = build_parser().parse_args([command, *config_to_argv(config)])
         assert from_args(EngineConfig, args) == config
+
+
+def test_serve_hands_its_tracing_flags_to_every_child():
+    args = build_parser().parse_args(["serve", "--otel-exporter", "otlp",
+                                      "--otel-endpoint", "http://collector:4317"])
+    tracing = from_args(TracingConfig, args)
+    assert tracing == TracingConfig(otel_exporter="otlp", otel_endpoint="http://collector:4317")
+    for command in ("worker", "scheduler", "gateway"):
+        child = build_parser().parse_args([command, *config_to_argv(tracing)])
+        assert from_args(TracingConfig, child) == tracing
 
 
 def test_sampling_flags_keep_vllm_defaults_for_the_rest():
