@@ -1,0 +1,196 @@
+{{/* Names and labels ---------------------------------------------------------------------- */}}
+
+{{- define "pagedserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+<release>-pagedserve, or <release> when it already says pagedserve. At most 40 characters:
+names append -scheduler or -worker-<rank>, and a StatefulSet's pods carry a label holding
+their name plus a revision hash, which must stay within 63.
+*/}}
+{{- define "pagedserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* (dict "root" $ "component" "worker") */}}
+{{- define "pagedserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pagedserve.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "pagedserve.labels" -}}
+{{ include "pagedserve.selectorLabels" . }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+{{- end }}
+
+{{- define "pagedserve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{/* Addresses ------------------------------------------------------------------------------ */}}
+
+{{- define "pagedserve.schedulerAddress" -}}
+{{ include "pagedserve.fullname" . }}-scheduler.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:{{ .Values.scheduler.port }}
+{{- end }}
+
+{{/* One worker-addresses entry per rank: <fullname>-worker-<rank>.<headless service>:port. */}}
+{{- define "pagedserve.workerAddresses" -}}
+{{- $tp := int .Values.engine.tensorParallelSize }}
+{{- if lt $tp 1 }}
+{{- fail (printf "engine.tensorParallelSize must be >= 1, got %v" .Values.engine.tensorParallelSize) }}
+{{- end }}
+{{- $worker := printf "%s-worker" (include "pagedserve.fullname" .) }}
+{{- $addresses := list }}
+{{- range $rank := until $tp }}
+{{- $addresses = append $addresses (printf "%s-%d.%s.%s.svc.%s:%v" $worker $rank $worker $.Release.Namespace $.Values.clusterDomain $.Values.worker.port) }}
+{{- end }}
+{{- toYaml $addresses }}
+{{- end }}
+
+{{/* Flags ---------------------------------------------------------------------------------- */}}
+
+{{/*
+A YAML number arrives as a float64, which prints 1048576 as 1.048576e+06: print whole numbers
+as integers.
+*/}}
+{{- define "pagedserve.scalar" -}}
+{{- if and (kindIs "float64" .) (eq . (floor .)) }}{{ int64 . }}{{ else }}{{ . }}{{ end }}
+{{- end }}
+
+{{/*
+CLI flags from a map of camelCase keys (services/config.py fields): `fooBar: x` is
+--foo-bar x, a boolean is --foo-bar / --no-foo-bar, null and "" keep the CLI default.
+*/}}
+{{- define "pagedserve.flags" -}}
+{{- $args := list }}
+{{- range $key, $value := . }}
+{{- $flag := kebabcase $key }}
+{{- if kindIs "bool" $value }}
+{{- $args = append $args (printf "--%s%s" (ternary "" "no-" $value) $flag) }}
+{{- else if and (not (kindIs "invalid" $value)) (ne (toString $value) "") }}
+{{- $args = concat $args (list (printf "--%s" $flag) (include "pagedserve.scalar" $value)) }}
+{{- end }}
+{{- end }}
+{{- with $args }}{{ toYaml . }}{{ end }}
+{{- end }}
+
+{{/* Flags every service takes: (dict "root" $ "port" <its port>). */}}
+{{- define "pagedserve.serviceFlags" -}}
+{{- $tracing := .root.Values.tracing }}
+{{- if and $tracing.otelEndpoint (ne $tracing.otelExporter "otlp") }}
+{{- fail (printf "tracing.otelEndpoint is only used with tracing.otelExporter=otlp, got otelExporter=%s" $tracing.otelExporter) }}
+{{- end -}}
+- --host
+- {{ .root.Values.listenHost | quote }}
+- --port
+- {{ .port | quote }}
+- --log-level
+- {{ .root.Values.logLevel | quote }}
+- --drain-timeout-s
+- {{ include "pagedserve.scalar" .root.Values.drainTimeoutS | quote }}
+{{ include "pagedserve.flags" $tracing }}
+{{- end }}
+
+{{/* Pods ----------------------------------------------------------------------------------- */}}
+
+{{/* SIGTERM: drain for drainTimeoutS, then server.stop with the same grace, plus a margin. */}}
+{{- define "pagedserve.terminationGracePeriodSeconds" -}}
+{{- add (mul 2 (ceil .Values.drainTimeoutS | int)) 15 }}
+{{- end }}
+
+{{/* Pod spec fields the three share: (dict "root" $ "values" .Values.<component>). */}}
+{{- define "pagedserve.podCommon" -}}
+terminationGracePeriodSeconds: {{ include "pagedserve.terminationGracePeriodSeconds" .root }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .root.Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The container's env: pod identity (the worker's rank, span resources) and extraEnv. */}}
+{{- define "pagedserve.env" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+gRPC health probes on the port the service listens on: (dict "root" $ "port" <its port>).
+Kubernetes calls grpc.health.v1.Health/Check for the whole server ("").
+*/}}
+{{- define "pagedserve.probes" -}}
+startupProbe:
+  grpc:
+    port: {{ .port }}
+  {{- toYaml .root.Values.probes.startup | nindent 2 }}
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+  {{- toYaml .root.Values.probes.readiness | nindent 2 }}
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+  {{- toYaml .root.Values.probes.liveness | nindent 2 }}
+{{- end }}
+
+{{/* The model folder's volume, read-only. */}}
+{{- define "pagedserve.modelVolume" -}}
+{{- if not (hasPrefix (printf "%s/" (trimSuffix "/" .Values.model.mountPath)) .Values.model.path) }}
+{{- fail (printf "model.path must lie under model.mountPath, got path=%s mountPath=%s" .Values.model.path .Values.model.mountPath) }}
+{{- end -}}
+- name: model
+  {{- if .Values.model.hostPath }}
+  hostPath:
+    path: {{ .Values.model.hostPath | quote }}
+    type: Directory
+  {{- else }}
+  persistentVolumeClaim:
+    claimName: {{ required "model.existingClaim or model.hostPath must hold the model folder" .Values.model.existingClaim | quote }}
+    readOnly: true
+  {{- end }}
+{{- end }}
+
+{{- define "pagedserve.modelVolumeMount" -}}
+- name: model
+  mountPath: {{ .Values.model.mountPath | quote }}
+  readOnly: true
+{{- end }}

@@ -1,0 +1,280 @@
+"""The Helm chart (helm/pagedserve), checked without helm: every value a template reads exists,
+every flag it passes is a real flag of that `pagedserve` subcommand, the values' flag maps make
+a valid configuration, workers take one GPU each, probes call gRPC health on the port the
+service listens on. With a `helm` binary on PATH the rendered manifests are checked as well."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.cli import build_parser
+from services.config import (
+    EngineConfig,
+    GatewayConfig,
+    SchedulerServiceConfig,
+    WorkerServiceConfig,
+    from_args,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "pagedserve"
+TEMPLATES = CHART / "templates"
+SERVICES = ("gateway", "scheduler", "worker")
+SERVICE_CONFIGS = {"gateway": GatewayConfig, "scheduler": SchedulerServiceConfig,
+                   "worker": WorkerServiceConfig}
+WORKLOADS = {"gateway": "gateway-deployment.yaml", "scheduler": "scheduler-deployment.yaml",
+             "worker": "worker-statefulset.yaml"}
+
+_VALUES_REF = re.compile(r"\.Values((?:\.[A-Za-z_]\w*)+)")
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+_CAMEL_KEY = re.compile(r"[a-z]+(?:[A-Z][a-z0-9]*)*")
+_TEMPLATE_COMMENT = re.compile(r"\{\{-?\s*/\*.*?\*/\s*-?\}\}", re.S)
+
+
+def _values() -> dict[str, Any]:
+    return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def _template(name: str) -> str:
+    return (TEMPLATES / name).read_text()
+
+
+def _option_strings(command: str) -> set[str]:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {s for action in commands.choices[command]._actions for s in action.option_strings}
+
+
+def _kebab(key: str) -> str:
+    """Sprig's kebabcase, for the plain camelCase keys the chart uses."""
+    assert _CAMEL_KEY.fullmatch(key), f"flag-map key {key!r} is not plain camelCase"
+    return re.sub(r"(?=[A-Z])", "-", key).lower()
+
+
+def _flags(mapping: dict[str, Any]) -> list[str]:
+    """What the chart's "pagedserve.flags" helper renders for a flag map."""
+    argv: list[str] = []
+    for key, value in sorted(mapping.items()):
+        flag = _kebab(key)
+        if isinstance(value, bool):
+            argv.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None and value != "":
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            argv += [f"--{flag}", str(value)]
+    return argv
+
+
+def _service_argv(values: dict[str, Any], service: str) -> list[str]:
+    """The flags each workload template gives its `pagedserve <service>` (rank 0 for a worker)."""
+    argv = ["--host", values["listenHost"], "--port", str(values[service]["port"]),
+            "--log-level", values["logLevel"], "--drain-timeout-s", str(values["drainTimeoutS"]),
+            *_flags(values["tracing"])]
+    if service == "gateway":
+        return [*argv, "--scheduler-address", f"scheduler:{values['scheduler']['port']}",
+                *_flags(values["gateway"]["args"])]
+    argv += ["--model", values["model"]["path"], *_flags(values["engine"])]
+    if service == "worker":
+        return ["--rank", "0", *argv]
+    tp = values["engine"]["tensorParallelSize"]
+    return [*argv, "--worker-addresses",
+            *(f"worker-{rank}:{values['worker']['port']}" for rank in range(tp)),
+            *_flags(values["scheduler"]["args"])]
+
+
+def _parse(service: str, argv: list[str]) -> argparse.Namespace:
+    unknown = {a.split("=")[0] for a in argv if a.startswith("--")} - _option_strings(service)
+    assert not unknown, f"pagedserve {service} has no flags {sorted(unknown)}"
+    return build_parser().parse_args([service, *argv])
+
+
+# --- chart and values ---------------------------------------------------------------------------
+
+
+def test_chart_metadata_and_default_image_tag_follow_the_package():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert chart["apiVersion"] == "v2"
+    assert chart["name"] == "pagedserve"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"])
+    assert chart["appVersion"] == project["version"]  # the image tag when image.tag is empty
+
+
+def test_every_value_a_template_reads_exists_in_values_yaml():
+    values = _values()
+    missing = []
+    for path in sorted(TEMPLATES.iterdir()):
+        for ref in _VALUES_REF.findall(path.read_text()):
+            node: Any = values
+            for key in ref.strip(".").split("."):
+                if not isinstance(node, dict) or key not in node:
+                    missing.append(f"{path.name}: .Values{ref}")
+                    break
+                node = node[key]
+    assert not missing, missing
+
+
+def test_every_literal_flag_is_a_flag_of_its_subcommand():
+    """Helpers serve all three services; NOTES.txt shows a `pagedserve chat` command."""
+    commands = {path.name: [s for s in SERVICES if path.name.startswith(s)]
+                for path in TEMPLATES.iterdir()}
+    commands["_helpers.tpl"] = list(SERVICES)
+    commands["NOTES.txt"] = ["chat"]
+    checked = 0
+    for name, services in commands.items():
+        for flag in set(_FLAG.findall(_TEMPLATE_COMMENT.sub("", _template(name)))):
+            for service in services:
+                assert flag in _option_strings(service), f"{name}: pagedserve {service} {flag}"
+                checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_values_flag_maps_make_a_valid_configuration(service):
+    """Engine flags go to the scheduler and the workers alike, tracing to all three; parsed by
+    the real CLI and validated by the config tree."""
+    values = _values()
+    args = _parse(service, _service_argv(values, service))
+    config = from_args(SERVICE_CONFIGS[service], args)
+    assert config.port == values[service]["port"]
+    assert config.tracing.otel_exporter == values["tracing"]["otelExporter"]
+    if service != "gateway":
+        engine = from_args(EngineConfig, args)
+        assert engine.model.model == values["model"]["path"]
+        assert engine.parallel.tensor_parallel_size == values["engine"]["tensorParallelSize"]
+        assert engine.cache.block_size == values["engine"]["blockSize"]
+
+
+def test_flag_maps_render_booleans_and_big_numbers_as_the_cli_reads_them():
+    argv = _flags({"enableCudaGraph": False, "maxNumBatchedTokens": 1048576.0,
+                   "maxModelLen": None, "tokenizer": "", "swapSpaceGib": 0.5})
+    assert argv == ["--no-enable-cuda-graph", "--max-num-batched-tokens", "1048576",
+                    "--swap-space-gib", "0.5"]
+    args = _parse("worker", argv)
+    assert from_args(EngineConfig, args).scheduler.max_num_batched_tokens == 1048576
+
+
+def test_model_path_lies_on_the_model_volume():
+    model = _values()["model"]
+    assert model["path"].startswith(model["mountPath"].rstrip("/") + "/")
+    assert model["existingClaim"] or model["hostPath"]
+
+
+# --- templates ----------------------------------------------------------------------------------
+
+
+def test_workers_are_a_statefulset_of_one_gpu_ranks_behind_a_headless_service():
+    statefulset = _template("worker-statefulset.yaml")
+    assert "kind: StatefulSet" in statefulset
+    assert "replicas: {{ .Values.engine.tensorParallelSize }}" in statefulset
+    assert re.search(r"limits:\n\s+nvidia\.com/gpu: 1\n", statefulset)
+    assert "podManagementPolicy: Parallel" in statefulset  # ranks are ready only together
+    assert '--rank "${POD_NAME##*-}"' in statefulset and "exec pagedserve worker" in statefulset
+    service = _template("worker-service.yaml")
+    assert "clusterIP: None" in service
+    assert "publishNotReadyAddresses: true" in service  # the scheduler dials before readiness
+    tolerations = _values()["worker"]["tolerations"]
+    assert any(t["key"] == "nvidia.com/gpu" for t in tolerations)
+
+
+def test_scheduler_is_one_replica_never_two_at_once():
+    scheduler = _template("scheduler-deployment.yaml")
+    assert re.search(r"\n  replicas: 1\n", scheduler)
+    assert "type: Recreate" in scheduler
+    assert "--worker-addresses" in scheduler and "pagedserve.workerAddresses" in scheduler
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_probes_call_grpc_health_on_the_port_the_service_listens_on(service):
+    text = _template(WORKLOADS[service])
+    port = f".Values.{service}.port"
+    assert f"containerPort: {{{{ {port} }}}}" in text
+    assert f'include "pagedserve.serviceFlags" (dict "root" . "port" {port})' in text
+    assert f'include "pagedserve.probes" (dict "root" . "port" {port})' in text
+    allowed = {service, "scheduler"} if service == "gateway" else {service}  # its address
+    assert set(re.findall(r"\.Values\.(\w+)\.port", text)) <= allowed
+    helpers = _template("_helpers.tpl")
+    probes = helpers[helpers.index('define "pagedserve.probes"'):]
+    probes = probes[:probes.index("{{- end }}")]
+    assert probes.count("grpc:\n    port: {{ .port }}") == 3
+    assert "httpGet" not in probes and "tcpSocket" not in probes
+    assert "- --port\n- {{ .port | quote }}" in helpers
+
+
+# --- rendered by helm, where it is installed ---------------------------------------------------
+
+HELM = shutil.which("helm")
+needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary on PATH")
+
+
+def _render(*sets: str) -> subprocess.CompletedProcess:
+    argv = [HELM, "template", "demo", str(CHART), "--namespace", "llm"]
+    for s in sets:
+        argv += ["--set", s]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+def _manifests(*sets: str) -> dict[tuple[str, str], dict[str, Any]]:
+    result = _render(*sets)
+    assert result.returncode == 0, result.stderr
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+@needs_helm
+@pytest.mark.parametrize("sets", [(), ("engine.tensorParallelSize=2", "drainTimeoutS=45",
+                                       "tracing.otelExporter=otlp",
+                                       "tracing.otelEndpoint=http://collector:4317")])
+def test_rendered_workloads_run_real_commands_and_probe_their_ports(sets):
+    manifests = _manifests(*sets)
+    tp = 2 if sets else 1
+    drain_s = 45 if sets else 30
+    kinds = {"gateway": "Deployment", "scheduler": "Deployment", "worker": "StatefulSet"}
+    for service, kind in kinds.items():
+        workload = manifests[(kind, f"demo-pagedserve-{service}")]
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] >= 2 * drain_s
+        (container,) = pod["containers"]
+        argv = container["args"]
+        if service == "worker":
+            assert container["command"][:2] == ["/bin/sh", "-c"]
+            argv = ["--rank", "1", *argv]  # what the shell wrapper adds for pod ...-worker-1
+        else:
+            assert container["command"] == ["pagedserve", service]
+        config = from_args(SERVICE_CONFIGS[service], _parse(service, argv))
+        (port,) = container["ports"]
+        assert port["containerPort"] == config.port
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": config.port}
+        if service == "worker":
+            assert workload["spec"]["replicas"] == tp
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+            headless = manifests[("Service", workload["spec"]["serviceName"])]["spec"]
+            assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"]
+        if service == "scheduler":
+            assert config.worker_addresses == [
+                f"demo-pagedserve-worker-{rank}.demo-pagedserve-worker.llm.svc.cluster.local:"
+                f"50053" for rank in range(tp)]
+            assert from_args(EngineConfig, _parse(service, argv)) \
+                .parallel.tensor_parallel_size == tp
+
+
+@needs_helm
+@pytest.mark.parametrize("sets, message", [
+    (("engine.tensorParallelSize=0",), "tensorParallelSize must be >= 1"),
+    (("tracing.otelEndpoint=http://collector:4317",), "otelExporter=otlp"),
+    (("model.path=/elsewhere/m",), "model.path must lie under model.mountPath"),
+])
+def test_rendering_refuses_bad_values_with_the_value_named(sets, message):
+    result = _render(*sets)
+    assert result.returncode != 0
+    assert message in result.stderr
