@@ -1,0 +1,23 @@
+# The image the Helm chart runs: every service is `pagedserve <command>`.
+# GPU nodes: the default torch wheel from PyPI is a CUDA build. For a CPU-only image pass
+#   --build-arg TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu"
+FROM python:3.12-slim
+
+ARG TORCH_SPEC=torch
+WORKDIR /opt/pagedserve
+RUN pip install --no-cache-dir ${TORCH_SPEC}
+COPY pyproject.toml README.md ./
+COPY protos protos
+COPY services services
+COPY scheduler_svc scheduler_svc
+COPY worker_svc worker_svc
+COPY kernels kernels
+# generated protobuf code is part of the installed package
+RUN pip install --no-cache-dir grpcio-tools \
+ && python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. \
+      protos/pagedserve/v1/*.proto \
+ && pip install --no-cache-dir '.[triton]'
+
+ENV PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+ENTRYPOINT ["pagedserve"]
+CMD ["--help"]
