@@ -87,8 +87,10 @@ class GrpcWorker:
             block_size=self.config.cache.block_size, scheduler_epoch=scheduler_epoch),
             self.startup_timeout_s)
 
-    def warm_up(self) -> None:
-        self._call("WarmUp", worker_pb2.WarmUpRequest(), self.startup_timeout_s)
+    def warm_up(self) -> int:
+        """Returns the number of CUDA graphs the worker captured."""
+        return self._call("WarmUp", worker_pb2.WarmUpRequest(),
+                          self.startup_timeout_s).num_graphs_captured
 
     # --- steps ----------------------------------------------------------------------------------
 

@@ -5,6 +5,12 @@ split over max_num_seqs sequences) measures the activation peak; the KV cache ge
 of gpu_memory_utilization × total memory after weights, that peak and memory torch does not own
 (the CUDA context, other processes). On CPU there is nothing to fill: the budget is
 CacheConfig.kv_cache_memory_gib. Swap blocks come from swap_space_gib; overrides win.
+
+CUDA graphs are captured after the cache is allocated (WarmUp follows InitCache), so their memory
+is reserved here, before the cache takes the rest: `cuda_graphs.graph_memory_bytes` measures one
+eager padded decode forward at the largest bucket (the size of the pool the graphs share) and
+adds every graph's output plus a fixed headroom (64 MiB once, 2 MiB per graph) for what it cannot
+measure before capturing: the capture stream's cuBLAS workspace and the instantiated graphs.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from services.config import CacheConfig, GiB, SchedulerConfig
 from services.errors import ConfigError
 from services.step_plan import MemoryProfile
 from worker_svc.cache_engine import KVCacheSpec, allocate_kv_caches
+from worker_svc.cuda_graphs import graph_memory_bytes
 from worker_svc.model_runner import ModelRunner, dummy_num_blocks
 
 logger = logging.getLogger(__name__)
@@ -57,30 +64,38 @@ def _profile_cuda(runner: ModelRunner, spec: KVCacheSpec, query_lens: list[int],
 
 def profile_memory(runner: ModelRunner, model: nn.Module, spec: KVCacheSpec,
                    cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                   max_model_len: int, device: torch.device) -> MemoryProfile:
+                   max_model_len: int, device: torch.device,
+                   graph_batch_sizes: list[int] | None = None,
+                   graph_max_seq_len: int = 0) -> MemoryProfile:
+    """graph_batch_sizes: the decode CUDA graphs WarmUp will capture (none: nothing to reserve),
+    for sequences up to graph_max_seq_len tokens."""
     bytes_per_block = spec.bytes_per_block
     model_bytes = weights_bytes(model)
-    activations = 0
+    activations = graphs = 0
     if device.type == "cuda":
         activations = _profile_cuda(runner, spec, profile_query_lens(scheduler_config,
                                                                      max_model_len), device)
+        if graph_batch_sizes:
+            graphs = graph_memory_bytes(model, spec, graph_batch_sizes, graph_max_seq_len,
+                                        device)
         free, total = torch.cuda.mem_get_info(device)
         not_torch = total - free - torch.cuda.memory_reserved(device)
         budget = (total * cache_config.gpu_memory_utilization - not_torch - model_bytes
-                  - activations)
+                  - activations - graphs)
         num_gpu_blocks = int(budget // bytes_per_block)
         logger.info("memory profile: total %.2f GiB, weights %.2f GiB, activations %.2f GiB, "
-                    "other %.2f GiB", total / GiB, model_bytes / GiB, activations / GiB,
-                    not_torch / GiB)
+                    "CUDA graphs %.2f GiB, other %.2f GiB", total / GiB, model_bytes / GiB,
+                    activations / GiB, graphs / GiB, not_torch / GiB)
     else:
         num_gpu_blocks = int(cache_config.kv_cache_memory_gib * GiB // bytes_per_block)
     if cache_config.num_gpu_blocks_override > 0:
         num_gpu_blocks = cache_config.num_gpu_blocks_override
     if num_gpu_blocks <= 0:
         raise ConfigError(f"no memory left for the KV cache (weights {model_bytes} bytes, "
-                          f"activations {activations} bytes); raise gpu_memory_utilization="
-                          f"{cache_config.gpu_memory_utilization} or lower max_num_batched_tokens="
-                          f"{scheduler_config.max_num_batched_tokens}")
+                          f"activations {activations} bytes, CUDA graphs {graphs} bytes); raise "
+                          f"gpu_memory_utilization={cache_config.gpu_memory_utilization}, lower "
+                          f"max_num_batched_tokens={scheduler_config.max_num_batched_tokens} or "
+                          f"turn enable_cuda_graph off")
     num_cpu_blocks = int(cache_config.swap_space_gib * GiB // bytes_per_block)
     if cache_config.num_cpu_blocks_override >= 0:
         num_cpu_blocks = cache_config.num_cpu_blocks_override

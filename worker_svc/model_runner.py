@@ -13,6 +13,7 @@ from torch import nn
 from services.sampling_params import SamplingParams
 from services.step_plan import SampledSequence, StepOutput, StepPlan, StepTimings
 from worker_svc.cache_engine import CacheEngine
+from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.input_batch import CachedSequence, InputBatch
 from worker_svc.model_input import ModelInput, build_model_input
 from worker_svc.sampler import Sampler, SeqSamplingState, prompt_logprobs
@@ -29,6 +30,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.input_batch = InputBatch(block_size, max_model_len)
+        self.decode_graphs: DecodeGraphs | None = None  # captured by Worker.warm_up on CUDA
 
     def _sync(self) -> None:
         # only so the step timings attribute GPU time to the right phase
@@ -61,10 +63,15 @@ class ModelRunner:
             cache_ops_ns=t1 - t0, prepare_ns=t2 - t1, forward_ns=t3 - t2, sample_ns=t4 - t3))
 
     def _forward(self, model_input: ModelInput, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Hidden states of the whole batch, then logits only at the selected rows:
-        [num_logits_rows, vocab] float32."""
-        hidden_states = self.model(model_input.input_ids, model_input.positions, kv_caches,
-                                   model_input.meta)  # [num_tokens, hidden]
+        """Hidden states of the whole batch (a CUDA graph replay for a decode-only step that
+        fits one), then logits only at the selected rows: [num_logits_rows, vocab] float32."""
+        graphs = self.decode_graphs
+        batch_size = graphs.batch_size_for(model_input, kv_caches) if graphs else None
+        if batch_size is None:
+            hidden_states = self.model(model_input.input_ids, model_input.positions, kv_caches,
+                                       model_input.meta)  # [num_tokens, hidden]
+        else:
+            hidden_states = graphs.replay(model_input, batch_size)  # [num_tokens, hidden]
         return self.model.compute_logits(hidden_states[model_input.logits_indices])
 
     def _sample(self, model_input: ModelInput, logits: torch.Tensor) -> list[SampledSequence]:

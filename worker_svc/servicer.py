@@ -167,8 +167,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     @map_errors
     async def WarmUp(self, request: worker_pb2.WarmUpRequest,
                      context: grpc.aio.ServicerContext) -> worker_pb2.WarmUpResponse:
-        await self._run(self._loaded().warm_up)
-        return worker_pb2.WarmUpResponse(num_graphs_captured=0)
+        num_graphs = await self._run(self._loaded().warm_up, list(request.batch_sizes))
+        return worker_pb2.WarmUpResponse(num_graphs_captured=num_graphs)
 
     @map_errors
     async def ExecuteStep(self, request: worker_pb2.StepRequest,

@@ -20,6 +20,12 @@ from services.config import EngineConfig
 from services.errors import ConfigError, InvalidRequest, StaleEpoch, Unavailable
 from services.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
 from worker_svc.cache_engine import CacheEngine, KVCacheSpec, allocate_kv_caches
+from worker_svc.cuda_graphs import (
+    CAPTURABLE_BACKENDS,
+    MAX_CAPTURE_SEQ_LEN,
+    DecodeGraphs,
+    capture_batch_sizes,
+)
 from worker_svc.layers.attention import Attention
 from worker_svc.loader import eos_token_ids, load_hf_config, load_model
 from worker_svc.memory import profile_memory
@@ -108,7 +114,8 @@ class Worker:
     def profile_memory(self) -> MemoryProfile:
         runner = self._runner()
         return profile_memory(runner, runner.model, self.kv_spec, self.config.cache,
-                              self.config.scheduler, self.get_info().max_model_len, self.device)
+                              self.config.scheduler, self.get_info().max_model_len, self.device,
+                              self._graph_batch_sizes(), self._graph_max_seq_len())
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, scheduler_epoch: int) -> None:
         """Allocate the KV cache (replacing any previous one) and adopt the scheduler's epoch;
@@ -118,6 +125,7 @@ class Worker:
             raise InvalidRequest(f"num_gpu_blocks must be >= 1 and num_cpu_blocks >= 0, got "
                                  f"{num_gpu_blocks} and {num_cpu_blocks}")
         self._check_epoch(scheduler_epoch, "init_cache")
+        runner.decode_graphs = None  # they read the old cache; warm_up captures new ones
         self.cache_engine = None
         gc.collect()
         self.cache_engine = CacheEngine(self.kv_spec, num_gpu_blocks, num_cpu_blocks, self.device,
@@ -125,15 +133,33 @@ class Worker:
         self.scheduler_epoch = scheduler_epoch
         runner.input_batch.clear()
 
-    def warm_up(self) -> None:
+    def warm_up(self, batch_sizes: list[int] | None = None) -> int:
         """One small prefill and decode-sized forward, so the first real step pays no one-time
-        costs (allocator growth, kernel selection)."""
+        costs (allocator growth, kernel selection); then, on CUDA with enable_cuda_graph, the
+        decode CUDA graphs on the KV cache (call init_cache first). batch_sizes: the decode
+        buckets to capture, none larger than the default largest (the memory profile reserved
+        for those); empty or None = the defaults. Returns the number of graphs captured."""
         runner = self._runner()
         query_lens = [min(8, self.get_info().max_model_len), 1]
         kv_caches = allocate_kv_caches(self.kv_spec, dummy_num_blocks(query_lens,
                                                                       self.kv_spec.block_size),
                                        self.device)
         runner.dummy_run(query_lens, kv_caches)
+        del kv_caches
+        default_sizes = self._graph_batch_sizes()
+        if not default_sizes:
+            return 0
+        sizes = sorted(set(batch_sizes)) if batch_sizes else default_sizes
+        if not 1 <= sizes[0] <= sizes[-1] <= default_sizes[-1]:
+            raise InvalidRequest(f"batch_sizes must lie in [1, {default_sizes[-1]}], got "
+                                 f"{batch_sizes}")
+        cache_engine = self._cache_engine()
+        runner.decode_graphs = None
+        graphs = DecodeGraphs(runner.model, sizes, self._graph_max_seq_len(),
+                              self.kv_spec.block_size, self.device)
+        graphs.capture(cache_engine.gpu_cache)
+        runner.decode_graphs = graphs
+        return len(sizes)
 
     # --- steps --------------------------------------------------------------------------------
 
@@ -172,6 +198,20 @@ class Worker:
         runner.input_batch.clear()
 
     # --- helpers ------------------------------------------------------------------------------
+
+    def _graph_batch_sizes(self) -> list[int]:
+        """The decode buckets to capture: none off CUDA, with enable_cuda_graph off, or with a
+        backend whose kernels size their launches by each step's real lengths."""
+        if self.device.type != "cuda" or not self.config.device.enable_cuda_graph:
+            return []
+        if self.backend_name not in CAPTURABLE_BACKENDS:
+            logger.info("no CUDA graphs with the %s attention backend (capturable: %s)",
+                        self.backend_name, ", ".join(CAPTURABLE_BACKENDS))
+            return []
+        return capture_batch_sizes(self.config.scheduler.max_num_seqs)
+
+    def _graph_max_seq_len(self) -> int:
+        return min(self.get_info().max_model_len, MAX_CAPTURE_SEQ_LEN)
 
     def _check_epoch(self, scheduler_epoch: int, what: str) -> None:
         if scheduler_epoch < self.scheduler_epoch:

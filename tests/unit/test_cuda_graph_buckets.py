@@ -1,0 +1,138 @@
+"""The CPU-checkable half of the decode CUDA graphs: bucket choice, which steps may replay, the
+static buffers a step is copied into (padding included), and that the padded forward a graph
+records gives the decode rows the eager forward's hidden states (Triton under its interpreter)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.backend import available_backends
+from services.sampling_params import SamplingParams
+from tests.integration.worker_driver import make_worker
+from worker_svc.cuda_graphs import (
+    DecodeBuffers,
+    DecodeGraphs,
+    capture_batch_sizes,
+    decode_batch_size,
+    pick_batch_size,
+)
+from worker_svc.input_batch import CachedSequence
+from worker_svc.model_input import build_model_input
+
+BLOCK_SIZE = 8
+GREEDY = SamplingParams(temperature=0.0)
+CPU = torch.device("cpu")
+
+
+def _seq(seq_id: int, num_tokens: int, block_table: list[int], num_scheduled: int = 1,
+         num_computed: int | None = None) -> CachedSequence:
+    """A sequence of num_tokens tokens running its last num_scheduled of them this step."""
+    rng = random.Random(seq_id)
+    return CachedSequence(
+        seq_id=seq_id, request_id=f"r{seq_id}",
+        token_ids=[rng.randrange(3, 256) for _ in range(num_tokens)], prompt_len=num_tokens - 1,
+        block_table=block_table,
+        num_computed_tokens=num_tokens - num_scheduled if num_computed is None else num_computed,
+        sampling=GREEDY, seed=None, num_samples=1, num_scheduled_tokens=num_scheduled)
+
+
+def _decodes() -> list[CachedSequence]:
+    """Three decodes over shuffled, non-contiguous blocks, of 12, 20 and 5 tokens."""
+    return [_seq(0, 12, [9, 3]), _seq(1, 20, [4, 11, 7]), _seq(2, 5, [6])]
+
+
+def test_buckets_cover_every_batch_up_to_the_limit():
+    sizes = capture_batch_sizes(256)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 256 and len(sizes) == 35
+    assert capture_batch_sizes(1000) == sizes
+    assert capture_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_batch_sizes(8) == [1, 2, 4, 8]
+    assert capture_batch_sizes(3) == [1, 2, 3]
+    assert capture_batch_sizes(1) == [1]
+    for limit in (1, 3, 8, 20, 100, 256):
+        sizes = capture_batch_sizes(limit)
+        assert sizes == sorted(set(sizes))
+        assert all(pick_batch_size(n, sizes) >= n for n in range(1, limit + 1))
+
+
+def test_pick_the_smallest_bucket_that_holds_the_batch():
+    sizes = capture_batch_sizes(64)
+    assert [pick_batch_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 17, 64)] == \
+        [1, 2, 4, 8, 8, 16, 24, 64]
+    assert pick_batch_size(65, sizes) is None
+
+
+def test_only_short_enough_decode_only_steps_replay():
+    sizes = [1, 2, 4]
+    decodes = build_model_input(_decodes(), BLOCK_SIZE, CPU)
+    assert decode_batch_size(decodes.meta, sizes, max_seq_len=64) == 4
+    assert decode_batch_size(decodes.meta, sizes, max_seq_len=20) == 4  # the bound is inclusive
+    assert decode_batch_size(decodes.meta, sizes, max_seq_len=19) is None
+    assert decode_batch_size(decodes.meta, [1, 2], max_seq_len=64) is None
+    mixed = build_model_input([_seq(5, 9, [2, 8], num_scheduled=9), *_decodes()], BLOCK_SIZE, CPU)
+    assert decode_batch_size(mixed.meta, sizes + [8], max_seq_len=64) is None
+
+
+def test_load_copies_the_step_and_pads_the_rest_of_its_bucket():
+    buffers = DecodeBuffers.allocate(max_batch_size=8, max_blocks_per_seq=4, device=CPU)
+    # a larger step first, so the padding must overwrite its leftovers
+    buffers.load(build_model_input(
+        [*_decodes(), _seq(3, 30, [1, 2, 5, 10]), _seq(4, 3, [12])], BLOCK_SIZE, CPU), 8)
+    step = build_model_input(_decodes(), BLOCK_SIZE, CPU)
+    buffers.load(step, 4)
+    assert buffers.input_ids[:4].tolist() == [*step.input_ids.tolist(), 0]
+    assert buffers.positions[:4].tolist() == [11, 19, 4, 0]
+    assert buffers.slot_mapping[:4].tolist() == [3 * 8 + 3, 7 * 8 + 3, 6 * 8 + 4, -1]
+    assert buffers.seq_lens[:4].tolist() == [12, 20, 5, 1]
+    assert buffers.block_tables[:3, :3].tolist() == [[9, 3, 0], [4, 11, 7], [6, 0, 0]]
+    assert buffers.block_tables[3].tolist() == [0, 0, 0, 0]
+    meta = buffers.metadata(4, max_seq_len=64)
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    # host fields hold the bounds a capture sizes its launches by, not this step's lengths
+    assert (meta.num_prefills, meta.max_query_len, meta.seq_lens_cpu) == (0, 1, [64] * 4)
+    with pytest.raises(ValueError, match="does not fit"):
+        buffers.load(step, 2)
+
+
+@pytest.mark.parametrize("partition_size", [512, 8], ids=["unified", "split-kv"])
+def test_padded_static_forward_equals_eager_for_the_decode_rows(tiny_model_dir, monkeypatch,
+                                                                partition_size):
+    """What a graph records (the model over the padded buffers, launch geometry from the
+    bounds) against the eager forward of the same step; padding rows write no KV."""
+    if "triton" not in available_backends(CPU):
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    from kernels import triton_ops
+
+    # 8-token partitions: the bound of 48 gives 6, most of them past the real lengths
+    monkeypatch.setattr(triton_ops, "DECODE_PARTITION_SIZE", partition_size)
+    worker = make_worker(tiny_model_dir("llama"), num_gpu_blocks=16, num_cpu_blocks=0,
+                         block_size=BLOCK_SIZE, backend="triton")
+    model, kv_caches = worker.runner.model, worker.cache_engine.gpu_cache
+    generator = torch.Generator().manual_seed(0)
+    for layer in kv_caches:
+        layer.copy_(torch.randn(layer.shape, generator=generator))
+    step = build_model_input(_decodes(), BLOCK_SIZE, CPU)
+    with torch.inference_mode():
+        eager = model(step.input_ids, step.positions, kv_caches, step.meta)  # [3, hidden]
+        after_eager = [layer.clone() for layer in kv_caches]
+        graphs = DecodeGraphs(model, [1, 2, 4], max_seq_len=48, block_size=BLOCK_SIZE,
+                              device=CPU)
+        graphs.buffers.load(step, 4)
+        static = graphs.run_static(4, kv_caches)  # [4, hidden]
+    torch.testing.assert_close(static[:3], eager, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(static[3]).all()
+    # the real rows rewrote their slots (the second layer's K/V within rounding of a 4-row
+    # batch); a padding row writing anywhere, block 0 included, would show as a gross change
+    for before, after in zip(after_eager, kv_caches, strict=True):
+        torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+    assert graphs.batch_size_for(step, kv_caches) is None  # nothing captured on this cache
+
+
+def test_cpu_worker_captures_nothing(tiny_model_dir):
+    worker = make_worker(tiny_model_dir("llama"), num_gpu_blocks=8, num_cpu_blocks=0)
+    assert worker.config.device.enable_cuda_graph
+    assert worker.warm_up() == 0 and worker.warm_up([1, 2]) == 0
+    assert worker.runner.decode_graphs is None
