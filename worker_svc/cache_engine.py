@@ -1,5 +1,14 @@
 """The physical KV cache of one worker: per-layer device tensors the attention kernels read and
-write, a CPU swap cache for preempted sequences, and the block moves between them."""
+write, a CPU swap cache for preempted sequences, and the block moves between them.
+
+On CUDA the swap cache is pinned and swaps are asynchronous copies on a side stream: the host
+queues them and moves on. Their order against the compute stream is fixed at both ends: a swap
+starts after everything already queued for compute (the forwards that wrote the blocks it reads,
+or still read the blocks it overwrites), and compute queued after a swap (block copies, the
+forward, the next step) waits for it, so swapped-in blocks are complete before any layer reads
+them and swapped-out device blocks are copied before anything may reuse them. Only the device
+reads the swap cache; host code that inspects it must synchronize first.
+"""
 
 from __future__ import annotations
 
@@ -52,20 +61,29 @@ class CacheEngine:
         # pinned host memory lets swaps overlap with compute; only meaningful beside a GPU
         self.cpu_cache = allocate_kv_caches(spec, num_cpu_blocks, torch.device("cpu"),
                                             pin_memory=device.type == "cuda")
+        self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         logger.info("KV cache: %d device blocks, %d CPU blocks, %d bytes per block",
                     num_gpu_blocks, num_cpu_blocks, spec.bytes_per_block)
 
-    def _mapping(self, pairs: list[tuple[int, int]], num_src: int, num_dst: int,
-                 device: torch.device) -> torch.Tensor:
+    @staticmethod
+    def _check_pairs(pairs: list[tuple[int, int]], num_src: int, num_dst: int) -> None:
         for src, dst in pairs:
             if not (0 <= src < num_src and 0 <= dst < num_dst):
                 raise InvalidRequest(f"block pair ({src}, {dst}) out of range: "
                                      f"src must be < {num_src}, dst < {num_dst}")
+
+    def _mapping(self, pairs: list[tuple[int, int]], num_src: int, num_dst: int,
+                 device: torch.device) -> torch.Tensor:
+        self._check_pairs(pairs, num_src, num_dst)
         return torch.tensor(pairs, dtype=torch.int64, device=device).view(-1, 2)  # [n, 2]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, CPU block) pairs."""
         if not pairs:
+            return
+        if self.swap_stream is not None:
+            self._check_pairs(pairs, self.num_gpu_blocks, self.num_cpu_blocks)
+            self._swap_async(self.gpu_cache, self.cpu_cache, pairs)
             return
         mapping = self._mapping(pairs, self.num_gpu_blocks, self.num_cpu_blocks,
                                 torch.device("cpu"))
@@ -76,10 +94,29 @@ class CacheEngine:
         """(CPU block, device block) pairs."""
         if not pairs:
             return
+        if self.swap_stream is not None:
+            self._check_pairs(pairs, self.num_cpu_blocks, self.num_gpu_blocks)
+            self._swap_async(self.cpu_cache, self.gpu_cache, pairs)
+            return
         mapping = self._mapping(pairs, self.num_cpu_blocks, self.num_gpu_blocks,
                                 torch.device("cpu"))
         for gpu_layer, cpu_layer in zip(self.gpu_cache, self.cpu_cache, strict=True):
             self.backend.swap_blocks(cpu_layer, gpu_layer, mapping)
+
+    def _swap_async(self, src_cache: list[torch.Tensor], dst_cache: list[torch.Tensor],
+                    pairs: list[tuple[int, int]]) -> None:
+        """CUDA: copy (src block, dst block) pairs of every layer on the swap stream, ordered
+        against the compute stream as the module docstring says. One copy per layer, K or V
+        and block: each is a contiguous [block_size, num_kv_heads, head_size] slab, which keeps
+        every transfer a direct async copy between pinned host and device memory."""
+        compute_stream = torch.cuda.current_stream(self.device)
+        self.swap_stream.wait_stream(compute_stream)
+        with torch.cuda.stream(self.swap_stream):
+            for src_layer, dst_layer in zip(src_cache, dst_cache, strict=True):
+                for src, dst in pairs:
+                    dst_layer[0, dst].copy_(src_layer[0, src], non_blocking=True)
+                    dst_layer[1, dst].copy_(src_layer[1, src], non_blocking=True)
+        compute_stream.wait_stream(self.swap_stream)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, device block) pairs: copy-on-write inside every layer."""
