@@ -35,7 +35,14 @@ DECODE_PARTITION_SIZE = 512
 
 @dataclass(slots=True)
 class LaunchPlan:
-    """The step's launch geometry, the same for every layer."""
+    """The step's launch geometry, the same for every layer.
+
+    It is derived from the metadata's host fields only, and CUDA-graph capture
+    (worker_svc.cuda_graphs) sets those to upper bounds: one geometry then serves every replay.
+    So the kernels must stay correct for any real lengths up to the host values: they read
+    seq_lens and query_start_loc on the device, and a program past its sequence's query or
+    context returns without writing (the reduce kernel merges only the partitions a sequence has).
+    """
 
     num_unified_seqs: int  # sequences the unified kernel covers (all, or only the prefills)
     max_unified_query_len: int
