@@ -1,0 +1,46 @@
+"""Workers on CUDA for the GPU tests: every knob the tests vary, the rest small and fixed."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kernels.backend import flash_attn_available
+from services.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from worker_svc.worker import Worker
+
+# Every backend that runs on CUDA; flash_attn only where the package is installed.
+CUDA_BACKENDS = [
+    pytest.param("torch"),
+    pytest.param("triton"),
+    pytest.param("flash_attn", marks=pytest.mark.skipif(not flash_attn_available(),
+                                                        reason="flash_attn is not installed")),
+]
+
+
+def prompt(seed: int, length: int, vocab: int = 256) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def cuda_worker(model_dir: Path, *, backend: str = "triton", dtype: str = "float32",
+                enable_cuda_graph: bool = False, max_num_seqs: int = 8,
+                num_gpu_blocks: int = 128, num_cpu_blocks: int = 32,
+                block_size: int = 8) -> Worker:
+    """A worker through the whole handshake: load, profile, init_cache, warm_up (which captures
+    the decode graphs when enable_cuda_graph is on)."""
+    config = EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype=dtype),
+        cache=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_gpu_blocks,
+                          num_cpu_blocks_override=num_cpu_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+        device=DeviceConfig(device="cuda", attention_backend=backend,
+                            enable_cuda_graph=enable_cuda_graph))
+    worker = Worker(config)
+    worker.load_model()
+    profile = worker.profile_memory()
+    worker.init_cache(profile.num_gpu_blocks, profile.num_cpu_blocks, 1)
+    worker.warm_up()
+    return worker
