@@ -136,3 +136,54 @@ def test_cpu_worker_captures_nothing(tiny_model_dir):
     assert worker.config.device.enable_cuda_graph
     assert worker.warm_up() == 0 and worker.warm_up([1, 2]) == 0
     assert worker.runner.decode_graphs is None
+
+
+class EagerReplay:
+    """CPU stand-in for a captured CUDA graph, faithful to what replay means: rerun the recorded
+    forward on whatever the buffers hold now, into the recorded output tensor."""
+
+    def __init__(self, graphs: DecodeGraphs, batch_size: int,
+                 kv_caches: list[torch.Tensor]) -> None:
+        self.graphs, self.batch_size, self.kv_caches = graphs, batch_size, kv_caches
+
+    def replay(self) -> None:
+        output = self.graphs.hidden_states[self.batch_size]
+        output.copy_(self.graphs.run_static(self.batch_size, self.kv_caches))
+
+
+def test_decode_steps_take_the_graph_path_and_keep_their_tokens(tiny_model_dir):
+    """The runner's side of the graphs (which steps replay, copy-in, padding, output rows)
+    through real steps, with CUDA graphs stood in for by EagerReplay."""
+    if "triton" not in available_backends(CPU):
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    from tests.integration.worker_driver import Driver
+
+    lens = {0: 7, 1: 3, 2: 12}
+    drivers = []
+    for is_graphed in (False, True):
+        worker = make_worker(tiny_model_dir("qwen2"), num_gpu_blocks=32, num_cpu_blocks=0,
+                             block_size=BLOCK_SIZE, backend="triton")
+        if is_graphed:
+            kv_caches = worker.cache_engine.gpu_cache
+            graphs = DecodeGraphs(worker.runner.model, [1, 2, 4], max_seq_len=64,
+                                  block_size=BLOCK_SIZE, device=CPU)
+            with torch.inference_mode():
+                for batch_size in graphs.batch_sizes:
+                    graphs.hidden_states[batch_size] = graphs.run_static(batch_size, kv_caches)
+                    graphs.graphs[batch_size] = EagerReplay(graphs, batch_size, kv_caches)
+            graphs.kv_caches = kv_caches
+            worker.runner.decode_graphs = graphs
+        driver = Driver(worker)
+        for seq_id, n in lens.items():
+            driver.add(seq_id, [5 + 7 * seq_id + i for i in range(n)])
+        driver.step(dict(lens))  # a prefill step: eager
+        driver.run_to_length([0, 1], 10)  # 2 sequences in the bucket of 2
+        driver.run_to_length(list(lens), 15)  # 3 sequences in the bucket of 4, then fewer
+        drivers.append(driver)
+    eager, graphed = drivers
+    assert graphed.worker.runner.decode_graphs.num_replays == graphed.step_id - 1
+    for seq_id in lens:
+        assert graphed.seqs[seq_id].token_ids == eager.seqs[seq_id].token_ids
+    assert graphed.recorder.logits.keys() == eager.recorder.logits.keys()
+    for key, row in graphed.recorder.logits.items():
+        torch.testing.assert_close(row, eager.recorder.logits[key], atol=1e-4, rtol=0)
