@@ -42,10 +42,11 @@ class KVCacheSpec:
 
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device,
-                       pin_memory: bool = False) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_size] tensor per layer."""
-    return [torch.zeros(spec.block_shape(num_blocks), dtype=spec.dtype, device=device,
-                        pin_memory=pin_memory)
+                       pin_memory: bool = False, zeroed: bool = True) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, num_kv_heads, head_size] tensor per layer."""
+    alloc = torch.zeros if zeroed else torch.empty
+    return [alloc(spec.block_shape(num_blocks), dtype=spec.dtype, device=device,
+                  pin_memory=pin_memory)
             for _ in range(spec.num_layers)]
 
 
@@ -58,9 +59,11 @@ class CacheEngine:
         self.device = device
         self.backend = backend
         self.gpu_cache = allocate_kv_caches(spec, num_gpu_blocks, device)
-        # pinned host memory lets swaps overlap with compute; only meaningful beside a GPU
+        # pinned host memory lets swaps overlap with compute; only meaningful beside a GPU.
+        # Swap blocks are only ever read after a swap-out wrote them: no need to zero (and touch)
+        # gigabytes of host memory at start-up.
         self.cpu_cache = allocate_kv_caches(spec, num_cpu_blocks, torch.device("cpu"),
-                                            pin_memory=device.type == "cuda")
+                                            pin_memory=device.type == "cuda", zeroed=False)
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         logger.info("KV cache: %d device blocks, %d CPU blocks, %d bytes per block",
                     num_gpu_blocks, num_cpu_blocks, spec.bytes_per_block)
