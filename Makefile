@@ -49,13 +49,17 @@ test-gpu:
 lint: install
 	$(VPY) -m ruff check services scheduler_svc worker_svc kernels tests bench
 
+# CPU benchmarks against HF transformers and the in-process engine (~13 min on 2 cores);
+# JSON records with machine info go to bench/results/.
 bench: install proto model
-	$(VPY) bench/offline.py --model $(MODEL_DIR)
-	$(VPY) bench/serving.py --model $(MODEL_DIR)
-	$(VPY) bench/step_anatomy.py --model $(MODEL_DIR)
+	$(VPY) -m bench.offline --model $(MODEL_DIR)
+	$(VPY) -m bench.serving --model $(MODEL_DIR)
+	$(VPY) -m bench.step_anatomy --model $(MODEL_DIR)
 
+# Runs on a GPU machine with its own python: random weights of real shapes, no downloads.
 bench-gpu:
-	$(PY) bench/offline_gpu.py
+	$(PY) -m bench.offline_gpu
+	$(PY) -m bench.kernels_gpu
 
 helm-test:
 	helm lint helm/pagedserve && helm template pagedserve helm/pagedserve >/dev/null

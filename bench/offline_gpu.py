@@ -1,0 +1,229 @@
+"""Offline throughput on a GPU with random weights of real shapes, against HF generate on the
+same GPU, same run; and the decode steps' model bandwidth utilization (MBU).
+
+No downloads: the script writes each model's config.json into a temporary folder and the engine
+fills the weights with `load_format=dummy`; HF builds the same architecture from the same config
+with its own random init. Per model:
+  - pagedserve LLMEngine on the seeded mixed workload (bench/offline.py's shape): output tokens/s;
+  - HF generate, static left-padded batches of --batch-size (and, with --hf-sequential, one
+    request at a time): tokens/s and the ratios;
+  - decode MBU = (weight bytes + KV bytes read) per decode-only step ÷ step time ÷ peak HBM
+    bandwidth, as the median over those steps (also with the forward time alone).
+The record goes to bench/results/offline_gpu-<tag>.json.
+
+    python -m bench.offline_gpu                                  # Qwen2.5-0.5B and Llama-3-8B
+    python -m bench.offline_gpu --device cpu --models tiny-llama --num-prompts 4 --tag smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+from bench.common import Timer, Workload, hf_generate, make_workload, quiet_logging, write_record
+from bench.kernels_gpu import peak_gbps
+from bench.step_anatomy import StepRecorder, is_decode_step
+from services.llm_engine import LLMEngine
+
+log = logging.getLogger("bench.offline_gpu")
+
+# The public config.json of each model, minus fields that do not change the shapes.
+MODEL_CONFIGS: dict[str, dict] = {
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+        "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
+        "num_hidden_layers": 24, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+        "vocab_size": 151936, "bos_token_id": 151643, "eos_token_id": 151645,
+        "use_sliding_window": False},
+    "llama-3-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "vocab_size": 128256, "bos_token_id": 128000, "eos_token_id": 128001,
+        "attention_bias": False, "mlp_bias": False},
+    # a smoke-test shape: runs anywhere in seconds
+    "tiny-llama": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "vocab_size": 4096, "bos_token_id": 1, "eos_token_id": 2},
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def write_model_dir(name: str, dtype: str, root: Path) -> Path:
+    model_dir = root / name
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config = {**MODEL_CONFIGS[name], "torch_dtype": dtype}
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return model_dir
+
+
+def weight_bytes_read(model: torch.nn.Module) -> int:
+    """Bytes of parameters one decode step reads: all of them, except an untied input
+    embedding (only the batch's rows of it are read)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_submodule("model.embed_tokens").weight
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is None or lm_head.weight is not embed:
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def run_pagedserve(engine: LLMEngine, wl: Workload) -> tuple[float, list[dict]]:
+    """Wall time of the whole workload, and per decode-only step: its time, forward time,
+    and KV bytes read."""
+    recorder = StepRecorder(engine.core)
+    worker = engine.core.workers[0]
+    spec = worker.kv_spec
+    kv_bytes_per_token = (2 * spec.num_layers * spec.num_kv_heads * spec.head_size
+                          * spec.dtype.itemsize)
+    for i, (prompt, sampling) in enumerate(zip(wl.prompts, wl.sampling_params(), strict=True)):
+        engine.add_request(f"{wl.name}-{i}", prompt, sampling)
+    steps = []
+    with Timer() as t:
+        while engine.has_unfinished_requests():
+            record = recorder.step()
+            plan = record.get("plan")
+            if plan is None or not is_decode_step(plan, len(plan.running_seqs)):
+                continue
+            mirror = worker.runner.input_batch.seqs
+            num_kv_tokens = sum(mirror[s.seq_id].num_computed_tokens for s in plan.running_seqs
+                                if s.seq_id in mirror)
+            steps.append({"batch_size": len(plan.running_seqs), "step_s": record["step_ns"] / 1e9,
+                          "forward_s": record["timings"].forward_ns / 1e9,
+                          "kv_bytes": num_kv_tokens * kv_bytes_per_token})
+    return t.elapsed_s, steps
+
+
+def decode_mbu(steps: list[dict], weight_bytes: int, peak: float | None) -> dict:
+    if not steps:
+        return {}
+    step_gbps = [(weight_bytes + s["kv_bytes"]) / s["step_s"] / 1e9 for s in steps]
+    fwd_gbps = [(weight_bytes + s["kv_bytes"]) / s["forward_s"] / 1e9 for s in steps]
+    out = {"num_decode_steps": len(steps),
+           "median_step_ms": statistics.median(s["step_s"] for s in steps) * 1e3,
+           "median_batch_size": statistics.median(s["batch_size"] for s in steps),
+           "median_gbps": statistics.median(step_gbps),
+           "median_forward_gbps": statistics.median(fwd_gbps), "peak_gbps": peak}
+    if peak:
+        out["mbu"] = out["median_gbps"] / peak
+        out["mbu_forward_only"] = out["median_forward_gbps"] / peak
+    return out
+
+
+def bench_model(name: str, args: argparse.Namespace, root: Path) -> dict:
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    model_dir = write_model_dir(name, args.dtype, root)
+    vocab = MODEL_CONFIGS[name]["vocab_size"]
+    wl = make_workload("mixed", args.num_prompts, (args.min_prompt_len, args.max_prompt_len),
+                       (args.min_output_len, args.max_output_len), vocab, args.seed)
+    warm = make_workload("warmup", 4, (16, 64), (8, 8), vocab, seed=args.seed + 1)
+    result = {"model": name, **wl.describe(), "batch_size": args.batch_size}
+
+    # HF first, then freed, so that the engine may take its share of the device memory.
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    hf_generate(hf, warm.prompts, 8)
+    with Timer() as t:
+        for start in range(0, len(wl.prompts), args.batch_size):
+            stop = start + args.batch_size
+            hf_generate(hf, wl.prompts[start:stop], max(wl.output_lens[start:stop]))
+        _sync(device)
+    result.update(hf_padded_s=t.elapsed_s, hf_padded_tok_s=wl.num_output_tokens / t.elapsed_s)
+    if args.hf_sequential:
+        with Timer() as t:
+            for prompt, n in zip(wl.prompts, wl.output_lens, strict=True):
+                hf_generate(hf, [prompt], n)
+            _sync(device)
+        result.update(hf_sequential_s=t.elapsed_s,
+                      hf_sequential_tok_s=wl.num_output_tokens / t.elapsed_s)
+    del hf
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    log.info("%s: HF padded %.1f s", name, result["hf_padded_s"])
+
+    engine = LLMEngine.from_kwargs(model=str(model_dir), load_format="dummy", dtype=args.dtype,
+                                   device=args.device, max_num_seqs=args.batch_size,
+                                   seed=args.seed, **({"kv_cache_memory_gib": 1.0}
+                                                      if device.type == "cpu" else {}))
+    run_pagedserve(engine, warm)
+    ours_s, steps = run_pagedserve(engine, wl)
+    log.info("%s: pagedserve %.1f s", name, ours_s)
+    weight_bytes = weight_bytes_read(engine.core.workers[0].runner.model)
+    result.update(pagedserve_s=ours_s, pagedserve_tok_s=wl.num_output_tokens / ours_s,
+                  ratio_vs_hf_padded=result["hf_padded_s"] / ours_s,
+                  weight_bytes=weight_bytes,
+                  decode=decode_mbu(steps, weight_bytes, peak_gbps(device)))
+    if "hf_sequential_s" in result:
+        result["ratio_vs_hf_sequential"] = result["hf_sequential_s"] / ours_s
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama-3-8b"],
+                        choices=sorted(MODEL_CONFIGS))
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=64,
+                        help="pagedserve's max_num_seqs and the HF static batch size")
+    parser.add_argument("--min-prompt-len", type=int, default=32)
+    parser.add_argument("--max-prompt-len", type=int, default=512)
+    parser.add_argument("--min-output-len", type=int, default=32)
+    parser.add_argument("--max-output-len", type=int, default=256)
+    parser.add_argument("--hf-sequential", action="store_true",
+                        help="also time HF one request at a time (slow)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tag", default="gpu")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but CUDA is not available (use --device cpu for a smoke run)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    quiet_logging()
+    with tempfile.TemporaryDirectory(prefix="pagedserve-bench-") as tmp:
+        results = [bench_model(name, args, Path(tmp)) for name in args.models]
+
+    def describe(r: dict) -> str:
+        mbu = r["decode"].get("mbu")
+        return (f"{r['model']} {r['pagedserve_tok_s']:.0f} tok/s = {r['ratio_vs_hf_padded']:.2f}x "
+                f"HF padded, decode MBU {'n/a' if mbu is None else f'{mbu:.0%}'}")
+    line = "offline gpu: " + "; ".join(map(describe, results))
+    path = write_record("offline_gpu", {"dtype": args.dtype, "args": vars(args), "summary": line,
+                                        "results": results}, args.tag)
+    print(line, flush=True)
+    log.info("recorded %s", path)
+    return {"summary": line, "results": results}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Serving: N concurrent streaming clients through the gateway of the local stack, against the
+in-process engine on the same workload, same run.
+
+The stack is `python -m services.cli serve` (worker, scheduler and gateway as processes, gRPC
+over loopback). Each of N clients sends its requests one after another (closed loop) through
+Generation.GenerateStream with token-id prompts, greedy and ignore_eos; the in-process baseline
+drives LLMEngine the same way, keeping N requests in flight. For each N: time to first token and
+inter-token latency percentiles (ms), output tokens/s, and stack ÷ in-process throughput
+(target >= 0.9). The record goes to bench/results/serving-<tag>.json.
+
+    python -m bench.serving                          # N = 1, 8, 32
+    python -m bench.serving --concurrency 1 4 --requests-per-client 1 --tag smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.common import (
+    DEFAULT_MODEL,
+    Workload,
+    make_workload,
+    percentiles,
+    quiet_logging,
+    write_record,
+)
+from pagedserve.v1 import gateway_pb2, gateway_pb2_grpc
+from services.llm_engine import LLMEngine
+from services.proto_common import sampling_params_to_proto
+from services.supervisor import free_port
+
+log = logging.getLogger("bench.serving")
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET_RATIO = 0.9
+
+
+@dataclass(slots=True)
+class RequestTrace:
+    """Arrival times (perf_counter seconds) of one request's token-bearing messages."""
+
+    submit_s: float
+    chunk_times_s: list[float] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RunResult:
+    wall_s: float
+    traces: list[RequestTrace]
+
+    def summary(self) -> dict:
+        ttft_ms = [(t.chunk_times_s[0] - t.submit_s) * 1e3 for t in self.traces]
+        itl_ms = [(b - a) * 1e3 for t in self.traces
+                  for a, b in itertools.pairwise(t.chunk_times_s)]
+        num_tokens = sum(t.num_tokens for t in self.traces)
+        return {"wall_s": self.wall_s, "num_output_tokens": num_tokens,
+                "output_tok_s": num_tokens / self.wall_s, "ttft_ms": percentiles(ttft_ms),
+                "itl_ms": percentiles(itl_ms)}
+
+
+# --- the in-process baseline ----------------------------------------------------------------------
+
+
+def run_in_process(engine: LLMEngine, wl: Workload, concurrency: int) -> RunResult:
+    """Closed loop: N requests in flight, the next one added as soon as one finishes."""
+    params = wl.sampling_params()
+    pending = deque(range(len(wl.prompts)))
+    traces: dict[str, RequestTrace] = {}
+    live: set[str] = set()
+    start = time.perf_counter()
+    while pending or live:
+        while pending and len(live) < concurrency:
+            i = pending.popleft()
+            request_id = f"{wl.name}-{concurrency}-{i}"
+            traces[request_id] = RequestTrace(time.perf_counter())
+            engine.add_request(request_id, wl.prompts[i], params[i])
+            live.add(request_id)
+        outputs = engine.step()
+        now = time.perf_counter()
+        for output in outputs:
+            trace = traces[output.request_id]
+            num_new = sum(len(c.token_ids) for c in output.outputs)
+            if num_new:
+                trace.chunk_times_s.append(now)
+                trace.num_tokens += num_new
+            if output.finished:
+                live.discard(output.request_id)
+    return RunResult(time.perf_counter() - start, list(traces.values()))
+
+
+# --- the stack ----------------------------------------------------------------------------------
+
+
+def start_stack(args: argparse.Namespace, port: int, log_file) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "services.cli", "serve", "--model", args.model,
+            "--port", str(port), "--device", "cpu", "--dtype", "float32",
+            "--max-num-seqs", str(max(args.concurrency)),
+            "--kv-cache-memory-gib", str(args.kv_cache_memory_gib), "--swap-space-gib", "0.25",
+            "--log-level", "WARNING"]
+    return subprocess.Popen(argv, cwd=ROOT, stdout=log_file, stderr=log_file,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_serving(address: str, stack: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if stack.poll() is not None:
+                raise RuntimeError(f"the stack exited with code {stack.returncode}")
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                if status.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)  # the children start in seconds; a coarse poll is fine here
+    raise TimeoutError(f"the stack at {address} did not serve within {timeout_s:.0f} s")
+
+
+async def _client(stub, wl: Workload, queue: deque[int], traces: list[RequestTrace]) -> None:
+    params = wl.sampling_params()
+    while queue:
+        i = queue.popleft()
+        request = gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(token_ids=wl.prompts[i]),
+            sampling=sampling_params_to_proto(params[i]))
+        trace = RequestTrace(time.perf_counter())
+        async for delta in stub.GenerateStream(request, timeout=600):
+            if delta.token_ids:
+                trace.chunk_times_s.append(time.perf_counter())
+                trace.num_tokens += len(delta.token_ids)
+        if trace.num_tokens != wl.output_lens[i]:
+            raise RuntimeError(f"request {i} streamed {trace.num_tokens} tokens, "
+                               f"asked for {wl.output_lens[i]}")
+        traces.append(trace)
+
+
+async def _run_stack(address: str, wl: Workload, concurrency: int) -> RunResult:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GenerationStub(channel)
+        queue = deque(range(len(wl.prompts)))
+        traces: list[RequestTrace] = []
+        start = time.perf_counter()
+        await asyncio.gather(*(_client(stub, wl, queue, traces) for _ in range(concurrency)))
+        return RunResult(time.perf_counter() - start, traces)
+
+
+def run_stack(address: str, wl: Workload, concurrency: int) -> RunResult:
+    return asyncio.run(_run_stack(address, wl, concurrency))
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+
+def run_all(args: argparse.Namespace, address: str, stack: subprocess.Popen) -> list[dict]:
+    engine = LLMEngine.from_kwargs(
+        model=args.model, device="cpu", dtype="float32", max_num_seqs=max(args.concurrency),
+        kv_cache_memory_gib=args.kv_cache_memory_gib, swap_space_gib=0.25)
+    wait_serving(address, stack, args.startup_timeout_s)
+    vocab = engine.core.vocab_size
+    warm = make_workload("warmup", 2, (16, 32), (8, 8), vocab, seed=args.seed + 1)
+    run_in_process(engine, warm, 2)
+    run_stack(address, warm, 2)
+    results = []
+    for concurrency in args.concurrency:
+        num_requests = max(args.min_requests, args.requests_per_client * concurrency)
+        wl = make_workload(f"n{concurrency}", num_requests,
+                           (args.min_prompt_len, args.max_prompt_len),
+                           (args.min_output_len, args.max_output_len), vocab,
+                           seed=args.seed + concurrency)
+        # in-process first, then the stack: both see the same machine load, back to back
+        in_process = run_in_process(engine, wl, concurrency).summary()
+        log.info("N=%d in-process: %.1f tok/s", concurrency, in_process["output_tok_s"])
+        served = run_stack(address, wl, concurrency).summary()
+        log.info("N=%d stack: %.1f tok/s", concurrency, served["output_tok_s"])
+        ratio = served["output_tok_s"] / in_process["output_tok_s"]
+        results.append({**wl.describe(), "concurrency": concurrency, "stack": served,
+                        "in_process": in_process, "ratio_vs_in_process": ratio,
+                        "target": {"target": TARGET_RATIO, "met": ratio >= TARGET_RATIO}})
+    return results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--min-requests", type=int, default=2,
+                        help="at least this many requests per concurrency level")
+    parser.add_argument("--min-prompt-len", type=int, default=32)
+    parser.add_argument("--max-prompt-len", type=int, default=128)
+    parser.add_argument("--min-output-len", type=int, default=32)
+    parser.add_argument("--max-output-len", type=int, default=96)
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    parser.add_argument("--startup-timeout-s", type=float, default=300.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tag", default="cpu")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    quiet_logging()
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    with tempfile.TemporaryFile("w+") as stack_log:
+        stack = start_stack(args, port, stack_log)
+        try:
+            results = run_all(args, address, stack)
+        except Exception:
+            stack_log.seek(0)
+            log.error("stack log:\n%s", stack_log.read()[-4000:])
+            raise
+        finally:
+            stack.terminate()
+            try:
+                stack.wait(60)
+            except subprocess.TimeoutExpired:
+                stack.kill()
+
+    line = "serving: " + "; ".join(
+        f"N={r['concurrency']} {r['stack']['output_tok_s']:.1f} tok/s "
+        f"TTFT p50 {r['stack']['ttft_ms']['p50']:.0f} ms, ITL p50 {r['stack']['itl_ms']['p50']:.0f}"
+        f"/p99 {r['stack']['itl_ms']['p99']:.0f} ms, {r['ratio_vs_in_process']:.2f}x in-process"
+        f"{'' if r['target']['met'] else ' (target 0.9x MISSED)'}" for r in results)
+    path = write_record("serving", {"model": args.model, "dtype": "float32", "args": vars(args),
+                                    "summary": line, "results": results}, args.tag)
+    print(line, flush=True)
+    log.info("recorded %s", path)
+    return {"summary": line, "results": results}
+
+
+if __name__ == "__main__":
+    main()
