@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -184,11 +185,14 @@ def run_all(args: argparse.Namespace, address: str, stack: subprocess.Popen) -> 
                            (args.min_prompt_len, args.max_prompt_len),
                            (args.min_output_len, args.max_output_len), vocab,
                            seed=args.seed + concurrency)
-        # in-process first, then the stack: both see the same machine load, back to back
-        in_process = run_in_process(engine, wl, concurrency).summary()
-        log.info("N=%d in-process: %.1f tok/s", concurrency, in_process["output_tok_s"])
-        served = run_stack(address, wl, concurrency).summary()
-        log.info("N=%d stack: %.1f tok/s", concurrency, served["output_tok_s"])
+        # back to back, in alternating order, so that neither side always runs second
+        runs = {"in_process": functools.partial(run_in_process, engine, wl, concurrency),
+                "stack": functools.partial(run_stack, address, wl, concurrency)}
+        order = list(runs) if len(results) % 2 == 0 else list(reversed(runs))
+        summaries = {name: runs[name]().summary() for name in order}
+        in_process, served = summaries["in_process"], summaries["stack"]
+        log.info("N=%d: in-process %.1f tok/s, stack %.1f tok/s", concurrency,
+                 in_process["output_tok_s"], served["output_tok_s"])
         ratio = served["output_tok_s"] / in_process["output_tok_s"]
         results.append({**wl.describe(), "concurrency": concurrency, "stack": served,
                         "in_process": in_process, "ratio_vs_in_process": ratio,
@@ -201,7 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests-per-client", type=int, default=2)
-    parser.add_argument("--min-requests", type=int, default=2,
+    parser.add_argument("--min-requests", type=int, default=4,
                         help="at least this many requests per concurrency level")
     parser.add_argument("--min-prompt-len", type=int, default=32)
     parser.add_argument("--max-prompt-len", type=int, default=128)
