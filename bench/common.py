@@ -3,6 +3,7 @@ percentiles, machine facts and the JSON record every script writes to bench/resu
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -142,6 +143,16 @@ def write_record(bench: str, record: dict, tag: str = "") -> Path:
               "machine": machine_info(), **record}
     path.write_text(json.dumps(record, indent=2, default=_jsonable) + "\n")
     return path
+
+
+def finish(bench: str, args: argparse.Namespace, line: str, results: list, **fields) -> dict:
+    """Every script's ending: record the run (its flags, the one result line, the results and
+    `fields`), print the line, and return the summary."""
+    path = write_record(bench, {**fields, "args": vars(args), "summary": line,
+                                "results": results}, args.tag)
+    print(line, flush=True)
+    logging.getLogger(f"bench.{bench}").info("recorded %s", path)
+    return {"summary": line, "results": results}
 
 
 def _jsonable(obj: object) -> object:

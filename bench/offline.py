@@ -26,10 +26,10 @@ from bench.common import (
     DEFAULT_MODEL,
     Timer,
     Workload,
+    finish,
     hf_generate,
     make_workload,
     quiet_logging,
-    write_record,
 )
 from services.llm import LLM
 
@@ -166,11 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
                               repeats=args.repeats)
                for name in args.workloads]
     line = summary(results)
-    path = write_record("offline", {"model": args.model, "dtype": "float32", "args": vars(args),
-                                    "summary": line, "results": results}, args.tag)
-    print(line, flush=True)
-    log.info("recorded %s", path)
-    return {"summary": line, "results": results}
+    return finish("offline", args, line, results, model=args.model, dtype="float32")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from bench.common import Timer, Workload, hf_generate, make_workload, quiet_logging, write_record
+from bench.common import Timer, Workload, finish, hf_generate, make_workload, quiet_logging
 from bench.kernels_gpu import peak_gbps
 from bench.step_anatomy import StepRecorder, is_decode_step
 from services.llm_engine import LLMEngine
@@ -218,11 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
         return (f"{r['model']} {r['pagedserve_tok_s']:.0f} tok/s = {r['ratio_vs_hf_padded']:.2f}x "
                 f"HF padded, decode MBU {'n/a' if mbu is None else f'{mbu:.0%}'}")
     line = "offline gpu: " + "; ".join(map(describe, results))
-    path = write_record("offline_gpu", {"dtype": args.dtype, "args": vars(args), "summary": line,
-                                        "results": results}, args.tag)
-    print(line, flush=True)
-    log.info("recorded %s", path)
-    return {"summary": line, "results": results}
+    return finish("offline_gpu", args, line, results, dtype=args.dtype)
 
 
 if __name__ == "__main__":

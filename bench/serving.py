@@ -34,10 +34,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.common import (
     DEFAULT_MODEL,
     Workload,
+    finish,
     make_workload,
     percentiles,
     quiet_logging,
-    write_record,
 )
 from pagedserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.llm_engine import LLMEngine
@@ -243,11 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"TTFT p50 {r['stack']['ttft_ms']['p50']:.0f} ms, ITL p50 {r['stack']['itl_ms']['p50']:.0f}"
         f"/p99 {r['stack']['itl_ms']['p99']:.0f} ms, {r['ratio_vs_in_process']:.2f}x in-process"
         f"{'' if r['target']['met'] else ' (target 0.9x MISSED)'}" for r in results)
-    path = write_record("serving", {"model": args.model, "dtype": "float32", "args": vars(args),
-                                    "summary": line, "results": results}, args.tag)
-    print(line, flush=True)
-    log.info("recorded %s", path)
-    return {"summary": line, "results": results}
+    return finish("serving", args, line, results, model=args.model, dtype="float32")
 
 
 if __name__ == "__main__":

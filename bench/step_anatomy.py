@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import DEFAULT_MODEL, make_workload, quiet_logging, write_record
+from bench.common import DEFAULT_MODEL, finish, make_workload, quiet_logging
 from scheduler_svc.engine_core import EngineCore, WorkerLike
 from services.llm_engine import engine_config_from_kwargs
 from services.step_plan import StepOutput, StepPlan
@@ -215,12 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
         r["target"] = {"scheduler_plus_rpc_ms_max": TARGET_OVERHEAD_MS, "met": met}
         line += (f"; scheduler+RPC at B={r['batch_size']}: {r['scheduler_plus_rpc_ms']:.2f} ms "
                  f"(target <= {TARGET_OVERHEAD_MS} ms{'' if met else ' MISSED'})")
-    path = write_record("step_anatomy", {"model": args.model, "dtype": "float32",
-                                         "args": vars(args), "summary": line,
-                                         "results": results}, args.tag)
-    print(line, flush=True)
-    log.info("recorded %s", path)
-    return {"summary": line, "results": results}
+    return finish("step_anatomy", args, line, results, model=args.model, dtype="float32")
 
 
 if __name__ == "__main__":
