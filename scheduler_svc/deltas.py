@@ -4,7 +4,8 @@ A sequence the worker does not know (`Sequence.worker_block_ids is None`: first 
 preemption, after a fork, after ClearState) is sent whole as a NewSequence; a known one as a
 RunningSequence with the tokens appended since it last ran and the tail of its block table that
 changed. Block tables only grow or have blocks replaced by copy-on-write, so one (start, ids)
-pair describes any change.
+pair describes any change. A sequence that samples one token this step has it appended by the
+worker itself, so the worker is counted as knowing it already.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from services.step_plan import NewSequence, RunningSequence
 
 
 def sequence_deltas(
-    scheduled: list[tuple[SequenceGroup, Sequence, int, int]], block_manager: BlockManager,
+    scheduled: list[tuple[SequenceGroup, Sequence, int, int, bool]], block_manager: BlockManager,
 ) -> tuple[list[NewSequence], list[RunningSequence]]:
-    """Deltas for (group, seq, num_scheduled_tokens, num_samples) entries; records what the
-    worker will know after this step on each sequence."""
+    """Deltas for (group, seq, num_scheduled_tokens, num_samples, samples) entries; records what
+    the worker will know after this step on each sequence."""
     new_seqs: list[NewSequence] = []
     running_seqs: list[RunningSequence] = []
-    for group, seq, num_scheduled_tokens, num_samples in scheduled:
+    for group, seq, num_scheduled_tokens, num_samples, samples in scheduled:
         block_ids = block_manager.block_table(seq.seq_id)
         if seq.worker_block_ids is None:
             new_seqs.append(NewSequence(
@@ -37,7 +38,7 @@ def sequence_deltas(
                 block_ids_start=start, block_ids=list(block_ids[start:]),
                 num_scheduled_tokens=num_scheduled_tokens, num_samples=num_samples))
         seq.worker_block_ids = list(block_ids)
-        seq.num_worker_tokens = len(seq.token_ids)
+        seq.num_worker_tokens = len(seq.token_ids) + (samples and num_samples == 1)
     return new_seqs, running_seqs
 
 

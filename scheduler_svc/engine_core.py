@@ -4,17 +4,26 @@
 workers through `WorkerLike` -- the one seam: in-process `Worker`s here, gRPC clients with the
 same methods in the scheduler service. It is not thread-safe: one caller (the engine loop) at a
 time.
+
+Async scheduling (SchedulerConfig.async_scheduling, on by default): while step n runs on the
+workers, the engine already schedules step n+1 -- counting step n as done, with placeholders for
+the tokens it samples, which the workers fill in from their own mirrors -- and sends it, so the
+workers go from one step to the next without waiting for the scheduler, the RPC round trip or
+the output processing. A step() call thus returns step n's outputs with step n+1 in flight.
+Steps whose next one depends on their outputs (best_of forks, beam search) run one at a time.
+A sequence that finishes at step n has run one step too many; that result is dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import itertools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.output_processor import OutputProcessor
@@ -36,8 +45,49 @@ class WorkerLike(Protocol):
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int,
                    scheduler_epoch: int) -> None: ...
     def warm_up(self) -> None: ...
-    def execute_step(self, plan: StepPlan) -> StepOutput: ...
+    def submit_step(self, plan: StepPlan) -> StepFuture: ...  # steps run in submission order
     def clear_state(self, scheduler_epoch: int) -> None: ...
+
+
+class StepFuture(Protocol):
+    def result(self, timeout: float | None = None) -> StepOutput: ...
+
+
+class StepObserver(Protocol):
+    """Follows each step from its sending to its processed outputs (the service's tracing)."""
+
+    def step_sent(self, scheduled: SchedulerOutput) -> contextlib.AbstractContextManager[Any]:
+        """Entered on the engine thread around the step's submission to the workers; what it
+        yields comes back to step_done."""
+
+    def step_done(self, handle: Any, scheduled: SchedulerOutput,
+                  outputs: list[RequestOutput]) -> None:
+        """The step's outputs are processed; after a failure, `outputs` carry the errors."""
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A step sent to every worker, its outputs not yet processed."""
+
+    scheduled: SchedulerOutput
+    futures: list[StepFuture]  # one per worker
+    is_advanced: bool = False  # Scheduler.advance_in_flight counted it
+    handle: Any = None  # what the StepObserver gave for it
+
+    def result(self) -> StepOutput:
+        """Rank 0's output, once every rank is done; the first failure raises."""
+        self.wait()
+        results = [future.result() for future in self.futures]
+        step_id = self.scheduled.plan.step_id
+        if results[0].step_id != step_id:
+            raise RuntimeError(f"rank 0 answered step_id {results[0].step_id} to step_id {step_id}")
+        return results[0]
+
+    def wait(self) -> None:
+        """Until every rank is done, whatever the outcome."""
+        for future in self.futures:
+            with contextlib.suppress(Exception):
+                future.result()
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +150,9 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids,
                                                 self.max_model_len, self._seq_ids)
         self._groups: dict[str, SequenceGroup] = {}
-        # what the latest step ran, for observers between steps (the service's step span)
+        self._in_flight: _InFlight | None = None  # sent, outputs not processed yet
+        self.step_observer: StepObserver | None = None
+        # what the latest processed step ran, for observers between steps (the step span)
         self.last_scheduled: SchedulerOutput | None = None
 
     # --- requests -----------------------------------------------------------------------------
@@ -186,39 +238,94 @@ class EngineCore:
     # --- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """schedule → execute_step on every rank (rank 0's output is used) → process outputs.
-        A failed step finishes the requests it touched with finish_reason "error", resets the
-        workers' mirrors (new epoch, clear_state) and leaves every other request running."""
-        scheduled = self.scheduler.schedule()
-        self.last_scheduled = scheduled
-        if scheduled.plan is None:
-            outputs = [r for g in scheduled.rejected if (r := make_request_output(g)) is not None]
-        else:
-            try:
-                step_output = self._execute(scheduled.plan)
-            except Exception as exc:  # any worker failure: the engine keeps serving
-                outputs = self._fail_step(scheduled, exc)
-            else:
-                outputs = self.output_processor.process(scheduled, step_output)
+        """Process one engine step: schedule → submit_step on every rank (rank 0's output is
+        used) → process its outputs. With async scheduling the step after it is scheduled and
+        sent before this one's outputs are waited for (see the module docstring).
+
+        A failed step finishes the requests it touched -- and those of the step sent after it,
+        whose outcome is dropped -- with finish_reason "error", resets the workers' mirrors
+        (new epoch, clear_state) and leaves every other request running."""
+        outputs: list[RequestOutput] = []
+        current, self._in_flight = self._in_flight, None
+        if current is None:
+            current = self._schedule(outputs)
+        if current is not None:
+            if self._can_run_ahead(current):
+                self.scheduler.advance_in_flight(current.scheduled)
+                current.is_advanced = True
+                self._in_flight = self._schedule(outputs)
+            outputs += self._finish(current)
+        self._forget_finished(outputs)
+        return outputs
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def drain(self) -> list[RequestOutput]:
+        """Wait for the step still in flight (async scheduling), if any, and process it without
+        sending another: the workers are idle afterwards. Its outputs are usually empty -- the
+        requests it ran have finished -- unless some were added since."""
+        current, self._in_flight = self._in_flight, None
+        outputs = self._finish(current) if current is not None else []
+        self._forget_finished(outputs)
+        return outputs
+
+    def _forget_finished(self, outputs: list[RequestOutput]) -> None:
         for report in outputs:
             if report.finished:
                 self._groups.pop(report.request_id, None)
+
+    def _schedule(self, outputs: list[RequestOutput]) -> _InFlight | None:
+        """Schedule a step and send it to every worker (None: nothing to run); the reports of
+        the requests the scheduler rejected go to `outputs`."""
+        scheduled = self.scheduler.schedule()
+        outputs += [r for g in scheduled.rejected if (r := make_request_output(g)) is not None]
+        plan = scheduled.plan
+        if plan is None:
+            return None
+        if self.step_observer is None:
+            return _InFlight(scheduled, [_submit(w, plan) for w in self.workers])
+        with self.step_observer.step_sent(scheduled) as handle:
+            return _InFlight(scheduled, [_submit(w, plan) for w in self.workers], handle=handle)
+
+    def _finish(self, step: _InFlight) -> list[RequestOutput]:
+        """Wait for the step's outputs and process them."""
+        try:
+            step_output = step.result()
+        except Exception as exc:  # any worker failure: the engine keeps serving
+            return self._fail_steps(step, exc)
+        self.last_scheduled = step.scheduled
+        outputs = self.output_processor.process(step.scheduled, step_output, step.is_advanced)
+        self._step_done(step, outputs)
         return outputs
 
-    def _execute(self, plan: StepPlan) -> StepOutput:
-        results = self._on_all_workers(lambda w: w.execute_step(plan))
-        if results[0].step_id != plan.step_id:
-            raise RuntimeError(f"rank 0 answered step_id {results[0].step_id} "
-                               f"to step_id {plan.step_id}")
-        return results[0]
+    def _step_done(self, step: _InFlight, outputs: list[RequestOutput]) -> None:
+        if self.step_observer is not None:
+            self.step_observer.step_done(step.handle, step.scheduled, outputs)
 
-    def _fail_step(self, scheduled: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        step_id = scheduled.plan.step_id if scheduled.plan else 0
-        logger.error("step %d failed: %r", step_id, exc, exc_info=exc)
-        message = f"engine step {step_id} failed: {exc}"
-        affected = {id(item.group): item.group for item in scheduled.scheduled}
-        # a failed swap-out may have lost their KV
-        affected.update((id(g), g) for g in scheduled.swapped_out)
+    def _can_run_ahead(self, current: _InFlight) -> bool:
+        """Whether the next step can be scheduled before `current`'s outputs are in: not when
+        they fork sequences or pick beams (several samples per sequence)."""
+        return self.config.scheduler.async_scheduling and all(
+            item.num_samples == 1 for item in current.scheduled.scheduled if item.samples)
+
+    def _fail_steps(self, failed: _InFlight, exc: Exception) -> list[RequestOutput]:
+        steps = [failed]
+        if self._in_flight is not None:  # sent after the failed one: the workers refuse it
+            steps.append(self._in_flight)
+            self._in_flight = None
+            steps[-1].wait()
+        step_ids = ", ".join(str(s.scheduled.plan.step_id) for s in steps)
+        logger.error("step %s failed: %r", step_ids, exc, exc_info=exc)
+        message = f"engine step {failed.scheduled.plan.step_id} failed: {exc}"
+        affected: dict[int, SequenceGroup] = {}
+        for step in steps:
+            for item in step.scheduled.scheduled:
+                item.seq.drop_placeholder()
+                affected[id(item.group)] = item.group
+            # a failed swap-out may have lost their KV
+            affected.update((id(g), g) for g in step.scheduled.swapped_out)
         for group in affected.values():
             if not group.is_finished:
                 self.scheduler.finish_group(group, "error", message)
@@ -229,8 +336,10 @@ class EngineCore:
             except Exception as clear_exc:
                 logger.error("clear_state failed on a worker: %r", clear_exc)
         self.scheduler.forget_worker_state(self.scheduler_epoch)
-        groups = list(affected.values()) + scheduled.rejected
-        return [r for g in groups if (r := make_request_output(g)) is not None]
+        outputs = [r for g in affected.values() if (r := make_request_output(g)) is not None]
+        for step in steps:
+            self._step_done(step, outputs)
+        return outputs
 
     def _on_all_workers(self, call):
         if self._pool is None:
@@ -239,3 +348,13 @@ class EngineCore:
         # stays the parent of every rank's ExecuteStep
         contexts = [contextvars.copy_context() for _ in self.workers]
         return list(self._pool.map(lambda ctx, w: ctx.run(call, w), contexts, self.workers))
+
+
+def _submit(worker: WorkerLike, plan: StepPlan) -> StepFuture:
+    """worker.submit_step; a call that fails at once fails its future instead."""
+    try:
+        return worker.submit_step(plan)
+    except Exception as exc:
+        failed: Future[StepOutput] = Future()
+        failed.set_exception(exc)
+        return failed

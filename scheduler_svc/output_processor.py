@@ -1,7 +1,9 @@
 """Turns a worker's StepOutput into sequence state and RequestOutputs.
 
-Per scheduled sequence: advance num_computed_tokens, register newly full blocks with the prefix
-cache, collect prompt logprobs. Per sequence that sampled: append the token and check the finish
+Per scheduled sequence: advance num_computed_tokens (unless Scheduler.advance_in_flight did, for
+a step that ran ahead: then the placeholder token goes first), register newly full blocks with
+the prefix cache, collect prompt logprobs. Sequences that finished (or were aborted) while the
+step ran are skipped: their results are not wanted any more. Per sequence that sampled: append the token and check the finish
 conditions (EOS unless ignore_eos, stop_token_ids -- both only after min_tokens --, max_tokens,
 max_model_len). A group of best_of > 1 samples best_of tokens at the end of its prompt and forks
 into best_of sequences sharing the prompt blocks; beam search is delegated to beam_search.py.
@@ -16,7 +18,7 @@ import logging
 from scheduler_svc.beam_search import beam_search_step
 from scheduler_svc.outputs import RequestOutput, make_request_output
 from scheduler_svc.scheduler import Scheduler, SchedulerOutput
-from scheduler_svc.sequence import Sequence, SequenceGroup, derive_seed
+from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus, derive_seed
 from services.sampling_params import SamplingParams
 from services.step_plan import SampledSequence, StepOutput
 
@@ -31,22 +33,28 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self._seq_ids = seq_ids  # shared with whoever creates the first sequence of a group
 
-    def process(self, scheduled: SchedulerOutput, step_output: StepOutput) -> list[RequestOutput]:
+    def process(self, scheduled: SchedulerOutput, step_output: StepOutput,
+                is_advanced: bool = False) -> list[RequestOutput]:
+        """The step's output into sequence state; the reports of the groups it ran.
+        `is_advanced`: Scheduler.advance_in_flight already counted this step."""
         by_seq_id = {out.seq_id: out for out in step_output.outputs}
         groups: dict[int, SequenceGroup] = {}
         samples: dict[int, list[tuple[Sequence, SampledSequence]]] = {}
         for item in scheduled.scheduled:
             group, seq = item.group, item.seq
             groups[id(group)] = group
-            if group.is_finished:  # failed earlier in this loop: its blocks are gone
+            seq.drop_placeholder()
+            if seq.is_finished:  # while the step ran, or failed earlier in this loop
                 continue
             sampled = by_seq_id.get(seq.seq_id)
             if sampled is not None and sampled.prompt_logprobs and _collects_prompt_logprobs(group):
                 group.prompt_logprobs.extend(sampled.prompt_logprobs)
                 del group.prompt_logprobs[group.prompt_len - 1:]
-            seq.num_computed_tokens += item.num_scheduled_tokens
-            self.scheduler.block_manager.mark_computed(seq.seq_id, seq.token_ids,
-                                                       seq.num_computed_tokens)
+            if not is_advanced:
+                seq.num_computed_tokens += item.num_scheduled_tokens
+            if seq.status is SequenceStatus.RUNNING:  # not preempted by a step scheduled since
+                self.scheduler.block_manager.mark_computed(seq.seq_id, seq.token_ids,
+                                                           seq.num_computed_tokens)
             if not item.samples:
                 continue
             if sampled is None or len(sampled.token_ids) != item.num_samples:
@@ -74,12 +82,7 @@ class OutputProcessor:
                     self._append(group, seq, sampled, 0)
             self.scheduler.release_finished(group)
 
-        outputs = []
-        for group in itertools.chain(groups.values(), scheduled.rejected):
-            report = make_request_output(group)
-            if report is not None:
-                outputs.append(report)
-        return outputs
+        return [r for g in groups.values() if (r := make_request_output(g)) is not None]
 
     def _append(self, group: SequenceGroup, seq: Sequence, sampled: SampledSequence,
                 i: int) -> None:

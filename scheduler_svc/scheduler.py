@@ -78,6 +78,7 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
         self._step_id = 0
+        self._previous_step_id = 0  # the last plan sent in this epoch (0: none yet)
         # mirrors the workers must drop, sent with the next plan that goes out
         self._finished_seq_ids: list[int] = []
         self._preempted_seq_ids: list[int] = []
@@ -120,12 +121,28 @@ class Scheduler:
     def forget_worker_state(self, scheduler_epoch: int) -> None:
         """The workers lost their mirrors (ClearState after a failed step): resend everything."""
         self.scheduler_epoch = scheduler_epoch
+        self._previous_step_id = 0
         for queue in (self.running, self.swapped, self.waiting):
             for group in queue:
                 for seq in group.seqs:
                     seq.worker_block_ids = None
         self._finished_seq_ids.clear()
         self._preempted_seq_ids.clear()
+
+    def advance_in_flight(self, scheduled: SchedulerOutput) -> None:
+        """Count a step that is still running as done, so the next one can be scheduled now
+        (async scheduling): its tokens are computed, and each sequence it samples for ends in a
+        placeholder for the token (the worker appends the real one itself).
+        OutputProcessor.process(..., is_advanced=True) puts the real tokens in. Only for steps
+        where every sampling sequence samples one token: forks and beams need their outputs."""
+        for item in scheduled.scheduled:
+            seq = item.seq
+            if seq.is_finished:  # finished or aborted after the step was sent
+                continue
+            assert not item.samples or item.num_samples == 1, "forks and beams cannot run ahead"
+            seq.num_computed_tokens += item.num_scheduled_tokens
+            if item.samples:
+                seq.add_placeholder()
 
     # --- scheduling ---------------------------------------------------------------------------
 
@@ -385,15 +402,18 @@ class Scheduler:
                 or step.blocks_to_copy):
             return out
         new_seqs, running_seqs = sequence_deltas(
-            [(i.group, i.seq, i.num_scheduled_tokens, i.num_samples) for i in step.scheduled],
+            [(i.group, i.seq, i.num_scheduled_tokens, i.num_samples, i.samples)
+             for i in step.scheduled],
             self.block_manager)
         self._step_id += 1
         out.plan = StepPlan(
-            scheduler_epoch=self.scheduler_epoch, step_id=self._step_id, new_seqs=new_seqs,
+            scheduler_epoch=self.scheduler_epoch, step_id=self._step_id,
+            previous_step_id=self._previous_step_id, new_seqs=new_seqs,
             running_seqs=running_seqs, finished_seq_ids=self._finished_seq_ids,
             preempted_seq_ids=self._preempted_seq_ids,
             blocks_to_swap_out=step.blocks_to_swap_out, blocks_to_swap_in=step.blocks_to_swap_in,
             blocks_to_copy=step.blocks_to_copy)
+        self._previous_step_id = self._step_id
         self._finished_seq_ids = []
         self._preempted_seq_ids = []
         return out

@@ -4,6 +4,10 @@ A group runs a single sequence through its prompt; n > 1 / best_of and beam sear
 the prompt is done. Every sequence also remembers what the worker's mirror of it holds
 (`worker_block_ids`, `num_worker_tokens`), so the scheduler can send deltas instead of whole
 sequences (see services.step_plan).
+
+With async scheduling the next step is scheduled while the current one runs: a sequence the
+current step samples for then ends in a placeholder token (`has_placeholder`) until the step's
+output replaces it -- only between those two points, never between two engine steps.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class SequenceStatus(enum.Enum):
     def is_finished(self) -> bool:
         return self in _FINISH_REASONS
 
+
+PLACEHOLDER_TOKEN_ID = -1  # a token an in-flight step is sampling
 
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -67,6 +73,7 @@ class Sequence:
     num_worker_tokens: int = 0  # len(token_ids) the worker has seen
     num_emitted_tokens: int = 0  # output tokens already reported in a RequestOutput
     is_finish_reported: bool = False
+    has_placeholder: bool = False  # token_ids[-1] is PLACEHOLDER_TOKEN_ID
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -92,6 +99,18 @@ class Sequence:
     def is_known_to_worker(self) -> bool:
         return self.worker_block_ids is not None
 
+    def add_placeholder(self) -> None:
+        """Stand in for the token an in-flight step samples (async scheduling)."""
+        assert not self.has_placeholder, f"seq {self.seq_id} already has a placeholder"
+        self.token_ids.append(PLACEHOLDER_TOKEN_ID)
+        self.has_placeholder = True
+
+    def drop_placeholder(self) -> None:
+        """The step's output is here (or it failed): back to the known tokens."""
+        if self.has_placeholder:
+            self.token_ids.pop()
+            self.has_placeholder = False
+
     def append_token(self, token_id: int, logprob: float,
                      top_logprobs: list[TokenLogprob] | None = None) -> None:
         self.token_ids.append(token_id)
@@ -106,6 +125,7 @@ class Sequence:
 
     def fork(self, seq_id: int, index: int, seed: int | None) -> Sequence:
         """A child sharing everything computed so far (its blocks are forked by the caller)."""
+        assert not self.has_placeholder, "forks happen on known tokens only"
         return Sequence(
             seq_id=seq_id, token_ids=list(self.token_ids), prompt_len=self.prompt_len, index=index,
             seed=seed, status=self.status, num_computed_tokens=self.num_computed_tokens,

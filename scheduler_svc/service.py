@@ -9,11 +9,14 @@ its request's queue. With no work the loop sleeps on an asyncio.Event (no pollin
 operation wakes it. A Submit whose consumer goes away (client gone, deadline, gateway abort)
 queues an abort that runs before the next step, so its blocks are free by then.
 
-Tracing: every step is an "engine_step" span, current on the engine thread while it runs, so the
-worker calls (ExecuteStep, CLIENT spans) are its children. A step serves many requests, so it is
-drawn in the trace of one of them -- the oldest live request, as a child of its Submit span -- and
-links to the Submit spans of the others it ran. A lone request thus reads as one trace from the
-gateway down to the worker; in a batch, the other requests' steps are found through the links.
+Tracing: every step is an "engine_step" span (EngineService is the engine's StepObserver), from
+the moment it is sent to the workers until its outputs are processed -- with async scheduling,
+consecutive steps' spans overlap, as the steps do. The worker call (ExecuteStep, a CLIENT span)
+is its child. A step serves many requests, so it is drawn in the trace of one of them -- the
+oldest live request, as a child of its Submit span -- and links to the Submit spans of the others
+it ran. A lone request thus reads as one trace from the gateway down to the worker; in a batch,
+the other requests' steps are found through the links. When the last request finishes, the step
+already sent after it (async scheduling) is drained at once, so its span ends too.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -33,6 +36,7 @@ from opentelemetry.trace import SpanContext, Status, StatusCode
 from scheduler_svc.convert import SubmitRequest
 from scheduler_svc.engine_core import EngineCore, EngineLoad
 from scheduler_svc.outputs import RequestOutput
+from scheduler_svc.scheduler import SchedulerOutput
 from services.errors import NotFound, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -99,6 +103,8 @@ class EngineService:
         self._tracer = trace.get_tracer(__name__)
         # live requests' Submit spans, oldest first (only while tracing: else never valid)
         self._span_contexts: dict[str, SpanContext] = {}
+        self._num_preemptions = engine.scheduler.num_preemptions  # as of the last step sent
+        engine.step_observer = self
 
     @classmethod
     async def start(cls, build_engine: Callable[[], EngineCore]) -> EngineService:
@@ -195,62 +201,72 @@ class EngineService:
         while True:
             self._apply_pending()
             if not self.engine.has_unfinished_requests():
+                if self.engine.has_step_in_flight:
+                    await self._step(loop, self.engine.drain)
+                    continue
                 self._wakeup.clear()
                 if not self._pending:
                     await self._wakeup.wait()
                 continue
             self._load = self.engine.get_load()
-            parent = self._step_span_parent()
-            span = self._tracer.start_span(STEP_SPAN, context=_context_of(parent))
-            self._is_stepping = True
-            try:
-                outputs = await loop.run_in_executor(self._executor, self._step, span, parent)
-            except Exception as exc:  # EngineCore contains worker failures; this is a bug
-                logger.exception("engine step raised; failing every live request")
-                self._fail_all(exc)
-                continue
-            finally:
-                self._is_stepping = False
-            for output in outputs:
-                self._push(output)
+            await self._step(loop, self.engine.step)
+
+    async def _step(self, loop: asyncio.AbstractEventLoop,
+                    step: Callable[[], list[RequestOutput]]) -> None:
+        """`step` (engine.step or engine.drain) on the engine thread; its outputs to the
+        streams."""
+        self._is_stepping = True
+        try:
+            outputs = await loop.run_in_executor(self._executor, step)
+        except Exception as exc:  # EngineCore contains worker failures; this is a bug
+            logger.exception("engine step raised; failing every live request")
+            self._fail_all(exc)
+            return
+        finally:
+            self._is_stepping = False
+        for output in outputs:
+            self._push(output)
+
+    # --- step spans (StepObserver, called on the engine thread) -------------------------------
+
+    @contextlib.contextmanager
+    def step_sent(self, scheduled: SchedulerOutput) -> Iterator[trace.Span]:
+        """The step's span starts, current while the step is submitted to the workers. The
+        event loop changes the span contexts only between engine calls."""
+        parent = self._step_span_parent()
+        span = self._tracer.start_span(STEP_SPAN, context=_context_of(parent))
+        num_preemptions = self.engine.scheduler.num_preemptions
+        if span.is_recording():
+            span.set_attributes({
+                STEP_ID: scheduled.plan.step_id, NUM_SEQS: len(scheduled.scheduled),
+                NUM_SCHEDULED_TOKENS: scheduled.plan.num_scheduled_tokens,
+                NUM_PREEMPTED: num_preemptions - self._num_preemptions})
+            request_ids = dict.fromkeys(item.group.request_id for item in scheduled.scheduled)
+            for request_id in request_ids:
+                span_context = self._span_contexts.get(request_id)
+                if span_context is not None and span_context != parent:
+                    span.add_link(span_context)
+        self._num_preemptions = num_preemptions
+        with trace.use_span(span, end_on_exit=False):
+            yield span
+
+    def step_done(self, span: trace.Span, scheduled: SchedulerOutput,
+                  outputs: list[RequestOutput]) -> None:
+        """A failed step finishes the requests it ran with "error" (rejected ones are not its
+        own); the span ends."""
+        if span.is_recording():
+            request_ids = {item.group.request_id for item in scheduled.scheduled}
+            errors = [o.error for r in outputs if r.request_id in request_ids
+                      for o in r.outputs if o.finish_reason == "error"]
+            if errors:
+                span.set_status(Status(StatusCode.ERROR, errors[0]))
+        span.end()
 
     def _step_span_parent(self) -> SpanContext | None:
         """The Submit span of the oldest live request (forgetting those that ended)."""
         for request_id in [r for r in self._span_contexts if r not in self._streams]:
             del self._span_contexts[request_id]
         return next(iter(self._span_contexts.values()), None)
-
-    def _step(self, span: trace.Span, parent: SpanContext | None) -> list[RequestOutput]:
-        """engine.step on the engine thread, inside its span."""
-        num_preemptions = self.engine.scheduler.num_preemptions
-        with trace.use_span(span, end_on_exit=True):
-            outputs = self.engine.step()
-            if span.is_recording():
-                self._record_step(span, parent, outputs,
-                                  self.engine.scheduler.num_preemptions - num_preemptions)
-        return outputs
-
-    def _record_step(self, span: trace.Span, parent: SpanContext | None,
-                     outputs: list[RequestOutput], num_preempted: int) -> None:
-        """What the step ran; links to the Submit spans of its requests. On the engine thread:
-        the event loop changes the span contexts only between steps."""
-        scheduled = self.engine.last_scheduled
-        if scheduled is None:
-            return
-        span.set_attributes({NUM_SEQS: len(scheduled.scheduled), NUM_PREEMPTED: num_preempted})
-        if scheduled.plan is not None:
-            span.set_attributes({STEP_ID: scheduled.plan.step_id,
-                                 NUM_SCHEDULED_TOKENS: scheduled.plan.num_scheduled_tokens})
-        request_ids = dict.fromkeys(item.group.request_id for item in scheduled.scheduled)
-        for request_id in request_ids:
-            span_context = self._span_contexts.get(request_id)
-            if span_context is not None and span_context != parent:
-                span.add_link(span_context)
-        # a failed step finishes the requests it ran with "error" (rejected ones are not its own)
-        errors = [o.error for r in outputs if r.request_id in request_ids
-                  for o in r.outputs if o.finish_reason == "error"]
-        if errors:
-            span.set_status(Status(StatusCode.ERROR, errors[0]))
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []

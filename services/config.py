@@ -107,6 +107,8 @@ class SchedulerConfig:
         "auto", "auto = recompute single-sequence groups, swap multi-sequence groups")
     policy: Literal["fcfs", "priority"] = opt("fcfs", "queue order (priority: lower runs first)")
     watermark: float = opt(0.01, "fraction of device blocks kept free when admitting prompts")
+    async_scheduling: bool = opt(True, "schedule and send step n+1 while step n runs, so the "
+                                 "workers never wait for the scheduler")
 
     def __post_init__(self) -> None:
         _check_choices(self)

@@ -31,3 +31,9 @@ class Unavailable(PagedServeError):
 
 class StaleEpoch(PagedServeError):
     """A step from an older scheduler epoch (→ FAILED_PRECONDITION)."""
+
+
+class StepOutOfOrder(StaleEpoch):
+    """A step whose predecessor (previous_step_id) did not run, or failed, on this worker: like a
+    stale epoch, the worker's state is not what the scheduler thinks, and ClearState resyncs it
+    (→ FAILED_PRECONDITION)."""

@@ -4,9 +4,14 @@ and StepResult (the seeds' SchedulerOutputs, sent as deltas).
 The worker keeps a mirror of every sequence it has been told about, keyed by `seq_id`:
 - a sequence is sent whole once (`NewSequence`): when first scheduled, after a preemption (swap or
   recompute; the worker forgot it), or when forked from a parent (n > 1, beam search);
-- afterwards only its delta (`RunningSequence`): tokens appended since the last step, block-table
-  changes, and how many tokens to compute now;
+- afterwards only its delta (`RunningSequence`): tokens the scheduler appended since the last
+  step, block-table changes, and how many tokens to compute now;
 - `finished_seq_ids` / `preempted_seq_ids` drop mirrors.
+A sequence that samples exactly one token (`num_samples == 1`) gets it appended to its mirror by
+the worker itself, so a plain decode's delta carries no tokens; tokens the scheduler chose (best_of
+forks, beam search) travel in `new_token_ids`. That is also what lets the scheduler send step n+1
+before step n's output is back (async scheduling): steps chain through `previous_step_id`, and the
+worker runs them strictly in that order.
 
 Per step the worker: swaps out, swaps in, copies blocks (in that order), applies the deltas, builds
 the flattened batch (prefill chunks first, then decodes), runs the model, and samples for every
@@ -38,7 +43,8 @@ class NewSequence:
 @dataclass(frozen=True, slots=True)
 class RunningSequence:
     seq_id: int
-    new_token_ids: list[int]  # tokens the scheduler appended since the sequence last ran
+    new_token_ids: list[int]  # tokens the scheduler appended since the sequence last ran (not
+    #                           the ones the worker sampled and appended itself)
     block_ids_start: int  # block_table[block_ids_start:] = block_ids (append, or copy-on-write)
     block_ids: list[int]
     num_scheduled_tokens: int
@@ -58,6 +64,7 @@ class StepPlan:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (device, device)
+    previous_step_id: int = 0  # the step that runs right before this one; 0 = first of the epoch
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -2,7 +2,8 @@
 calls (scheduler_svc/engine_core.py), so the engine drives remote workers exactly as it drives
 in-process ones.
 
-The calls are synchronous: EngineCore runs on the scheduler's engine thread. Every call carries
+The calls are synchronous -- EngineCore runs on the scheduler's engine thread -- except
+submit_step, which returns at once with a future (async scheduling). Every call carries
 a deadline (startup_timeout_s for the handshake, step_timeout_s for the rest); a worker that is
 gone or misses its deadline raises Unavailable, so a step fails fast instead of hanging. The
 handshake waits for the worker to come up (wait_for_ready), so the scheduler may start first.
@@ -95,8 +96,12 @@ class GrpcWorker:
     # --- steps ----------------------------------------------------------------------------------
 
     def execute_step(self, plan: StepPlan) -> StepOutput:
-        return step_output_from_proto(
-            self._call("ExecuteStep", step_plan_to_proto(plan), self.step_timeout_s))
+        return self.submit_step(plan).result()
+
+    def submit_step(self, plan: StepPlan) -> PendingStep:
+        """Send the step now; its result (or error) comes from the returned future."""
+        call = self._stub.ExecuteStep.future(step_plan_to_proto(plan), timeout=self.step_timeout_s)
+        return PendingStep(call, self.address)
 
     def swap_blocks(self, pairs: list[tuple[int, int]], direction: str,
                     scheduler_epoch: int) -> None:
@@ -117,6 +122,21 @@ class GrpcWorker:
                               self.step_timeout_s)
         logger.info("worker %s cleared %d sequences (epoch %d)", self.address,
                     response.num_cleared_seqs, scheduler_epoch)
+
+
+class PendingStep:
+    """An ExecuteStep in flight; `result()` has the concurrent.futures.Future signature."""
+
+    def __init__(self, call: grpc.Future, address: str) -> None:
+        self._call = call
+        self._address = address
+
+    def result(self, timeout: float | None = None) -> StepOutput:
+        try:
+            response = self._call.result(timeout)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e, f"worker {self._address} ExecuteStep") from e
+        return step_output_from_proto(response)
 
 
 _DIRECTIONS = {"in": worker_pb2.SwapBlocksRequest.DIRECTION_IN,

@@ -81,6 +81,7 @@ def running_sequence_from_proto(msg: worker_pb2.RunningSequence) -> RunningSeque
 def step_plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
     msg = worker_pb2.StepRequest(
         scheduler_epoch=plan.scheduler_epoch, step_id=plan.step_id,
+        previous_step_id=plan.previous_step_id,
         new_seqs=[new_sequence_to_proto(s) for s in plan.new_seqs],
         running_seqs=[running_sequence_to_proto(s) for s in plan.running_seqs],
         finished_seq_ids=plan.finished_seq_ids, preempted_seq_ids=plan.preempted_seq_ids)
@@ -94,6 +95,7 @@ def step_plan_from_proto(msg: worker_pb2.StepRequest) -> StepPlan:
     """Raises InvalidRequest for a malformed request (bad sampling params, unpaired block ids)."""
     return StepPlan(
         scheduler_epoch=msg.scheduler_epoch, step_id=msg.step_id,
+        previous_step_id=msg.previous_step_id,
         new_seqs=[new_sequence_from_proto(s) for s in msg.new_seqs],
         running_seqs=[running_sequence_from_proto(s) for s in msg.running_seqs],
         finished_seq_ids=list(msg.finished_seq_ids),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from services.errors import InvalidRequest, NotFound
 from services.sampling_params import SamplingParams
-from services.step_plan import NewSequence, RunningSequence, StepPlan
+from services.step_plan import NewSequence, RunningSequence, SampledSequence, StepPlan
 
 
 @dataclass(slots=True)
@@ -71,11 +71,17 @@ class InputBatch:
         return ([s for s in scheduled if s.is_prefill]
                 + [s for s in scheduled if not s.is_prefill])
 
-    def advance(self, scheduled: list[CachedSequence]) -> None:
-        """After the forward: this step's tokens now have KV in the cache."""
+    def advance(self, scheduled: list[CachedSequence], sampled: list[SampledSequence]) -> None:
+        """After the forward: this step's tokens now have KV in the cache, and a sequence that
+        sampled exactly one token has it appended (the scheduler counts on it, see
+        services.step_plan); several samples (forks, beams) wait for the scheduler's choice."""
         for seq in scheduled:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
+        for out in sampled:
+            seq = self.seqs[out.seq_id]
+            if seq.num_samples == 1 and len(out.token_ids) == 1:
+                seq.token_ids.append(out.token_ids[0])
 
     def _add(self, new: NewSequence) -> CachedSequence:
         # a sequence sent whole replaces whatever the worker knew of it

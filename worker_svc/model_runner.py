@@ -57,7 +57,7 @@ class ModelRunner:
         self._sync()
         t3 = time.perf_counter_ns()
         outputs = self._sample(model_input, logits)
-        self.input_batch.advance(scheduled)
+        self.input_batch.advance(scheduled, outputs)
         t4 = time.perf_counter_ns()
         return StepOutput(step_id=plan.step_id, outputs=outputs, timings=StepTimings(
             cache_ops_ns=t1 - t0, prepare_ns=t2 - t1, forward_ns=t3 - t2, sample_ns=t4 - t3))

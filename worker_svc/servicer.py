@@ -3,6 +3,8 @@
 Every model call (load, profile, steps, cache ops) runs on ONE dedicated thread, in order: the
 model and its KV cache are not thread-safe, and the event loop stays free to answer health
 checks while a step runs. Health is NOT_SERVING until a model is loaded and its cache allocated.
+With async scheduling the scheduler sends step n+1 while step n runs; ExecuteStep hands steps to
+the model thread in their previous_step_id order, whichever RPC arrived first.
 
 The model is loaded at startup from the worker's own flags (`load()`), so the scheduler's
 LoadModel -- whose empty or zero fields keep those flags -- is instant unless it asks for
@@ -22,7 +24,7 @@ import grpc
 
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.config import EngineConfig, WorkerServiceConfig
-from services.errors import InvalidRequest, StaleEpoch, Unavailable
+from services.errors import InvalidRequest, StaleEpoch, StepOutOfOrder, Unavailable
 from services.server import ServiceBinding, ServiceServer, create_server
 from services.status import map_errors
 from services.step_plan import WorkerInfo
@@ -38,6 +40,7 @@ from worker_svc.worker import Worker
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+STEP_ORDER_WAIT_S = 60.0  # how long a step waits for its predecessor's RPC to arrive
 _DIRECTIONS = {worker_pb2.SwapBlocksRequest.DIRECTION_IN: "in",
                worker_pb2.SwapBlocksRequest.DIRECTION_OUT: "out"}
 
@@ -80,6 +83,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="worker-model")
         self._worker: Worker | None = None
         self._load_lock = asyncio.Lock()  # LoadModel during the startup load waits for it
+        self._step_order = asyncio.Condition()
+        self._submitted_step_id = 0  # the last step handed to the model thread in this epoch
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -159,6 +164,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         await self._set_ready(False)
         await self._run(worker.init_cache, request.num_gpu_blocks, request.num_cpu_blocks,
                         request.scheduler_epoch)
+        self._submitted_step_id = 0
         await self._set_ready(True)
         logger.info("KV cache: %d device and %d CPU blocks (scheduler epoch %d)",
                     request.num_gpu_blocks, request.num_cpu_blocks, request.scheduler_epoch)
@@ -175,7 +181,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                           context: grpc.aio.ServicerContext) -> worker_pb2.StepResult:
         worker = self._loaded()
         plan = step_plan_from_proto(request)
-        return step_output_to_proto(await self._run(worker.execute_step, plan))
+        async with self._step_order:
+            try:
+                await asyncio.wait_for(self._step_order.wait_for(
+                    lambda: plan.previous_step_id <= self._submitted_step_id
+                    or plan.scheduler_epoch != worker.scheduler_epoch),  # refused right away
+                    STEP_ORDER_WAIT_S)
+            except TimeoutError:
+                raise StepOutOfOrder(
+                    f"step {plan.step_id} waited {STEP_ORDER_WAIT_S:.0f} s for step "
+                    f"{plan.previous_step_id}, which never came") from None
+            running = asyncio.get_running_loop().run_in_executor(  # queued on the model thread now
+                self._executor, worker.execute_step, plan)
+            self._submitted_step_id = plan.step_id
+            self._step_order.notify_all()
+        return step_output_to_proto(await running)
 
     @map_errors
     async def SwapBlocks(self, request: worker_pb2.SwapBlocksRequest,
@@ -217,7 +237,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             worker.clear_state(request.scheduler_epoch)
             return num_seqs
 
-        return worker_pb2.ClearStateResponse(num_cleared_seqs=await self._run(clear))
+        num_cleared_seqs = await self._run(clear)
+        self._submitted_step_id = 0
+        return worker_pb2.ClearStateResponse(num_cleared_seqs=num_cleared_seqs)
 
 
 def create_worker_server(config: EngineConfig, service: WorkerServiceConfig

@@ -2,14 +2,17 @@
 (in process directly, or through the gRPC servicer, which wraps these methods 1:1).
 
 Lifecycle: Worker(config) → load_model() → profile_memory() → init_cache(...) → warm_up() →
-execute_step(plan) per engine step. `clear_state(epoch)` forgets every sequence (a new scheduler
-took over); steps from an older epoch are refused with StaleEpoch.
+execute_step(plan) per engine step (or submit_step, which runs it on the worker's step thread, so
+the caller can schedule the next step meanwhile). `clear_state(epoch)` forgets every sequence (a
+new scheduler took over); steps from an older epoch are refused with StaleEpoch, steps out of
+their previous_step_id order or after a failed step with StepOutOfOrder.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 from typing import Literal
 
@@ -17,7 +20,7 @@ import torch
 
 from kernels.backend import get_backend, resolve_backend_name
 from services.config import EngineConfig
-from services.errors import ConfigError, InvalidRequest, StaleEpoch, Unavailable
+from services.errors import ConfigError, InvalidRequest, StaleEpoch, StepOutOfOrder, Unavailable
 from services.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
 from worker_svc.cache_engine import CacheEngine, KVCacheSpec, allocate_kv_caches
 from worker_svc.cuda_graphs import (
@@ -67,6 +70,9 @@ class Worker:
         if config.device.num_threads > 0:
             torch.set_num_threads(config.device.num_threads)
         self.scheduler_epoch = 0
+        self.last_step_id = 0  # the step that ran last in this epoch (0: none yet)
+        self.last_step_failed = False
+        self._step_thread: ThreadPoolExecutor | None = None  # submit_step's, made on first use
         self.info: WorkerInfo | None = None
         self.runner: ModelRunner | None = None
         self.cache_engine: CacheEngine | None = None
@@ -130,8 +136,7 @@ class Worker:
         gc.collect()
         self.cache_engine = CacheEngine(self.kv_spec, num_gpu_blocks, num_cpu_blocks, self.device,
                                         self.backend)
-        self.scheduler_epoch = scheduler_epoch
-        runner.input_batch.clear()
+        self._reset_steps(scheduler_epoch)
 
     def warm_up(self, batch_sizes: list[int] | None = None) -> int:
         """One small prefill and decode-sized forward, so the first real step pays no one-time
@@ -166,15 +171,33 @@ class Worker:
     def execute_step(self, plan: StepPlan) -> StepOutput:
         """Run one StepPlan (see services.step_plan for the protocol).
 
-        A step that raises may leave the mirror half-updated: the scheduler then calls
-        clear_state and resends its sequences as new (the KV blocks are still valid).
+        A step that raises may leave the mirror half-updated, so the steps after it are refused
+        until the scheduler calls clear_state and resends its sequences as new (the KV blocks are
+        still valid).
         """
         runner = self._runner()
         cache_engine = self._cache_engine()
         if plan.scheduler_epoch != self.scheduler_epoch:
             raise StaleEpoch(f"step {plan.step_id} has scheduler_epoch={plan.scheduler_epoch}, "
                              f"the worker serves epoch {self.scheduler_epoch}")
-        return runner.execute_step(plan, cache_engine)
+        if plan.previous_step_id != self.last_step_id:
+            raise StepOutOfOrder(f"step {plan.step_id} must follow step {plan.previous_step_id}, "
+                                 f"but the worker's last step is {self.last_step_id}")
+        if self.last_step_failed:
+            raise StepOutOfOrder(f"step {plan.step_id} follows step {plan.previous_step_id}, "
+                                 "which failed; ClearState first")
+        self.last_step_id = plan.step_id
+        try:
+            return runner.execute_step(plan, cache_engine)
+        except BaseException:
+            self.last_step_failed = True
+            raise
+
+    def submit_step(self, plan: StepPlan) -> Future[StepOutput]:
+        """execute_step on the worker's step thread; steps submitted in order run in order."""
+        if self._step_thread is None:
+            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="worker-step")
+        return self._step_thread.submit(self.execute_step, plan)
 
     def swap_blocks(self, pairs: list[tuple[int, int]], direction: Literal["in", "out"]) -> None:
         """direction "out": (device, cpu) pairs; "in": (cpu, device) pairs."""
@@ -192,12 +215,18 @@ class Worker:
     def clear_state(self, scheduler_epoch: int) -> None:
         """Forget every sequence and serve `scheduler_epoch` from now on (KV blocks stay; the
         new scheduler resends its sequences as new)."""
-        runner = self._runner()
+        self._runner()
         self._check_epoch(scheduler_epoch, "clear_state")
-        self.scheduler_epoch = scheduler_epoch
-        runner.input_batch.clear()
+        self._reset_steps(scheduler_epoch)
 
     # --- helpers ------------------------------------------------------------------------------
+
+    def _reset_steps(self, scheduler_epoch: int) -> None:
+        """A new epoch: no sequences, and the next step is the first."""
+        self.scheduler_epoch = scheduler_epoch
+        self.last_step_id = 0
+        self.last_step_failed = False
+        self._runner().input_batch.clear()
 
     def _graph_batch_sizes(self) -> list[int]:
         """The decode buckets to capture: none off CUDA, with enable_cuda_graph off, or with a

@@ -46,10 +46,10 @@ def _without_timings(output: StepOutput) -> StepOutput:
 
 def _plans() -> list[StepPlan]:
     """A greedy sequence with top-3 logprobs and a seeded random one with prompt logprobs:
-    prefill, then decode steps (the tokens fed back are filled in by the test)."""
+    prefill, then decode steps (the worker appends the tokens it samples itself)."""
     greedy = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
     seeded = SamplingParams(temperature=0.9, top_k=20, seed=5, max_tokens=8, prompt_logprobs=2)
-    return [StepPlan(scheduler_epoch=EPOCH, step_id=0, new_seqs=[
+    return [StepPlan(scheduler_epoch=EPOCH, step_id=1, new_seqs=[
         NewSequence(seq_id=0, request_id="a", token_ids=[1, 17, 33, 99, 5], prompt_len=5,
                     block_ids=[0], num_computed_tokens=0, num_scheduled_tokens=5,
                     sampling=greedy),
@@ -58,10 +58,12 @@ def _plans() -> list[StepPlan]:
                     sampling=seeded, seed=1234)])]
 
 
-def _decode(step_id: int, last: StepOutput) -> StepPlan:
-    return StepPlan(scheduler_epoch=EPOCH, step_id=step_id, running_seqs=[
-        RunningSequence(seq_id=s.seq_id, new_token_ids=list(s.token_ids), block_ids_start=1,
-                        block_ids=[], num_scheduled_tokens=1) for s in last.outputs])
+def _decode(last: StepOutput, epoch: int = EPOCH) -> StepPlan:
+    """The step after `last`: every sequence decodes the token it just sampled."""
+    return StepPlan(scheduler_epoch=epoch, step_id=last.step_id + 1, previous_step_id=last.step_id,
+                    running_seqs=[RunningSequence(seq_id=s.seq_id, new_token_ids=[],
+                                                  block_ids_start=1, block_ids=[],
+                                                  num_scheduled_tokens=1) for s in last.outputs])
 
 
 @pytest.fixture(scope="module")
@@ -97,12 +99,12 @@ def test_execute_step_over_grpc_equals_in_process(served_worker):
 
     plan = _plans()[0]
     greedy_tokens = []
-    for step_id in range(1, 5):
+    for _ in range(4):
         remote, expected = client.execute_step(plan), local.execute_step(plan)
         assert _without_timings(remote) == _without_timings(expected)
         assert [len(s.token_ids) for s in remote.outputs] == [1, 1]
         greedy_tokens += remote.outputs[0].token_ids
-        plan = _decode(step_id, remote)
+        plan = _decode(remote)
 
     # Copy and swaps travel too: block 0 (sequence 0's KV) is copied to 5, swapped out to CPU
     # block 2 and back in to 6. A sequence resumed on block 6 remotely must sample what one
@@ -117,7 +119,7 @@ def test_execute_step_over_grpc_equals_in_process(served_worker):
         seq = dataclasses.replace(first, seq_id=10, token_ids=token_ids, block_ids=[block_id],
                                   num_computed_tokens=len(token_ids) - 1,
                                   num_scheduled_tokens=1)
-        return StepPlan(scheduler_epoch=EPOCH, step_id=9, new_seqs=[seq])
+        return StepPlan(scheduler_epoch=EPOCH, step_id=5, previous_step_id=4, new_seqs=[seq])
 
     resumed = client.execute_step(resume(6))
     assert _without_timings(resumed) == _without_timings(local.execute_step(resume(0)))
@@ -141,6 +143,27 @@ def test_stale_epochs_and_bad_pairs_are_refused(served_worker):
     with pytest.raises(InvalidRequest, match="block_size=32"):
         mismatched.profile_memory()
     mismatched.close()
+
+
+def test_steps_that_arrive_out_of_order_run_in_previous_step_id_order(served_worker):
+    """Async scheduling sends step n+1 while step n runs; the servicer runs them in order even
+    if n+1's RPC comes first."""
+    config, _, client = served_worker
+    epoch = EPOCH + 10
+    client.load_model()
+    client.init_cache(32, 8, epoch)
+    local = Worker(config)
+    local.load_model()
+    local.init_cache(32, 8, epoch)
+    first = dataclasses.replace(_plans()[0], scheduler_epoch=epoch)
+    expected_first = local.execute_step(first)
+    second = _decode(expected_first, epoch)
+    expected_second = local.execute_step(second)
+    later = client.submit_step(second)
+    time.sleep(0.2)  # its RPC is in and waits for step 1
+    earlier = client.submit_step(first)
+    assert _without_timings(earlier.result()) == _without_timings(expected_first)
+    assert _without_timings(later.result()) == _without_timings(expected_second)
 
 
 def test_a_dead_worker_is_unavailable_at_once(tiny_model_dir):

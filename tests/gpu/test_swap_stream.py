@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from services.step_plan import StepPlan
 from tests.gpu.gpu_worker import cuda_worker, prompt
 from tests.integration.worker_driver import Driver
 
@@ -76,20 +75,17 @@ def test_preempted_sequence_resumes_exactly_after_swap(tiny_model_dir, enable_cu
     num_cached = seq.num_computed_tokens
     saved = _blocks(driver.worker, old_blocks, num_cached)
     cpu_blocks = list(range(3, 3 + len(old_blocks)))
-    driver.worker.execute_step(StepPlan(
-        scheduler_epoch=1, step_id=100, preempted_seq_ids=[0],
-        blocks_to_swap_out=list(zip(old_blocks, cpu_blocks, strict=True))))
+    driver.run(driver.plan({}, preempted_seq_ids=[0],
+                           blocks_to_swap_out=list(zip(old_blocks, cpu_blocks, strict=True))))
     other = driver.add(1, prompt(1, 8 * len(old_blocks)))
     other.block_ids = list(old_blocks)
     driver.step({1: len(other.token_ids)})
     new_blocks = [driver.free_blocks.pop() for _ in old_blocks]
     seq.block_ids, seq.is_known, seq.num_sent_blocks = new_blocks, False, 0
     plan = driver.plan({0: 1}, blocks_to_swap_in=list(zip(cpu_blocks, new_blocks, strict=True)))
-    output = driver.worker.execute_step(plan)
+    driver.run(plan)
     for before, after in zip(saved, _blocks(driver.worker, new_blocks, num_cached), strict=True):
         assert torch.equal(after, before)
-    seq.num_computed_tokens += 1
-    seq.token_ids.extend(output.outputs[0].token_ids)
     driver.run_to_length([0], len(first) + 24)
     assert seq.token_ids == reference.seqs[0].token_ids
     if enable_cuda_graph:

@@ -1,6 +1,6 @@
 """The in-process engine with real workers on a tiny random-weight model: a request's greedy
-output does not depend on preemption, prefix caching or chunked prefill, and every block is free
-at the end."""
+output does not depend on preemption, prefix caching, chunked prefill or async scheduling (on by
+default; the reference runs without it), and every block is free at the end."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def llama_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def reference(llama_dir):
-    """Greedy outputs with a pool large enough that nothing is preempted."""
-    engine = make_engine(llama_dir)
+    """Greedy outputs with a pool large enough that nothing is preempted, one step at a time."""
+    engine = make_engine(llama_dir, async_scheduling=False)
     out = generate(engine, prompts(0, [13, 29, 7, 21]))
     assert all(len(tokens) == GREEDY.max_tokens for tokens in out.values())
     assert engine.get_load().num_preemptions == 0
@@ -65,10 +65,13 @@ def reference(llama_dir):
     return out
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_preemption_does_not_change_greedy_output(llama_dir, reference, preemption_mode):
+def test_preemption_does_not_change_greedy_output(llama_dir, reference, preemption_mode,
+                                                  async_scheduling):
     # 4 sequences of up to 53 tokens need 26 blocks of 8; 12 force preemptions
-    engine = make_engine(llama_dir, num_gpu_blocks_override=12, preemption_mode=preemption_mode)
+    engine = make_engine(llama_dir, num_gpu_blocks_override=12, preemption_mode=preemption_mode,
+                         async_scheduling=async_scheduling)
     assert generate(engine, prompts(0, [13, 29, 7, 21])) == reference
     assert engine.get_load().num_preemptions > 0
     assert_all_blocks_free(engine)
@@ -137,7 +140,7 @@ def test_prompt_larger_than_the_whole_cache_is_rejected_up_front(llama_dir):
 
 
 class FlakyWorker:
-    """A real worker whose execute_step fails once, on the step chosen by the test."""
+    """A real worker whose step fails once, on the step chosen by the test."""
 
     def __init__(self, worker, fail_on_step: int) -> None:
         self.worker = worker
@@ -146,14 +149,16 @@ class FlakyWorker:
     def __getattr__(self, name):
         return getattr(self.worker, name)
 
-    def execute_step(self, plan):
+    def submit_step(self, plan):
         if plan.step_id == self.fail_on_step:
             raise RuntimeError("device lost")
-        return self.worker.execute_step(plan)
+        return self.worker.submit_step(plan)
 
 
-def test_a_failed_step_errors_its_requests_and_the_engine_keeps_serving(llama_dir, reference):
-    engine = make_engine(llama_dir)
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_failed_step_errors_its_requests_and_the_engine_keeps_serving(llama_dir, reference,
+                                                                        async_scheduling):
+    engine = make_engine(llama_dir, async_scheduling=async_scheduling)
     core = engine.core
     core.workers = [FlakyWorker(core.workers[0], fail_on_step=core.scheduler._step_id + 3)]
     engine.add_request("victim", prompts(0, [13])[0], GREEDY)
@@ -184,10 +189,13 @@ def all_outputs(engine: LLMEngine, prompt_ids: list[list[int]],
     for i, ids in enumerate(prompt_ids):
         engine.add_request(f"r{i}", ids, sampling)
     tokens: dict[str, dict[int, list[int]]] = {f"r{i}": {} for i in range(len(prompt_ids))}
-    while engine.has_unfinished_requests():
+    for _ in range(1000):
+        if not engine.has_unfinished_requests():
+            break
         for report in engine.step():
             for out in report.outputs:
                 tokens[report.request_id].setdefault(out.index, []).extend(out.token_ids)
+    assert not engine.has_unfinished_requests()
     return {rid: [by_index[i] for i in sorted(by_index)] for rid, by_index in tokens.items()}
 
 
@@ -203,4 +211,83 @@ def test_forked_groups_do_not_depend_on_preemption(llama_dir, sampling, preempti
     engine = make_engine(llama_dir, num_gpu_blocks_override=14, preemption_mode=preemption_mode)
     assert all_outputs(engine, batch, sampling) == expected
     assert engine.get_load().num_preemptions > 0
+    assert_all_blocks_free(engine)
+
+
+class RecordingWorker:
+    """A real worker that logs when each step is submitted and when its result is taken."""
+
+    def __init__(self, worker, log: list[tuple[str, int]]) -> None:
+        self.worker = worker
+        self.log = log
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def submit_step(self, plan):
+        self.log.append(("submit", plan.step_id))
+        future = self.worker.submit_step(plan)
+        log = self.log
+
+        class Logged:
+            def result(self, timeout=None):
+                log.append(("result", plan.step_id))
+                return future.result(timeout)
+
+        return Logged()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_async_scheduling_sends_the_next_step_before_taking_a_result(llama_dir,
+                                                                     async_scheduling):
+    engine = make_engine(llama_dir, async_scheduling=async_scheduling)
+    log: list[tuple[str, int]] = []
+    engine.core.workers = [RecordingWorker(engine.core.workers[0], log)]
+    generate(engine, prompts(0, [13, 29]))
+    decode_steps = [step_id for event, step_id in log if event == "result"][1:-1]
+    for n in decode_steps:
+        submitted_next, taken = log.index(("submit", n + 1)), log.index(("result", n))
+        assert (submitted_next < taken) == async_scheduling, log
+
+
+STOPPING = SamplingParams(temperature=1.0, seed=11, max_tokens=24,
+                          stop_token_ids=list(range(3, 256, 9)))  # sequences end at random steps
+
+
+@pytest.mark.parametrize("sampling", [
+    STOPPING,
+    SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=16,
+                   stop_token_ids=list(range(3, 256, 9))),
+    SamplingParams(n=1, best_of=3, temperature=1.0, seed=4, max_tokens=10),
+    SamplingParams(n=2, best_of=2, use_beam_search=True, temperature=0.0, max_tokens=10),
+    SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, prompt_logprobs=1),
+], ids=["stop_tokens", "n3", "best_of3", "beam2", "logprobs"])
+def test_async_scheduling_matches_one_step_at_a_time(llama_dir, sampling):
+    batch = prompts(4, [11, 19, 6, 25])
+    sync = make_engine(llama_dir, async_scheduling=False, max_num_batched_tokens=16)
+    expected = all_outputs(sync, batch, sampling)
+    engine = make_engine(llama_dir, max_num_batched_tokens=16, num_gpu_blocks_override=16)
+    assert all_outputs(engine, batch, sampling) == expected
+    assert_all_blocks_free(engine)
+
+
+def test_aborts_and_stops_between_async_steps_drop_the_in_flight_results(llama_dir):
+    engine = make_engine(llama_dir)
+    for i, ids in enumerate(prompts(5, [9, 14, 20])):
+        engine.add_request(f"r{i}", ids, GREEDY)
+    tokens = {"r0": []}
+    for _ in range(4):
+        for report in engine.step():
+            tokens[report.request_id] = tokens.get(report.request_id, []) + (
+                report.outputs[0].token_ids)
+    assert engine.core._in_flight is not None  # r0..r2's next step is running
+    aborted = engine.abort_request("r1")
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    stopped = engine.core.stop_sequence("r2", 0)
+    assert stopped is not None and stopped.outputs[0].finish_reason == "stop"
+    while engine.has_unfinished_requests():
+        for report in engine.step():
+            assert report.request_id == "r0", report
+            tokens["r0"] += report.outputs[0].token_ids
+    assert len(tokens["r0"]) == GREEDY.max_tokens
     assert_all_blocks_free(engine)

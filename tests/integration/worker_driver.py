@@ -108,16 +108,24 @@ class Driver:
             seq.num_sent_tokens = len(seq.token_ids)
             seq.num_sent_blocks = len(seq.block_ids)
         self.step_id += 1
-        return StepPlan(scheduler_epoch=self.epoch, step_id=self.step_id, new_seqs=new_seqs,
+        return StepPlan(scheduler_epoch=self.epoch, step_id=self.step_id,
+                        previous_step_id=self.step_id - 1, new_seqs=new_seqs,
                         running_seqs=running, **extra)
 
     def step(self, schedule: dict[int, int], **extra) -> StepOutput:
-        output = self.worker.execute_step(self.plan(schedule, **extra))
-        for seq_id, num_tokens in schedule.items():
-            self.seqs[seq_id].num_computed_tokens += num_tokens
+        return self.run(self.plan(schedule, **extra))
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        """Execute a plan (from `plan`, possibly edited) and take in its outputs."""
+        output = self.worker.execute_step(plan)
+        for scheduled in (*plan.new_seqs, *plan.running_seqs):
+            if scheduled.seq_id in self.seqs:
+                self.seqs[scheduled.seq_id].num_computed_tokens += scheduled.num_scheduled_tokens
         for out in output.outputs:
             seq = self.seqs[out.seq_id]
             seq.token_ids.extend(out.token_ids)
+            if len(out.token_ids) == 1:
+                seq.num_sent_tokens += 1  # the worker appended its own sample
             seq.prompt_logprobs.extend(out.prompt_logprobs)
         return output
 

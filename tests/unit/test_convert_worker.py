@@ -57,6 +57,7 @@ PLAN = StepPlan(
     blocks_to_swap_out=[(1, 100), (2, 101)],
     blocks_to_swap_in=[(102, 7)],
     blocks_to_copy=[(8, 9), (8, 10), (3, 4)],
+    previous_step_id=BIG + 16,
 )
 
 OUTPUT = StepOutput(

@@ -6,6 +6,7 @@ import itertools
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.output_processor import OutputProcessor
+from scheduler_svc.outputs import make_request_output
 from scheduler_svc.scheduler import Scheduler, SchedulerOutput
 from scheduler_svc.sequence import SequenceGroup
 from services.config import SchedulerConfig
@@ -54,8 +55,8 @@ class Harness:
                 lps = (logprobs or {}).get(sid, [-0.1 * (i + 1) for i in range(len(ids))])
                 samples.append(SampledSequence(seq_id=sid, token_ids=ids, logprobs=lps))
         step_id = out.plan.step_id if out.plan else 0
-        reports = self.processor.process(out, StepOutput(step_id=step_id, outputs=samples))
-        return out, reports
+        rejected = [r for g in out.rejected if (r := make_request_output(g)) is not None]
+        return out, rejected + self.processor.process(out, StepOutput(step_id, samples))
 
     def run_to_end(self, max_steps: int = 200) -> list:
         reports = []
@@ -114,7 +115,7 @@ def test_decodes_run_before_prefill_chunks():
     assert scheduled_ids(out) == ["a", "b"]
     assert [i.num_scheduled_tokens for i in out.scheduled] == [1, 5]
     decode, = out.plan.running_seqs
-    assert decode.new_token_ids == [10] and decode.num_scheduled_tokens == 1
+    assert decode.new_token_ids == [] and decode.num_scheduled_tokens == 1  # the worker has 10
 
 
 def test_without_chunked_prefill_a_step_is_all_prompts_or_all_decodes():

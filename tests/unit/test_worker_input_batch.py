@@ -7,7 +7,7 @@ import torch
 
 from services.errors import InvalidRequest, NotFound
 from services.sampling_params import SamplingParams
-from services.step_plan import NewSequence, RunningSequence, StepPlan
+from services.step_plan import NewSequence, RunningSequence, SampledSequence, StepPlan
 from worker_svc.input_batch import InputBatch
 from worker_svc.model_input import build_model_input
 
@@ -24,16 +24,20 @@ def _new(seq_id: int, token_ids: list[int], block_ids: list[int], num_computed: 
 
 def test_deltas_update_tokens_and_block_tables():
     batch = InputBatch(block_size=4, max_model_len=64)
-    batch.apply(StepPlan(1, 1, new_seqs=[_new(0, [1, 2, 3, 4, 5], [7, 8], 0, 5),
-                                         _new(1, [9, 9], [3], 0, 2)]))
-    batch.advance(list(batch.seqs.values()))
+    scheduled = batch.apply(StepPlan(1, 1, new_seqs=[_new(0, [1, 2, 3, 4, 5], [7, 8], 0, 5),
+                                                     _new(1, [9, 9], [3], 0, 2, num_samples=2)]))
+    # one sample: the worker appends it itself; two (a fork): the scheduler sends its choice
+    batch.advance(scheduled, [SampledSequence(0, [6], [-0.1]),
+                              SampledSequence(1, [4, 5], [-0.2, -0.3])])
+    assert batch.seqs[0].token_ids == [1, 2, 3, 4, 5, 6] and batch.seqs[1].token_ids == [9, 9]
     scheduled = batch.apply(StepPlan(1, 2, running_seqs=[
-        RunningSequence(0, new_token_ids=[6], block_ids_start=2, block_ids=[],
+        RunningSequence(0, new_token_ids=[], block_ids_start=2, block_ids=[],
                         num_scheduled_tokens=1),
         RunningSequence(1, new_token_ids=[4], block_ids_start=0, block_ids=[11],
                         num_scheduled_tokens=1)]))
     seq0, seq1 = batch.seqs[0], batch.seqs[1]
     assert seq0.token_ids == [1, 2, 3, 4, 5, 6] and seq0.block_table == [7, 8]
+    assert seq1.token_ids == [9, 9, 4]
     assert seq1.block_table == [11]  # copy-on-write replaced block 0 of the table
     assert [s.num_scheduled_tokens for s in scheduled] == [1, 1]
     batch.apply(StepPlan(1, 3, finished_seq_ids=[0], preempted_seq_ids=[1, 42]))

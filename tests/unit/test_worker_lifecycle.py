@@ -1,8 +1,9 @@
-"""Worker lifecycle and its errors: unknown architectures, stale epochs, calls out of order,
+"""Worker lifecycle and its errors: unknown architectures, stale epochs, calls and steps out of order,
 dummy weights, what WorkerInfo reports."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -10,7 +11,14 @@ import pytest
 import torch
 
 from services.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
-from services.errors import ConfigError, InvalidRequest, NotFound, StaleEpoch, Unavailable
+from services.errors import (
+    ConfigError,
+    InvalidRequest,
+    NotFound,
+    StaleEpoch,
+    StepOutOfOrder,
+    Unavailable,
+)
 from services.step_plan import RunningSequence, StepPlan
 from tests.integration.worker_driver import Driver, make_worker
 from worker_svc.worker import Worker
@@ -78,6 +86,22 @@ def test_stale_epoch_is_refused_and_clear_state_forgets(tiny_model_dir):
                             num_scheduled_tokens=1)
     with pytest.raises(NotFound, match="seq_id 0"):
         driver.worker.execute_step(StepPlan(scheduler_epoch=4, step_id=10, running_seqs=[delta]))
+
+
+def test_steps_run_only_in_their_previous_step_id_order(tiny_model_dir):
+    driver = Driver(make_worker(tiny_model_dir("llama")))
+    driver.add(0, [5, 6, 7])
+    driver.step({0: 3})
+    ahead = driver.plan({0: 1})
+    with pytest.raises(StepOutOfOrder, match="must follow step 5, but the worker's last step is 1"):
+        driver.worker.execute_step(dataclasses.replace(ahead, previous_step_id=5))
+    with pytest.raises(NotFound):  # a step that fails ...
+        driver.worker.execute_step(dataclasses.replace(ahead, running_seqs=[
+            dataclasses.replace(ahead.running_seqs[0], seq_id=99)]))
+    with pytest.raises(StepOutOfOrder, match="which failed"):  # ... stops the ones after it
+        driver.worker.execute_step(dataclasses.replace(ahead, step_id=3, previous_step_id=2))
+    driver.worker.clear_state(driver.epoch + 1)
+    assert driver.worker.last_step_id == 0 and not driver.worker.last_step_failed
 
 
 def test_dummy_weights_need_no_checkpoint_and_are_seeded(tiny_model_dir, tmp_path):
