@@ -196,8 +196,16 @@ class Worker:
     def submit_step(self, plan: StepPlan) -> Future[StepOutput]:
         """execute_step on the worker's step thread; steps submitted in order run in order."""
         if self._step_thread is None:
-            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="worker-step")
+            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="worker-step",
+                                                   initializer=self._init_step_thread)
         return self._step_thread.submit(self.execute_step, plan)
+
+    def _init_step_thread(self) -> None:
+        """Per-thread torch state the constructor set for its own thread."""
+        if self.config.device.num_threads > 0:
+            torch.set_num_threads(self.config.device.num_threads)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def swap_blocks(self, pairs: list[tuple[int, int]], direction: Literal["in", "out"]) -> None:
         """direction "out": (device, cpu) pairs; "in": (cpu, device) pairs."""
