@@ -1,11 +1,14 @@
 """Vectorized torch backend: the default on CPU, and the baseline the GPU kernels are measured against.
 
 Every op is a handful of tensor ops with no per-sequence Python loop. Paged attention gathers each
-sequence's K/V rows through its block table into a padded [num_seqs, num_kv_heads, max_seq_len,
-head_size] tensor with one index op and hands that to scaled_dot_product_attention, with a causal
-+ padding mask. Prefill chunks and decode tokens run as two batched calls. The index tensors,
-masks and gather buffers depend only on the step's metadata, so the first layer builds them and
-the rest reuse them (`meta.derived`).
+sequence's K/V through its block table whole blocks at a time (one index op per cache over
+[num_blocks, block_size * num_kv_heads * head_size] rows) into a padded token-major buffer, and
+hands a [num_seqs, num_kv_heads, max_seq_len, head_size] view of it to
+scaled_dot_product_attention. Prefill chunks and decode tokens run as two batched calls; a mask
+(bottom-right causal + padding) is built only where the lengths call for one: fresh prompts of
+one length run plain causal, decodes of one length unmasked. The index tensors, masks and gather
+buffers depend only on the step's metadata, so the first layer builds them and the rest reuse
+them (`meta.derived`).
 """
 
 from __future__ import annotations
@@ -22,22 +25,33 @@ _DERIVED_KEY = "torch"
 
 @dataclass(slots=True)
 class KVGather:
-    """Gathers sequences' K/V rows through their block tables, head-major, into buffers that
-    every layer of the step reuses (a fresh 10+ MB tensor per layer costs page faults on CPU)."""
+    """Gathers sequences' K/V through their block tables, whole blocks at a time, into buffers
+    that every layer of the step reuses (a fresh 10+ MB tensor per layer costs page faults on CPU)."""
 
-    rows: torch.Tensor  # [num_seqs * num_kv_heads * max_seq_len] int64 rows of the cache viewed
-    #                     as [num_blocks * block_size * num_kv_heads, head_size]
-    shape: tuple[int, int, int, int]  # (num_seqs, num_kv_heads, max_seq_len, head_size)
-    k_out: torch.Tensor  # [num_seqs * num_kv_heads * max_seq_len, head_size]
+    block_ids: torch.Tensor  # [num_seqs * num_blocks] int64: block table entries, row-major
+    num_seqs: int
+    max_seq_len: int
+    # Rows of the gathered [num_seqs * num_blocks * block_size, num_kv_heads * head_size] grid
+    # whose position is at or past its sequence's length but below max_seq_len: zeroed after each
+    # gather, as they hold unwritten slots or block table padding (NaN there would leak through
+    # the masked softmax as 0 * NaN). None when every sequence has length max_seq_len.
+    pad_rows: torch.Tensor | None
+    k_out: torch.Tensor  # [num_seqs * num_blocks, block_size * num_kv_heads * head_size]
     v_out: torch.Tensor
 
     def gather(self, k_cache: torch.Tensor,
                v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V as [num_seqs, num_kv_heads, max_seq_len, head_size], contiguous."""
-        head_size = self.shape[-1]
-        k = torch.index_select(k_cache.view(-1, head_size), 0, self.rows, out=self.k_out)
-        v = torch.index_select(v_cache.view(-1, head_size), 0, self.rows, out=self.v_out)
-        return k.view(self.shape), v.view(self.shape)
+        """K and V as [num_seqs, num_kv_heads, max_seq_len, head_size] views of token-major
+        buffers (head_size contiguous, which SDPA reads in place)."""
+        num_blocks, block_size, num_kv_heads, head_size = k_cache.shape
+        k = torch.index_select(k_cache.view(num_blocks, -1), 0, self.block_ids, out=self.k_out)
+        v = torch.index_select(v_cache.view(num_blocks, -1), 0, self.block_ids, out=self.v_out)
+        if self.pad_rows is not None:
+            k.view(-1, num_kv_heads * head_size).index_fill_(0, self.pad_rows, 0)
+            v.view(-1, num_kv_heads * head_size).index_fill_(0, self.pad_rows, 0)
+        shape = (self.num_seqs, -1, num_kv_heads, head_size)  # [num_seqs, padded_len, kv_heads, head]
+        return (k.view(shape)[:, :self.max_seq_len].transpose(1, 2),
+                v.view(shape)[:, :self.max_seq_len].transpose(1, 2))
 
 
 @dataclass(slots=True)
@@ -54,7 +68,8 @@ class PrefillPlan:
 @dataclass(slots=True)
 class DecodePlan:
     kv: KVGather
-    attn_mask: torch.Tensor  # [num_decodes, 1, 1, max_seq_len] bool: key position < seq_len
+    attn_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_seq_len] bool: key position <
+    #                                  seq_len; None when every decode has length max_seq_len
 
 
 @dataclass(slots=True)
@@ -79,35 +94,31 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
     k_flat = k_cache.view(-1, num_kv_heads, head_size)  # [num_blocks * block_size, kv_heads, head]
     v_flat = v_cache.view(-1, num_kv_heads, head_size)
-    is_written = slot_mapping >= 0  # [num_tokens]
-    slots = slot_mapping[is_written].long()
-    k_flat.index_copy_(0, slots, key[is_written].to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value[is_written].to(v_cache.dtype))
+    if bool((slot_mapping < 0).any()):  # padding tokens: drop them (boolean masks cost more)
+        is_written = slot_mapping >= 0  # [num_tokens]
+        slot_mapping, key, value = slot_mapping[is_written], key[is_written], value[is_written]
+    slots = slot_mapping.long()
+    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
 
 
-def gather_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                 block_size: int) -> torch.Tensor:
-    """Flat cache slot of positions 0..max_seq_len-1 of each sequence: [num_seqs, max_seq_len].
-
-    Positions at or past a sequence's length point at its position 0 instead: that slot is always
-    written, so padded keys never read uninitialized memory (NaN there would leak through the
-    masked softmax as 0 * NaN).
-    """
-    pos = torch.arange(max_seq_len, device=block_tables.device)  # [max_seq_len]
-    blocks = block_tables.index_select(1, pos // block_size).long()  # [num_seqs, max_seq_len]
-    slots = blocks * block_size + pos % block_size
-    return torch.where(pos < seq_lens.unsqueeze(1), slots, slots[:, :1])
-
-
-def _kv_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+def _kv_gather(block_tables: torch.Tensor, seq_lens_cpu: list[int],
                k_cache: torch.Tensor) -> KVGather:
-    block_size, num_kv_heads, head_size = k_cache.shape[1:]
-    slots = gather_slots(block_tables, seq_lens, max_seq_len, block_size)  # [num_seqs, max_seq_len]
-    heads = torch.arange(num_kv_heads, device=slots.device).view(1, -1, 1)
-    rows = (slots.unsqueeze(1) * num_kv_heads + heads).flatten()  # (seq, kv_head, position) order
-    num_rows = rows.numel()
-    return KVGather(rows, (slots.shape[0], num_kv_heads, max_seq_len, head_size),
-                    k_cache.new_empty(num_rows, head_size), k_cache.new_empty(num_rows, head_size))
+    block_size = k_cache.shape[1]
+    num_seqs, max_seq_len = len(seq_lens_cpu), max(seq_lens_cpu)
+    num_blocks = -(-max_seq_len // block_size)
+    block_ids = block_tables[:, :num_blocks].flatten().long()  # [num_seqs * num_blocks]
+    pad_rows = None
+    if any(s != max_seq_len for s in seq_lens_cpu):
+        # From the host lengths, so that no device tensor is read back.
+        pos = torch.arange(max_seq_len)
+        is_pad = pos >= torch.tensor(seq_lens_cpu).unsqueeze(1)  # [num_seqs, max_seq_len]
+        seq_starts = torch.arange(num_seqs).unsqueeze(1) * (num_blocks * block_size)
+        pad_rows = (seq_starts + pos)[is_pad].to(k_cache.device)
+    block_numel = k_cache[0].numel()  # block_size * num_kv_heads * head_size
+    return KVGather(block_ids, num_seqs, max_seq_len, pad_rows,
+                    k_cache.new_empty(block_ids.numel(), block_numel),
+                    k_cache.new_empty(block_ids.numel(), block_numel))
 
 
 def _prefill_plan(meta: AttentionMetadata, query: torch.Tensor,
@@ -117,7 +128,7 @@ def _prefill_plan(meta: AttentionMetadata, query: torch.Tensor,
     seq_lens_cpu = meta.seq_lens_cpu[:num_prefills]
     max_query_len, max_seq_len = max(query_lens), max(seq_lens_cpu)
     seq_lens = meta.seq_lens[:num_prefills]  # [num_prefills] on the device
-    kv = _kv_gather(meta.block_tables[:num_prefills], seq_lens, max_seq_len, k_cache)
+    kv = _kv_gather(meta.block_tables[:num_prefills], seq_lens_cpu, k_cache)
     is_uniform = all(q == max_query_len for q in query_lens)
     if is_uniform and all(s == max_query_len for s in seq_lens_cpu):
         # Fresh prompts of one length: the query covers the whole context, plain causal attention.
@@ -147,9 +158,12 @@ def _prefill_plan(meta: AttentionMetadata, query: torch.Tensor,
 
 def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> DecodePlan:
     first = meta.num_prefills
-    max_seq_len = max(meta.seq_lens_cpu[first:])
+    seq_lens_cpu = meta.seq_lens_cpu[first:]
     seq_lens = meta.seq_lens[first:]  # [num_decodes]
-    kv = _kv_gather(meta.block_tables[first:], seq_lens, max_seq_len, k_cache)
+    kv = _kv_gather(meta.block_tables[first:], seq_lens_cpu, k_cache)
+    if kv.pad_rows is None:  # one length: every gathered key is attended
+        return DecodePlan(kv, None)
+    max_seq_len = kv.max_seq_len
     k_pos = torch.arange(max_seq_len, device=seq_lens.device)
     attn_mask = (k_pos < seq_lens.unsqueeze(1)).view(len(seq_lens), 1, 1, max_seq_len)
     return DecodePlan(kv, attn_mask)
@@ -201,17 +215,20 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if query.shape[1] % num_kv_heads or query.shape[2] != head_size:
         raise ValueError(f"query {tuple(query.shape)} does not fit a cache of {num_kv_heads} KV "
                          f"heads of size {head_size}")
-    out = torch.empty_like(query)
+    out_dtype = query.dtype
     query = query.to(k_cache.dtype)
     plan = attention_plan(meta, query, k_cache)
     num_prefill_tokens = meta.num_prefill_tokens
+    outs = []  # prefill rows, then decode rows
     if plan.prefill is not None:
-        out[:num_prefill_tokens] = _prefill_attention(
-            query[:num_prefill_tokens], k_cache, v_cache, plan.prefill, meta.num_prefills, scale)
+        outs.append(_prefill_attention(
+            query[:num_prefill_tokens], k_cache, v_cache, plan.prefill, meta.num_prefills, scale))
     if plan.decode is not None:
-        out[num_prefill_tokens:] = _decode_attention(
-            query[num_prefill_tokens:], k_cache, v_cache, plan.decode, scale)
-    return out
+        outs.append(_decode_attention(
+            query[num_prefill_tokens:], k_cache, v_cache, plan.decode, scale))
+    if not outs:  # an empty batch
+        return torch.empty_like(query, dtype=out_dtype)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)).to(out_dtype)
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:

@@ -27,17 +27,18 @@ def _nan_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_size: i
                       dtype=dtype, device=device)
 
 
+@pytest.mark.parametrize("num_skipped", [0, 3])
 @pytest.mark.parametrize("num_kv_heads", [1, 3])
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("backend", CACHE_OP_BACKENDS)
-def test_write_kv(ops, device, dtype, block_size, head_size, num_kv_heads):
+def test_write_kv(ops, device, dtype, block_size, head_size, num_kv_heads, num_skipped):
     gen = torch.Generator().manual_seed(block_size + head_size)
     num_blocks, num_tokens = 5, 13
     kv_cache = _nan_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, device)
     slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    slot_mapping[[2, 7, 12]] = -1
+    slot_mapping[torch.tensor([2, 7, 12][:num_skipped], dtype=torch.long)] = -1  # padding rows
     # K and V as strided views into one projection output, the way a model hands them over.
     qkv = torch.randn(num_tokens, 3, num_kv_heads, head_size, generator=gen).to(device, dtype)
     key, value = qkv[:, 1], qkv[:, 2]  # [num_tokens, num_kv_heads, head_size]

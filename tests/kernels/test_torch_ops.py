@@ -1,0 +1,47 @@
+"""Paths of the torch backend that the shared batch kinds leave out: decodes of one length (no
+mask), uniform prefill chunks, and one step's plan reused by every layer's cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import ref, torch_ops
+from tests.kernels.batch import make_batch
+from tests.kernels.conftest import TOLERANCES
+
+PREFILLS = {
+    "none": [],
+    "fresh_one_length": [(0, 9), (0, 9)],
+    "chunks_one_length": [(17, 8), (17, 8)],
+    "ragged": [(0, 6), (13, 5)],
+}
+DECODES = {
+    "none": [],
+    "one_length": [(32, 1), (32, 1), (32, 1)],  # 33 keys: one past a block boundary
+    "ragged": [(48, 1), (6, 1), (15, 1), (31, 1)],
+}
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("decodes", list(DECODES))
+@pytest.mark.parametrize("prefills", list(PREFILLS))
+def test_one_plan_serves_every_layer(prefills, decodes, block_size):
+    """Two layers' caches (same NaN-filled free slots, different values) through one metadata:
+    the second layer reuses the first one's plan and buffers and still matches the reference."""
+    if prefills == decodes == "none":
+        pytest.skip("empty batch")
+    batch = make_batch(PREFILLS[prefills], DECODES[decodes], block_size=block_size, num_heads=6,
+                       num_kv_heads=2, head_size=64, dtype=torch.float32,
+                       seed=block_size + len(prefills) + len(decodes))
+    layers = [(batch.query, batch.k_cache, batch.v_cache),
+              (batch.query.flip(0), batch.k_cache * 2 - 1, batch.v_cache * -3 + 2)]
+    for query, k_cache, v_cache in layers:
+        out = torch_ops.paged_attention(query, k_cache, v_cache, batch.meta, 0.125)
+        expected = ref.paged_attention(query, k_cache, v_cache, batch.meta, 0.125)
+        torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+    plan = batch.meta.derived["torch"]
+    if decodes == "one_length":
+        assert plan.decode.attn_mask is None and plan.decode.kv.pad_rows is None
+    if prefills == "fresh_one_length":
+        assert plan.prefill.attn_mask is None
