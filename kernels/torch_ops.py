@@ -60,7 +60,8 @@ class PrefillPlan:
 
     kv: KVGather
     max_query_len: int
-    attn_mask: torch.Tensor | None  # [num_prefills, 1, max_query_len, max_seq_len] bool, None = causal
+    attn_mask: torch.Tensor | None  # [num_prefills, 1, max_query_len, max_seq_len] additive,
+    #                                  None = causal
     token_rows: torch.Tensor | None  # [num_prefill_tokens] row in the padded query grid, None = unpadded
     padded_query: torch.Tensor | None  # [num_prefills * max_query_len, num_heads, head_size]
 
@@ -68,8 +69,8 @@ class PrefillPlan:
 @dataclass(slots=True)
 class DecodePlan:
     kv: KVGather
-    attn_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_seq_len] bool: key position <
-    #                                  seq_len; None when every decode has length max_seq_len
+    attn_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_seq_len] additive: -inf at key
+    #                                  positions >= seq_len; None when all lengths are equal
 
 
 @dataclass(slots=True)
@@ -121,6 +122,13 @@ def _kv_gather(block_tables: torch.Tensor, seq_lens_cpu: list[int],
                     k_cache.new_empty(block_ids.numel(), block_numel))
 
 
+def _additive_mask(is_attended: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where attended, -inf elsewhere: SDPA turns a bool mask into this on every call, the plan
+    once per step."""
+    mask = torch.zeros(is_attended.shape, dtype=dtype, device=is_attended.device)
+    return mask.masked_fill_(~is_attended, float("-inf"))
+
+
 def _prefill_plan(meta: AttentionMetadata, query: torch.Tensor,
                   k_cache: torch.Tensor) -> PrefillPlan:
     num_prefills = meta.num_prefills
@@ -142,7 +150,8 @@ def _prefill_plan(meta: AttentionMetadata, query: torch.Tensor,
     # are clamped to the last position so they see valid keys (their output is dropped).
     q_pos = torch.minimum(context_lens.unsqueeze(1) + q_idx, seq_lens.unsqueeze(1) - 1)
     k_pos = torch.arange(max_seq_len, device=starts.device)
-    attn_mask = (k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)  # [P, 1, max_q, max_s]
+    attn_mask = _additive_mask((k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1),
+                               query.dtype)  # [P, 1, max_q, max_s]
     if is_uniform:
         return PrefillPlan(kv, max_query_len, attn_mask, None, None)
 
@@ -165,7 +174,8 @@ def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> DecodePlan:
         return DecodePlan(kv, None)
     max_seq_len = kv.max_seq_len
     k_pos = torch.arange(max_seq_len, device=seq_lens.device)
-    attn_mask = (k_pos < seq_lens.unsqueeze(1)).view(len(seq_lens), 1, 1, max_seq_len)
+    attn_mask = _additive_mask((k_pos < seq_lens.unsqueeze(1)).view(len(seq_lens), 1, 1, -1),
+                               k_cache.dtype)
     return DecodePlan(kv, attn_mask)
 
 
