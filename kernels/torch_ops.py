@@ -95,7 +95,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
     k_flat = k_cache.view(-1, num_kv_heads, head_size)  # [num_blocks * block_size, kv_heads, head]
     v_flat = v_cache.view(-1, num_kv_heads, head_size)
-    if bool((slot_mapping < 0).any()):  # padding tokens: drop them (boolean masks cost more)
+    if bool((slot_mapping < 0).any()):  # padding tokens: only then pay for boolean indexing
         is_written = slot_mapping >= 0  # [num_tokens]
         slot_mapping, key, value = slot_mapping[is_written], key[is_written], value[is_written]
     slots = slot_mapping.long()
