@@ -1,0 +1,60 @@
+"""The CPU benchmark scripts run end to end at smoke sizes on a tiny model and write their records
+(numbers from a tiny model are meaningless; only the plumbing is checked here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import bench.common
+from bench import offline, serving, step_anatomy
+
+
+@pytest.fixture
+def results_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path)
+    return tmp_path
+
+
+def _record(results_dir, name: str) -> dict:
+    record = json.loads((results_dir / f"{name}-smoke.json").read_text())
+    assert record["machine"]["cpu_count"] >= 1
+    return record
+
+
+def test_offline(tiny_served_model_dir, results_dir):
+    offline.main(["--model", str(tiny_served_model_dir), "--num-prompts", "3", "--batch-size", "2",
+                  "--min-prompt-len", "4", "--max-prompt-len", "12", "--min-output-len", "2",
+                  "--max-output-len", "6", "--uniform-prompt-len", "8", "--uniform-output-len",
+                  "4", "--kv-cache-memory-gib", "0.01", "--repeats", "1", "--tag", "smoke"])
+    mixed, uniform = _record(results_dir, "offline")["results"]
+    assert mixed["workload"] == "mixed" and uniform["workload"] == "uniform"
+    assert mixed["pagedserve_tok_s"] > 0 and mixed["ratio_vs_hf_sequential"] > 0
+    assert mixed["greedy_agreement_with_hf"]["num_outputs"] == 3
+    assert set(uniform["targets"]) == {"ratio_vs_hf_padded"}
+
+
+def test_step_anatomy(tiny_served_model_dir, results_dir):
+    step_anatomy.main(["--model", str(tiny_served_model_dir), "--batch-sizes", "1", "3",
+                       "--prompt-len", "8", "--output-len", "6", "--skip-steps", "1",
+                       "--repeats", "2", "--modes", "in_process", "grpc", "--tag", "smoke"])
+    results = _record(results_dir, "step_anatomy")["results"]
+    assert [(r["mode"], r["batch_size"]) for r in results] == [
+        ("in_process", 1), ("in_process", 3), ("grpc", 1), ("grpc", 3)]
+    for r in results:
+        assert r["num_steps"] >= 1 and len(r["period_ms_per_repeat"]) == 2
+        assert r["median_ms"]["period"] == min(r["period_ms_per_repeat"])
+        assert r["median_ms"]["forward"] > 0
+
+
+def test_serving(tiny_served_model_dir, results_dir):
+    serving.main(["--model", str(tiny_served_model_dir), "--concurrency", "1", "2",
+                  "--requests-per-client", "1", "--min-requests", "2", "--min-prompt-len", "4",
+                  "--max-prompt-len", "12", "--min-output-len", "2", "--max-output-len", "6",
+                  "--kv-cache-memory-gib", "0.01", "--tag", "smoke"])
+    results = _record(results_dir, "serving")["results"]
+    assert [r["concurrency"] for r in results] == [1, 2]
+    for r in results:
+        assert r["stack"]["num_output_tokens"] == r["in_process"]["num_output_tokens"] > 0
+        assert r["ratio_vs_in_process"] > 0
