@@ -216,6 +216,14 @@ class BlockManager:
         for block_id in reversed(seq.block_ids):
             self._release(seq.device, block_id)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block, e.g. when a worker restarted and took its KV with it.
+        Every sequence must be freed first: a block in use would stay named by its hash."""
+        assert not self._seqs, "free every sequence before resetting the prefix cache"
+        if self.prefix_cache is not None:
+            for block_id in self.prefix_cache.clear():
+                self.gpu_pool.release(block_id)
+
     # ---- swap -------------------------------------------------------------------------------
 
     def can_swap_out(self, seq_ids: list[int]) -> bool:

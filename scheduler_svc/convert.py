@@ -112,7 +112,7 @@ def load_to_proto(load: EngineLoad) -> scheduler_pb2.Load:
         num_swapped_requests=load.num_swapped, num_gpu_blocks_used=load.num_gpu_blocks_used,
         num_gpu_blocks=load.num_gpu_blocks, num_cpu_blocks_used=load.num_cpu_blocks_used,
         num_cpu_blocks=load.num_cpu_blocks, prefix_cache_hit_rate=load.prefix_cache_hit_rate,
-        num_preemptions=load.num_preemptions)
+        num_preemptions=load.num_preemptions, num_worker_rebuilds=load.num_worker_rebuilds)
 
 
 def load_from_proto(msg: scheduler_pb2.Load) -> EngineLoad:
@@ -121,7 +121,7 @@ def load_from_proto(msg: scheduler_pb2.Load) -> EngineLoad:
         num_swapped=msg.num_swapped_requests, num_gpu_blocks_used=msg.num_gpu_blocks_used,
         num_gpu_blocks=msg.num_gpu_blocks, num_cpu_blocks_used=msg.num_cpu_blocks_used,
         num_cpu_blocks=msg.num_cpu_blocks, prefix_cache_hit_rate=msg.prefix_cache_hit_rate,
-        num_preemptions=msg.num_preemptions)
+        num_preemptions=msg.num_preemptions, num_worker_rebuilds=msg.num_worker_rebuilds)
 
 
 def served_model_to_proto(model: str, engine: EngineCore) -> scheduler_pb2.ServedModel:

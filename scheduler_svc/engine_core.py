@@ -37,6 +37,10 @@ from services.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
+# Worker rebuilds in a row (no step done between) after which the failed steps' requests are
+# blamed: they end with an error instead of being recomputed once more.
+MAX_REBUILDS_IN_A_ROW = 3
+
 
 class WorkerLike(Protocol):
     def load_model(self) -> WorkerInfo: ...
@@ -101,6 +105,7 @@ class EngineLoad:
     num_cpu_blocks: int
     prefix_cache_hit_rate: float  # in prompt tokens, since start
     num_preemptions: int
+    num_worker_rebuilds: int  # workers rebuilt after losing their KV cache, since start
 
 
 class EngineCore:
@@ -152,6 +157,8 @@ class EngineCore:
         self._groups: dict[str, SequenceGroup] = {}
         self._in_flight: _InFlight | None = None  # sent, outputs not processed yet
         self.step_observer: StepObserver | None = None
+        self._num_rebuilds_in_a_row = 0
+        self._num_worker_rebuilds = 0
         # what the latest processed step ran, for observers between steps (the step span)
         self.last_scheduled: SchedulerOutput | None = None
 
@@ -233,7 +240,8 @@ class EngineCore:
             num_gpu_blocks=bm.num_gpu_blocks,
             num_cpu_blocks_used=bm.num_cpu_blocks - bm.num_free_cpu_blocks,
             num_cpu_blocks=bm.num_cpu_blocks, prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
-            num_preemptions=self.scheduler.num_preemptions)
+            num_preemptions=self.scheduler.num_preemptions,
+            num_worker_rebuilds=self._num_worker_rebuilds)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -244,7 +252,8 @@ class EngineCore:
 
         A failed step finishes the requests it touched -- and those of the step sent after it,
         whose outcome is dropped -- with finish_reason "error", resets the workers' mirrors
-        (new epoch, clear_state) and leaves every other request running."""
+        (new epoch, clear_state) and leaves every other request running. If a worker lost its
+        KV cache (it restarted), it is rebuilt instead and every request recomputed (_rebuild)."""
         outputs: list[RequestOutput] = []
         current, self._in_flight = self._in_flight, None
         if current is None:
@@ -296,6 +305,7 @@ class EngineCore:
         except Exception as exc:  # any worker failure: the engine keeps serving
             return self._fail_steps(step, exc)
         self.last_scheduled = step.scheduled
+        self._num_rebuilds_in_a_row = 0
         outputs = self.output_processor.process(step.scheduled, step_output, step.is_advanced)
         self._step_done(step, outputs)
         return outputs
@@ -311,35 +321,87 @@ class EngineCore:
             item.num_samples == 1 for item in current.scheduled.scheduled if item.samples)
 
     def _fail_steps(self, failed: _InFlight, exc: Exception) -> list[RequestOutput]:
+        """After a failed step: a new epoch, and clear_state on every worker. Workers that
+        cannot clear -- unreachable, or restarted without their KV cache -- are rebuilt and
+        every request is recomputed; otherwise the requests of the failed steps end with
+        finish_reason "error"."""
         steps = [failed]
         if self._in_flight is not None:  # sent after the failed one: the workers refuse it
             steps.append(self._in_flight)
             self._in_flight = None
             steps[-1].wait()
-        step_ids = ", ".join(str(s.scheduled.plan.step_id) for s in steps)
-        logger.error("step %s failed: %r", step_ids, exc, exc_info=exc)
-        message = f"engine step {failed.scheduled.plan.step_id} failed: {exc}"
-        affected: dict[int, SequenceGroup] = {}
         for step in steps:
             for item in step.scheduled.scheduled:
                 item.seq.drop_placeholder()
-                affected[id(item.group)] = item.group
-            # a failed swap-out may have lost their KV
-            affected.update((id(g), g) for g in step.scheduled.swapped_out)
-        for group in affected.values():
-            if not group.is_finished:
-                self.scheduler.finish_group(group, "error", message)
+        step_ids = ", ".join(str(s.scheduled.plan.step_id) for s in steps)
+        logger.error("step %s failed: %r", step_ids, exc, exc_info=exc)
+        message = f"engine step {failed.scheduled.plan.step_id} failed: {exc}"
         self.scheduler_epoch += 1
-        for worker in self.workers:
-            try:
-                worker.clear_state(self.scheduler_epoch)
-            except Exception as clear_exc:
-                logger.error("clear_state failed on a worker: %r", clear_exc)
+        lost = [worker for worker in self.workers if not self._clear_state(worker)]
+        if not lost:
+            outputs = self._finish_groups(_touched_groups(steps), "error", message)
+        else:
+            outputs = self._rebuild(lost, steps, message)
         self.scheduler.forget_worker_state(self.scheduler_epoch)
-        outputs = [r for g in affected.values() if (r := make_request_output(g)) is not None]
         for step in steps:
             self._step_done(step, outputs)
         return outputs
+
+    def _clear_state(self, worker: WorkerLike) -> bool:
+        try:
+            worker.clear_state(self.scheduler_epoch)
+            return True
+        except Exception as exc:
+            logger.warning("clear_state failed on a worker: %r", exc)
+            return False
+
+    def _rebuild(self, lost: list[WorkerLike], steps: list[_InFlight],
+                 message: str) -> list[RequestOutput]:
+        """Some workers lost their KV cache (DESIGN: no accepted request is lost to a worker
+        crash): every request goes back to the queue to be recomputed from its tokens, and each
+        lost worker gets the startup handshake again once it is back (load_model waits for it,
+        up to the workers' startup timeout). The requests of the failed steps end with an error
+        instead if the workers were lost MAX_REBUILDS_IN_A_ROW times with no step done between:
+        one of them may be what brings the worker down. If a worker does not come back, every
+        request ends with an error; the next step tries again."""
+        self._num_rebuilds_in_a_row += 1
+        outputs: list[RequestOutput] = []
+        if self._num_rebuilds_in_a_row >= MAX_REBUILDS_IN_A_ROW:
+            outputs += self._finish_groups(
+                _touched_groups(steps), "error",
+                f"{message} (workers lost {self._num_rebuilds_in_a_row} times in a row)")
+        num_requeued = self.scheduler.recompute_all()
+        logger.warning("%d worker(s) lost their KV cache; rebuilding them, then recomputing %d "
+                       "requests (scheduler epoch %d)", len(lost), num_requeued,
+                       self.scheduler_epoch)
+        try:
+            for worker in lost:
+                self._handshake_again(worker)
+        except Exception as exc:
+            logger.error("a lost worker was not rebuilt: %r", exc)
+            live = [g for g in self._groups.values() if not g.is_finished]
+            outputs += self._finish_groups(live, "error",
+                                           f"{message}; the worker was not rebuilt: {exc}")
+        return outputs
+
+    def _handshake_again(self, worker: WorkerLike) -> None:
+        """The startup handshake for one restarted worker, sized as the engine already is."""
+        info = worker.load_model()
+        if _shape(info) != _shape(self.worker_info) or info.max_model_len < self.max_model_len:
+            raise ConfigError(f"the restarted worker serves another model: {info}, "
+                              f"the engine was built for {self.worker_info}")
+        worker.init_cache(self.num_gpu_blocks, self.num_cpu_blocks, self.scheduler_epoch)
+        worker.warm_up()
+        self._num_worker_rebuilds += 1
+        logger.info("worker rebuilt: %d GPU blocks, %d CPU blocks (scheduler epoch %d)",
+                    self.num_gpu_blocks, self.num_cpu_blocks, self.scheduler_epoch)
+
+    def _finish_groups(self, groups: list[SequenceGroup], reason: str,
+                       message: str) -> list[RequestOutput]:
+        for group in groups:
+            if not group.is_finished:
+                self.scheduler.finish_group(group, reason, message)
+        return [r for g in groups if (r := make_request_output(g)) is not None]
 
     def _on_all_workers(self, call):
         if self._pool is None:
@@ -348,6 +410,22 @@ class EngineCore:
         # stays the parent of every rank's ExecuteStep
         contexts = [contextvars.copy_context() for _ in self.workers]
         return list(self._pool.map(lambda ctx, w: ctx.run(call, w), contexts, self.workers))
+
+
+def _touched_groups(steps: list[_InFlight]) -> list[SequenceGroup]:
+    """The requests the steps ran, and those they swapped out (a failed swap-out may have lost
+    their KV), each once."""
+    groups: dict[int, SequenceGroup] = {}
+    for step in steps:
+        groups.update((id(item.group), item.group) for item in step.scheduled.scheduled)
+        groups.update((id(g), g) for g in step.scheduled.swapped_out)
+    return list(groups.values())
+
+
+def _shape(info: WorkerInfo) -> tuple:
+    """What the engine was sized by; a rebuilt worker must match it."""
+    return (info.architecture, info.vocab_size, info.num_layers, info.num_kv_heads,
+            info.head_size, info.dtype)
 
 
 def _submit(worker: WorkerLike, plan: StepPlan) -> StepFuture:

@@ -98,6 +98,15 @@ class PrefixCache:
         """A parked block is reused by a prefix hit; it is no longer evictable."""
         del self._evictor[block_id]
 
+    def clear(self) -> list[int]:
+        """Forget every cached block (their KV is gone); returns the unreferenced ones, which
+        go back to the free list. Hit counters are kept."""
+        parked = list(self._evictor)
+        self._block_by_hash.clear()
+        self._hash_by_block.clear()
+        self._evictor.clear()
+        return parked
+
     def evict(self) -> int:
         """Reclaim the least recently released cached block; its hash is forgotten."""
         block_id, _ = self._evictor.popitem(last=False)

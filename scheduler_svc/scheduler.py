@@ -129,6 +129,23 @@ class Scheduler:
         self._finished_seq_ids.clear()
         self._preempted_seq_ids.clear()
 
+    def recompute_all(self) -> int:
+        """Every KV block is gone (a worker restarted): free all blocks, forget the prefix cache
+        and queue every running and swapped request for recomputation, ahead of the waiting
+        ones, in the policy's order. Their tokens are all here, so they resume where they
+        were. Returns the number of requests requeued."""
+        groups = sorted([*self.running, *self.swapped], key=self._key)
+        for group in groups:
+            for seq in group.live_seqs():
+                self.block_manager.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.WAITING
+        self.running.clear()
+        self.swapped.clear()
+        self.waiting.extendleft(reversed(groups))
+        self.block_manager.reset_prefix_cache()
+        return len(groups)
+
     def advance_in_flight(self, scheduled: SchedulerOutput) -> None:
         """Count a step that is still running as done, so the next one can be scheduled now
         (async scheduling): its tokens are computed, and each sequence it samples for ends in a

@@ -6,7 +6,8 @@ The calls are synchronous -- EngineCore runs on the scheduler's engine thread --
 submit_step, which returns at once with a future (async scheduling). Every call carries
 a deadline (startup_timeout_s for the handshake, step_timeout_s for the rest); a worker that is
 gone or misses its deadline raises Unavailable, so a step fails fast instead of hanging. The
-handshake waits for the worker to come up (wait_for_ready), so the scheduler may start first.
+handshake waits for the worker to come up (wait_for_ready), so the scheduler may start first --
+and so that EngineCore, rebuilding a worker that restarted, waits for it to be back.
 Once tracing is set up, every call is a CLIENT span (services/tracing.py), child of the span
 current on the calling thread (the engine step's, for ExecuteStep).
 """
@@ -34,8 +35,11 @@ logger = logging.getLogger(__name__)
 
 # ExecuteStep carries whole prompts; the default 4 MiB would cap a batch of long ones.
 _MAX_MESSAGE_BYTES = 256 << 20
+# A restarted worker is reconnected to within a second (gRPC's default backoff grows to 2 min).
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
+                    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class GrpcWorker:

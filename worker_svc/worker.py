@@ -222,8 +222,10 @@ class Worker:
 
     def clear_state(self, scheduler_epoch: int) -> None:
         """Forget every sequence and serve `scheduler_epoch` from now on (KV blocks stay; the
-        new scheduler resends its sequences as new)."""
+        new scheduler resends its sequences as new). Unavailable without a KV cache: a worker
+        that restarted has lost the blocks the scheduler counts on (it rebuilds the worker)."""
         self._runner()
+        self._cache_engine()
         self._check_epoch(scheduler_epoch, "clear_state")
         self._reset_steps(scheduler_epoch)
 

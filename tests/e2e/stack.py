@@ -56,14 +56,15 @@ class Stack:
         self.loop.close()
 
 
-def start_stack(config: EngineConfig, step_timeout_s: float = 30.0) -> Stack:
+def start_stack(config: EngineConfig, step_timeout_s: float = 30.0,
+                startup_timeout_s: float = 120.0) -> Stack:
     loop = BackgroundLoop()
 
     async def start() -> Stack:
         worker = await start_worker(config, WorkerServiceConfig(port=0))
         scheduler_config = SchedulerServiceConfig(
             port=0, worker_addresses=[f"127.0.0.1:{worker[0].port}"],
-            step_timeout_s=step_timeout_s, startup_timeout_s=120.0)
+            step_timeout_s=step_timeout_s, startup_timeout_s=startup_timeout_s)
         scheduler = await start_scheduler(config, scheduler_config)
         gateway = await start_gateway(GatewayConfig(
             port=0, scheduler_address=f"127.0.0.1:{scheduler[0].port}"))

@@ -1,5 +1,7 @@
-"""A worker that dies mid-generation: the requests of the failed step end with an error status
-that says what failed, every block is freed, and the scheduler and gateway keep answering."""
+"""A worker that dies mid-generation. One that restarts is rebuilt by the scheduler and every
+request resumes, by recomputation, with the output it would have had. One that stays gone fails
+the requests with an error status that says what failed, every block is freed, and the scheduler
+and gateway keep answering."""
 
 import grpc
 import pytest
@@ -11,26 +13,64 @@ from pagedserve.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from services.config import WorkerServiceConfig
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
+from worker_svc.servicer import start_worker
+
+# long enough that the requests are still running when the worker dies
+GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11], [4, 5]]
 
 
-def test_a_failed_step_ends_its_requests_with_internal_and_the_service_keeps_serving(
+def _stream(stub, token_ids, sampling=GREEDY):
+    return stub.GenerateStream(gateway_pb2.GenerateRequest(
+        token_ids=gateway_pb2.TokenIds(token_ids=token_ids), sampling=sampling), timeout=120)
+
+
+def _tokens(responses) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+def test_a_restarted_worker_is_rebuilt_and_every_stream_completes_unchanged(
         tiny_served_model_dir):
-    stack = start_stack(tiny_config(tiny_served_model_dir), step_timeout_s=5.0)
+    config = tiny_config(tiny_served_model_dir)
+    stack = start_stack(config)
     try:
         with grpc.insecure_channel(stack.gateway_address) as channel:
             stub = gateway_pb2_grpc.GenerationStub(channel)
-            call = stub.GenerateStream(gateway_pb2.GenerateRequest(
-                token_ids=gateway_pb2.TokenIds(token_ids=[1, 2, 3]),
-                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=480,
-                                                   ignore_eos=True)), timeout=60)
+            expected = [_tokens(_stream(stub, ids)) for ids in PROMPTS]
+            calls = [_stream(stub, ids) for ids in PROMPTS]
+            firsts = [next(call) for call in calls]  # every request is running
+            server, servicer = stack.worker
+            stack.loop.run(server.shutdown(0))  # the worker process dies ...
+            servicer.close()
+            stack.worker = stack.loop.run(start_worker(  # ... and comes back on its address
+                config, WorkerServiceConfig(port=server.port)))
+            outputs = [_tokens([first, *call]) for first, call in zip(firsts, calls, strict=True)]
+        assert outputs == expected
+        assert assert_idle(stack).num_worker_rebuilds == 1
+    finally:
+        stack.close()
+
+
+def test_a_worker_that_stays_gone_fails_its_requests_with_internal_and_the_service_keeps_serving(
+        tiny_served_model_dir):
+    # the scheduler waits startup_timeout_s for the worker to come back, then gives up
+    stack = start_stack(tiny_config(tiny_served_model_dir), step_timeout_s=5.0,
+                        startup_timeout_s=2.0)
+    try:
+        with grpc.insecure_channel(stack.gateway_address) as channel:
+            stub = gateway_pb2_grpc.GenerationStub(channel)
+            call = _stream(stub, [1, 2, 3], common_pb2.SamplingParams(
+                temperature=0.0, max_tokens=480, ignore_eos=True))
             next(call)
             stack.loop.run(stack.worker[0].server.stop(0))  # the worker is gone
             with pytest.raises(grpc.RpcError) as info:
                 list(call)
             assert info.value.code() == grpc.StatusCode.INTERNAL
-            assert "engine step" in info.value.details()
-            assert "unavailable" in info.value.details().lower()
+            details = info.value.details()
+            assert "engine step" in details and "not rebuilt" in details
+            assert "unavailable" in details.lower()
         assert_idle(stack)
         # the scheduler still answers: a new request fails alone, with the reason
         with grpc.insecure_channel(stack.scheduler_address) as channel:

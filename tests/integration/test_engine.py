@@ -8,9 +8,11 @@ import random
 
 import pytest
 
-from services.errors import ConfigError, InvalidRequest, NotFound
+from scheduler_svc.engine_core import MAX_REBUILDS_IN_A_ROW
+from services.errors import ConfigError, InvalidRequest, NotFound, Unavailable
 from services.llm_engine import LLMEngine, engine_config_from_kwargs
 from services.sampling_params import SamplingParams
+from worker_svc.worker import Worker
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -169,6 +171,88 @@ def test_a_failed_step_errors_its_requests_and_the_engine_keeps_serving(llama_di
     assert failed and failed[0].outputs[0].finish_reason == "error"
     assert "device lost" in failed[0].outputs[0].error
     assert_all_blocks_free(engine)
+    assert generate(engine, prompts(0, [13, 29, 7, 21])) == reference
+
+
+class RestartingWorker:
+    """A real worker that restarts -- a fresh Worker with its model loaded and no KV cache, as a
+    worker process comes back -- just before each step `crashes(plan)` picks."""
+
+    def __init__(self, worker, crashes) -> None:
+        self.worker = worker
+        self.crashes = crashes
+        self.num_restarts = 0
+        self.is_back = True  # False: load_model fails, the worker never comes back
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def submit_step(self, plan):
+        if self.crashes(plan):
+            self.worker = Worker(self.worker.config)
+            self.worker.load_model()
+            self.num_restarts += 1
+        return self.worker.submit_step(plan)
+
+    def load_model(self):
+        if not self.is_back:
+            raise Unavailable("worker 10.0.0.7:50052 LoadModel: connection refused")
+        return self.worker.load_model()
+
+
+def restarting(engine: LLMEngine, crashes) -> RestartingWorker:
+    worker = RestartingWorker(engine.core.workers[0], crashes)
+    engine.core.workers = [worker]
+    return worker
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_restarted_worker_is_rebuilt_and_no_request_is_lost(llama_dir, reference,
+                                                              async_scheduling):
+    # a small pool with swapping and prefix caching: at the crashes, requests are running,
+    # swapped and waiting, and cached blocks point at KV the restart wiped
+    engine = make_engine(llama_dir, num_gpu_blocks_override=12, preemption_mode="swap",
+                         enable_prefix_caching=True, async_scheduling=async_scheduling)
+    first = engine.core.scheduler._step_id + 1
+    worker = restarting(engine, lambda plan: plan.step_id in (first + 5, first + 30))
+    assert generate(engine, prompts(0, [13, 29, 7, 21])) == reference
+    assert worker.num_restarts == engine.get_load().num_worker_rebuilds == 2
+    assert_all_blocks_free(engine)
+    assert engine.get_load().num_preemptions > 0
+
+
+def test_requests_that_keep_bringing_the_worker_down_end_with_an_error(llama_dir, reference):
+    engine = make_engine(llama_dir)
+    worker = restarting(engine, lambda plan: any(
+        s.request_id == "poison" for s in plan.new_seqs))
+    engine.add_request("poison", prompts(5, [9])[0], GREEDY)
+    reports = []
+    while engine.has_unfinished_requests():
+        reports += engine.step()
+    (report,) = [r for r in reports if r.finished]
+    assert report.outputs[0].finish_reason == "error"
+    assert f"lost {MAX_REBUILDS_IN_A_ROW} times in a row" in report.outputs[0].error
+    assert worker.num_restarts == MAX_REBUILDS_IN_A_ROW
+    assert_all_blocks_free(engine)
+    assert generate(engine, prompts(0, [13, 29, 7, 21])) == reference
+
+
+def test_a_worker_that_does_not_come_back_fails_every_request_until_it_does(llama_dir,
+                                                                           reference):
+    engine = make_engine(llama_dir)
+    first = engine.core.scheduler._step_id + 1
+    worker = restarting(engine, lambda plan: plan.step_id == first + 2)
+    worker.is_back = False
+    for i, ids in enumerate(prompts(0, [13, 29])):
+        engine.add_request(f"r{i}", ids, GREEDY)
+    reports = []
+    for _ in range(5):
+        reports += engine.step()
+    errors = {r.request_id: r.outputs[0].error for r in reports if r.finished}
+    assert set(errors) == {"r0", "r1"}
+    assert all("not rebuilt" in e and "connection refused" in e for e in errors.values())
+    assert_all_blocks_free(engine)
+    worker.is_back = True  # the next step fails, and rebuilds it
     assert generate(engine, prompts(0, [13, 29, 7, 21])) == reference
 
 

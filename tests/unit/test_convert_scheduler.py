@@ -99,5 +99,6 @@ def test_abort_request_round_trip():
 def test_load_round_trip():
     load = EngineLoad(num_running=3, num_waiting=2, num_swapped=1, num_gpu_blocks_used=17,
                       num_gpu_blocks=512, num_cpu_blocks_used=4, num_cpu_blocks=256,
-                      prefix_cache_hit_rate=0.375, num_preemptions=2**40)
+                      prefix_cache_hit_rate=0.375, num_preemptions=2**40,
+                      num_worker_rebuilds=3)
     assert load_from_proto(_wire(load_to_proto(load))) == load

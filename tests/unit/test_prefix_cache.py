@@ -190,3 +190,15 @@ def test_register_keeps_the_first_block_for_a_hash():
     assert cache.register(5, h)
     assert not cache.register(6, h)
     assert cache.lookup(h) == 5 and not cache.is_cached(6)
+
+
+def test_reset_forgets_every_cached_block_and_frees_it():
+    bm = _manager()
+    a = list(range(10))
+    _run_prompt(bm, 1, a)
+    bm.free(1)
+    assert bm.prefix_cache.num_cached_blocks == 2 and bm.gpu_pool.num_free_blocks == 14
+    bm.reset_prefix_cache()  # e.g. a worker restarted: the KV behind the hashes is gone
+    assert bm.prefix_cache.num_cached_blocks == 0 and bm.gpu_pool.num_free_blocks == 16
+    assert bm.num_free_gpu_blocks == 16
+    assert bm.allocate(2, a) == 0  # no hit on blocks whose KV is gone

@@ -67,6 +67,8 @@ def test_calls_out_of_order_are_unavailable(tiny_model_dir):
     worker.load_model()
     with pytest.raises(Unavailable, match="init_cache"):
         worker.execute_step(StepPlan(scheduler_epoch=0, step_id=1))
+    with pytest.raises(Unavailable, match="init_cache"):  # a restarted worker: rebuild it
+        worker.clear_state(scheduler_epoch=1)
     with pytest.raises(InvalidRequest, match="num_gpu_blocks"):
         worker.init_cache(0, 0, scheduler_epoch=1)
 
