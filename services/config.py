@@ -194,7 +194,9 @@ class SchedulerServiceConfig:
     port: int = opt(50052, "scheduler port; 0 = any free port")
     worker_addresses: list[str] = opt(["127.0.0.1:50053"], "host:port of each worker, by rank")
     step_timeout_s: float = opt(60.0, "deadline of one ExecuteStep call")
-    startup_timeout_s: float = opt(600.0, "deadline of the worker handshake (model load)")
+    startup_timeout_s: float = opt(
+        600.0, "deadline of the worker handshake (model load); also how long a lost worker is "
+        "waited for before its requests fail")
     tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
