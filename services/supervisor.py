@@ -3,8 +3,10 @@
 Each child is `python -m services.cli <role> ...` in its own session, so a Ctrl-C at the terminal
 reaches only the supervisor, which then stops them in order: the gateway first (it drains its
 streams), then the scheduler, then the worker. Readiness is the children's own grpc.health.v1
-status, watched (a server stream, no polling) until SERVING; a child that exits on its own stops
-the others.
+status, watched (a server stream, no polling) until SERVING. A worker or gateway that exits on
+its own is started again on its address, as Kubernetes restarts a pod (the scheduler rebuilds a
+restarted worker and recomputes its requests); the scheduler holds every request, so its exit --
+or a child that keeps dying, MAX_RESTARTS times within RESTART_WINDOW_S -- stops the others.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +29,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+RESTARTABLE_ROLES = ("worker", "gateway")
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 60.0
 
 _HEALTH_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
                            ("grpc.max_reconnect_backoff_ms", 1000)]
@@ -61,7 +68,9 @@ def config_to_argv(config: Any) -> list[str]:
 class Child:
     role: str  # "worker", "scheduler", "gateway"
     address: str  # host:port it serves on
+    argv: Sequence[str]  # its flags, to start it again
     process: asyncio.subprocess.Process
+    restart_times: list[float] = dataclasses.field(default_factory=list)  # monotonic
 
     async def wait_serving(self, timeout_s: float) -> None:
         """Until its health is SERVING; raises if it exits first or the time runs out."""
@@ -107,12 +116,28 @@ async def _watch_until_serving(address: str) -> None:
     raise RuntimeError(f"{address} ended its health stream before serving")
 
 
-async def start_child(role: str, address: str, argv: Sequence[str]) -> Child:
+async def _spawn(role: str, address: str, argv: Sequence[str]) -> asyncio.subprocess.Process:
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.cli", role, *argv, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "ERROR"})
     logger.info("started the %s (pid %d) on %s", role, process.pid, address)
-    return Child(role, address, process)
+    return process
+
+
+async def start_child(role: str, address: str, argv: Sequence[str]) -> Child:
+    return Child(role, address, argv, await _spawn(role, address, argv))
+
+
+async def restart_child(child: Child) -> bool:
+    """Start a child that exited on its own again, unless its role holds state that died with
+    it or it keeps dying; False if it was not restarted."""
+    now = time.monotonic()
+    child.restart_times = [t for t in child.restart_times if now - t < RESTART_WINDOW_S]
+    if child.role not in RESTARTABLE_ROLES or len(child.restart_times) >= MAX_RESTARTS:
+        return False
+    child.restart_times.append(now)
+    child.process = await _spawn(child.role, child.address, child.argv)
+    return True
 
 
 class Supervisor:
@@ -147,20 +172,29 @@ class Supervisor:
         return True
 
     async def run_until_stopped(self) -> int:
-        """Until SIGINT/SIGTERM (0) or a child exits on its own (1)."""
-        waits = {asyncio.create_task(child.process.wait()): child for child in self.children}
+        """Until SIGINT/SIGTERM (0) or a child exits on its own and is not restarted (1)."""
         stop = asyncio.create_task(self._stop_requested.wait())
-        done, _ = await asyncio.wait({stop, *waits}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (stop, *waits):
-            task.cancel()
-        if stop in done:
-            logger.info("stopping: gateway first, then scheduler, then worker")
-            return 0
-        for task in done:
-            child = waits[task]
-            logger.error("the %s exited on its own (code %s); stopping the others", child.role,
-                         child.process.returncode)
-        return 1
+        waits = {asyncio.create_task(child.process.wait()): child for child in self.children}
+        try:
+            while True:
+                done, _ = await asyncio.wait({stop, *waits}, return_when=asyncio.FIRST_COMPLETED)
+                if stop in done:
+                    logger.info("stopping: gateway first, then scheduler, then worker")
+                    return 0
+                for task in done:
+                    child = waits.pop(task)
+                    code = child.process.returncode
+                    if not await restart_child(child):
+                        logger.error("the %s exited on its own (code %s); stopping the others",
+                                     child.role, code)
+                        return 1
+                    logger.error("the %s exited on its own (code %s); started it again "
+                                 "(restart %d of %d within %.0f s)", child.role, code,
+                                 len(child.restart_times), MAX_RESTARTS, RESTART_WINDOW_S)
+                    waits[asyncio.create_task(child.process.wait())] = child
+        finally:
+            for task in (stop, *waits):
+                task.cancel()
 
     async def stop(self) -> None:
         for child in reversed(self.children):
@@ -191,7 +225,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     """Start worker, scheduler and gateway (`config` is the EngineConfig every one gets, and
     `tracing` the TracingConfig, if given), wait
     until all three serve, print the gateway's address and examples, run until Ctrl-C or
-    SIGTERM (0) or until a child dies (1), then stop them gateway first."""
+    SIGTERM (0) or until the scheduler dies or another child keeps dying (1), then stop them
+    gateway first."""
     connect = _connect_host(host)
     worker_port = worker_port or free_port(host)
     scheduler_port = scheduler_port or free_port(host)

@@ -1,4 +1,5 @@
-"""The `pagedserve` command as real processes: `serve` runs the stack and stops it cleanly; the
+"""The `pagedserve` command as real processes: `serve` runs the stack and stops it cleanly, and
+starts a worker that was killed again (the scheduler rebuilds it; no stream notices); the
 services started one by one survive and report a dead scheduler as UNAVAILABLE quickly."""
 
 import os
@@ -14,7 +15,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pagedserve.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from services.supervisor import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,6 +104,49 @@ def test_serve_runs_the_stack_and_ctrl_c_stops_it(tiny_served_model_dir):
         order = [role for line in log for role in ("gateway", "scheduler", "worker")
                  if f"the {role} stopped (code 0)" in line]
         assert order == ["gateway", "scheduler", "worker"], "".join(log)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+
+
+def test_serve_starts_a_killed_worker_again_and_the_streams_complete_unchanged(
+        tiny_served_model_dir):
+    scheduler_port = free_port()
+    serve = pagedserve("serve", "--model", str(tiny_served_model_dir), "--port", "0",
+                       "--scheduler-port", str(scheduler_port), *SMALL_CACHE,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = read_lines(serve.stdout), read_lines(serve.stderr)
+        worker_pid = int(wait_for_line(err, "started the worker (pid", 60)
+                         .split("(pid ")[1].split(")")[0])
+        address = wait_for_line(out, "pagedserve is serving", 180).split(" on ")[-1].strip()
+        sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
+        prompts = [[1, 2, 3], [7, 8, 9, 10], [4, 5]]
+        with grpc.insecure_channel(address) as channel:
+            stub = gateway_pb2_grpc.GenerationStub(channel)
+
+            def stream(ids):
+                return stub.GenerateStream(gateway_pb2.GenerateRequest(
+                    token_ids=gateway_pb2.TokenIds(token_ids=ids), sampling=sampling),
+                    timeout=180)
+
+            expected = [[t for r in stream(ids) for t in r.token_ids] for ids in prompts]
+            calls = [stream(ids) for ids in prompts]
+            firsts = [next(call) for call in calls]
+            os.kill(worker_pid, signal.SIGKILL)
+            outputs = [[t for r in (first, *call) for t in r.token_ids]
+                       for first, call in zip(firsts, calls, strict=True)]
+        assert outputs == expected
+        assert "the worker exited on its own (code -9); started it again" in wait_for_line(
+            err, "started it again", 5)
+        with grpc.insecure_channel(f"127.0.0.1:{scheduler_port}") as channel:
+            scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+            deadline = time.monotonic() + 5  # the load is a snapshot taken between steps
+            while (load := scheduler.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=10)
+                   ).num_gpu_blocks_used and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert load.num_worker_rebuilds == 1 and load.num_gpu_blocks_used == 0, load
+        assert stop(serve, signal.SIGINT) == 0
     finally:
         if serve.poll() is None:
             serve.kill()
