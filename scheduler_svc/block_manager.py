@@ -118,17 +118,19 @@ class BlockManager:
     # ---- admission --------------------------------------------------------------------------
 
     def can_allocate(self, token_ids: list[int]) -> AllocStatus:
-        num_required = _cdiv(len(token_ids), self.block_size)
-        if num_required > self.num_gpu_blocks - self.watermark_blocks:
+        if _cdiv(len(token_ids), self.block_size) > self.num_gpu_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        _, hit_block_ids = self._match_prefix(token_ids)
-        # a hit on a shared block costs nothing; a hit on an evictable block takes it out of the
-        # free count just like a new block does
-        num_evictable_hits = sum(1 for b in hit_block_ids if self.gpu_pool.ref_counts[b] == 0)
-        num_taken = num_required - len(hit_block_ids) + num_evictable_hits
-        if self.num_free_gpu_blocks - num_taken >= self.watermark_blocks:
+        if self.num_free_gpu_blocks - self.num_blocks_taken(token_ids) >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
+
+    def num_blocks_taken(self, token_ids: list[int]) -> int:
+        """Free blocks `allocate(token_ids)` would take: a prefix hit on a shared block costs
+        nothing; a hit on an evictable block leaves the free count just as a new block does."""
+        _, hit_block_ids = self._match_prefix(token_ids)
+        num_evictable_hits = sum(1 for b in hit_block_ids if self.gpu_pool.ref_counts[b] == 0)
+        return (_cdiv(len(token_ids), self.block_size) - len(hit_block_ids)
+                + num_evictable_hits)
 
     def allocate(self, seq_id: int, token_ids: list[int]) -> int:
         """Give `seq_id` a block table covering `token_ids`; returns num_cached_tokens, the

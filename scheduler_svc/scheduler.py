@@ -176,7 +176,10 @@ class Scheduler:
         max(max_num_batched_tokens, max_model_len) tokens so every prompt can run.
 
         Queues are ordered by the policy: FCFS (arrival time) or priority (lower `priority`
-        first, then arrival). When a running group cannot get a block for its next token, the
+        first, then arrival). Under the priority policy a waiting group that outranks running
+        groups but finds no room (KV blocks or max_num_seqs) first takes theirs: the
+        lowest-ranked running groups are preempted by recompute until it fits
+        (_preempt_for_priority). When a running group cannot get a block for its next token, the
         lowest-ordered running group not yet scheduled this step is preempted (possibly the group
         itself): by recompute (blocks freed, back to the front of `waiting`, the whole token list
         is prefilled again later) for single-sequence groups, by swap (blocks copied to CPU
@@ -203,6 +206,8 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         for queue in (self.waiting, self.running, self.swapped):
             self._sort(queue)
+        if self.config.policy == "priority":
+            self._preempt_for_priority(step)
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         if not chunked:
             budget.max_num_tokens = max(budget.max_num_tokens, self.max_model_len)
@@ -227,6 +232,38 @@ class Scheduler:
         ordered = sorted(queue, key=self._key)
         queue.clear()
         queue.extend(ordered)
+
+    def _preempt_for_priority(self, step: _Step) -> None:
+        """Walk `waiting` in order, claiming room for each group; a group short of blocks or
+        sequence slots preempts running groups that rank below it, lowest first, by recompute
+        (a swapped-out group would still hold back the waiting queue). Stops at the first group
+        that cannot get room: those after it rank lower still."""
+        bm = self.block_manager
+        num_claimed_blocks = 0
+        num_claimed_seqs = sum(len(g.live_seqs()) for g in self.running)
+        for group in list(self.waiting):
+            live = group.live_seqs()
+            if any(bm.can_allocate(s.token_ids) is AllocStatus.NEVER for s in live):
+                continue  # rejected by _schedule_waiting; no one makes room for it
+            num_blocks = sum(bm.num_blocks_taken(s.token_ids) for s in live)
+            while (self.running and self._key(self.running[-1]) > self._key(group)
+                   and self._lacks_room(num_claimed_blocks + num_blocks,
+                                        num_claimed_seqs + len(live))):
+                victim = self.running.pop()
+                num_claimed_seqs -= len(victim.live_seqs())
+                self._preempt(victim, step, "recompute")
+            if self._lacks_room(num_claimed_blocks + num_blocks, num_claimed_seqs + len(live)):
+                break
+            num_claimed_blocks += num_blocks
+            num_claimed_seqs += len(live)
+        if step.has_preempted:
+            self._sort(self.waiting)  # the victims went to its front
+            step.has_preempted = False  # the room was made for `waiting`: admit it this step
+
+    def _lacks_room(self, num_blocks: int, num_seqs: int) -> bool:
+        bm = self.block_manager
+        return (num_blocks > bm.num_free_gpu_blocks - bm.watermark_blocks
+                or num_seqs > self.config.max_num_seqs)
 
     def _schedule_running(self, budget: _Budget, step: _Step) -> None:
         groups = list(self.running)
@@ -374,10 +411,11 @@ class Scheduler:
             budget.num_tokens += num_tokens
         budget.num_seqs += len(assignment)
 
-    def _preempt(self, group: SequenceGroup, step: _Step) -> None:
+    def _preempt(self, group: SequenceGroup, step: _Step, mode: str | None = None) -> None:
+        """By `mode`, else as SchedulerConfig.preemption_mode says."""
         live = group.live_seqs()
         seq_ids = [s.seq_id for s in live]
-        mode = self.config.preemption_mode
+        mode = mode or self.config.preemption_mode
         if mode == "auto":
             mode = "recompute" if len(live) == 1 else "swap"
         if mode == "swap" and not self.block_manager.can_swap_out(seq_ids):

@@ -321,6 +321,52 @@ def test_the_victim_is_the_lowest_priority_running_group():
     assert high.seqs[0].status.value == "running"
 
 
+def test_a_higher_priority_arrival_takes_the_seq_slot_of_the_lowest_running_group():
+    h = Harness(max_num_seqs=2, policy="priority")
+    h.add("low_early", 3, GREEDY_LONG, priority=5)
+    low_late = h.add("low_late", 3, GREEDY_LONG, priority=5)
+    h.step()
+    h.add("high", 3, GREEDY_LONG, priority=0)
+    out, _ = h.step()
+    assert sorted(scheduled_ids(out)) == ["high", "low_early"]  # admitted in the same step
+    assert out.plan.preempted_seq_ids == [low_late.seqs[0].seq_id]
+    assert list(h.scheduler.waiting) == [low_late] and low_late.seqs[0].num_computed_tokens == 0
+    h.run_to_end()
+    assert h.all_free() and h.scheduler.num_preemptions == 1
+
+
+def test_a_higher_priority_arrival_takes_the_blocks_of_lower_running_groups():
+    h = Harness(num_gpu_blocks=6, num_cpu_blocks=4, block_size=4, policy="priority")
+    low = h.add("low", 12, GREEDY_LONG, priority=5)  # 3 blocks
+    mid = h.add("mid", 8, GREEDY_LONG, priority=3)  # 2 blocks
+    h.step()
+    h.add("high", 8, GREEDY_LONG, priority=0)  # 2 blocks, 1 free: only low has to go
+    out, _ = h.step()
+    assert "high" in scheduled_ids(out) and "mid" in scheduled_ids(out)
+    assert out.plan.preempted_seq_ids == [low.seqs[0].seq_id]
+    assert not out.plan.blocks_to_swap_out  # by recompute: a swapped group would block waiting
+    assert mid.seqs[0].status.value == "running"
+    h.run_to_end()
+    assert h.all_free()
+
+
+def test_no_priority_preemption_for_an_equal_rank_a_hopeless_prompt_or_fcfs():
+    for policy, priority in (("priority", 5), ("fcfs", 0)):
+        h = Harness(max_num_seqs=1, policy=policy)
+        h.add("running", 3, GREEDY_LONG, priority=5)
+        h.step()
+        h.add("newcomer", 3, GREEDY_LONG, priority=priority)
+        out, _ = h.step()
+        assert scheduled_ids(out) == ["running"] and not out.plan.preempted_seq_ids
+    h = Harness(num_gpu_blocks=4, block_size=4, policy="priority")
+    h.add("running", 3, GREEDY_LONG, priority=5)
+    h.step()
+    h.add("huge", 20, GREEDY_LONG, priority=0)  # 5 blocks: more than the device has
+    out, reports = h.step()
+    assert scheduled_ids(out) == ["running"] and not out.plan.preempted_seq_ids
+    assert [r.request_id for r in reports if r.finished] == ["huge"]
+
+
 def test_a_recomputed_group_too_big_for_the_pool_fails_instead_of_stalling():
     h = Harness(num_gpu_blocks=5, num_cpu_blocks=0, block_size=4, preemption_mode="recompute")
     h.add("first", 4, GREEDY_LONG)
