@@ -12,6 +12,7 @@ COPY services services
 COPY scheduler_svc scheduler_svc
 COPY worker_svc worker_svc
 COPY kernels kernels
+COPY pagedserve pagedserve
 # generated protobuf code is part of the installed package
 RUN pip install --no-cache-dir grpcio-tools \
  && python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. \

