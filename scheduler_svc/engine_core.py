@@ -123,6 +123,9 @@ class EngineCore:
                                 else scheduler_epoch)
 
         infos = self._on_all_workers(lambda w: w.load_model())
+        if [info.rank for info in infos] != list(range(len(infos))):
+            raise ConfigError(f"the workers report ranks {[info.rank for info in infos]}; list "
+                              "them in rank order (0, 1, ...)")
         self.worker_info = infos[0]
         self.max_model_len = min(info.max_model_len for info in infos)
         if config.model.max_model_len:
@@ -375,8 +378,8 @@ class EngineCore:
                        "requests (scheduler epoch %d)", len(lost), num_requeued,
                        self.scheduler_epoch)
         try:
-            for worker in lost:
-                self._handshake_again(worker)
+            # at once: the tensor-parallel ranks' warm-up forwards meet in their all-reduces
+            self._on_workers(self._handshake_again, lost)
         except Exception as exc:
             logger.error("a lost worker was not rebuilt: %r", exc)
             live = [g for g in self._groups.values() if not g.is_finished]
@@ -404,12 +407,16 @@ class EngineCore:
         return [r for g in groups if (r := make_request_output(g)) is not None]
 
     def _on_all_workers(self, call):
-        if self._pool is None:
-            return [call(self.workers[0])]
+        return self._on_workers(call, self.workers)
+
+    def _on_workers(self, call, workers: list[WorkerLike]):
+        """call(worker) on each worker at once; the results in order, or the first error."""
+        if self._pool is None or len(workers) == 1:
+            return [call(worker) for worker in workers]
         # each call runs in a copy of this thread's context, so the engine-step span (tracing)
         # stays the parent of every rank's ExecuteStep
-        contexts = [contextvars.copy_context() for _ in self.workers]
-        return list(self._pool.map(lambda ctx, w: ctx.run(call, w), contexts, self.workers))
+        contexts = [contextvars.copy_context() for _ in workers]
+        return list(self._pool.map(lambda ctx, w: ctx.run(call, w), contexts, workers))
 
 
 def _touched_groups(steps: list[_InFlight]) -> list[SequenceGroup]:

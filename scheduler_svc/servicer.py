@@ -24,7 +24,7 @@ from scheduler_svc.convert import (
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.service import EngineService
 from services.config import EngineConfig, SchedulerServiceConfig
-from services.errors import Unavailable
+from services.errors import ConfigError, Unavailable
 from services.server import ServiceBinding, ServiceServer, create_server
 from services.status import map_errors
 from worker_svc.client import GrpcWorker
@@ -88,6 +88,10 @@ def create_scheduler_server(config: EngineConfig, service_config: SchedulerServi
 async def start_engine(config: EngineConfig, service_config: SchedulerServiceConfig
                        ) -> EngineService:
     """The worker handshake over gRPC, then the engine loop."""
+    num_ranks = config.parallel.tensor_parallel_size
+    if len(service_config.worker_addresses) != num_ranks:
+        raise ConfigError(f"worker_addresses has {len(service_config.worker_addresses)} "
+                          f"addresses; tensor_parallel_size={num_ranks} needs one per rank")
     workers = [GrpcWorker(address, config, service_config.step_timeout_s,
                           service_config.startup_timeout_s)
                for address in service_config.worker_addresses]

@@ -134,11 +134,17 @@ class DeviceConfig:
 
 @dataclass(slots=True)
 class ParallelConfig:
-    tensor_parallel_size: int = opt(1, "workers (GPUs) per model replica")
+    tensor_parallel_size: int = opt(1, "workers (GPUs) per model replica, one process each")
+    distributed_init_address: str = opt(
+        "127.0.0.1:29500", "host:port where tensor-parallel rank 0 meets the other ranks")
+    distributed_timeout_s: float = opt(
+        300.0, "how long tensor-parallel ranks wait for each other (joining, each collective)")
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel_size >= 1,
                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        _check(self.distributed_timeout_s > 0,
+               f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
 
 
 @dataclass(slots=True)

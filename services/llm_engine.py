@@ -36,9 +36,13 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"tensor_parallel_size={config.parallel.tensor_parallel_size} needs one worker "
+                "process per rank: use `pagedserve serve --tensor-parallel-size N` (or the "
+                "services); the in-process engine runs one worker")
         self.config = config
-        workers = [Worker(config, rank) for rank in range(config.parallel.tensor_parallel_size)]
-        self.core = EngineCore(config, workers)
+        self.core = EngineCore(config, [Worker(config)])
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:

@@ -3,10 +3,12 @@
 Each child is `python -m services.cli <role> ...` in its own session, so a Ctrl-C at the terminal
 reaches only the supervisor, which then stops them in order: the gateway first (it drains its
 streams), then the scheduler, then the worker. Readiness is the children's own grpc.health.v1
-status, watched (a server stream, no polling) until SERVING. A worker or gateway that exits on
-its own is started again on its address, as Kubernetes restarts a pod (the scheduler rebuilds a
-restarted worker and recomputes its requests); the scheduler holds every request, so its exit --
-or a child that keeps dying, MAX_RESTARTS times within RESTART_WINDOW_S -- stops the others.
+status, watched (a server stream, no polling) until SERVING. A restartable child -- the gateway,
+and the worker unless there are several tensor-parallel ranks (a new rank cannot rejoin the
+others' group) -- that exits on its own is started again on its address, as Kubernetes restarts
+a pod (the scheduler rebuilds a restarted worker and recomputes its requests). Any other exit --
+the scheduler's, which held every request, or a child that keeps dying, MAX_RESTARTS times
+within RESTART_WINDOW_S -- stops the others.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-RESTARTABLE_ROLES = ("worker", "gateway")
 MAX_RESTARTS = 3
 RESTART_WINDOW_S = 60.0
 
@@ -70,6 +71,7 @@ class Child:
     address: str  # host:port it serves on
     argv: Sequence[str]  # its flags, to start it again
     process: asyncio.subprocess.Process
+    restartable: bool = False
     restart_times: list[float] = dataclasses.field(default_factory=list)  # monotonic
 
     async def wait_serving(self, timeout_s: float) -> None:
@@ -124,16 +126,17 @@ async def _spawn(role: str, address: str, argv: Sequence[str]) -> asyncio.subpro
     return process
 
 
-async def start_child(role: str, address: str, argv: Sequence[str]) -> Child:
-    return Child(role, address, argv, await _spawn(role, address, argv))
+async def start_child(role: str, address: str, argv: Sequence[str],
+                      restartable: bool = False) -> Child:
+    return Child(role, address, argv, await _spawn(role, address, argv), restartable)
 
 
 async def restart_child(child: Child) -> bool:
-    """Start a child that exited on its own again, unless its role holds state that died with
-    it or it keeps dying; False if it was not restarted."""
+    """Start a restartable child that exited on its own again, unless it keeps dying; False if
+    it was not restarted."""
     now = time.monotonic()
     child.restart_times = [t for t in child.restart_times if now - t < RESTART_WINDOW_S]
-    if child.role not in RESTARTABLE_ROLES or len(child.restart_times) >= MAX_RESTARTS:
+    if not child.restartable or len(child.restart_times) >= MAX_RESTARTS:
         return False
     child.restart_times.append(now)
     child.process = await _spawn(child.role, child.address, child.argv)
@@ -152,8 +155,9 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop_requested.set)
 
-    async def start(self, role: str, address: str, argv: Sequence[str]) -> Child:
-        child = await start_child(role, address, argv)
+    async def start(self, role: str, address: str, argv: Sequence[str],
+                    restartable: bool = False) -> Child:
+        child = await start_child(role, address, argv, restartable)
         self.children.append(child)
         return child
 
@@ -222,30 +226,38 @@ def example_commands(address: str) -> list[str]:
 async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, worker_port: int,
                       startup_timeout_s: float, drain_timeout_s: float,
                       tracing: Any = None) -> int:
-    """Start worker, scheduler and gateway (`config` is the EngineConfig every one gets, and
-    `tracing` the TracingConfig, if given), wait
+    """Start the workers (one per tensor-parallel rank), scheduler and gateway (`config` is the
+    EngineConfig every one gets, and `tracing` the TracingConfig, if given), wait
     until all three serve, print the gateway's address and examples, run until Ctrl-C or
     SIGTERM (0) or until the scheduler dies or another child keeps dying (1), then stop them
     gateway first."""
     connect = _connect_host(host)
-    worker_port = worker_port or free_port(host)
+    num_ranks = config.parallel.tensor_parallel_size
+    worker_ports = [worker_port or free_port(host)] + [free_port(host)
+                                                      for _ in range(num_ranks - 1)]
+    worker_addresses = [f"{connect}:{p}" for p in worker_ports]
     scheduler_port = scheduler_port or free_port(host)
     port = port or free_port(host)
+    if num_ranks > 1:  # the ranks meet on loopback, on a port nothing else uses
+        config = dataclasses.replace(config, parallel=dataclasses.replace(
+            config.parallel, distributed_init_address=f"127.0.0.1:{free_port()}"))
     engine_argv = config_to_argv(config)
     drain = ["--drain-timeout-s", str(drain_timeout_s),
              *(config_to_argv(tracing) if tracing is not None else [])]
     supervisor = Supervisor(stop_timeout_s=drain_timeout_s + 10.0)
     try:
-        await supervisor.start("worker", f"{connect}:{worker_port}", [
-            *engine_argv, *drain, "--host", host, "--port", str(worker_port)])
+        for rank, (address, p) in enumerate(zip(worker_addresses, worker_ports, strict=True)):
+            await supervisor.start("worker", address, [
+                *engine_argv, *drain, "--host", host, "--port", str(p), "--rank", str(rank)],
+                restartable=num_ranks == 1)
         await supervisor.start("scheduler", f"{connect}:{scheduler_port}", [
             *engine_argv, *drain, "--host", host, "--port", str(scheduler_port),
-            "--worker-addresses", f"{connect}:{worker_port}",
+            "--worker-addresses", *worker_addresses,
             "--startup-timeout-s", str(startup_timeout_s)])
         await supervisor.start("gateway", f"{connect}:{port}", [
             *drain, "--host", host, "--port", str(port),
             "--scheduler-address", f"{connect}:{scheduler_port}",
-            "--tokenizer", config.model.tokenizer_path])
+            "--tokenizer", config.model.tokenizer_path], restartable=True)
         if not await supervisor.wait_serving(startup_timeout_s):
             return 0
         address = f"{connect}:{port}"

@@ -16,6 +16,7 @@ from worker_svc.cache_engine import CacheEngine
 from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.input_batch import CachedSequence, InputBatch
 from worker_svc.model_input import ModelInput, build_model_input
+from worker_svc.parallel import SINGLE, TensorParallel
 from worker_svc.sampler import Sampler, SeqSamplingState, prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -23,8 +24,9 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: nn.Module, sampler: Sampler, vocab_size: int, block_size: int,
-                 max_model_len: int, device: torch.device) -> None:
+                 max_model_len: int, device: torch.device, tp: TensorParallel = SINGLE) -> None:
         self.model = model
+        self.tp = tp
         self.sampler = sampler
         self.vocab_size = vocab_size
         self.block_size = block_size
@@ -62,9 +64,11 @@ class ModelRunner:
         return StepOutput(step_id=plan.step_id, outputs=outputs, timings=StepTimings(
             cache_ops_ns=t1 - t0, prepare_ns=t2 - t1, forward_ns=t3 - t2, sample_ns=t4 - t3))
 
-    def _forward(self, model_input: ModelInput, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def _forward(self, model_input: ModelInput,
+                 kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
         """Hidden states of the whole batch (a CUDA graph replay for a decode-only step that
-        fits one), then logits only at the selected rows: [num_logits_rows, vocab] float32."""
+        fits one), then logits only at the selected rows: [num_logits_rows, vocab] float32 (on
+        tensor-parallel rank 0 only, which samples: None on the others)."""
         graphs = self.decode_graphs
         batch_size = graphs.batch_size_for(model_input, kv_caches) if graphs else None
         if batch_size is None:
@@ -72,14 +76,20 @@ class ModelRunner:
                                        model_input.meta)  # [num_tokens, hidden]
         else:
             hidden_states = graphs.replay(model_input, batch_size)  # [num_tokens, hidden]
+        if self.tp.rank > 0:
+            return None
         return self.model.compute_logits(hidden_states[model_input.logits_indices])
 
-    def _sample(self, model_input: ModelInput, logits: torch.Tensor) -> list[SampledSequence]:
+    def _sample(self, model_input: ModelInput,
+                logits: torch.Tensor | None) -> list[SampledSequence]:
         sample_seqs = model_input.sample_seqs
+        if logits is None:  # a tensor-parallel rank > 0: rank 0's tokens
+            return self.tp.broadcast_samples([], [s.seq_id for s in sample_seqs], self.device)
         states = [SeqSamplingState(seq_id=s.seq_id, sampling=s.sampling, token_ids=s.token_ids,
                                    prompt_len=s.prompt_len, seed=s.seed,
                                    num_samples=s.num_samples) for s in sample_seqs]
-        sampled = self.sampler(logits[:len(sample_seqs)], states)
+        sampled = self.tp.broadcast_samples(self.sampler(logits[:len(sample_seqs)], states),
+                                            [s.seq_id for s in sample_seqs], self.device)
         if not model_input.prompt_logprob_spans:
             return sampled
         by_seq = {s.seq_id: s for s in sampled}

@@ -34,6 +34,7 @@ from worker_svc.loader import eos_token_ids, load_hf_config, load_model
 from worker_svc.memory import profile_memory
 from worker_svc.model_runner import ModelRunner, dummy_num_blocks
 from worker_svc.models.registry import resolve_architecture
+from worker_svc.parallel import SINGLE, init_tensor_parallel
 from worker_svc.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -59,9 +60,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
-        if config.parallel.tensor_parallel_size != 1:
-            raise ConfigError("tensor_parallel_size must be 1 (this worker runs the whole model), "
-                              f"got {config.parallel.tensor_parallel_size}")
         self.config = config
         self.rank = rank
         self.device = resolve_device(config.device.device)
@@ -78,6 +76,7 @@ class Worker:
         self.cache_engine: CacheEngine | None = None
         self.kv_spec: KVCacheSpec | None = None
         self.backend: ModuleType | None = None  # the kernel module, imported by load_model
+        self.tp = SINGLE  # this rank's tensor-parallel group, joined by load_model
 
     # --- startup ------------------------------------------------------------------------------
 
@@ -91,8 +90,12 @@ class Worker:
                               f"max_position_embeddings={model_max_len}")
         max_model_len = model_config.max_model_len or model_max_len
         self.backend = get_backend(self.backend_name, self.device)
+        parallel = self.config.parallel
+        self.tp = init_tensor_parallel(self.rank, parallel.tensor_parallel_size,
+                                       parallel.distributed_init_address, self.device,
+                                       parallel.distributed_timeout_s)
         model = load_model(model_config, hf_config, self.dtype, self.device, backend=self.backend,
-                           max_position=max_model_len)
+                           max_position=max_model_len, tp=self.tp)
         attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_spec = KVCacheSpec(num_layers=len(attn_layers),
                                    num_kv_heads=attn_layers[0].num_kv_heads,
@@ -101,7 +104,7 @@ class Worker:
         vocab_size = int(hf_config.vocab_size)
         eos_ids = eos_token_ids(model_config.model, hf_config)
         self.runner = ModelRunner(model, Sampler(vocab_size, eos_ids, self.device), vocab_size,
-                                  self.kv_spec.block_size, max_model_len, self.device)
+                                  self.kv_spec.block_size, max_model_len, self.device, self.tp)
         self.info = WorkerInfo(
             rank=self.rank, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             architecture=architecture, vocab_size=vocab_size, max_model_len=max_model_len,
@@ -239,9 +242,11 @@ class Worker:
         self._runner().input_batch.clear()
 
     def _graph_batch_sizes(self) -> list[int]:
-        """The decode buckets to capture: none off CUDA, with enable_cuda_graph off, or with a
-        backend whose kernels size their launches by each step's real lengths."""
-        if self.device.type != "cuda" or not self.config.device.enable_cuda_graph:
+        """The decode buckets to capture: none off CUDA, with enable_cuda_graph off, under tensor
+        parallelism (the all-reduces run eagerly), or with a backend whose kernels size their
+        launches by each step's real lengths."""
+        if (self.device.type != "cuda" or not self.config.device.enable_cuda_graph
+                or self.tp.size > 1):
             return []
         if self.backend_name not in CAPTURABLE_BACKENDS:
             logger.info("no CUDA graphs with the %s attention backend (capturable: %s)",

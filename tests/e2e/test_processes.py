@@ -193,3 +193,37 @@ def test_a_killed_scheduler_fails_open_calls_with_unavailable_within_5s(tiny_ser
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def test_serve_with_two_tensor_parallel_ranks_generates_what_one_worker_does(
+        tiny_served_model_dir):
+    from services.llm import LLM
+    from services.sampling_params import SamplingParams
+
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11], [4, 5]]
+    llm = LLM(model=str(tiny_served_model_dir), device="cpu", kv_cache_memory_gib=0.01)
+    expected = [o.outputs[0].token_ids for o in llm.generate(
+        prompts,
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)]
+    serve = pagedserve("serve", "--model", str(tiny_served_model_dir), "--port", "0",
+                       "--tensor-parallel-size", "2", *SMALL_CACHE,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = read_lines(serve.stdout), read_lines(serve.stderr)
+        address = wait_for_line(out, "pagedserve is serving", 180).split(" on ")[-1].strip()
+        with grpc.insecure_channel(address) as channel:
+            stub = gateway_pb2_grpc.GenerationStub(channel)
+            calls = [stub.Generate.future(gateway_pb2.GenerateRequest(
+                token_ids=gateway_pb2.TokenIds(token_ids=ids),
+                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=24,
+                                                   ignore_eos=True)), timeout=60)
+                for ids in prompts]  # batched: the ranks run the same steps together
+            outputs = [list(call.result().outputs[0].token_ids) for call in calls]
+        assert outputs == expected
+        assert stop(serve, signal.SIGINT) == 0
+        log = "".join(rest(err))
+        assert log.count("the worker stopped (code 0)") == 2, log
+        assert "rank 1 of 2: joining the tensor-parallel group" in log, log
+    finally:
+        if serve.poll() is None:
+            serve.kill()

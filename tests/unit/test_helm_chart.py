@@ -179,6 +179,9 @@ def test_workers_are_a_statefulset_of_one_gpu_ranks_behind_a_headless_service():
     assert re.search(r"limits:\n\s+nvidia\.com/gpu: 1\n", statefulset)
     assert "podManagementPolicy: Parallel" in statefulset  # ranks are ready only together
     assert '--rank "${POD_NAME##*-}"' in statefulset and "exec pagedserve worker" in statefulset
+    # the ranks meet at rank 0's stable DNS name (resolvable before readiness, see below)
+    assert "--distributed-init-address" in statefulset
+    assert '"%s-worker-0.%s-worker:%d"' in statefulset
     service = _template("worker-service.yaml")
     assert "clusterIP: None" in service
     assert "publishNotReadyAddresses: true" in service  # the scheduler dials before readiness

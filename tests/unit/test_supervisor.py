@@ -1,5 +1,5 @@
-"""`pagedserve serve` restarts a worker or gateway that died, but not the scheduler (it held the
-requests) and not a child that keeps dying."""
+"""`pagedserve serve` restarts a restartable child that died (the gateway; a lone worker) but
+not the others (the scheduler held the requests) and not a child that keeps dying."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ def spawned(monkeypatch):
     return calls
 
 
-def _child(role: str) -> Child:
-    return Child(role, "127.0.0.1:50053", ["--port", "50053"], process="process 0")
+def _child(role: str, restartable: bool = True) -> Child:
+    return Child(role, "127.0.0.1:50053", ["--port", "50053"], process="process 0",
+                 restartable=restartable)
 
 
 @pytest.mark.parametrize("role", ["worker", "gateway"])
@@ -41,6 +42,6 @@ def test_a_stateless_child_restarts_on_its_address_until_it_keeps_dying(spawned,
     assert len(child.restart_times) == 1
 
 
-def test_the_scheduler_is_never_restarted(spawned):
-    assert not asyncio.run(restart_child(_child("scheduler")))
+def test_a_child_that_is_not_restartable_is_not_restarted(spawned):
+    assert not asyncio.run(restart_child(_child("scheduler", restartable=False)))
     assert spawned == []

@@ -17,10 +17,11 @@ from kernels.metadata import AttentionMetadata
 from services.errors import ConfigError
 from worker_svc.layers.activation import SiluAndMul
 from worker_svc.layers.attention import Attention
-from worker_svc.layers.linear import Linear, MergedLinear, QKVLinear, VocabEmbedding
+from worker_svc.layers.linear import MergedLinear, QKVLinear, RowParallelLinear, VocabEmbedding
 from worker_svc.layers.norm import RMSNorm
 from worker_svc.layers.rotary import RotaryEmbedding, rope_settings
 from worker_svc.loader import load_named_weights
+from worker_svc.parallel import SINGLE, TensorParallel
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,14 +33,14 @@ class LlamaVariant:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool
-                 ) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool,
+                 tp: TensorParallel) -> None:
         super().__init__()
         if hidden_act != "silu":
             raise ConfigError(f"hidden_act must be 'silu' for this architecture, got {hidden_act!r}")
         self.gate_up_proj = MergedLinear(hidden_size, {0: intermediate_size, 1: intermediate_size},
-                                         bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+                                         bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,15 +49,18 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, variant: LlamaVariant, max_position: int,
-                 backend: ModuleType) -> None:
+                 backend: ModuleType, tp: TensorParallel) -> None:
         super().__init__()
         hidden_size = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_size = getattr(config, "head_dim", None) or hidden_size // self.num_heads
-        self.qkv_proj = QKVLinear(hidden_size, self.head_size, self.num_heads, self.num_kv_heads,
-                                  bias=variant.qkv_bias)
-        self.o_proj = Linear(self.num_heads * self.head_size, hidden_size, bias=variant.o_bias)
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self.head_size = getattr(config, "head_dim", None) or hidden_size // num_heads
+        self.qkv_proj = QKVLinear(hidden_size, self.head_size, num_heads, num_kv_heads,
+                                  bias=variant.qkv_bias, tp=tp)
+        self.o_proj = RowParallelLinear(num_heads * self.head_size, hidden_size,
+                                        bias=variant.o_bias, tp=tp)
+        self.num_heads = tp.shard(num_heads, "num_attention_heads")  # on this rank
+        self.num_kv_heads = tp.shard(num_kv_heads, "num_key_value_heads")
         if variant.qk_norm:
             self.q_norm = RMSNorm(self.head_size, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_size, eps=config.rms_norm_eps)
@@ -79,11 +83,11 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, variant: LlamaVariant, max_position: int,
-                 backend: ModuleType) -> None:
+                 backend: ModuleType, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, variant, max_position, backend)
+        self.self_attn = LlamaAttention(config, variant, max_position, backend, tp)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                            variant.mlp_bias)
+                            variant.mlp_bias, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -102,11 +106,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, variant: LlamaVariant, max_position: int,
-                 backend: ModuleType) -> None:
+                 backend: ModuleType, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, variant, max_position, backend)
+            LlamaDecoderLayer(config, variant, max_position, backend, tp)
             for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -129,10 +133,11 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj", ".up_proj", 1),
     ]
 
-    def __init__(self, config: Any, backend: ModuleType, max_position: int) -> None:
+    def __init__(self, config: Any, backend: ModuleType, max_position: int,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.variant(config), max_position, backend)
+        self.model = LlamaModel(config, self.variant(config), max_position, backend, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens

@@ -15,22 +15,30 @@ from torch import nn
 from kernels.metadata import AttentionMetadata
 from worker_svc.layers.activation import get_activation
 from worker_svc.layers.attention import Attention
-from worker_svc.layers.linear import Linear, QKVLinear, VocabEmbedding
+from worker_svc.layers.linear import (
+    ColumnParallelLinear,
+    Linear,
+    QKVLinear,
+    RowParallelLinear,
+    VocabEmbedding,
+)
 from worker_svc.loader import load_named_weights
+from worker_svc.parallel import SINGLE, TensorParallel
 
 # OPT's learned position table is 2 rows longer: position p reads row p + 2 (a fairseq legacy)
 POSITION_OFFSET = 2
 
 
 class OPTAttention(nn.Module):
-    def __init__(self, config: Any, backend: ModuleType) -> None:
+    def __init__(self, config: Any, backend: ModuleType, tp: TensorParallel) -> None:
         super().__init__()
         embed_dim = config.hidden_size
         num_heads = config.num_attention_heads
         head_size = embed_dim // num_heads
         bias = bool(getattr(config, "enable_bias", True))
-        self.qkv_proj = QKVLinear(embed_dim, head_size, num_heads, num_heads, bias=bias)
-        self.out_proj = Linear(embed_dim, embed_dim, bias=bias)
+        self.qkv_proj = QKVLinear(embed_dim, head_size, num_heads, num_heads, bias=bias, tp=tp)
+        self.out_proj = RowParallelLinear(embed_dim, embed_dim, bias=bias, tp=tp)
+        num_heads = tp.shard(num_heads, "num_attention_heads")  # on this rank
         self.attn = Attention(num_heads, head_size, num_heads, head_size ** -0.5, backend)
 
     def forward(self, hidden_states: torch.Tensor, kv_cache: torch.Tensor,
@@ -40,17 +48,17 @@ class OPTAttention(nn.Module):
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, config: Any, backend: ModuleType) -> None:
+    def __init__(self, config: Any, backend: ModuleType, tp: TensorParallel) -> None:
         super().__init__()
         embed_dim = config.hidden_size
         bias = bool(getattr(config, "enable_bias", True))
         affine = bool(getattr(config, "layer_norm_elementwise_affine", True))
         self.do_layer_norm_before = config.do_layer_norm_before
-        self.self_attn = OPTAttention(config, backend)
+        self.self_attn = OPTAttention(config, backend, tp)
         self.self_attn_layer_norm = nn.LayerNorm(embed_dim, elementwise_affine=affine)
-        self.fc1 = Linear(embed_dim, config.ffn_dim, bias=bias)
+        self.fc1 = ColumnParallelLinear(embed_dim, config.ffn_dim, bias=bias, tp=tp)
         self.activation_fn = get_activation(config.activation_function)
-        self.fc2 = Linear(config.ffn_dim, embed_dim, bias=bias)
+        self.fc2 = RowParallelLinear(config.ffn_dim, embed_dim, bias=bias, tp=tp)
         self.final_layer_norm = nn.LayerNorm(embed_dim, elementwise_affine=affine)
 
     def forward(self, hidden_states: torch.Tensor, kv_cache: torch.Tensor,
@@ -71,7 +79,8 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
-    def __init__(self, config: Any, max_position: int, backend: ModuleType) -> None:
+    def __init__(self, config: Any, max_position: int, backend: ModuleType,
+                 tp: TensorParallel) -> None:
         super().__init__()
         proj_dim = config.word_embed_proj_dim
         self.embed_tokens = VocabEmbedding(config.vocab_size, proj_dim)
@@ -87,7 +96,7 @@ class OPTDecoder(nn.Module):
                          elementwise_affine=getattr(config, "layer_norm_elementwise_affine", True))
             if has_final_norm else None)
         self.layers = nn.ModuleList(
-            OPTDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+            OPTDecoderLayer(config, backend, tp) for _ in range(config.num_hidden_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -105,9 +114,10 @@ class OPTDecoder(nn.Module):
 
 
 class OPTModel(nn.Module):
-    def __init__(self, config: Any, max_position: int, backend: ModuleType) -> None:
+    def __init__(self, config: Any, max_position: int, backend: ModuleType,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.decoder = OPTDecoder(config, max_position, backend)
+        self.decoder = OPTDecoder(config, max_position, backend, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -121,10 +131,11 @@ class OPTForCausalLM(nn.Module):
         (".qkv_proj", ".v_proj", "v"),
     ]
 
-    def __init__(self, config: Any, backend: ModuleType, max_position: int) -> None:
+    def __init__(self, config: Any, backend: ModuleType, max_position: int,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = OPTModel(config, max_position, backend)
+        self.model = OPTModel(config, max_position, backend, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         if self.tie_word_embeddings:
             self.lm_head = self.model.decoder.embed_tokens
