@@ -218,7 +218,16 @@ def test_serve_with_two_tensor_parallel_ranks_generates_what_one_worker_does(
                 sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=24,
                                                    ignore_eos=True)), timeout=60)
                 for ids in prompts]  # batched: the ranks run the same steps together
+            forked = [stub.Generate.future(gateway_pb2.GenerateRequest(  # several samples
+                token_ids=gateway_pb2.TokenIds(token_ids=[1, 2, 3]), sampling=sampling),
+                timeout=60) for sampling in (
+                    common_pb2.SamplingParams(n=2, best_of=3, temperature=1.0, seed=7,
+                                              max_tokens=12, ignore_eos=True),
+                    common_pb2.SamplingParams(n=2, best_of=2, use_beam_search=True,
+                                              temperature=0.0, max_tokens=12, ignore_eos=True))]
             outputs = [list(call.result().outputs[0].token_ids) for call in calls]
+            for call in forked:
+                assert [len(o.token_ids) for o in call.result().outputs] == [12, 12]
         assert outputs == expected
         assert stop(serve, signal.SIGINT) == 0
         log = "".join(rest(err))
