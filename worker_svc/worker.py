@@ -42,13 +42,16 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0) -> torch.device:
+    """"cuda": the GPU of this tensor-parallel rank when the process sees several (ranks on
+    one machine), else the current one (a pod that sees its own GPU only)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device='cuda' but CUDA is not available")
-        return torch.device("cuda", torch.cuda.current_device())
+        count = torch.cuda.device_count()
+        return torch.device("cuda", rank % count if count > 1 else torch.cuda.current_device())
     return torch.device(name)
 
 
@@ -62,7 +65,9 @@ class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
         self.rank = rank
-        self.device = resolve_device(config.device.device)
+        self.device = resolve_device(config.device.device, rank)
+        if self.device.type == "cuda":  # for this (the model) thread: NCCL and graph capture
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.backend_name = resolve_backend_name(config.device.attention_backend, self.device)
         if config.device.num_threads > 0:
