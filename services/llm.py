@@ -137,11 +137,17 @@ class _Request:
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`kwargs` are flat engine options (block_size, enable_prefix_caching, max_num_seqs,
-        num_gpu_blocks_override, preemption_mode, enable_chunked_prefill, dtype, seed, ...)."""
+        num_gpu_blocks_override, preemption_mode, enable_chunked_prefill, dtype, seed,
+        tensor_parallel_size, ...). With tensor_parallel_size > 1 the ranks run as worker
+        processes until close() (or the interpreter's exit)."""
         config = engine_config_from_kwargs(model=model or default_model_dir(), **kwargs)
         self.tokenizer = Tokenizer.from_pretrained(config.model.tokenizer_path)
         self.engine = LLMEngine(config)
         self._request_ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's worker processes, if it has any (tensor parallelism)."""
+        self.engine.close()
 
     def generate(self, prompts: str | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -1,21 +1,33 @@
-"""LLMEngine: the scheduler core wired straight to in-process worker cores (no gRPC).
+"""LLMEngine: the scheduler core wired straight to an in-process worker core (no gRPC).
 
 The gRPC scheduler service builds the same EngineCore with worker clients instead; everything
-between the two is transport.
+between the two is transport. With tensor_parallel_size N > 1 every rank needs a process of its
+own (worker_svc/parallel.py), so the engine starts N `pagedserve worker` processes on loopback
+and drives them through worker clients, as the scheduler service does; close() (or the
+interpreter's exit) stops them.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import logging
+import os
+import subprocess
+import sys
 import typing
 from typing import Any
 
-from scheduler_svc.engine_core import EngineCore, EngineLoad
+from scheduler_svc.engine_core import EngineCore, EngineLoad, WorkerLike
 from scheduler_svc.outputs import RequestOutput
-from services.config import EngineConfig
+from services.config import EngineConfig, SchedulerServiceConfig
 from services.errors import ConfigError
 from services.sampling_params import SamplingParams
+from services.supervisor import config_to_argv, free_port
+from worker_svc.client import GrpcWorker
 from worker_svc.worker import Worker
+
+logger = logging.getLogger(__name__)
 
 
 def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
@@ -36,13 +48,51 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        if config.parallel.tensor_parallel_size != 1:
-            raise ConfigError(
-                f"tensor_parallel_size={config.parallel.tensor_parallel_size} needs one worker "
-                "process per rank: use `pagedserve serve --tensor-parallel-size N` (or the "
-                "services); the in-process engine runs one worker")
         self.config = config
-        self.core = EngineCore(config, [Worker(config)])
+        self._rank_processes: list[subprocess.Popen] = []
+        self._clients: list[GrpcWorker] = []
+        workers: list[WorkerLike] = [Worker(config)]
+        if config.parallel.tensor_parallel_size > 1:
+            atexit.register(self.close)
+            workers = self._start_ranks()
+        try:
+            self.core = EngineCore(config, workers)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_ranks(self) -> list[WorkerLike]:
+        """One `pagedserve worker` process per rank on loopback, and a client for each."""
+        config = dataclasses.replace(self.config, parallel=dataclasses.replace(
+            self.config.parallel, distributed_init_address=f"127.0.0.1:{free_port()}"))
+        timeouts = SchedulerServiceConfig()
+        for rank in range(config.parallel.tensor_parallel_size):
+            port = free_port()
+            self._rank_processes.append(subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "worker", *config_to_argv(config),
+                 "--port", str(port), "--rank", str(rank), "--log-level", "WARNING"],
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "ERROR"}))
+            self._clients.append(GrpcWorker(f"127.0.0.1:{port}", config, timeouts.step_timeout_s,
+                                            timeouts.startup_timeout_s))
+        logger.info("started %d worker processes, one per tensor-parallel rank",
+                    len(self._clients))
+        return list(self._clients)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel rank processes, if any (idempotent)."""
+        for client in self._clients:
+            client.close()
+        for process in self._rank_processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self._rank_processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self._clients.clear()
+        self._rank_processes.clear()
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:

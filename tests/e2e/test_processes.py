@@ -22,6 +22,8 @@ from pagedserve.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from services.llm import LLM
+from services.sampling_params import SamplingParams
 from services.supervisor import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,11 +197,26 @@ def test_a_killed_scheduler_fails_open_calls_with_unavailable_within_5s(tiny_ser
                 process.wait()
 
 
+def test_llm_with_two_tensor_parallel_ranks_generates_what_one_worker_does(
+        tiny_served_model_dir):
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11], [4, 5]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    one = LLM(model=str(tiny_served_model_dir), device="cpu", kv_cache_memory_gib=0.01)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, greedy, use_tqdm=False)]
+    two = LLM(model=str(tiny_served_model_dir), device="cpu", kv_cache_memory_gib=0.01,
+              tensor_parallel_size=2)
+    try:
+        ranks = list(two.engine._rank_processes)
+        assert len(ranks) == 2
+        outputs = [o.outputs[0].token_ids for o in two.generate(prompts, greedy, use_tqdm=False)]
+    finally:
+        two.close()
+    assert outputs == expected
+    assert all(p.poll() is not None for p in ranks)  # close() stopped them
+
+
 def test_serve_with_two_tensor_parallel_ranks_generates_what_one_worker_does(
         tiny_served_model_dir):
-    from services.llm import LLM
-    from services.sampling_params import SamplingParams
-
     prompts = [[1, 2, 3], [7, 8, 9, 10, 11], [4, 5]]
     llm = LLM(model=str(tiny_served_model_dir), device="cpu", kv_cache_memory_gib=0.01)
     expected = [o.outputs[0].token_ids for o in llm.generate(

@@ -15,7 +15,6 @@ from kernels.backend import get_backend
 from scheduler_svc.servicer import start_engine
 from services.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerServiceConfig
 from services.errors import ConfigError
-from services.llm_engine import LLMEngine
 from services.step_plan import SampledSequence
 from tests.tiny_models import load_hf
 from worker_svc.loader import load_hf_config, load_model
@@ -77,10 +76,7 @@ def test_one_rank_needs_no_group():
     assert SINGLE.all_reduce(x) is x and x.tolist() == [1.0, 1.0]
 
 
-def test_the_in_process_engine_and_a_short_address_list_refuse_several_ranks(tiny_model_dir):
-    with pytest.raises(ConfigError, match="one worker process per rank"):
-        LLMEngine.from_kwargs(model=str(tiny_model_dir("llama")), device="cpu",
-                              tensor_parallel_size=2)
+def test_a_short_address_list_is_refused():
     config = EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2))
     with pytest.raises(ConfigError, match="worker_addresses has 1 addresses; "
                                           "tensor_parallel_size=2 needs one per rank"):
