@@ -98,3 +98,9 @@ def init_tensor_parallel(rank: int, size: int, init_address: str, device: torch.
     dist.init_process_group(backend, init_method=f"tcp://{init_address}", rank=rank,
                             world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
     return TensorParallel(rank, size)
+
+
+def leave_tensor_parallel() -> None:
+    """Leave the group before the process exits (its threads would otherwise abort the exit)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

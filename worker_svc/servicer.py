@@ -35,6 +35,7 @@ from worker_svc.convert import (
     step_plan_from_proto,
     worker_info_to_proto,
 )
+from worker_svc.parallel import leave_tensor_parallel
 from worker_svc.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        leave_tensor_parallel()
 
     # --- RPCs ---------------------------------------------------------------------------------
 
