@@ -168,8 +168,9 @@ class Scheduler:
 
         Order (chunked prefill, the default): decodes of running groups first (one token per
         live sequence), then prefill chunks of running groups, then swapped groups coming back
-        (only if nothing was preempted this step), then new prompts from `waiting` (only if
-        nothing was preempted and nothing is still swapped out) -- all within
+        (only if nothing was preempted this step), then prompts from `waiting` (only if nothing
+        was preempted, and only those that outrank every group still swapped out: the swapped
+        groups come back first, unless a waiting one has a higher priority) -- all within
         `max_num_batched_tokens` tokens and `max_num_seqs` sequences. A prompt longer than the
         token budget left is split into chunks over several steps. Without chunked prefill a step
         is either all whole prompts or all decodes (vLLM V0); a lone prompt may then use up to
@@ -184,7 +185,9 @@ class Scheduler:
         itself): by recompute (blocks freed, back to the front of `waiting`, the whole token list
         is prefilled again later) for single-sequence groups, by swap (blocks copied to CPU
         blocks, to `swapped`) for multi-sequence groups; `SchedulerConfig.preemption_mode`
-        overrides the choice, and a swap without CPU room falls back to recompute.
+        overrides the choice, and a swap without CPU room falls back to recompute. A running
+        group that cannot grow even with the device to itself finishes with finish_reason
+        "error" (in `rejected`) instead of being preempted and resumed forever.
 
         A waiting prompt that can never run (not shorter than max_model_len, or more blocks than
         the device has: AllocStatus.NEVER) finishes with finish_reason "error" and is returned in
@@ -211,15 +214,14 @@ class Scheduler:
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         if not chunked:
             budget.max_num_tokens = max(budget.max_num_tokens, self.max_model_len)
-            if not self.swapped:
-                self._schedule_waiting(budget, step)
+            self._schedule_waiting(budget, step)
             if step.scheduled:
                 return self._build(step)
             budget.max_num_tokens = self.config.max_num_batched_tokens
         self._schedule_running(budget, step)
         if not step.has_preempted:
             self._schedule_swapped(budget, step)
-            if chunked and not self.swapped:
+            if chunked:
                 self._schedule_waiting(budget, step)
         return self._build(step)
 
@@ -227,6 +229,11 @@ class Scheduler:
         if self.config.policy == "priority":
             return (group.priority, group.arrival_time)
         return (group.arrival_time,)
+
+    def _outranks_swapped(self, group: SequenceGroup) -> bool:
+        """A waiting group may take room only ahead of every swapped group (they hold KV on
+        the CPU and would starve otherwise); under FCFS they are older than any new prompt."""
+        return not self.swapped or self._key(group) < min(map(self._key, self.swapped))
 
     def _sort(self, queue: deque[SequenceGroup]) -> None:
         ordered = sorted(queue, key=self._key)
@@ -236,12 +243,15 @@ class Scheduler:
     def _preempt_for_priority(self, step: _Step) -> None:
         """Walk `waiting` in order, claiming room for each group; a group short of blocks or
         sequence slots preempts running groups that rank below it, lowest first, by recompute
-        (a swapped-out group would still hold back the waiting queue). Stops at the first group
-        that cannot get room: those after it rank lower still."""
+        (so the victims wait behind it, not in the swapped queue ahead of it). Stops at the
+        first group that cannot get room or does not outrank a swapped group: those after it
+        rank lower still."""
         bm = self.block_manager
         num_claimed_blocks = 0
         num_claimed_seqs = sum(len(g.live_seqs()) for g in self.running)
         for group in list(self.waiting):
+            if not self._outranks_swapped(group):
+                break
             live = group.live_seqs()
             if any(bm.can_allocate(s.token_ids) is AllocStatus.NEVER for s in live):
                 continue  # rejected by _schedule_waiting; no one makes room for it
@@ -280,6 +290,10 @@ class Scheduler:
             while not self._can_append(assignment):
                 candidates = pending + skipped
                 victim = max(candidates, key=self._key) if candidates else group
+                if victim is group and not kept:  # alone on the device, it still cannot grow
+                    self._fail(group, step, "its sequences need more KV-cache blocks than the "
+                               f"device has (num_gpu_blocks={self.block_manager.num_gpu_blocks})")
+                    break
                 if victim is not group:
                     (pending if victim in pending else skipped).remove(victim)
                 self._preempt(victim, step)
@@ -309,6 +323,8 @@ class Scheduler:
     def _schedule_waiting(self, budget: _Budget, step: _Step) -> None:
         while self.waiting and budget.remaining_tokens > 0:
             group = self.waiting[0]
+            if not self._outranks_swapped(group):
+                return
             live = group.live_seqs()
             if not group.is_admitted and group.prompt_len >= self.max_model_len:
                 self._reject(group, step, f"prompt has {group.prompt_len} tokens; it must be "
@@ -386,11 +402,13 @@ class Scheduler:
 
     def _can_swap_in(self, seq_ids: list[int]) -> bool:
         """Room to swap in, plus a block per sequence to grow right after (vLLM's margin), so a
-        group that comes back can run instead of being swapped straight out again."""
+        group that comes back can run instead of being swapped straight out again -- unless
+        nothing runs: then the room is all its own (without that, a group holding nearly the
+        whole device would wait forever)."""
         bm = self.block_manager
         num_blocks = len({b for seq_id in seq_ids for b in bm.block_table(seq_id)})
-        return (bm.can_swap_in(seq_ids)
-                and bm.num_free_gpu_blocks >= num_blocks + len(seq_ids))
+        margin = len(seq_ids) if self.running else 0
+        return bm.can_swap_in(seq_ids) and bm.num_free_gpu_blocks >= num_blocks + margin
 
     def _can_append(self, assignment: list[tuple[Sequence, int]]) -> bool:
         """Free blocks for the slots (and copy-on-writes) this assignment needs."""
@@ -443,8 +461,12 @@ class Scheduler:
         logger.debug("preempted request %s by %s", group.request_id, mode)
 
     def _reject(self, group: SequenceGroup, step: _Step, message: str) -> None:
-        logger.warning("request %s rejected: %s", group.request_id, message)
         self.waiting.popleft()
+        self._fail(group, step, message)
+
+    def _fail(self, group: SequenceGroup, step: _Step, message: str) -> None:
+        """Finish a group that can never run with an error (reported in `rejected`)."""
+        logger.warning("request %s rejected: %s", group.request_id, message)
         group.finish("error", message)
         for seq in group.seqs:
             self.free_seq(seq)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.output_processor import OutputProcessor
 from scheduler_svc.outputs import make_request_output
@@ -348,6 +350,40 @@ def test_a_higher_priority_arrival_takes_the_blocks_of_lower_running_groups():
     assert mid.seqs[0].status.value == "running"
     h.run_to_end()
     assert h.all_free()
+
+
+@pytest.mark.parametrize("num_gpu_blocks, finish_reason", [(8, "length"), (6, "error")])
+def test_a_group_that_needs_nearly_or_more_than_the_whole_device_never_stalls(
+        num_gpu_blocks, finish_reason):
+    # two sequences of 16 tokens share one prompt block: 7 blocks in all
+    h = Harness(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=8, block_size=4)
+    h.add("first", 4, GREEDY_LONG)
+    h.add("pair", 4, SamplingParams(n=2, temperature=1.0, max_tokens=12, ignore_eos=True))
+    reports = {r.request_id: r for r in h.run_to_end(max_steps=60) if r.finished}
+    # with 8 blocks it comes back from swap once alone (no margin is needed then); with 6 it
+    # cannot grow even alone on the device, and fails instead of swapping in and out forever
+    assert [o.finish_reason for o in reports["pair"].outputs] == [finish_reason] * 2
+    assert reports["first"].outputs[0].finish_reason == "length"
+    assert h.all_free()
+
+
+def test_a_swapped_group_holds_back_later_arrivals_unless_they_outrank_it():
+    pair = SamplingParams(n=2, temperature=1.0, max_tokens=12, ignore_eos=True)
+    for policy, priority, admitted in (("fcfs", 0, False), ("priority", -1, True)):
+        h = Harness(num_gpu_blocks=8, num_cpu_blocks=8, block_size=4, policy=policy)
+        h.add("first", 4, GREEDY_LONG)
+        group = h.add("pair", 4, pair)
+        for _ in range(12):
+            h.step()
+            if h.scheduler.swapped:
+                break
+        assert list(h.scheduler.swapped) == [group]
+        h.add("late", 2, GREEDY, priority=priority)
+        out, _ = h.step()
+        assert ("late" in scheduled_ids(out)) is admitted, policy
+        assert (not h.scheduler.waiting) is admitted, policy
+        h.run_to_end()
+        assert h.all_free()
 
 
 def test_no_priority_preemption_for_an_equal_rank_a_hopeless_prompt_or_fcfs():
