@@ -46,6 +46,12 @@ class Harness:
     def step(self, logprobs: dict[int, list[float]] | None = None, tokens=None):
         """One engine step; `logprobs[seq_id]` / `tokens[seq_id]` override the sampled values."""
         out = self.scheduler.schedule()
+        rejected = [r for g in out.rejected if (r := make_request_output(g)) is not None]
+        return out, rejected + self.processor.process(out, self.sample(out, logprobs, tokens))
+
+    def sample(self, out: SchedulerOutput, logprobs: dict[int, list[float]] | None = None,
+               tokens=None) -> StepOutput:
+        """What a worker would answer to the step: distinct token ids for every sample."""
         samples = []
         for item in out.scheduled:
             if item.samples:
@@ -56,9 +62,7 @@ class Harness:
                     self.next_token += item.num_samples
                 lps = (logprobs or {}).get(sid, [-0.1 * (i + 1) for i in range(len(ids))])
                 samples.append(SampledSequence(seq_id=sid, token_ids=ids, logprobs=lps))
-        step_id = out.plan.step_id if out.plan else 0
-        rejected = [r for g in out.rejected if (r := make_request_output(g)) is not None]
-        return out, rejected + self.processor.process(out, StepOutput(step_id, samples))
+        return StepOutput(out.plan.step_id if out.plan else 0, samples)
 
     def run_to_end(self, max_steps: int = 200) -> list:
         reports = []

@@ -1,13 +1,16 @@
 """The scheduler under random workloads on small pools (hypothesis): whatever the policy,
-preemption mode, budgets, prefix caching and sampling (greedy, n/best_of forks, beam search),
-every request ends -- with its tokens, or with an error saying it can never fit -- within a
-bounded number of steps, and every block comes back."""
+preemption mode, budgets, prefix caching, sampling (greedy, n/best_of forks, beam search) and
+async scheduling (the next step scheduled before this one's outputs, as EngineCore does), every
+request ends -- with its tokens, or with an error saying it can never fit -- within a bounded
+number of steps, and every block comes back."""
 
 from __future__ import annotations
 
 import hypothesis.strategies as st
 from hypothesis import assume, given, settings
 
+from scheduler_svc.outputs import make_request_output
+from scheduler_svc.scheduler import SchedulerOutput
 from services.errors import InvalidRequest
 from services.sampling_params import SamplingParams
 from tests.unit.test_scheduler import Harness
@@ -31,11 +34,11 @@ REQUESTS = st.lists(st.tuples(st.integers(1, 30),  # prompt length
        preemption_mode=st.sampled_from(["auto", "swap", "recompute"]),
        enable_chunked_prefill=st.booleans(), enable_prefix_caching=st.booleans(),
        max_num_seqs=st.integers(2, 8), max_num_batched_tokens=st.integers(8, 64),
-       requests=REQUESTS)
+       async_scheduling=st.booleans(), requests=REQUESTS)
 def test_every_request_ends_and_every_block_comes_back(
         num_gpu_blocks, num_cpu_blocks, block_size, policy, preemption_mode,
         enable_chunked_prefill, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
-        requests):
+        async_scheduling, requests):
     assume(max_num_batched_tokens >= max_num_seqs)
     h = Harness(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                 block_size=block_size, enable_prefix_caching=enable_prefix_caching,
@@ -54,12 +57,14 @@ def test_every_request_ends_and_every_block_comes_back(
         arrivals.setdefault(at, []).append((f"r{i}", prompt_len, sampling, priority))
     assume(arrivals)
     finished, tokens = {}, {}
+    in_flight = None
     for step in range(600):
         for request_id, prompt_len, sampling, priority in arrivals.pop(step, []):
             h.add(request_id, prompt_len, sampling, priority)
-        if not arrivals and not h.scheduler.has_unfinished():
+        if not arrivals and not h.scheduler.has_unfinished() and in_flight is None:
             break
-        for report in h.step()[1]:
+        reports, in_flight = engine_step(h, in_flight, async_scheduling)
+        for report in reports:
             for output in report.outputs:  # streamed groups report deltas
                 tokens.setdefault((report.request_id, output.index), []).extend(
                     output.token_ids)
@@ -78,3 +83,25 @@ def test_every_request_ends_and_every_block_comes_back(
                 assert output.finish_reason == "length"
                 assert len(tokens[request_id, output.index]) == group.sampling.max_tokens
     assert h.all_free()
+
+
+def engine_step(h: Harness, in_flight: SchedulerOutput | None, async_scheduling: bool):
+    """EngineCore.step with the harness as the worker: (reports, the step left in flight)."""
+    reports = []
+
+    def schedule() -> SchedulerOutput | None:
+        out = h.scheduler.schedule()
+        reports.extend(r for g in out.rejected if (r := make_request_output(g)) is not None)
+        return out if out.plan is not None else None
+
+    current = in_flight or schedule()
+    if current is None:
+        return reports, None
+    following = None
+    advanced = async_scheduling and all(
+        item.num_samples == 1 for item in current.scheduled if item.samples)
+    if advanced:
+        h.scheduler.advance_in_flight(current)
+        following = schedule()
+    reports += h.processor.process(current, h.sample(current), advanced)
+    return reports, following
