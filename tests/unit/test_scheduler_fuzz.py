@@ -1,8 +1,8 @@
 """The scheduler under random workloads on small pools (hypothesis): whatever the policy,
 preemption mode, budgets, prefix caching, sampling (greedy, n/best_of forks, beam search) and
 async scheduling (the next step scheduled before this one's outputs, as EngineCore does), every
-request ends -- with its tokens, or with an error saying it can never fit -- within a bounded
-number of steps, and every block comes back."""
+request ends -- with its tokens, with an error saying it can never fit, or aborted between two
+steps -- within a bounded number of steps, and every block comes back."""
 
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ REQUESTS = st.lists(st.tuples(st.integers(1, 30),  # prompt length
        preemption_mode=st.sampled_from(["auto", "swap", "recompute"]),
        enable_chunked_prefill=st.booleans(), enable_prefix_caching=st.booleans(),
        max_num_seqs=st.integers(2, 8), max_num_batched_tokens=st.integers(8, 64),
-       async_scheduling=st.booleans(), requests=REQUESTS)
+       async_scheduling=st.booleans(), requests=REQUESTS,
+       aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 7)), max_size=3))
 def test_every_request_ends_and_every_block_comes_back(
         num_gpu_blocks, num_cpu_blocks, block_size, policy, preemption_mode,
         enable_chunked_prefill, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
-        async_scheduling, requests):
+        async_scheduling, requests, aborts):
     assume(max_num_batched_tokens >= max_num_seqs)
     h = Harness(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                 block_size=block_size, enable_prefix_caching=enable_prefix_caching,
@@ -61,6 +62,11 @@ def test_every_request_ends_and_every_block_comes_back(
     for step in range(600):
         for request_id, prompt_len, sampling, priority in arrivals.pop(step, []):
             h.add(request_id, prompt_len, sampling, priority)
+        for at, index in aborts:  # as EngineCore.abort_request does
+            group = h.groups.get(f"r{index}")
+            if at == step and group is not None and not group.is_finished:
+                h.scheduler.finish_group(group, "abort")
+                finished[group.request_id] = make_request_output(group)
         if not arrivals and not h.scheduler.has_unfinished() and in_flight is None:
             break
         reports, in_flight = engine_step(h, in_flight, async_scheduling)
@@ -77,6 +83,8 @@ def test_every_request_ends_and_every_block_comes_back(
     for request_id, report in finished.items():
         group = h.groups[request_id]
         for output in report.outputs:
+            if output.finish_reason == "abort":
+                continue
             if output.finish_reason == "error":
                 assert "KV-cache blocks" in output.error or "max_model_len" in output.error
             else:
