@@ -23,6 +23,7 @@ from scheduler_svc.outputs import RequestOutput
 from services.config import EngineConfig, SchedulerServiceConfig
 from services.errors import ConfigError
 from services.sampling_params import SamplingParams
+from services.step_plan import WorkerInfo
 from services.supervisor import config_to_argv, free_port
 from worker_svc.client import GrpcWorker
 from worker_svc.worker import Worker
@@ -46,53 +47,70 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
     return EngineConfig(**{name: hints[name](**values) for name, values in sections.items()})
 
 
+class RankProcess:
+    """One tensor-parallel rank as a `pagedserve worker` process on loopback, driven through
+    its GrpcWorker (whose methods it has). A rank that exited -- killed, or out of a broken
+    group (worker_svc/parallel.py) -- is started again when the engine rebuilds it (the
+    handshake's load_model), as Kubernetes or `pagedserve serve` would restart it."""
+
+    def __init__(self, config: EngineConfig, rank: int) -> None:
+        port = free_port()
+        self.argv = [sys.executable, "-m", "services.cli", "worker", *config_to_argv(config),
+                     "--port", str(port), "--rank", str(rank), "--log-level", "WARNING"]
+        self.process = self._spawn()
+        timeouts = SchedulerServiceConfig()
+        self.client = GrpcWorker(f"127.0.0.1:{port}", config, timeouts.step_timeout_s,
+                                 timeouts.startup_timeout_s)
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(self.argv, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                "GRPC_VERBOSITY": "ERROR"})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def load_model(self) -> WorkerInfo:
+        if self.process.poll() is not None:
+            logger.warning("worker process %s exited (code %s); starting it again",
+                           self.client.address, self.process.returncode)
+            self.process = self._spawn()
+        return self.client.load_model()
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self._rank_processes: list[subprocess.Popen] = []
-        self._clients: list[GrpcWorker] = []
+        self.ranks: list[RankProcess] = []
         workers: list[WorkerLike] = [Worker(config)]
         if config.parallel.tensor_parallel_size > 1:
             atexit.register(self.close)
-            workers = self._start_ranks()
+            # the ranks meet on loopback, on a port nothing else uses
+            rank_config = dataclasses.replace(config, parallel=dataclasses.replace(
+                config.parallel, distributed_init_address=f"127.0.0.1:{free_port()}"))
+            self.ranks = [RankProcess(rank_config, rank)
+                          for rank in range(config.parallel.tensor_parallel_size)]
+            workers = list(self.ranks)
         try:
             self.core = EngineCore(config, workers)
         except BaseException:
             self.close()
             raise
 
-    def _start_ranks(self) -> list[WorkerLike]:
-        """One `pagedserve worker` process per rank on loopback, and a client for each."""
-        config = dataclasses.replace(self.config, parallel=dataclasses.replace(
-            self.config.parallel, distributed_init_address=f"127.0.0.1:{free_port()}"))
-        timeouts = SchedulerServiceConfig()
-        for rank in range(config.parallel.tensor_parallel_size):
-            port = free_port()
-            self._rank_processes.append(subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "worker", *config_to_argv(config),
-                 "--port", str(port), "--rank", str(rank), "--log-level", "WARNING"],
-                env={**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "ERROR"}))
-            self._clients.append(GrpcWorker(f"127.0.0.1:{port}", config, timeouts.step_timeout_s,
-                                            timeouts.startup_timeout_s))
-        logger.info("started %d worker processes, one per tensor-parallel rank",
-                    len(self._clients))
-        return list(self._clients)
-
     def close(self) -> None:
         """Stop the tensor-parallel rank processes, if any (idempotent)."""
-        for client in self._clients:
-            client.close()
-        for process in self._rank_processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in self._rank_processes:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        self._clients.clear()
-        self._rank_processes.clear()
+        for rank in self.ranks:
+            rank.stop()
+        self.ranks.clear()
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:

@@ -3,12 +3,12 @@
 Each child is `python -m services.cli <role> ...` in its own session, so a Ctrl-C at the terminal
 reaches only the supervisor, which then stops them in order: the gateway first (it drains its
 streams), then the scheduler, then the worker. Readiness is the children's own grpc.health.v1
-status, watched (a server stream, no polling) until SERVING. A restartable child -- the gateway,
-and the worker unless there are several tensor-parallel ranks (a new rank cannot rejoin the
-others' group) -- that exits on its own is started again on its address, as Kubernetes restarts
-a pod (the scheduler rebuilds a restarted worker and recomputes its requests). Any other exit --
-the scheduler's, which held every request, or a child that keeps dying, MAX_RESTARTS times
-within RESTART_WINDOW_S -- stops the others.
+status, watched (a server stream, no polling) until SERVING. A restartable child -- a worker
+or the gateway -- that exits on its own is started again on its address, as Kubernetes restarts
+a pod (the scheduler rebuilds a restarted worker and recomputes its requests; the other
+tensor-parallel ranks exit on their own once their group breaks, and restart too). Any other
+exit -- the scheduler's, which held every request, or a child that keeps dying, MAX_RESTARTS
+times within RESTART_WINDOW_S -- stops the others.
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
         for rank, (address, p) in enumerate(zip(worker_addresses, worker_ports, strict=True)):
             await supervisor.start("worker", address, [
                 *engine_argv, *drain, "--host", host, "--port", str(p), "--rank", str(rank)],
-                restartable=num_ranks == 1)
+                restartable=True)
         await supervisor.start("scheduler", f"{connect}:{scheduler_port}", [
             *engine_argv, *drain, "--host", host, "--port", str(scheduler_port),
             "--worker-addresses", *worker_addresses,

@@ -8,14 +8,18 @@ logits and samples; it broadcasts the sampled token ids, so every rank's mirror 
 tokens (the scheduler reads rank 0's StepResult).
 
 The ranks meet at `ParallelConfig.distributed_init_address` (rank 0 listens there) when they load
-the model, so they start together; a rank that dies leaves the others failing their steps until
-all restart (the scheduler then rebuilds them, as after any worker restart).
+the model, so they start together. A group cannot take a restarted rank back, so a rank whose
+collective fails (a peer died) exits the process with GROUP_BROKEN_EXIT_CODE: every rank then
+restarts (Kubernetes, `pagedserve serve`), they meet again, and the scheduler rebuilds them as
+after any worker restart.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +29,8 @@ from services.errors import ConfigError
 from services.step_plan import SampledSequence
 
 logger = logging.getLogger(__name__)
+
+GROUP_BROKEN_EXIT_CODE = 75  # EX_TEMPFAIL: restart me
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +48,17 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""
         if self.size > 1:
-            dist.all_reduce(x)
+            self._collective(dist.all_reduce, x)
         return x
+
+    def _collective(self, op: Callable[..., object], *args: object, **kwargs: object) -> None:
+        try:
+            op(*args, **kwargs)
+        except RuntimeError as exc:  # a peer died or timed out: this group is over
+            logger.critical("rank %d: a tensor-parallel collective failed (%s); exiting so "
+                            "that every rank restarts and meets again", self.rank, exc)
+            logging.shutdown()
+            os._exit(GROUP_BROKEN_EXIT_CODE)
 
     def broadcast_samples(self, sampled: list[SampledSequence], seq_ids: list[int],
                           device: torch.device) -> list[SampledSequence]:
@@ -57,13 +72,13 @@ class TensorParallel:
             by_seq = {s.seq_id: s.token_ids for s in sampled}
             counts = torch.tensor([len(by_seq[i]) for i in seq_ids], dtype=torch.int64)
         counts = counts.to(device)
-        dist.broadcast(counts, src=0)
+        self._collective(dist.broadcast, counts, src=0)
         num_tokens = counts.tolist()
         ids = torch.zeros(sum(num_tokens), dtype=torch.int64)
         if self.rank == 0:
             ids = torch.tensor([t for i in seq_ids for t in by_seq[i]], dtype=torch.int64)
         ids = ids.to(device)
-        dist.broadcast(ids, src=0)
+        self._collective(dist.broadcast, ids, src=0)
         if self.rank == 0:
             return sampled
         token_ids = ids.tolist()

@@ -25,6 +25,7 @@ from pagedserve.v1 import (
 from services.llm import LLM
 from services.sampling_params import SamplingParams
 from services.supervisor import free_port
+from worker_svc.parallel import GROUP_BROKEN_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_CACHE = ["--kv-cache-memory-gib", "0.01", "--swap-space-gib", "0.01", "--device", "cpu"]
@@ -206,13 +207,20 @@ def test_llm_with_two_tensor_parallel_ranks_generates_what_one_worker_does(
     two = LLM(model=str(tiny_served_model_dir), device="cpu", kv_cache_memory_gib=0.01,
               tensor_parallel_size=2)
     try:
-        ranks = list(two.engine._rank_processes)
-        assert len(ranks) == 2
+        ranks = [rank.process for rank in two.engine.ranks]
         outputs = [o.outputs[0].token_ids for o in two.generate(prompts, greedy, use_tqdm=False)]
+        assert outputs == expected
+        # rank 1 dies: rank 0 leaves the broken group at the next step, and both come back
+        ranks[1].kill()
+        ranks[1].wait()
+        outputs = [o.outputs[0].token_ids for o in two.generate(prompts, greedy, use_tqdm=False)]
+        assert outputs == expected
+        assert two.engine.get_load().num_worker_rebuilds == 2
+        assert ranks[0].wait(10) == GROUP_BROKEN_EXIT_CODE
+        restarted = [rank.process for rank in two.engine.ranks]
     finally:
         two.close()
-    assert outputs == expected
-    assert all(p.poll() is not None for p in ranks)  # close() stopped them
+    assert all(p.poll() is not None for p in restarted)  # close() stopped them
 
 
 def test_serve_with_two_tensor_parallel_ranks_generates_what_one_worker_does(
@@ -222,11 +230,15 @@ def test_serve_with_two_tensor_parallel_ranks_generates_what_one_worker_does(
     expected = [o.outputs[0].token_ids for o in llm.generate(
         prompts,
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)]
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    expected_long = [o.outputs[0].token_ids for o in llm.generate(prompts, long, use_tqdm=False)]
     serve = pagedserve("serve", "--model", str(tiny_served_model_dir), "--port", "0",
                        "--tensor-parallel-size", "2", *SMALL_CACHE,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out, err = read_lines(serve.stdout), read_lines(serve.stderr)
+        pids = [int(wait_for_line(err, "started the worker (pid", 60).split("(pid ")[1]
+                    .split(")")[0]) for _ in range(2)]  # rank 0, then rank 1
         address = wait_for_line(out, "pagedserve is serving", 180).split(" on ")[-1].strip()
         with grpc.insecure_channel(address) as channel:
             stub = gateway_pb2_grpc.GenerationStub(channel)
@@ -245,11 +257,24 @@ def test_serve_with_two_tensor_parallel_ranks_generates_what_one_worker_does(
             outputs = [list(call.result().outputs[0].token_ids) for call in calls]
             for call in forked:
                 assert [len(o.token_ids) for o in call.result().outputs] == [12, 12]
-        assert outputs == expected
+            assert outputs == expected
+            # rank 1 dies mid-generation: rank 0 leaves the broken group, serve restarts both,
+            # the scheduler rebuilds them and the streams go on
+            streams = [stub.GenerateStream(gateway_pb2.GenerateRequest(
+                token_ids=gateway_pb2.TokenIds(token_ids=ids), sampling=common_pb2.SamplingParams(
+                    temperature=0.0, max_tokens=400, ignore_eos=True)), timeout=180)
+                for ids in prompts]
+            firsts = [next(stream) for stream in streams]
+            os.kill(pids[1], signal.SIGKILL)
+            outputs = [[t for r in (first, *stream) for t in r.token_ids]
+                       for first, stream in zip(firsts, streams, strict=True)]
+        assert outputs == expected_long
         assert stop(serve, signal.SIGINT) == 0
         log = "".join(rest(err))
         assert log.count("the worker stopped (code 0)") == 2, log
         assert "rank 1 of 2: joining the tensor-parallel group" in log, log
+        assert f"the worker exited on its own (code {-signal.SIGKILL})" in log, log
+        assert f"the worker exited on its own (code {GROUP_BROKEN_EXIT_CODE})" in log, log
     finally:
         if serve.poll() is None:
             serve.kill()

@@ -1,5 +1,5 @@
-"""`pagedserve serve` restarts a restartable child that died (the gateway; a lone worker) but
-not the others (the scheduler held the requests) and not a child that keeps dying."""
+"""`pagedserve serve` restarts a restartable child that died (a worker, the gateway) but not the
+scheduler (it held the requests) and not a child that keeps dying."""
 
 from __future__ import annotations
 
