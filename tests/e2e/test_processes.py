@@ -223,6 +223,21 @@ def test_llm_with_two_tensor_parallel_ranks_generates_what_one_worker_does(
     assert all(p.poll() is not None for p in restarted)  # close() stopped them
 
 
+def test_llm_with_more_ranks_than_kv_heads_generates_what_one_worker_does(
+        tiny_served_model_dir):
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    one = LLM(model=str(tiny_served_model_dir), device="cpu", kv_cache_memory_gib=0.01)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, greedy, use_tqdm=False)]
+    four = LLM(model=str(tiny_served_model_dir), device="cpu", kv_cache_memory_gib=0.01,
+               tensor_parallel_size=4, num_threads=1)  # 2 KV heads: each on two ranks
+    try:
+        outputs = [o.outputs[0].token_ids for o in four.generate(prompts, greedy, use_tqdm=False)]
+    finally:
+        four.close()
+    assert outputs == expected
+
+
 def test_serve_with_two_tensor_parallel_ranks_generates_what_one_worker_does(
         tiny_served_model_dir):
     prompts = [[1, 2, 3], [7, 8, 9, 10, 11], [4, 5]]

@@ -17,6 +17,7 @@ from services.config import EngineConfig, ModelConfig, ParallelConfig, Scheduler
 from services.errors import ConfigError
 from services.step_plan import SampledSequence
 from tests.tiny_models import load_hf
+from worker_svc.layers.linear import kv_heads_of_rank
 from worker_svc.loader import load_hf_config, load_model
 from worker_svc.parallel import SINGLE, TensorParallel
 
@@ -43,7 +44,7 @@ def test_each_rank_loads_its_slice_and_the_slices_make_the_whole(tiny_model_dir,
     for part in ("q", "k", "v"):
         full = hf[f"{prefix}{attn}.{part}_proj.weight"]
         layers = [m.get_submodule(f"{prefix}{attn}.qkv_proj") for m in ranks]
-        shards = [p[f"{prefix}{attn}.qkv_proj.weight"].narrow(0, *layer.shard_offsets[part])
+        shards = [p[f"{prefix}{attn}.qkv_proj.weight"].narrow(0, *layer.shard_parts[part][:2])
                   for p, layer in zip(params, layers, strict=True)]
         torch.testing.assert_close(torch.cat(shards, 0), full)
     up_shards = [p[f"{prefix}{'mlp.gate_up_proj' if arch != 'opt' else up}.weight"]
@@ -82,3 +83,24 @@ def test_a_short_address_list_is_refused():
                                           "tensor_parallel_size=2 needs one per rank"):
         asyncio.run(start_engine(config, SchedulerServiceConfig(
             worker_addresses=["127.0.0.1:1"])))
+
+
+def test_fewer_kv_heads_than_ranks_replicates_each_kv_head_on_the_ranks_that_read_it(
+        tiny_model_dir):
+    path = tiny_model_dir("llama")  # 4 query heads, 2 KV heads of 16
+    hf = load_hf(path).state_dict()
+    prefix = "model.layers.0.self_attn."
+    ranks = [_load(path, TensorParallel(rank, 4)) for rank in range(4)]
+    for rank, model in enumerate(ranks):
+        attn = model.get_submodule(prefix.rstrip("."))
+        assert (attn.num_heads, attn.num_kv_heads) == (1, 1)
+        weight = dict(model.named_parameters())[f"{prefix}qkv_proj.weight"]
+        layer = attn.qkv_proj
+        kv_head = rank // 2  # query heads 0, 1 read KV head 0; 2, 3 read KV head 1
+        for part in ("k", "v"):
+            torch.testing.assert_close(weight.narrow(0, *layer.shard_parts[part][:2]),
+                                       hf[f"{prefix}{part}_proj.weight"][16 * kv_head:][:16])
+        torch.testing.assert_close(weight.narrow(0, *layer.shard_parts["q"][:2]),
+                                   hf[f"{prefix}q_proj.weight"][16 * rank:][:16])
+    with pytest.raises(ConfigError, match="num_key_value_heads=2 and tensor_parallel_size=3"):
+        kv_heads_of_rank(2, TensorParallel(0, 3))

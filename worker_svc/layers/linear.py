@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.errors import ConfigError
 from worker_svc.parallel import SINGLE, TensorParallel
 
 
@@ -49,44 +50,79 @@ class ColumnParallelLinear(Linear):
         default_weight_loader(param, _rank_slice(loaded_weight, 0, param.shape[0], self.tp))
 
 
-class MergedLinear(ColumnParallelLinear):
+class MergedLinear(Linear):
     """Projections of one input stacked along the output dimension, in `shard_sizes` order, each
-    split across tensor-parallel ranks.
+    split evenly across tensor-parallel ranks.
 
     `shard_sizes` maps the checkpoint's shard id ("q", "k", "v" or 0, 1) to its output size.
     """
 
     def __init__(self, input_size: int, shard_sizes: dict[str | int, int], bias: bool = False,
                  tp: TensorParallel = SINGLE) -> None:
-        super().__init__(input_size, sum(shard_sizes.values()), bias, tp)
-        self.shard_offsets: dict[str | int, tuple[int, int]] = {}
+        self._init_shards(input_size, {
+            shard_id: (size, _even_part(size, tp, f"shard {shard_id!r} features"))
+            for shard_id, size in shard_sizes.items()}, bias)
+
+    def _init_shards(self, input_size: int, parts: dict[str | int, tuple[int, tuple[int, int]]],
+                     bias: bool) -> None:
+        """parts: shard id → (its checkpoint size, (start, size) of the rows this rank keeps)."""
+        super().__init__(input_size, sum(size for _, (_, size) in parts.values()), bias)
+        # shard id → (offset in this layer's output, size, checkpoint size, start in it)
+        self.shard_parts: dict[str | int, tuple[int, int, int, int]] = {}
         offset = 0
-        for shard_id, size in shard_sizes.items():
-            size = tp.shard(size, f"shard {shard_id!r} features")
-            self.shard_offsets[shard_id] = (offset, size)
+        for shard_id, (full_size, (start, size)) in parts.items():
+            self.shard_parts[shard_id] = (offset, size, full_size, start)
             offset += size
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self.weight_loader
 
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor,
                       shard_id: str | int) -> None:
-        offset, size = self.shard_offsets[shard_id]
+        offset, size, full_size, start = self.shard_parts[shard_id]
+        if loaded_weight.shape[0] != full_size:
+            raise ValueError(f"weight shape mismatch: checkpoint shard {shard_id!r} has "
+                             f"{loaded_weight.shape[0]} rows, the layer expects {full_size}")
         default_weight_loader(param.data.narrow(0, offset, size),
-                              _rank_slice(loaded_weight, 0, size, self.tp))
+                              loaded_weight.narrow(0, start, size))
 
 
 class QKVLinear(MergedLinear):
     """Split by heads across tensor-parallel ranks: `num_heads` and `num_kv_heads` are the
-    model's totals."""
+    model's totals. With fewer KV heads than ranks, each KV head is replicated on the ranks
+    whose query heads read it."""
 
     def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, tp: TensorParallel = SINGLE) -> None:
-        self.q_size = tp.shard(num_heads, "num_attention_heads") * head_size
-        self.kv_size = tp.shard(num_kv_heads, "num_key_value_heads") * head_size
-        super().__init__(hidden_size, {"q": num_heads * head_size, "k": num_kv_heads * head_size,
-                                       "v": num_kv_heads * head_size}, bias, tp)
+        q = _even_part(num_heads * head_size, tp, "num_attention_heads", head_size)
+        kv_head, num_rank_kv_heads = kv_heads_of_rank(num_kv_heads, tp)
+        kv = (kv_head * head_size, num_rank_kv_heads * head_size)
+        self.q_size, self.kv_size = q[1], kv[1]
+        kv_full = num_kv_heads * head_size
+        self._init_shards(hidden_size, {"q": (num_heads * head_size, q), "k": (kv_full, kv),
+                                        "v": (kv_full, kv)}, bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [num_tokens, hidden] → q [num_tokens, q_size], k, v [num_tokens, kv_size]."""
         return super().forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+def kv_heads_of_rank(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
+    """(first KV head, number of KV heads) this rank holds: an even split, or -- with fewer KV
+    heads than ranks -- the one head its query heads read, replicated."""
+    if num_kv_heads % tp.size == 0:
+        per_rank = num_kv_heads // tp.size
+        return tp.rank * per_rank, per_rank
+    if tp.size % num_kv_heads == 0:
+        return tp.rank * num_kv_heads // tp.size, 1
+    raise ConfigError(f"num_key_value_heads={num_kv_heads} and tensor_parallel_size={tp.size} "
+                      "must divide one another")
+
+
+def _even_part(size: int, tp: TensorParallel, what: str, unit: int = 1) -> tuple[int, int]:
+    """(start, size) of this rank's even share of `size` features (in whole `unit`s)."""
+    part = tp.shard(size // unit, what) * unit
+    return tp.rank * part, part
 
 
 class RowParallelLinear(Linear):

@@ -17,7 +17,13 @@ from kernels.metadata import AttentionMetadata
 from services.errors import ConfigError
 from worker_svc.layers.activation import SiluAndMul
 from worker_svc.layers.attention import Attention
-from worker_svc.layers.linear import MergedLinear, QKVLinear, RowParallelLinear, VocabEmbedding
+from worker_svc.layers.linear import (
+    MergedLinear,
+    QKVLinear,
+    RowParallelLinear,
+    VocabEmbedding,
+    kv_heads_of_rank,
+)
 from worker_svc.layers.norm import RMSNorm
 from worker_svc.layers.rotary import RotaryEmbedding, rope_settings
 from worker_svc.loader import load_named_weights
@@ -60,7 +66,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * self.head_size, hidden_size,
                                         bias=variant.o_bias, tp=tp)
         self.num_heads = tp.shard(num_heads, "num_attention_heads")  # on this rank
-        self.num_kv_heads = tp.shard(num_kv_heads, "num_key_value_heads")
+        self.num_kv_heads = kv_heads_of_rank(num_kv_heads, tp)[1]
         if variant.qk_norm:
             self.q_norm = RMSNorm(self.head_size, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_size, eps=config.rms_norm_eps)
