@@ -103,11 +103,17 @@ class LLMEngine:
         try:
             self.core = EngineCore(config, workers)
         except BaseException:
-            self.close()
+            self._stop_ranks()
             raise
 
     def close(self) -> None:
-        """Stop the tensor-parallel rank processes, if any (idempotent)."""
+        """Stop the tensor-parallel rank processes, if any, once the step still in flight
+        (async scheduling) is done (idempotent)."""
+        if self.ranks:
+            self.core.drain()
+        self._stop_ranks()
+
+    def _stop_ranks(self) -> None:
         for rank in self.ranks:
             rank.stop()
         self.ranks.clear()

@@ -68,7 +68,7 @@ class ModelRunner:
                  kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
         """Hidden states of the whole batch (a CUDA graph replay for a decode-only step that
         fits one), then logits only at the selected rows: [num_logits_rows, vocab] float32 (on
-        tensor-parallel rank 0 only, which samples: None on the others)."""
+        tensor-parallel rank 0, which samples: None on the others)."""
         graphs = self.decode_graphs
         batch_size = graphs.batch_size_for(model_input, kv_caches) if graphs else None
         if batch_size is None:
@@ -76,8 +76,6 @@ class ModelRunner:
                                        model_input.meta)  # [num_tokens, hidden]
         else:
             hidden_states = graphs.replay(model_input, batch_size)  # [num_tokens, hidden]
-        if self.tp.rank > 0:
-            return None
         return self.model.compute_logits(hidden_states[model_input.logits_indices])
 
     def _sample(self, model_input: ModelInput,

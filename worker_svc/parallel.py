@@ -3,9 +3,10 @@
 Megatron-style: attention heads and MLP columns are split across the ranks, and each block's
 output projection ends in one all-reduce (layers/linear.py: ColumnParallelLinear,
 RowParallelLinear), so every rank holds the same hidden states after each block. Embeddings and
-the LM head are replicated. Each rank keeps the KV cache of its own heads. Only rank 0 computes
-logits and samples; it broadcasts the sampled token ids, so every rank's mirror appends the same
-tokens (the scheduler reads rank 0's StepResult).
+the LM head are split by vocabulary rows (VocabEmbedding): an all-reduce after the lookup, and
+rank 0 gathers the logits. Each rank keeps the KV cache of its own heads. Only rank 0 samples;
+it broadcasts the sampled token ids, so every rank's mirror appends the same tokens (the
+scheduler reads rank 0's StepResult).
 
 The ranks meet at `ParallelConfig.distributed_init_address` (rank 0 listens there) when they load
 the model, so they start together. A group cannot take a restarted rank back, so a rank whose
@@ -59,6 +60,15 @@ class TensorParallel:
                             "that every rank restarts and meets again", self.rank, exc)
             logging.shutdown()
             os._exit(GROUP_BROKEN_EXIT_CODE)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The ranks' `x` concatenated along the last dim, in rank order, on rank 0 (None on
+        the others); every rank's `x` has the same shape."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        self._collective(dist.gather, x.contiguous(), parts, dst=0)
+        return torch.cat(parts, dim=-1) if parts is not None else None
 
     def broadcast_samples(self, sampled: list[SampledSequence], seq_ids: list[int],
                           device: torch.device) -> list[SampledSequence]:

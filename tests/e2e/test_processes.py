@@ -224,13 +224,16 @@ def test_llm_with_two_tensor_parallel_ranks_generates_what_one_worker_does(
 
 
 def test_llm_with_more_ranks_than_kv_heads_generates_what_one_worker_does(
-        tiny_served_model_dir):
-    prompts = [[1, 2, 3], [7, 8, 9, 10, 11]]
+        tiny_odd_vocab_model_dir):
+    # 2 KV heads on 4 ranks (each on two), 510 vocabulary rows (the last rank pads 2); the
+    # second prompt's ids lie in the last rank's rows
+    prompts = [[1, 2, 3], [507, 508, 509, 4]]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    one = LLM(model=str(tiny_served_model_dir), device="cpu", kv_cache_memory_gib=0.01)
+    model = str(tiny_odd_vocab_model_dir)
+    one = LLM(model=model, device="cpu", kv_cache_memory_gib=0.01)
     expected = [o.outputs[0].token_ids for o in one.generate(prompts, greedy, use_tqdm=False)]
-    four = LLM(model=str(tiny_served_model_dir), device="cpu", kv_cache_memory_gib=0.01,
-               tensor_parallel_size=4, num_threads=1)  # 2 KV heads: each on two ranks
+    four = LLM(model=model, device="cpu", kv_cache_memory_gib=0.01, tensor_parallel_size=4,
+               num_threads=1)
     try:
         outputs = [o.outputs[0].token_ids for o in four.generate(prompts, greedy, use_tqdm=False)]
     finally:

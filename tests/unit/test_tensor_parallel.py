@@ -1,6 +1,7 @@
 """Tensor-parallel sharding on one process: each rank's layers load its slice of the checkpoint
 (heads and MLP columns in the column-parallel layers, the matching input columns in the
-row-parallel ones), embeddings stay whole, and sizes that do not split are refused by name.
+row-parallel ones, vocabulary rows in the embeddings), and sizes that do not split are refused
+by name.
 The forward across ranks (all-reduce, sampled-token broadcast) runs in
 tests/e2e/test_processes.py with two worker processes."""
 
@@ -17,7 +18,7 @@ from services.config import EngineConfig, ModelConfig, ParallelConfig, Scheduler
 from services.errors import ConfigError
 from services.step_plan import SampledSequence
 from tests.tiny_models import load_hf
-from worker_svc.layers.linear import kv_heads_of_rank
+from worker_svc.layers.linear import VocabEmbedding, kv_heads_of_rank
 from worker_svc.loader import load_hf_config, load_model
 from worker_svc.parallel import SINGLE, TensorParallel
 
@@ -60,8 +61,7 @@ def test_each_rank_loads_its_slice_and_the_slices_make_the_whole(tiny_model_dir,
             for p in params:
                 torch.testing.assert_close(p[f"{prefix}{name}.bias"], hf[f"{prefix}{name}.bias"])
     embed = "model.decoder.embed_tokens.weight" if arch == "opt" else "model.embed_tokens.weight"
-    for p in params:
-        torch.testing.assert_close(p[embed], hf[embed])
+    torch.testing.assert_close(torch.cat([p[embed] for p in params], 0), hf[embed])  # by rows
 
 
 def test_sizes_that_do_not_split_are_refused_by_name(tiny_model_dir):
@@ -104,3 +104,14 @@ def test_fewer_kv_heads_than_ranks_replicates_each_kv_head_on_the_ranks_that_rea
                                    hf[f"{prefix}q_proj.weight"][16 * rank:][:16])
     with pytest.raises(ConfigError, match="num_key_value_heads=2 and tensor_parallel_size=3"):
         kv_heads_of_rank(2, TensorParallel(0, 3))
+
+
+def test_a_vocabulary_that_does_not_split_evenly_is_padded_on_the_last_rank():
+    table = torch.arange(15, dtype=torch.float32).view(5, 3)
+    first, last = VocabEmbedding(5, 3, TensorParallel(0, 2)), VocabEmbedding(5, 3,
+                                                                           TensorParallel(1, 2))
+    for layer in (first, last):
+        layer.weight.weight_loader(layer.weight, table)
+    assert (first.vocab_start, first.vocab_end, last.vocab_start, last.vocab_end) == (0, 3, 3, 5)
+    torch.testing.assert_close(first.weight, table[:3])
+    torch.testing.assert_close(last.weight, torch.cat([table[3:], torch.zeros(1, 3)]))

@@ -155,10 +155,43 @@ def _rank_slice(loaded_weight: torch.Tensor, dim: int, size: int,
 
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    """An embedding table, split by vocabulary rows across tensor-parallel ranks (each holds
+    ceil(num_embeddings / ranks) rows, the last one zero-padded): a rank embeds the ids in its
+    range, zeros elsewhere, and one all-reduce sums the ranks' parts. As an LM head, each rank
+    computes the logits of its rows and rank 0 gathers them (lm_logits)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallel = SINGLE
+                 ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim),
-                                   requires_grad=False)
+        self.num_embeddings = num_embeddings
+        self.tp = tp
+        rows = -(-num_embeddings // tp.size)
+        self.vocab_start = tp.rank * rows
+        self.vocab_end = min(self.vocab_start + rows, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        if loaded_weight.shape[0] != self.num_embeddings:
+            raise ValueError(f"weight shape mismatch: checkpoint has {loaded_weight.shape[0]} "
+                             f"rows, the layer expects {self.num_embeddings}")
+        num_rows = self.vocab_end - self.vocab_start
+        default_weight_loader(param.data[:num_rows],
+                              loaded_weight[self.vocab_start:self.vocab_end])
+        param.data[num_rows:].zero_()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.vocab_start) & (ids < self.vocab_end)
+        out = F.embedding((ids - self.vocab_start) * mine, self.weight)
+        return self.tp.all_reduce(out * mine.unsqueeze(-1))
+
+    def lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[num_rows, dim] → float32 logits [num_rows, num_embeddings] on tensor-parallel rank 0
+        (every rank computes its rows' part; None on the others)."""
+        logits = F.linear(hidden_states, self.weight).float()
+        if self.tp.size == 1:
+            return logits
+        logits = self.tp.gather(logits)
+        return None if logits is None else logits[:, :self.num_embeddings]

@@ -10,7 +10,6 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.metadata import AttentionMetadata
@@ -114,7 +113,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, variant: LlamaVariant, max_position: int,
                  backend: ModuleType, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, variant, max_position, backend, tp)
             for _ in range(config.num_hidden_layers))
@@ -148,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = VocabEmbedding(config.vocab_size, config.hidden_size)
+            self.lm_head = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
 
     @staticmethod
     def variant(config: Any) -> LlamaVariant:
@@ -161,9 +160,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [num_tokens] → hidden states [num_tokens, hidden]."""
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden] → float32 logits [num_rows, vocab_size]."""
-        return F.linear(hidden_states, self.lm_head.weight).float()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[num_rows, hidden] → float32 logits [num_rows, vocab_size] (None on tensor-parallel
+        ranks > 0)."""
+        return self.lm_head.lm_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ("lm_head.",) if self.tie_word_embeddings else ()

@@ -9,7 +9,6 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.metadata import AttentionMetadata
@@ -83,7 +82,7 @@ class OPTDecoder(nn.Module):
                  tp: TensorParallel) -> None:
         super().__init__()
         proj_dim = config.word_embed_proj_dim
-        self.embed_tokens = VocabEmbedding(config.vocab_size, proj_dim)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, proj_dim, tp)
         num_positions = max(config.max_position_embeddings, max_position)
         self.embed_positions = VocabEmbedding(num_positions + POSITION_OFFSET, config.hidden_size)
         needs_projection = proj_dim != config.hidden_size
@@ -140,16 +139,17 @@ class OPTForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = self.model.decoder.embed_tokens
         else:
-            self.lm_head = VocabEmbedding(config.vocab_size, config.word_embed_proj_dim)
+            self.lm_head = VocabEmbedding(config.vocab_size, config.word_embed_proj_dim, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens] → hidden states [num_tokens, word_embed_proj_dim]."""
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[num_rows, word_embed_proj_dim] → float32 logits [num_rows, vocab_size]."""
-        return F.linear(hidden_states, self.lm_head.weight).float()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[num_rows, word_embed_proj_dim] → float32 logits [num_rows, vocab_size] (None on
+        tensor-parallel ranks > 0)."""
+        return self.lm_head.lm_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:
