@@ -200,6 +200,7 @@ class EngineService:
         loop = asyncio.get_running_loop()
         while True:
             self._apply_pending()
+            self._load = self.engine.get_load()  # what GetLoad answers during the next step
             if not self.engine.has_unfinished_requests():
                 if self.engine.has_step_in_flight:
                     await self._step(loop, self.engine.drain)
@@ -208,7 +209,6 @@ class EngineService:
                 if not self._pending:
                     await self._wakeup.wait()
                 continue
-            self._load = self.engine.get_load()
             await self._step(loop, self.engine.step)
 
     async def _step(self, loop: asyncio.AbstractEventLoop,
