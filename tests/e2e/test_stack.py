@@ -152,6 +152,15 @@ def test_32_concurrent_streams_complete_and_free_every_block(stack, generation):
     assert_idle(stack)
 
 
+def test_load_right_after_a_request_ends_shows_it_gone(stack, generation):
+    # the scheduler refreshes its load snapshot before the last event leaves, even while it
+    # drains the step already sent after the request's last one (async scheduling)
+    for _ in range(3):
+        generation.Generate(request([1, 2, 3], temperature=0.0, max_tokens=32), timeout=60)
+        load = stack.load()
+        assert (load.num_running_requests, load.num_gpu_blocks_used) == (0, 0), load
+
+
 def test_cancelling_a_stream_frees_its_blocks(stack, generation):
     call = generation.GenerateStream(request([1, 2, 3, 4], temperature=0.0, max_tokens=480,
                                              ignore_eos=True), timeout=60)
