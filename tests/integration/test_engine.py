@@ -52,11 +52,6 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def reference(llama_dir):
     """Greedy outputs with a pool large enough that nothing is preempted, one step at a time."""
     engine = make_engine(llama_dir, async_scheduling=False)

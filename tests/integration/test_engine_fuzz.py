@@ -16,11 +16,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def alone(llama_dir):
     """prompt → its greedy output on a roomy engine, one request at a time (cached)."""
     engine = make_engine(llama_dir, async_scheduling=False)

@@ -3,18 +3,12 @@ generation continues as if nothing happened."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from services.step_plan import NewSequence
 from tests.integration.worker_driver import GREEDY, Driver, make_worker
 
 PROMPT = [7, 31, 5, 99, 12, 200, 41, 8, 77, 3, 150]
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
 
 
 def _blocks(worker, block_ids: list[int], num_tokens: int | None = None) -> list[torch.Tensor]:
