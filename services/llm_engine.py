@@ -12,9 +12,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import os
 import subprocess
-import sys
 import typing
 from typing import Any
 
@@ -24,7 +22,13 @@ from services.config import EngineConfig, SchedulerServiceConfig
 from services.errors import ConfigError
 from services.sampling_params import SamplingParams
 from services.step_plan import WorkerInfo
-from services.supervisor import config_to_argv, free_port
+from services.supervisor import (
+    config_to_argv,
+    free_port,
+    service_command,
+    service_env,
+    with_loopback_rendezvous,
+)
 from worker_svc.client import GrpcWorker
 from worker_svc.worker import Worker
 
@@ -55,16 +59,15 @@ class RankProcess:
 
     def __init__(self, config: EngineConfig, rank: int) -> None:
         port = free_port()
-        self.argv = [sys.executable, "-m", "services.cli", "worker", *config_to_argv(config),
-                     "--port", str(port), "--rank", str(rank), "--log-level", "WARNING"]
+        self.argv = service_command("worker", [*config_to_argv(config), "--port", str(port),
+                                               "--rank", str(rank), "--log-level", "WARNING"])
         self.process = self._spawn()
         timeouts = SchedulerServiceConfig()
         self.client = GrpcWorker(f"127.0.0.1:{port}", config, timeouts.step_timeout_s,
                                  timeouts.startup_timeout_s)
 
     def _spawn(self) -> subprocess.Popen:
-        return subprocess.Popen(self.argv, env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                                "GRPC_VERBOSITY": "ERROR"})
+        return subprocess.Popen(self.argv, env=service_env())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
@@ -94,9 +97,7 @@ class LLMEngine:
         workers: list[WorkerLike] = [Worker(config)]
         if config.parallel.tensor_parallel_size > 1:
             atexit.register(self.close)
-            # the ranks meet on loopback, on a port nothing else uses
-            rank_config = dataclasses.replace(config, parallel=dataclasses.replace(
-                config.parallel, distributed_init_address=f"127.0.0.1:{free_port()}"))
+            rank_config = with_loopback_rendezvous(config)
             self.ranks = [RankProcess(rank_config, rank)
                           for rank in range(config.parallel.tensor_parallel_size)]
             workers = list(self.ranks)

@@ -118,10 +118,26 @@ async def _watch_until_serving(address: str) -> None:
     raise RuntimeError(f"{address} ended its health stream before serving")
 
 
+def service_command(role: str, argv: Sequence[str]) -> list[str]:
+    """The command line of one `pagedserve <role>` process (worker, scheduler, gateway)."""
+    return [sys.executable, "-m", "services.cli", role, *argv]
+
+
+def service_env() -> dict[str, str]:
+    """Its environment: ours, with unbuffered output and gRPC core's INFO lines off."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "ERROR"}
+
+
+def with_loopback_rendezvous(config: Any) -> Any:
+    """`config` (an EngineConfig) with the tensor-parallel ranks meeting on loopback, on a port
+    nothing else uses: for ranks this process starts on this machine."""
+    return dataclasses.replace(config, parallel=dataclasses.replace(
+        config.parallel, distributed_init_address=f"127.0.0.1:{free_port()}"))
+
+
 async def _spawn(role: str, address: str, argv: Sequence[str]) -> asyncio.subprocess.Process:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", role, *argv, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "ERROR"})
+        *service_command(role, argv), start_new_session=True, env=service_env())
     logger.info("started the %s (pid %d) on %s", role, process.pid, address)
     return process
 
@@ -238,9 +254,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     worker_addresses = [f"{connect}:{p}" for p in worker_ports]
     scheduler_port = scheduler_port or free_port(host)
     port = port or free_port(host)
-    if num_ranks > 1:  # the ranks meet on loopback, on a port nothing else uses
-        config = dataclasses.replace(config, parallel=dataclasses.replace(
-            config.parallel, distributed_init_address=f"127.0.0.1:{free_port()}"))
+    if num_ranks > 1:
+        config = with_loopback_rendezvous(config)
     engine_argv = config_to_argv(config)
     drain = ["--drain-timeout-s", str(drain_timeout_s),
              *(config_to_argv(tracing) if tracing is not None else [])]
