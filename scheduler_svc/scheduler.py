@@ -136,10 +136,7 @@ class Scheduler:
         were. Returns the number of requests requeued."""
         groups = sorted([*self.running, *self.swapped], key=self._key)
         for group in groups:
-            for seq in group.live_seqs():
-                self.block_manager.free(seq.seq_id)
-                seq.num_computed_tokens = 0
-                seq.status = SequenceStatus.WAITING
+            self._to_waiting(group.live_seqs())
         self.running.clear()
         self.swapped.clear()
         self.waiting.extendleft(reversed(groups))
@@ -349,9 +346,7 @@ class Scheduler:
                     group.prompt_logprobs = [None] * group.num_cached_tokens
             assignment = self._assign_tokens(group, budget)
             if assignment is None:  # whole prompts only, and this one does not fit any more
-                for seq in live:
-                    self.block_manager.free(seq.seq_id)
-                    seq.num_computed_tokens = 0
+                self._to_waiting(live)
                 return
             self.waiting.popleft()
             for seq in live:
@@ -369,9 +364,7 @@ class Scheduler:
         for seq in seqs:
             status = self.block_manager.can_allocate(seq.token_ids)
             if status is not AllocStatus.OK:
-                for other in done:
-                    self.block_manager.free(other.seq_id)
-                    other.num_computed_tokens = 0
+                self._to_waiting(done)
                 return status
             seq.num_computed_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids)
             done.append(seq)
@@ -453,12 +446,16 @@ class Scheduler:
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.append(group)
         else:
-            for seq in live:
-                self.block_manager.free(seq.seq_id)
-                seq.num_computed_tokens = 0
-                seq.status = SequenceStatus.WAITING
+            self._to_waiting(live)
             self.waiting.appendleft(group)
         logger.debug("preempted request %s by %s", group.request_id, mode)
+
+    def _to_waiting(self, seqs: list[Sequence]) -> None:
+        """Free the sequences' blocks: they wait to compute every token again."""
+        for seq in seqs:
+            self.block_manager.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
 
     def _reject(self, group: SequenceGroup, step: _Step, message: str) -> None:
         self.waiting.popleft()
