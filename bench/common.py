@@ -15,8 +15,7 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
 import torch
-
-from services.sampling_params import SamplingParams
+from pagedserve.services.common.sampling_params import SamplingParams
 
 RESULTS_DIR = Path(__file__).parent / "results"
 DEFAULT_MODEL = str(Path.home() / ".cache" / "pagedserve" / "models" / "SmolLM2-135M-Instruct")

@@ -74,7 +74,7 @@ def peak_gbps(device: torch.device) -> float | None:
 
 def make_decode_step(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     """Cache with every sequence's context in shuffled blocks, and a decode-only metadata."""
-    from kernels.metadata import AttentionMetadata
+    from pagedserve.kernels.metadata import AttentionMetadata
 
     gen = torch.Generator().manual_seed(args.seed)
     blocks_per_seq = math.ceil(args.context_len / args.block_size)
@@ -100,7 +100,7 @@ def make_decode_step(args: argparse.Namespace, device: torch.device, dtype: torc
 
 def load_backend(name: str, device: torch.device):
     """The backend's ops, or None when it cannot run on this device."""
-    from kernels.backend import available_backends, get_backend
+    from pagedserve.kernels.backend import available_backends, get_backend
 
     base = "triton" if name == "triton-unified" else name
     if base not in available_backends(device):

@@ -31,7 +31,7 @@ from bench.common import (
     make_workload,
     quiet_logging,
 )
-from services.llm import LLM
+from pagedserve.llm import LLM
 
 log = logging.getLogger("bench.offline")
 

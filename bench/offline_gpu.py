@@ -31,7 +31,7 @@ import transformers
 from bench.common import Timer, Workload, finish, hf_generate, make_workload, quiet_logging
 from bench.kernels_gpu import peak_gbps
 from bench.step_anatomy import StepRecorder, is_decode_step
-from services.llm_engine import LLMEngine
+from pagedserve.llm_engine import LLMEngine
 
 log = logging.getLogger("bench.offline_gpu")
 

@@ -1,7 +1,7 @@
 """Serving: N concurrent streaming clients through the gateway of the local stack, against the
 in-process engine on the same workload, same run.
 
-The stack is `python -m services.cli serve` (worker, scheduler and gateway as processes, gRPC
+The stack is `python -m pagedserve.cli serve` (worker, scheduler and gateway as processes, gRPC
 over loopback). Each of N clients sends its requests one after another (closed loop) through
 Generation.GenerateStream with token-id prompts, greedy and ignore_eos; the in-process baseline
 drives LLMEngine the same way, keeping N requests in flight. For each N: time to first token and
@@ -30,6 +30,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pagedserve.services.rpc.convert_common import sampling_params_to_proto
+from pagedserve.services.rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
 from bench.common import (
     DEFAULT_MODEL,
@@ -39,10 +41,8 @@ from bench.common import (
     percentiles,
     quiet_logging,
 )
-from pagedserve.v1 import gateway_pb2, gateway_pb2_grpc
-from services.llm_engine import LLMEngine
-from services.proto_common import sampling_params_to_proto
-from services.supervisor import free_port
+from pagedserve.llm_engine import LLMEngine
+from pagedserve.supervisor import free_port
 
 log = logging.getLogger("bench.serving")
 
@@ -108,7 +108,7 @@ def run_in_process(engine: LLMEngine, wl: Workload, concurrency: int) -> RunResu
 
 
 def start_stack(args: argparse.Namespace, port: int, log_file) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "services.cli", "serve", "--model", args.model,
+    argv = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", args.model,
             "--port", str(port), "--device", "cpu", "--dtype", "float32",
             "--max-num-seqs", str(max(args.concurrency)),
             "--kv-cache-memory-gib", str(args.kv_cache_memory_gib), "--swap-space-gib", "0.25",

@@ -1,5 +1,5 @@
 """Step anatomy: where one engine step's time goes, at decode batch 1 and 32, with the worker
-in process and behind gRPC (a `services.cli worker` process on loopback), each with async
+in process and behind gRPC (a `pagedserve.cli worker` process on loopback), each with async
 scheduling (the default) and without it, same run.
 
 Per decode-only step with exactly B sequences, medians in ms of:
@@ -38,14 +38,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pagedserve.scheduler_svc.engine_core import EngineCore, StepFuture, WorkerLike
+from pagedserve.scheduler_svc.worker_client import GrpcWorker
+from pagedserve.services.common.step_plan import StepOutput, StepPlan, StepTimings
+from pagedserve.services.rpc.convert_worker import step_plan_to_proto
+from pagedserve.worker_svc.worker import Worker
+
 from bench.common import DEFAULT_MODEL, finish, make_workload, quiet_logging
-from scheduler_svc.engine_core import EngineCore, StepFuture, WorkerLike
-from services.llm_engine import engine_config_from_kwargs
-from services.step_plan import StepOutput, StepPlan, StepTimings
-from services.supervisor import free_port
-from worker_svc.client import GrpcWorker
-from worker_svc.convert import step_plan_to_proto
-from worker_svc.worker import Worker
+from pagedserve.llm_engine import engine_config_from_kwargs
+from pagedserve.supervisor import free_port
 
 log = logging.getLogger("bench.step_anatomy")
 
@@ -149,7 +150,7 @@ def measure(recorder: StepRecorder, batch_size: int, repeat: int,
 
 
 def start_worker(args: argparse.Namespace, port: int, log_file) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "services.cli", "worker", *engine_argv(args),
+    argv = [sys.executable, "-m", "pagedserve.cli", "worker", *engine_argv(args),
             "--port", str(port), "--log-level", "WARNING"]
     return subprocess.Popen(argv, cwd=ROOT, stdout=log_file, stderr=log_file,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

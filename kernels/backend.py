@@ -13,10 +13,10 @@ import torch
 
 # name → module implementing write_kv, paged_attention, swap_blocks, copy_blocks
 BACKEND_MODULES = {
-    "ref": "kernels.ref",
-    "torch": "kernels.torch_ops",
-    "triton": "kernels.triton_ops",
-    "flash_attn": "kernels.flash_attn_ops",
+    "ref": "pagedserve.kernels.ref",
+    "torch": "pagedserve.kernels.torch_ops",
+    "triton": "pagedserve.kernels.triton_ops",
+    "flash_attn": "pagedserve.kernels.flash_attn_ops",
 }
 
 

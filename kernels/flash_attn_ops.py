@@ -18,10 +18,9 @@ import logging
 
 import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-
-from kernels import triton_ops
-from kernels.metadata import AttentionMetadata
-from kernels.triton_ops import copy_blocks, swap_blocks, write_kv
+from pagedserve.kernels import triton_ops
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.triton_ops import copy_blocks, swap_blocks, write_kv
 
 __all__ = ["write_kv", "paged_attention", "swap_blocks", "copy_blocks"]
 

@@ -9,8 +9,7 @@ is tested against these. Shapes:
 from __future__ import annotations
 
 import torch
-
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels.metadata import AttentionMetadata
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

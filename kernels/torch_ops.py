@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels.metadata import AttentionMetadata
 
 _DERIVED_KEY = "torch"
 

@@ -14,15 +14,14 @@ from dataclasses import dataclass
 
 import torch
 import triton
-
-from kernels.metadata import AttentionMetadata
-from kernels.torch_ops import check_cache_pair, swap_blocks
-from kernels.triton.attention_kernels import (
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.torch_ops import check_cache_pair, swap_blocks
+from pagedserve.kernels.triton.attention_kernels import (
     decode_partition_kernel,
     decode_reduce_kernel,
     unified_attention_kernel,
 )
-from kernels.triton.cache_kernels import copy_blocks_kernel, write_kv_kernel
+from pagedserve.kernels.triton.cache_kernels import copy_blocks_kernel, write_kv_kernel
 
 __all__ = ["write_kv", "paged_attention", "swap_blocks", "copy_blocks"]
 
@@ -38,7 +37,7 @@ class LaunchPlan:
     """The step's launch geometry, the same for every layer.
 
     It is derived from the metadata's host fields only, and CUDA-graph capture
-    (worker_svc.cuda_graphs) sets those to upper bounds: one geometry then serves every replay.
+    (pagedserve.worker_svc.cuda_graphs) sets those to upper bounds: one geometry then serves every replay.
     So the kernels must stay correct for any real lengths up to the host values: they read
     seq_lens and query_start_loc on the device, and a program past its sequence's query or
     context returns without writing (the reduce kernel merges only the partitions a sequence has).

@@ -1,3 +1,34 @@
-"""pagedserve's protobuf contracts as Python: `pagedserve.v1` holds the code `make proto` generates
-from protos/pagedserve/v1/*.proto (not in git). This file is, so the package exists when pip
-installs the project in editable mode, before the stubs are generated."""
+"""pagedserve: LLM serving with a paged KV cache, as gRPC microservices.
+
+    from pagedserve import LLM, SamplingParams
+
+The layers are importable as pagedserve.services, pagedserve.scheduler_svc, pagedserve.worker_svc
+and pagedserve.kernels. A wheel installs them inside this package; in a source checkout they are
+the folders beside it, found through __path__ below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+_checkout = Path(__file__).resolve().parent.parent
+if (_checkout / "pyproject.toml").is_file() and (_checkout / "services").is_dir():
+    __path__.append(str(_checkout))
+
+if TYPE_CHECKING:
+    from pagedserve.llm import LLM
+    from pagedserve.services.common.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str) -> object:
+    # lazy, so that a service importing pagedserve.services.* does not load the offline engine
+    if name == "LLM":
+        from pagedserve.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from pagedserve.services.common.sampling_params import SamplingParams
+        return SamplingParams
+    raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler_svc.sequence import BeamHypothesis, Sequence, SequenceGroup
-from services.step_plan import SampledSequence, TokenLogprob
+from pagedserve.scheduler_svc.sequence import BeamHypothesis, Sequence, SequenceGroup
+from pagedserve.services.common.step_plan import SampledSequence, TokenLogprob
 
 
 @dataclass(slots=True)

@@ -18,8 +18,8 @@ import enum
 import logging
 from dataclasses import dataclass, field
 
-from scheduler_svc.block_pool import BlockPool, Device
-from scheduler_svc.prefix_cache import (
+from pagedserve.scheduler_svc.block_pool import BlockPool, Device
+from pagedserve.scheduler_svc.prefix_cache import (
     BlockHash,
     PrefixCache,
     hash_block_tokens,

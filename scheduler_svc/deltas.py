@@ -10,9 +10,9 @@ worker itself, so the worker is counted as knowing it already.
 
 from __future__ import annotations
 
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.sequence import Sequence, SequenceGroup
-from services.step_plan import NewSequence, RunningSequence
+from pagedserve.scheduler_svc.block_manager import BlockManager
+from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup
+from pagedserve.services.common.step_plan import NewSequence, RunningSequence
 
 
 def sequence_deltas(

@@ -25,15 +25,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.output_processor import OutputProcessor
-from scheduler_svc.outputs import RequestOutput, make_request_output
-from scheduler_svc.scheduler import Scheduler, SchedulerOutput
-from scheduler_svc.sequence import SequenceGroup
-from services.config import EngineConfig
-from services.errors import ConfigError, InvalidRequest, NotFound
-from services.sampling_params import SamplingParams
-from services.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
+from pagedserve.scheduler_svc.block_manager import BlockManager
+from pagedserve.scheduler_svc.output_processor import OutputProcessor
+from pagedserve.scheduler_svc.outputs import make_request_output
+from pagedserve.scheduler_svc.scheduler import Scheduler, SchedulerOutput
+from pagedserve.scheduler_svc.sequence import SequenceGroup
+from pagedserve.services.common.config import EngineConfig
+from pagedserve.services.common.engine_api import EngineLoad
+from pagedserve.services.common.errors import ConfigError, InvalidRequest, NotFound
+from pagedserve.services.common.outputs import RequestOutput
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -92,20 +94,6 @@ class _InFlight:
         for future in self.futures:
             with contextlib.suppress(Exception):
                 future.result()
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    num_running: int  # requests
-    num_waiting: int
-    num_swapped: int
-    num_gpu_blocks_used: int  # blocks held only by the prefix cache count as free
-    num_gpu_blocks: int
-    num_cpu_blocks_used: int
-    num_cpu_blocks: int
-    prefix_cache_hit_rate: float  # in prompt tokens, since start
-    num_preemptions: int
-    num_worker_rebuilds: int  # workers rebuilt after losing their KV cache, since start
 
 
 class EngineCore:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import itertools
 import logging
 
-from scheduler_svc.beam_search import beam_search_step
-from scheduler_svc.outputs import RequestOutput, make_request_output
-from scheduler_svc.scheduler import Scheduler, SchedulerOutput
-from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus, derive_seed
-from services.sampling_params import SamplingParams
-from services.step_plan import SampledSequence, StepOutput
+from pagedserve.scheduler_svc.beam_search import beam_search_step
+from pagedserve.scheduler_svc.outputs import make_request_output
+from pagedserve.scheduler_svc.scheduler import Scheduler, SchedulerOutput
+from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus, derive_seed
+from pagedserve.services.common.outputs import RequestOutput
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import SampledSequence, StepOutput
 
 logger = logging.getLogger(__name__)
 

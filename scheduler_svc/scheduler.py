@@ -11,11 +11,11 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from scheduler_svc.block_manager import AllocStatus, BlockManager
-from scheduler_svc.deltas import sequence_deltas
-from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
-from services.config import SchedulerConfig
-from services.step_plan import StepPlan
+from pagedserve.scheduler_svc.block_manager import AllocStatus, BlockManager
+from pagedserve.scheduler_svc.deltas import sequence_deltas
+from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedserve.services.common.config import SchedulerConfig
+from pagedserve.services.common.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class Scheduler:
         sequence up to one token short, so all its sequences sample together in one later
         decode-phase step (beam search needs every beam's candidates at once).
 
-        The plan carries deltas against the workers' mirrors (scheduler_svc.deltas): NewSequence
+        The plan carries deltas against the workers' mirrors (pagedserve.scheduler_svc.deltas): NewSequence
         whole for a sequence the workers do not know (with its num_computed_tokens: prefix-cache
         hit, swapped-in or forked KV), RunningSequence otherwise. `finished_seq_ids` /
         `preempted_seq_ids` name mirrors to drop; `blocks_to_swap_out` / `blocks_to_swap_in` /

@@ -3,7 +3,7 @@
 A group runs a single sequence through its prompt; n > 1 / best_of and beam search fork it when
 the prompt is done. Every sequence also remembers what the worker's mirror of it holds
 (`worker_block_ids`, `num_worker_tokens`), so the scheduler can send deltas instead of whole
-sequences (see services.step_plan).
+sequences (see pagedserve.services.common.step_plan).
 
 With async scheduling the next step is scheduled while the current one runs: a sequence the
 current step samples for then ends in a placeholder token (`has_placeholder`) until the step's
@@ -17,8 +17,8 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from services.sampling_params import SamplingParams
-from services.step_plan import TokenLogprob
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import TokenLogprob
 
 
 class SequenceStatus(enum.Enum):

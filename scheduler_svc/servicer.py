@@ -12,22 +12,21 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-
-from pagedserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler_svc.convert import (
+from pagedserve.scheduler_svc.async_engine import EngineService
+from pagedserve.scheduler_svc.engine_core import EngineCore
+from pagedserve.scheduler_svc.worker_client import GrpcWorker
+from pagedserve.services.common.config import EngineConfig, SchedulerServiceConfig
+from pagedserve.services.common.errors import ConfigError, Unavailable
+from pagedserve.services.rpc.convert_scheduler import (
     abort_request_from_proto,
     load_to_proto,
     served_model_to_proto,
     submit_request_from_proto,
     token_event_to_proto,
 )
-from scheduler_svc.engine_core import EngineCore
-from scheduler_svc.service import EngineService
-from services.config import EngineConfig, SchedulerServiceConfig
-from services.errors import ConfigError, Unavailable
-from services.server import ServiceBinding, ServiceServer, create_server
-from services.status import map_errors
-from worker_svc.client import GrpcWorker
+from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
+from pagedserve.services.rpc.status import map_errors
+from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +70,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     @map_errors
     async def GetServedModel(self, request: scheduler_pb2.GetServedModelRequest,
                              context: grpc.aio.ServicerContext) -> scheduler_pb2.ServedModel:
-        return served_model_to_proto(self.model, self._service().engine)
+        engine = self._service().engine
+        return served_model_to_proto(self.model, engine.worker_info, engine.max_model_len,
+                                     engine.vocab_size, engine.eos_token_ids)
 
 
 def create_scheduler_server(config: EngineConfig, service_config: SchedulerServiceConfig

@@ -38,7 +38,7 @@ def tiny_arch(request) -> str:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The converted default model (`make model`); tests that need it skip without it."""
-    from services.config import default_model_dir
+    from pagedserve.services.common.config import default_model_dir
 
     path = Path(os.environ.get("PAGEDSERVE_TEST_MODEL") or default_model_dir())
     if not (path / "config.json").exists():

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-
-from services.errors import InvalidRequest
+from pagedserve.services.common.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
 

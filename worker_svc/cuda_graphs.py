@@ -32,11 +32,10 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.worker_svc.cache_engine import KVCacheSpec, allocate_kv_caches
+from pagedserve.worker_svc.model_input import ModelInput
 from torch import nn
-
-from kernels.metadata import AttentionMetadata
-from worker_svc.cache_engine import KVCacheSpec, allocate_kv_caches
-from worker_svc.model_input import ModelInput
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.errors import InvalidRequest, NotFound
-from services.sampling_params import SamplingParams
-from services.step_plan import NewSequence, RunningSequence, SampledSequence, StepPlan
+from pagedserve.services.common.errors import InvalidRequest, NotFound
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import (
+    NewSequence,
+    RunningSequence,
+    SampledSequence,
+    StepPlan,
+)
 
 
 @dataclass(slots=True)
@@ -74,7 +79,7 @@ class InputBatch:
     def advance(self, scheduled: list[CachedSequence], sampled: list[SampledSequence]) -> None:
         """After the forward: this step's tokens now have KV in the cache, and a sequence that
         sampled exactly one token has it appended (the scheduler counts on it, see
-        services.step_plan); several samples (forks, beams) wait for the scheduler's choice."""
+        pagedserve.services.common.step_plan); several samples (forks, beams) wait for the scheduler's choice."""
         for seq in scheduled:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0

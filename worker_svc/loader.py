@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 import transformers
+from pagedserve.services.common.config import ModelConfig
+from pagedserve.services.common.errors import ConfigError
+from pagedserve.worker_svc.layers.linear import default_weight_loader
+from pagedserve.worker_svc.models.registry import get_model_class
 from torch import nn
-
-from services.config import ModelConfig
-from services.errors import ConfigError
-from worker_svc.layers.linear import default_weight_loader
-from worker_svc.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 

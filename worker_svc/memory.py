@@ -19,14 +19,13 @@ import gc
 import logging
 
 import torch
+from pagedserve.services.common.config import CacheConfig, GiB, SchedulerConfig
+from pagedserve.services.common.errors import ConfigError
+from pagedserve.services.common.step_plan import MemoryProfile
+from pagedserve.worker_svc.cache_engine import KVCacheSpec, allocate_kv_caches
+from pagedserve.worker_svc.cuda_graphs import graph_memory_bytes
+from pagedserve.worker_svc.model_runner import ModelRunner, dummy_num_blocks
 from torch import nn
-
-from services.config import CacheConfig, GiB, SchedulerConfig
-from services.errors import ConfigError
-from services.step_plan import MemoryProfile
-from worker_svc.cache_engine import KVCacheSpec, allocate_kv_caches
-from worker_svc.cuda_graphs import graph_memory_bytes
-from worker_svc.model_runner import ModelRunner, dummy_num_blocks
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from kernels.metadata import AttentionMetadata
-from worker_svc.input_batch import CachedSequence
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.worker_svc.input_batch import CachedSequence
 
 
 @dataclass(slots=True)

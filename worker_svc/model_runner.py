@@ -8,16 +8,15 @@ import logging
 import time
 
 import torch
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import SampledSequence, StepOutput, StepPlan, StepTimings
+from pagedserve.worker_svc.cache_engine import CacheEngine
+from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
+from pagedserve.worker_svc.input_batch import CachedSequence, InputBatch
+from pagedserve.worker_svc.model_input import ModelInput, build_model_input
+from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
+from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState, prompt_logprobs
 from torch import nn
-
-from services.sampling_params import SamplingParams
-from services.step_plan import SampledSequence, StepOutput, StepPlan, StepTimings
-from worker_svc.cache_engine import CacheEngine
-from worker_svc.cuda_graphs import DecodeGraphs
-from worker_svc.input_batch import CachedSequence, InputBatch
-from worker_svc.model_input import ModelInput, build_model_input
-from worker_svc.parallel import SINGLE, TensorParallel
-from worker_svc.sampler import Sampler, SeqSamplingState, prompt_logprobs
 
 logger = logging.getLogger(__name__)
 

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-from services.errors import ConfigError
-from services.step_plan import SampledSequence
+from pagedserve.services.common.errors import ConfigError
+from pagedserve.services.common.step_plan import SampledSequence
 
 logger = logging.getLogger(__name__)
 

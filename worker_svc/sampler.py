@@ -17,16 +17,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from services.sampling_params import SamplingParams
-from services.step_plan import SampledSequence, TokenLogprob
-from worker_svc.logits_processor import (
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import SampledSequence, TokenLogprob
+from pagedserve.worker_svc.logits_processor import (
     apply_min_p,
     apply_top_k,
     apply_top_k_top_p,
     mask_tokens,
 )
-from worker_svc.penalties import apply_penalties
+from pagedserve.worker_svc.penalties import apply_penalties
 
 _MASK_64 = (1 << 64) - 1
 _PROMPT_LOGPROBS_CHUNK = 1024  # rows per log_softmax, bounds the extra memory of long prompts

@@ -21,22 +21,26 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
-
-from pagedserve.v1 import worker_pb2, worker_pb2_grpc
-from services.config import EngineConfig, WorkerServiceConfig
-from services.errors import InvalidRequest, StaleEpoch, StepOutOfOrder, Unavailable
-from services.server import ServiceBinding, ServiceServer, create_server
-from services.status import map_errors
-from services.step_plan import WorkerInfo
-from worker_svc.convert import (
+from pagedserve.services.common.config import EngineConfig, WorkerServiceConfig
+from pagedserve.services.common.errors import (
+    InvalidRequest,
+    StaleEpoch,
+    StepOutOfOrder,
+    Unavailable,
+)
+from pagedserve.services.common.step_plan import WorkerInfo
+from pagedserve.services.rpc.convert_worker import (
     block_pairs_from_proto,
     memory_profile_to_proto,
     step_output_to_proto,
     step_plan_from_proto,
     worker_info_to_proto,
 )
-from worker_svc.parallel import leave_tensor_parallel
-from worker_svc.worker import Worker
+from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
+from pagedserve.services.rpc.status import map_errors
+from pagedserve.services.rpc.v1 import worker_pb2, worker_pb2_grpc
+from pagedserve.worker_svc.parallel import leave_tensor_parallel
+from pagedserve.worker_svc.worker import Worker
 
 logger = logging.getLogger(__name__)
 

@@ -17,25 +17,30 @@ from types import ModuleType
 from typing import Literal
 
 import torch
-
-from kernels.backend import get_backend, resolve_backend_name
-from services.config import EngineConfig
-from services.errors import ConfigError, InvalidRequest, StaleEpoch, StepOutOfOrder, Unavailable
-from services.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
-from worker_svc.cache_engine import CacheEngine, KVCacheSpec, allocate_kv_caches
-from worker_svc.cuda_graphs import (
+from pagedserve.kernels.backend import get_backend, resolve_backend_name
+from pagedserve.services.common.config import EngineConfig
+from pagedserve.services.common.errors import (
+    ConfigError,
+    InvalidRequest,
+    StaleEpoch,
+    StepOutOfOrder,
+    Unavailable,
+)
+from pagedserve.services.common.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
+from pagedserve.worker_svc.cache_engine import CacheEngine, KVCacheSpec, allocate_kv_caches
+from pagedserve.worker_svc.cuda_graphs import (
     CAPTURABLE_BACKENDS,
     MAX_CAPTURE_SEQ_LEN,
     DecodeGraphs,
     capture_batch_sizes,
 )
-from worker_svc.layers.attention import Attention
-from worker_svc.loader import eos_token_ids, load_hf_config, load_model
-from worker_svc.memory import profile_memory
-from worker_svc.model_runner import ModelRunner, dummy_num_blocks
-from worker_svc.models.registry import resolve_architecture
-from worker_svc.parallel import SINGLE, init_tensor_parallel
-from worker_svc.sampler import Sampler
+from pagedserve.worker_svc.layers.attention import Attention
+from pagedserve.worker_svc.loader import eos_token_ids, load_hf_config, load_model
+from pagedserve.worker_svc.memory import profile_memory
+from pagedserve.worker_svc.model_runner import ModelRunner, dummy_num_blocks
+from pagedserve.worker_svc.models.registry import resolve_architecture
+from pagedserve.worker_svc.parallel import SINGLE, init_tensor_parallel
+from pagedserve.worker_svc.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +182,7 @@ class Worker:
     # --- steps --------------------------------------------------------------------------------
 
     def execute_step(self, plan: StepPlan) -> StepOutput:
-        """Run one StepPlan (see services.step_plan for the protocol).
+        """Run one StepPlan (see pagedserve.services.common.step_plan for the protocol).
 
         A step that raises may leave the mirror half-updated, so the steps after it are refused
         until the scheduler calls clear_state and resends its sequences as new (the KV blocks are

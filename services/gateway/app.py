@@ -11,13 +11,13 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from pagedserve.v1 import gateway_pb2_grpc
-from services.config import GatewayConfig
-from services.gateway.convert import model_info_from_served_model
-from services.gateway.scheduler_client import SchedulerClient
-from services.gateway.servicer import Admission, GenerationServicer, ModelsServicer
-from services.server import ServiceBinding, ServiceServer, create_server
-from services.tokenizer import Tokenizer
+from pagedserve.services.common.config import GatewayConfig
+from pagedserve.services.gateway.convert import model_info_from_served_model
+from pagedserve.services.gateway.scheduler_client import SchedulerClient
+from pagedserve.services.gateway.servicer import Admission, GenerationServicer, ModelsServicer
+from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
+from pagedserve.services.rpc.v1 import gateway_pb2_grpc
+from pagedserve.services.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

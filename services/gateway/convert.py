@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedserve.v1 import common_pb2, gateway_pb2, scheduler_pb2
-from services.errors import InvalidRequest
-from services.gateway.text_stream import DecodedLogprob, StreamDelta
-from services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
-from services.proto_common import (
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
+from pagedserve.services.rpc.convert_common import (
     finish_reason_from_proto,
     finish_reason_to_proto,
     sampling_params_from_proto,
@@ -17,6 +15,8 @@ from services.proto_common import (
     usage_from_proto,
     usage_to_proto,
 )
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, scheduler_pb2
+from pagedserve.services.text.text_stream import DecodedLogprob, StreamDelta
 
 # --- GenerateRequest --------------------------------------------------------------------------
 

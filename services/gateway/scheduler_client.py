@@ -16,14 +16,17 @@ from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from pagedserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler_svc.convert import SubmitRequest, submit_request_to_proto, token_event_from_proto
-from scheduler_svc.outputs import RequestOutput
-from services.errors import Unavailable
-from services.gateway.validation import PreparedRequest
-from services.status import error_from_rpc
-from services.tracing import aio_client_interceptors
+from pagedserve.services.common.engine_api import SubmitRequest
+from pagedserve.services.common.errors import Unavailable
+from pagedserve.services.common.outputs import RequestOutput
+from pagedserve.services.gateway.validation import PreparedRequest
+from pagedserve.services.rpc.convert_scheduler import (
+    submit_request_to_proto,
+    token_event_from_proto,
+)
+from pagedserve.services.rpc.status import error_from_rpc
+from pagedserve.services.rpc.tracing import aio_client_interceptors
+from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -14,10 +14,13 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
-
-from pagedserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services.errors import InvalidRequest, Overloaded, PagedServeError, Unavailable
-from services.gateway.convert import (
+from pagedserve.services.common.errors import (
+    InvalidRequest,
+    Overloaded,
+    PagedServeError,
+    Unavailable,
+)
+from pagedserve.services.gateway.convert import (
     generate_request_from_proto,
     generate_response_to_proto,
     model_info_to_proto,
@@ -25,16 +28,17 @@ from services.gateway.convert import (
     tokenize_request_from_proto,
     tokenize_response_to_proto,
 )
-from services.gateway.scheduler_client import SchedulerClient
-from services.gateway.text_stream import StreamDelta, TextStream
-from services.gateway.validation import (
+from pagedserve.services.gateway.scheduler_client import SchedulerClient
+from pagedserve.services.gateway.validation import (
     ModelInfo,
     PreparedRequest,
     prepare_request,
     prompt_token_ids,
 )
-from services.status import map_errors
-from services.tokenizer import Tokenizer
+from pagedserve.services.rpc.status import map_errors
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pagedserve.services.text.text_stream import StreamDelta, TextStream
+from pagedserve.services.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +127,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         return prepare_request(generate_request_from_proto(request), self._tokenizer, self._info)
 
     async def _generate(self, request: PreparedRequest) -> AsyncIterator[StreamDelta]:
-        text_stream = TextStream(request, self._tokenizer)
+        text_stream = TextStream(request.prompt_token_ids, request.sampling, self._tokenizer)
         outputs = self._scheduler.submit(request)
         errors: list[str] = []
         try:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from services.errors import InvalidRequest
-from services.sampling_params import SamplingParams
-from services.tokenizer import Tokenizer
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.text.tokenizer import Tokenizer
 
 MAX_REQUEST_ID_CHARS = 256
 

@@ -7,10 +7,8 @@ import time
 from dataclasses import dataclass
 
 import grpc
-
-from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
-from scheduler_svc.servicer import SchedulerServicer, start_scheduler, stop_scheduler
-from services.config import (
+from pagedserve.scheduler_svc.servicer import SchedulerServicer, start_scheduler, stop_scheduler
+from pagedserve.services.common.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -19,10 +17,12 @@ from services.config import (
     SchedulerServiceConfig,
     WorkerServiceConfig,
 )
-from services.gateway.app import Gateway, start_gateway
-from services.server import ServiceServer
+from pagedserve.services.gateway.app import Gateway, start_gateway
+from pagedserve.services.rpc.server import ServiceServer
+from pagedserve.services.rpc.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.worker_svc.servicer import WorkerServicer, start_worker
+
 from tests.e2e.background import BackgroundLoop
-from worker_svc.servicer import WorkerServicer, start_worker
 
 
 @dataclass(slots=True)

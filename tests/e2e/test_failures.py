@@ -5,17 +5,17 @@ and gateway keep answering."""
 
 import grpc
 import pytest
-
-from pagedserve.v1 import (
+from pagedserve.services.common.config import WorkerServiceConfig
+from pagedserve.services.rpc.v1 import (
     common_pb2,
     gateway_pb2,
     gateway_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from services.config import WorkerServiceConfig
+from pagedserve.worker_svc.servicer import start_worker
+
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
-from worker_svc.servicer import start_worker
 
 # long enough that the requests are still running when the worker dies
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)

@@ -14,25 +14,25 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from pagedserve.v1 import (
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.rpc.v1 import (
     common_pb2,
     gateway_pb2,
     gateway_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from services.llm import LLM
-from services.sampling_params import SamplingParams
-from services.supervisor import free_port
-from worker_svc.parallel import GROUP_BROKEN_EXIT_CODE
+from pagedserve.worker_svc.parallel import GROUP_BROKEN_EXIT_CODE
+
+from pagedserve.llm import LLM
+from pagedserve.supervisor import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_CACHE = ["--kv-cache-memory-gib", "0.01", "--swap-space-gib", "0.01", "--device", "cpu"]
 
 
 def pagedserve(*argv: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "pagedserve.cli", *argv], cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True, **kwargs)
 
 
@@ -91,7 +91,7 @@ def test_serve_runs_the_stack_and_ctrl_c_stops_it(tiny_served_model_dir):
         assert "grpcurl -plaintext" in wait_for_line(out, "grpcurl", 5)
 
         generate = subprocess.run(
-            [sys.executable, "-m", "services.cli", "generate", "--address", address,
+            [sys.executable, "-m", "pagedserve.cli", "generate", "--address", address,
              "the quick brown fox", "--max-tokens", "8", "--temperature", "0", "--ignore-eos"],
             cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert generate.returncode == 0, generate.stderr

@@ -4,12 +4,12 @@ the in-process LLM's (the gRPC split adds transport, never logic)."""
 import grpc
 import pytest
 import torch
+from pagedserve.services.common.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagedserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
-from services.llm import LLM
-from services.sampling_params import SamplingParams
+from pagedserve.llm import LLM
 from tests.e2e.stack import start_stack
 
 pytestmark = pytest.mark.slow

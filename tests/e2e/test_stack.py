@@ -6,16 +6,16 @@ import asyncio
 import grpc
 import pytest
 import torch
-
-from pagedserve.v1 import (
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.rpc.v1 import (
     common_pb2,
     gateway_pb2,
     gateway_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from services.llm import LLM
-from services.sampling_params import SamplingParams
+
+from pagedserve.llm import LLM
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
 from tests.tiny_models import load_hf
 

@@ -12,10 +12,10 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
+from pagedserve.scheduler_svc.async_engine import STEP_SPAN
+from pagedserve.services.rpc.tracing import inject_metadata
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-from pagedserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from scheduler_svc.service import STEP_SPAN
-from services.tracing import inject_metadata
 from tests.e2e.stack import start_stack, tiny_config
 
 GENERATE_STREAM = "pagedserve.v1.Generation/GenerateStream"

@@ -8,21 +8,21 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from services.config import (
+from pagedserve.scheduler_svc.worker_client import GrpcWorker
+from pagedserve.services.common.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
     WorkerServiceConfig,
 )
-from services.errors import InvalidRequest, StaleEpoch, Unavailable
-from services.sampling_params import SamplingParams
-from services.step_plan import NewSequence, RunningSequence, StepOutput, StepPlan
+from pagedserve.services.common.errors import InvalidRequest, StaleEpoch, Unavailable
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import NewSequence, RunningSequence, StepOutput, StepPlan
+from pagedserve.worker_svc.servicer import create_worker_server
+from pagedserve.worker_svc.worker import Worker
+
 from tests.e2e.background import BackgroundLoop
-from worker_svc.client import GrpcWorker
-from worker_svc.servicer import create_worker_server
-from worker_svc.worker import Worker
 
 EPOCH = 7
 

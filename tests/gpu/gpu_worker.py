@@ -6,10 +6,15 @@ import random
 from pathlib import Path
 
 import pytest
-
-from kernels.backend import flash_attn_available
-from services.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
-from worker_svc.worker import Worker
+from pagedserve.kernels.backend import flash_attn_available
+from pagedserve.services.common.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from pagedserve.worker_svc.worker import Worker
 
 # Every backend that runs on CUDA; flash_attn only where the package is installed.
 CUDA_BACKENDS = [

@@ -8,11 +8,15 @@ import gc
 
 import pytest
 import torch
+from pagedserve.worker_svc.cuda_graphs import (
+    MAX_CAPTURE_SEQ_LEN,
+    capture_batch_sizes,
+    graph_memory_bytes,
+)
 
 from tests.gpu.gpu_worker import cuda_worker, prompt
 from tests.integration.worker_driver import Driver, assert_matches_hf
 from tests.tiny_models import load_hf
-from worker_svc.cuda_graphs import MAX_CAPTURE_SEQ_LEN, capture_batch_sizes, graph_memory_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -48,7 +52,7 @@ def test_warm_up_captures_every_bucket(tiny_model_dir):
 def test_graphs_give_the_eager_greedy_tokens(tiny_model_dir, monkeypatch, arch, partition_size):
     """32-token partitions make the graphs take the split-KV kernels (16 partitions for the
     512-token bound, most of them past every real length)."""
-    monkeypatch.setattr("kernels.triton_ops.DECODE_PARTITION_SIZE", partition_size)
+    monkeypatch.setattr("pagedserve.kernels.triton_ops.DECODE_PARTITION_SIZE", partition_size)
     path = tiny_model_dir(arch)
     eager = _run(cuda_worker(path, enable_cuda_graph=False))
     graphed = _run(cuda_worker(path, enable_cuda_graph=True))
@@ -66,7 +70,7 @@ def test_graphs_give_the_eager_greedy_tokens(tiny_model_dir, monkeypatch, arch, 
 
 
 def test_prefills_and_long_decodes_run_eagerly(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr("worker_svc.worker.MAX_CAPTURE_SEQ_LEN", 24)
+    monkeypatch.setattr("pagedserve.worker_svc.worker.MAX_CAPTURE_SEQ_LEN", 24)
     path = tiny_model_dir("llama")
     worker = cuda_worker(path, enable_cuda_graph=True)
     graphs = worker.runner.decode_graphs

@@ -4,9 +4,9 @@ preemption through the side stream does not change it. Skipped without CUDA."""
 from __future__ import annotations
 
 import pytest
+from pagedserve.services.common.sampling_params import SamplingParams
 
-from services.llm_engine import LLMEngine
-from services.sampling_params import SamplingParams
+from pagedserve.llm_engine import LLMEngine
 from tests.gpu.gpu_worker import CUDA_BACKENDS, prompt
 from tests.integration.worker_driver import hf_logits
 from tests.tiny_models import load_hf

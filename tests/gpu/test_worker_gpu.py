@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pagedserve.services.common.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
+from pagedserve.worker_svc.worker import Worker
 
-from services.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from tests.gpu.gpu_worker import CUDA_BACKENDS, cuda_worker, prompt
 from tests.integration.worker_driver import Driver, assert_matches_hf, hf_logits
 from tests.tiny_models import load_hf
-from worker_svc.worker import Worker
 
 pytestmark = pytest.mark.gpu
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.model_prep import COMPLETE_MARKER, is_prepared, prepare_default_model
+from pagedserve.model_prep import COMPLETE_MARKER, is_prepared, prepare_default_model
 
 pytestmark = pytest.mark.slow
 

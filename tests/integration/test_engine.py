@@ -7,12 +7,12 @@ from __future__ import annotations
 import random
 
 import pytest
+from pagedserve.scheduler_svc.engine_core import MAX_REBUILDS_IN_A_ROW
+from pagedserve.services.common.errors import ConfigError, InvalidRequest, NotFound, Unavailable
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.worker_svc.worker import Worker
 
-from scheduler_svc.engine_core import MAX_REBUILDS_IN_A_ROW
-from services.errors import ConfigError, InvalidRequest, NotFound, Unavailable
-from services.llm_engine import LLMEngine, engine_config_from_kwargs
-from services.sampling_params import SamplingParams
-from worker_svc.worker import Worker
+from pagedserve.llm_engine import LLMEngine, engine_config_from_kwargs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
+from pagedserve.services.common.sampling_params import SamplingParams
 
-from services.sampling_params import SamplingParams
 from tests.integration.test_engine import assert_all_blocks_free, make_engine, prompts, restarting
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

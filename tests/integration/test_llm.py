@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pagedserve.services.common.sampling_params import SamplingParams
 
-from services.llm import LLM
-from services.sampling_params import SamplingParams
+from pagedserve.llm import LLM
 
 pytestmark = pytest.mark.slow
 

@@ -4,8 +4,8 @@ generation continues as if nothing happened."""
 from __future__ import annotations
 
 import torch
+from pagedserve.services.common.step_plan import NewSequence
 
-from services.step_plan import NewSequence
 from tests.integration.worker_driver import GREEDY, Driver, make_worker
 
 PROMPT = [7, 31, 5, 99, 12, 200, 41, 8, 77, 3, 150]

@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
+from pagedserve.services.common.sampling_params import SamplingParams
 
-from services.sampling_params import SamplingParams
 from tests.integration.worker_driver import Driver, assert_matches_hf, hf_logits, make_worker
 from tests.tiny_models import load_hf
 

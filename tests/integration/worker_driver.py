@@ -8,12 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from services.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
-from services.sampling_params import SamplingParams
-from services.step_plan import NewSequence, RunningSequence, StepOutput, StepPlan
-from worker_svc.sampler import Sampler, SeqSamplingState
-from worker_svc.worker import Worker
+from pagedserve.services.common.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import NewSequence, RunningSequence, StepOutput, StepPlan
+from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState
+from pagedserve.worker_svc.worker import Worker
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kernels import ref
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels import ref
+from pagedserve.kernels.metadata import AttentionMetadata
 
 # (context_len, query_len): context_len tokens are already cached, query_len are new this step.
 SeqSpec = tuple[int, int]

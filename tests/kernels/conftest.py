@@ -13,8 +13,7 @@ from types import ModuleType
 
 import pytest
 import torch
-
-from kernels.backend import available_backends, get_backend
+from pagedserve.kernels.backend import available_backends, get_backend
 
 # Every backend with a fast implementation; "ref" joins only tests with an independent oracle.
 FAST_BACKENDS = ["torch", "triton", "triton-split", "flash_attn"]

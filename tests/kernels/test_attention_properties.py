@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from pagedserve.kernels import ref
 
-from kernels import ref
 from tests.kernels.batch import BATCH_KINDS, make_batch, make_metadata
 from tests.kernels.conftest import ALL_BACKENDS, FAST_BACKENDS, TARGETS, TOLERANCES
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pagedserve.kernels import ref
 
-from kernels import ref
 from tests.kernels.batch import BATCH_KINDS, make_batch
 from tests.kernels.conftest import CACHE_OP_BACKENDS, FAST_BACKENDS, TARGETS, TOLERANCES
 

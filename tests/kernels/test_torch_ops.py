@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pagedserve.kernels import ref, torch_ops
 
-from kernels import ref, torch_ops
 from tests.kernels.batch import make_batch
 from tests.kernels.conftest import TOLERANCES
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-
-from pagedserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.gateway.validation import ModelInfo
-from services.proto_common import sampling_params_from_proto
-from services.server import ServiceBinding, ServiceServer, create_server
+from pagedserve.services.gateway.validation import ModelInfo
+from pagedserve.services.rpc.convert_common import sampling_params_from_proto
+from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
+from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):

@@ -14,9 +14,8 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-
-from scheduler_svc.block_manager import AllocStatus, BlockManager
-from scheduler_svc.prefix_cache import hash_prompt_blocks
+from pagedserve.scheduler_svc.block_manager import AllocStatus, BlockManager
+from pagedserve.scheduler_svc.prefix_cache import hash_prompt_blocks
 
 BS = 4
 

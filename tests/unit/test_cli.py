@@ -2,9 +2,7 @@
 flags become SamplingParams, bad flags are refused with the field's name."""
 
 import pytest
-
-from services.cli import _sampling, build_parser, main
-from services.config import (
+from pagedserve.services.common.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -13,8 +11,10 @@ from services.config import (
     TracingConfig,
     from_args,
 )
-from services.sampling_params import SamplingParams
-from services.supervisor import config_to_argv
+from pagedserve.services.common.sampling_params import SamplingParams
+
+from pagedserve.cli import _sampling, build_parser, main
+from pagedserve.supervisor import config_to_argv
 
 
 def test_config_to_argv_round_trips_through_the_generated_flags():

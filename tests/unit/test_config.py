@@ -3,8 +3,7 @@
 import argparse
 
 import pytest
-
-from services.config import (
+from pagedserve.services.common.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -17,7 +16,7 @@ from services.config import (
     add_arguments,
     from_args,
 )
-from services.errors import ConfigError, InvalidRequest
+from pagedserve.services.common.errors import ConfigError, InvalidRequest
 
 
 @pytest.mark.parametrize(("cls", "kwargs", "message"), [

@@ -3,11 +3,11 @@
 import dataclasses
 
 import pytest
-
-from pagedserve.v1 import common_pb2, scheduler_pb2
-from services.errors import InvalidRequest
-from services.proto_common import (
-    Usage,
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.outputs import Usage
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.rpc.convert_common import (
     add_logprob_lists,
     finish_reason_from_proto,
     finish_reason_to_proto,
@@ -21,8 +21,7 @@ from services.proto_common import (
     usage_from_proto,
     usage_to_proto,
 )
-from services.sampling_params import SamplingParams
-from services.step_plan import TokenLogprob
+from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2
 
 
 def _wire(msg):

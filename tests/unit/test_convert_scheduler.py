@@ -4,10 +4,12 @@ import dataclasses
 import time
 
 import pytest
-
-from pagedserve.v1 import common_pb2, scheduler_pb2
-from scheduler_svc.convert import (
-    SubmitRequest,
+from pagedserve.services.common.engine_api import EngineLoad, SubmitRequest
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.outputs import CompletionOutput, RequestOutput
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.rpc.convert_scheduler import (
     abort_request_from_proto,
     abort_request_to_proto,
     completion_output_from_proto,
@@ -19,11 +21,7 @@ from scheduler_svc.convert import (
     token_event_from_proto,
     token_event_to_proto,
 )
-from scheduler_svc.engine_core import EngineLoad
-from scheduler_svc.outputs import CompletionOutput, RequestOutput
-from services.errors import InvalidRequest
-from services.sampling_params import SamplingParams
-from services.step_plan import TokenLogprob
+from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2
 
 
 def _wire(msg):

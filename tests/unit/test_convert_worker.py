@@ -1,13 +1,11 @@
-"""worker.proto ↔ services/step_plan.py: every field of every message survives the wire."""
+"""worker.proto ↔ services/common/step_plan.py: every field of every message survives the wire."""
 
 import dataclasses
 
 import pytest
-
-from pagedserve.v1 import worker_pb2
-from services.errors import InvalidRequest
-from services.sampling_params import SamplingParams
-from services.step_plan import (
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import (
     MemoryProfile,
     NewSequence,
     RunningSequence,
@@ -18,7 +16,7 @@ from services.step_plan import (
     TokenLogprob,
     WorkerInfo,
 )
-from worker_svc.convert import (
+from pagedserve.services.rpc.convert_worker import (
     memory_profile_from_proto,
     memory_profile_to_proto,
     step_output_from_proto,
@@ -28,6 +26,7 @@ from worker_svc.convert import (
     worker_info_from_proto,
     worker_info_to_proto,
 )
+from pagedserve.services.rpc.v1 import worker_pb2
 
 BIG = 2**40  # ids and counters beyond 32 bits must survive
 

@@ -8,19 +8,19 @@ import random
 
 import pytest
 import torch
-
-from kernels.backend import available_backends
-from services.sampling_params import SamplingParams
-from tests.integration.worker_driver import make_worker
-from worker_svc.cuda_graphs import (
+from pagedserve.kernels.backend import available_backends
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.worker_svc.cuda_graphs import (
     DecodeBuffers,
     DecodeGraphs,
     capture_batch_sizes,
     decode_batch_size,
     pick_batch_size,
 )
-from worker_svc.input_batch import CachedSequence
-from worker_svc.model_input import build_model_input
+from pagedserve.worker_svc.input_batch import CachedSequence
+from pagedserve.worker_svc.model_input import build_model_input
+
+from tests.integration.worker_driver import make_worker
 
 BLOCK_SIZE = 8
 GREEDY = SamplingParams(temperature=0.0)
@@ -104,7 +104,7 @@ def test_padded_static_forward_equals_eager_for_the_decode_rows(tiny_model_dir, 
     bounds) against the eager forward of the same step; padding rows write no KV."""
     if "triton" not in available_backends(CPU):
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
-    from kernels import triton_ops
+    from pagedserve.kernels import triton_ops
 
     # 8-token partitions: the bound of 48 gives 6, most of them past the real lengths
     monkeypatch.setattr(triton_ops, "DECODE_PARTITION_SIZE", partition_size)

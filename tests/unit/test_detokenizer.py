@@ -1,8 +1,8 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pagedserve.services.text.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 
-from services.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from tests.unit.tiny_tokenizers import byte_level_bpe, sentencepiece_bpe
 
 TEXTS = [
@@ -121,7 +121,7 @@ def test_cost_per_token_does_not_grow_with_length(byte_level):
 
 
 def test_smollm2_chinese_and_emoji(smollm2_dir):
-    from services.tokenizer import Tokenizer
+    from pagedserve.services.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(smollm2_dir)
     prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": "Say hi"}])

@@ -1,8 +1,8 @@
 import pytest
-
-from pagedserve.v1 import common_pb2, gateway_pb2, scheduler_pb2
-from services.errors import InvalidRequest
-from services.gateway.convert import (
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.outputs import Usage
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.gateway.convert import (
     generate_request_from_proto,
     generate_request_to_proto,
     generate_response_to_proto,
@@ -13,10 +13,9 @@ from services.gateway.convert import (
     stream_delta_to_proto,
     tokenize_request_from_proto,
 )
-from services.gateway.text_stream import DecodedLogprob, StreamDelta
-from services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
-from services.proto_common import Usage
-from services.sampling_params import SamplingParams
+from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, scheduler_pb2
+from pagedserve.services.text.text_stream import DecodedLogprob, StreamDelta
 
 SAMPLING = SamplingParams(n=2, temperature=0.7, top_k=5, stop=("\n",), stop_token_ids=(7,),
                           max_tokens=9, logprobs=3, seed=11)

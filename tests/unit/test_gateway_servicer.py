@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pagedserve.services.common.config import GatewayConfig
+from pagedserve.services.gateway.app import start_gateway
+from pagedserve.services.gateway.validation import ModelInfo
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-from pagedserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services.config import GatewayConfig
-from services.gateway.app import start_gateway
-from services.gateway.validation import ModelInfo
 from tests.unit.fake_scheduler import FakeScheduler, start_fake_scheduler
 from tests.unit.tiny_tokenizers import byte_level_bpe
 

@@ -1,19 +1,18 @@
 """TextStream and prepare_request without gRPC: token events in, client deltas out."""
 
 import pytest
-
-from scheduler_svc.outputs import CompletionOutput, RequestOutput
-from services.errors import InvalidRequest
-from services.gateway.text_stream import TextStream
-from services.gateway.validation import (
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.outputs import CompletionOutput, RequestOutput
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.gateway.validation import (
     ChatMessage,
     GenerateInput,
     ModelInfo,
-    PreparedRequest,
     prepare_request,
 )
-from services.sampling_params import SamplingParams
-from services.step_plan import TokenLogprob
+from pagedserve.services.text.text_stream import TextStream
+
 from tests.unit.tiny_tokenizers import byte_level_bpe
 
 TOKENIZER = byte_level_bpe()
@@ -24,8 +23,8 @@ def ids(text):
     return TOKENIZER.encode(text, add_special_tokens=False)
 
 
-def prepared(**sampling):
-    return PreparedRequest("r", ids("the fox"), SamplingParams(**sampling), 0)
+def _stream(**sampling):
+    return TextStream(ids("the fox"), SamplingParams(**sampling), TOKENIZER)
 
 
 def event(*outputs, **kw):
@@ -45,14 +44,14 @@ def run(stream, events):
 
 def test_stop_string_at_the_very_end_is_found_after_the_flush():
     # "END" arrives in the last token with the scheduler's EOS: still a stop-string finish
-    stream = TextStream(prepared(stop=["END"]), TOKENIZER)
+    stream = _stream(stop=["END"])
     deltas = run(stream, token_events("hello END"))
     assert "".join(d.text for d in deltas) == "hello "
     assert deltas[-1].finish_reason == "stop"
 
 
 def test_held_text_is_released_when_the_sequence_ends():
-    stream = TextStream(prepared(stop=["there!"]), TOKENIZER)
+    stream = _stream(stop=["there!"])
     deltas = run(stream, token_events("hello there", finish="length"))
     assert "".join(d.text for d in deltas) == "hello there"
     assert deltas[-1].finish_reason == "length"
@@ -60,7 +59,7 @@ def test_held_text_is_released_when_the_sequence_ends():
 
 
 def test_n2_one_index_stopped_the_other_runs_on():
-    stream = TextStream(prepared(n=2, stop=["X"], temperature=0.8), TOKENIZER)
+    stream = _stream(n=2, stop=["X"], temperature=0.8)
     first = stream.on_output(event(CompletionOutput(0, ids("aX")), CompletionOutput(1, ids("ab"))))
     assert [(d.index, d.text, d.finish_reason) for d in first] == [(0, "a", "stop"), (1, "ab", None)]
     assert not stream.is_finished and all(d.usage is None for d in first)
@@ -72,7 +71,7 @@ def test_n2_one_index_stopped_the_other_runs_on():
 
 
 def test_logprobs_and_prompt_logprobs_carry_token_text():
-    stream = TextStream(prepared(logprobs=1, prompt_logprobs=1), TOKENIZER)
+    stream = _stream(logprobs=1, prompt_logprobs=1)
     token = ids(" fox")[0]
     deltas = stream.on_output(event(
         CompletionOutput(0, [token], logprobs=[-0.1], top_logprobs=[[TokenLogprob(token, -0.1)]]),
@@ -85,7 +84,7 @@ def test_logprobs_and_prompt_logprobs_carry_token_text():
 
 
 def test_held_back_text_still_streams_token_ids():
-    stream = TextStream(prepared(stop=["STOP"]), TOKENIZER)
+    stream = _stream(stop=["STOP"])
     deltas = stream.on_output(event(CompletionOutput(0, ids("ok ST"))))
     assert deltas[0].text == "ok " and deltas[0].token_ids == ids("ok ST")
 

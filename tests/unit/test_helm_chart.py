@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 import yaml
-
-from services.cli import build_parser
-from services.config import (
+from pagedserve.services.common.config import (
     EngineConfig,
     GatewayConfig,
     SchedulerServiceConfig,
     WorkerServiceConfig,
     from_args,
 )
+
+from pagedserve.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pagedserve"

@@ -3,8 +3,8 @@ hit-rate counters, and the rule that at least one prompt token is always compute
 
 from __future__ import annotations
 
-from scheduler_svc.block_manager import AllocStatus, BlockManager
-from scheduler_svc.prefix_cache import PrefixCache, hash_block_tokens
+from pagedserve.scheduler_svc.block_manager import AllocStatus, BlockManager
+from pagedserve.scheduler_svc.prefix_cache import PrefixCache, hash_block_tokens
 
 BS = 4
 

@@ -2,11 +2,10 @@ import math
 
 import pytest
 import torch
-
-from services.sampling_params import SamplingParams
-from worker_svc.logits_processor import apply_min_p, apply_top_k, apply_top_k_top_p
-from worker_svc.penalties import apply_penalties
-from worker_svc.sampler import Sampler, SeqSamplingState, prompt_logprobs
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.worker_svc.logits_processor import apply_min_p, apply_top_k, apply_top_k_top_p
+from pagedserve.worker_svc.penalties import apply_penalties
+from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState, prompt_logprobs
 
 VOCAB = 12
 EOS = 11

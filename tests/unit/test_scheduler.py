@@ -5,15 +5,19 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.output_processor import OutputProcessor
-from scheduler_svc.outputs import make_request_output
-from scheduler_svc.scheduler import Scheduler, SchedulerOutput
-from scheduler_svc.sequence import SequenceGroup
-from services.config import SchedulerConfig
-from services.sampling_params import SamplingParams
-from services.step_plan import NewSequence, RunningSequence, SampledSequence, StepOutput
+from pagedserve.scheduler_svc.block_manager import BlockManager
+from pagedserve.scheduler_svc.output_processor import OutputProcessor
+from pagedserve.scheduler_svc.outputs import make_request_output
+from pagedserve.scheduler_svc.scheduler import Scheduler, SchedulerOutput
+from pagedserve.scheduler_svc.sequence import SequenceGroup
+from pagedserve.services.common.config import SchedulerConfig
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import (
+    NewSequence,
+    RunningSequence,
+    SampledSequence,
+    StepOutput,
+)
 
 EOS = 2
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

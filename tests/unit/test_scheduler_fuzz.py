@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 from hypothesis import assume, given, settings
+from pagedserve.scheduler_svc.outputs import make_request_output
+from pagedserve.scheduler_svc.scheduler import SchedulerOutput
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.sampling_params import SamplingParams
 
-from scheduler_svc.outputs import make_request_output
-from scheduler_svc.scheduler import SchedulerOutput
-from services.errors import InvalidRequest
-from services.sampling_params import SamplingParams
 from tests.unit.test_scheduler import Harness
 
 KINDS = {

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from pagedserve.scheduler_svc.sequence import derive_seed
+from pagedserve.services.common.sampling_params import SamplingParams
 
-from scheduler_svc.sequence import derive_seed
-from services.sampling_params import SamplingParams
 from tests.unit.test_scheduler import EOS, Harness
 
 

@@ -5,9 +5,8 @@ import signal
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-from pagedserve.v1 import gateway_pb2, gateway_pb2_grpc
-from services.server import ServiceBinding, create_server
+from pagedserve.services.rpc.server import ServiceBinding, create_server
+from pagedserve.services.rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -2,9 +2,7 @@ import asyncio
 
 import grpc
 import pytest
-
-from pagedserve.v1 import gateway_pb2, gateway_pb2_grpc
-from services.errors import (
+from pagedserve.services.common.errors import (
     ConfigError,
     InvalidRequest,
     NotFound,
@@ -13,8 +11,9 @@ from services.errors import (
     StaleEpoch,
     Unavailable,
 )
-from services.server import ServiceBinding, create_server
-from services.status import error_from_rpc, error_from_status, map_errors, status_of
+from pagedserve.services.rpc.server import ServiceBinding, create_server
+from pagedserve.services.rpc.status import error_from_rpc, error_from_status, map_errors, status_of
+from pagedserve.services.rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
 CASES = [
     (InvalidRequest("temperature must be >= 0, got -1.0"), grpc.StatusCode.INVALID_ARGUMENT),

@@ -1,8 +1,7 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from services.stop_strings import StopStringMatcher
+from pagedserve.services.text.stop_strings import StopStringMatcher
 
 
 def run(matcher, pieces):

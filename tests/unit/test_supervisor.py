@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from services import supervisor
-from services.supervisor import MAX_RESTARTS, RESTART_WINDOW_S, Child, restart_child
+from pagedserve import supervisor
+from pagedserve.supervisor import MAX_RESTARTS, RESTART_WINDOW_S, Child, restart_child
 
 
 @pytest.fixture

@@ -11,16 +11,21 @@ import asyncio
 
 import pytest
 import torch
+from pagedserve.kernels.backend import get_backend
+from pagedserve.scheduler_svc.servicer import start_engine
+from pagedserve.services.common.config import (
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerServiceConfig,
+)
+from pagedserve.services.common.errors import ConfigError
+from pagedserve.services.common.step_plan import SampledSequence
+from pagedserve.worker_svc.layers.linear import VocabEmbedding, kv_heads_of_rank
+from pagedserve.worker_svc.loader import load_hf_config, load_model
+from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
 
-from kernels.backend import get_backend
-from scheduler_svc.servicer import start_engine
-from services.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerServiceConfig
-from services.errors import ConfigError
-from services.step_plan import SampledSequence
 from tests.tiny_models import load_hf
-from worker_svc.layers.linear import VocabEmbedding, kv_heads_of_rank
-from worker_svc.loader import load_hf_config, load_model
-from worker_svc.parallel import SINGLE, TensorParallel
 
 CPU = torch.device("cpu")
 

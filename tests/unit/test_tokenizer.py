@@ -1,7 +1,7 @@
 import pytest
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.text.tokenizer import Tokenizer
 
-from services.errors import InvalidRequest
-from services.tokenizer import Tokenizer
 from tests.unit.tiny_tokenizers import byte_level_bpe, sentencepiece_bpe
 
 

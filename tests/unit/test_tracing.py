@@ -1,4 +1,4 @@
-"""services/tracing.py: W3C trace context through gRPC metadata, the server and client
+"""services/rpc/tracing.py: W3C trace context through gRPC metadata, the server and client
 interceptors over real loopback gRPC (each test with its own TracerProvider and in-memory
 exporter, so nothing global changes), the exporters and the tracing flags."""
 
@@ -17,19 +17,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-
-from pagedserve.v1 import (
-    common_pb2,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-    worker_pb2,
-    worker_pb2_grpc,
-)
-from services.cli import build_parser
-from services.config import GatewayConfig, TracingConfig, from_args
-from services.errors import ConfigError, InvalidRequest
-from services.status import map_errors
-from services.tracing import (
+from pagedserve.services.common.config import GatewayConfig, TracingConfig, from_args
+from pagedserve.services.common.errors import ConfigError, InvalidRequest
+from pagedserve.services.rpc.status import map_errors
+from pagedserve.services.rpc.tracing import (
     ClientTracingInterceptor,
     ServerTracingInterceptor,
     aio_client_interceptors,
@@ -37,6 +28,15 @@ from services.tracing import (
     extract_context,
     inject_metadata,
 )
+from pagedserve.services.rpc.v1 import (
+    common_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+
+from pagedserve.cli import build_parser
 
 SUBMIT = "pagedserve.v1.Scheduler/Submit"
 LENGTH = common_pb2.FINISH_REASON_LENGTH
@@ -331,7 +331,7 @@ def test_setup_tracing_installs_one_global_provider_and_none_leaves_the_no_op_tr
     servers and channels get no interceptors; "console" installs a provider once and prints."""
     script = """
 from opentelemetry import trace
-from services.tracing import (aio_client_interceptors, client_interceptors, server_interceptors,
+from pagedserve.services.rpc.tracing import (aio_client_interceptors, client_interceptors, server_interceptors,
                               setup_tracing)
 def num_interceptors():
     return [len(server_interceptors()), len(aio_client_interceptors("h:1")),

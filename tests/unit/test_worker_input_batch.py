@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from services.errors import InvalidRequest, NotFound
-from services.sampling_params import SamplingParams
-from services.step_plan import NewSequence, RunningSequence, SampledSequence, StepPlan
-from worker_svc.input_batch import InputBatch
-from worker_svc.model_input import build_model_input
+from pagedserve.services.common.errors import InvalidRequest, NotFound
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import (
+    NewSequence,
+    RunningSequence,
+    SampledSequence,
+    StepPlan,
+)
+from pagedserve.worker_svc.input_batch import InputBatch
+from pagedserve.worker_svc.model_input import build_model_input
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -9,9 +9,8 @@ import shutil
 
 import pytest
 import torch
-
-from services.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
-from services.errors import (
+from pagedserve.services.common.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
+from pagedserve.services.common.errors import (
     ConfigError,
     InvalidRequest,
     NotFound,
@@ -19,9 +18,10 @@ from services.errors import (
     StepOutOfOrder,
     Unavailable,
 )
-from services.step_plan import RunningSequence, StepPlan
+from pagedserve.services.common.step_plan import RunningSequence, StepPlan
+from pagedserve.worker_svc.worker import Worker
+
 from tests.integration.worker_driver import Driver, make_worker
-from worker_svc.worker import Worker
 
 
 def _config(path, **model_kw) -> EngineConfig:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from services.config import (
+from pagedserve.services.common.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -12,10 +11,10 @@ from services.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from worker_svc.cache_engine import allocate_kv_caches
-from worker_svc.memory import profile_query_lens, weights_bytes
-from worker_svc.model_runner import dummy_num_blocks
-from worker_svc.worker import Worker
+from pagedserve.worker_svc.cache_engine import allocate_kv_caches
+from pagedserve.worker_svc.memory import profile_query_lens, weights_bytes
+from pagedserve.worker_svc.model_runner import dummy_num_blocks
+from pagedserve.worker_svc.worker import Worker
 
 
 def _worker(path, **cache_kw) -> Worker:

@@ -13,10 +13,9 @@ import functools
 import json
 
 import transformers
+from pagedserve.services.text.tokenizer import Tokenizer
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-
-from services.tokenizer import Tokenizer
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",

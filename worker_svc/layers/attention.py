@@ -6,9 +6,8 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+from pagedserve.kernels.metadata import AttentionMetadata
 from torch import nn
-
-from kernels.metadata import AttentionMetadata
 
 
 class Attention(nn.Module):

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pagedserve.services.common.errors import ConfigError
+from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
 from torch import nn
-
-from services.errors import ConfigError
-from worker_svc.parallel import SINGLE, TensorParallel
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:

@@ -8,9 +8,8 @@ import math
 from typing import Any
 
 import torch
+from pagedserve.services.common.errors import ConfigError
 from torch import nn
-
-from services.errors import ConfigError
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

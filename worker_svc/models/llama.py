@@ -10,23 +10,22 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from torch import nn
-
-from kernels.metadata import AttentionMetadata
-from services.errors import ConfigError
-from worker_svc.layers.activation import SiluAndMul
-from worker_svc.layers.attention import Attention
-from worker_svc.layers.linear import (
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.services.common.errors import ConfigError
+from pagedserve.worker_svc.layers.activation import SiluAndMul
+from pagedserve.worker_svc.layers.attention import Attention
+from pagedserve.worker_svc.layers.linear import (
     MergedLinear,
     QKVLinear,
     RowParallelLinear,
     VocabEmbedding,
     kv_heads_of_rank,
 )
-from worker_svc.layers.norm import RMSNorm
-from worker_svc.layers.rotary import RotaryEmbedding, rope_settings
-from worker_svc.loader import load_named_weights
-from worker_svc.parallel import SINGLE, TensorParallel
+from pagedserve.worker_svc.layers.norm import RMSNorm
+from pagedserve.worker_svc.layers.rotary import RotaryEmbedding, rope_settings
+from pagedserve.worker_svc.loader import load_named_weights
+from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
+from torch import nn
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,20 +9,19 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from torch import nn
-
-from kernels.metadata import AttentionMetadata
-from worker_svc.layers.activation import get_activation
-from worker_svc.layers.attention import Attention
-from worker_svc.layers.linear import (
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.worker_svc.layers.activation import get_activation
+from pagedserve.worker_svc.layers.attention import Attention
+from pagedserve.worker_svc.layers.linear import (
     ColumnParallelLinear,
     Linear,
     QKVLinear,
     RowParallelLinear,
     VocabEmbedding,
 )
-from worker_svc.loader import load_named_weights
-from worker_svc.parallel import SINGLE, TensorParallel
+from pagedserve.worker_svc.loader import load_named_weights
+from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
+from torch import nn
 
 # OPT's learned position table is 2 rows longer: position p reads row p + 2 (a fairseq legacy)
 POSITION_OFFSET = 2

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import importlib
 
+from pagedserve.services.common.errors import ConfigError
 from torch import nn
-
-from services.errors import ConfigError
 
 # architecture → (module, class)
 _MODELS: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("worker_svc.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("worker_svc.models.llama", "Qwen2ForCausalLM"),
-    "Qwen3ForCausalLM": ("worker_svc.models.llama", "Qwen3ForCausalLM"),
-    "OPTForCausalLM": ("worker_svc.models.opt", "OPTForCausalLM"),
+    "LlamaForCausalLM": ("pagedserve.worker_svc.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("pagedserve.worker_svc.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("pagedserve.worker_svc.models.llama", "Qwen3ForCausalLM"),
+    "OPTForCausalLM": ("pagedserve.worker_svc.models.opt", "OPTForCausalLM"),
 }
 
 

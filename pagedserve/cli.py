@@ -5,7 +5,7 @@
     pagedserve generate "The capital of France is" --max-tokens 32 --temperature 0
     pagedserve chat "What is the capital of France?"      (or no message: an interactive chat)
 
-Service flags are generated from the config dataclasses (services/config.py); sampling flags
+Service flags are generated from the config dataclasses (services/common/config.py); sampling flags
 from SamplingParams, with vLLM's defaults.
 """
 
@@ -21,7 +21,7 @@ import sys
 import typing
 from pathlib import Path
 
-from services.config import (
+from pagedserve.services.common.config import (
     EngineConfig,
     GatewayConfig,
     SchedulerServiceConfig,
@@ -31,8 +31,8 @@ from services.config import (
     default_model_dir,
     from_args,
 )
-from services.errors import InvalidRequest, PagedServeError
-from services.sampling_params import SamplingParams
+from pagedserve.services.common.errors import InvalidRequest, PagedServeError
+from pagedserve.services.common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +43,11 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from services.supervisor import serve_stack
+    from pagedserve.supervisor import serve_stack
 
     config = from_args(EngineConfig, args)
     if config.model.model == default_model_dir():
-        from services.model_prep import prepare_default_model
+        from pagedserve.model_prep import prepare_default_model
 
         prepare_default_model(Path(config.model.model))
     if not (Path(config.model.model) / "config.json").is_file():
@@ -59,14 +59,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _setup_tracing(tracing: TracingConfig, service: str) -> None:
-    from services.tracing import setup_tracing
+    from pagedserve.services.rpc.tracing import setup_tracing
 
     setup_tracing(tracing.service_name or f"pagedserve-{service}", tracing.otel_exporter,
                   tracing.otel_endpoint)
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from worker_svc.servicer import serve
+    from pagedserve.worker_svc.servicer import serve
 
     service = from_args(WorkerServiceConfig, args)
     _setup_tracing(service.tracing, "worker")
@@ -75,7 +75,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _scheduler(args: argparse.Namespace) -> int:
-    from scheduler_svc.servicer import serve
+    from pagedserve.scheduler_svc.servicer import serve
 
     service = from_args(SchedulerServiceConfig, args)
     _setup_tracing(service.tracing, "scheduler")
@@ -84,7 +84,7 @@ def _scheduler(args: argparse.Namespace) -> int:
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from services.gateway.app import serve
+    from pagedserve.services.gateway.app import serve
 
     service = from_args(GatewayConfig, args)
     _setup_tracing(service.tracing, "gateway")
@@ -96,7 +96,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pagedserve.v1 import gateway_pb2
+    from pagedserve.services.rpc.v1 import gateway_pb2
 
     prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
     sampling = _sampling(args)
@@ -106,7 +106,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     """One message and its answer, or (no message) a conversation until EOF or 'exit'."""
-    from pagedserve.v1 import gateway_pb2
+    from pagedserve.services.rpc.v1 import gateway_pb2
 
     sampling = _sampling(args)
     messages = [gateway_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
@@ -137,7 +137,7 @@ class _Client:
     def __init__(self, address: str, timeout_s: float) -> None:
         import grpc
 
-        from pagedserve.v1 import gateway_pb2_grpc
+        from pagedserve.services.rpc.v1 import gateway_pb2_grpc
 
         self._channel = grpc.insecure_channel(address)
         self._stub = gateway_pb2_grpc.GenerationStub(self._channel)
@@ -154,8 +154,8 @@ class _Client:
         whole at the end. Finish reasons and token counts go to stderr."""
         import grpc
 
-        from pagedserve.v1 import common_pb2
-        from services.proto_common import sampling_params_to_proto
+        from pagedserve.services.rpc.convert_common import sampling_params_to_proto
+        from pagedserve.services.rpc.v1 import common_pb2
 
         request.sampling.CopyFrom(sampling_params_to_proto(sampling))
         texts: dict[int, list[str]] = {i: [] for i in range(sampling.n)}

@@ -32,12 +32,11 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext, Status, StatusCode
-
-from scheduler_svc.convert import SubmitRequest
-from scheduler_svc.engine_core import EngineCore, EngineLoad
-from scheduler_svc.outputs import RequestOutput
-from scheduler_svc.scheduler import SchedulerOutput
-from services.errors import NotFound, Unavailable
+from pagedserve.scheduler_svc.engine_core import EngineCore
+from pagedserve.scheduler_svc.scheduler import SchedulerOutput
+from pagedserve.services.common.engine_api import EngineLoad, SubmitRequest
+from pagedserve.services.common.errors import NotFound, Unavailable
+from pagedserve.services.common.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

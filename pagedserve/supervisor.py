@@ -1,6 +1,6 @@
 """`pagedserve serve`: worker, scheduler and gateway as supervised child processes of one command.
 
-Each child is `python -m services.cli <role> ...` in its own session, so a Ctrl-C at the terminal
+Each child is `python -m pagedserve.cli <role> ...` in its own session, so a Ctrl-C at the terminal
 reaches only the supervisor, which then stops them in order: the gateway first (it drains its
 streams), then the scheduler, then the worker. Readiness is the children's own grpc.health.v1
 status, watched (a server stream, no polling) until SERVING. A restartable child -- a worker
@@ -47,7 +47,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def config_to_argv(config: Any) -> list[str]:
-    """The flags that rebuild `config` through services.config.from_args (nested dataclasses
+    """The flags that rebuild `config` through pagedserve.services.common.config.from_args (nested dataclasses
     flattened), so a child process gets exactly the parent's configuration."""
     argv: list[str] = []
     for f in dataclasses.fields(config):
@@ -120,7 +120,7 @@ async def _watch_until_serving(address: str) -> None:
 
 def service_command(role: str, argv: Sequence[str]) -> list[str]:
     """The command line of one `pagedserve <role>` process (worker, scheduler, gateway)."""
-    return [sys.executable, "-m", "services.cli", role, *argv]
+    return [sys.executable, "-m", "pagedserve.cli", role, *argv]
 
 
 def service_env() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""worker.proto ↔ services/step_plan.py: the only place the worker contract's protobuf and its
+"""worker.proto ↔ services/common/step_plan.py: the only place the worker contract's protobuf and its
 dataclasses meet. Free functions, one pair per message; the servicer and the scheduler's worker
 client call them, the cores never see protobuf.
 
@@ -10,15 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedserve.v1 import worker_pb2
-from services.errors import InvalidRequest
-from services.proto_common import (
-    add_logprob_lists,
-    logprob_lists_from_proto,
-    sampling_params_from_proto,
-    sampling_params_to_proto,
-)
-from services.step_plan import (
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.step_plan import (
     MemoryProfile,
     NewSequence,
     RunningSequence,
@@ -28,6 +21,13 @@ from services.step_plan import (
     StepTimings,
     WorkerInfo,
 )
+from pagedserve.services.rpc.convert_common import (
+    add_logprob_lists,
+    logprob_lists_from_proto,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+)
+from pagedserve.services.rpc.v1 import worker_pb2
 
 
 def block_pairs_to_proto(pairs: Sequence[tuple[int, int]], msg: worker_pb2.BlockPairs) -> None:

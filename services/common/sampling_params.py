@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.errors import InvalidRequest
+from pagedserve.services.common.errors import InvalidRequest
 
 GREEDY_EPSILON = 1e-5  # temperature below this means greedy
 MAX_LOGPROBS = 20

@@ -11,28 +11,19 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import logging
-import subprocess
 import typing
 from typing import Any
 
-from scheduler_svc.engine_core import EngineCore, EngineLoad, WorkerLike
-from scheduler_svc.outputs import RequestOutput
-from services.config import EngineConfig, SchedulerServiceConfig
-from services.errors import ConfigError
-from services.sampling_params import SamplingParams
-from services.step_plan import WorkerInfo
-from services.supervisor import (
-    config_to_argv,
-    free_port,
-    service_command,
-    service_env,
-    with_loopback_rendezvous,
-)
-from worker_svc.client import GrpcWorker
-from worker_svc.worker import Worker
+from pagedserve.scheduler_svc.engine_core import EngineCore, WorkerLike
+from pagedserve.services.common.config import EngineConfig
+from pagedserve.services.common.engine_api import EngineLoad
+from pagedserve.services.common.errors import ConfigError
+from pagedserve.services.common.outputs import RequestOutput
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.worker_svc.worker import Worker
 
-logger = logging.getLogger(__name__)
+if typing.TYPE_CHECKING:
+    from pagedserve.rank_process import RankProcess
 
 
 def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
@@ -51,56 +42,19 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
     return EngineConfig(**{name: hints[name](**values) for name, values in sections.items()})
 
 
-class RankProcess:
-    """One tensor-parallel rank as a `pagedserve worker` process on loopback, driven through
-    its GrpcWorker (whose methods it has). A rank that exited -- killed, or out of a broken
-    group (worker_svc/parallel.py) -- is started again when the engine rebuilds it (the
-    handshake's load_model), as Kubernetes or `pagedserve serve` would restart it."""
-
-    def __init__(self, config: EngineConfig, rank: int) -> None:
-        port = free_port()
-        self.argv = service_command("worker", [*config_to_argv(config), "--port", str(port),
-                                               "--rank", str(rank), "--log-level", "WARNING"])
-        self.process = self._spawn()
-        timeouts = SchedulerServiceConfig()
-        self.client = GrpcWorker(f"127.0.0.1:{port}", config, timeouts.step_timeout_s,
-                                 timeouts.startup_timeout_s)
-
-    def _spawn(self) -> subprocess.Popen:
-        return subprocess.Popen(self.argv, env=service_env())
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
-
-    def load_model(self) -> WorkerInfo:
-        if self.process.poll() is not None:
-            logger.warning("worker process %s exited (code %s); starting it again",
-                           self.client.address, self.process.returncode)
-            self.process = self._spawn()
-        return self.client.load_model()
-
-    def stop(self) -> None:
-        self.client.close()
-        if self.process.poll() is None:
-            self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.ranks: list[RankProcess] = []
-        workers: list[WorkerLike] = [Worker(config)]
+        workers: list[WorkerLike]
         if config.parallel.tensor_parallel_size > 1:
+            from pagedserve.rank_process import start_ranks  # gRPC only for tensor parallelism
+
             atexit.register(self.close)
-            rank_config = with_loopback_rendezvous(config)
-            self.ranks = [RankProcess(rank_config, rank)
-                          for rank in range(config.parallel.tensor_parallel_size)]
+            self.ranks = start_ranks(config)
             workers = list(self.ranks)
+        else:
+            workers = [Worker(config)]
         try:
             self.core = EngineCore(config, workers)
         except BaseException:

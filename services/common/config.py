@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from services.errors import ConfigError
+from pagedserve.services.common.errors import ConfigError
 
 GiB = 1 << 30
 
@@ -160,7 +160,7 @@ class EngineConfig:
 
 @dataclass(slots=True)
 class TracingConfig:
-    """OpenTelemetry tracing of one service (services/tracing.py); off by default."""
+    """OpenTelemetry tracing of one service (services/rpc/tracing.py); off by default."""
 
     otel_exporter: Literal["none", "console", "otlp"] = opt(
         "none", "where spans go: none = tracing off, console = stdout, otlp = an OTLP/gRPC "

@@ -8,7 +8,7 @@ a deadline (startup_timeout_s for the handshake, step_timeout_s for the rest); a
 gone or misses its deadline raises Unavailable, so a step fails fast instead of hanging. The
 handshake waits for the worker to come up (wait_for_ready), so the scheduler may start first --
 and so that EngineCore, rebuilding a worker that restarted, waits for it to be back.
-Once tracing is set up, every call is a CLIENT span (services/tracing.py), child of the span
+Once tracing is set up, every call is a CLIENT span (services/rpc/tracing.py), child of the span
 current on the calling thread (the engine step's, for ExecuteStep).
 """
 
@@ -17,19 +17,18 @@ from __future__ import annotations
 import logging
 
 import grpc
-
-from pagedserve.v1 import worker_pb2, worker_pb2_grpc
-from services.config import EngineConfig
-from services.status import error_from_rpc
-from services.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
-from services.tracing import client_interceptors
-from worker_svc.convert import (
+from pagedserve.services.common.config import EngineConfig
+from pagedserve.services.common.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
+from pagedserve.services.rpc.convert_worker import (
     block_pairs_to_proto,
     memory_profile_from_proto,
     step_output_from_proto,
     step_plan_to_proto,
     worker_info_from_proto,
 )
+from pagedserve.services.rpc.status import error_from_rpc
+from pagedserve.services.rpc.tracing import client_interceptors
+from pagedserve.services.rpc.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

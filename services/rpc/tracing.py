@@ -35,8 +35,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-
-from services.errors import ConfigError
+from pagedserve.services.common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

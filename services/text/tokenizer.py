@@ -14,8 +14,7 @@ from pathlib import Path
 
 import jinja2
 import transformers
-
-from services.errors import InvalidRequest
+from pagedserve.services.common.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
 

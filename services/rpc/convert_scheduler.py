@@ -5,13 +5,10 @@ core never sees protobuf.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-
-from pagedserve.v1 import common_pb2, scheduler_pb2
-from scheduler_svc.engine_core import EngineCore, EngineLoad
-from scheduler_svc.outputs import CompletionOutput, RequestOutput
-from services.proto_common import (
+from pagedserve.services.common.engine_api import EngineLoad, SubmitRequest
+from pagedserve.services.common.outputs import CompletionOutput, RequestOutput
+from pagedserve.services.common.step_plan import TokenLogprob, WorkerInfo
+from pagedserve.services.rpc.convert_common import (
     add_logprob_lists,
     finish_reason_from_proto,
     finish_reason_to_proto,
@@ -19,25 +16,7 @@ from services.proto_common import (
     sampling_params_from_proto,
     sampling_params_to_proto,
 )
-from services.sampling_params import SamplingParams
-from services.step_plan import TokenLogprob
-
-
-@dataclass(frozen=True, slots=True)
-class SubmitRequest:
-    """One request as the scheduler service receives it (the twin of SubmitRequest)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    priority: int = 0
-    arrival_time_s: float = 0.0  # the gateway's wall clock (Unix seconds); 0 = on receipt
-
-    def arrival_time_monotonic(self) -> float | None:
-        """The arrival on this process's monotonic clock (the engine's FCFS key); None = now."""
-        if self.arrival_time_s <= 0.0:
-            return None
-        return time.monotonic() - max(0.0, time.time() - self.arrival_time_s)
+from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2
 
 
 def submit_request_to_proto(request: SubmitRequest) -> scheduler_pb2.SubmitRequest:
@@ -124,9 +103,9 @@ def load_from_proto(msg: scheduler_pb2.Load) -> EngineLoad:
         num_preemptions=msg.num_preemptions, num_worker_rebuilds=msg.num_worker_rebuilds)
 
 
-def served_model_to_proto(model: str, engine: EngineCore) -> scheduler_pb2.ServedModel:
+def served_model_to_proto(model: str, info: WorkerInfo, max_model_len: int, vocab_size: int,
+                          eos_token_ids: list[int]) -> scheduler_pb2.ServedModel:
     """What the workers serve (rank 0's info) under the limits the scheduler enforces."""
-    info = engine.worker_info
     return scheduler_pb2.ServedModel(
-        model=model, architecture=info.architecture, max_model_len=engine.max_model_len,
-        vocab_size=engine.vocab_size, eos_token_ids=engine.eos_token_ids)
+        model=model, architecture=info.architecture, max_model_len=max_model_len,
+        vocab_size=vocab_size, eos_token_ids=eos_token_ids)

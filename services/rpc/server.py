@@ -26,8 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-
-from services.tracing import server_interceptors
+from pagedserve.services.rpc.tracing import server_interceptors
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +113,7 @@ def create_server(bindings: Sequence[ServiceBinding], host: str = "127.0.0.1", p
                   options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS
                   ) -> tuple[ServiceServer, int]:
     """A grpc.aio server with `bindings`, Health and reflection, bound to host:port (0 = any
-    free port), tracing every call once tracing is set up (services/tracing.py).
+    free port), tracing every call once tracing is set up (services/rpc/tracing.py).
     Returns the server (not started) and the port it bound."""
     server = grpc.aio.server(options=list(options), interceptors=server_interceptors())
     for binding in bindings:

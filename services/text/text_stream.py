@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_svc.outputs import CompletionOutput, RequestOutput
-from services.detokenizer import IncrementalDetokenizer
-from services.gateway.validation import PreparedRequest
-from services.proto_common import Usage
-from services.step_plan import TokenLogprob
-from services.stop_strings import StopStringMatcher
-from services.tokenizer import Tokenizer
+from pagedserve.services.common.outputs import CompletionOutput, RequestOutput, Usage
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.text.detokenizer import IncrementalDetokenizer
+from pagedserve.services.text.stop_strings import StopStringMatcher
+from pagedserve.services.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,16 +51,16 @@ class _IndexState:
 class TextStream:
     """One request's text. Not thread-safe."""
 
-    def __init__(self, request: PreparedRequest, tokenizer: Tokenizer) -> None:
+    def __init__(self, prompt_token_ids: list[int], sampling: SamplingParams,
+                 tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
-        sampling = request.sampling
         self._wants_logprobs = sampling.logprobs is not None
         self._indices = [
-            _IndexState(IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
+            _IndexState(IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                                sampling.skip_special_tokens),
                         StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output))
             for _ in range(sampling.n)]
-        self._num_prompt_tokens = len(request.prompt_token_ids)
+        self._num_prompt_tokens = len(prompt_token_ids)
         self._num_cached_tokens = 0
         self._has_sent_prompt_logprobs = False
 

@@ -19,15 +19,15 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from scheduler_svc.outputs import RequestOutput
-from services.config import default_model_dir
-from services.detokenizer import IncrementalDetokenizer
-from services.errors import InvalidRequest
-from services.llm_engine import LLMEngine, engine_config_from_kwargs
-from services.sampling_params import SamplingParams
-from services.step_plan import TokenLogprob
-from services.stop_strings import StopStringMatcher
-from services.tokenizer import Tokenizer
+from pagedserve.llm_engine import LLMEngine, engine_config_from_kwargs
+from pagedserve.services.common.config import default_model_dir
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.outputs import RequestOutput
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.text.detokenizer import IncrementalDetokenizer
+from pagedserve.services.text.stop_strings import StopStringMatcher
+from pagedserve.services.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The one mapping between the error taxonomy (services.errors) and gRPC status codes.
+"""The one mapping between the error taxonomy (pagedserve.services.common.errors) and gRPC status codes.
 
 Servicers: decorate handlers with `@map_errors` (unary and server-streaming alike), or call
 `abort_with(context, exc)`. Clients: turn a failed call into our errors with `error_from_rpc`.
@@ -15,8 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn, TypeVar
 
 import grpc
-
-from services.errors import (
+from pagedserve.services.common.errors import (
     InvalidRequest,
     NotFound,
     Overloaded,

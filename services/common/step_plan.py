@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.sampling_params import SamplingParams
+from pagedserve.services.common.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ without it is rebuilt, so re-running after success is a no-op and an interrupted
 The conversion is staged in a sibling folder and renamed into place, so readers never see a
 half-written model.
 
-    python -m services.model_prep --out ~/.cache/pagedserve/models/SmolLM2-135M-Instruct
+    python -m pagedserve.model_prep --out ~/.cache/pagedserve/models/SmolLM2-135M-Instruct
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from services.config import default_model_dir
+from pagedserve.services.common.config import default_model_dir
 
 logger = logging.getLogger(__name__)
 

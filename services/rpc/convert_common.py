@@ -6,15 +6,14 @@ modules (servicers, clients, convert.py) call them, the cores never see protobuf
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from google.protobuf.message import Message
-
-from pagedserve.v1 import common_pb2
-from services.errors import InvalidRequest
-from services.sampling_params import SamplingParams
-from services.step_plan import TokenLogprob
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.outputs import Usage
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.rpc.v1 import common_pb2
 
 # `optional` in the proto: unset means "vLLM's default", which differs from the zero value.
 _OPTIONAL_FIELDS = ("n", "best_of", "length_penalty", "temperature", "top_p", "repetition_penalty",
@@ -115,15 +114,6 @@ def finish_reason_from_proto(value: int) -> str | None:
         return _FINISH_REASON_NAMES[value]
     except KeyError:
         raise ValueError(f"unknown FinishReason value {value}") from None
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """Token counts of one request (all n outputs together); the twin of common.proto's Usage."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 def usage_to_proto(usage: Usage) -> common_pb2.Usage:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.tokenizer import Tokenizer
+from pagedserve.services.text.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 NUM_PROMPT_CONTEXT_TOKENS = 5  # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET

@@ -1,0 +1,65 @@
+"""Tensor-parallel ranks of the in-process engine: one `pagedserve worker` process per rank on
+loopback, driven through worker clients as the scheduler service drives its workers."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from typing import Any
+
+from pagedserve.scheduler_svc.worker_client import GrpcWorker
+from pagedserve.services.common.config import EngineConfig, SchedulerServiceConfig
+from pagedserve.services.common.step_plan import WorkerInfo
+from pagedserve.supervisor import (
+    config_to_argv,
+    free_port,
+    service_command,
+    service_env,
+    with_loopback_rendezvous,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def start_ranks(config: EngineConfig) -> list[RankProcess]:
+    rank_config = with_loopback_rendezvous(config)
+    return [RankProcess(rank_config, rank) for rank in range(config.parallel.tensor_parallel_size)]
+
+
+class RankProcess:
+    """One tensor-parallel rank as a `pagedserve worker` process on loopback, driven through
+    its GrpcWorker (whose methods it has). A rank that exited -- killed, or out of a broken
+    group (worker_svc/parallel.py) -- is started again when the engine rebuilds it (the
+    handshake's load_model), as Kubernetes or `pagedserve serve` would restart it."""
+
+    def __init__(self, config: EngineConfig, rank: int) -> None:
+        port = free_port()
+        self.argv = service_command("worker", [*config_to_argv(config), "--port", str(port),
+                                               "--rank", str(rank), "--log-level", "WARNING"])
+        self.process = self._spawn()
+        timeouts = SchedulerServiceConfig()
+        self.client = GrpcWorker(f"127.0.0.1:{port}", config, timeouts.step_timeout_s,
+                                 timeouts.startup_timeout_s)
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(self.argv, env=service_env())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def load_model(self) -> WorkerInfo:
+        if self.process.poll() is not None:
+            logger.warning("worker process %s exited (code %s); starting it again",
+                           self.client.address, self.process.returncode)
+            self.process = self._spawn()
+        return self.client.load_model()
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

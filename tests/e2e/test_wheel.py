@@ -1,0 +1,76 @@
+"""The wheel as a user installs it: one import root with its stubs inside, `from pagedserve import
+LLM, SamplingParams`, the `pagedserve` command, and Hugging Face's `kernels` package beside it
+unharmed. The wheel is built from the tracked files alone (no stubs, no venv) and installed into
+a fresh venv whose only other path is the project venv's dependencies."""
+
+import base64
+import csv
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+KERNELS_WHEELS = REPO / ".venv" / "wheels"
+
+
+def _run(*argv, cwd):
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    for name in _run("git", "ls-files", cwd=REPO).splitlines():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, src / name)
+    _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp / "dist"), str(src), cwd=tmp)
+    env_dir = tmp / "venv"
+    _run(sys.executable, "-m", "venv", "--without-pip", str(env_dir), cwd=tmp)
+    python = env_dir / "bin" / "python"
+    site = Path(_run(str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))",
+                     cwd=tmp).strip())
+    (site / "project_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps"]
+    _run(*pip, "--no-index", "--find-links", str(KERNELS_WHEELS), "kernels", cwd=tmp)
+    _run(*pip, *map(str, (tmp / "dist").glob("pagedserve-*.whl")), cwd=tmp)
+    return env_dir, site
+
+
+def test_the_wheel_claims_only_the_pagedserve_import_root(venv):
+    _, site = venv
+    record = next(site.glob("pagedserve-*.dist-info")) / "RECORD"
+    roots = {row[0].split("/")[0] for row in csv.reader(record.read_text().splitlines())}  # ".." = bin/
+    assert {r for r in roots if not r.endswith(".dist-info") and r != ".."} == {"pagedserve"}
+    assert (site / "pagedserve" / "services" / "rpc" / "v1" / "gateway_pb2_grpc.py").is_file()
+
+
+def test_a_user_imports_llm_and_sampling_params_and_runs_the_command(venv, tmp_path):
+    env_dir, site = venv
+    code = ("import pagedserve; from pagedserve import LLM, SamplingParams; "
+            "from pagedserve.services.rpc.v1 import gateway_pb2_grpc; "
+            "print(pagedserve.__file__, SamplingParams(max_tokens=3).max_tokens)")
+    out = _run(str(env_dir / "bin" / "python"), "-c", code, cwd=tmp_path)
+    assert out.split() == [str(site / "pagedserve" / "__init__.py"), "3"]
+    assert "serve" in _run(str(env_dir / "bin" / "pagedserve"), "--help", cwd=tmp_path)
+
+
+def test_hugging_face_kernels_beside_it_is_unharmed(venv):
+    _, site = venv
+    record = next(site.glob("kernels-*.dist-info")) / "RECORD"
+    for path, digest, _ in csv.reader(record.read_text().splitlines()):
+        if not digest:
+            continue
+        algorithm, expected = digest.split("=", 1)
+        data = (site / path).read_bytes()
+        actual = base64.urlsafe_b64encode(hashlib.new(algorithm, data).digest()).rstrip(b"=")
+        assert actual.decode() == expected, f"{path} was overwritten"
+    assert not (site / "kernels" / "ref.py").exists()
+    assert os.listdir(site / "kernels")
