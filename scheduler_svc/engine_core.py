@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pagedserve.kernels.cdiv import cdiv
 from pagedserve.scheduler_svc.block_manager import BlockManager
 from pagedserve.scheduler_svc.output_processor import OutputProcessor
 from pagedserve.scheduler_svc.outputs import make_request_output
@@ -173,7 +174,7 @@ class EngineCore:
                 f"prompt_token_ids has {len(prompt_token_ids)} tokens; the prompt must be shorter "
                 f"than max_model_len={self.max_model_len}")
         usable_blocks = self.num_gpu_blocks - self.block_manager.watermark_blocks
-        num_prompt_blocks = -(-len(prompt_token_ids) // self.block_manager.block_size)
+        num_prompt_blocks = cdiv(len(prompt_token_ids), self.block_manager.block_size)
         if num_prompt_blocks > usable_blocks:
             raise InvalidRequest(
                 f"prompt_token_ids has {len(prompt_token_ids)} tokens, which need "

@@ -8,6 +8,7 @@ import logging
 import time
 
 import torch
+from pagedserve.kernels.cdiv import cdiv
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import SampledSequence, StepOutput, StepPlan, StepTimings
 from pagedserve.worker_svc.cache_engine import CacheEngine
@@ -108,7 +109,7 @@ class ModelRunner:
         block after block, with logits at each last row: the memory profile and the warm-up."""
         seqs, next_block = [], 0
         for i, query_len in enumerate(query_lens):
-            num_blocks = -(-query_len // self.block_size)
+            num_blocks = cdiv(query_len, self.block_size)
             seqs.append(CachedSequence(
                 seq_id=i, request_id="dummy", token_ids=[0] * query_len, prompt_len=query_len,
                 block_table=list(range(next_block, next_block + num_blocks)),
@@ -122,4 +123,4 @@ class ModelRunner:
 
 def dummy_num_blocks(query_lens: list[int], block_size: int) -> int:
     """Blocks `ModelRunner.dummy_run` needs for these prompt lengths."""
-    return sum(-(-n // block_size) for n in query_lens)
+    return sum(cdiv(n, block_size) for n in query_lens)
