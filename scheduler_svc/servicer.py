@@ -134,11 +134,11 @@ async def stop_scheduler(server: ServiceServer, servicer: SchedulerServicer,
             worker.close()
 
 
-async def serve(config: EngineConfig, service_config: SchedulerServiceConfig,
-                grace_s: float = 30.0) -> None:
+async def serve(config: EngineConfig, service_config: SchedulerServiceConfig) -> None:
     """Run the scheduler until SIGTERM/SIGINT, then drain and stop."""
     server, servicer = await start_scheduler(config, service_config)
     service = servicer.service
+    grace_s = service_config.shutdown.drain_timeout_s
     try:
         await server.serve_until_signal(grace_s, drain=lambda: service.drain(grace_s))
     finally:

@@ -274,11 +274,11 @@ async def start_worker(config: EngineConfig, service: WorkerServiceConfig
     return server, servicer
 
 
-async def serve(config: EngineConfig, service: WorkerServiceConfig, grace_s: float = 5.0) -> None:
+async def serve(config: EngineConfig, service: WorkerServiceConfig) -> None:
     """Run a worker until SIGTERM/SIGINT."""
     server, servicer = await start_worker(config, service)
     try:
-        await server.serve_until_signal(grace_s)
+        await server.serve_until_signal(service.shutdown.drain_timeout_s)
     finally:
         await server.shutdown(0)
         servicer.close()
