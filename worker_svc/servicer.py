@@ -24,13 +24,11 @@ import grpc
 from pagedserve.services.common.config import EngineConfig, WorkerServiceConfig
 from pagedserve.services.common.errors import (
     InvalidRequest,
-    StaleEpoch,
     StepOutOfOrder,
     Unavailable,
 )
 from pagedserve.services.common.step_plan import WorkerInfo
 from pagedserve.services.rpc.convert_worker import (
-    block_pairs_from_proto,
     memory_profile_to_proto,
     step_output_to_proto,
     step_plan_from_proto,
@@ -46,8 +44,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 STEP_ORDER_WAIT_S = 60.0  # how long a step waits for its predecessor's RPC to arrive
-_DIRECTIONS = {worker_pb2.SwapBlocksRequest.DIRECTION_IN: "in",
-               worker_pb2.SwapBlocksRequest.DIRECTION_OUT: "out"}
 
 
 def merge_load_request(config: EngineConfig, msg: worker_pb2.LoadModelRequest) -> EngineConfig:
@@ -68,13 +64,6 @@ def _check_matches(field: str, requested: float, own: float) -> None:
     if requested and requested != own:
         raise InvalidRequest(f"{field}={requested} differs from the worker's own {field}={own}; "
                              f"start the scheduler and the worker with the same value")
-
-
-def _check_epoch(worker: Worker, scheduler_epoch: int, what: str) -> None:
-    """Runs on the model thread, so it sees the epoch of every InitCache/ClearState before it."""
-    if scheduler_epoch != worker.scheduler_epoch:
-        raise StaleEpoch(f"{what} has scheduler_epoch={scheduler_epoch}, the worker serves "
-                         f"epoch {worker.scheduler_epoch}")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -202,36 +191,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._submitted_step_id = plan.step_id
             self._step_order.notify_all()
         return step_output_to_proto(await running)
-
-    @map_errors
-    async def SwapBlocks(self, request: worker_pb2.SwapBlocksRequest,
-                         context: grpc.aio.ServicerContext) -> worker_pb2.SwapBlocksResponse:
-        worker = self._loaded()
-        direction = _DIRECTIONS.get(request.direction)
-        if direction is None:
-            raise InvalidRequest(f"direction must be DIRECTION_IN or DIRECTION_OUT, "
-                                 f"got {request.direction}")
-        pairs = block_pairs_from_proto(request.blocks, "blocks")
-
-        def swap() -> None:
-            _check_epoch(worker, request.scheduler_epoch, "SwapBlocks")
-            worker.swap_blocks(pairs, direction)
-
-        await self._run(swap)
-        return worker_pb2.SwapBlocksResponse()
-
-    @map_errors
-    async def CopyBlocks(self, request: worker_pb2.CopyBlocksRequest,
-                         context: grpc.aio.ServicerContext) -> worker_pb2.CopyBlocksResponse:
-        worker = self._loaded()
-        pairs = block_pairs_from_proto(request.blocks, "blocks")
-
-        def copy() -> None:
-            _check_epoch(worker, request.scheduler_epoch, "CopyBlocks")
-            worker.copy_blocks(pairs)
-
-        await self._run(copy)
-        return worker_pb2.CopyBlocksResponse()
 
     @map_errors
     async def ClearState(self, request: worker_pb2.ClearStateRequest,

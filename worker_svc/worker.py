@@ -14,7 +14,6 @@ import gc
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
-from typing import Literal
 
 import torch
 from pagedserve.kernels.backend import get_backend, resolve_backend_name
@@ -219,19 +218,6 @@ class Worker:
             torch.set_num_threads(self.config.device.num_threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-
-    def swap_blocks(self, pairs: list[tuple[int, int]], direction: Literal["in", "out"]) -> None:
-        """direction "out": (device, cpu) pairs; "in": (cpu, device) pairs."""
-        cache_engine = self._cache_engine()
-        if direction == "out":
-            cache_engine.swap_out(pairs)
-        elif direction == "in":
-            cache_engine.swap_in(pairs)
-        else:
-            raise InvalidRequest(f"direction must be 'in' or 'out', got {direction!r}")
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        self._cache_engine().copy(pairs)
 
     def clear_state(self, scheduler_epoch: int) -> None:
         """Forget every sequence and serve `scheduler_epoch` from now on (KV blocks stay; the

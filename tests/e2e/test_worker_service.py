@@ -58,6 +58,10 @@ def _plans() -> list[StepPlan]:
                     sampling=seeded, seed=1234)])]
 
 
+def _execute(client: GrpcWorker, plan: StepPlan) -> StepOutput:
+    return client.submit_step(plan).result()
+
+
 def _decode(last: StepOutput, epoch: int = EPOCH) -> StepPlan:
     """The step after `last`: every sequence decodes the token it just sampled."""
     return StepPlan(scheduler_epoch=epoch, step_id=last.step_id + 1, previous_step_id=last.step_id,
@@ -100,18 +104,21 @@ def test_execute_step_over_grpc_equals_in_process(served_worker):
     plan = _plans()[0]
     greedy_tokens = []
     for _ in range(4):
-        remote, expected = client.execute_step(plan), local.execute_step(plan)
+        remote, expected = _execute(client, plan), local.execute_step(plan)
         assert _without_timings(remote) == _without_timings(expected)
         assert [len(s.token_ids) for s in remote.outputs] == [1, 1]
         greedy_tokens += remote.outputs[0].token_ids
         plan = _decode(remote)
 
-    # Copy and swaps travel too: block 0 (sequence 0's KV) is copied to 5, swapped out to CPU
-    # block 2 and back in to 6. A sequence resumed on block 6 remotely must sample what one
-    # resumed on the untouched block 0 samples in process.
-    client.copy_blocks([(0, 5)], EPOCH)
-    client.swap_blocks([(5, 2)], "out", EPOCH)
-    client.swap_blocks([(2, 6)], "in", EPOCH)
+    # The cache operations travel too, and run in the contract's order within one step: block 0
+    # (sequence 0's KV) is swapped out to CPU block 2, swapped in to block 6 and copied to 5. A
+    # sequence resumed on block 5 remotely must sample what one resumed on the untouched block 0
+    # samples in process.
+    cache_ops = StepPlan(scheduler_epoch=EPOCH, step_id=5, previous_step_id=4,
+                         blocks_to_swap_out=[(0, 2)], blocks_to_swap_in=[(2, 6)],
+                         blocks_to_copy=[(6, 5)])
+    assert not _execute(client, cache_ops).outputs
+    local.execute_step(cache_ops)
     first = _plans()[0].new_seqs[0]
     token_ids = first.token_ids + greedy_tokens
 
@@ -119,9 +126,9 @@ def test_execute_step_over_grpc_equals_in_process(served_worker):
         seq = dataclasses.replace(first, seq_id=10, token_ids=token_ids, block_ids=[block_id],
                                   num_computed_tokens=len(token_ids) - 1,
                                   num_scheduled_tokens=1)
-        return StepPlan(scheduler_epoch=EPOCH, step_id=5, previous_step_id=4, new_seqs=[seq])
+        return StepPlan(scheduler_epoch=EPOCH, step_id=6, previous_step_id=5, new_seqs=[seq])
 
-    resumed = client.execute_step(resume(6))
+    resumed = _execute(client, resume(5))
     assert _without_timings(resumed) == _without_timings(local.execute_step(resume(0)))
     assert len(resumed.outputs[0].token_ids) == 1
 
@@ -132,12 +139,10 @@ def test_stale_epochs_and_bad_pairs_are_refused(served_worker):
     client.init_cache(16, 4, EPOCH)
     stale = dataclasses.replace(_plans()[0], scheduler_epoch=EPOCH - 1)
     with pytest.raises(StaleEpoch, match="scheduler_epoch=6"):
-        client.execute_step(stale)
-    with pytest.raises(StaleEpoch):
-        client.copy_blocks([(0, 1)], EPOCH - 1)
+        _execute(client, stale)
     client.clear_state(EPOCH + 1)
     with pytest.raises(StaleEpoch):
-        client.execute_step(_plans()[0])
+        _execute(client, _plans()[0])
     mismatched = GrpcWorker(client.address, dataclasses.replace(
         config, cache=dataclasses.replace(config.cache, block_size=32)), 30, 30)
     with pytest.raises(InvalidRequest, match="block_size=32"):
@@ -180,6 +185,6 @@ def test_a_dead_worker_is_unavailable_at_once(tiny_model_dir):
     loop.close()
     start = time.monotonic()
     with pytest.raises(Unavailable):
-        client.execute_step(_plans()[0])
+        _execute(client, _plans()[0])
     assert time.monotonic() - start < 5
     client.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pagedserve.services.common.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
+from pagedserve.services.common.step_plan import StepPlan
 from pagedserve.worker_svc.worker import Worker
 
 from tests.gpu.gpu_worker import CUDA_BACKENDS, cuda_worker, prompt
@@ -79,8 +80,10 @@ def test_cuda_defaults_profile_and_swap(tiny_model_dir):
     for layer in worker.cache_engine.gpu_cache:
         layer.copy_(torch.randn_like(layer))
     before = [layer.clone() for layer in worker.cache_engine.gpu_cache]
-    worker.swap_blocks([(3, 0), (6, 1)], "out")
-    worker.swap_blocks([(0, 10), (1, 11)], "in")
+    worker.execute_step(StepPlan(scheduler_epoch=1, step_id=1,
+                                 blocks_to_swap_out=[(3, 0), (6, 1)]))
+    worker.execute_step(StepPlan(scheduler_epoch=1, step_id=2, previous_step_id=1,
+                                 blocks_to_swap_in=[(0, 10), (1, 11)]))
     torch.cuda.synchronize()
     for old, new in zip(before, worker.cache_engine.gpu_cache, strict=True):
         assert torch.equal(new[:, 10], old[:, 3]) and torch.equal(new[:, 11], old[:, 6])

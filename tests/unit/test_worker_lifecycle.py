@@ -128,11 +128,10 @@ def test_dummy_weights_need_no_checkpoint_and_are_seeded(tiny_model_dir, tmp_pat
     assert len(driver.step({0: 3}).outputs[0].token_ids) == 1
 
 
-def test_bad_swap_direction_and_block_ids(tiny_model_dir):
+@pytest.mark.parametrize("cache_ops", [{"blocks_to_swap_out": [(0, 5)]},
+                                       {"blocks_to_swap_in": [(5, 0)]},
+                                       {"blocks_to_copy": [(9, 1)]}])
+def test_a_step_with_block_ids_out_of_range_fails(tiny_model_dir, cache_ops):
     worker = make_worker(tiny_model_dir("llama"), num_gpu_blocks=8, num_cpu_blocks=2)
-    with pytest.raises(InvalidRequest, match="direction"):
-        worker.swap_blocks([(0, 0)], "sideways")
     with pytest.raises(InvalidRequest, match="out of range"):
-        worker.swap_blocks([(0, 5)], "out")
-    with pytest.raises(InvalidRequest, match="out of range"):
-        worker.copy_blocks([(9, 1)])
+        worker.execute_step(StepPlan(scheduler_epoch=1, step_id=1, **cache_ops))
