@@ -102,7 +102,8 @@ class EngineCore:
                  scheduler_epoch: int | None = None) -> None:
         """The startup handshake: load_model on every rank, profile_memory (the smallest block
         counts across ranks win, unless overridden), init_cache, warm_up. A fresh epoch (from
-        the clock unless given) makes workers refuse steps of an earlier scheduler."""
+        the clock unless given) takes the workers over from any earlier scheduler: they refuse
+        every call with another epoch from then on."""
         if not workers:
             raise ConfigError("EngineCore needs at least one worker, got none")
         self.config = config
@@ -244,7 +245,7 @@ class EngineCore:
 
         A failed step finishes the requests it touched -- and those of the step sent after it,
         whose outcome is dropped -- with finish_reason "error", resets the workers' mirrors
-        (new epoch, clear_state) and leaves every other request running. If a worker lost its
+        (clear_state) and leaves every other request running. If a worker lost its
         KV cache (it restarted), it is rebuilt instead and every request recomputed (_rebuild)."""
         outputs: list[RequestOutput] = []
         current, self._in_flight = self._in_flight, None
@@ -313,7 +314,9 @@ class EngineCore:
             item.num_samples == 1 for item in current.scheduled.scheduled if item.samples)
 
     def _fail_steps(self, failed: _InFlight, exc: Exception) -> list[RequestOutput]:
-        """After a failed step: a new epoch, and clear_state on every worker. Workers that
+        """After a failed step: clear_state on every worker, in the same epoch (only a
+        handshake moves a worker to another). The steps sent before are all done by then, and
+        step ids keep growing, so no step sent before can follow one sent after. Workers that
         cannot clear -- unreachable, or restarted without their KV cache -- are rebuilt and
         every request is recomputed; otherwise the requests of the failed steps end with
         finish_reason "error"."""
@@ -328,13 +331,12 @@ class EngineCore:
         step_ids = ", ".join(str(s.scheduled.plan.step_id) for s in steps)
         logger.error("step %s failed: %r", step_ids, exc, exc_info=exc)
         message = f"engine step {failed.scheduled.plan.step_id} failed: {exc}"
-        self.scheduler_epoch += 1
         lost = [worker for worker in self.workers if not self._clear_state(worker)]
         if not lost:
             outputs = self._finish_groups(_touched_groups(steps), "error", message)
         else:
             outputs = self._rebuild(lost, steps, message)
-        self.scheduler.forget_worker_state(self.scheduler_epoch)
+        self.scheduler.forget_worker_state()
         for step in steps:
             self._step_done(step, outputs)
         return outputs

@@ -118,9 +118,8 @@ class Scheduler:
         self.block_manager.fork(parent.seq_id, child.seq_id)
         child.worker_block_ids = None
 
-    def forget_worker_state(self, scheduler_epoch: int) -> None:
+    def forget_worker_state(self) -> None:
         """The workers lost their mirrors (ClearState after a failed step): resend everything."""
-        self.scheduler_epoch = scheduler_epoch
         self._previous_step_id = 0
         for queue in (self.running, self.swapped, self.waiting):
             for group in queue:

@@ -176,12 +176,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                           context: grpc.aio.ServicerContext) -> worker_pb2.StepResult:
         worker = self._loaded()
         plan = step_plan_from_proto(request)
+        # refused at once, not after waiting for its predecessor (nor counted as submitted); the
+        # model thread checks again, after any InitCache queued before the step
+        worker.check_step(plan)
         async with self._step_order:
             try:
                 await asyncio.wait_for(self._step_order.wait_for(
-                    lambda: plan.previous_step_id <= self._submitted_step_id
-                    or plan.scheduler_epoch != worker.scheduler_epoch),  # refused right away
-                    STEP_ORDER_WAIT_S)
+                    lambda: plan.previous_step_id <= self._submitted_step_id), STEP_ORDER_WAIT_S)
             except TimeoutError:
                 raise StepOutOfOrder(
                     f"step {plan.step_id} waited {STEP_ORDER_WAIT_S:.0f} s for step "

@@ -1,6 +1,6 @@
 """The Worker service over loopback: the scheduler's GrpcWorker gets exactly what an in-process
-Worker computes, stale epochs are refused, health follows the cache, a dead worker is
-UNAVAILABLE at once."""
+Worker computes, only the epoch of the last handshake is served, health follows the cache, a dead
+worker is UNAVAILABLE at once."""
 
 import dataclasses
 import time
@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pagedserve.scheduler_svc.engine_core import EngineCore
 from pagedserve.scheduler_svc.worker_client import GrpcWorker
 from pagedserve.services.common.config import (
     CacheConfig,
@@ -24,7 +25,7 @@ from pagedserve.worker_svc.worker import Worker
 
 from tests.e2e.background import BackgroundLoop
 
-EPOCH = 7
+EPOCH = 1_700_000_000_000_007  # the clock's, as EngineCore makes them
 
 
 def _config(model_dir) -> EngineConfig:
@@ -133,16 +134,26 @@ def test_execute_step_over_grpc_equals_in_process(served_worker):
     assert len(resumed.outputs[0].token_ids) == 1
 
 
-def test_stale_epochs_and_bad_pairs_are_refused(served_worker):
+def test_only_the_handshake_epoch_is_served_and_a_newer_scheduler_takes_over(served_worker):
+    """Over gRPC too: other epochs are FAILED_PRECONDITION (the message does not tell the
+    worker's), ClearState cannot move the epoch, only a newer scheduler's handshake can."""
     config, _, client = served_worker
     client.load_model()
     client.init_cache(16, 4, EPOCH)
-    stale = dataclasses.replace(_plans()[0], scheduler_epoch=EPOCH - 1)
-    with pytest.raises(StaleEpoch, match="scheduler_epoch=6"):
-        _execute(client, stale)
-    client.clear_state(EPOCH + 1)
+    first = _execute(client, _plans()[0])
+    for other in (EPOCH - 1, EPOCH + 1, 2**64 - 1):
+        with pytest.raises(StaleEpoch, match=f"scheduler_epoch={other}") as refused:
+            _execute(client, dataclasses.replace(_decode(first), scheduler_epoch=other))
+        assert str(EPOCH) not in str(refused.value)
+        with pytest.raises(StaleEpoch) as refused:
+            client.clear_state(other)
+        assert str(EPOCH) not in str(refused.value)
+    assert len(_execute(client, _decode(first)).outputs) == 2  # its scheduler is still served
     with pytest.raises(StaleEpoch):
-        _execute(client, _plans()[0])
+        client.init_cache(16, 4, EPOCH - 1)
+    client.init_cache(16, 4, EPOCH + 1)
+    with pytest.raises(StaleEpoch):
+        client.clear_state(EPOCH)
     mismatched = GrpcWorker(client.address, dataclasses.replace(
         config, cache=dataclasses.replace(config.cache, block_size=32)), 30, 30)
     with pytest.raises(InvalidRequest, match="block_size=32"):
@@ -169,6 +180,33 @@ def test_steps_that_arrive_out_of_order_run_in_previous_step_id_order(served_wor
     earlier = client.submit_step(first)
     assert _without_timings(earlier.result()) == _without_timings(expected_first)
     assert _without_timings(later.result()) == _without_timings(expected_second)
+
+
+def test_a_new_scheduler_takes_the_worker_over_and_the_old_one_cannot_take_it_back(
+        served_worker):
+    """A restarted scheduler (a newer epoch) does the handshake on a worker its predecessor
+    still drives: the predecessor's next step is refused, its handshake too, so its requests
+    fail; the new scheduler's run."""
+    config, _, client = served_worker
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    old = EngineCore(config, [client], scheduler_epoch=EPOCH + 20)
+    old.add_request("old", [1, 17, 33, 99], greedy)
+    old.step()
+    new_client = GrpcWorker(client.address, config, step_timeout_s=30, startup_timeout_s=120)
+    new = EngineCore(config, [new_client], scheduler_epoch=EPOCH + 21)
+    new.add_request("new", [1, 17, 33, 99], greedy)
+    reports = []
+    while old.has_unfinished_requests():
+        reports += old.step()
+    (failed,) = [r for r in reports if r.finished]
+    assert failed.outputs[0].finish_reason == "error"
+    error = failed.outputs[0].error
+    assert "scheduler_epoch" in error and "not rebuilt" in error
+    token_ids = []
+    while new.has_unfinished_requests():
+        token_ids += [t for r in new.step() for t in r.outputs[0].token_ids]
+    assert len(token_ids) == 4
+    new_client.close()
 
 
 def test_a_dead_worker_is_unavailable_at_once(tiny_model_dir):
