@@ -1,8 +1,8 @@
 """The engine loop shared by the in-process LLMEngine and the scheduler service.
 
 `EngineCore` owns the scheduler, the block manager and the output processor, and drives its
-workers through `WorkerLike` -- the one seam: in-process `Worker`s here, gRPC clients with the
-same methods in the scheduler service. It is not thread-safe: one caller (the engine loop) at a
+workers through `WorkerHandle`s -- the one seam: in-process `Worker`s here, `WorkerClient`s (gRPC)
+in the scheduler service. It is not thread-safe: one caller (the engine loop) at a
 time.
 
 Async scheduling (SchedulerConfig.async_scheduling, on by default): while step n runs on the
@@ -45,7 +45,9 @@ logger = logging.getLogger(__name__)
 MAX_REBUILDS_IN_A_ROW = 3
 
 
-class WorkerLike(Protocol):
+class WorkerHandle(Protocol):
+    """The scheduler's handle on one worker: the worker core itself, or a client of one."""
+
     def load_model(self) -> WorkerInfo: ...
     def get_info(self) -> WorkerInfo: ...
     def profile_memory(self) -> MemoryProfile: ...
@@ -98,7 +100,7 @@ class _InFlight:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, workers: list[WorkerLike],
+    def __init__(self, config: EngineConfig, workers: list[WorkerHandle],
                  scheduler_epoch: int | None = None) -> None:
         """The startup handshake: load_model on every rank, profile_memory (the smallest block
         counts across ranks win, unless overridden), init_cache, warm_up. A fresh epoch (from
@@ -341,7 +343,7 @@ class EngineCore:
             self._step_done(step, outputs)
         return outputs
 
-    def _clear_state(self, worker: WorkerLike) -> bool:
+    def _clear_state(self, worker: WorkerHandle) -> bool:
         try:
             worker.clear_state(self.scheduler_epoch)
             return True
@@ -349,7 +351,7 @@ class EngineCore:
             logger.warning("clear_state failed on a worker: %r", exc)
             return False
 
-    def _rebuild(self, lost: list[WorkerLike], steps: list[_InFlight],
+    def _rebuild(self, lost: list[WorkerHandle], steps: list[_InFlight],
                  message: str) -> list[RequestOutput]:
         """Some workers lost their KV cache (DESIGN: no accepted request is lost to a worker
         crash): every request goes back to the queue to be recomputed from its tokens, and each
@@ -378,7 +380,7 @@ class EngineCore:
                                            f"{message}; the worker was not rebuilt: {exc}")
         return outputs
 
-    def _handshake_again(self, worker: WorkerLike) -> None:
+    def _handshake_again(self, worker: WorkerHandle) -> None:
         """The startup handshake for one restarted worker, sized as the engine already is."""
         info = worker.load_model()
         if _shape(info) != _shape(self.worker_info) or info.max_model_len < self.max_model_len:
@@ -400,7 +402,7 @@ class EngineCore:
     def _on_all_workers(self, call):
         return self._on_workers(call, self.workers)
 
-    def _on_workers(self, call, workers: list[WorkerLike]):
+    def _on_workers(self, call, workers: list[WorkerHandle]):
         """call(worker) on each worker at once; the results in order, or the first error."""
         if self._pool is None or len(workers) == 1:
             return [call(worker) for worker in workers]
@@ -426,7 +428,7 @@ def _shape(info: WorkerInfo) -> tuple:
             info.head_size, info.dtype)
 
 
-def _submit(worker: WorkerLike, plan: StepPlan) -> StepFuture:
+def _submit(worker: WorkerHandle, plan: StepPlan) -> StepFuture:
     """worker.submit_step; a call that fails at once fails its future instead."""
     try:
         return worker.submit_step(plan)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import grpc
 from pagedserve.scheduler_svc.async_engine import EngineService
 from pagedserve.scheduler_svc.engine_core import EngineCore
-from pagedserve.scheduler_svc.worker_client import GrpcWorker
+from pagedserve.scheduler_svc.worker_client import WorkerClient
 from pagedserve.services.common.config import EngineConfig, SchedulerServiceConfig
 from pagedserve.services.common.errors import ConfigError, Unavailable
 from pagedserve.services.rpc.convert_scheduler import (
@@ -93,7 +93,7 @@ async def start_engine(config: EngineConfig, service_config: SchedulerServiceCon
     if len(service_config.worker_addresses) != num_ranks:
         raise ConfigError(f"worker_addresses has {len(service_config.worker_addresses)} "
                           f"addresses; tensor_parallel_size={num_ranks} needs one per rank")
-    workers = [GrpcWorker(address, config, service_config.step_timeout_s,
+    workers = [WorkerClient(address, config, service_config.step_timeout_s,
                           service_config.startup_timeout_s)
                for address in service_config.worker_addresses]
     try:

@@ -1,5 +1,5 @@
-"""The scheduler's gRPC client for one worker: `GrpcWorker` has the WorkerLike methods EngineCore
-calls (scheduler_svc/engine_core.py), so the engine drives remote workers exactly as it drives
+"""The scheduler's gRPC client for one worker: a `WorkerClient` is a WorkerHandle
+(scheduler_svc/engine_core.py), so the engine drives remote workers exactly as it drives
 in-process ones.
 
 The calls are synchronous -- EngineCore runs on the scheduler's engine thread -- except
@@ -40,7 +40,7 @@ _CHANNEL_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                     ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
-class GrpcWorker:
+class WorkerClient:
     def __init__(self, address: str, config: EngineConfig, step_timeout_s: float,
                  startup_timeout_s: float) -> None:
         """`config` is the scheduler's: its block size and step budget must match the worker's

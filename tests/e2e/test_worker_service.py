@@ -1,4 +1,4 @@
-"""The Worker service over loopback: the scheduler's GrpcWorker gets exactly what an in-process
+"""The Worker service over loopback: the scheduler's WorkerClient gets exactly what an in-process
 Worker computes, only the epoch of the last handshake is served, health follows the cache, a dead
 worker is UNAVAILABLE at once."""
 
@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.scheduler_svc.engine_core import EngineCore
-from pagedserve.scheduler_svc.worker_client import GrpcWorker
+from pagedserve.scheduler_svc.worker_client import WorkerClient
 from pagedserve.services.common.config import (
     CacheConfig,
     DeviceConfig,
@@ -59,7 +59,7 @@ def _plans() -> list[StepPlan]:
                     sampling=seeded, seed=1234)])]
 
 
-def _execute(client: GrpcWorker, plan: StepPlan) -> StepOutput:
+def _execute(client: WorkerClient, plan: StepPlan) -> StepOutput:
     return client.submit_step(plan).result()
 
 
@@ -77,7 +77,7 @@ def served_worker(tiny_model_dir):
     loop = BackgroundLoop()
     server, servicer = loop.run(_create(config))
     loop.run(server.start())
-    client = GrpcWorker(f"127.0.0.1:{server.port}", config, step_timeout_s=30,
+    client = WorkerClient(f"127.0.0.1:{server.port}", config, step_timeout_s=30,
                         startup_timeout_s=120)
     yield config, server, client
     client.close()
@@ -154,7 +154,7 @@ def test_only_the_handshake_epoch_is_served_and_a_newer_scheduler_takes_over(ser
     client.init_cache(16, 4, EPOCH + 1)
     with pytest.raises(StaleEpoch):
         client.clear_state(EPOCH)
-    mismatched = GrpcWorker(client.address, dataclasses.replace(
+    mismatched = WorkerClient(client.address, dataclasses.replace(
         config, cache=dataclasses.replace(config.cache, block_size=32)), 30, 30)
     with pytest.raises(InvalidRequest, match="block_size=32"):
         mismatched.profile_memory()
@@ -192,7 +192,7 @@ def test_a_new_scheduler_takes_the_worker_over_and_the_old_one_cannot_take_it_ba
     old = EngineCore(config, [client], scheduler_epoch=EPOCH + 20)
     old.add_request("old", [1, 17, 33, 99], greedy)
     old.step()
-    new_client = GrpcWorker(client.address, config, step_timeout_s=30, startup_timeout_s=120)
+    new_client = WorkerClient(client.address, config, step_timeout_s=30, startup_timeout_s=120)
     new = EngineCore(config, [new_client], scheduler_epoch=EPOCH + 21)
     new.add_request("new", [1, 17, 33, 99], greedy)
     reports = []
@@ -214,7 +214,7 @@ def test_a_dead_worker_is_unavailable_at_once(tiny_model_dir):
     loop = BackgroundLoop()
     server, servicer = loop.run(_create(config))
     loop.run(server.start())
-    client = GrpcWorker(f"127.0.0.1:{server.port}", config, step_timeout_s=30,
+    client = WorkerClient(f"127.0.0.1:{server.port}", config, step_timeout_s=30,
                         startup_timeout_s=30)
     with pytest.raises(Unavailable, match="no model loaded"):
         client.get_info()
