@@ -29,7 +29,7 @@ from pagedserve.kernels.cdiv import cdiv
 from pagedserve.scheduler_svc.block_manager import BlockManager
 from pagedserve.scheduler_svc.output_processor import OutputProcessor
 from pagedserve.scheduler_svc.outputs import make_request_output
-from pagedserve.scheduler_svc.scheduler import Scheduler, SchedulerOutput
+from pagedserve.scheduler_svc.scheduler import ScheduledStep, Scheduler
 from pagedserve.scheduler_svc.sequence import SequenceGroup
 from pagedserve.services.common.config import EngineConfig
 from pagedserve.services.common.engine_api import EngineLoad
@@ -65,11 +65,11 @@ class StepFuture(Protocol):
 class StepObserver(Protocol):
     """Follows each step from its sending to its processed outputs (the service's tracing)."""
 
-    def step_sent(self, scheduled: SchedulerOutput) -> contextlib.AbstractContextManager[Any]:
+    def step_sent(self, scheduled: ScheduledStep) -> contextlib.AbstractContextManager[Any]:
         """Entered on the engine thread around the step's submission to the workers; what it
         yields comes back to step_done."""
 
-    def step_done(self, handle: Any, scheduled: SchedulerOutput,
+    def step_done(self, handle: Any, scheduled: ScheduledStep,
                   outputs: list[RequestOutput]) -> None:
         """The step's outputs are processed; after a failure, `outputs` carry the errors."""
 
@@ -78,7 +78,7 @@ class StepObserver(Protocol):
 class _InFlight:
     """A step sent to every worker, its outputs not yet processed."""
 
-    scheduled: SchedulerOutput
+    scheduled: ScheduledStep
     futures: list[StepFuture]  # one per worker
     is_advanced: bool = False  # Scheduler.advance_in_flight counted it
     handle: Any = None  # what the StepObserver gave for it
@@ -155,7 +155,7 @@ class EngineCore:
         self._num_rebuilds_in_a_row = 0
         self._num_worker_rebuilds = 0
         # what the latest processed step ran, for observers between steps (the step span)
-        self.last_scheduled: SchedulerOutput | None = None
+        self.last_scheduled: ScheduledStep | None = None
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -313,7 +313,7 @@ class EngineCore:
         """Whether the next step can be scheduled before `current`'s outputs are in: not when
         they fork sequences or pick beams (several samples per sequence)."""
         return self.config.scheduler.async_scheduling and all(
-            item.num_samples == 1 for item in current.scheduled.scheduled if item.samples)
+            item.num_samples == 1 for item in current.scheduled.scheduled if item.is_sampling)
 
     def _fail_steps(self, failed: _InFlight, exc: Exception) -> list[RequestOutput]:
         """After a failed step: clear_state on every worker, in the same epoch (only a

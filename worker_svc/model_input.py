@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from pagedserve.kernels.cdiv import cdiv
 from pagedserve.kernels.metadata import AttentionMetadata
-from pagedserve.worker_svc.input_batch import CachedSequence
+from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 
 
 @dataclass(slots=True)
@@ -92,7 +92,7 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
         seq_lens_cpu=seq_lens_list,
     )
 
-    sample_rows = [i for i, s in enumerate(seqs) if s.samples_this_step]
+    sample_rows = [i for i, s in enumerate(seqs) if s.is_sampling]
     logits_indices = [int(query_start_loc[i + 1]) - 1 for i in sample_rows]
     spans = []
     for i, seq in enumerate(seqs):

@@ -13,10 +13,10 @@ from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import SampledSequence, StepOutput, StepPlan, StepTimings
 from pagedserve.worker_svc.cache_engine import CacheEngine
 from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
-from pagedserve.worker_svc.input_batch import CachedSequence, InputBatch
 from pagedserve.worker_svc.model_input import ModelInput, build_model_input
 from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
 from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState, prompt_logprobs
+from pagedserve.worker_svc.sequence_mirrors import CachedSequence, SequenceMirrors
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.device = device
-        self.input_batch = InputBatch(block_size, max_model_len)
+        self.mirrors = SequenceMirrors(block_size, max_model_len)
         self.decode_graphs: DecodeGraphs | None = None  # captured by Worker.warm_up on CUDA
 
     def _sync(self) -> None:
@@ -48,7 +48,7 @@ class ModelRunner:
         cache_engine.swap_in(plan.blocks_to_swap_in)
         cache_engine.copy(plan.blocks_to_copy)
         t1 = time.perf_counter_ns()
-        scheduled = self.input_batch.apply(plan)
+        scheduled = self.mirrors.apply(plan)
         if not scheduled:
             return StepOutput(step_id=plan.step_id,
                               timings=StepTimings(cache_ops_ns=t1 - t0,
@@ -59,7 +59,7 @@ class ModelRunner:
         self._sync()
         t3 = time.perf_counter_ns()
         outputs = self._sample(model_input, logits)
-        self.input_batch.advance(scheduled, outputs)
+        self.mirrors.advance(scheduled, outputs)
         t4 = time.perf_counter_ns()
         return StepOutput(step_id=plan.step_id, outputs=outputs, timings=StepTimings(
             cache_ops_ns=t1 - t0, prepare_ns=t2 - t1, forward_ns=t3 - t2, sample_ns=t4 - t3))

@@ -199,7 +199,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         worker = self._loaded()
 
         def clear() -> int:
-            num_seqs = len(worker.runner.input_batch) if worker.runner is not None else 0
+            num_seqs = len(worker.runner.mirrors) if worker.runner is not None else 0
             worker.clear_state(request.scheduler_epoch)
             return num_seqs
 

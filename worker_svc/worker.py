@@ -252,7 +252,7 @@ class Worker:
         """No sequences, and the next step is the first."""
         self.last_step_id = 0
         self.last_step_failed = False
-        self._runner().input_batch.clear()
+        self._runner().mirrors.clear()
 
     def _graph_batch_sizes(self) -> list[int]:
         """The decode buckets to capture: none off CUDA, with enable_cuda_graph off, under tensor
