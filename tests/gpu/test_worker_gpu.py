@@ -65,6 +65,20 @@ def test_bfloat16_tracks_hf_float32(tiny_model_dir, arch):
     assert driver.worker.runner.decode_graphs.num_replays > 0
 
 
+def test_step_timings_come_from_cuda_events_without_a_device_sync(tiny_model_dir, monkeypatch):
+    driver = Driver(cuda_worker(tiny_model_dir("llama")))
+    driver.add(0, PROMPT)
+
+    def synchronize(*args, **kwargs):
+        raise AssertionError("a step synchronized the device")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    for schedule in ({0: len(PROMPT)}, {0: 1}):
+        timings = driver.step(schedule).timings
+        assert timings.cache_ops_ns >= 0 and timings.prepare_ns > 0
+        assert timings.forward_ns > 0 and timings.sample_ns > 0
+
+
 def test_cuda_defaults_profile_and_swap(tiny_model_dir):
     config = EngineConfig(model=ModelConfig(model=str(tiny_model_dir("llama"))),
                           cache=CacheConfig(gpu_memory_utilization=0.5, swap_space_gib=0.01),
