@@ -16,7 +16,6 @@ The metadata is reused across iterations, as every layer after the first of a st
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import time
@@ -74,10 +73,11 @@ def peak_gbps(device: torch.device) -> float | None:
 
 def make_decode_step(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     """Cache with every sequence's context in shuffled blocks, and a decode-only metadata."""
+    from pagedserve.kernels.cdiv import cdiv
     from pagedserve.kernels.metadata import AttentionMetadata
 
     gen = torch.Generator().manual_seed(args.seed)
-    blocks_per_seq = math.ceil(args.context_len / args.block_size)
+    blocks_per_seq = cdiv(args.context_len, args.block_size)
     num_blocks = args.batch_size * blocks_per_seq
     k_cache, v_cache = (torch.randn(num_blocks, args.block_size, args.num_kv_heads,
                                     args.head_size, generator=gen).to(device, dtype)

@@ -98,7 +98,7 @@ def run_pagedserve(engine: LLMEngine, wl: Workload) -> tuple[float, list[dict]]:
             plan = record.get("plan")
             if plan is None or not is_decode_step(plan, len(plan.running_seqs)):
                 continue
-            mirror = worker.runner.input_batch.seqs
+            mirror = worker.runner.mirrors.seqs
             num_kv_tokens = sum(mirror[s.seq_id].num_computed_tokens for s in plan.running_seqs
                                 if s.seq_id in mirror)
             steps.append({"batch_size": len(plan.running_seqs), "step_s": record["step_ns"] / 1e9,

@@ -38,8 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pagedserve.scheduler_svc.engine_core import EngineCore, StepFuture, WorkerLike
-from pagedserve.scheduler_svc.worker_client import GrpcWorker
+from pagedserve.scheduler_svc.engine_core import EngineCore, StepFuture, WorkerHandle
+from pagedserve.scheduler_svc.worker_client import WorkerClient
 from pagedserve.services.common.step_plan import StepOutput, StepPlan, StepTimings
 from pagedserve.services.rpc.convert_worker import step_plan_to_proto
 from pagedserve.worker_svc.worker import Worker
@@ -168,7 +168,7 @@ def engine_kwargs(args: argparse.Namespace, mode: str) -> dict:
             "swap_space_gib": 0.1, "async_scheduling": not mode.endswith("_sync")}
 
 
-def run_mode(mode: str, workers: list[WorkerLike], args: argparse.Namespace) -> list[dict]:
+def run_mode(mode: str, workers: list[WorkerHandle], args: argparse.Namespace) -> list[dict]:
     config = engine_config_from_kwargs(**engine_kwargs(args, mode))
     core = EngineCore(config, workers)
     warm = make_workload("warmup", 2, (16, 16), (4, 4), core.vocab_size, seed=args.seed + 1)
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 for mode in remote_modes:
                     config = engine_config_from_kwargs(**engine_kwargs(args, mode))
-                    client = GrpcWorker(f"127.0.0.1:{port}", config, step_timeout_s=120,
+                    client = WorkerClient(f"127.0.0.1:{port}", config, step_timeout_s=120,
                                         startup_timeout_s=300)
                     results += run_mode(mode, [client], args)
                     client.close()

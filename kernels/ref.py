@@ -9,6 +9,7 @@ is tested against these. Shapes:
 from __future__ import annotations
 
 import torch
+from pagedserve.kernels.cdiv import cdiv
 from pagedserve.kernels.metadata import AttentionMetadata
 
 
@@ -27,7 +28,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """A sequence's first seq_len cached rows: [seq_len, num_kv_heads, head_size]."""
     block_size = cache.shape[1]
-    num_blocks = (seq_len + block_size - 1) // block_size
+    num_blocks = cdiv(seq_len, block_size)
     blocks = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, kv_heads, head]
     return blocks.flatten(0, 1)[:seq_len]
 

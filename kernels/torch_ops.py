@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from pagedserve.kernels.cdiv import cdiv
 from pagedserve.kernels.metadata import AttentionMetadata
 
 _DERIVED_KEY = "torch"
@@ -106,7 +107,7 @@ def _kv_gather(block_tables: torch.Tensor, seq_lens_cpu: list[int],
                k_cache: torch.Tensor) -> KVGather:
     block_size = k_cache.shape[1]
     num_seqs, max_seq_len = len(seq_lens_cpu), max(seq_lens_cpu)
-    num_blocks = -(-max_seq_len // block_size)
+    num_blocks = cdiv(max_seq_len, block_size)
     block_ids = block_tables[:, :num_blocks].flatten().long()  # [num_seqs * num_blocks]
     pad_rows = None
     if any(s != max_seq_len for s in seq_lens_cpu):

@@ -25,6 +25,7 @@ from pagedserve.services.common.config import (
     EngineConfig,
     GatewayConfig,
     SchedulerServiceConfig,
+    ShutdownConfig,
     TracingConfig,
     WorkerServiceConfig,
     add_arguments,
@@ -35,9 +36,6 @@ from pagedserve.services.common.errors import InvalidRequest, PagedServeError
 from pagedserve.services.common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_ADDRESS = "127.0.0.1:50051"
-
 
 # --- services ---------------------------------------------------------------------------------
 
@@ -55,7 +53,8 @@ def _serve(args: argparse.Namespace) -> int:
                              f"{config.model.model!r} (no config.json)")
     return asyncio.run(serve_stack(config, args.host, args.port, args.scheduler_port,
                                    args.worker_port, args.startup_timeout_s,
-                                   args.drain_timeout_s, from_args(TracingConfig, args)))
+                                   from_args(ShutdownConfig, args).drain_timeout_s,
+                                   from_args(TracingConfig, args)))
 
 
 def _setup_tracing(tracing: TracingConfig, service: str) -> None:
@@ -70,7 +69,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     service = from_args(WorkerServiceConfig, args)
     _setup_tracing(service.tracing, "worker")
-    asyncio.run(serve(from_args(EngineConfig, args), service, args.drain_timeout_s))
+    asyncio.run(serve(from_args(EngineConfig, args), service))
     return 0
 
 
@@ -79,7 +78,7 @@ def _scheduler(args: argparse.Namespace) -> int:
 
     service = from_args(SchedulerServiceConfig, args)
     _setup_tracing(service.tracing, "scheduler")
-    asyncio.run(serve(from_args(EngineConfig, args), service, args.drain_timeout_s))
+    asyncio.run(serve(from_args(EngineConfig, args), service))
     return 0
 
 
@@ -88,7 +87,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
     service = from_args(GatewayConfig, args)
     _setup_tracing(service.tracing, "gateway")
-    asyncio.run(serve(service, args.drain_timeout_s))
+    asyncio.run(serve(service))
     return 0
 
 
@@ -224,8 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="worker, scheduler and gateway on this machine (Ctrl-C stops all three)")
     add_arguments(serve, EngineConfig)
     add_arguments(serve, TracingConfig)
+    add_arguments(serve, ShutdownConfig)
+    gateway = GatewayConfig()
     serve.add_argument("--host", default="127.0.0.1", help="address every service listens on")
-    serve.add_argument("--port", type=int, default=50051, help="gateway port; 0 = any free port")
+    serve.add_argument("--port", type=int, default=gateway.port,
+                       help="gateway port; 0 = any free port")
     serve.add_argument("--scheduler-port", type=int, default=0, help="0 = any free port")
     serve.add_argument("--worker-port", type=int, default=0, help="0 = any free port")
     serve.add_argument("--startup-timeout-s", type=float, default=600.0,
@@ -242,9 +244,6 @@ def build_parser() -> argparse.ArgumentParser:
             add_arguments(command, EngineConfig)
         add_arguments(command, config_cls)
         command.set_defaults(run=run)
-    for command in (serve, *(commands.choices[n] for n in ("worker", "scheduler", "gateway"))):
-        command.add_argument("--drain-timeout-s", type=float, default=30.0,
-                             help="on SIGTERM, how long live requests may take to finish")
 
     generate = add_parser("generate", help="stream a completion of a prompt to stdout")
     generate.add_argument("prompt", nargs="?", help="the prompt text; '-' or none = stdin")
@@ -254,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default="", help="a system message first")
     chat.set_defaults(run=_chat)
     for command in (generate, chat):
-        command.add_argument("--address", default=DEFAULT_ADDRESS, help="the gateway's host:port")
+        command.add_argument("--address", default=f"{gateway.host}:{gateway.port}",
+                             help="the gateway's host:port")
         command.add_argument("--timeout-s", type=float, default=600.0,
                              help="deadline of one request")
         _add_sampling_arguments(command)

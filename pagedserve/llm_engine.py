@@ -14,7 +14,7 @@ import dataclasses
 import typing
 from typing import Any
 
-from pagedserve.scheduler_svc.engine_core import EngineCore, WorkerLike
+from pagedserve.scheduler_svc.engine_core import EngineCore, WorkerHandle
 from pagedserve.services.common.config import EngineConfig
 from pagedserve.services.common.engine_api import EngineLoad
 from pagedserve.services.common.errors import ConfigError
@@ -46,7 +46,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.ranks: list[RankProcess] = []
-        workers: list[WorkerLike]
+        workers: list[WorkerHandle]
         if config.parallel.tensor_parallel_size > 1:
             from pagedserve.rank_process import start_ranks  # gRPC only for tensor parallelism
 

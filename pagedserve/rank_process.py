@@ -7,7 +7,7 @@ import logging
 import subprocess
 from typing import Any
 
-from pagedserve.scheduler_svc.worker_client import GrpcWorker
+from pagedserve.scheduler_svc.worker_client import WorkerClient
 from pagedserve.services.common.config import EngineConfig, SchedulerServiceConfig
 from pagedserve.services.common.step_plan import WorkerInfo
 from pagedserve.supervisor import (
@@ -27,8 +27,8 @@ def start_ranks(config: EngineConfig) -> list[RankProcess]:
 
 
 class RankProcess:
-    """One tensor-parallel rank as a `pagedserve worker` process on loopback, driven through
-    its GrpcWorker (whose methods it has). A rank that exited -- killed, or out of a broken
+    """One tensor-parallel rank: a WorkerClient (whose methods it has) plus its `pagedserve
+    worker` process on loopback. A rank that exited -- killed, or out of a broken
     group (worker_svc/parallel.py) -- is started again when the engine rebuilds it (the
     handshake's load_model), as Kubernetes or `pagedserve serve` would restart it."""
 
@@ -38,7 +38,7 @@ class RankProcess:
                                                "--rank", str(rank), "--log-level", "WARNING"])
         self.process = self._spawn()
         timeouts = SchedulerServiceConfig()
-        self.client = GrpcWorker(f"127.0.0.1:{port}", config, timeouts.step_timeout_s,
+        self.client = WorkerClient(f"127.0.0.1:{port}", config, timeouts.step_timeout_s,
                                  timeouts.startup_timeout_s)
 
     def _spawn(self) -> subprocess.Popen:

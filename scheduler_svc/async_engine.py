@@ -33,7 +33,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext, Status, StatusCode
 from pagedserve.scheduler_svc.engine_core import EngineCore
-from pagedserve.scheduler_svc.scheduler import SchedulerOutput
+from pagedserve.scheduler_svc.scheduler import ScheduledStep
 from pagedserve.services.common.engine_api import EngineLoad, SubmitRequest
 from pagedserve.services.common.errors import NotFound, Unavailable
 from pagedserve.services.common.outputs import RequestOutput
@@ -229,7 +229,7 @@ class EngineService:
     # --- step spans (StepObserver, called on the engine thread) -------------------------------
 
     @contextlib.contextmanager
-    def step_sent(self, scheduled: SchedulerOutput) -> Iterator[trace.Span]:
+    def step_sent(self, scheduled: ScheduledStep) -> Iterator[trace.Span]:
         """The step's span starts, current while the step is submitted to the workers. The
         event loop changes the span contexts only between engine calls."""
         parent = self._step_span_parent()
@@ -249,7 +249,7 @@ class EngineService:
         with trace.use_span(span, end_on_exit=False):
             yield span
 
-    def step_done(self, span: trace.Span, scheduled: SchedulerOutput,
+    def step_done(self, span: trace.Span, scheduled: ScheduledStep,
                   outputs: list[RequestOutput]) -> None:
         """A failed step finishes the requests it ran with "error" (rejected ones are not its
         own); the span ends."""

@@ -18,6 +18,7 @@ import enum
 import logging
 from dataclasses import dataclass, field
 
+from pagedserve.kernels.cdiv import cdiv
 from pagedserve.scheduler_svc.block_pool import BlockPool, Device
 from pagedserve.scheduler_svc.prefix_cache import (
     BlockHash,
@@ -42,10 +43,6 @@ class _SeqBlocks:
     device: Device = Device.GPU
     # chained hashes of the leading full blocks known to be computed (prefix caching only)
     block_hashes: list[BlockHash] = field(default_factory=list)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class BlockManager:
@@ -118,7 +115,7 @@ class BlockManager:
     # ---- admission --------------------------------------------------------------------------
 
     def can_allocate(self, token_ids: list[int]) -> AllocStatus:
-        if _cdiv(len(token_ids), self.block_size) > self.num_gpu_blocks - self.watermark_blocks:
+        if cdiv(len(token_ids), self.block_size) > self.num_gpu_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         if self.num_free_gpu_blocks - self.num_blocks_taken(token_ids) >= self.watermark_blocks:
             return AllocStatus.OK
@@ -129,7 +126,7 @@ class BlockManager:
         nothing; a hit on an evictable block leaves the free count just as a new block does."""
         _, hit_block_ids = self._match_prefix(token_ids)
         num_evictable_hits = sum(1 for b in hit_block_ids if self.gpu_pool.ref_counts[b] == 0)
-        return (_cdiv(len(token_ids), self.block_size) - len(hit_block_ids)
+        return (cdiv(len(token_ids), self.block_size) - len(hit_block_ids)
                 + num_evictable_hits)
 
     def allocate(self, seq_id: int, token_ids: list[int]) -> int:
@@ -146,7 +143,7 @@ class BlockManager:
             self.gpu_pool.incref(block_id)
         block_ids = hit_block_ids + [
             self._allocate_gpu_block()
-            for _ in range(_cdiv(len(token_ids), self.block_size) - len(hit_block_ids))]
+            for _ in range(cdiv(len(token_ids), self.block_size) - len(hit_block_ids))]
         self._seqs[seq_id] = _SeqBlocks(block_ids=block_ids, num_tokens=len(token_ids),
                                         block_hashes=hit_hashes)
         num_cached_tokens = len(hit_block_ids) * self.block_size
@@ -174,7 +171,7 @@ class BlockManager:
         for seq_id, num_new in zip(seq_ids, num_new_tokens, strict=True):
             seq = self._seqs[seq_id]
             num_total = seq.num_tokens + num_new
-            num_needed += max(0, _cdiv(num_total, self.block_size) - len(seq.block_ids))
+            num_needed += max(0, cdiv(num_total, self.block_size) - len(seq.block_ids))
             num_needed += len(self._shared_written_blocks(seq, num_total))
         return num_needed <= self.num_free_gpu_blocks
 
@@ -193,7 +190,7 @@ class BlockManager:
             assert remaining >= 1, (src, remaining)
             seq.block_ids[i] = dst
             blocks_to_copy.append((src, dst))
-        for _ in range(_cdiv(num_total_tokens, self.block_size) - len(seq.block_ids)):
+        for _ in range(cdiv(num_total_tokens, self.block_size) - len(seq.block_ids)):
             seq.block_ids.append(self._allocate_gpu_block())
         seq.num_tokens = max(seq.num_tokens, num_total_tokens)
         return blocks_to_copy
@@ -203,7 +200,7 @@ class BlockManager:
         start is the old end of the table, or the last token if the table was already that long.
         Positions below it are computed (or will be by whoever shares them), so never written."""
         first_written = min(seq.num_tokens, num_total_tokens - 1)
-        end = min(len(seq.block_ids), _cdiv(num_total_tokens, self.block_size))
+        end = min(len(seq.block_ids), cdiv(num_total_tokens, self.block_size))
         ref_counts = self.gpu_pool.ref_counts
         return [i for i in range(first_written // self.block_size, end)
                 if ref_counts[seq.block_ids[i]] > 1]

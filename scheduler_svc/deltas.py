@@ -18,11 +18,11 @@ from pagedserve.services.common.step_plan import NewSequence, RunningSequence
 def sequence_deltas(
     scheduled: list[tuple[SequenceGroup, Sequence, int, int, bool]], block_manager: BlockManager,
 ) -> tuple[list[NewSequence], list[RunningSequence]]:
-    """Deltas for (group, seq, num_scheduled_tokens, num_samples, samples) entries; records what
-    the worker will know after this step on each sequence."""
+    """Deltas for (group, seq, num_scheduled_tokens, num_samples, is_sampling) entries;
+    records what the worker will know after this step on each sequence."""
     new_seqs: list[NewSequence] = []
     running_seqs: list[RunningSequence] = []
-    for group, seq, num_scheduled_tokens, num_samples, samples in scheduled:
+    for group, seq, num_scheduled_tokens, num_samples, is_sampling in scheduled:
         block_ids = block_manager.block_table(seq.seq_id)
         if seq.worker_block_ids is None:
             new_seqs.append(NewSequence(
@@ -38,7 +38,7 @@ def sequence_deltas(
                 block_ids_start=start, block_ids=list(block_ids[start:]),
                 num_scheduled_tokens=num_scheduled_tokens, num_samples=num_samples))
         seq.worker_block_ids = list(block_ids)
-        seq.num_worker_tokens = len(seq.token_ids) + (samples and num_samples == 1)
+        seq.num_worker_tokens = len(seq.token_ids) + (is_sampling and num_samples == 1)
     return new_seqs, running_seqs
 
 

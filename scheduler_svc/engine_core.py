@@ -1,8 +1,8 @@
 """The engine loop shared by the in-process LLMEngine and the scheduler service.
 
 `EngineCore` owns the scheduler, the block manager and the output processor, and drives its
-workers through `WorkerLike` -- the one seam: in-process `Worker`s here, gRPC clients with the
-same methods in the scheduler service. It is not thread-safe: one caller (the engine loop) at a
+workers through `WorkerHandle`s -- the one seam: in-process `Worker`s here, `WorkerClient`s (gRPC)
+in the scheduler service. It is not thread-safe: one caller (the engine loop) at a
 time.
 
 Async scheduling (SchedulerConfig.async_scheduling, on by default): while step n runs on the
@@ -25,10 +25,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pagedserve.kernels.cdiv import cdiv
 from pagedserve.scheduler_svc.block_manager import BlockManager
 from pagedserve.scheduler_svc.output_processor import OutputProcessor
 from pagedserve.scheduler_svc.outputs import make_request_output
-from pagedserve.scheduler_svc.scheduler import Scheduler, SchedulerOutput
+from pagedserve.scheduler_svc.scheduler import ScheduledStep, Scheduler
 from pagedserve.scheduler_svc.sequence import SequenceGroup
 from pagedserve.services.common.config import EngineConfig
 from pagedserve.services.common.engine_api import EngineLoad
@@ -44,7 +45,9 @@ logger = logging.getLogger(__name__)
 MAX_REBUILDS_IN_A_ROW = 3
 
 
-class WorkerLike(Protocol):
+class WorkerHandle(Protocol):
+    """The scheduler's handle on one worker: the worker core itself, or a client of one."""
+
     def load_model(self) -> WorkerInfo: ...
     def get_info(self) -> WorkerInfo: ...
     def profile_memory(self) -> MemoryProfile: ...
@@ -62,11 +65,11 @@ class StepFuture(Protocol):
 class StepObserver(Protocol):
     """Follows each step from its sending to its processed outputs (the service's tracing)."""
 
-    def step_sent(self, scheduled: SchedulerOutput) -> contextlib.AbstractContextManager[Any]:
+    def step_sent(self, scheduled: ScheduledStep) -> contextlib.AbstractContextManager[Any]:
         """Entered on the engine thread around the step's submission to the workers; what it
         yields comes back to step_done."""
 
-    def step_done(self, handle: Any, scheduled: SchedulerOutput,
+    def step_done(self, handle: Any, scheduled: ScheduledStep,
                   outputs: list[RequestOutput]) -> None:
         """The step's outputs are processed; after a failure, `outputs` carry the errors."""
 
@@ -75,7 +78,7 @@ class StepObserver(Protocol):
 class _InFlight:
     """A step sent to every worker, its outputs not yet processed."""
 
-    scheduled: SchedulerOutput
+    scheduled: ScheduledStep
     futures: list[StepFuture]  # one per worker
     is_advanced: bool = False  # Scheduler.advance_in_flight counted it
     handle: Any = None  # what the StepObserver gave for it
@@ -97,11 +100,12 @@ class _InFlight:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, workers: list[WorkerLike],
+    def __init__(self, config: EngineConfig, workers: list[WorkerHandle],
                  scheduler_epoch: int | None = None) -> None:
         """The startup handshake: load_model on every rank, profile_memory (the smallest block
         counts across ranks win, unless overridden), init_cache, warm_up. A fresh epoch (from
-        the clock unless given) makes workers refuse steps of an earlier scheduler."""
+        the clock unless given) takes the workers over from any earlier scheduler: they refuse
+        every call with another epoch from then on."""
         if not workers:
             raise ConfigError("EngineCore needs at least one worker, got none")
         self.config = config
@@ -151,7 +155,7 @@ class EngineCore:
         self._num_rebuilds_in_a_row = 0
         self._num_worker_rebuilds = 0
         # what the latest processed step ran, for observers between steps (the step span)
-        self.last_scheduled: SchedulerOutput | None = None
+        self.last_scheduled: ScheduledStep | None = None
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -173,7 +177,7 @@ class EngineCore:
                 f"prompt_token_ids has {len(prompt_token_ids)} tokens; the prompt must be shorter "
                 f"than max_model_len={self.max_model_len}")
         usable_blocks = self.num_gpu_blocks - self.block_manager.watermark_blocks
-        num_prompt_blocks = -(-len(prompt_token_ids) // self.block_manager.block_size)
+        num_prompt_blocks = cdiv(len(prompt_token_ids), self.block_manager.block_size)
         if num_prompt_blocks > usable_blocks:
             raise InvalidRequest(
                 f"prompt_token_ids has {len(prompt_token_ids)} tokens, which need "
@@ -243,7 +247,7 @@ class EngineCore:
 
         A failed step finishes the requests it touched -- and those of the step sent after it,
         whose outcome is dropped -- with finish_reason "error", resets the workers' mirrors
-        (new epoch, clear_state) and leaves every other request running. If a worker lost its
+        (clear_state) and leaves every other request running. If a worker lost its
         KV cache (it restarted), it is rebuilt instead and every request recomputed (_rebuild)."""
         outputs: list[RequestOutput] = []
         current, self._in_flight = self._in_flight, None
@@ -309,10 +313,12 @@ class EngineCore:
         """Whether the next step can be scheduled before `current`'s outputs are in: not when
         they fork sequences or pick beams (several samples per sequence)."""
         return self.config.scheduler.async_scheduling and all(
-            item.num_samples == 1 for item in current.scheduled.scheduled if item.samples)
+            item.num_samples == 1 for item in current.scheduled.scheduled if item.is_sampling)
 
     def _fail_steps(self, failed: _InFlight, exc: Exception) -> list[RequestOutput]:
-        """After a failed step: a new epoch, and clear_state on every worker. Workers that
+        """After a failed step: clear_state on every worker, in the same epoch (only a
+        handshake moves a worker to another). The steps sent before are all done by then, and
+        step ids keep growing, so no step sent before can follow one sent after. Workers that
         cannot clear -- unreachable, or restarted without their KV cache -- are rebuilt and
         every request is recomputed; otherwise the requests of the failed steps end with
         finish_reason "error"."""
@@ -327,18 +333,17 @@ class EngineCore:
         step_ids = ", ".join(str(s.scheduled.plan.step_id) for s in steps)
         logger.error("step %s failed: %r", step_ids, exc, exc_info=exc)
         message = f"engine step {failed.scheduled.plan.step_id} failed: {exc}"
-        self.scheduler_epoch += 1
         lost = [worker for worker in self.workers if not self._clear_state(worker)]
         if not lost:
             outputs = self._finish_groups(_touched_groups(steps), "error", message)
         else:
             outputs = self._rebuild(lost, steps, message)
-        self.scheduler.forget_worker_state(self.scheduler_epoch)
+        self.scheduler.forget_worker_state()
         for step in steps:
             self._step_done(step, outputs)
         return outputs
 
-    def _clear_state(self, worker: WorkerLike) -> bool:
+    def _clear_state(self, worker: WorkerHandle) -> bool:
         try:
             worker.clear_state(self.scheduler_epoch)
             return True
@@ -346,7 +351,7 @@ class EngineCore:
             logger.warning("clear_state failed on a worker: %r", exc)
             return False
 
-    def _rebuild(self, lost: list[WorkerLike], steps: list[_InFlight],
+    def _rebuild(self, lost: list[WorkerHandle], steps: list[_InFlight],
                  message: str) -> list[RequestOutput]:
         """Some workers lost their KV cache (DESIGN: no accepted request is lost to a worker
         crash): every request goes back to the queue to be recomputed from its tokens, and each
@@ -375,7 +380,7 @@ class EngineCore:
                                            f"{message}; the worker was not rebuilt: {exc}")
         return outputs
 
-    def _handshake_again(self, worker: WorkerLike) -> None:
+    def _handshake_again(self, worker: WorkerHandle) -> None:
         """The startup handshake for one restarted worker, sized as the engine already is."""
         info = worker.load_model()
         if _shape(info) != _shape(self.worker_info) or info.max_model_len < self.max_model_len:
@@ -397,7 +402,7 @@ class EngineCore:
     def _on_all_workers(self, call):
         return self._on_workers(call, self.workers)
 
-    def _on_workers(self, call, workers: list[WorkerLike]):
+    def _on_workers(self, call, workers: list[WorkerHandle]):
         """call(worker) on each worker at once; the results in order, or the first error."""
         if self._pool is None or len(workers) == 1:
             return [call(worker) for worker in workers]
@@ -423,7 +428,7 @@ def _shape(info: WorkerInfo) -> tuple:
             info.head_size, info.dtype)
 
 
-def _submit(worker: WorkerLike, plan: StepPlan) -> StepFuture:
+def _submit(worker: WorkerHandle, plan: StepPlan) -> StepFuture:
     """worker.submit_step; a call that fails at once fails its future instead."""
     try:
         return worker.submit_step(plan)

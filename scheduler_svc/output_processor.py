@@ -17,7 +17,7 @@ import logging
 
 from pagedserve.scheduler_svc.beam_search import beam_search_step
 from pagedserve.scheduler_svc.outputs import make_request_output
-from pagedserve.scheduler_svc.scheduler import Scheduler, SchedulerOutput
+from pagedserve.scheduler_svc.scheduler import ScheduledStep, Scheduler
 from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus, derive_seed
 from pagedserve.services.common.outputs import RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
@@ -34,7 +34,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self._seq_ids = seq_ids  # shared with whoever creates the first sequence of a group
 
-    def process(self, scheduled: SchedulerOutput, step_output: StepOutput,
+    def process(self, scheduled: ScheduledStep, step_output: StepOutput,
                 is_advanced: bool = False) -> list[RequestOutput]:
         """The step's output into sequence state; the reports of the groups it ran.
         `is_advanced`: Scheduler.advance_in_flight already counted this step."""
@@ -56,7 +56,7 @@ class OutputProcessor:
             if seq.status is SequenceStatus.RUNNING:  # not preempted by a step scheduled since
                 self.scheduler.block_manager.mark_computed(seq.seq_id, seq.token_ids,
                                                            seq.num_computed_tokens)
-            if not item.samples:
+            if not item.is_sampling:
                 continue
             if sampled is None or len(sampled.token_ids) != item.num_samples:
                 got = 0 if sampled is None else len(sampled.token_ids)

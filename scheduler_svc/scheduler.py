@@ -26,11 +26,14 @@ class ScheduledSequence:
     seq: Sequence
     num_scheduled_tokens: int
     num_samples: int
-    samples: bool  # the worker samples for it: this step computes up to its last known token
+    is_sampling: bool  # the worker samples for it: this step computes up to its last known token
 
 
 @dataclass(slots=True)
-class SchedulerOutput:
+class ScheduledStep:
+    """What schedule() chose for one engine step: the StepPlan for the workers, and the
+    scheduler's own view of it (its sequences, the groups it rejected or swapped out)."""
+
     plan: StepPlan | None  # None: nothing for the workers this step
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     rejected: list[SequenceGroup] = field(default_factory=list)  # finished with an error here
@@ -118,9 +121,8 @@ class Scheduler:
         self.block_manager.fork(parent.seq_id, child.seq_id)
         child.worker_block_ids = None
 
-    def forget_worker_state(self, scheduler_epoch: int) -> None:
+    def forget_worker_state(self) -> None:
         """The workers lost their mirrors (ClearState after a failed step): resend everything."""
-        self.scheduler_epoch = scheduler_epoch
         self._previous_step_id = 0
         for queue in (self.running, self.swapped, self.waiting):
             for group in queue:
@@ -143,7 +145,7 @@ class Scheduler:
         self.block_manager.reset_prefix_cache()
         return len(groups)
 
-    def advance_in_flight(self, scheduled: SchedulerOutput) -> None:
+    def advance_in_flight(self, scheduled: ScheduledStep) -> None:
         """Count a step that is still running as done, so the next one can be scheduled now
         (async scheduling): its tokens are computed, and each sequence it samples for ends in a
         placeholder for the token (the worker appends the real one itself).
@@ -153,14 +155,14 @@ class Scheduler:
             seq = item.seq
             if seq.is_finished:  # finished or aborted after the step was sent
                 continue
-            assert not item.samples or item.num_samples == 1, "forks and beams cannot run ahead"
+            assert not item.is_sampling or item.num_samples == 1, "forks and beams cannot run ahead"
             seq.num_computed_tokens += item.num_scheduled_tokens
-            if item.samples:
+            if item.is_sampling:
                 seq.add_placeholder()
 
     # --- scheduling ---------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> ScheduledStep:
         """Choose what runs in the next engine step and describe it as a StepPlan of deltas.
 
         Order (chunked prefill, the default): decodes of running groups first (one token per
@@ -188,7 +190,7 @@ class Scheduler:
 
         A waiting prompt that can never run (not shorter than max_model_len, or more blocks than
         the device has: AllocStatus.NEVER) finishes with finish_reason "error" and is returned in
-        `SchedulerOutput.rejected`; the groups behind it proceed.
+        `ScheduledStep.rejected`; the groups behind it proceed.
 
         A multi-sequence group re-running its prefill (recompute after a fork) computes each
         sequence up to one token short, so all its sequences sample together in one later
@@ -417,8 +419,9 @@ class Scheduler:
         for seq, num_tokens in assignment:
             step.blocks_to_copy += self.block_manager.append_slots(
                 seq.seq_id, seq.num_computed_tokens + num_tokens)
-            samples = seq.num_computed_tokens + num_tokens == len(seq.token_ids)
-            step.scheduled.append(ScheduledSequence(group, seq, num_tokens, num_samples, samples))
+            is_sampling = seq.num_computed_tokens + num_tokens == len(seq.token_ids)
+            step.scheduled.append(ScheduledSequence(group, seq, num_tokens, num_samples,
+                                                    is_sampling))
             budget.num_tokens += num_tokens
         budget.num_seqs += len(assignment)
 
@@ -469,14 +472,14 @@ class Scheduler:
             self.free_seq(seq)
         step.rejected.append(group)
 
-    def _build(self, step: _Step) -> SchedulerOutput:
-        out = SchedulerOutput(plan=None, scheduled=step.scheduled, rejected=step.rejected,
+    def _build(self, step: _Step) -> ScheduledStep:
+        out = ScheduledStep(plan=None, scheduled=step.scheduled, rejected=step.rejected,
                               swapped_out=step.swapped_out)
         if not (step.scheduled or step.blocks_to_swap_out or step.blocks_to_swap_in
                 or step.blocks_to_copy):
             return out
         new_seqs, running_seqs = sequence_deltas(
-            [(i.group, i.seq, i.num_scheduled_tokens, i.num_samples, i.samples)
+            [(i.group, i.seq, i.num_scheduled_tokens, i.num_samples, i.is_sampling)
              for i in step.scheduled],
             self.block_manager)
         self._step_id += 1

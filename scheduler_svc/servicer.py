@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import grpc
 from pagedserve.scheduler_svc.async_engine import EngineService
 from pagedserve.scheduler_svc.engine_core import EngineCore
-from pagedserve.scheduler_svc.worker_client import GrpcWorker
+from pagedserve.scheduler_svc.worker_client import WorkerClient
 from pagedserve.services.common.config import EngineConfig, SchedulerServiceConfig
 from pagedserve.services.common.errors import ConfigError, Unavailable
 from pagedserve.services.rpc.convert_scheduler import (
@@ -93,7 +93,7 @@ async def start_engine(config: EngineConfig, service_config: SchedulerServiceCon
     if len(service_config.worker_addresses) != num_ranks:
         raise ConfigError(f"worker_addresses has {len(service_config.worker_addresses)} "
                           f"addresses; tensor_parallel_size={num_ranks} needs one per rank")
-    workers = [GrpcWorker(address, config, service_config.step_timeout_s,
+    workers = [WorkerClient(address, config, service_config.step_timeout_s,
                           service_config.startup_timeout_s)
                for address in service_config.worker_addresses]
     try:
@@ -134,11 +134,11 @@ async def stop_scheduler(server: ServiceServer, servicer: SchedulerServicer,
             worker.close()
 
 
-async def serve(config: EngineConfig, service_config: SchedulerServiceConfig,
-                grace_s: float = 30.0) -> None:
+async def serve(config: EngineConfig, service_config: SchedulerServiceConfig) -> None:
     """Run the scheduler until SIGTERM/SIGINT, then drain and stop."""
     server, servicer = await start_scheduler(config, service_config)
     service = servicer.service
+    grace_s = service_config.shutdown.drain_timeout_s
     try:
         await server.serve_until_signal(grace_s, drain=lambda: service.drain(grace_s))
     finally:

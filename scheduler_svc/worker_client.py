@@ -1,5 +1,5 @@
-"""The scheduler's gRPC client for one worker: `GrpcWorker` has the WorkerLike methods EngineCore
-calls (scheduler_svc/engine_core.py), so the engine drives remote workers exactly as it drives
+"""The scheduler's gRPC client for one worker: a `WorkerClient` is a WorkerHandle
+(scheduler_svc/engine_core.py), so the engine drives remote workers exactly as it drives
 in-process ones.
 
 The calls are synchronous -- EngineCore runs on the scheduler's engine thread -- except
@@ -20,7 +20,6 @@ import grpc
 from pagedserve.services.common.config import EngineConfig
 from pagedserve.services.common.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
 from pagedserve.services.rpc.convert_worker import (
-    block_pairs_to_proto,
     memory_profile_from_proto,
     step_output_from_proto,
     step_plan_to_proto,
@@ -41,7 +40,7 @@ _CHANNEL_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                     ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
-class GrpcWorker:
+class WorkerClient:
     def __init__(self, address: str, config: EngineConfig, step_timeout_s: float,
                  startup_timeout_s: float) -> None:
         """`config` is the scheduler's: its block size and step budget must match the worker's
@@ -98,26 +97,10 @@ class GrpcWorker:
 
     # --- steps ----------------------------------------------------------------------------------
 
-    def execute_step(self, plan: StepPlan) -> StepOutput:
-        return self.submit_step(plan).result()
-
     def submit_step(self, plan: StepPlan) -> PendingStep:
         """Send the step now; its result (or error) comes from the returned future."""
         call = self._stub.ExecuteStep.future(step_plan_to_proto(plan), timeout=self.step_timeout_s)
         return PendingStep(call, self.address)
-
-    def swap_blocks(self, pairs: list[tuple[int, int]], direction: str,
-                    scheduler_epoch: int) -> None:
-        """direction "in" (cpu → device) or "out" (device → cpu)."""
-        request = worker_pb2.SwapBlocksRequest(
-            direction=_DIRECTIONS[direction], scheduler_epoch=scheduler_epoch)
-        block_pairs_to_proto(pairs, request.blocks)
-        self._call("SwapBlocks", request, self.step_timeout_s)
-
-    def copy_blocks(self, pairs: list[tuple[int, int]], scheduler_epoch: int) -> None:
-        request = worker_pb2.CopyBlocksRequest(scheduler_epoch=scheduler_epoch)
-        block_pairs_to_proto(pairs, request.blocks)
-        self._call("CopyBlocks", request, self.step_timeout_s)
 
     def clear_state(self, scheduler_epoch: int) -> None:
         response = self._call("ClearState",
@@ -140,7 +123,3 @@ class PendingStep:
         except grpc.RpcError as e:
             raise error_from_rpc(e, f"worker {self._address} ExecuteStep") from e
         return step_output_from_proto(response)
-
-
-_DIRECTIONS = {"in": worker_pb2.SwapBlocksRequest.DIRECTION_IN,
-               "out": worker_pb2.SwapBlocksRequest.DIRECTION_OUT}

@@ -32,6 +32,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from pagedserve.kernels.cdiv import cdiv
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.worker_svc.cache_engine import KVCacheSpec, allocate_kv_caches
 from pagedserve.worker_svc.model_input import ModelInput
@@ -149,7 +150,7 @@ class DecodeGraphs:
         self.batch_sizes = sorted(batch_sizes)
         self.max_seq_len = max_seq_len
         self.device = device
-        max_blocks_per_seq = -(-max_seq_len // block_size)
+        max_blocks_per_seq = cdiv(max_seq_len, block_size)
         self.buffers = DecodeBuffers.allocate(self.batch_sizes[-1], max_blocks_per_seq, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden_states: dict[int, torch.Tensor] = {}  # each graph's output [B, hidden]

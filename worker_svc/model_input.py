@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from pagedserve.kernels.cdiv import cdiv
 from pagedserve.kernels.metadata import AttentionMetadata
-from pagedserve.worker_svc.input_batch import CachedSequence
+from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 
 
 @dataclass(slots=True)
@@ -68,7 +69,7 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
     seq_index = np.repeat(np.arange(num_seqs), query_lens)  # [num_tokens]
     positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - context_lens, query_lens)
 
-    num_blocks = (seq_lens + block_size - 1) // block_size
+    num_blocks = cdiv(seq_lens, block_size)  # [num_seqs]
     block_tables = np.zeros((num_seqs, int(num_blocks.max(initial=0))), np.int32)
     for i, (seq, n) in enumerate(zip(seqs, num_blocks.tolist(), strict=True)):
         block_tables[i, :n] = seq.block_table[:n]
@@ -91,7 +92,7 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
         seq_lens_cpu=seq_lens_list,
     )
 
-    sample_rows = [i for i, s in enumerate(seqs) if s.samples_this_step]
+    sample_rows = [i for i, s in enumerate(seqs) if s.is_sampling]
     logits_indices = [int(query_start_loc[i + 1]) - 1 for i in sample_rows]
     spans = []
     for i, seq in enumerate(seqs):

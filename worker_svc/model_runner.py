@@ -6,16 +6,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from itertools import pairwise
 
 import torch
+from pagedserve.kernels.cdiv import cdiv
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import SampledSequence, StepOutput, StepPlan, StepTimings
 from pagedserve.worker_svc.cache_engine import CacheEngine
 from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
-from pagedserve.worker_svc.input_batch import CachedSequence, InputBatch
 from pagedserve.worker_svc.model_input import ModelInput, build_model_input
 from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
 from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState, prompt_logprobs
+from pagedserve.worker_svc.sequence_mirrors import CachedSequence, SequenceMirrors
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -30,38 +32,36 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.device = device
-        self.input_batch = InputBatch(block_size, max_model_len)
+        self.mirrors = SequenceMirrors(block_size, max_model_len)
         self.decode_graphs: DecodeGraphs | None = None  # captured by Worker.warm_up on CUDA
-
-    def _sync(self) -> None:
-        # only so the step timings attribute GPU time to the right phase
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def execute_step(self, plan: StepPlan, cache_engine: CacheEngine) -> StepOutput:
         """One engine step, in the contract's order: swap out, swap in, copy, apply the deltas,
         forward, then sample for every sequence whose computed tokens reach its known tokens."""
-        t0 = time.perf_counter_ns()
+        clock = _PhaseClock(self.device)
         cache_engine.swap_out(plan.blocks_to_swap_out)
         cache_engine.swap_in(plan.blocks_to_swap_in)
         cache_engine.copy(plan.blocks_to_copy)
-        t1 = time.perf_counter_ns()
-        scheduled = self.input_batch.apply(plan)
+        clock.mark()
+        scheduled = self.mirrors.apply(plan)
         if not scheduled:
-            return StepOutput(step_id=plan.step_id,
-                              timings=StepTimings(cache_ops_ns=t1 - t0,
-                                                  prepare_ns=time.perf_counter_ns() - t1))
+            clock.mark()
+            # no result comes to the host, so no sync to read events after: host times
+            cache_ops_ns, prepare_ns = clock.host_phases_ns()
+            return StepOutput(step_id=plan.step_id, timings=StepTimings(
+                cache_ops_ns=cache_ops_ns, prepare_ns=prepare_ns))
         model_input = build_model_input(scheduled, self.block_size, self.device)
-        t2 = time.perf_counter_ns()
+        clock.mark()
         logits = self._forward(model_input, cache_engine.gpu_cache)
-        self._sync()
-        t3 = time.perf_counter_ns()
-        outputs = self._sample(model_input, logits)
-        self.input_batch.advance(scheduled, outputs)
-        t4 = time.perf_counter_ns()
+        clock.mark()
+        outputs = self._sample(model_input, logits)  # the sampled ids on the host: synced
+        self.mirrors.advance(scheduled, outputs)
+        clock.mark()
+        cache_ops_ns, prepare_ns, forward_ns, sample_ns = clock.phases_ns()
         return StepOutput(step_id=plan.step_id, outputs=outputs, timings=StepTimings(
-            cache_ops_ns=t1 - t0, prepare_ns=t2 - t1, forward_ns=t3 - t2, sample_ns=t4 - t3))
+            cache_ops_ns=cache_ops_ns, prepare_ns=prepare_ns, forward_ns=forward_ns,
+            sample_ns=sample_ns))
 
     def _forward(self, model_input: ModelInput,
                  kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
@@ -108,7 +108,7 @@ class ModelRunner:
         block after block, with logits at each last row: the memory profile and the warm-up."""
         seqs, next_block = [], 0
         for i, query_len in enumerate(query_lens):
-            num_blocks = -(-query_len // self.block_size)
+            num_blocks = cdiv(query_len, self.block_size)
             seqs.append(CachedSequence(
                 seq_id=i, request_id="dummy", token_ids=[0] * query_len, prompt_len=query_len,
                 block_table=list(range(next_block, next_block + num_blocks)),
@@ -117,9 +117,39 @@ class ModelRunner:
             next_block += num_blocks
         seqs.sort(key=lambda s: not s.is_prefill)
         self._forward(build_model_input(seqs, self.block_size, self.device), kv_caches)
-        self._sync()
+        if self.device.type == "cuda":  # the profile and the warm-up measure the finished work
+            torch.cuda.synchronize(self.device)
+
+
+class _PhaseClock:
+    """The boundaries of a step's phases. Kernel launches are asynchronous, so on CUDA the
+    boundaries are events on the compute stream, read once the step's results are on the host
+    (the copy of the sampled ids waited for them all): timing adds no sync. Host clocks mark the
+    same boundaries, for CPU devices and for steps that never wait for the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._host_ns: list[int] = []
+        self._events: list[torch.cuda.Event] | None = [] if device.type == "cuda" else None
+        self.mark()
+
+    def mark(self) -> None:
+        self._host_ns.append(time.perf_counter_ns())
+        if self._events is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._events.append(event)
+
+    def host_phases_ns(self) -> list[int]:
+        return [end - start for start, end in pairwise(self._host_ns)]
+
+    def phases_ns(self) -> list[int]:
+        """Device time between the marks; call it once the step's results are on the host."""
+        if self._events is None:
+            return self.host_phases_ns()
+        self._events[-1].synchronize()  # recorded after that copy: the stream is idle already
+        return [round(start.elapsed_time(end) * 1e6) for start, end in pairwise(self._events)]
 
 
 def dummy_num_blocks(query_lens: list[int], block_size: int) -> int:
     """Blocks `ModelRunner.dummy_run` needs for these prompt lengths."""
-    return sum(-(-n // block_size) for n in query_lens)
+    return sum(cdiv(n, block_size) for n in query_lens)

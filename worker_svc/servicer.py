@@ -24,13 +24,11 @@ import grpc
 from pagedserve.services.common.config import EngineConfig, WorkerServiceConfig
 from pagedserve.services.common.errors import (
     InvalidRequest,
-    StaleEpoch,
     StepOutOfOrder,
     Unavailable,
 )
 from pagedserve.services.common.step_plan import WorkerInfo
 from pagedserve.services.rpc.convert_worker import (
-    block_pairs_from_proto,
     memory_profile_to_proto,
     step_output_to_proto,
     step_plan_from_proto,
@@ -46,8 +44,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 STEP_ORDER_WAIT_S = 60.0  # how long a step waits for its predecessor's RPC to arrive
-_DIRECTIONS = {worker_pb2.SwapBlocksRequest.DIRECTION_IN: "in",
-               worker_pb2.SwapBlocksRequest.DIRECTION_OUT: "out"}
 
 
 def merge_load_request(config: EngineConfig, msg: worker_pb2.LoadModelRequest) -> EngineConfig:
@@ -68,13 +64,6 @@ def _check_matches(field: str, requested: float, own: float) -> None:
     if requested and requested != own:
         raise InvalidRequest(f"{field}={requested} differs from the worker's own {field}={own}; "
                              f"start the scheduler and the worker with the same value")
-
-
-def _check_epoch(worker: Worker, scheduler_epoch: int, what: str) -> None:
-    """Runs on the model thread, so it sees the epoch of every InitCache/ClearState before it."""
-    if scheduler_epoch != worker.scheduler_epoch:
-        raise StaleEpoch(f"{what} has scheduler_epoch={scheduler_epoch}, the worker serves "
-                         f"epoch {worker.scheduler_epoch}")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -187,12 +176,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                           context: grpc.aio.ServicerContext) -> worker_pb2.StepResult:
         worker = self._loaded()
         plan = step_plan_from_proto(request)
+        # refused at once, not after waiting for its predecessor (nor counted as submitted); the
+        # model thread checks again, after any InitCache queued before the step
+        worker.check_step(plan)
         async with self._step_order:
             try:
                 await asyncio.wait_for(self._step_order.wait_for(
-                    lambda: plan.previous_step_id <= self._submitted_step_id
-                    or plan.scheduler_epoch != worker.scheduler_epoch),  # refused right away
-                    STEP_ORDER_WAIT_S)
+                    lambda: plan.previous_step_id <= self._submitted_step_id), STEP_ORDER_WAIT_S)
             except TimeoutError:
                 raise StepOutOfOrder(
                     f"step {plan.step_id} waited {STEP_ORDER_WAIT_S:.0f} s for step "
@@ -204,42 +194,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return step_output_to_proto(await running)
 
     @map_errors
-    async def SwapBlocks(self, request: worker_pb2.SwapBlocksRequest,
-                         context: grpc.aio.ServicerContext) -> worker_pb2.SwapBlocksResponse:
-        worker = self._loaded()
-        direction = _DIRECTIONS.get(request.direction)
-        if direction is None:
-            raise InvalidRequest(f"direction must be DIRECTION_IN or DIRECTION_OUT, "
-                                 f"got {request.direction}")
-        pairs = block_pairs_from_proto(request.blocks, "blocks")
-
-        def swap() -> None:
-            _check_epoch(worker, request.scheduler_epoch, "SwapBlocks")
-            worker.swap_blocks(pairs, direction)
-
-        await self._run(swap)
-        return worker_pb2.SwapBlocksResponse()
-
-    @map_errors
-    async def CopyBlocks(self, request: worker_pb2.CopyBlocksRequest,
-                         context: grpc.aio.ServicerContext) -> worker_pb2.CopyBlocksResponse:
-        worker = self._loaded()
-        pairs = block_pairs_from_proto(request.blocks, "blocks")
-
-        def copy() -> None:
-            _check_epoch(worker, request.scheduler_epoch, "CopyBlocks")
-            worker.copy_blocks(pairs)
-
-        await self._run(copy)
-        return worker_pb2.CopyBlocksResponse()
-
-    @map_errors
     async def ClearState(self, request: worker_pb2.ClearStateRequest,
                          context: grpc.aio.ServicerContext) -> worker_pb2.ClearStateResponse:
         worker = self._loaded()
 
         def clear() -> int:
-            num_seqs = len(worker.runner.input_batch) if worker.runner is not None else 0
+            num_seqs = len(worker.runner.mirrors) if worker.runner is not None else 0
             worker.clear_state(request.scheduler_epoch)
             return num_seqs
 
@@ -274,11 +234,11 @@ async def start_worker(config: EngineConfig, service: WorkerServiceConfig
     return server, servicer
 
 
-async def serve(config: EngineConfig, service: WorkerServiceConfig, grace_s: float = 5.0) -> None:
+async def serve(config: EngineConfig, service: WorkerServiceConfig) -> None:
     """Run a worker until SIGTERM/SIGINT."""
     server, servicer = await start_worker(config, service)
     try:
-        await server.serve_until_signal(grace_s)
+        await server.serve_until_signal(service.shutdown.drain_timeout_s)
     finally:
         await server.shutdown(0)
         servicer.close()

@@ -3,9 +3,10 @@
 
 Lifecycle: Worker(config) → load_model() → profile_memory() → init_cache(...) → warm_up() →
 execute_step(plan) per engine step (or submit_step, which runs it on the worker's step thread, so
-the caller can schedule the next step meanwhile). `clear_state(epoch)` forgets every sequence (a
-new scheduler took over); steps from an older epoch are refused with StaleEpoch, steps out of
-their previous_step_id order or after a failed step with StepOutOfOrder.
+the caller can schedule the next step meanwhile). `clear_state(epoch)` forgets every sequence (the
+scheduler resends them after a failed step). Every call that carries a scheduler epoch follows
+`check_epoch`; steps out of their previous_step_id order or after a failed step are refused with
+StepOutOfOrder.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import gc
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
-from typing import Literal
 
 import torch
 from pagedserve.kernels.backend import get_backend, resolve_backend_name
@@ -137,19 +137,20 @@ class Worker:
                               self._graph_batch_sizes(), self._graph_max_seq_len())
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, scheduler_epoch: int) -> None:
-        """Allocate the KV cache (replacing any previous one) and adopt the scheduler's epoch;
-        the mirror starts empty."""
+        """The end of a scheduler's handshake: allocate the KV cache (replacing any previous one)
+        and serve `scheduler_epoch` from now on; the mirror starts empty."""
         runner = self._runner()
         if num_gpu_blocks < 1 or num_cpu_blocks < 0:
             raise InvalidRequest(f"num_gpu_blocks must be >= 1 and num_cpu_blocks >= 0, got "
                                  f"{num_gpu_blocks} and {num_cpu_blocks}")
-        self._check_epoch(scheduler_epoch, "init_cache")
+        self.check_epoch(scheduler_epoch, "init_cache", is_handshake=True)
         runner.decode_graphs = None  # they read the old cache; warm_up captures new ones
         self.cache_engine = None
         gc.collect()
         self.cache_engine = CacheEngine(self.kv_spec, num_gpu_blocks, num_cpu_blocks, self.device,
                                         self.backend)
-        self._reset_steps(scheduler_epoch)
+        self.scheduler_epoch = scheduler_epoch
+        self._reset_steps()
 
     def warm_up(self, batch_sizes: list[int] | None = None) -> int:
         """One small prefill and decode-sized forward, so the first real step pays no one-time
@@ -188,11 +189,7 @@ class Worker:
         until the scheduler calls clear_state and resends its sequences as new (the KV blocks are
         still valid).
         """
-        runner = self._runner()
-        cache_engine = self._cache_engine()
-        if plan.scheduler_epoch != self.scheduler_epoch:
-            raise StaleEpoch(f"step {plan.step_id} has scheduler_epoch={plan.scheduler_epoch}, "
-                             f"the worker serves epoch {self.scheduler_epoch}")
+        self.check_step(plan)
         if plan.previous_step_id != self.last_step_id:
             raise StepOutOfOrder(f"step {plan.step_id} must follow step {plan.previous_step_id}, "
                                  f"but the worker's last step is {self.last_step_id}")
@@ -201,10 +198,17 @@ class Worker:
                                  "which failed; ClearState first")
         self.last_step_id = plan.step_id
         try:
-            return runner.execute_step(plan, cache_engine)
+            return self._runner().execute_step(plan, self._cache_engine())
         except BaseException:
             self.last_step_failed = True
             raise
+
+    def check_step(self, plan: StepPlan) -> None:
+        """Refuse a step that cannot run whatever came before it: no model or KV cache yet
+        (Unavailable), or another scheduler's epoch."""
+        self._runner()
+        self._cache_engine()
+        self.check_epoch(plan.scheduler_epoch, f"step {plan.step_id}")
 
     def submit_step(self, plan: StepPlan) -> Future[StepOutput]:
         """execute_step on the worker's step thread; steps submitted in order run in order."""
@@ -220,36 +224,35 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
-    def swap_blocks(self, pairs: list[tuple[int, int]], direction: Literal["in", "out"]) -> None:
-        """direction "out": (device, cpu) pairs; "in": (cpu, device) pairs."""
-        cache_engine = self._cache_engine()
-        if direction == "out":
-            cache_engine.swap_out(pairs)
-        elif direction == "in":
-            cache_engine.swap_in(pairs)
-        else:
-            raise InvalidRequest(f"direction must be 'in' or 'out', got {direction!r}")
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        self._cache_engine().copy(pairs)
-
     def clear_state(self, scheduler_epoch: int) -> None:
-        """Forget every sequence and serve `scheduler_epoch` from now on (KV blocks stay; the
-        new scheduler resends its sequences as new). Unavailable without a KV cache: a worker
-        that restarted has lost the blocks the scheduler counts on (it rebuilds the worker)."""
+        """Forget every sequence; the next step is the first again (KV blocks stay; the
+        scheduler resends its sequences as new). Unavailable without a KV cache: a worker that
+        restarted has lost the blocks the scheduler counts on (it rebuilds the worker)."""
         self._runner()
         self._cache_engine()
-        self._check_epoch(scheduler_epoch, "clear_state")
-        self._reset_steps(scheduler_epoch)
+        self.check_epoch(scheduler_epoch, "clear_state")
+        self._reset_steps()
+
+    def check_epoch(self, scheduler_epoch: int, what: str, is_handshake: bool = False) -> None:
+        """The epoch rule, for every call that carries one: the worker serves only the scheduler
+        whose handshake (init_cache) set its epoch. A later scheduler (a larger epoch: epochs come
+        from the clock) takes over by doing the handshake; clear_state and steps never move the
+        epoch. The message leaves out the worker's epoch, so a caller cannot learn it to pass as
+        the scheduler."""
+        if scheduler_epoch == self.scheduler_epoch or (
+                is_handshake and scheduler_epoch > self.scheduler_epoch):
+            return
+        raise StaleEpoch(f"{what} has scheduler_epoch={scheduler_epoch}, not the epoch of the "
+                         "scheduler this worker serves; a newer scheduler takes the worker over "
+                         "with the handshake (InitCache)")
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def _reset_steps(self, scheduler_epoch: int) -> None:
-        """A new epoch: no sequences, and the next step is the first."""
-        self.scheduler_epoch = scheduler_epoch
+    def _reset_steps(self) -> None:
+        """No sequences, and the next step is the first."""
         self.last_step_id = 0
         self.last_step_failed = False
-        self._runner().input_batch.clear()
+        self._runner().mirrors.clear()
 
     def _graph_batch_sizes(self) -> list[int]:
         """The decode buckets to capture: none off CUDA, with enable_cuda_graph off, under tensor
@@ -266,11 +269,6 @@ class Worker:
 
     def _graph_max_seq_len(self) -> int:
         return min(self.get_info().max_model_len, MAX_CAPTURE_SEQ_LEN)
-
-    def _check_epoch(self, scheduler_epoch: int, what: str) -> None:
-        if scheduler_epoch < self.scheduler_epoch:
-            raise StaleEpoch(f"{what} with scheduler_epoch={scheduler_epoch}, older than the "
-                             f"worker's epoch {self.scheduler_epoch}")
 
     def _runner(self) -> ModelRunner:
         if self.runner is None:

@@ -177,6 +177,17 @@ class TracingConfig:
 
 
 @dataclass(slots=True)
+class ShutdownConfig:
+    """How a service stops on SIGTERM (each of the three, and `pagedserve serve` for all)."""
+
+    drain_timeout_s: float = opt(30.0, "on SIGTERM, how long live requests may take to finish")
+
+    def __post_init__(self) -> None:
+        _check(self.drain_timeout_s >= 0,
+               f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+
+@dataclass(slots=True)
 class GatewayConfig:
     host: str = opt("127.0.0.1", "address the gateway listens on")
     port: int = opt(50051, "gateway port; 0 = any free port")
@@ -186,6 +197,7 @@ class GatewayConfig:
     rpc_timeout_s: float = opt(10.0, "deadline of unary calls to the scheduler")
     max_concurrent_requests: int = opt(1024, "requests in flight before RESOURCE_EXHAUSTED")
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
@@ -204,6 +216,7 @@ class SchedulerServiceConfig:
         600.0, "deadline of the worker handshake (model load); also how long a lost worker is "
         "waited for before its requests fail")
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
@@ -217,6 +230,7 @@ class WorkerServiceConfig:
     port: int = opt(50053, "worker port; 0 = any free port")
     rank: int = opt(0, "tensor-parallel rank of this worker")
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")

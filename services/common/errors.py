@@ -30,7 +30,8 @@ class Unavailable(PagedServeError):
 
 
 class StaleEpoch(PagedServeError):
-    """A step from an older scheduler epoch (→ FAILED_PRECONDITION)."""
+    """A call with a scheduler epoch other than the one of the scheduler the worker serves
+    (→ FAILED_PRECONDITION)."""
 
 
 class StepOutOfOrder(StaleEpoch):

@@ -71,10 +71,6 @@ class StepPlan:
         return sum(s.num_scheduled_tokens for s in self.new_seqs) + sum(
             s.num_scheduled_tokens for s in self.running_seqs)
 
-    @property
-    def is_empty(self) -> bool:
-        return not (self.new_seqs or self.running_seqs)
-
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:

@@ -38,7 +38,7 @@ class Gateway:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.admission.wait_idle(), timeout_s)
 
-    async def stop(self, grace_s: float = 5.0) -> None:
+    async def stop(self, grace_s: float) -> None:
         await self.server.shutdown(grace_s)
         await self.scheduler.close()
 
@@ -71,9 +71,10 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     return Gateway(server, scheduler, admission)
 
 
-async def serve(config: GatewayConfig, grace_s: float = 30.0) -> None:
+async def serve(config: GatewayConfig) -> None:
     """Run until SIGTERM/SIGINT: NOT_SERVING, refuse new requests, let live ones finish."""
     gateway = await start_gateway(config)
+    grace_s = config.shutdown.drain_timeout_s
     try:
         await gateway.server.serve_until_signal(grace_s, drain=lambda: gateway.drain(grace_s))
     finally:

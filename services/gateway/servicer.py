@@ -54,10 +54,6 @@ class Admission:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    @property
-    def num_live(self) -> int:
-        return self._num_live
-
     @contextlib.contextmanager
     def admit(self) -> Iterator[None]:
         if self._is_draining:

@@ -5,7 +5,7 @@ grpc.health.v1 Health service and server reflection, and the graceful shutdown.
                                                  "pagedserve.v1.Generation")], host, port)
     await server.start()
     await server.set_serving(True)              # once the model is loaded, the cache allocated
-    await server.serve_until_signal(drain=...)  # SIGTERM/SIGINT: NOT_SERVING, drain, stop(grace)
+    await server.serve_until_signal(grace_s, drain=...)  # SIGTERM: NOT_SERVING, drain, stop
 
 Health starts NOT_SERVING for the whole server ("") and each bound service; the owner marks it
 serving when it can take work. Shutdown: health goes NOT_SERVING (load balancers stop routing),
@@ -92,7 +92,7 @@ class ServiceServer:
         await self.server.stop(grace_s)
         logger.info("server on port %d stopped", self.port)
 
-    async def serve_until_signal(self, grace_s: float = 30.0,
+    async def serve_until_signal(self, grace_s: float,
                                  drain: Callable[[], Awaitable[None]] | None = None) -> None:
         """Block until SIGTERM or SIGINT, then shut down."""
         loop = asyncio.get_running_loop()

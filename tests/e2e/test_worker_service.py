@@ -1,6 +1,6 @@
-"""The Worker service over loopback: the scheduler's GrpcWorker gets exactly what an in-process
-Worker computes, stale epochs are refused, health follows the cache, a dead worker is
-UNAVAILABLE at once."""
+"""The Worker service over loopback: the scheduler's WorkerClient gets exactly what an in-process
+Worker computes, only the epoch of the last handshake is served, health follows the cache, a dead
+worker is UNAVAILABLE at once."""
 
 import dataclasses
 import time
@@ -8,7 +8,8 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pagedserve.scheduler_svc.worker_client import GrpcWorker
+from pagedserve.scheduler_svc.engine_core import EngineCore
+from pagedserve.scheduler_svc.worker_client import WorkerClient
 from pagedserve.services.common.config import (
     CacheConfig,
     DeviceConfig,
@@ -24,7 +25,7 @@ from pagedserve.worker_svc.worker import Worker
 
 from tests.e2e.background import BackgroundLoop
 
-EPOCH = 7
+EPOCH = 1_700_000_000_000_007  # the clock's, as EngineCore makes them
 
 
 def _config(model_dir) -> EngineConfig:
@@ -58,6 +59,10 @@ def _plans() -> list[StepPlan]:
                     sampling=seeded, seed=1234)])]
 
 
+def _execute(client: WorkerClient, plan: StepPlan) -> StepOutput:
+    return client.submit_step(plan).result()
+
+
 def _decode(last: StepOutput, epoch: int = EPOCH) -> StepPlan:
     """The step after `last`: every sequence decodes the token it just sampled."""
     return StepPlan(scheduler_epoch=epoch, step_id=last.step_id + 1, previous_step_id=last.step_id,
@@ -72,7 +77,7 @@ def served_worker(tiny_model_dir):
     loop = BackgroundLoop()
     server, servicer = loop.run(_create(config))
     loop.run(server.start())
-    client = GrpcWorker(f"127.0.0.1:{server.port}", config, step_timeout_s=30,
+    client = WorkerClient(f"127.0.0.1:{server.port}", config, step_timeout_s=30,
                         startup_timeout_s=120)
     yield config, server, client
     client.close()
@@ -100,18 +105,21 @@ def test_execute_step_over_grpc_equals_in_process(served_worker):
     plan = _plans()[0]
     greedy_tokens = []
     for _ in range(4):
-        remote, expected = client.execute_step(plan), local.execute_step(plan)
+        remote, expected = _execute(client, plan), local.execute_step(plan)
         assert _without_timings(remote) == _without_timings(expected)
         assert [len(s.token_ids) for s in remote.outputs] == [1, 1]
         greedy_tokens += remote.outputs[0].token_ids
         plan = _decode(remote)
 
-    # Copy and swaps travel too: block 0 (sequence 0's KV) is copied to 5, swapped out to CPU
-    # block 2 and back in to 6. A sequence resumed on block 6 remotely must sample what one
-    # resumed on the untouched block 0 samples in process.
-    client.copy_blocks([(0, 5)], EPOCH)
-    client.swap_blocks([(5, 2)], "out", EPOCH)
-    client.swap_blocks([(2, 6)], "in", EPOCH)
+    # The cache operations travel too, and run in the contract's order within one step: block 0
+    # (sequence 0's KV) is swapped out to CPU block 2, swapped in to block 6 and copied to 5. A
+    # sequence resumed on block 5 remotely must sample what one resumed on the untouched block 0
+    # samples in process.
+    cache_ops = StepPlan(scheduler_epoch=EPOCH, step_id=5, previous_step_id=4,
+                         blocks_to_swap_out=[(0, 2)], blocks_to_swap_in=[(2, 6)],
+                         blocks_to_copy=[(6, 5)])
+    assert not _execute(client, cache_ops).outputs
+    local.execute_step(cache_ops)
     first = _plans()[0].new_seqs[0]
     token_ids = first.token_ids + greedy_tokens
 
@@ -119,26 +127,34 @@ def test_execute_step_over_grpc_equals_in_process(served_worker):
         seq = dataclasses.replace(first, seq_id=10, token_ids=token_ids, block_ids=[block_id],
                                   num_computed_tokens=len(token_ids) - 1,
                                   num_scheduled_tokens=1)
-        return StepPlan(scheduler_epoch=EPOCH, step_id=5, previous_step_id=4, new_seqs=[seq])
+        return StepPlan(scheduler_epoch=EPOCH, step_id=6, previous_step_id=5, new_seqs=[seq])
 
-    resumed = client.execute_step(resume(6))
+    resumed = _execute(client, resume(5))
     assert _without_timings(resumed) == _without_timings(local.execute_step(resume(0)))
     assert len(resumed.outputs[0].token_ids) == 1
 
 
-def test_stale_epochs_and_bad_pairs_are_refused(served_worker):
+def test_only_the_handshake_epoch_is_served_and_a_newer_scheduler_takes_over(served_worker):
+    """Over gRPC too: other epochs are FAILED_PRECONDITION (the message does not tell the
+    worker's), ClearState cannot move the epoch, only a newer scheduler's handshake can."""
     config, _, client = served_worker
     client.load_model()
     client.init_cache(16, 4, EPOCH)
-    stale = dataclasses.replace(_plans()[0], scheduler_epoch=EPOCH - 1)
-    with pytest.raises(StaleEpoch, match="scheduler_epoch=6"):
-        client.execute_step(stale)
+    first = _execute(client, _plans()[0])
+    for other in (EPOCH - 1, EPOCH + 1, 2**64 - 1):
+        with pytest.raises(StaleEpoch, match=f"scheduler_epoch={other}") as refused:
+            _execute(client, dataclasses.replace(_decode(first), scheduler_epoch=other))
+        assert str(EPOCH) not in str(refused.value)
+        with pytest.raises(StaleEpoch) as refused:
+            client.clear_state(other)
+        assert str(EPOCH) not in str(refused.value)
+    assert len(_execute(client, _decode(first)).outputs) == 2  # its scheduler is still served
     with pytest.raises(StaleEpoch):
-        client.copy_blocks([(0, 1)], EPOCH - 1)
-    client.clear_state(EPOCH + 1)
+        client.init_cache(16, 4, EPOCH - 1)
+    client.init_cache(16, 4, EPOCH + 1)
     with pytest.raises(StaleEpoch):
-        client.execute_step(_plans()[0])
-    mismatched = GrpcWorker(client.address, dataclasses.replace(
+        client.clear_state(EPOCH)
+    mismatched = WorkerClient(client.address, dataclasses.replace(
         config, cache=dataclasses.replace(config.cache, block_size=32)), 30, 30)
     with pytest.raises(InvalidRequest, match="block_size=32"):
         mismatched.profile_memory()
@@ -166,12 +182,39 @@ def test_steps_that_arrive_out_of_order_run_in_previous_step_id_order(served_wor
     assert _without_timings(later.result()) == _without_timings(expected_second)
 
 
+def test_a_new_scheduler_takes_the_worker_over_and_the_old_one_cannot_take_it_back(
+        served_worker):
+    """A restarted scheduler (a newer epoch) does the handshake on a worker its predecessor
+    still drives: the predecessor's next step is refused, its handshake too, so its requests
+    fail; the new scheduler's run."""
+    config, _, client = served_worker
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    old = EngineCore(config, [client], scheduler_epoch=EPOCH + 20)
+    old.add_request("old", [1, 17, 33, 99], greedy)
+    old.step()
+    new_client = WorkerClient(client.address, config, step_timeout_s=30, startup_timeout_s=120)
+    new = EngineCore(config, [new_client], scheduler_epoch=EPOCH + 21)
+    new.add_request("new", [1, 17, 33, 99], greedy)
+    reports = []
+    while old.has_unfinished_requests():
+        reports += old.step()
+    (failed,) = [r for r in reports if r.finished]
+    assert failed.outputs[0].finish_reason == "error"
+    error = failed.outputs[0].error
+    assert "scheduler_epoch" in error and "not rebuilt" in error
+    token_ids = []
+    while new.has_unfinished_requests():
+        token_ids += [t for r in new.step() for t in r.outputs[0].token_ids]
+    assert len(token_ids) == 4
+    new_client.close()
+
+
 def test_a_dead_worker_is_unavailable_at_once(tiny_model_dir):
     config = _config(tiny_model_dir("llama"))
     loop = BackgroundLoop()
     server, servicer = loop.run(_create(config))
     loop.run(server.start())
-    client = GrpcWorker(f"127.0.0.1:{server.port}", config, step_timeout_s=30,
+    client = WorkerClient(f"127.0.0.1:{server.port}", config, step_timeout_s=30,
                         startup_timeout_s=30)
     with pytest.raises(Unavailable, match="no model loaded"):
         client.get_info()
@@ -180,6 +223,6 @@ def test_a_dead_worker_is_unavailable_at_once(tiny_model_dir):
     loop.close()
     start = time.monotonic()
     with pytest.raises(Unavailable):
-        client.execute_step(_plans()[0])
+        _execute(client, _plans()[0])
     assert time.monotonic() - start < 5
     client.close()

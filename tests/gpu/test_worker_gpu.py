@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pagedserve.services.common.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
+from pagedserve.services.common.step_plan import StepPlan
 from pagedserve.worker_svc.worker import Worker
 
 from tests.gpu.gpu_worker import CUDA_BACKENDS, cuda_worker, prompt
@@ -64,6 +65,20 @@ def test_bfloat16_tracks_hf_float32(tiny_model_dir, arch):
     assert driver.worker.runner.decode_graphs.num_replays > 0
 
 
+def test_step_timings_come_from_cuda_events_without_a_device_sync(tiny_model_dir, monkeypatch):
+    driver = Driver(cuda_worker(tiny_model_dir("llama")))
+    driver.add(0, PROMPT)
+
+    def synchronize(*args, **kwargs):
+        raise AssertionError("a step synchronized the device")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    for schedule in ({0: len(PROMPT)}, {0: 1}):
+        timings = driver.step(schedule).timings
+        assert timings.cache_ops_ns >= 0 and timings.prepare_ns > 0
+        assert timings.forward_ns > 0 and timings.sample_ns > 0
+
+
 def test_cuda_defaults_profile_and_swap(tiny_model_dir):
     config = EngineConfig(model=ModelConfig(model=str(tiny_model_dir("llama"))),
                           cache=CacheConfig(gpu_memory_utilization=0.5, swap_space_gib=0.01),
@@ -79,8 +94,10 @@ def test_cuda_defaults_profile_and_swap(tiny_model_dir):
     for layer in worker.cache_engine.gpu_cache:
         layer.copy_(torch.randn_like(layer))
     before = [layer.clone() for layer in worker.cache_engine.gpu_cache]
-    worker.swap_blocks([(3, 0), (6, 1)], "out")
-    worker.swap_blocks([(0, 10), (1, 11)], "in")
+    worker.execute_step(StepPlan(scheduler_epoch=1, step_id=1,
+                                 blocks_to_swap_out=[(3, 0), (6, 1)]))
+    worker.execute_step(StepPlan(scheduler_epoch=1, step_id=2, previous_step_id=1,
+                                 blocks_to_swap_in=[(0, 10), (1, 11)]))
     torch.cuda.synchronize()
     for old, new in zip(before, worker.cache_engine.gpu_cache, strict=True):
         assert torch.equal(new[:, 10], old[:, 3]) and torch.equal(new[:, 11], old[:, 6])

@@ -4,7 +4,7 @@ generation continues as if nothing happened."""
 from __future__ import annotations
 
 import torch
-from pagedserve.services.common.step_plan import NewSequence
+from pagedserve.services.common.step_plan import NewSequence, StepPlan
 
 from tests.integration.worker_driver import GREEDY, Driver, make_worker
 
@@ -51,12 +51,17 @@ def test_swap_out_then_in_restores_kv_and_generation(llama_dir):
     assert seq.token_ids == reference.seqs[0].token_ids
 
 
+def _cache_ops_step(step_id: int, **cache_ops: list[tuple[int, int]]) -> StepPlan:
+    """A step of cache operations only (make_worker's epoch 1)."""
+    return StepPlan(scheduler_epoch=1, step_id=step_id, previous_step_id=step_id - 1, **cache_ops)
+
+
 def test_copy_blocks_copies_exactly(llama_dir):
     worker = make_worker(llama_dir, num_gpu_blocks=8)
     for layer in worker.cache_engine.gpu_cache:
         layer.copy_(torch.randn_like(layer))
     before = [layer.clone() for layer in worker.cache_engine.gpu_cache]
-    worker.copy_blocks([(1, 5), (2, 6)])
+    worker.execute_step(_cache_ops_step(1, blocks_to_copy=[(1, 5), (2, 6)]))
     for old, new in zip(before, worker.cache_engine.gpu_cache, strict=True):
         assert torch.equal(new[:, 5], old[:, 1]) and torch.equal(new[:, 6], old[:, 2])
         untouched = [0, 1, 2, 3, 4, 7]
@@ -68,8 +73,8 @@ def test_swap_blocks_round_trip(llama_dir):
     for layer in worker.cache_engine.gpu_cache:
         layer.copy_(torch.randn_like(layer))
     before = [layer.clone() for layer in worker.cache_engine.gpu_cache]
-    worker.swap_blocks([(3, 0), (6, 2)], "out")
-    worker.swap_blocks([(0, 1), (2, 7)], "in")
+    worker.execute_step(_cache_ops_step(1, blocks_to_swap_out=[(3, 0), (6, 2)]))
+    worker.execute_step(_cache_ops_step(2, blocks_to_swap_in=[(0, 1), (2, 7)]))
     for old, new in zip(before, worker.cache_engine.gpu_cache, strict=True):
         assert torch.equal(new[:, 1], old[:, 3]) and torch.equal(new[:, 7], old[:, 6])
 

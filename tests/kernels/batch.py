@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from pagedserve.kernels import ref
+from pagedserve.kernels.cdiv import cdiv
 from pagedserve.kernels.metadata import AttentionMetadata
 
 # (context_len, query_len): context_len tokens are already cached, query_len are new this step.
@@ -69,7 +70,7 @@ def make_batch(prefills: list[SeqSpec], decodes: list[SeqSpec], *, block_size: i
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     specs = prefills + decodes
-    blocks_needed = [(c + q + block_size - 1) // block_size for c, q in specs]
+    blocks_needed = [cdiv(c + q, block_size) for c, q in specs]
     num_blocks = sum(blocks_needed) + num_spare_blocks
     order = torch.randperm(num_blocks, generator=gen).tolist()
     block_tables, start = [], 0

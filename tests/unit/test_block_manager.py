@@ -14,6 +14,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from pagedserve.kernels.cdiv import cdiv
 from pagedserve.scheduler_svc.block_manager import AllocStatus, BlockManager
 from pagedserve.scheduler_svc.prefix_cache import hash_prompt_blocks
 
@@ -213,7 +214,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not token_ids:
             return
         status = self.bm.can_allocate(token_ids)
-        num_blocks = -(-len(token_ids) // BS)
+        num_blocks = cdiv(len(token_ids), BS)
         if status is AllocStatus.NEVER:
             assert num_blocks > self.NUM_GPU - self.bm.watermark_blocks
             return
@@ -249,7 +250,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self._copy(copies, False, False)
         table = self.bm.block_table(seq_id)
         # the blocks the new tokens go to are this sequence's alone
-        for i in range(old_len // BS, -(-new_len // BS)):
+        for i in range(old_len // BS, cdiv(new_len, BS)):
             assert self.bm.gpu_pool.ref_counts[table[i]] == 1
 
     @precondition(lambda self: self._running())
@@ -324,7 +325,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             swapped = seq_id in self.swapped
             assert self.bm.is_swapped(seq_id) is swapped
             table = self.bm.block_table(seq_id)
-            assert len(table) == -(-len(token_ids) // BS)
+            assert len(table) == cdiv(len(token_ids), BS)
             refs[swapped].update(table)
         for swapped, pool in ((False, self.bm.gpu_pool), (True, self.bm.cpu_pool)):
             for block_id in range(pool.num_blocks):

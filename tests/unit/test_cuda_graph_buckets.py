@@ -17,8 +17,8 @@ from pagedserve.worker_svc.cuda_graphs import (
     decode_batch_size,
     pick_batch_size,
 )
-from pagedserve.worker_svc.input_batch import CachedSequence
 from pagedserve.worker_svc.model_input import build_model_input
+from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 
 from tests.integration.worker_driver import make_worker
 

@@ -147,6 +147,7 @@ def test_values_flag_maps_make_a_valid_configuration(service):
     config = from_args(SERVICE_CONFIGS[service], args)
     assert config.port == values[service]["port"]
     assert config.tracing.otel_exporter == values["tracing"]["otelExporter"]
+    assert config.shutdown.drain_timeout_s == values["drainTimeoutS"]
     if service != "gateway":
         engine = from_args(EngineConfig, args)
         assert engine.model.model == values["model"]["path"]

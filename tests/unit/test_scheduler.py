@@ -8,7 +8,7 @@ import pytest
 from pagedserve.scheduler_svc.block_manager import BlockManager
 from pagedserve.scheduler_svc.output_processor import OutputProcessor
 from pagedserve.scheduler_svc.outputs import make_request_output
-from pagedserve.scheduler_svc.scheduler import Scheduler, SchedulerOutput
+from pagedserve.scheduler_svc.scheduler import ScheduledStep, Scheduler
 from pagedserve.scheduler_svc.sequence import SequenceGroup
 from pagedserve.services.common.config import SchedulerConfig
 from pagedserve.services.common.sampling_params import SamplingParams
@@ -53,12 +53,12 @@ class Harness:
         rejected = [r for g in out.rejected if (r := make_request_output(g)) is not None]
         return out, rejected + self.processor.process(out, self.sample(out, logprobs, tokens))
 
-    def sample(self, out: SchedulerOutput, logprobs: dict[int, list[float]] | None = None,
+    def sample(self, out: ScheduledStep, logprobs: dict[int, list[float]] | None = None,
                tokens=None) -> StepOutput:
         """What a worker would answer to the step: distinct token ids for every sample."""
         samples = []
         for item in out.scheduled:
-            if item.samples:
+            if item.is_sampling:
                 sid = item.seq.seq_id
                 ids = (tokens or {}).get(sid)
                 if ids is None:
@@ -81,7 +81,7 @@ class Harness:
                 and self.bm.num_free_cpu_blocks == self.bm.num_cpu_blocks)
 
 
-def scheduled_ids(out: SchedulerOutput) -> list[str]:
+def scheduled_ids(out: ScheduledStep) -> list[str]:
     return [item.group.request_id for item in out.scheduled]
 
 
@@ -297,10 +297,10 @@ def test_recompute_of_a_forked_group_samples_all_sequences_together():
         out, _ = h.step()
     resent = [s for s in out.plan.new_seqs if s.request_id == "pair"]
     assert [s.num_scheduled_tokens for s in resent] == [len(t) - 1 for t in tokens_before]
-    assert not any(i.samples for i in out.scheduled if i.group is pair)
+    assert not any(i.is_sampling for i in out.scheduled if i.group is pair)
     out, _ = h.step()
     pair_items = [i for i in out.scheduled if i.group is pair]
-    assert len(pair_items) == 2 and all(i.samples for i in pair_items)
+    assert len(pair_items) == 2 and all(i.is_sampling for i in pair_items)
     h.run_to_end()
     assert first.is_finished and all(s.num_output_tokens == 6 for s in pair.seqs)
     assert [s.token_ids[:len(t)] for s, t in zip(pair.seqs, tokens_before, strict=True)] == tokens_before

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import assume, given, settings
 from pagedserve.scheduler_svc.outputs import make_request_output
-from pagedserve.scheduler_svc.scheduler import SchedulerOutput
+from pagedserve.scheduler_svc.scheduler import ScheduledStep
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.sampling_params import SamplingParams
 
@@ -93,11 +93,11 @@ def test_every_request_ends_and_every_block_comes_back(
     assert h.all_free()
 
 
-def engine_step(h: Harness, in_flight: SchedulerOutput | None, async_scheduling: bool):
+def engine_step(h: Harness, in_flight: ScheduledStep | None, async_scheduling: bool):
     """EngineCore.step with the harness as the worker: (reports, the step left in flight)."""
     reports = []
 
-    def schedule() -> SchedulerOutput | None:
+    def schedule() -> ScheduledStep | None:
         out = h.scheduler.schedule()
         reports.extend(r for g in out.rejected if (r := make_request_output(g)) is not None)
         return out if out.plan is not None else None
@@ -107,7 +107,7 @@ def engine_step(h: Harness, in_flight: SchedulerOutput | None, async_scheduling:
         return reports, None
     following = None
     advanced = async_scheduling and all(
-        item.num_samples == 1 for item in current.scheduled if item.samples)
+        item.num_samples == 1 for item in current.scheduled if item.is_sampling)
     if advanced:
         h.scheduler.advance_in_flight(current)
         following = schedule()

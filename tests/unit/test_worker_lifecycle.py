@@ -73,21 +73,43 @@ def test_calls_out_of_order_are_unavailable(tiny_model_dir):
         worker.init_cache(0, 0, scheduler_epoch=1)
 
 
-def test_stale_epoch_is_refused_and_clear_state_forgets(tiny_model_dir):
-    driver = Driver(make_worker(tiny_model_dir("llama"), epoch=3), epoch=3)
+def test_only_the_handshake_epoch_is_served(tiny_model_dir):
+    """Steps and ClearState must carry the epoch of the scheduler's handshake: an older one (a
+    predecessor) or a newer one (2**64 - 1 included: no caller locks the scheduler out) is
+    refused without telling the worker's epoch, and the worker keeps serving its scheduler."""
+    epoch = 1_700_000_000_000_003  # the clock's, as EngineCore makes them
+    driver = Driver(make_worker(tiny_model_dir("llama"), epoch=epoch), epoch=epoch)
     driver.add(0, [5, 6, 7])
     driver.step({0: 3})
-    with pytest.raises(StaleEpoch, match="scheduler_epoch=2"):
-        driver.worker.execute_step(StepPlan(scheduler_epoch=2, step_id=9))
-    with pytest.raises(StaleEpoch):
-        driver.worker.clear_state(2)
-    driver.worker.clear_state(4)
-    with pytest.raises(StaleEpoch):  # the old scheduler's steps no longer run
-        driver.worker.execute_step(driver.plan({0: 1}))
+    for other in (epoch - 1, epoch + 1, 2**64 - 1):
+        with pytest.raises(StaleEpoch, match=f"scheduler_epoch={other}") as refused:
+            driver.worker.execute_step(StepPlan(scheduler_epoch=other, step_id=9))
+        assert str(epoch) not in str(refused.value)
+        with pytest.raises(StaleEpoch) as refused:
+            driver.worker.clear_state(other)
+        assert str(epoch) not in str(refused.value)
+    driver.step({0: 1})  # still serving, its sequence intact
+    driver.worker.clear_state(epoch)
     delta = RunningSequence(seq_id=0, new_token_ids=[1], block_ids_start=1, block_ids=[],
                             num_scheduled_tokens=1)
-    with pytest.raises(NotFound, match="seq_id 0"):
-        driver.worker.execute_step(StepPlan(scheduler_epoch=4, step_id=10, running_seqs=[delta]))
+    with pytest.raises(NotFound, match="seq_id 0"):  # forgotten
+        driver.worker.execute_step(StepPlan(scheduler_epoch=epoch, step_id=10,
+                                            running_seqs=[delta]))
+
+
+def test_a_newer_scheduler_takes_over_by_the_handshake(tiny_model_dir):
+    epoch = 1_700_000_000_000_003
+    driver = Driver(make_worker(tiny_model_dir("llama"), epoch=epoch), epoch=epoch)
+    cache = driver.worker.cache_engine
+    num_gpu_blocks, num_cpu_blocks = cache.num_gpu_blocks, cache.num_cpu_blocks
+    with pytest.raises(StaleEpoch):  # an earlier scheduler cannot take it back
+        driver.worker.init_cache(num_gpu_blocks, num_cpu_blocks, epoch - 1)
+    driver.worker.init_cache(num_gpu_blocks, num_cpu_blocks, epoch + 1)
+    with pytest.raises(StaleEpoch):  # the old scheduler's steps no longer run
+        driver.step({})
+    driver.epoch, driver.step_id = epoch + 1, 0
+    driver.add(0, [5, 6, 7])
+    assert len(driver.step({0: 3}).outputs[0].token_ids) == 1
 
 
 def test_steps_run_only_in_their_previous_step_id_order(tiny_model_dir):
@@ -102,7 +124,7 @@ def test_steps_run_only_in_their_previous_step_id_order(tiny_model_dir):
             dataclasses.replace(ahead.running_seqs[0], seq_id=99)]))
     with pytest.raises(StepOutOfOrder, match="which failed"):  # ... stops the ones after it
         driver.worker.execute_step(dataclasses.replace(ahead, step_id=3, previous_step_id=2))
-    driver.worker.clear_state(driver.epoch + 1)
+    driver.worker.clear_state(driver.epoch)
     assert driver.worker.last_step_id == 0 and not driver.worker.last_step_failed
 
 
@@ -128,11 +150,10 @@ def test_dummy_weights_need_no_checkpoint_and_are_seeded(tiny_model_dir, tmp_pat
     assert len(driver.step({0: 3}).outputs[0].token_ids) == 1
 
 
-def test_bad_swap_direction_and_block_ids(tiny_model_dir):
+@pytest.mark.parametrize("cache_ops", [{"blocks_to_swap_out": [(0, 5)]},
+                                       {"blocks_to_swap_in": [(5, 0)]},
+                                       {"blocks_to_copy": [(9, 1)]}])
+def test_a_step_with_block_ids_out_of_range_fails(tiny_model_dir, cache_ops):
     worker = make_worker(tiny_model_dir("llama"), num_gpu_blocks=8, num_cpu_blocks=2)
-    with pytest.raises(InvalidRequest, match="direction"):
-        worker.swap_blocks([(0, 0)], "sideways")
     with pytest.raises(InvalidRequest, match="out of range"):
-        worker.swap_blocks([(0, 5)], "out")
-    with pytest.raises(InvalidRequest, match="out of range"):
-        worker.copy_blocks([(9, 1)])
+        worker.execute_step(StepPlan(scheduler_epoch=1, step_id=1, **cache_ops))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pagedserve.kernels.cdiv import cdiv
 from pagedserve.services.common.errors import ConfigError
 from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
 from torch import nn
@@ -164,7 +165,7 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings = num_embeddings
         self.tp = tp
-        rows = -(-num_embeddings // tp.size)
+        rows = cdiv(num_embeddings, tp.size)
         self.vocab_start = tp.rank * rows
         self.vocab_end = min(self.vocab_start + rows, num_embeddings)
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)

@@ -12,8 +12,8 @@ from pagedserve.services.common.step_plan import (
     SampledSequence,
     StepPlan,
 )
-from pagedserve.worker_svc.input_batch import InputBatch
 from pagedserve.worker_svc.model_input import build_model_input
+from pagedserve.worker_svc.sequence_mirrors import SequenceMirrors
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -27,46 +27,46 @@ def _new(seq_id: int, token_ids: list[int], block_ids: list[int], num_computed: 
 
 
 def test_deltas_update_tokens_and_block_tables():
-    batch = InputBatch(block_size=4, max_model_len=64)
-    scheduled = batch.apply(StepPlan(1, 1, new_seqs=[_new(0, [1, 2, 3, 4, 5], [7, 8], 0, 5),
+    mirrors = SequenceMirrors(block_size=4, max_model_len=64)
+    scheduled = mirrors.apply(StepPlan(1, 1, new_seqs=[_new(0, [1, 2, 3, 4, 5], [7, 8], 0, 5),
                                                      _new(1, [9, 9], [3], 0, 2, num_samples=2)]))
     # one sample: the worker appends it itself; two (a fork): the scheduler sends its choice
-    batch.advance(scheduled, [SampledSequence(0, [6], [-0.1]),
+    mirrors.advance(scheduled, [SampledSequence(0, [6], [-0.1]),
                               SampledSequence(1, [4, 5], [-0.2, -0.3])])
-    assert batch.seqs[0].token_ids == [1, 2, 3, 4, 5, 6] and batch.seqs[1].token_ids == [9, 9]
-    scheduled = batch.apply(StepPlan(1, 2, running_seqs=[
+    assert mirrors.seqs[0].token_ids == [1, 2, 3, 4, 5, 6] and mirrors.seqs[1].token_ids == [9, 9]
+    scheduled = mirrors.apply(StepPlan(1, 2, running_seqs=[
         RunningSequence(0, new_token_ids=[], block_ids_start=2, block_ids=[],
                         num_scheduled_tokens=1),
         RunningSequence(1, new_token_ids=[4], block_ids_start=0, block_ids=[11],
                         num_scheduled_tokens=1)]))
-    seq0, seq1 = batch.seqs[0], batch.seqs[1]
+    seq0, seq1 = mirrors.seqs[0], mirrors.seqs[1]
     assert seq0.token_ids == [1, 2, 3, 4, 5, 6] and seq0.block_table == [7, 8]
     assert seq1.token_ids == [9, 9, 4]
     assert seq1.block_table == [11]  # copy-on-write replaced block 0 of the table
     assert [s.num_scheduled_tokens for s in scheduled] == [1, 1]
-    batch.apply(StepPlan(1, 3, finished_seq_ids=[0], preempted_seq_ids=[1, 42]))
-    assert len(batch) == 0
+    mirrors.apply(StepPlan(1, 3, finished_seq_ids=[0], preempted_seq_ids=[1, 42]))
+    assert len(mirrors) == 0
 
 
 def test_unknown_running_sequence_and_overscheduling_are_refused():
-    batch = InputBatch(block_size=4, max_model_len=64)
+    mirrors = SequenceMirrors(block_size=4, max_model_len=64)
     with pytest.raises(NotFound, match="seq_id 5"):
-        batch.apply(StepPlan(1, 1, running_seqs=[RunningSequence(5, [], 0, [], 1)]))
+        mirrors.apply(StepPlan(1, 1, running_seqs=[RunningSequence(5, [], 0, [], 1)]))
     with pytest.raises(InvalidRequest, match="num_scheduled_tokens=4"):
-        batch.apply(StepPlan(1, 1, new_seqs=[_new(0, [1, 2, 3], [0], 0, 4)]))
+        mirrors.apply(StepPlan(1, 1, new_seqs=[_new(0, [1, 2, 3], [0], 0, 4)]))
     with pytest.raises(InvalidRequest, match="cannot hold 5 tokens"):
-        batch.apply(StepPlan(1, 1, new_seqs=[_new(1, [1] * 5, [0], 0, 5)]))
+        mirrors.apply(StepPlan(1, 1, new_seqs=[_new(1, [1] * 5, [0], 0, 5)]))
     with pytest.raises(InvalidRequest, match="max_model_len=64"):
-        batch.apply(StepPlan(1, 1, new_seqs=[_new(2, [1] * 65, list(range(17)), 0, 65)]))
+        mirrors.apply(StepPlan(1, 1, new_seqs=[_new(2, [1] * 65, list(range(17)), 0, 65)]))
 
 
 def test_flattened_batch_puts_prefills_first_and_maps_slots():
-    batch = InputBatch(block_size=4, max_model_len=64)
+    mirrors = SequenceMirrors(block_size=4, max_model_len=64)
     decode = _new(0, [1, 2, 3, 4, 5, 6], [9, 2], 5, 1)  # decode at position 5
     chunk = _new(1, list(range(10, 20)), [4, 6, 1], 3, 5)  # prefill chunk, positions 3..7
     prompt_lp = _new(2, [30, 31, 32], [5], 0, 2,
                      sampling=SamplingParams(temperature=0.0, prompt_logprobs=1))
-    scheduled = batch.apply(StepPlan(1, 1, new_seqs=[decode, chunk, prompt_lp]))
+    scheduled = mirrors.apply(StepPlan(1, 1, new_seqs=[decode, chunk, prompt_lp]))
     assert [s.seq_id for s in scheduled] == [1, 2, 0]
     model_input = build_model_input(scheduled, 4, torch.device("cpu"))
     meta = model_input.meta

@@ -38,7 +38,7 @@ class CachedSequence:
         return self.num_scheduled_tokens > 1
 
     @property
-    def samples_this_step(self) -> bool:
+    def is_sampling(self) -> bool:
         """Its computed tokens reach the end of its known tokens after this step."""
         return self.num_computed_tokens + self.num_scheduled_tokens >= len(self.token_ids)
 
@@ -48,8 +48,9 @@ class CachedSequence:
                 and self.num_computed_tokens < self.prompt_len - 1)
 
 
-class InputBatch:
-    """seq_id → CachedSequence, and the order in which this step's sequences are batched."""
+class SequenceMirrors:
+    """seq_id → CachedSequence (one sequence's mirror), and the order in which this step's
+    sequences are batched."""
 
     def __init__(self, block_size: int, max_model_len: int) -> None:
         self.block_size = block_size
