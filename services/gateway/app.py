@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from pagedserve.services.common.config import GatewayConfig
 from pagedserve.services.gateway.convert import model_info_from_served_model
+from pagedserve.services.gateway.frontend import Admission, Frontend
 from pagedserve.services.gateway.scheduler_client import SchedulerClient
-from pagedserve.services.gateway.servicer import Admission, GenerationServicer, ModelsServicer
+from pagedserve.services.gateway.servicer import GenerationServicer, ModelsServicer
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
 from pagedserve.services.rpc.v1 import gateway_pb2_grpc
 from pagedserve.services.text.tokenizer import Tokenizer
@@ -58,7 +59,7 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
         raise
     admission = Admission(config.max_concurrent_requests)
     server, port = create_server([
-        ServiceBinding(GenerationServicer(tokenizer, scheduler, info, admission),
+        ServiceBinding(GenerationServicer(Frontend(tokenizer, scheduler, info, admission)),
                        gateway_pb2_grpc.add_GenerationServicer_to_server,
                        "pagedserve.v1.Generation"),
         ServiceBinding(ModelsServicer(info), gateway_pb2_grpc.add_ModelsServicer_to_server,
