@@ -1,28 +1,17 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode-only steps: at small batch sizes kernel launches, not math, set the
+step time, so warm-up captures the forward once per decode batch-size bucket and a decode step
+that fits a bucket replays the smallest such graph.
 
-A decode step launches a few kernels per layer for a handful of tokens, so at small batch sizes
-the launches, not the math, set the step time. Worker.warm_up captures the model forward (token
-ids → hidden states) once per decode batch-size bucket; a decode-only step whose batch fits a
-bucket then replays the smallest such graph instead of launching kernel by kernel.
-
-What makes the forward replayable:
-- Static inputs. Every graph reads the same preallocated buffers (token ids, positions, slot
-  mapping, block tables, seq lens, query_start_loc); a step copies its values into the first
-  rows and turns the rest of its bucket into padding. The KV-cache tensors are baked into the
-  graphs too, so the graphs are dropped whenever the cache is replaced.
-- Fixed launch geometry. Backends size their grids from the metadata's host fields
-  (query_lens_cpu, seq_lens_cpu, max_seq_len). Capture metadata holds upper bounds there
-  (query length 1 and seq len `max_seq_len` on every row) and the real lengths only in the
-  device tensors the kernels read: the Triton kernels and flash-attn's decode stay correct for
-  any real length up to those bounds (a split-KV partition past a sequence's end does nothing).
-  The torch and ref backends shape their work by the host lengths and are never captured.
-  Decodes longer than `max_seq_len` run eagerly.
-- Harmless padding. A padding row writes no KV (slot -1) and attends to one key (seq len 1
-  through block 0, a finite row of a zero-initialized cache) with token 0 at position 0; its
-  hidden state is never read.
-
-The logits projection and sampling stay outside the graph: the runner computes logits for the
-rows it needs from the graph's output, exactly as it does after an eager forward.
+Replay is correct because:
+- every graph reads the same preallocated input buffers (a step fills the first rows, the rest
+  of its bucket is padding) and the KV-cache tensors it was captured on (graphs are dropped when
+  the cache is replaced);
+- launch geometry is fixed: capture metadata holds upper bounds in its host fields and the real
+  lengths only in device tensors, which the Triton and flash-attn decode kernels read (the torch
+  and ref backends shape work by host lengths and are never captured);
+- a padding row writes no KV (slot -1) and attends to one finite key of block 0; its hidden
+  state is never read.
+Logits and sampling stay outside the graph.
 """
 
 from __future__ import annotations
@@ -54,24 +43,21 @@ GRAPH_HEADROOM_BYTES = 2 << 20
 
 
 def capture_batch_sizes(max_num_seqs: int) -> list[int]:
-    """The decode buckets: 1, 2, 4, then multiples of 8, up to min(max_num_seqs, 256), that bound
-    itself included so that every decode batch the scheduler may send fits a bucket."""
+    """1, 2, 4, then multiples of 8, up to and including min(max_num_seqs, 256)."""
     limit = min(max_num_seqs, MAX_CAPTURE_BATCH_SIZE)
     sizes = [s for s in (1, 2, 4) if s < limit] + list(range(8, limit, 8))
     return [*sizes, limit]
 
 
 def pick_batch_size(num_seqs: int, batch_sizes: list[int]) -> int | None:
-    """The smallest bucket holding num_seqs rows (batch_sizes ascending); None if none does."""
+
     i = bisect.bisect_left(batch_sizes, num_seqs)
     return batch_sizes[i] if i < len(batch_sizes) else None
 
 
 def decode_batch_size(meta: AttentionMetadata, batch_sizes: list[int],
                       max_seq_len: int) -> int | None:
-    """The bucket a step replays in, or None when it must run eagerly: it holds a prefill (more
-    than one token of some sequence), a sequence longer than the graphs' bound, or more
-    sequences than the largest bucket."""
+    """The bucket a step replays in, or None to run it eagerly."""
     if meta.num_prefills or meta.max_query_len != 1 or meta.max_seq_len > max_seq_len:
         return None
     return pick_batch_size(meta.num_seqs, batch_sizes)
@@ -79,8 +65,6 @@ def decode_batch_size(meta: AttentionMetadata, batch_sizes: list[int],
 
 @dataclass(slots=True)
 class DecodeBuffers:
-    """The graphs' inputs. A bucket of B rows reads the first B rows of each buffer."""
-
     input_ids: torch.Tensor  # [max_batch_size] int64
     positions: torch.Tensor  # [max_batch_size] int64
     slot_mapping: torch.Tensor  # [max_batch_size] int64
@@ -91,7 +75,6 @@ class DecodeBuffers:
     @classmethod
     def allocate(cls, max_batch_size: int, max_blocks_per_seq: int,
                  device: torch.device) -> DecodeBuffers:
-        """Every row starts as padding."""
         def rows(fill: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.full((max_batch_size,), fill, dtype=dtype, device=device)
 
@@ -104,8 +87,7 @@ class DecodeBuffers:
             query_start_loc=torch.arange(max_batch_size + 1, dtype=torch.int32, device=device))
 
     def load(self, model_input: ModelInput, batch_size: int) -> None:
-        """Copy a decode-only step's inputs into the first rows; its other rows up to batch_size
-        become padding. Device-to-device copies only: nothing waits for the host."""
+        """Device-to-device copies only: nothing waits for the host."""
         meta = model_input.meta
         n = model_input.num_tokens  # one token per sequence
         width = meta.block_tables.shape[1]
@@ -126,7 +108,6 @@ class DecodeBuffers:
         self.block_tables[n:batch_size].zero_()
 
     def metadata(self, batch_size: int, max_seq_len: int) -> AttentionMetadata:
-        """Metadata over the first batch_size rows, host fields at their upper bounds."""
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch_size],
             block_tables=self.block_tables[:batch_size],
@@ -142,8 +123,6 @@ class DecodeBuffers:
 
 
 class DecodeGraphs:
-    """One captured forward per decode bucket, all over the same buffers and KV cache."""
-
     def __init__(self, model: nn.Module, batch_sizes: list[int], max_seq_len: int,
                  block_size: int, device: torch.device) -> None:
         self.model = model
@@ -158,17 +137,15 @@ class DecodeGraphs:
         self.num_replays = 0
 
     def run_static(self, batch_size: int, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """The forward a graph records: the model over the buffers' first batch_size rows.
-        Returns hidden states [batch_size, hidden]."""
+        """Hidden states [batch_size, hidden] of the buffers' first batch_size rows."""
         buffers = self.buffers
         return self.model(buffers.input_ids[:batch_size], buffers.positions[:batch_size],
                           kv_caches, buffers.metadata(batch_size, self.max_seq_len))
 
     @torch.inference_mode()
     def capture(self, kv_caches: list[torch.Tensor]) -> None:
-        """Capture every bucket on `kv_caches`, largest first: all graphs share one memory pool,
-        and the smaller ones fit into what the largest one left. The buffers hold padding rows
-        only, so capturing writes nothing into the cache."""
+        """Largest first, so the smaller graphs fit into the shared pool the largest left; the
+        buffers hold only padding, so capturing writes nothing into the cache."""
         pool = torch.cuda.graph_pool_handle()
         for batch_size in reversed(self.batch_sizes):
             # an eager run first: Triton compiles and cuBLAS sets up outside the capture
@@ -187,14 +164,12 @@ class DecodeGraphs:
 
     def batch_size_for(self, model_input: ModelInput,
                        kv_caches: list[torch.Tensor]) -> int | None:
-        """The bucket this step replays in, or None to run it eagerly."""
         if kv_caches is not self.kv_caches:
             return None
         return decode_batch_size(model_input.meta, self.batch_sizes, self.max_seq_len)
 
     def replay(self, model_input: ModelInput, batch_size: int) -> torch.Tensor:
-        """Hidden states of the step's rows, [num_tokens, hidden]: a view of the graph's output,
-        valid until the next replay."""
+        """[num_tokens, hidden]: a view of the graph's output, valid until the next replay."""
         self.buffers.load(model_input, batch_size)
         self.graphs[batch_size].replay()
         self.num_replays += 1
@@ -204,9 +179,8 @@ class DecodeGraphs:
 @torch.inference_mode()
 def graph_memory_bytes(model: nn.Module, spec: KVCacheSpec, batch_sizes: list[int],
                        max_seq_len: int, device: torch.device) -> int:
-    """What capturing `batch_sizes` will hold on the device, measured before the cache exists:
-    the peak of one eager padded forward at the largest bucket (the shared pool's size, since
-    the smaller graphs reuse it), every graph's output, and the headroom above."""
+    """Device bytes the graphs will hold: one eager forward's peak at the largest bucket (the
+    shared pool), every graph's output, and the headroom."""
     largest = max(batch_sizes)
     graphs = DecodeGraphs(model, batch_sizes, max_seq_len, spec.block_size, device)
     kv_caches = allocate_kv_caches(spec, 1, device)  # padding rows read block 0 only
