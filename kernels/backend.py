@@ -1,6 +1,4 @@
-"""The kernel seam. A backend is a module with the four ops of `kernels.ref` and their
-signatures; the worker picks one explicitly by name and imports it lazily, never at import time.
-"""
+"""A backend is a module with the four ops of `kernels.ref`, imported lazily by name."""
 
 from __future__ import annotations
 
@@ -11,7 +9,6 @@ from types import ModuleType
 
 import torch
 
-# name → module implementing write_kv, paged_attention, swap_blocks, copy_blocks
 BACKEND_MODULES = {
     "ref": "pagedserve.kernels.ref",
     "torch": "pagedserve.kernels.torch_ops",
@@ -25,8 +22,7 @@ def flash_attn_available() -> bool:
 
 
 def available_backends(device: torch.device) -> list[str]:
-    """Backends that can run on `device` in this process. Triton needs CUDA, or its interpreter
-    (`TRITON_INTERPRET=1`) for CPU tensors; flash_attn needs the package and CUDA."""
+    """Triton runs on CPU tensors only under `TRITON_INTERPRET=1`."""
     names = ["ref", "torch"]
     has_triton = importlib.util.find_spec("triton") is not None
     if has_triton and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):

@@ -1,15 +1,7 @@
 """flash-attn backend: FlashAttention-2's paged kernels where they apply, Triton elsewhere.
-
-Prefill chunks go to `flash_attn_varlen_func(..., block_table=...)` (bottom-right causal, so a
-chunk after cached context attends correctly), decodes to `flash_attn_with_kvcache(...,
-cache_seqlens=..., block_table=...)`. Both read the cache in our layout
-[num_blocks, block_size, num_kv_heads, head_size], but flash-attn 2.x only pages a cache whose
-block size is a multiple of 256, only in fp16/bf16 and only for head sizes up to 256 in steps of
-8. Any other cache falls back to the Triton kernels, which have none of these limits. Writing
-K/V and the block copies are the Triton backend's.
-
-Imported only when the `flash_attn` backend is chosen (it needs the flash_attn package and CUDA).
-"""
+flash-attn 2.x pages only caches whose block size is a multiple of 256, in fp16/bf16, with head
+sizes up to 256 in steps of 8; its causal mask is bottom-right, so chunks after cached context
+attend correctly."""
 
 from __future__ import annotations
 
@@ -51,7 +43,7 @@ def _log_fallback(reason: str) -> None:
 
 
 def _cu_seqlens_k(meta: AttentionMetadata) -> torch.Tensor:
-    """[num_prefills + 1] int32 cumulative context lengths of the prefill sequences."""
+    """[num_prefills + 1] int32"""
     cu_seqlens_k = meta.derived.get(_DERIVED_KEY)
     if cu_seqlens_k is None:
         seq_lens = meta.seq_lens[:meta.num_prefills]
@@ -63,7 +55,6 @@ def _cu_seqlens_k(meta: AttentionMetadata) -> torch.Tensor:
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Same contract as `kernels.ref.paged_attention`."""
     reason = unsupported_reason(query, k_cache)
     if reason is not None:
         _log_fallback(reason)

@@ -1,10 +1,6 @@
-"""AttentionMetadata: how a flattened batch maps onto the paged KV cache.
-
-The batch is the concatenation of every scheduled sequence's new tokens, prefill chunks first,
-then decode tokens (one each). Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1];
-those tokens sit at positions seq_lens[i] - query_len_i … seq_lens[i] - 1 of the sequence, and
-attend causally to every earlier position through the sequence's block table.
-"""
+"""AttentionMetadata: how a flattened batch (prefill chunks first, then one token per decode)
+maps onto the paged KV cache. Sequence i's query rows query_start_loc[i]:query_start_loc[i+1] sit
+at its last query_len_i positions, up to seq_lens[i] - 1."""
 
 from __future__ import annotations
 
@@ -25,9 +21,8 @@ class AttentionMetadata:
     num_prefill_tokens: int
     query_lens_cpu: list[int]  # host copies, so backends never sync to read shapes
     seq_lens_cpu: list[int]
-    # Per-step tensors a backend derives from the fields above (gather indices, masks, launch
-    # plans): built by the first layer's call and reused by every later layer of the same step.
-    # Valid because a metadata object describes one step and is not mutated after it is built.
+    # Backend plans built by the first layer and reused by the rest: valid because a metadata
+    # object describes one step and is never mutated.
     derived: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property

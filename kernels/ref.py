@@ -1,5 +1,4 @@
-"""Readable torch references for every kernel op. Every fast backend has the same signatures and
-is tested against these. Shapes:
+"""Readable references every fast backend matches in signature and is tested against. Shapes:
   key, value:   [num_tokens, num_kv_heads, head_size]
   query, out:   [num_tokens, num_heads, head_size]
   k/v_cache:    [num_blocks, block_size, num_kv_heads, head_size]   (one layer's K or V)
@@ -15,7 +14,7 @@ from pagedserve.kernels.metadata import AttentionMetadata
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store each token's K/V at its slot (block * block_size + offset); slot -1 is skipped."""
+    """Slot -1 is skipped."""
     block_size = k_cache.shape[1]
     for i, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
@@ -26,7 +25,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """A sequence's first seq_len cached rows: [seq_len, num_kv_heads, head_size]."""
+    """[seq_len, num_kv_heads, head_size]"""
     block_size = cache.shape[1]
     num_blocks = cdiv(seq_len, block_size)
     blocks = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, kv_heads, head]
@@ -35,12 +34,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention of a flattened batch (prefill chunks and decodes) against the paged cache.
-
-    The new tokens' K/V must already be written to the cache. Each query row at sequence
-    position p attends to positions 0..p of its own sequence (causal within the chunk, full over
-    the cached context). GQA: query head h reads KV head h // (num_heads // num_kv_heads).
-    """
+    """The new tokens' K/V must already be in the cache; a query at position p sees 0..p."""
     out = torch.empty_like(query)
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -62,16 +56,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    """Copy whole blocks between two caches of one layer (device ↔ CPU).
-
-    src, dst: [2, num_blocks, block_size, num_kv_heads, head_size]; block_mapping: [n, 2] (src, dst).
-    """
+    """block_mapping: [n, 2] (src, dst)"""
     for s, d in block_mapping.tolist():
         dst[:, d].copy_(src[:, s])
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
-    """Copy-on-write: duplicate blocks inside each layer's cache. block_mapping: [n, 2] (src, dst)."""
+    """block_mapping: [n, 2] (src, dst)"""
     for s, d in block_mapping.tolist():
         for kv_cache in kv_caches:
             kv_cache[:, d].copy_(kv_cache[:, s])

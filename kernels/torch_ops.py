@@ -1,15 +1,6 @@
-"""Vectorized torch backend: the default on CPU, and the baseline the GPU kernels are measured against.
-
-Every op is a handful of tensor ops with no per-sequence Python loop. Paged attention gathers each
-sequence's K/V through its block table whole blocks at a time (one index op per cache over
-[num_blocks, block_size * num_kv_heads * head_size] rows) into a padded token-major buffer, and
-hands a [num_seqs, num_kv_heads, max_seq_len, head_size] view of it to
-scaled_dot_product_attention. Prefill chunks and decode tokens run as two batched calls; a mask
-(bottom-right causal + padding) is built only where the lengths call for one: fresh prompts of
-one length run plain causal, decodes of one length unmasked. The index tensors, masks and gather
-buffers depend only on the step's metadata, so the first layer builds them and the rest reuse
-them (`meta.derived`).
-"""
+"""Vectorized torch backend: the default on CPU and the baseline for the GPU kernels. Prefills
+and decodes run as two batched SDPA calls over K/V gathered whole blocks at a time; a mask is built
+only where lengths differ, once per step (`meta.derived`)."""
 
 from __future__ import annotations
 
@@ -25,24 +16,20 @@ _DERIVED_KEY = "torch"
 
 @dataclass(slots=True)
 class KVGather:
-    """Gathers sequences' K/V through their block tables, whole blocks at a time, into buffers
-    that every layer of the step reuses (a fresh 10+ MB tensor per layer costs page faults on CPU)."""
+    """Reused by every layer of the step: a fresh 10+ MB tensor per layer costs page faults on CPU."""
 
     block_ids: torch.Tensor  # [num_seqs * num_blocks] int64: block table entries, row-major
     num_seqs: int
     max_seq_len: int
-    # Rows of the gathered [num_seqs * num_blocks * block_size, num_kv_heads * head_size] grid
-    # whose position is at or past its sequence's length but below max_seq_len: zeroed after each
-    # gather, as they hold unwritten slots or block table padding (NaN there would leak through
-    # the masked softmax as 0 * NaN). None when every sequence has length max_seq_len.
+    # Gathered rows past their sequence's length, zeroed after each gather: stale NaN there
+    # would leak through the masked softmax as 0 * NaN. None when all lengths are equal.
     pad_rows: torch.Tensor | None
     k_out: torch.Tensor  # [num_seqs * num_blocks, block_size * num_kv_heads * head_size]
     v_out: torch.Tensor
 
     def gather(self, k_cache: torch.Tensor,
                v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V as [num_seqs, num_kv_heads, max_seq_len, head_size] views of token-major
-        buffers (head_size contiguous, which SDPA reads in place)."""
+        """[num_seqs, num_kv_heads, max_seq_len, head_size] views SDPA reads in place."""
         num_blocks, block_size, num_kv_heads, head_size = k_cache.shape
         k = torch.index_select(k_cache.view(num_blocks, -1), 0, self.block_ids, out=self.k_out)
         v = torch.index_select(v_cache.view(num_blocks, -1), 0, self.block_ids, out=self.v_out)
@@ -56,12 +43,9 @@ class KVGather:
 
 @dataclass(slots=True)
 class PrefillPlan:
-    """How the prefill sequences map onto padded [num_prefills, max_query_len | max_seq_len] grids."""
-
     kv: KVGather
     max_query_len: int
-    attn_mask: torch.Tensor | None  # [num_prefills, 1, max_query_len, max_seq_len] additive,
-    #                                  None = causal
+    attn_mask: torch.Tensor | None  # [num_prefills, 1, max_query_len, max_seq_len]; None = causal
     token_rows: torch.Tensor | None  # [num_prefill_tokens] row in the padded query grid, None = unpadded
     padded_query: torch.Tensor | None  # [num_prefills * max_query_len, num_heads, head_size]
 
@@ -69,8 +53,7 @@ class PrefillPlan:
 @dataclass(slots=True)
 class DecodePlan:
     kv: KVGather
-    attn_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_seq_len] additive: -inf at key
-    #                                  positions >= seq_len; None when all lengths are equal
+    attn_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_seq_len]; None when lengths are equal
 
 
 @dataclass(slots=True)
@@ -80,7 +63,6 @@ class AttentionPlan:
 
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """The flat [num_blocks * block_size, ...] views every op takes need contiguous caches."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache/v_cache must be [num_blocks, block_size, num_kv_heads, head_size] "
                          f"and equal, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -90,7 +72,6 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter each token's K/V to its slot; slot -1 is skipped."""
     check_cache_pair(k_cache, v_cache)
     num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
     k_flat = k_cache.view(-1, num_kv_heads, head_size)  # [num_blocks * block_size, kv_heads, head]
@@ -111,7 +92,7 @@ def _kv_gather(block_tables: torch.Tensor, seq_lens_cpu: list[int],
     block_ids = block_tables[:, :num_blocks].flatten().long()  # [num_seqs * num_blocks]
     pad_rows = None
     if any(s != max_seq_len for s in seq_lens_cpu):
-        # From the host lengths, so that no device tensor is read back.
+        # From the host lengths: no device readback.
         pos = torch.arange(max_seq_len)
         is_pad = pos >= torch.tensor(seq_lens_cpu).unsqueeze(1)  # [num_seqs, max_seq_len]
         seq_starts = torch.arange(num_seqs).unsqueeze(1) * (num_blocks * block_size)
@@ -123,8 +104,7 @@ def _kv_gather(block_tables: torch.Tensor, seq_lens_cpu: list[int],
 
 
 def _additive_mask(is_attended: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where attended, -inf elsewhere: SDPA turns a bool mask into this on every call, the plan
-    once per step."""
+    """SDPA converts a bool mask on every call; the plan converts once per step."""
     mask = torch.zeros(is_attended.shape, dtype=dtype, device=is_attended.device)
     return mask.masked_fill_(~is_attended, float("-inf"))
 
@@ -139,15 +119,14 @@ def _prefill_plan(meta: AttentionMetadata, query: torch.Tensor,
     kv = _kv_gather(meta.block_tables[:num_prefills], seq_lens_cpu, k_cache)
     is_uniform = all(q == max_query_len for q in query_lens)
     if is_uniform and all(s == max_query_len for s in seq_lens_cpu):
-        # Fresh prompts of one length: the query covers the whole context, plain causal attention.
+        # Fresh prompts of one length: plain causal attention.
         return PrefillPlan(kv, max_query_len, None, None, None)
 
     starts = meta.query_start_loc[:num_prefills + 1].long()
     query_lens_t = starts[1:] - starts[:-1]  # [num_prefills]
     context_lens = seq_lens - query_lens_t
     q_idx = torch.arange(max_query_len, device=starts.device)
-    # Bottom-right causal: query i of a sequence sits at position context_len + i. Padding rows
-    # are clamped to the last position so they see valid keys (their output is dropped).
+    # Bottom-right causal; padding rows clamp to the last position so they see valid keys.
     q_pos = torch.minimum(context_lens.unsqueeze(1) + q_idx, seq_lens.unsqueeze(1) - 1)
     k_pos = torch.arange(max_seq_len, device=starts.device)
     attn_mask = _additive_mask((k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1),
@@ -181,7 +160,6 @@ def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> DecodePlan:
 
 def attention_plan(meta: AttentionMetadata, query: torch.Tensor,
                    k_cache: torch.Tensor) -> AttentionPlan:
-    """The step's gather indices, masks and buffers, built by the first layer, reused by the rest."""
     plan = meta.derived.get(_DERIVED_KEY)
     if plan is None:
         plan = AttentionPlan(
@@ -210,8 +188,7 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                       plan: DecodePlan, scale: float) -> torch.Tensor:
     num_decodes, num_heads, head_size = query.shape
     k, v = plan.kv.gather(k_cache, v_cache)  # [num_decodes, kv_heads, max_seq_len, head]
-    # One query row per head: the heads of a GQA group become the "query length" of their KV
-    # head, so no KV expansion is needed and the mask broadcasts over them.
+    # A GQA group's heads become the "query length" of their KV head: no KV expansion.
     q = query.view(num_decodes, k.shape[1], num_heads // k.shape[1], head_size)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.attn_mask, scale=scale)
     return out.reshape(num_decodes, num_heads, head_size)
@@ -219,7 +196,6 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Same contract as `kernels.ref.paged_attention`: query [num_tokens, num_heads, head_size]."""
     check_cache_pair(k_cache, v_cache)
     num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
     if query.shape[1] % num_kv_heads or query.shape[2] != head_size:
@@ -229,25 +205,21 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     query = query.to(k_cache.dtype)
     plan = attention_plan(meta, query, k_cache)
     num_prefill_tokens = meta.num_prefill_tokens
-    outs = []  # prefill rows, then decode rows
+    outs = []
     if plan.prefill is not None:
         outs.append(_prefill_attention(
             query[:num_prefill_tokens], k_cache, v_cache, plan.prefill, meta.num_prefills, scale))
     if plan.decode is not None:
         outs.append(_decode_attention(
             query[num_prefill_tokens:], k_cache, v_cache, plan.decode, scale))
-    if not outs:  # an empty batch
+    if not outs:
         return torch.empty_like(query, dtype=out_dtype)
     return (outs[0] if len(outs) == 1 else torch.cat(outs)).to(out_dtype)
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    """Copy whole blocks of one layer between devices: one gather, one transfer, one scatter.
-
-    src, dst: [2, num_blocks, block_size, num_kv_heads, head_size]; block_mapping: [n, 2].
-    Device → host waits for the transfer, because the host scatter reads it right away; host →
-    device goes through pinned memory without blocking, ordered on the device's stream.
-    """
+    """Device → host blocks, as the host scatter reads the result at once; host → device goes
+    through pinned memory without blocking, ordered on the device's stream."""
     if block_mapping.numel() == 0:
         return
     mapping = block_mapping.to("cpu", torch.long)
@@ -263,11 +235,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
-    """Copy-on-write inside each layer: one gather and one scatter per layer.
-
-    Destinations are fresh blocks and never sources, so a gather-then-scatter equals the
-    reference's pair-by-pair copies.
-    """
+    """Destinations are fresh blocks, never sources, so gather-then-scatter equals pairwise copies."""
     if block_mapping.numel() == 0 or not kv_caches:
         return
     mapping = block_mapping.to(kv_caches[0].device, torch.long)

@@ -1,12 +1,6 @@
-"""Triton backend: the four ops of `kernels.ref` on Triton kernels (kernels/triton/*).
-
-The wrappers check shapes and strides and hold the launch policy; the kernels hold none. On a CPU
-machine the kernels run under `TRITON_INTERPRET=1` on CPU tensors (set before this module is
-imported: Triton reads it when the kernels are decorated).
-
-swap_blocks moves blocks between the GPU and host memory, which no single kernel can address
-portably, so it is the torch backend's one gather + one transfer + one scatter per layer.
-"""
+"""Triton backend: the wrappers check shapes and hold the launch policy, the kernels hold none.
+On CPU, `TRITON_INTERPRET=1` must be set before import (Triton reads it at decoration). swap_blocks
+is the torch backend's: no single kernel can address both GPU and host memory portably."""
 
 from __future__ import annotations
 
@@ -34,14 +28,9 @@ DECODE_PARTITION_SIZE = 512
 
 @dataclass(slots=True)
 class LaunchPlan:
-    """The step's launch geometry, the same for every layer.
-
-    It is derived from the metadata's host fields only, and CUDA-graph capture
-    (pagedserve.worker_svc.cuda_graphs) sets those to upper bounds: one geometry then serves every replay.
-    So the kernels must stay correct for any real lengths up to the host values: they read
-    seq_lens and query_start_loc on the device, and a program past its sequence's query or
-    context returns without writing (the reduce kernel merges only the partitions a sequence has).
-    """
+    """Derived from host fields only, which CUDA-graph capture sets to upper bounds. So the
+    kernels must be correct for any real lengths up to those: they read lengths on the device,
+    and a program past its sequence's query or context returns without writing."""
 
     num_unified_seqs: int  # sequences the unified kernel covers (all, or only the prefills)
     max_unified_query_len: int
@@ -92,7 +81,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Same contract as `kernels.ref.paged_attention`."""
     check_cache_pair(k_cache, v_cache)
     block_size, num_kv_heads, head_size = k_cache.shape[1:]
     num_heads = query.shape[1]
@@ -146,7 +134,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
-    """Copy-on-write in every layer with one launch: programs (pair, layer, K or V)."""
+    """One launch for all layers: programs (pair, layer, K or V)."""
     if block_mapping.numel() == 0 or not kv_caches:
         return
     first = kv_caches[0]

@@ -1,14 +1,7 @@
-"""Triton paged attention: a unified kernel for prefill chunks and decodes, and a split-KV
-(flash-decoding) pair of kernels for decodes over long contexts.
-
-Both read K/V through the block table one tile of TILE_N key positions at a time; a tile may span
-several cache blocks (block_size 8 with TILE_N 32), so each key position looks up its own block.
-Softmax is online (running max m, running sum l, rescaled accumulator) in fp32.
-
-GQA: the NUM_QUERIES_PER_KV query heads of one KV head are handled by the same program, as extra
-rows of the query tile, so each K/V tile is loaded once per group. Rows are laid out
-row = query_token * GROUP_P2 + head_in_group, GROUP_P2 being the group padded to a power of two.
-"""
+"""Triton paged attention: a unified kernel for prefills and decodes, and a split-KV
+(flash-decoding) pair for decodes over long contexts. A TILE_N tile may span several cache blocks,
+so each key position looks up its own block. A GQA group's heads are extra rows of one program's
+query tile (row = query_token * GROUP_P2 + head_in_group), so each K/V tile loads once per group."""
 
 from __future__ import annotations
 
@@ -25,7 +18,7 @@ def _attend_tile(
     HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Fold key positions tile_start .. tile_start + TILE_N (those < kv_end) into the softmax."""
+    """Online softmax over key positions tile_start .. tile_start + TILE_N below kv_end."""
     k_pos = tile_start + tl.arange(0, TILE_N)  # [TILE_N]
     is_key = k_pos < kv_end
     dim = tl.arange(0, HEAD_P2)
@@ -70,7 +63,7 @@ def unified_attention_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Program (sequence, query block, KV head): BLOCK_Q query tokens × the group's heads."""
+    """Program (sequence, query block, KV head)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -130,8 +123,7 @@ def decode_partition_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Program (decode, KV head, partition): attention of the group's heads over one
-    PARTITION_SIZE slice of the context; decode_reduce_kernel merges the slices."""
+    """Program (decode, KV head, partition)."""
     decode = tl.program_id(0)
     kv_head = tl.program_id(1)
     partition = tl.program_id(2)
@@ -162,7 +154,6 @@ def decode_partition_kernel(
             kv_end, kv_head, scale, stride_cache_block, stride_cache_pos, stride_cache_head,
             HEAD_SIZE, HEAD_P2, BLOCK_SIZE, TILE_N, DOT_PRECISION)
 
-    # [num_decodes, num_heads, MAX_NUM_PARTITIONS] index of (decode, head, partition)
     stat = (decode.to(tl.int64) * (tl.num_programs(1) * NUM_QUERIES_PER_KV) + head) \
         * MAX_NUM_PARTITIONS + partition  # [BLOCK_M]
     tl.store(partial_max_ptr + stat, m_i, mask=is_row)
@@ -180,8 +171,7 @@ def decode_reduce_kernel(
     MAX_NUM_PARTITIONS: tl.constexpr, PARTITIONS_P2: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, PARTITION_SIZE: tl.constexpr,
 ):
-    """Program (decode, head): merge the partitions' softmax states, each weighted by
-    l_p * exp(m_p - max_p m_p)."""
+    """Program (decode, head): partition p weighs l_p * exp(m_p - max m)."""
     decode = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + first_seq + decode)

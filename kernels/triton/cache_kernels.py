@@ -1,4 +1,4 @@
-"""Triton kernels that move K/V rows: reshape-and-cache (write_kv) and copy-on-write block copies."""
+"""Triton kernels that move K/V rows: write_kv (reshape-and-cache) and copy-on-write block copies."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def write_kv_kernel(
     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEADS_P2: tl.constexpr, HEAD_P2: tl.constexpr,
 ):
-    """One program per token: copy its [num_kv_heads, head_size] K and V rows to its slot."""
+    """One program per token."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -43,8 +43,7 @@ def copy_blocks_kernel(
     BLOCK_NUMEL: tl.constexpr,  # elements in one block of K (or V): block_size * kv_heads * head
     TILE: tl.constexpr,
 ):
-    """Program (pair, layer, K or V): copy one block. All layers share shape, dtype and device, so
-    one launch covers every pair of every layer, each layer addressed relative to layer 0."""
+    """Program (pair, layer, K or V); layers share shape, dtype and device, addressed from layer 0."""
     pair = tl.program_id(0)
     layer = tl.program_id(1)
     half = tl.program_id(2)  # 0 = K, 1 = V
