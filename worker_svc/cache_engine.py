@@ -1,14 +1,8 @@
-"""The physical KV cache of one worker: per-layer device tensors the attention kernels read and
-write, a CPU swap cache for preempted sequences, and the block moves between them.
+"""The worker's KV cache: per-layer device tensors, a CPU swap cache, and block moves.
 
-On CUDA the swap cache is pinned and swaps are asynchronous copies on a side stream: the host
-queues them and moves on. Their order against the compute stream is fixed at both ends: a swap
-starts after everything already queued for compute (the forwards that wrote the blocks it reads,
-or still read the blocks it overwrites), and compute queued after a swap (block copies, the
-forward, the next step) waits for it, so swapped-in blocks are complete before any layer reads
-them and swapped-out device blocks are copied before anything may reuse them. Only the device
-reads the swap cache; host code that inspects it must synchronize first.
-"""
+On CUDA, swaps run asynchronously on a side stream, ordered at both ends against compute: a swap
+starts after everything queued before it, and compute queued after waits for it. Host code that
+inspects the swap cache must synchronize first."""
 
 from __future__ import annotations
 
@@ -32,7 +26,7 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """One block of every layer, K and V."""
+        """Across all layers, K and V."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * elem
 
@@ -42,7 +36,7 @@ class KVCacheSpec:
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device,
                        pin_memory: bool = False, zeroed: bool = True) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, num_kv_heads, head_size] tensor per layer."""
+    """Per layer: [2, num_blocks, block_size, num_kv_heads, head_size]"""
     alloc = torch.zeros if zeroed else torch.empty
     return [alloc(spec.block_shape(num_blocks), dtype=spec.dtype, device=device,
                   pin_memory=pin_memory)
@@ -58,9 +52,8 @@ class CacheEngine:
         self.device = device
         self.backend = backend
         self.gpu_cache = allocate_kv_caches(spec, num_gpu_blocks, device)
-        # pinned host memory lets swaps overlap with compute; only meaningful beside a GPU.
-        # Swap blocks are only ever read after a swap-out wrote them: no need to zero (and touch)
-        # gigabytes of host memory at start-up.
+        # Unzeroed: a swap block is only read after a swap-out wrote it, so start-up need not
+        # touch gigabytes of host memory.
         self.cpu_cache = allocate_kv_caches(spec, num_cpu_blocks, torch.device("cpu"),
                                             pin_memory=device.type == "cuda", zeroed=False)
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -107,10 +100,8 @@ class CacheEngine:
 
     def _swap_async(self, src_cache: list[torch.Tensor], dst_cache: list[torch.Tensor],
                     pairs: list[tuple[int, int]]) -> None:
-        """CUDA: copy (src block, dst block) pairs of every layer on the swap stream, ordered
-        against the compute stream as the module docstring says. One copy per layer, K or V
-        and block: each is a contiguous [block_size, num_kv_heads, head_size] slab, which keeps
-        every transfer a direct async copy between pinned host and device memory."""
+        """One copy per contiguous [block_size, num_kv_heads, head_size] slab keeps every transfer
+        a direct async copy between pinned host and device memory."""
         compute_stream = torch.cuda.current_stream(self.device)
         self.swap_stream.wait_stream(compute_stream)
         with torch.cuda.stream(self.swap_stream):
@@ -121,7 +112,7 @@ class CacheEngine:
         compute_stream.wait_stream(self.swap_stream)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """(device block, device block) pairs: copy-on-write inside every layer."""
+        """Copy-on-write (device block, device block) pairs."""
         if not pairs:
             return
         mapping = self._mapping(pairs, self.num_gpu_blocks, self.num_gpu_blocks, self.device)

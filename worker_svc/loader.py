@@ -1,9 +1,4 @@
-"""Weight loading: the HF config, a model built from it, and its weights streamed tensor by
-tensor from safetensors (or pytorch_model.bin) into the model's fused parameters.
-
-`load_format="dummy"` fills every parameter with seeded random values of the real shapes, for
-benchmarks that need no checkpoint.
-"""
+"""Weight loading: checkpoint tensors streamed one at a time into the model's fused parameters."""
 
 from __future__ import annotations
 
@@ -36,7 +31,7 @@ def load_hf_config(model_dir: str) -> transformers.PretrainedConfig:
 
 
 def eos_token_ids(model_dir: str, hf_config: transformers.PretrainedConfig) -> list[int]:
-    """EOS ids of config.json and generation_config.json together, in first-seen order."""
+    """config.json's and generation_config.json's, in first-seen order."""
     ids: list[int] = []
     sources: list[Any] = [getattr(hf_config, "eos_token_id", None)]
     gen_path = Path(model_dir) / "generation_config.json"
@@ -60,7 +55,6 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def iterate_weights(model_dir: str, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every checkpoint tensor, one file and one tensor at a time."""
     path = Path(model_dir)
     st_files = sorted(path.glob("*.safetensors"))
     bin_files = sorted(path.glob("pytorch_model*.bin"))
@@ -85,9 +79,8 @@ def iterate_weights(model_dir: str, load_format: str) -> Iterator[tuple[str, tor
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                        stacked_params_mapping: StackedParamsMapping,
                        skip_prefixes: tuple[str, ...] = ()) -> set[str]:
-    """Copy checkpoint tensors into `model`'s parameters (fused ones through their weight_loader);
-    returns the names of the parameters that received data. Names that start with one of
-    `skip_prefixes` (e.g. a tied lm_head) or that the model lacks (rotary inv_freq) are ignored."""
+    """Returns the names of the parameters that received data; `skip_prefixes` is e.g. a tied
+    lm_head."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for name, tensor in weights:
@@ -112,8 +105,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
 
 
 def _fill_dummy(model: nn.Module, seed: int) -> None:
-    """vLLM's dummy weights: uniform in [-1e-3, 1e-3], norms at 1 so activations stay sane.
-    Drawn on the parameters' device (a CPU generator would take minutes for a 7B model)."""
+    """vLLM's dummy weights, drawn on the parameters' device: a CPU generator would take minutes
+    for a 7B model."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if "norm" in name and name.endswith("weight"):
@@ -126,8 +119,6 @@ def _fill_dummy(model: nn.Module, seed: int) -> None:
 
 def load_model(model_config: ModelConfig, hf_config: transformers.PretrainedConfig,
                dtype: torch.dtype, device: torch.device, **model_kwargs: Any) -> nn.Module:
-    """Build the architecture named in config.json on `device` in `dtype` and fill its weights.
-    Every parameter must receive a value: a checkpoint that misses one is an error."""
     model_class = get_model_class(getattr(hf_config, "architectures", None) or [])
     with _default_dtype(dtype), torch.device(device):
         model = model_class(hf_config, **model_kwargs)

@@ -1,8 +1,5 @@
-"""Logits masks that follow the penalties: min_tokens, top-k, top-p and min-p (vLLM's semantics).
-
-Each works on a batch of rows at once; the sampler hands it only the rows that need it, so a
-row that asked for none of them keeps its logits bit for bit whatever else is batched with it.
-"""
+"""min_tokens, top-k, top-p and min-p masks (vLLM's semantics). The sampler passes only the rows
+that asked for one, so other rows keep their logits bit for bit."""
 
 from __future__ import annotations
 
@@ -14,7 +11,6 @@ def mask_tokens(
     rows: list[int],
     token_ids: list[int],  # rows[i] loses token_ids[i]
 ) -> torch.Tensor:
-    """Sets logits[rows[i], token_ids[i]] to -inf (min_tokens hides EOS and stop ids)."""
     if rows:
         row_index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         token_index = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
@@ -27,11 +23,7 @@ def apply_top_k(
     top_k: torch.Tensor,  # [num_rows] long in [1, max_top_k]
     max_top_k: int,
 ) -> torch.Tensor:
-    """Masks everything below each row's k-th largest logit (ties with it stay).
-
-    The same result as `apply_top_k_top_p` with top_p = 1, from a partial top-k instead of a full
-    sort, which is much cheaper for the usual small k.
-    """
+    """`apply_top_k_top_p` with top_p = 1 by a partial top-k: much cheaper than a sort for small k."""
     top_values = logits.topk(max_top_k, dim=-1).values  # [num_rows, max_top_k], descending
     kth_value = top_values.gather(1, (top_k - 1).unsqueeze(1))  # [num_rows, 1]
     return logits.masked_fill_(logits < kth_value, float("-inf"))
@@ -42,12 +34,7 @@ def apply_top_k_top_p(
     top_k: torch.Tensor,  # [num_rows] long in [1, vocab_size]; vocab_size = off
     top_p: torch.Tensor,  # [num_rows] float in (0, 1]; 1 = off
 ) -> torch.Tensor:
-    """Returns logits with everything outside top-k, then outside top-p, set to -inf.
-
-    One ascending sort serves both. top-k keeps ties with the k-th value; top-p is measured on the
-    distribution renormalised after top-k and keeps the smallest set of the most probable tokens
-    whose mass reaches p (at least one token).
-    """
+    """top-k keeps ties with the k-th value; top-p is measured after top-k renormalises."""
     vocab_size = logits.shape[1]
     logits_sort, logits_idx = logits.sort(dim=-1, descending=False)  # [num_rows, vocab_size]
     kth_value = logits_sort.gather(1, (vocab_size - top_k).unsqueeze(1))  # [num_rows, 1]
@@ -66,7 +53,6 @@ def apply_min_p(
     logits: torch.Tensor,  # [num_rows, vocab_size], modified in place
     min_p: torch.Tensor,  # [num_rows] float in [0, 1]
 ) -> torch.Tensor:
-    """Masks tokens whose probability is below min_p × the most probable token's probability."""
     probs = logits.softmax(dim=-1)  # [num_rows, vocab_size]
     threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [num_rows, 1]
     return logits.masked_fill_(probs < threshold, float("-inf"))

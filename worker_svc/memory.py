@@ -1,17 +1,7 @@
-"""How many KV blocks fit (vLLM's determine_num_available_blocks).
-
-On CUDA: a dummy forward at the largest step the scheduler may send (max_num_batched_tokens
-split over max_num_seqs sequences) measures the activation peak; the KV cache gets what remains
-of gpu_memory_utilization × total memory after weights, that peak and memory torch does not own
-(the CUDA context, other processes). On CPU there is nothing to fill: the budget is
-CacheConfig.kv_cache_memory_gib. Swap blocks come from swap_space_gib; overrides win.
-
-CUDA graphs are captured after the cache is allocated (WarmUp follows InitCache), so their memory
-is reserved here, before the cache takes the rest: `cuda_graphs.graph_memory_bytes` measures one
-eager padded decode forward at the largest bucket (the size of the pool the graphs share) and
-adds every graph's output plus a fixed headroom (64 MiB once, 2 MiB per graph) for what it cannot
-measure before capturing: the capture stream's cuBLAS workspace and the instantiated graphs.
-"""
+"""How many KV blocks fit (vLLM's determine_num_available_blocks). On CUDA the cache gets what
+gpu_memory_utilization leaves after weights, the largest step's activation peak, memory torch does
+not own, and the CUDA graphs: they are captured after the cache is allocated, so their memory is
+reserved here. On CPU the budget is kv_cache_memory_gib."""
 
 from __future__ import annotations
 
@@ -31,8 +21,6 @@ logger = logging.getLogger(__name__)
 
 
 def profile_query_lens(scheduler_config: SchedulerConfig, max_model_len: int) -> list[int]:
-    """max_num_batched_tokens split over max_num_seqs prompts, the remainder on the first, none
-    longer than max_model_len."""
     num_tokens = scheduler_config.max_num_batched_tokens
     num_seqs = min(scheduler_config.max_num_seqs, num_tokens)
     lens = [num_tokens // num_seqs] * num_seqs
@@ -46,7 +34,7 @@ def weights_bytes(model: nn.Module) -> int:
 
 def _profile_cuda(runner: ModelRunner, spec: KVCacheSpec, query_lens: list[int],
                   device: torch.device) -> int:
-    """Activation peak of the largest step, in bytes (the dummy run's own KV blocks excluded)."""
+    """Bytes, the dummy run's own KV blocks excluded."""
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -66,8 +54,7 @@ def profile_memory(runner: ModelRunner, model: nn.Module, spec: KVCacheSpec,
                    max_model_len: int, device: torch.device,
                    graph_batch_sizes: list[int] | None = None,
                    graph_max_seq_len: int = 0) -> MemoryProfile:
-    """graph_batch_sizes: the decode CUDA graphs WarmUp will capture (none: nothing to reserve),
-    for sequences up to graph_max_seq_len tokens."""
+    """graph_batch_sizes: the decode CUDA graphs WarmUp will capture."""
     bytes_per_block = spec.bytes_per_block
     model_bytes = weights_bytes(model)
     activations = graphs = 0

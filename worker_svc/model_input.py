@@ -1,9 +1,4 @@
-"""One step's flattened batch: every scheduled sequence's new tokens concatenated (prefill chunks
-first, then decodes), their positions and cache slots, the attention metadata, and which hidden
-rows need logits.
-
-Built with numpy over whole arrays: the Python work per step is per sequence, never per token.
-"""
+"""One step's flattened batch, built with numpy: Python work is per sequence, never per token."""
 
 from __future__ import annotations
 
@@ -30,7 +25,7 @@ class ModelInput:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
-    # hidden rows to compute logits at: the sampled sequences' last rows, then prompt-logprob rows
+    # the sampled sequences' last rows, then prompt-logprob rows
     logits_indices: torch.Tensor  # [num_logits_rows] int64
     sample_seqs: list[CachedSequence]  # logits row i ↔ sample_seqs[i]
     prompt_logprob_spans: list[PromptLogprobSpan]
@@ -50,7 +45,7 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch.device
                       ) -> ModelInput:
-    """seqs: this step's sequences, prefills first, each with num_scheduled_tokens set."""
+    """seqs: prefills first."""
     num_seqs = len(seqs)
     query_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int64, num_seqs)
     context_lens = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
@@ -65,7 +60,6 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
         nc = seq.num_computed_tokens
         input_ids[start:end] = seq.token_ids[nc:nc + end - start]
 
-    # position of every token: its index in the batch, shifted to its sequence's context
     seq_index = np.repeat(np.arange(num_seqs), query_lens)  # [num_tokens]
     positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - context_lens, query_lens)
 
@@ -98,8 +92,7 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
     for i, seq in enumerate(seqs):
         if not seq.wants_prompt_logprobs:
             continue
-        # logits at position p predict token p + 1: this chunk's positions that predict a
-        # prompt token are [nc, min(nc + q, prompt_len - 1))
+        # logits at position p predict token p + 1, so the last prompt position predicts none
         nc = seq.num_computed_tokens
         count = min(nc + seq.num_scheduled_tokens, seq.prompt_len - 1) - nc
         spans.append(PromptLogprobSpan(seq, len(logits_indices),

@@ -1,19 +1,7 @@
-"""Tensor parallelism across worker processes, one rank each (a GPU with NCCL; gloo on CPU).
-
-Megatron-style: attention heads and MLP columns are split across the ranks, and each block's
-output projection ends in one all-reduce (layers/linear.py: ColumnParallelLinear,
-RowParallelLinear), so every rank holds the same hidden states after each block. Embeddings and
-the LM head are split by vocabulary rows (VocabEmbedding): an all-reduce after the lookup, and
-rank 0 gathers the logits. Each rank keeps the KV cache of its own heads. Only rank 0 samples;
-it broadcasts the sampled token ids, so every rank's mirror appends the same tokens (the
-scheduler reads rank 0's StepResult).
-
-The ranks meet at `ParallelConfig.distributed_init_address` (rank 0 listens there) when they load
-the model, so they start together. A group cannot take a restarted rank back, so a rank whose
-collective fails (a peer died) exits the process with GROUP_BROKEN_EXIT_CODE: every rank then
-restarts (Kubernetes, `pagedserve serve`), they meet again, and the scheduler rebuilds them as
-after any worker restart.
-"""
+"""Megatron-style tensor parallelism, one worker process per rank (NCCL on GPU, gloo on CPU).
+Only rank 0 samples and broadcasts the token ids, so every rank's mirror appends the same tokens.
+A group cannot take a restarted rank back, so a failed collective exits with
+GROUP_BROKEN_EXIT_CODE: every rank restarts and they meet again."""
 
 from __future__ import annotations
 
@@ -39,14 +27,13 @@ class TensorParallel:
     size: int = 1
 
     def shard(self, total: int, what: str) -> int:
-        """This rank's share of `total` (heads, features): an even split or an error."""
         if total % self.size:
             raise ConfigError(f"{what}={total} is not divisible by tensor_parallel_size="
                               f"{self.size}")
         return total // self.size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place."""
+        """In place."""
         if self.size > 1:
             self._collective(dist.all_reduce, x)
         return x
@@ -61,8 +48,7 @@ class TensorParallel:
             os._exit(GROUP_BROKEN_EXIT_CODE)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The ranks' `x` concatenated along the last dim, in rank order, on rank 0 (None on
-        the others); every rank's `x` has the same shape."""
+        """Concatenated along the last dim on rank 0; None on the others."""
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
@@ -71,9 +57,7 @@ class TensorParallel:
 
     def broadcast_samples(self, sampled: list[SampledSequence], seq_ids: list[int],
                           device: torch.device) -> list[SampledSequence]:
-        """Rank 0's sampled token ids for `seq_ids` (the sequences that sampled this step, in
-        the same order on every rank), on every rank; the other ranks pass an empty `sampled`
-        and get entries without logprobs."""
+        """`seq_ids` must be in the same order on every rank; the others get no logprobs."""
         if self.size == 1 or not seq_ids:
             return sampled
         counts = torch.zeros(len(seq_ids), dtype=torch.int64)
@@ -104,8 +88,7 @@ SINGLE = TensorParallel()
 
 def init_tensor_parallel(rank: int, size: int, init_address: str, device: torch.device,
                          timeout_s: float) -> TensorParallel:
-    """Join the tensor-parallel group (blocks until every rank has joined, up to `timeout_s`,
-    which also bounds every collective later); SINGLE without tensor parallelism."""
+    """Blocks until every rank has joined; `timeout_s` also bounds every later collective."""
     if size == 1:
         return SINGLE
     if not 0 <= rank < size:
@@ -125,6 +108,6 @@ def init_tensor_parallel(rank: int, size: int, init_address: str, device: torch.
 
 
 def leave_tensor_parallel() -> None:
-    """Leave the group before the process exits (its threads would otherwise abort the exit)."""
+    """Before the process exits: the group's threads would otherwise abort the exit."""
     if dist.is_initialized():
         dist.destroy_process_group()

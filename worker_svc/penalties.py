@@ -1,9 +1,5 @@
-"""Repetition, frequency and presence penalties (vLLM's semantics), vectorized over a batch.
-
-Token counts are built from one flattened id tensor with `scatter_add_`, never with per-token
-Python loops and never with a device→host sync, so the caller only pays for them when some
-sequence in the batch uses a penalty.
-"""
+"""Repetition, frequency and presence penalties (vLLM's semantics), counted with one
+`scatter_add_` over the flattened ids: no per-token loop, no device→host sync."""
 
 from __future__ import annotations
 
@@ -20,12 +16,7 @@ def apply_penalties(
     frequency_penalties: list[float],
     presence_penalties: list[float],
 ) -> torch.Tensor:
-    """Penalises `logits` in place and returns it.
-
-    repetition: tokens seen in the prompt or the output get logit / p when positive, logit * p
-    otherwise. frequency / presence: subtract penalty × count (resp. × [count > 0]) of the token
-    in the OUTPUT only.
-    """
+    """Repetition counts prompt and output tokens; frequency and presence count the output only."""
     num_rows, vocab_size = logits.shape
     device = logits.device
     seq_lens = [len(ids) for ids in token_ids]
@@ -39,7 +30,6 @@ def apply_penalties(
     is_output = (positions >= prompt_lens_t[row_of]).to(torch.float32)  # [num_tokens]
     flat_keys = row_of * vocab_size + flat_ids  # [num_tokens]
 
-    # [num_rows, vocab_size]: occurrences anywhere, and occurrences in the output
     seen_counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
     seen_counts.scatter_add_(0, flat_keys, torch.ones_like(is_output))
     output_counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)

@@ -1,14 +1,6 @@
-"""The worker's sampler: logits at each sequence's last position → sampled token ids + logprobs.
-
-Order (vLLM's): penalties on the raw logits → min_tokens mask → temperature → top-k / top-p →
-min-p. The result is the "processed logits"; logprobs are their log_softmax. Greedy rows (beam
-search included) skip temperature and the top-k / top-p / min-p masks.
-
-Random rows sample with the exponential race, argmax(probs / Exponential(1)), which needs no
-host sync. A seeded row draws its noise from a generator re-seeded from (seed, number of tokens)
-every step, so its tokens depend on nothing else in the batch and survive the worker forgetting
-the sequence (preemption). Unseeded rows share one draw from the global RNG.
-"""
+"""Sampler. vLLM's order: penalties → min_tokens → temperature → top-k/top-p → min-p; logprobs
+are of the processed logits. Random rows race argmax(probs / Exponential(1)), with no host sync; a
+seeded row's noise comes from (seed, length) alone, so it survives batching and preemption."""
 
 from __future__ import annotations
 
@@ -33,8 +25,6 @@ _PROMPT_LOGPROBS_CHUNK = 1024  # rows per log_softmax, bounds the extra memory o
 
 @dataclass(slots=True)
 class SeqSamplingState:
-    """One sequence that samples this step."""
-
     seq_id: int
     sampling: SamplingParams
     token_ids: list[int]  # prompt + outputs so far (before this step's sample)
@@ -55,11 +45,8 @@ def _splitmix64(x: int) -> int:
 
 
 def step_seed(seed: int, num_tokens: int) -> int:
-    """The generator seed of a seeded sequence at a given length.
-
-    Hashed rather than seed + num_tokens, so that sibling sequences whose seeds differ by one do
-    not replay each other's noise one step apart. 63 bits: every torch generator accepts it.
-    """
+    """Hashed, not seed + num_tokens, so siblings whose seeds differ by one do not replay each
+    other's noise one step apart. 63 bits: every torch generator accepts it."""
     return _splitmix64(_splitmix64(seed & _MASK_64) ^ num_tokens) >> 1
 
 
@@ -70,7 +57,6 @@ def _has_penalty(sampling: SamplingParams) -> bool:
 
 def _on_rows(logits: torch.Tensor, rows: list[int],
              fn: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
-    """Applies fn to logits[rows] only (the whole tensor when rows is every row)."""
     if len(rows) == logits.shape[0]:
         return fn(logits, rows)
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
@@ -149,10 +135,6 @@ class Sampler:
                                  f"[0, {len(s.token_ids)}]")
 
     def _process(self, logits: torch.Tensor, seqs: list[SeqSamplingState]) -> torch.Tensor:
-        """Penalties, min_tokens, temperature, top-k / top-p, min-p → processed logits.
-
-        Returns `logits` itself (no copy) when no row needs any of them.
-        """
         penalty_rows = [i for i, s in enumerate(seqs) if _has_penalty(s.sampling)]
         mask_rows, mask_ids = [], []
         for i, s in enumerate(seqs):
@@ -205,7 +187,6 @@ class Sampler:
 
     def _sample_beams(self, sampled: torch.Tensor, logprobs: torch.Tensor,
                       seqs: list[SeqSamplingState], rows: list[int], offsets: list[int]) -> None:
-        """Beam rows: the num_samples most probable tokens, best first (deterministic)."""
         max_k = max(seqs[i].num_samples for i in rows)
         index = self._tensor(rows, torch.long)
         _, top_ids = logprobs[index].topk(max_k, dim=-1)  # [num_beam_rows, max_k], descending
@@ -218,7 +199,6 @@ class Sampler:
 
     def _sample_random(self, sampled: torch.Tensor, logprobs: torch.Tensor,
                        seqs: list[SeqSamplingState], rows: list[int], offsets: list[int]) -> None:
-        """Random rows: num_samples independent draws each (with replacement), exponential race."""
         # unseeded rows first, so the global RNG fills one contiguous slice in one draw
         rows = sorted(rows, key=lambda i: seqs[i].seed is not None)
         expanded = [i for i in rows for _ in range(seqs[i].num_samples)]
@@ -281,10 +261,7 @@ def prompt_logprobs(
     num_top: int,
     vocab_size: int | None = None,  # drop padded columns beyond it; None = every column
 ) -> list[list[TokenLogprob]]:
-    """Per position: [the target's logprob, then the num_top most probable tokens, best first].
-
-    Logprobs of the raw logits (no penalties or temperature), as vLLM reports prompt logprobs.
-    """
+    """Per position: the target, then the num_top best; of the raw logits, as vLLM reports them."""
     if logits.dim() != 2 or logits.shape[0] != len(target_ids):
         raise ValueError(f"logits must be [len(target_ids)={len(target_ids)}, vocab], "
                          f"got {tuple(logits.shape)}")

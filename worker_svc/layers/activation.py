@@ -1,5 +1,3 @@
-"""Activation functions of the fused MLP projections."""
-
 from __future__ import annotations
 
 import torch
@@ -8,8 +6,6 @@ from torch import nn
 
 
 class SiluAndMul(nn.Module):
-    """silu(gate) * up on the output of the fused gate_up projection."""
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, 2 * intermediate_size] → [num_tokens, intermediate_size]
         gate, up = x.chunk(2, dim=-1)

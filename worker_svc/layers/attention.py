@@ -1,6 +1,3 @@
-"""Paged attention of one layer through the kernel backend: store this step's K/V in the
-sequence blocks, then attend over each sequence's whole cached context."""
-
 from __future__ import annotations
 
 from types import ModuleType
@@ -22,9 +19,8 @@ class Attention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """query: [num_tokens, num_heads(*head_size)]; key, value: [num_tokens, num_kv_heads
-        (*head_size)]; kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size].
-        Returns [num_tokens, num_heads * head_size]."""
+        """query: [num_tokens, num_heads * head_size]; key, value: [num_tokens, num_kv_heads *
+        head_size]; kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size]."""
         num_tokens = query.shape[0]
         query = query.view(num_tokens, self.num_heads, self.head_size)
         key = key.view(num_tokens, self.num_kv_heads, self.head_size)

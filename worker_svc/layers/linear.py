@@ -1,8 +1,5 @@
-"""Linear layers whose parameters start empty (the loader fills every one) and know how to take
-their checkpoint shards: q/k/v stack into one qkv_proj, gate/up into one gate_up_proj, so a layer
-runs one matmul where the checkpoint has three or two. Under tensor parallelism
-(worker_svc/parallel.py) the column-parallel ones keep this rank's output slice and the
-row-parallel ones its input slice, all-reducing their output."""
+"""Linear layers that take their own checkpoint shards: q/k/v stack into one qkv_proj and gate/up
+into one gate_up_proj, so a layer runs one matmul where the checkpoint has three or two."""
 
 from __future__ import annotations
 
@@ -35,9 +32,6 @@ class Linear(nn.Module):
 
 
 class ColumnParallelLinear(Linear):
-    """Output features split across tensor-parallel ranks (worker_svc/parallel.py): each rank
-    holds and computes its slice, no communication."""
-
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__(input_size, tp.shard(output_size, "output features"), bias)
@@ -51,11 +45,7 @@ class ColumnParallelLinear(Linear):
 
 
 class MergedLinear(Linear):
-    """Projections of one input stacked along the output dimension, in `shard_sizes` order, each
-    split evenly across tensor-parallel ranks.
-
-    `shard_sizes` maps the checkpoint's shard id ("q", "k", "v" or 0, 1) to its output size.
-    """
+    """`shard_sizes`: checkpoint shard id ("q", "k", "v" or 0, 1) → output size, in stacking order."""
 
     def __init__(self, input_size: int, shard_sizes: dict[str | int, int], bias: bool = False,
                  tp: TensorParallel = SINGLE) -> None:
@@ -65,7 +55,7 @@ class MergedLinear(Linear):
 
     def _init_shards(self, input_size: int, parts: dict[str | int, tuple[int, tuple[int, int]]],
                      bias: bool) -> None:
-        """parts: shard id → (its checkpoint size, (start, size) of the rows this rank keeps)."""
+        """parts: shard id → (checkpoint size, (start, size) of the rows this rank keeps)."""
         super().__init__(input_size, sum(size for _, (_, size) in parts.values()), bias)
         # shard id → (offset in this layer's output, size, checkpoint size, start in it)
         self.shard_parts: dict[str | int, tuple[int, int, int, int]] = {}
@@ -88,9 +78,8 @@ class MergedLinear(Linear):
 
 
 class QKVLinear(MergedLinear):
-    """Split by heads across tensor-parallel ranks: `num_heads` and `num_kv_heads` are the
-    model's totals. With fewer KV heads than ranks, each KV head is replicated on the ranks
-    whose query heads read it."""
+    """`num_heads` and `num_kv_heads` are the model's totals. With fewer KV heads than ranks, each
+    is replicated on the ranks whose query heads read it."""
 
     def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, tp: TensorParallel = SINGLE) -> None:
@@ -108,8 +97,7 @@ class QKVLinear(MergedLinear):
 
 
 def kv_heads_of_rank(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
-    """(first KV head, number of KV heads) this rank holds: an even split, or -- with fewer KV
-    heads than ranks -- the one head its query heads read, replicated."""
+    """(first KV head, number of KV heads) this rank holds."""
     if num_kv_heads % tp.size == 0:
         per_rank = num_kv_heads // tp.size
         return tp.rank * per_rank, per_rank
@@ -120,15 +108,12 @@ def kv_heads_of_rank(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
 
 
 def _even_part(size: int, tp: TensorParallel, what: str, unit: int = 1) -> tuple[int, int]:
-    """(start, size) of this rank's even share of `size` features (in whole `unit`s)."""
     part = tp.shard(size // unit, what) * unit
     return tp.rank * part, part
 
 
 class RowParallelLinear(Linear):
-    """Input features split across tensor-parallel ranks (the output of a column-parallel
-    layer): each rank multiplies its slice and one all-reduce sums the partial outputs; the bias
-    is added once, after it."""
+    """The bias is added once, after the all-reduce."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  tp: TensorParallel = SINGLE) -> None:
@@ -146,7 +131,6 @@ class RowParallelLinear(Linear):
 
 def _rank_slice(loaded_weight: torch.Tensor, dim: int, size: int,
                 tp: TensorParallel) -> torch.Tensor:
-    """This rank's `size` rows (dim 0) or columns (dim 1) of a checkpoint tensor."""
     if loaded_weight.shape[dim] != size * tp.size:
         raise ValueError(f"weight shape mismatch: checkpoint {tuple(loaded_weight.shape)} has "
                          f"{loaded_weight.shape[dim]} along dim {dim}, the layer expects "
@@ -155,10 +139,8 @@ def _rank_slice(loaded_weight: torch.Tensor, dim: int, size: int,
 
 
 class VocabEmbedding(nn.Module):
-    """An embedding table, split by vocabulary rows across tensor-parallel ranks (each holds
-    ceil(num_embeddings / ranks) rows, the last one zero-padded): a rank embeds the ids in its
-    range, zeros elsewhere, and one all-reduce sums the ranks' parts. As an LM head, each rank
-    computes the logits of its rows and rank 0 gathers them (lm_logits)."""
+    """Split by vocabulary rows across ranks, each holding ceil(num_embeddings / ranks) rows
+    (the last zero-padded); a rank embeds zeros outside its range before the all-reduce."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallel = SINGLE
                  ) -> None:
@@ -188,8 +170,7 @@ class VocabEmbedding(nn.Module):
         return self.tp.all_reduce(out * mine.unsqueeze(-1))
 
     def lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """[num_rows, dim] → float32 logits [num_rows, num_embeddings] on tensor-parallel rank 0
-        (every rank computes its rows' part; None on the others)."""
+        """[num_rows, dim] → float32 [num_rows, num_embeddings] on rank 0, None on the others."""
         logits = F.linear(hidden_states, self.weight).float()
         if self.tp.size == 1:
             return logits

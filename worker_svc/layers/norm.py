@@ -1,5 +1,4 @@
-"""Normalization layers. RMSNorm fuses the residual add, as vLLM's does: the decoder layer hands
-it the running residual and gets back the normalized hidden states and the new residual."""
+"""RMSNorm with vLLM's fused residual add."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # statistics in float32 then back to the input dtype, like HF, so bf16 matches too
+        # float32 statistics, then the input dtype, like HF, so bf16 matches too
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)

@@ -1,6 +1,5 @@
-"""Rotary position embeddings (neox / HF `rotate_half` layout) with the default, linear and
-llama3 frequency scalings. cos/sin are cached for every position once, in float32, and cast to
-the activations' dtype at lookup, as HF does."""
+"""Rotary embeddings (neox / HF `rotate_half` layout). cos/sin are cached in float32 and cast at
+lookup, as HF does."""
 
 from __future__ import annotations
 
@@ -54,8 +53,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [num_tokens]; query: [num_tokens, num_heads * head_size]; key likewise
-        with num_kv_heads. Returns both rotated, shaped [num_tokens, heads, head_size]."""
+        """positions: [num_tokens]; query, key: [num_tokens, heads * head_size] →
+        [num_tokens, heads, head_size]."""
         num_tokens = positions.shape[0]
         cos, sin = self.cos_sin_cache[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
         query = self._rotate(query.view(num_tokens, -1, self.head_size), cos, sin)
@@ -64,8 +63,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None) from a transformers v5 `rope_parameters` or the older
-    `rope_theta` / `rope_scaling` pair."""
+    """(rope_theta, scaling) from transformers v5 `rope_parameters` or the older pair."""
     params = getattr(hf_config, "rope_parameters", None)
     if params:
         return float(params.get("rope_theta", 10000.0)), dict(params)

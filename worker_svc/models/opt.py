@@ -142,12 +142,11 @@ class OPTForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] → hidden states [num_tokens, word_embed_proj_dim]."""
+        """input_ids, positions: [num_tokens] → [num_tokens, word_embed_proj_dim]"""
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """[num_rows, word_embed_proj_dim] → float32 logits [num_rows, vocab_size] (None on
-        tensor-parallel ranks > 0)."""
+        """[num_rows, word_embed_proj_dim] → float32 [num_rows, vocab_size]; None on ranks > 0."""
         return self.lm_head.lm_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -1,5 +1,3 @@
-"""Architecture name (config.json `architectures`) → model class, imported on first use."""
-
 from __future__ import annotations
 
 import importlib
@@ -7,7 +5,6 @@ import importlib
 from pagedserve.services.common.errors import ConfigError
 from torch import nn
 
-# architecture → (module, class)
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("pagedserve.worker_svc.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("pagedserve.worker_svc.models.llama", "Qwen2ForCausalLM"),
@@ -26,7 +23,6 @@ def get_model_class(architectures: list[str]) -> type[nn.Module]:
 
 
 def resolve_architecture(architectures: list[str]) -> str:
-    """The first supported name in config.json's `architectures`."""
     for arch in architectures:
         if arch in _MODELS:
             return arch
