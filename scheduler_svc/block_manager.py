@@ -1,16 +1,10 @@
 """The block space manager: every sequence's block table, on the GPU or swapped to the CPU.
+Forked sequences share blocks by reference count and split them by copy-on-write; blocks held
+only by the prefix cache are evictable and count as free.
 
-Block tables map a sequence's logical blocks (`block_size` tokens each) to physical block ids of
-one device. Forked sequences (n > 1, beam search) share blocks by reference count and split them
-by copy-on-write when one of them is about to write a shared block. Preemption by swap moves a
-group's blocks between devices, each shared block once. With prefix caching, full computed GPU
-blocks are registered by chained hash and reused by later prompts with the same prefix; blocks
-held only by the prefix cache (ref 0, evictable) count as free.
-
-Every call returns the cache operations the worker must run before the step's forward pass, in the
-worker's order: swap out, swap in, copy. A scheduler that frees, swaps out, swaps in and appends
-(in that order) within one step therefore never sees a block reused before its data has moved.
-"""
+The worker runs a step's cache operations in the order swap out, swap in, copy, so a scheduler
+that frees, swaps out, swaps in and appends in that order never reuses a block before its data
+has moved."""
 
 from __future__ import annotations
 
@@ -41,7 +35,7 @@ class _SeqBlocks:
     block_ids: list[int]  # physical ids on `device`
     num_tokens: int  # tokens the block table was sized for
     device: Device = Device.GPU
-    # chained hashes of the leading full blocks known to be computed (prefix caching only)
+    # hashes of the leading full blocks known to be computed
     block_hashes: list[BlockHash] = field(default_factory=list)
 
 
@@ -58,8 +52,6 @@ class BlockManager:
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         self._seqs: dict[int, _SeqBlocks] = {}
 
-    # ---- usage figures ----------------------------------------------------------------------
-
     @property
     def num_gpu_blocks(self) -> int:
         return self.gpu_pool.num_blocks
@@ -70,7 +62,7 @@ class BlockManager:
 
     @property
     def num_free_gpu_blocks(self) -> int:
-        """Free-list blocks plus unreferenced prefix-cache blocks (evictable on demand)."""
+        """Evictable prefix-cache blocks included."""
         num_evictable = self.prefix_cache.num_evictable_blocks if self.prefix_cache else 0
         return self.gpu_pool.num_free_blocks + num_evictable
 
@@ -84,20 +76,15 @@ class BlockManager:
 
     @property
     def prefix_cache_queries(self) -> int:
-        """Prompt tokens looked up in the prefix cache by `allocate` (0 when caching is off)."""
         return self.prefix_cache.num_queried_tokens if self.prefix_cache else 0
 
     @property
     def prefix_cache_hits(self) -> int:
-        """Tokens among `prefix_cache_queries` whose KV was reused (the num_cached_tokens sum)."""
         return self.prefix_cache.num_hit_tokens if self.prefix_cache else 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        """prefix_cache_hits / prefix_cache_queries, in tokens; 0.0 before any query."""
         return self.prefix_cache.hit_rate if self.prefix_cache else 0.0
-
-    # ---- per-sequence queries ---------------------------------------------------------------
 
     def has_seq(self, seq_id: int) -> bool:
         return seq_id in self._seqs
@@ -109,10 +96,7 @@ class BlockManager:
         return self._seqs[seq_id].device is Device.CPU
 
     def num_tokens(self, seq_id: int) -> int:
-        """Tokens the sequence's block table was last sized for (allocate / append_slots)."""
         return self._seqs[seq_id].num_tokens
-
-    # ---- admission --------------------------------------------------------------------------
 
     def can_allocate(self, token_ids: list[int]) -> AllocStatus:
         if cdiv(len(token_ids), self.block_size) > self.num_gpu_blocks - self.watermark_blocks:
@@ -122,16 +106,14 @@ class BlockManager:
         return AllocStatus.LATER
 
     def num_blocks_taken(self, token_ids: list[int]) -> int:
-        """Free blocks `allocate(token_ids)` would take: a prefix hit on a shared block costs
-        nothing; a hit on an evictable block leaves the free count just as a new block does."""
+        """A hit on an evictable block costs a free block just as a new block does."""
         _, hit_block_ids = self._match_prefix(token_ids)
         num_evictable_hits = sum(1 for b in hit_block_ids if self.gpu_pool.ref_counts[b] == 0)
         return (cdiv(len(token_ids), self.block_size) - len(hit_block_ids)
                 + num_evictable_hits)
 
     def allocate(self, seq_id: int, token_ids: list[int]) -> int:
-        """Give `seq_id` a block table covering `token_ids`; returns num_cached_tokens, the
-        leading tokens whose KV already sits in reused prefix-cache blocks."""
+        """Returns num_cached_tokens."""
         assert seq_id not in self._seqs, f"seq {seq_id} already has blocks"
         assert token_ids, "a sequence has at least one token"
         hit_hashes, hit_block_ids = self._match_prefix(token_ids)
@@ -161,11 +143,8 @@ class BlockManager:
             block_ids=list(parent.block_ids), num_tokens=parent.num_tokens,
             device=parent.device, block_hashes=list(parent.block_hashes))
 
-    # ---- growth and copy-on-write -----------------------------------------------------------
-
     def can_append_slots(self, seq_ids: list[int], num_new_tokens: list[int]) -> bool:
-        """Room for each sequence to grow by `num_new_tokens` beyond `num_tokens(seq_id)`, counting
-        every copy-on-write it might need (a group sharing a block may over-count by one)."""
+        """Counts every copy-on-write; a group sharing a block may over-count by one."""
         assert len(seq_ids) == len(num_new_tokens), (len(seq_ids), len(num_new_tokens))
         num_needed = 0
         for seq_id, num_new in zip(seq_ids, num_new_tokens, strict=True):
@@ -176,9 +155,7 @@ class BlockManager:
         return num_needed <= self.num_free_gpu_blocks
 
     def append_slots(self, seq_id: int, num_total_tokens: int) -> list[tuple[int, int]]:
-        """Grow the block table to hold `num_total_tokens`. Blocks this step will write (from the
-        old end of the table, and always the one holding the last token) that are shared get a
-        private copy; returns those (src, dst) pairs for `blocks_to_copy`."""
+        """Returns the (src, dst) copy-on-write pairs of the shared blocks this step writes."""
         seq = self._seqs[seq_id]
         assert seq.device is Device.GPU, f"seq {seq_id} is swapped out"
         assert num_total_tokens >= 1, num_total_tokens
@@ -196,16 +173,13 @@ class BlockManager:
         return blocks_to_copy
 
     def _shared_written_blocks(self, seq: _SeqBlocks, num_total_tokens: int) -> list[int]:
-        """Indexes of existing, shared blocks that positions [start, num_total_tokens) touch, where
-        start is the old end of the table, or the last token if the table was already that long.
-        Positions below it are computed (or will be by whoever shares them), so never written."""
+        """Written positions start at the old end of the table, or at the last token: those below
+        are computed (or will be by whoever shares them)."""
         first_written = min(seq.num_tokens, num_total_tokens - 1)
         end = min(len(seq.block_ids), cdiv(num_total_tokens, self.block_size))
         ref_counts = self.gpu_pool.ref_counts
         return [i for i in range(first_written // self.block_size, end)
                 if ref_counts[seq.block_ids[i]] > 1]
-
-    # ---- release ----------------------------------------------------------------------------
 
     def free(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)
@@ -216,22 +190,17 @@ class BlockManager:
             self._release(seq.device, block_id)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block, e.g. when a worker restarted and took its KV with it.
-        Every sequence must be freed first: a block in use would stay named by its hash."""
+        """Every sequence must be freed first: a block in use would stay named by its hash."""
         assert not self._seqs, "free every sequence before resetting the prefix cache"
         if self.prefix_cache is not None:
             for block_id in self.prefix_cache.clear():
                 self.gpu_pool.release(block_id)
 
-    # ---- swap -------------------------------------------------------------------------------
-
     def can_swap_out(self, seq_ids: list[int]) -> bool:
         return len(self._unique_blocks(seq_ids, Device.GPU)) <= self.num_free_cpu_blocks
 
     def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
-        """Move these sequences to the CPU; returns (gpu, cpu) pairs, each shared block once.
-        The GPU originals are released like freed blocks (cached ones stay evictable, the CPU
-        copies are never in the prefix cache)."""
+        """(gpu, cpu) pairs, each shared block once; CPU copies are never in the prefix cache."""
         return self._move(seq_ids, Device.GPU, Device.CPU)
 
     def can_swap_in(self, seq_ids: list[int]) -> bool:
@@ -239,9 +208,7 @@ class BlockManager:
         return self.num_free_gpu_blocks - num_required >= self.watermark_blocks
 
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
-        """Move these sequences back to the GPU; returns (cpu, gpu) pairs, each shared block once.
-        Their computed full blocks are registered in the prefix cache again where no other block
-        holds the hash."""
+        """(cpu, gpu) pairs, each shared block once."""
         mapping = self._move(seq_ids, Device.CPU, Device.GPU)
         for seq_id in seq_ids:
             seq = self._seqs[seq_id]
@@ -277,12 +244,8 @@ class BlockManager:
             seq.device = dst_device
         return list(mapping.items())
 
-    # ---- prefix caching ---------------------------------------------------------------------
-
     def mark_computed(self, seq_id: int, token_ids: list[int], num_computed_tokens: int) -> None:
-        """Record that the KV of `token_ids[:num_computed_tokens]` is in the sequence's blocks
-        (call after the step that computed them ran). Blocks now full and computed are hashed and
-        registered in the prefix cache."""
+        """Call after the step that computed them ran; full blocks enter the prefix cache."""
         if self.prefix_cache is None:
             return
         seq = self._seqs[seq_id]
@@ -300,9 +263,7 @@ class BlockManager:
         seq.block_hashes.extend(new_hashes)
 
     def _match_prefix(self, token_ids: list[int]) -> tuple[list[BlockHash], list[int]]:
-        """Hashes and block ids of the leading cached blocks of a prompt. At least one token is
-        always left to compute (the last one's logits are needed), so an exact full-block hit
-        stops one block short and that block is recomputed into a private block."""
+        """Stops one block short of an exact full hit: the last token's logits are needed."""
         if self.prefix_cache is None:
             return [], []
         hashes: list[BlockHash] = []
@@ -322,13 +283,10 @@ class BlockManager:
         assert self.prefix_cache is not None
         self.prefix_cache.register(block_id, block_hash)
 
-    # ---- physical blocks --------------------------------------------------------------------
-
     def _pool(self, device: Device) -> BlockPool:
         return self.gpu_pool if device is Device.GPU else self.cpu_pool
 
     def _allocate_gpu_block(self) -> int:
-        """From the free list first, else reclaim the least recently used cached block."""
         if self.gpu_pool.num_free_blocks or self.prefix_cache is None:
             return self.gpu_pool.allocate()
         assert self.prefix_cache.num_evictable_blocks, "no free gpu block"
@@ -337,7 +295,6 @@ class BlockManager:
         return block_id
 
     def _release(self, device: Device, block_id: int) -> None:
-        """Drop one reference; an unreferenced cached GPU block stays cached (evictable)."""
         pool = self._pool(device)
         if pool.decref(block_id):
             return

@@ -1,12 +1,7 @@
-"""What each worker mirror holds, and the StepPlan deltas that bring it up to date.
-
-A sequence the worker does not know (`Sequence.worker_block_ids is None`: first run, after a
-preemption, after a fork, after ClearState) is sent whole as a NewSequence; a known one as a
-RunningSequence with the tokens appended since it last ran and the tail of its block table that
-changed. Block tables only grow or have blocks replaced by copy-on-write, so one (start, ids)
-pair describes any change. A sequence that samples one token this step has it appended by the
-worker itself, so the worker is counted as knowing it already.
-"""
+"""The StepPlan deltas that bring each worker mirror up to date. A sequence the worker does not
+know (`worker_block_ids is None`) goes whole; a known one sends new tokens and the changed tail
+of its block table, which only grows or has blocks replaced, so one (start, ids) pair suffices.
+A single sampled token is appended by the worker itself, so it counts as known."""
 
 from __future__ import annotations
 
@@ -18,8 +13,7 @@ from pagedserve.services.common.step_plan import NewSequence, RunningSequence
 def sequence_deltas(
     scheduled: list[tuple[SequenceGroup, Sequence, int, int, bool]], block_manager: BlockManager,
 ) -> tuple[list[NewSequence], list[RunningSequence]]:
-    """Deltas for (group, seq, num_scheduled_tokens, num_samples, is_sampling) entries;
-    records what the worker will know after this step on each sequence."""
+    """scheduled: (group, seq, num_scheduled_tokens, num_samples, is_sampling)."""
     new_seqs: list[NewSequence] = []
     running_seqs: list[RunningSequence] = []
     for group, seq, num_scheduled_tokens, num_samples, is_sampling in scheduled:
@@ -43,7 +37,6 @@ def sequence_deltas(
 
 
 def _first_difference(old: list[int], new: list[int]) -> int:
-    """Where the changed tail of a block table starts."""
     for i, (a, b) in enumerate(zip(old, new, strict=False)):
         if a != b:
             return i
