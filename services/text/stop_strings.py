@@ -1,11 +1,6 @@
-"""Stop strings over streamed text, with held-back text.
-
-Text that could still become the start of a stop string is held back until the next text decides
-it, so a client never sees text that a stop later takes away. The first stop string to *complete*
-in the text wins (the one a character-by-character stream would meet first; among those ending at
-the same character, the one starting earliest), so the result does not depend on how the text was
-split into pushes.
-"""
+"""Stop strings over streamed text. Text that could start a stop string is held back, so a
+client never sees text a stop later takes away. The first stop to *complete* wins (ties: the
+earliest start), so the result does not depend on how the text was split into pushes."""
 
 from __future__ import annotations
 
@@ -33,8 +28,7 @@ class StopStringMatcher:
         return self._held
 
     def push(self, text: str) -> tuple[str, bool]:
-        """Returns (text safe to emit now, whether a stop string matched). After a match the
-        sequence is over: later pushes emit nothing."""
+        """Returns (text safe to emit now, whether a stop string matched)."""
         if self._is_stopped:
             return "", True
         if not self._stop:
@@ -51,14 +45,11 @@ class StopStringMatcher:
         return buffer[:len(buffer) - num_held], False
 
     def flush(self) -> str:
-        """The held-back text, when the sequence ends without a stop string."""
         held, self._held = self._held, ""
         return held
 
     def _first_match(self, buffer: str) -> tuple[int, int] | None:
-        """(start, end) of the stop string that completes first. Only the held text and the new
-        text are searched: emitted text never starts a match, because a suffix that could start
-        one is always held."""
+        """Emitted text never starts a match: a suffix that could start one is always held."""
         best: tuple[int, int] | None = None
         for stop in self._stop:
             start = buffer.find(stop)
@@ -70,7 +61,6 @@ class StopStringMatcher:
         return best
 
     def _num_held(self, buffer: str) -> int:
-        """Length of the longest suffix of `buffer` that is a proper prefix of a stop string."""
         for length in range(min(len(buffer), self._max_hold), 0, -1):
             suffix = buffer[len(buffer) - length:]
             if any(stop.startswith(suffix) for stop in self._stop):

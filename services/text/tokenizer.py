@@ -1,9 +1,5 @@
-"""Tokenizer: a thin wrapper over a Hugging Face tokenizer loaded from a model folder.
-
-One object answers everything the gateway and the offline `LLM` need from the tokenizer: encode,
-chat template, decode, EOS ids and the special-token set. Decoding never cleans up tokenization
-spaces, so incremental detokenization (`services.detokenizer`) can reproduce a full decode exactly.
-"""
+"""A thin wrapper over a Hugging Face tokenizer. Decoding never cleans up tokenization spaces,
+so incremental detokenization reproduces a full decode exactly."""
 
 from __future__ import annotations
 
@@ -22,22 +18,18 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class Tokenizer:
-    """Wraps a `transformers` tokenizer (fast, tokenizers-backed)."""
-
     def __init__(self, hf_tokenizer: transformers.PreTrainedTokenizerBase,
                  extra_eos_token_ids: Sequence[int] = ()) -> None:
         self.hf_tokenizer = hf_tokenizer
         eos = [hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else []
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos, *extra_eos_token_ids]))
-        # Ids that decode(skip_special_tokens=True) drops: the named special tokens plus every
-        # added token flagged special (the tokenizers backend skips exactly those).
+        # Exactly what decode(skip_special_tokens=True) drops.
         added_special = [i for i, tok in hf_tokenizer.added_tokens_decoder.items() if tok.special]
         self.special_token_ids: frozenset[int] = frozenset(
             [*hf_tokenizer.all_special_ids, *added_special])
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """Load the tokenizer of a model folder; EOS ids also come from generation_config.json."""
         path = Path(path)
         if not path.is_dir():
             raise InvalidRequest(f"tokenizer folder {str(path)!r} does not exist")
@@ -46,7 +38,7 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Tokens the tokenizer knows, added tokens included (the model's may be larger)."""
+        """Added tokens included; the model's may be larger."""
         return len(self.hf_tokenizer)
 
     @property
@@ -65,12 +57,10 @@ class Tokenizer:
                                         clean_up_tokenization_spaces=False)
 
     def id_to_token(self, token_id: int) -> str:
-        """The vocabulary entry of one id (byte-level pieces as stored, e.g. 'Ġworld')."""
         return self.hf_tokenizer.convert_ids_to_tokens(token_id)
 
     def render_chat(self, messages: Sequence[Mapping[str, str]],
                     add_generation_prompt: bool = True) -> str:
-        """The chat template applied to `messages`, as text (special tokens spelled out)."""
         if not self.has_chat_template:
             raise InvalidRequest("messages need a chat template, but the model has none; "
                                  "send a text prompt or token_ids instead")
@@ -84,8 +74,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
                             add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat. The template writes its own BOS/role markers, so the
-        text is encoded without adding special tokens a second time."""
+        """The template writes its own BOS, so no special tokens are added a second time."""
         text = self.render_chat(messages, add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
 
@@ -104,7 +93,6 @@ def _check_messages(messages: Sequence[Mapping[str, str]]) -> None:
 
 
 def _generation_eos_ids(path: Path) -> list[int]:
-    """generation_config.json may name several EOS ids (chat models often do)."""
     config_file = path / "generation_config.json"
     if not config_file.exists():
         return []
