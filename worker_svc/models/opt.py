@@ -1,6 +1,4 @@
-"""OPT decoders: learned positions (offset 2), LayerNorm, ReLU MLP, biases everywhere, optional
-project_in/out when the embedding width differs from the hidden size, and pre- or post-norm
-layers (do_layer_norm_before; OPT-350m is post-norm)."""
+"""OPT decoders, with optional project_in/out and pre- or post-norm layers (OPT-350m is post-norm)."""
 
 from __future__ import annotations
 
