@@ -54,7 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve_stack(config, args.host, args.port, args.scheduler_port,
                                    args.worker_port, args.startup_timeout_s,
                                    from_args(ShutdownConfig, args).drain_timeout_s,
-                                   from_args(TracingConfig, args)))
+                                   from_args(TracingConfig, args), args.internal_tls))
 
 
 def _setup_tracing(tracing: TracingConfig, service: str) -> None:
@@ -232,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--worker-port", type=int, default=0, help="0 = any free port")
     serve.add_argument("--startup-timeout-s", type=float, default=600.0,
                        help="how long the three may take to become ready")
+    serve.add_argument("--internal-tls", action=argparse.BooleanOptionalAction, default=True,
+                       help="mutual TLS between the three, with certificates of a throw-away CA "
+                            "made for this run (default: on)")
     serve.set_defaults(run=_serve)
 
     for name, config_cls, run, help_text in (

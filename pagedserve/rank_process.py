@@ -1,5 +1,7 @@
 """Tensor-parallel ranks of the in-process engine: one `pagedserve worker` process per rank on
-loopback, driven through worker clients as the scheduler service drives its workers."""
+loopback, driven through worker clients as the scheduler service drives its workers. Loopback is
+still reachable by every local user, so the ranks take only this process as a client: mutual TLS
+with certificates of a throw-away CA, removed when the ranks stop."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import logging
 import subprocess
 from typing import Any
 
+from pagedserve.certificates import ThrowAwayCertificates
 from pagedserve.scheduler_svc.worker_client import WorkerClient
 from pagedserve.services.common.config import EngineConfig, SchedulerServiceConfig
 from pagedserve.services.common.step_plan import WorkerInfo
@@ -23,7 +26,9 @@ logger = logging.getLogger(__name__)
 
 def start_ranks(config: EngineConfig) -> list[RankProcess]:
     rank_config = with_loopback_rendezvous(config)
-    return [RankProcess(rank_config, rank) for rank in range(config.parallel.tensor_parallel_size)]
+    certificates = ThrowAwayCertificates(("engine", "worker"))
+    return [RankProcess(rank_config, rank, certificates)
+            for rank in range(config.parallel.tensor_parallel_size)]
 
 
 class RankProcess:
@@ -32,14 +37,18 @@ class RankProcess:
     group (worker_svc/parallel.py) -- is started again when the engine rebuilds it (the
     handshake's load_model), as Kubernetes or `pagedserve serve` would restart it."""
 
-    def __init__(self, config: EngineConfig, rank: int) -> None:
+    def __init__(self, config: EngineConfig, rank: int,
+                 certificates: ThrowAwayCertificates) -> None:
         port = free_port()
-        self.argv = service_command("worker", [*config_to_argv(config), "--port", str(port),
-                                               "--rank", str(rank), "--log-level", "WARNING"])
+        self.certificates = certificates
+        self.argv = service_command("worker", [
+            *config_to_argv(config), "--port", str(port), "--rank", str(rank),
+            "--internal-tls-dir", certificates.tls("worker").internal_tls_dir,
+            "--log-level", "WARNING"])
         self.process = self._spawn()
         timeouts = SchedulerServiceConfig()
         self.client = WorkerClient(f"127.0.0.1:{port}", config, timeouts.step_timeout_s,
-                                 timeouts.startup_timeout_s)
+                                   timeouts.startup_timeout_s, certificates.tls("engine"))
 
     def _spawn(self) -> subprocess.Popen:
         return subprocess.Popen(self.argv, env=service_env())
@@ -63,3 +72,4 @@ class RankProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        self.certificates.remove()  # shared by the ranks, which all stop together

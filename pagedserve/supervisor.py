@@ -27,8 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.certificates import ThrowAwayCertificates
+from pagedserve.services.common.config import TlsConfig
+from pagedserve.services.rpc.tls import internal_aio_channel, is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +75,12 @@ class Child:
     argv: Sequence[str]  # its flags, to start it again
     process: asyncio.subprocess.Process
     restartable: bool = False
+    tls: TlsConfig | None = None  # the supervisor's certificates for its port, if it has TLS
     restart_times: list[float] = dataclasses.field(default_factory=list)  # monotonic
 
     async def wait_serving(self, timeout_s: float) -> None:
         """Until its health is SERVING; raises if it exits first or the time runs out."""
-        serving = asyncio.create_task(_watch_until_serving(self.address))
+        serving = asyncio.create_task(_watch_until_serving(self.address, self.tls))
         exited = asyncio.create_task(self.process.wait())
         try:
             done, _ = await asyncio.wait({serving, exited}, timeout=timeout_s,
@@ -108,8 +112,8 @@ class Child:
         return self.process.returncode
 
 
-async def _watch_until_serving(address: str) -> None:
-    async with grpc.aio.insecure_channel(address, options=_HEALTH_CHANNEL_OPTIONS) as channel:
+async def _watch_until_serving(address: str, tls: TlsConfig | None) -> None:
+    async with internal_aio_channel(address, tls, _HEALTH_CHANNEL_OPTIONS) as channel:
         call = health_pb2_grpc.HealthStub(channel).Watch(
             health_pb2.HealthCheckRequest(service=""), wait_for_ready=True)
         async for response in call:
@@ -143,8 +147,8 @@ async def _spawn(role: str, address: str, argv: Sequence[str]) -> asyncio.subpro
 
 
 async def start_child(role: str, address: str, argv: Sequence[str],
-                      restartable: bool = False) -> Child:
-    return Child(role, address, argv, await _spawn(role, address, argv), restartable)
+                      restartable: bool = False, tls: TlsConfig | None = None) -> Child:
+    return Child(role, address, argv, await _spawn(role, address, argv), restartable, tls)
 
 
 async def restart_child(child: Child) -> bool:
@@ -172,8 +176,8 @@ class Supervisor:
             loop.add_signal_handler(sig, self._stop_requested.set)
 
     async def start(self, role: str, address: str, argv: Sequence[str],
-                    restartable: bool = False) -> Child:
-        child = await start_child(role, address, argv, restartable)
+                    restartable: bool = False, tls: TlsConfig | None = None) -> Child:
+        child = await start_child(role, address, argv, restartable, tls)
         self.children.append(child)
         return child
 
@@ -241,12 +245,13 @@ def example_commands(address: str) -> list[str]:
 
 async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, worker_port: int,
                       startup_timeout_s: float, drain_timeout_s: float,
-                      tracing: Any = None) -> int:
+                      tracing: Any = None, internal_tls: bool = True) -> int:
     """Start the workers (one per tensor-parallel rank), scheduler and gateway (`config` is the
     EngineConfig every one gets, and `tracing` the TracingConfig, if given), wait
     until all three serve, print the gateway's address and examples, run until Ctrl-C or
     SIGTERM (0) or until the scheduler dies or another child keeps dying (1), then stop them
-    gateway first."""
+    gateway first. With `internal_tls` the three talk mutual TLS with certificates of a
+    throw-away CA, removed when the stack stops."""
     connect = _connect_host(host)
     num_ranks = config.parallel.tensor_parallel_size
     worker_ports = [worker_port or free_port(host)] + [free_port(host)
@@ -259,18 +264,28 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     engine_argv = config_to_argv(config)
     drain = ["--drain-timeout-s", str(drain_timeout_s),
              *(config_to_argv(tracing) if tracing is not None else [])]
+    certificates = (ThrowAwayCertificates(("gateway", "scheduler", "worker", "supervisor"),
+                                          [connect]) if internal_tls else None)
+
+    def tls_argv(role: str) -> list[str]:
+        return [] if certificates is None else [
+            "--internal-tls-dir", certificates.tls(role).internal_tls_dir]
+
+    watch_tls = None if certificates is None else certificates.tls("supervisor")
+    logger.info("internal services: %s", "mutual TLS (a throw-away CA)" if internal_tls
+                else "plaintext on loopback only" if is_loopback(host) else f"plaintext on {host}")
     supervisor = Supervisor(stop_timeout_s=drain_timeout_s + 10.0)
     try:
         for rank, (address, p) in enumerate(zip(worker_addresses, worker_ports, strict=True)):
             await supervisor.start("worker", address, [
-                *engine_argv, *drain, "--host", host, "--port", str(p), "--rank", str(rank)],
-                restartable=True)
+                *engine_argv, *drain, *tls_argv("worker"), "--host", host, "--port", str(p),
+                "--rank", str(rank)], restartable=True, tls=watch_tls)
         await supervisor.start("scheduler", f"{connect}:{scheduler_port}", [
-            *engine_argv, *drain, "--host", host, "--port", str(scheduler_port),
-            "--worker-addresses", *worker_addresses,
-            "--startup-timeout-s", str(startup_timeout_s)])
+            *engine_argv, *drain, *tls_argv("scheduler"), "--host", host,
+            "--port", str(scheduler_port), "--worker-addresses", *worker_addresses,
+            "--startup-timeout-s", str(startup_timeout_s)], tls=watch_tls)
         await supervisor.start("gateway", f"{connect}:{port}", [
-            *drain, "--host", host, "--port", str(port),
+            *drain, *tls_argv("gateway"), "--host", host, "--port", str(port),
             "--scheduler-address", f"{connect}:{scheduler_port}",
             "--tokenizer", config.model.tokenizer_path], restartable=True)
         if not await supervisor.wait_serving(startup_timeout_s):
@@ -285,3 +300,5 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
         return 1
     finally:
         await supervisor.stop()
+        if certificates is not None:
+            certificates.remove()

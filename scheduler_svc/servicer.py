@@ -26,6 +26,7 @@ from pagedserve.services.rpc.convert_scheduler import (
 )
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
 from pagedserve.services.rpc.status import map_errors
+from pagedserve.services.rpc.tls import internal_server_credentials
 from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,10 @@ def create_scheduler_server(config: EngineConfig, service_config: SchedulerServi
     server, _ = create_server(
         [ServiceBinding(servicer, scheduler_pb2_grpc.add_SchedulerServicer_to_server,
                         "pagedserve.v1.Scheduler")],
-        service_config.host, service_config.port)
+        service_config.host, service_config.port,
+        credentials=internal_server_credentials(service_config.tls, service_config.host,
+                                                "scheduler"),
+        health_port=service_config.tls.health_port)
     return server, servicer
 
 
@@ -94,7 +98,7 @@ async def start_engine(config: EngineConfig, service_config: SchedulerServiceCon
         raise ConfigError(f"worker_addresses has {len(service_config.worker_addresses)} "
                           f"addresses; tensor_parallel_size={num_ranks} needs one per rank")
     workers = [WorkerClient(address, config, service_config.step_timeout_s,
-                          service_config.startup_timeout_s)
+                            service_config.startup_timeout_s, service_config.tls)
                for address in service_config.worker_addresses]
     try:
         return await EngineService.start(lambda: EngineCore(config, workers))

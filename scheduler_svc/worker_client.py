@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 
 import grpc
-from pagedserve.services.common.config import EngineConfig
+from pagedserve.services.common.config import EngineConfig, TlsConfig
 from pagedserve.services.common.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
 from pagedserve.services.rpc.convert_worker import (
     memory_profile_from_proto,
@@ -26,6 +26,7 @@ from pagedserve.services.rpc.convert_worker import (
     worker_info_from_proto,
 )
 from pagedserve.services.rpc.status import error_from_rpc
+from pagedserve.services.rpc.tls import internal_channel
 from pagedserve.services.rpc.tracing import client_interceptors
 from pagedserve.services.rpc.v1 import worker_pb2, worker_pb2_grpc
 
@@ -42,16 +43,17 @@ _CHANNEL_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
 
 class WorkerClient:
     def __init__(self, address: str, config: EngineConfig, step_timeout_s: float,
-                 startup_timeout_s: float) -> None:
+                 startup_timeout_s: float, tls: TlsConfig | None = None) -> None:
         """`config` is the scheduler's: its block size and step budget must match the worker's
         (the worker refuses a mismatch); memory budgets and the model come from the worker's
-        own flags."""
+        own flags. `tls`: the scheduler's internal certificates (mutual TLS); None or empty =
+        plaintext."""
         self.address = address
         self.config = config
         self.step_timeout_s = step_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self._channel = grpc.intercept_channel(
-            grpc.insecure_channel(address, options=_CHANNEL_OPTIONS),
+            internal_channel(address, tls, _CHANNEL_OPTIONS),
             *client_interceptors(address))
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 

@@ -36,6 +36,7 @@ from pagedserve.services.rpc.convert_worker import (
 )
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
 from pagedserve.services.rpc.status import map_errors
+from pagedserve.services.rpc.tls import internal_server_credentials
 from pagedserve.services.rpc.v1 import worker_pb2, worker_pb2_grpc
 from pagedserve.worker_svc.parallel import leave_tensor_parallel
 from pagedserve.worker_svc.worker import Worker
@@ -212,8 +213,11 @@ def create_worker_server(config: EngineConfig, service: WorkerServiceConfig
                          ) -> tuple[ServiceServer, WorkerServicer]:
     """The Worker service bound to service.host:port (not started, no model loaded yet)."""
     servicer = WorkerServicer(config, service.rank)
-    server, _ = create_server([ServiceBinding(servicer, worker_pb2_grpc.add_WorkerServicer_to_server,
-                                              "pagedserve.v1.Worker")], service.host, service.port)
+    server, _ = create_server(
+        [ServiceBinding(servicer, worker_pb2_grpc.add_WorkerServicer_to_server,
+                        "pagedserve.v1.Worker")], service.host, service.port,
+        credentials=internal_server_credentials(service.tls, service.host, "worker"),
+        health_port=service.tls.health_port)
     servicer.on_ready = server.set_serving
     return server, servicer
 

@@ -188,6 +188,65 @@ class ShutdownConfig:
 
 
 @dataclass(slots=True)
+class TlsConfig:
+    """Mutual TLS between the services (services/rpc/tls.py): each presents its certificate as
+    server and as client, and accepts only peers whose certificate the CA signed."""
+
+    internal_tls_dir: str = opt(
+        "", "folder holding ca.crt, tls.crt and tls.key (a cert-manager or kubernetes.io/tls "
+            "Secret mounted as is): mutual TLS between the services; empty = the --tls-* files "
+            "below, or none (plaintext)")
+    tls_cert: str = opt("", "this service's certificate chain (PEM), shown to its peers")
+    tls_key: str = opt("", "the private key of --tls-cert (PEM)")
+    tls_ca: str = opt("", "CA certificate (PEM): peers must present a certificate it signed")
+    tls_server_name: str = opt(
+        "", "name the peers' server certificates must carry; empty = the host of the address "
+            "dialled")
+    health_port: int = opt(
+        0, "a second, plaintext port serving only grpc.health.v1, for probes that cannot speak "
+           "TLS (Kubernetes); 0 = none")
+
+    def __post_init__(self) -> None:
+        files = {"tls_cert": self.tls_cert, "tls_key": self.tls_key, "tls_ca": self.tls_ca}
+        given = [name for name, path in files.items() if path]
+        _check(not (self.internal_tls_dir and given),
+               f"internal_tls_dir and {', '.join(given)} are alternatives, got both "
+               f"(internal_tls_dir={self.internal_tls_dir!r})")
+        _check(len(given) in (0, 3), f"tls_cert, tls_key and tls_ca go together, got only "
+                                     f"{', '.join(f'{n}={files[n]!r}' for n in given)}")
+        _check(0 <= self.health_port < 65536,
+               f"health_port must be in [0, 65535], got {self.health_port}")
+
+    @property
+    def is_enabled(self) -> bool:
+        return bool(self.internal_tls_dir or self.tls_cert)
+
+
+@dataclass(slots=True)
+class PublicTlsConfig:
+    """TLS on the gateway's public port: the server proves who it is; client certificates are
+    asked for only with public_tls_client_ca."""
+
+    public_tls_cert: str = opt("", "the gateway's public certificate chain (PEM); empty = "
+                                   "plaintext on the public port")
+    public_tls_key: str = opt("", "the private key of --public-tls-cert (PEM)")
+    public_tls_client_ca: str = opt(
+        "", "CA certificate (PEM): when set, clients must present a certificate it signed")
+
+    def __post_init__(self) -> None:
+        _check(bool(self.public_tls_cert) == bool(self.public_tls_key),
+               f"public_tls_cert and public_tls_key go together, got public_tls_cert="
+               f"{self.public_tls_cert!r}, public_tls_key={self.public_tls_key!r}")
+        _check(not self.public_tls_client_ca or bool(self.public_tls_cert),
+               f"public_tls_client_ca needs public_tls_cert, got public_tls_client_ca="
+               f"{self.public_tls_client_ca!r} without it")
+
+    @property
+    def is_enabled(self) -> bool:
+        return bool(self.public_tls_cert)
+
+
+@dataclass(slots=True)
 class GatewayConfig:
     host: str = opt("127.0.0.1", "address the gateway listens on")
     port: int = opt(50051, "gateway port; 0 = any free port")
@@ -196,6 +255,8 @@ class GatewayConfig:
                              "folder the scheduler reports serving")
     rpc_timeout_s: float = opt(10.0, "deadline of unary calls to the scheduler")
     max_concurrent_requests: int = opt(1024, "requests in flight before RESOURCE_EXHAUSTED")
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    public_tls: PublicTlsConfig = field(default_factory=PublicTlsConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
 
@@ -215,6 +276,7 @@ class SchedulerServiceConfig:
     startup_timeout_s: float = opt(
         600.0, "deadline of the worker handshake (model load); also how long a lost worker is "
         "waited for before its requests fail")
+    tls: TlsConfig = field(default_factory=TlsConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
 
@@ -229,6 +291,7 @@ class WorkerServiceConfig:
     host: str = opt("127.0.0.1", "address the worker listens on")
     port: int = opt(50053, "worker port; 0 = any free port")
     rank: int = opt(0, "tensor-parallel rank of this worker")
+    tls: TlsConfig = field(default_factory=TlsConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
 

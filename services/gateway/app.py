@@ -17,6 +17,7 @@ from pagedserve.services.gateway.frontend import Admission, Frontend
 from pagedserve.services.gateway.scheduler_client import SchedulerClient
 from pagedserve.services.gateway.servicer import GenerationServicer, ModelsServicer
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
+from pagedserve.services.rpc.tls import public_server_credentials
 from pagedserve.services.rpc.v1 import gateway_pb2_grpc
 from pagedserve.services.text.tokenizer import Tokenizer
 
@@ -47,7 +48,8 @@ class Gateway:
 async def start_gateway(config: GatewayConfig) -> Gateway:
     """Started and SERVING once the scheduler serves; raises if the scheduler cannot tell what
     it serves."""
-    scheduler = SchedulerClient(config.scheduler_address, config.rpc_timeout_s)
+    credentials = public_server_credentials(config.public_tls)  # bad files fail before waiting
+    scheduler = SchedulerClient(config.scheduler_address, config.rpc_timeout_s, config.tls)
     try:
         logger.info("waiting for the scheduler at %s", config.scheduler_address)
         await scheduler.wait_until_serving()
@@ -64,7 +66,8 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
                        "pagedserve.v1.Generation"),
         ServiceBinding(ModelsServicer(info), gateway_pb2_grpc.add_ModelsServicer_to_server,
                        "pagedserve.v1.Models"),
-    ], config.host, config.port)
+    ], config.host, config.port, credentials=credentials,
+        health_port=config.tls.health_port)
     await server.start()
     await server.set_serving(True)
     logger.info("gateway serving %s (max_model_len %d) on port %d", info.model,

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pagedserve.services.common.config import TlsConfig
 from pagedserve.services.common.engine_api import SubmitRequest
 from pagedserve.services.common.errors import Unavailable
 from pagedserve.services.common.outputs import RequestOutput
@@ -25,6 +26,7 @@ from pagedserve.services.rpc.convert_scheduler import (
     token_event_from_proto,
 )
 from pagedserve.services.rpc.status import error_from_rpc
+from pagedserve.services.rpc.tls import internal_aio_channel
 from pagedserve.services.rpc.tracing import aio_client_interceptors
 from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -46,11 +48,12 @@ _FAILED_STATES = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnec
 
 
 class SchedulerClient:
-    def __init__(self, address: str, rpc_timeout_s: float) -> None:
+    def __init__(self, address: str, rpc_timeout_s: float, tls: TlsConfig | None = None) -> None:
+        """`tls`: the gateway's internal certificates (mutual TLS); None or empty = plaintext."""
         self.address = address
         self._rpc_timeout_s = rpc_timeout_s
-        self._channel = grpc.aio.insecure_channel(address, options=list(CHANNEL_OPTIONS),
-                                                  interceptors=aio_client_interceptors(address))
+        self._channel = internal_aio_channel(address, tls, CHANNEL_OPTIONS,
+                                             interceptors=aio_client_interceptors(address))
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     async def close(self) -> None:

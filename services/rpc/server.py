@@ -54,9 +54,11 @@ class ServiceServer:
     """A started-or-not grpc.aio server with its health state."""
 
     def __init__(self, server: grpc.aio.Server, port: int, service_names: Sequence[str],
-                 health: health_aio.HealthServicer) -> None:
+                 health: health_aio.HealthServicer,
+                 health_server: grpc.aio.Server | None = None) -> None:
         self.server = server
         self.port = port
+        self.health_server = health_server  # plaintext Health only, for probes without TLS
         self.service_names = tuple(service_names)
         self._health = health
         self._is_draining = False
@@ -68,6 +70,8 @@ class ServiceServer:
     async def start(self) -> None:
         await self.set_serving(False)  # Health's own default for "" is SERVING
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         logger.info("serving %s on port %d (health: NOT_SERVING until ready)",
                     ", ".join(self.service_names), self.port)
 
@@ -90,6 +94,8 @@ class ServiceServer:
         if drain is not None:
             await drain()
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         logger.info("server on port %d stopped", self.port)
 
     async def serve_until_signal(self, grace_s: float,
@@ -109,11 +115,24 @@ class ServiceServer:
                 loop.remove_signal_handler(sig)
 
 
+def _bind(server: grpc.aio.Server, host: str, port: int,
+          credentials: grpc.ServerCredentials | None) -> int:
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound_port = (server.add_insecure_port(address) if credentials is None
+                  else server.add_secure_port(address, credentials))
+    if bound_port == 0:
+        raise OSError(f"cannot bind {address}")
+    return bound_port
+
+
 def create_server(bindings: Sequence[ServiceBinding], host: str = "127.0.0.1", port: int = 0,
-                  options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS
+                  options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS,
+                  credentials: grpc.ServerCredentials | None = None, health_port: int = 0
                   ) -> tuple[ServiceServer, int]:
     """A grpc.aio server with `bindings`, Health and reflection, bound to host:port (0 = any
-    free port), tracing every call once tracing is set up (services/rpc/tracing.py).
+    free port) with `credentials` (None = plaintext; services/rpc/tls.py), tracing every call
+    once tracing is set up (services/rpc/tracing.py). A `health_port` adds a plaintext server
+    with Health alone, for probes that cannot speak TLS.
     Returns the server (not started) and the port it bound."""
     server = grpc.aio.server(options=list(options), interceptors=server_interceptors())
     for binding in bindings:
@@ -124,8 +143,10 @@ def create_server(bindings: Sequence[ServiceBinding], host: str = "127.0.0.1", p
     reflection.enable_server_reflection(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME], server)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound_port = server.add_insecure_port(address)
-    if bound_port == 0:
-        raise OSError(f"cannot bind {address}")
-    return ServiceServer(server, bound_port, names, health), bound_port
+    bound_port = _bind(server, host, port, credentials)
+    health_server = None
+    if health_port:
+        health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
+        _bind(health_server, host, health_port, None)
+    return ServiceServer(server, bound_port, names, health, health_server), bound_port

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import grpc
 from pagedserve.scheduler_svc.servicer import SchedulerServicer, start_scheduler, stop_scheduler
 from pagedserve.services.common.config import (
     CacheConfig,
@@ -15,13 +14,16 @@ from pagedserve.services.common.config import (
     GatewayConfig,
     ModelConfig,
     SchedulerServiceConfig,
+    TlsConfig,
     WorkerServiceConfig,
 )
 from pagedserve.services.gateway.app import Gateway, start_gateway
 from pagedserve.services.rpc.server import ServiceServer
+from pagedserve.services.rpc.tls import internal_channel
 from pagedserve.services.rpc.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.worker_svc.servicer import WorkerServicer, start_worker
 
+from pagedserve.certificates import ThrowAwayCertificates
 from tests.e2e.background import BackgroundLoop
 
 
@@ -31,6 +33,7 @@ class Stack:
     worker: tuple[ServiceServer, WorkerServicer]
     scheduler: tuple[ServiceServer, SchedulerServicer]
     gateway: Gateway
+    client_tls: TlsConfig | None = None  # what `load` shows the scheduler, with TLS on
 
     @property
     def gateway_address(self) -> str:
@@ -41,7 +44,7 @@ class Stack:
         return f"127.0.0.1:{self.scheduler[0].port}"
 
     def load(self) -> scheduler_pb2.Load:
-        with grpc.insecure_channel(self.scheduler_address) as channel:
+        with internal_channel(self.scheduler_address, self.client_tls) as channel:
             return scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(
                 scheduler_pb2.GetLoadRequest(), timeout=10)
 
@@ -57,18 +60,25 @@ class Stack:
 
 
 def start_stack(config: EngineConfig, step_timeout_s: float = 30.0,
-                startup_timeout_s: float = 120.0) -> Stack:
+                startup_timeout_s: float = 120.0,
+                certificates: ThrowAwayCertificates | None = None) -> Stack:
+    """`certificates` (roles gateway, scheduler, worker, client): mutual TLS between the three,
+    and `load` calls the scheduler as "client"."""
     loop = BackgroundLoop()
 
+    def tls(role: str) -> TlsConfig:
+        return TlsConfig() if certificates is None else certificates.tls(role)
+
     async def start() -> Stack:
-        worker = await start_worker(config, WorkerServiceConfig(port=0))
+        worker = await start_worker(config, WorkerServiceConfig(port=0, tls=tls("worker")))
         scheduler_config = SchedulerServiceConfig(
             port=0, worker_addresses=[f"127.0.0.1:{worker[0].port}"],
-            step_timeout_s=step_timeout_s, startup_timeout_s=startup_timeout_s)
+            step_timeout_s=step_timeout_s, startup_timeout_s=startup_timeout_s,
+            tls=tls("scheduler"))
         scheduler = await start_scheduler(config, scheduler_config)
         gateway = await start_gateway(GatewayConfig(
-            port=0, scheduler_address=f"127.0.0.1:{scheduler[0].port}"))
-        return Stack(loop, worker, scheduler, gateway)
+            port=0, scheduler_address=f"127.0.0.1:{scheduler[0].port}", tls=tls("gateway")))
+        return Stack(loop, worker, scheduler, gateway, tls("client"))
 
     try:
         return loop.run(start())
