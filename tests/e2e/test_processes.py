@@ -21,6 +21,8 @@ from pagedserve.services.rpc.v1 import (
     gateway_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
 )
 from pagedserve.worker_svc.parallel import GROUP_BROKEN_EXIT_CODE
 
@@ -81,11 +83,29 @@ def stop(process: subprocess.Popen, sig=signal.SIGTERM, timeout_s: float = 30) -
 
 
 def test_serve_runs_the_stack_and_ctrl_c_stops_it(tiny_served_model_dir):
+    """With default settings the internal ports take mutual TLS only, with certificates in a
+    private folder that is gone once the stack stops."""
+    scheduler_port, worker_port = free_port(), free_port()
     serve = pagedserve("serve", "--model", str(tiny_served_model_dir), "--port", "0",
+                       "--scheduler-port", str(scheduler_port), "--worker-port", str(worker_port),
                        *SMALL_CACHE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out, err = read_lines(serve.stdout), read_lines(serve.stderr)
+        worker_pid = int(wait_for_line(err, "started the worker (pid", 60)
+                         .split("(pid ")[1].split(")")[0])
         address = wait_for_line(out, "pagedserve is serving", 180).split(" on ")[-1].strip()
+        worker_argv = Path(f"/proc/{worker_pid}/cmdline").read_bytes().decode().split("\0")
+        tls_dir = Path(worker_argv[worker_argv.index("--internal-tls-dir") + 1])
+        assert tls_dir.parent.stat().st_mode & 0o777 == 0o700
+        assert (tls_dir / "tls.key").stat().st_mode & 0o777 == 0o600
+        for port, call in ((scheduler_port, lambda channel: scheduler_pb2_grpc.SchedulerStub(
+                channel).GetLoad(scheduler_pb2.GetLoadRequest(), timeout=10)),
+                           (worker_port, lambda channel: worker_pb2_grpc.WorkerStub(
+                channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=10))):
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(channel)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
         example = wait_for_line(out, "pagedserve generate", 5).strip()
         assert f"--address {address}" in example
         assert "grpcurl -plaintext" in wait_for_line(out, "grpcurl", 5)
@@ -107,6 +127,7 @@ def test_serve_runs_the_stack_and_ctrl_c_stops_it(tiny_served_model_dir):
         order = [role for line in log for role in ("gateway", "scheduler", "worker")
                  if f"the {role} stopped (code 0)" in line]
         assert order == ["gateway", "scheduler", "worker"], "".join(log)
+        assert not tls_dir.parent.exists()
     finally:
         if serve.poll() is None:
             serve.kill()
@@ -116,7 +137,7 @@ def test_serve_starts_a_killed_worker_again_and_the_streams_complete_unchanged(
         tiny_served_model_dir):
     scheduler_port = free_port()
     serve = pagedserve("serve", "--model", str(tiny_served_model_dir), "--port", "0",
-                       "--scheduler-port", str(scheduler_port), *SMALL_CACHE,
+                       "--scheduler-port", str(scheduler_port), "--no-internal-tls", *SMALL_CACHE,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out, err = read_lines(serve.stdout), read_lines(serve.stderr)
