@@ -99,7 +99,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
     sampling = _sampling(args)
-    with _Client(args.address, args.timeout_s) as client:
+    with _Client(args) as client:
         return client.stream(gateway_pb2.GenerateRequest(text=prompt), sampling)[0]
 
 
@@ -110,7 +110,7 @@ def _chat(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     messages = [gateway_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
     is_interactive = args.message is None
-    with _Client(args.address, args.timeout_s) as client:
+    with _Client(args) as client:
         while True:
             if is_interactive:
                 try:
@@ -131,16 +131,30 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 class _Client:
-    """A Generation stub on one channel; `stream` prints a request's text as it arrives."""
+    """A Generation stub on one channel (TLS with --tls-ca); `stream` prints a request's text
+    as it arrives."""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         import grpc
 
         from pagedserve.services.rpc.v1 import gateway_pb2_grpc
 
-        self._channel = grpc.insecure_channel(address)
+        if (args.tls_cert or args.tls_key) and not args.tls_ca:
+            raise InvalidRequest("--tls-cert and --tls-key need --tls-ca (TLS to the gateway)")
+        if args.tls_ca:
+            from pagedserve.services.rpc.tls import read_pem
+
+            if bool(args.tls_cert) != bool(args.tls_key):
+                raise InvalidRequest(f"--tls-cert and --tls-key go together, got --tls-cert="
+                                     f"{args.tls_cert!r}, --tls-key={args.tls_key!r}")
+            client_pair = ((read_pem("tls_key", args.tls_key), read_pem("tls_cert", args.tls_cert))
+                           if args.tls_cert else (None, None))
+            self._channel = grpc.secure_channel(args.address, grpc.ssl_channel_credentials(
+                read_pem("tls_ca", args.tls_ca), *client_pair))
+        else:
+            self._channel = grpc.insecure_channel(args.address)
         self._stub = gateway_pb2_grpc.GenerationStub(self._channel)
-        self._timeout_s = timeout_s
+        self._timeout_s = args.timeout_s
 
     def __enter__(self) -> _Client:
         return self
@@ -260,6 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
                              help="the gateway's host:port")
         command.add_argument("--timeout-s", type=float, default=600.0,
                              help="deadline of one request")
+        command.add_argument("--tls-ca", default="", help="TLS to the gateway: the CA "
+                             "certificate (PEM) its certificate must chain to; empty = plaintext")
+        command.add_argument("--tls-cert", default="", help="with --tls-ca: a client "
+                             "certificate (PEM), for a gateway that asks for one")
+        command.add_argument("--tls-key", default="", help="the private key of --tls-cert")
         _add_sampling_arguments(command)
     return parser
 

@@ -36,7 +36,7 @@ class InternalPem:
     key: bytes
 
 
-def _read(flag: str, path: str | Path) -> bytes:
+def read_pem(flag: str, path: str | Path) -> bytes:
     try:
         data = Path(path).read_bytes()
     except OSError as e:
@@ -50,11 +50,11 @@ def internal_pem(tls: TlsConfig) -> InternalPem | None:
     """The CA, certificate and key of `tls`, read now; None when TLS is off."""
     if tls.internal_tls_dir:
         folder = Path(tls.internal_tls_dir)
-        return InternalPem(*(_read("internal_tls_dir", folder / name)
+        return InternalPem(*(read_pem("internal_tls_dir", folder / name)
                              for name in (CA_FILE, CERT_FILE, KEY_FILE)))
     if tls.tls_cert:
-        return InternalPem(_read("tls_ca", tls.tls_ca), _read("tls_cert", tls.tls_cert),
-                           _read("tls_key", tls.tls_key))
+        return InternalPem(read_pem("tls_ca", tls.tls_ca), read_pem("tls_cert", tls.tls_cert),
+                           read_pem("tls_key", tls.tls_key))
     return None
 
 
@@ -87,11 +87,11 @@ def public_server_credentials(public: PublicTlsConfig) -> grpc.ServerCredentials
     only with a client CA), or None for plaintext."""
     if not public.is_enabled:
         return None
-    client_ca = (_read("public_tls_client_ca", public.public_tls_client_ca)
+    client_ca = (read_pem("public_tls_client_ca", public.public_tls_client_ca)
                  if public.public_tls_client_ca else None)
     return grpc.ssl_server_credentials(
-        [(_read("public_tls_key", public.public_tls_key),
-          _read("public_tls_cert", public.public_tls_cert))],
+        [(read_pem("public_tls_key", public.public_tls_key),
+          read_pem("public_tls_cert", public.public_tls_cert))],
         root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 

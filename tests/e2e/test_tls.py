@@ -4,6 +4,8 @@ plaintext here and serves as before."""
 
 import grpc
 import pytest
+from pagedserve.services.common.config import GatewayConfig, PublicTlsConfig
+from pagedserve.services.gateway.app import start_gateway
 from pagedserve.services.rpc.tls import internal_channel
 from pagedserve.services.rpc.v1 import (
     common_pb2,
@@ -95,3 +97,24 @@ def test_a_certificate_of_another_ca_is_refused(stack, certificates):
     finally:
         other.remove()
     assert len(generate(stack)) == 8
+
+
+def test_a_gateway_with_public_tls_serves_the_cli_and_refuses_plaintext(stack, certificates,
+                                                                        capsys):
+    from pagedserve.cli import main
+
+    folder = certificates.folder / "gateway"
+    gateway = stack.loop.run(start_gateway(GatewayConfig(
+        port=0, scheduler_address=stack.scheduler_address, tls=certificates.tls("gateway"),
+        public_tls=PublicTlsConfig(public_tls_cert=str(folder / "tls.crt"),
+                                   public_tls_key=str(folder / "tls.key")))))
+    try:
+        address = f"127.0.0.1:{gateway.port}"
+        argv = ["generate", "--address", address, "hello", "--max-tokens", "4",
+                "--temperature", "0", "--ignore-eos"]
+        assert main([*argv, "--tls-ca", str(folder / "ca.crt")]) == 0
+        assert "finish: length; prompt" in capsys.readouterr().err
+        assert main(argv) == 1  # plaintext to a TLS port
+        assert "error: UNAVAILABLE" in capsys.readouterr().err
+    finally:
+        stack.loop.run(gateway.stop(grace_s=0))

@@ -203,15 +203,80 @@ def test_probes_call_grpc_health_on_the_port_the_service_listens_on(service):
     port = f".Values.{service}.port"
     assert f"containerPort: {{{{ {port} }}}}" in text
     assert f'include "pagedserve.serviceFlags" (dict "root" . "port" {port})' in text
-    assert f'include "pagedserve.probes" (dict "root" . "port" {port})' in text
+    assert f'include "pagedserve.probes" (dict "root" . "port" {port} "tls" ' in text
     allowed = {service, "scheduler"} if service == "gateway" else {service}  # its address
     assert set(re.findall(r"\.Values\.(\w+)\.port", text)) <= allowed
     helpers = _template("_helpers.tpl")
     probes = helpers[helpers.index('define "pagedserve.probes"'):]
     probes = probes[:probes.index("{{- end }}")]
-    assert probes.count("grpc:\n    port: {{ .port }}") == 3
+    assert probes.count("grpc:\n    port: {{ $port }}") == 3
+    # the service's own port, unless it has TLS: then the plaintext health-only port
+    assert "ternary .root.Values.tls.healthPort .port (.tls | default false)" in probes
     assert "httpGet" not in probes and "tcpSocket" not in probes
     assert "- --port\n- {{ .port | quote }}" in helpers
+
+
+def _tls_argv(values: dict[str, Any], own_port_has_tls: bool) -> list[str]:
+    """What the chart's "pagedserve.tlsFlags" helper renders."""
+    internal = values["tls"]["internal"]
+    argv = ["--internal-tls-dir", internal["mountPath"]] if internal["enabled"] else []
+    if internal["enabled"] and internal["serverName"]:
+        argv += ["--tls-server-name", internal["serverName"]]
+    if own_port_has_tls:
+        argv += ["--health-port", str(values["tls"]["healthPort"])]
+    return argv
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_internal_tls_gives_every_service_the_mounted_secret_and_probes_the_health_port(service):
+    values = _values()
+    assert values["tls"]["internal"]["enabled"] is False  # plaintext, as the CLI defaults
+    values["tls"]["internal"].update(enabled=True, serverName="pagedserve-internal")
+    own_port_has_tls = service != "gateway"  # the gateway's own port is the public one
+    argv = [*_service_argv(values, service), *_tls_argv(values, own_port_has_tls)]
+    tls = from_args(SERVICE_CONFIGS[service], _parse(service, argv)).tls
+    assert tls.internal_tls_dir == values["tls"]["internal"]["mountPath"]
+    assert tls.tls_server_name == "pagedserve-internal"
+    assert tls.health_port == (values["tls"]["healthPort"] if own_port_has_tls else 0)
+    text = _template(WORKLOADS[service])
+    assert "pagedserve.internalTlsVolumeMount" in text and "pagedserve.internalTlsVolume" in text
+    tls_value = "$public.enabled" if service == "gateway" else ".Values.tls.internal.enabled"
+    for helper in ("tlsFlags", "healthContainerPort", "probes"):
+        assert re.search(rf'include "pagedserve.{helper}" \(dict "root" \. (?:"port" \S+ )?'
+                         rf'"tls" {re.escape(tls_value)}\)', text), (service, helper)
+    helpers = _template("_helpers.tpl")
+    assert "secretName: {{ include \"pagedserve.internalTlsSecret\" . | quote }}" in helpers
+
+
+def test_public_tls_passes_the_secrets_files_to_the_gateway():
+    values = _values()
+    public = values["tls"]["public"]
+    text = _template("gateway-deployment.yaml")
+    for flag, name in (("--public-tls-cert", "tls.crt"), ("--public-tls-key", "tls.key"),
+                       ("--public-tls-client-ca", "ca.crt")):
+        assert f'- {flag}\n            - {{{{ printf "%s/{name}" $public.mountPath | quote }}}}' in text
+    argv = [*_service_argv(values, "gateway"), "--health-port", "8081",
+            "--public-tls-cert", f"{public['mountPath']}/tls.crt",
+            "--public-tls-key", f"{public['mountPath']}/tls.key",
+            "--public-tls-client-ca", f"{public['mountPath']}/ca.crt"]
+    config = from_args(GatewayConfig, _parse("gateway", argv))
+    assert config.public_tls.is_enabled and config.public_tls.public_tls_client_ca
+    assert "tls.public.secretName must name a Secret" in text
+
+
+def test_the_cert_manager_certificate_names_every_address_the_services_dial():
+    text = _template("internal-certificate.yaml")
+    assert "kind: Certificate" in text and "apiVersion: cert-manager.io/v1" in text
+    assert "if and $internal.enabled $internal.certManager.issuerRef" in text
+    assert "- server auth\n    - client auth" in text  # one certificate for both ends
+    assert 'secretName: {{ include "pagedserve.internalTlsSecret" . | quote }}' in text
+    # the scheduler's address and each worker's (<fullname>-worker-<rank>.<fullname>-worker...)
+    assert 'printf "%s-scheduler%s" $fullname .' in text
+    assert 'printf "*.%s-worker%s" $fullname .' in text
+    helpers = _template("_helpers.tpl")
+    assert '{{ include "pagedserve.fullname" . }}-scheduler.{{ .Release.Namespace }}.svc.' in helpers
+    assert 'printf "%s-%d.%s.%s.svc.%s:%v" $worker $rank $worker' in helpers
+    assert '(printf ".%s.svc.%s" .Release.Namespace .Values.clusterDomain)' in text
 
 
 # --- rendered by helm, where it is installed ---------------------------------------------------
@@ -282,3 +347,32 @@ def test_rendering_refuses_bad_values_with_the_value_named(sets, message):
     result = _render(*sets)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+def _dns_match(pattern: str, host: str) -> bool:
+    """RFC 6125: a wildcard stands for exactly one leftmost label."""
+    if pattern.startswith("*."):
+        return host.split(".", 1)[1:] == [pattern[2:]]
+    return pattern == host
+
+
+@needs_helm
+def test_rendered_internal_tls_mounts_the_certificate_and_names_the_dialled_hosts():
+    manifests = _manifests("tls.internal.enabled=true", "tls.internal.certManager.issuerRef.name=ca",
+                           "engine.tensorParallelSize=2")
+    certificate = manifests[("Certificate", "demo-pagedserve-internal-tls")]["spec"]
+    scheduler = manifests[("Deployment", "demo-pagedserve-scheduler")]["spec"]["template"]["spec"]
+    gateway = manifests[("Deployment", "demo-pagedserve-gateway")]["spec"]["template"]["spec"]
+    config = from_args(SchedulerServiceConfig, _parse("scheduler", scheduler["containers"][0]["args"]))
+    gateway_config = from_args(GatewayConfig, _parse("gateway", gateway["containers"][0]["args"]))
+    hosts = [a.rsplit(":", 1)[0] for a in (*config.worker_addresses,
+                                           gateway_config.scheduler_address)]
+    for host in hosts:
+        assert any(_dns_match(name, host) for name in certificate["dnsNames"]), host
+    assert config.tls.internal_tls_dir and config.tls.health_port == 8081
+    (container,) = scheduler["containers"]
+    assert container["readinessProbe"]["grpc"] == {"port": 8081}
+    (volume,) = [v for v in scheduler["volumes"] if v["name"] == "internal-tls"]
+    assert volume["secret"]["secretName"] == certificate["secretName"]
+    assert gateway_config.tls.health_port == 0  # its own, public, port stays plaintext
+    assert gateway["containers"][0]["readinessProbe"]["grpc"] == {"port": gateway_config.port}

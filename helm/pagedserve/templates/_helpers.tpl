@@ -104,6 +104,57 @@ CLI flags from a map of camelCase keys (services/common/config.py fields): `fooB
 {{ include "pagedserve.flags" $tracing }}
 {{- end }}
 
+{{/* TLS ------------------------------------------------------------------------------------ */}}
+
+{{- define "pagedserve.internalTlsSecret" -}}
+{{ .Values.tls.internal.secretName | default (printf "%s-internal-tls" (include "pagedserve.fullname" .)) }}
+{{- end }}
+
+{{/*
+Internal mTLS flags every service takes; `tls`: whether the service's own port has TLS, so that
+its probes need the plaintext health port: (dict "root" $ "tls" <bool>).
+*/}}
+{{- define "pagedserve.tlsFlags" -}}
+{{- $internal := .root.Values.tls.internal }}
+{{- if $internal.enabled }}
+- --internal-tls-dir
+- {{ $internal.mountPath | quote }}
+{{- with $internal.serverName }}
+- --tls-server-name
+- {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- if .tls }}
+- --health-port
+- {{ .root.Values.tls.healthPort | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "pagedserve.internalTlsVolume" -}}
+{{- if .Values.tls.internal.enabled }}
+- name: internal-tls
+  secret:
+    secretName: {{ include "pagedserve.internalTlsSecret" . | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "pagedserve.internalTlsVolumeMount" -}}
+{{- if .Values.tls.internal.enabled }}
+- name: internal-tls
+  mountPath: {{ .Values.tls.internal.mountPath | quote }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The health port's containerPort, when the service's port has TLS: (dict "root" $ "tls" <bool>). */}}
+{{- define "pagedserve.healthContainerPort" -}}
+{{- if .tls }}
+- name: health
+  containerPort: {{ .root.Values.tls.healthPort }}
+  protocol: TCP
+{{- end }}
+{{- end }}
+
 {{/* Pods ----------------------------------------------------------------------------------- */}}
 
 {{/* SIGTERM: drain for drainTimeoutS, then server.stop with the same grace, plus a margin. */}}
@@ -154,21 +205,23 @@ affinity:
 {{- end }}
 
 {{/*
-gRPC health probes on the port the service listens on: (dict "root" $ "port" <its port>).
+gRPC health probes on the port the service listens on, or on the plaintext health port when
+that port has TLS: (dict "root" $ "port" <its port> "tls" <bool>).
 Kubernetes calls grpc.health.v1.Health/Check for the whole server ("").
 */}}
 {{- define "pagedserve.probes" -}}
+{{- $port := ternary .root.Values.tls.healthPort .port (.tls | default false) }}
 startupProbe:
   grpc:
-    port: {{ .port }}
+    port: {{ $port }}
   {{- toYaml .root.Values.probes.startup | nindent 2 }}
 readinessProbe:
   grpc:
-    port: {{ .port }}
+    port: {{ $port }}
   {{- toYaml .root.Values.probes.readiness | nindent 2 }}
 livenessProbe:
   grpc:
-    port: {{ .port }}
+    port: {{ $port }}
   {{- toYaml .root.Values.probes.liveness | nindent 2 }}
 {{- end }}
 
