@@ -279,6 +279,17 @@ def test_the_cert_manager_certificate_names_every_address_the_services_dial():
     assert '(printf ".%s.svc.%s" .Release.Namespace .Values.clusterDomain)' in text
 
 
+def test_network_policies_open_internal_ports_to_their_peers_only():
+    text = _template("networkpolicy.yaml")
+    assert _values()["networkPolicy"]["enabled"] is False
+    assert "{{- if .Values.networkPolicy.enabled }}" in text
+    assert ('dict "scheduler" (list (list "gateway" $.Values.scheduler.port)) "worker" '
+            '(list (list "scheduler" $.Values.worker.port) (list "worker" '
+            '$.Values.worker.distributedPort))') in text
+    assert "policyTypes:\n    - Ingress" in text
+    assert "- port: {{ $root.Values.tls.healthPort }}" in text  # probes reach the health port
+
+
 # --- rendered by helm, where it is installed ---------------------------------------------------
 
 HELM = shutil.which("helm")
@@ -376,3 +387,18 @@ def test_rendered_internal_tls_mounts_the_certificate_and_names_the_dialled_host
     assert volume["secret"]["secretName"] == certificate["secretName"]
     assert gateway_config.tls.health_port == 0  # its own, public, port stays plaintext
     assert gateway["containers"][0]["readinessProbe"]["grpc"] == {"port": gateway_config.port}
+
+
+@needs_helm
+def test_rendered_network_policies_admit_only_the_peer_components():
+    manifests = _manifests("networkPolicy.enabled=true")
+    peers = {}
+    for component in ("scheduler", "worker"):
+        spec = manifests[("NetworkPolicy", f"demo-pagedserve-{component}")]["spec"]
+        assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == component
+        peers[component] = sorted(
+            (rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"],
+             rule["ports"][0]["port"]) for rule in spec["ingress"])
+    assert peers == {"scheduler": [("gateway", 50052)],
+                     "worker": [("scheduler", 50053), ("worker", 29500)]}
+    assert ("NetworkPolicy", "demo-pagedserve-gateway") not in manifests
