@@ -119,7 +119,7 @@ async def start_scheduler(config: EngineConfig, service_config: SchedulerService
     try:
         servicer.service = await start_engine(config, service_config)
     except BaseException:
-        await server.server.stop(0)
+        await server.shutdown(0)  # its health-only port too
         raise
     await server.set_serving(True)
     logger.info("scheduler serving on port %d", server.port)

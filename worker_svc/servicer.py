@@ -232,7 +232,7 @@ async def start_worker(config: EngineConfig, service: WorkerServiceConfig
     try:
         await servicer.load()
     except BaseException:
-        await server.server.stop(0)
+        await server.shutdown(0)  # its health-only port too
         servicer.close()
         raise
     return server, servicer
