@@ -33,6 +33,7 @@ from pagedserve.services.common.config import (
     from_args,
 )
 from pagedserve.services.common.errors import InvalidRequest, PagedServeError
+from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -167,12 +168,14 @@ class _Client:
         whole at the end. Finish reasons and token counts go to stderr."""
         import grpc
 
-        from pagedserve.services.rpc.convert_common import sampling_params_to_proto
-        from pagedserve.services.rpc.v1 import common_pb2
+        from pagedserve.services.rpc.convert_common import (
+            finish_reason_from_proto,
+            sampling_params_to_proto,
+        )
 
         request.sampling.CopyFrom(sampling_params_to_proto(sampling))
         texts: dict[int, list[str]] = {i: [] for i in range(sampling.n)}
-        finish: dict[int, str] = {}
+        finish: dict[int, FinishReason] = {}
         try:
             for delta in self._stub.GenerateStream(request, timeout=self._timeout_s):
                 texts[delta.index].append(delta.text)
@@ -180,8 +183,7 @@ class _Client:
                     sys.stdout.write(delta.text)
                     sys.stdout.flush()
                 if delta.finish_reason:
-                    finish[delta.index] = common_pb2.FinishReason.Name(
-                        delta.finish_reason).removeprefix("FINISH_REASON_").lower()
+                    finish[delta.index] = finish_reason_from_proto(delta.finish_reason)
                 if delta.HasField("usage"):
                     usage = delta.usage
                     print(f"[finish: {', '.join(finish[i] for i in sorted(finish))}; prompt "

@@ -22,11 +22,10 @@ from tqdm.auto import tqdm
 from pagedserve.llm_engine import LLMEngine, engine_config_from_kwargs
 from pagedserve.services.common.config import default_model_dir
 from pagedserve.services.common.errors import InvalidRequest
-from pagedserve.services.common.outputs import RequestOutput
+from pagedserve.services.common.outputs import FinishReason, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import TokenLogprob
-from pagedserve.services.text.detokenizer import IncrementalDetokenizer
-from pagedserve.services.text.stop_strings import StopStringMatcher
+from pagedserve.services.text.text_stream import TextStream
 from pagedserve.services.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,7 +42,7 @@ class LLMCompletion:
     cumulative_logprob: float = 0.0
     logprobs: list[float] = field(default_factory=list)  # of each token in token_ids
     top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # if asked
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
 
 
@@ -57,80 +56,41 @@ class LLMOutput:
     prompt_logprobs: list[list[TokenLogprob] | None] | None = None
 
 
-class _TextStream:
-    """One output index: detokenizer + stop strings over its tokens, one token at a time."""
-
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
-                 sampling: SamplingParams, index: int) -> None:
-        self.completion = LLMCompletion(index=index)
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids,
-                                                  sampling.skip_special_tokens)
-        self.matcher = StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output)
-
-    @property
-    def is_stopped(self) -> bool:
-        return self.matcher.is_stopped
-
-    def push(self, token_ids: list[int], logprobs: list[float],
-             top_logprobs: list[list[TokenLogprob]]) -> None:
-        """Add tokens until a stop string matches; tokens after the match are dropped."""
-        out = self.completion
-        for i, token_id in enumerate(token_ids):
-            if self.matcher.is_stopped:
-                return
-            out.token_ids.append(token_id)
-            if i < len(logprobs):
-                out.cumulative_logprob += logprobs[i]
-                out.logprobs.append(logprobs[i])
-            if i < len(top_logprobs):
-                out.top_logprobs.append(top_logprobs[i])
-            text, stopped = self.matcher.push(self.detokenizer.push([token_id]))
-            out.text += text
-            if stopped:
-                out.finish_reason = "stop"
-
-    def finish(self, reason: str | None, error: str | None) -> None:
-        if self.matcher.is_stopped:
-            return
-        text, stopped = self.matcher.push(self.detokenizer.flush())
-        self.completion.text += text if stopped else text + self.matcher.flush()
-        self.completion.finish_reason = "stop" if stopped else reason
-        self.completion.error = error
-
-
 class _Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  sampling: SamplingParams, tokenizer: Tokenizer) -> None:
         self.output = LLMOutput(request_id=request_id, prompt=prompt,
                                 prompt_token_ids=prompt_token_ids, outputs=[])
-        self.sampling = sampling
-        self.tokenizer = tokenizer
-        self.streams: dict[int, _TextStream] = {}
+        self.text = TextStream(prompt_token_ids, sampling, tokenizer, decode_logprobs=False)
+        self.completions: dict[int, LLMCompletion] = {}
         self.is_finished = False
-
-    def stream(self, index: int) -> _TextStream:
-        if index not in self.streams:
-            self.streams[index] = _TextStream(self.tokenizer, self.output.prompt_token_ids,
-                                              self.sampling, index)
-        return self.streams[index]
 
     def update(self, report: RequestOutput) -> list[int]:
         """Take one engine report; returns the indices a stop string just stopped."""
         if report.prompt_logprobs is not None:
             self.output.prompt_logprobs = report.prompt_logprobs
         self.output.num_cached_tokens = report.num_cached_tokens
+        engine_outputs = {c.index: c for c in report.outputs}
         stopped = []
-        for completion in report.outputs:
-            stream = self.stream(completion.index)
-            was_stopped = stream.is_stopped
-            stream.push(completion.token_ids, completion.logprobs, completion.top_logprobs)
-            if completion.finish_reason is not None:
-                stream.finish(completion.finish_reason, completion.error)
-            elif stream.is_stopped and not was_stopped:
-                stopped.append(completion.index)
+        for delta in self.text.on_output(report):
+            engine_output = engine_outputs.get(delta.index)
+            if engine_output is None:  # the prompt-logprobs delta of an index with no tokens
+                continue
+            out = self.completions.setdefault(delta.index, LLMCompletion(index=delta.index))
+            num_kept = len(delta.token_ids)
+            out.text += delta.text
+            out.token_ids += delta.token_ids
+            for logprob in engine_output.logprobs[:num_kept]:
+                out.cumulative_logprob += logprob
+                out.logprobs.append(logprob)
+            out.top_logprobs += engine_output.top_logprobs[:num_kept]
+            if delta.finish_reason is not None:
+                out.finish_reason, out.error = delta.finish_reason, delta.error
+                if engine_output.finish_reason is None:
+                    stopped.append(delta.index)
         if report.finished:
             self.is_finished = True
-            self.output.outputs = [self.streams[i].completion for i in sorted(self.streams)]
+            self.output.outputs = [self.completions[i] for i in sorted(self.completions)]
         return stopped
 
 

@@ -36,7 +36,7 @@ from pagedserve.scheduler_svc.engine_core import EngineCore
 from pagedserve.scheduler_svc.scheduler import ScheduledStep
 from pagedserve.services.common.engine_api import EngineLoad, SubmitRequest
 from pagedserve.services.common.errors import NotFound, Unavailable
-from pagedserve.services.common.outputs import RequestOutput
+from pagedserve.services.common.outputs import FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class EngineService:
         if span.is_recording():
             request_ids = {item.group.request_id for item in scheduled.scheduled}
             errors = [o.error for r in outputs if r.request_id in request_ids
-                      for o in r.outputs if o.finish_reason == "error"]
+                      for o in r.outputs if o.finish_reason == FinishReason.ERROR]
             if errors:
                 span.set_status(Status(StatusCode.ERROR, errors[0]))
         span.end()

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedserve.scheduler_svc.sequence import BeamHypothesis, Sequence, SequenceGroup
+from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.step_plan import SampledSequence, TokenLogprob
 
 
@@ -32,7 +33,7 @@ class _Candidate:
 
 
 def beam_search_step(group: SequenceGroup, sampled: list[tuple[Sequence, SampledSequence]],
-                     stop_reason: Callable[[Sequence, int], str | None],
+                     stop_reason: Callable[[Sequence, int], FinishReason | None],
                      fork: Callable[[SequenceGroup, Sequence], Sequence],
                      free: Callable[[Sequence], None]) -> None:
     """Advance `group` by one token per beam. `stop_reason(seq, token_id)` says whether appending
@@ -79,7 +80,7 @@ def beam_search_step(group: SequenceGroup, sampled: list[tuple[Sequence, Sampled
             new_beams.append((cand.parent, cand))
     for seq, _ in sampled:
         if seq.seq_id not in reused:
-            seq.finish("stop")
+            seq.finish(FinishReason.STOP)
             free(seq)
     for seq, cand in new_beams:
         seq.append_token(cand.token_id, cand.logprob, cand.top_logprobs)
@@ -90,7 +91,7 @@ def beam_search_step(group: SequenceGroup, sampled: list[tuple[Sequence, Sampled
         group.seqs = [seq for seq, _ in sampled]
     if _is_done(group, [seq for seq, _ in new_beams], beam_width, length_penalty):
         for seq, _ in new_beams:
-            seq.finish("stop")
+            seq.finish(FinishReason.STOP)
             free(seq)
 
 

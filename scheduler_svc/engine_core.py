@@ -34,7 +34,7 @@ from pagedserve.scheduler_svc.sequence import SequenceGroup
 from pagedserve.services.common.config import EngineConfig
 from pagedserve.services.common.engine_api import EngineLoad
 from pagedserve.services.common.errors import ConfigError, InvalidRequest, NotFound
-from pagedserve.services.common.outputs import RequestOutput
+from pagedserve.services.common.outputs import FinishReason, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
 
@@ -197,7 +197,7 @@ class EngineCore:
         group = self._groups.pop(request_id, None)
         if group is None:
             raise NotFound(f"request_id {request_id!r} is not running")
-        self.scheduler.finish_group(group, "abort")
+        self.scheduler.finish_group(group, FinishReason.ABORT)
         report = make_request_output(group)
         assert report is not None, "a newly finished group always reports"
         return report
@@ -216,7 +216,7 @@ class EngineCore:
         seqs = [s for s in group.seqs if s.index == index and not s.is_finished]
         if not seqs:
             raise NotFound(f"request_id {request_id!r} has no running output index {index}")
-        seqs[0].finish("stop")
+        seqs[0].finish(FinishReason.STOP)
         self.scheduler.release_finished(group)
         if not group.is_finished:
             return None
@@ -335,7 +335,7 @@ class EngineCore:
         message = f"engine step {failed.scheduled.plan.step_id} failed: {exc}"
         lost = [worker for worker in self.workers if not self._clear_state(worker)]
         if not lost:
-            outputs = self._finish_groups(_touched_groups(steps), "error", message)
+            outputs = self._finish_groups(_touched_groups(steps), FinishReason.ERROR, message)
         else:
             outputs = self._rebuild(lost, steps, message)
         self.scheduler.forget_worker_state()
@@ -364,7 +364,7 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         if self._num_rebuilds_in_a_row >= MAX_REBUILDS_IN_A_ROW:
             outputs += self._finish_groups(
-                _touched_groups(steps), "error",
+                _touched_groups(steps), FinishReason.ERROR,
                 f"{message} (workers lost {self._num_rebuilds_in_a_row} times in a row)")
         num_requeued = self.scheduler.recompute_all()
         logger.warning("%d worker(s) lost their KV cache; rebuilding them, then recomputing %d "
@@ -376,7 +376,7 @@ class EngineCore:
         except Exception as exc:
             logger.error("a lost worker was not rebuilt: %r", exc)
             live = [g for g in self._groups.values() if not g.is_finished]
-            outputs += self._finish_groups(live, "error",
+            outputs += self._finish_groups(live, FinishReason.ERROR,
                                            f"{message}; the worker was not rebuilt: {exc}")
         return outputs
 
@@ -392,7 +392,7 @@ class EngineCore:
         logger.info("worker rebuilt: %d GPU blocks, %d CPU blocks (scheduler epoch %d)",
                     self.num_gpu_blocks, self.num_cpu_blocks, self.scheduler_epoch)
 
-    def _finish_groups(self, groups: list[SequenceGroup], reason: str,
+    def _finish_groups(self, groups: list[SequenceGroup], reason: FinishReason,
                        message: str) -> list[RequestOutput]:
         for group in groups:
             if not group.is_finished:

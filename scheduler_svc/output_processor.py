@@ -19,7 +19,7 @@ from pagedserve.scheduler_svc.beam_search import beam_search_step
 from pagedserve.scheduler_svc.outputs import make_request_output
 from pagedserve.scheduler_svc.scheduler import ScheduledStep, Scheduler
 from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus, derive_seed
-from pagedserve.services.common.outputs import RequestOutput
+from pagedserve.services.common.outputs import FinishReason, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import SampledSequence, StepOutput
 
@@ -60,7 +60,7 @@ class OutputProcessor:
                 continue
             if sampled is None or len(sampled.token_ids) != item.num_samples:
                 got = 0 if sampled is None else len(sampled.token_ids)
-                self.scheduler.finish_group(group, "error", (
+                self.scheduler.finish_group(group, FinishReason.ERROR, (
                     f"worker returned {got} sampled tokens for seq_id {seq.seq_id}, "
                     f"expected {item.num_samples}"))
                 continue
@@ -109,16 +109,17 @@ class OutputProcessor:
         group.seqs.append(child)
         return child
 
-    def _stop_reason(self, sampling: SamplingParams, seq: Sequence, token_id: int) -> str | None:
+    def _stop_reason(self, sampling: SamplingParams, seq: Sequence,
+                     token_id: int) -> FinishReason | None:
         """How `seq` would finish if `token_id` were appended to it; None if it goes on."""
         num_output_tokens = seq.num_output_tokens + 1
         if num_output_tokens > sampling.min_tokens:
             if not sampling.ignore_eos and token_id in self.eos_token_ids:
-                return "stop"
+                return FinishReason.STOP
             if token_id in sampling.stop_token_ids:
-                return "stop"
+                return FinishReason.STOP
         if num_output_tokens >= sampling.max_tokens or len(seq.token_ids) + 1 >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
 

@@ -15,6 +15,7 @@ from pagedserve.scheduler_svc.block_manager import AllocStatus, BlockManager
 from pagedserve.scheduler_svc.deltas import sequence_deltas
 from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedserve.services.common.config import SchedulerConfig
+from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def finish_group(self, group: SequenceGroup, reason: str, error: str | None = None) -> None:
+    def finish_group(self, group: SequenceGroup, reason: FinishReason,
+                     error: str | None = None) -> None:
         """Finish every live sequence of `group` (abort, error), free its blocks, unqueue it."""
         group.finish(reason, error)
         self.release_finished(group)
@@ -467,7 +469,7 @@ class Scheduler:
     def _fail(self, group: SequenceGroup, step: _Step, message: str) -> None:
         """Finish a group that can never run with an error (reported in `rejected`)."""
         logger.warning("request %s rejected: %s", group.request_id, message)
-        group.finish("error", message)
+        group.finish(FinishReason.ERROR, message)
         for seq in group.seqs:
             self.free_seq(seq)
         step.rejected.append(group)

@@ -17,6 +17,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
+from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import TokenLogprob
 
@@ -38,10 +39,10 @@ class SequenceStatus(enum.Enum):
 PLACEHOLDER_TOKEN_ID = -1  # a token an in-flight step is sampling
 
 _FINISH_REASONS = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-    SequenceStatus.FINISHED_ERROR: "error",
+    SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
+    SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    SequenceStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 FINISHED_BY_REASON = {reason: status for status, reason in _FINISH_REASONS.items()}
 
@@ -92,7 +93,7 @@ class Sequence:
         return self.status.is_finished
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self.status)
 
     @property
@@ -119,7 +120,7 @@ class Sequence:
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.status = FINISHED_BY_REASON[reason]
         self.error = error
 
@@ -144,7 +145,7 @@ class BeamHypothesis:
     score: float  # cumulative_logprob / num_output_tokens ** length_penalty
     logprobs: list[float]
     top_logprobs: list[list[TokenLogprob]]
-    finish_reason: str
+    finish_reason: FinishReason
 
 
 @dataclass(slots=True, eq=False)
@@ -212,8 +213,8 @@ class SequenceGroup:
             return 2 * self.beam_width
         return 1 if self.has_forked else self.sampling.num_candidates
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
         for seq in self.live_seqs():
             seq.finish(reason, error)
-        if reason == "error":
+        if reason == FinishReason.ERROR:
             self.error = error

@@ -17,6 +17,7 @@ from pagedserve.scheduler_svc.engine_core import EngineCore
 from pagedserve.scheduler_svc.worker_client import WorkerClient
 from pagedserve.services.common.config import EngineConfig, SchedulerServiceConfig
 from pagedserve.services.common.errors import ConfigError, Unavailable
+from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.rpc.convert_scheduler import (
     abort_request_from_proto,
     load_to_proto,
@@ -52,7 +53,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         async with await service.submit(submit_request_from_proto(request)) as stream:
             async for output in stream:
                 yield token_event_to_proto(output)
-                errors = [o.error for o in output.outputs if o.finish_reason == "error"]
+                errors = [o.error for o in output.outputs if o.finish_reason == FinishReason.ERROR]
                 if output.finished and errors:
                     await context.abort(grpc.StatusCode.INTERNAL,
                                         errors[0] or "the request failed inside the engine")

@@ -9,9 +9,19 @@ then).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from pagedserve.services.common.step_plan import TokenLogprob
+
+
+class FinishReason(enum.StrEnum):
+    """Why an output ended; the values are what users read (vLLM's words)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # the client aborted or cancelled
+    ERROR = "error"  # the engine failed it; `error` says why
 
 
 @dataclass(slots=True)
@@ -21,7 +31,7 @@ class CompletionOutput:
     logprobs: list[float] = field(default_factory=list)  # one per token in token_ids
     top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # if asked, per token
     cumulative_logprob: float = 0.0  # of the whole output so far
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
+    finish_reason: FinishReason | None = None  # None while running
     error: str | None = None
 
 

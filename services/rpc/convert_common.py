@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from google.protobuf.message import Message
 from pagedserve.services.common.errors import InvalidRequest
-from pagedserve.services.common.outputs import Usage
+from pagedserve.services.common.outputs import FinishReason, Usage
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import TokenLogprob
 from pagedserve.services.rpc.v1 import common_pb2
@@ -22,13 +22,9 @@ _OPTIONAL_FIELDS = ("n", "best_of", "length_penalty", "temperature", "top_p", "r
 _PLAIN_FIELDS = ("use_beam_search", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "include_stop_str_in_output", "ignore_eos", "min_tokens")
 
-FINISH_REASONS: dict[str, int] = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
-_FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
+_FINISH_REASONS_TO_PROTO = {reason: common_pb2.FinishReason.Value(f"FINISH_REASON_{reason.name}")
+                            for reason in FinishReason}
+_FINISH_REASONS_FROM_PROTO = {value: reason for reason, value in _FINISH_REASONS_TO_PROTO.items()}
 
 
 def _set(msg: Message, name: str, value: object) -> None:
@@ -96,22 +92,22 @@ def logprob_lists_from_proto(container: Iterable[common_pb2.TokenLogprobs]) -> l
     return [token_logprobs_from_proto(position) for position in container]
 
 
-def finish_reason_to_proto(reason: str | None) -> int:
-    """None (still running) → FINISH_REASON_UNSPECIFIED; "stop"/"length"/"abort"/"error"."""
+def finish_reason_to_proto(reason: FinishReason | None) -> int:
+    """None (still running) is FINISH_REASON_UNSPECIFIED."""
     if reason is None:
         return common_pb2.FINISH_REASON_UNSPECIFIED
     try:
-        return FINISH_REASONS[reason]
+        return _FINISH_REASONS_TO_PROTO[reason]
     except KeyError:
-        raise ValueError(
-            f"finish reason must be one of {sorted(FINISH_REASONS)} or None, got {reason!r}") from None
+        raise ValueError(f"finish reason must be one of {[r.value for r in FinishReason]} or None, "
+                         f"got {reason!r}") from None
 
 
-def finish_reason_from_proto(value: int) -> str | None:
+def finish_reason_from_proto(value: int) -> FinishReason | None:
     if value == common_pb2.FINISH_REASON_UNSPECIFIED:
         return None
     try:
-        return _FINISH_REASON_NAMES[value]
+        return _FINISH_REASONS_FROM_PROTO[value]
     except KeyError:
         raise ValueError(f"unknown FinishReason value {value}") from None
 

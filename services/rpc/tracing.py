@@ -36,6 +36,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from pagedserve.services.common.errors import ConfigError
+from pagedserve.services.rpc.convert_common import finish_reason_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -410,14 +411,10 @@ class _Recorded:
     response: Callable[[Any, dict[str, Any]], None] | None = None  # folds one into the dict
 
 
-def _finish_reason(msg: Any) -> str:
-    enum = msg.DESCRIPTOR.fields_by_name["finish_reason"].enum_type
-    return enum.values_by_number[msg.finish_reason].name.removeprefix("FINISH_REASON_").lower()
-
-
 def _add_finish_reason(msg: Any, attributes: dict[str, Any]) -> None:
     if msg.finish_reason:
-        attributes[FINISH_REASONS] = [*attributes.get(FINISH_REASONS, ()), _finish_reason(msg)]
+        reason = finish_reason_from_proto(msg.finish_reason).value
+        attributes[FINISH_REASONS] = [*attributes.get(FINISH_REASONS, ()), reason]
 
 
 def _generate_request(msg: Any) -> dict[str, Any]:

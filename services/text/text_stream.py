@@ -1,17 +1,19 @@
-"""The scheduler's token events of one request as the client's text deltas.
-
-Per output index: incremental detokenization, then stop strings (text that could still become a
-stop string is held back). An index ends with the scheduler's finish reason, or with "stop" when
-a stop string matches; the request is over when every index has ended (the caller then cancels
-the Submit call, which aborts what the scheduler still runs). Usage rides on the request's last
-delta. No gRPC here: the servicer converts the deltas.
+"""One request's engine outputs as text deltas: per output index, incremental detokenization,
+then stop strings (text that could still become one is held back). An index ends with the engine's
+finish reason, or with STOP when a stop string completes; the tokens after the one that completed
+it are dropped. Both the gateway and the offline LLM read their text from here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.services.common.outputs import CompletionOutput, RequestOutput, Usage
+from pagedserve.services.common.outputs import (
+    CompletionOutput,
+    FinishReason,
+    RequestOutput,
+    Usage,
+)
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import TokenLogprob
 from pagedserve.services.text.detokenizer import IncrementalDetokenizer
@@ -33,9 +35,9 @@ class StreamDelta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[DecodedLogprob] = field(default_factory=list)  # per token, if asked
     top_logprobs: list[list[DecodedLogprob]] = field(default_factory=list)  # per token, if asked
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
+    finish_reason: FinishReason | None = None  # None while running
     cumulative_logprob: float = 0.0
-    error: str | None = None  # with finish_reason "error"
+    error: str | None = None  # with FinishReason.ERROR
     usage: Usage | None = None  # on the request's last delta
     prompt_logprobs: list[list[DecodedLogprob]] | None = None  # on the first delta, if asked
 
@@ -52,9 +54,11 @@ class TextStream:
     """One request's text. Not thread-safe."""
 
     def __init__(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                 tokenizer: Tokenizer) -> None:
+                 tokenizer: Tokenizer, decode_logprobs: bool = True) -> None:
+        """`decode_logprobs=False`: the caller reads logprobs off the engine's outputs itself, so
+        the deltas carry no token texts for them."""
         self._tokenizer = tokenizer
-        self._wants_logprobs = sampling.logprobs is not None
+        self._wants_logprobs = decode_logprobs and sampling.logprobs is not None
         self._indices = [
             _IndexState(IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                                sampling.skip_special_tokens),
@@ -94,25 +98,32 @@ class TextStream:
         state = self._indices[completion.index]
         if state.is_finished:
             return None  # a stop string ended it; the scheduler may not know yet
-        state.num_tokens += len(completion.token_ids)
-        text, is_stopped = state.stop_matcher.push(state.detokenizer.push(completion.token_ids))
-        finish_reason = "stop" if is_stopped else None
-        if not is_stopped and completion.finish_reason is not None:
+        text, token_ids = "", []
+        finish_reason = None
+        for token_id in completion.token_ids:  # one at a time: the cut falls between tokens
+            token_ids.append(token_id)
+            piece, is_stopped = state.stop_matcher.push(state.detokenizer.push([token_id]))
+            text += piece
+            if is_stopped:
+                finish_reason = FinishReason.STOP
+                break
+        if finish_reason is None and completion.finish_reason is not None:
             tail, is_stopped = state.stop_matcher.push(state.detokenizer.flush())
             text += tail if is_stopped else tail + state.stop_matcher.flush()
-            finish_reason = "stop" if is_stopped else completion.finish_reason
+            finish_reason = FinishReason.STOP if is_stopped else completion.finish_reason
+        state.num_tokens += len(token_ids)
         state.is_finished = finish_reason is not None
-        if not (text or completion.token_ids or state.is_finished):
+        if not (text or token_ids or state.is_finished):
             return None
-        delta = StreamDelta(index=completion.index, text=text, token_ids=list(completion.token_ids),
+        delta = StreamDelta(index=completion.index, text=text, token_ids=token_ids,
                             finish_reason=finish_reason,
                             cumulative_logprob=completion.cumulative_logprob,
-                            error=completion.error if finish_reason == "error" else None)
+                            error=completion.error if finish_reason == FinishReason.ERROR else None)
         if self._wants_logprobs:
             delta.logprobs = [DecodedLogprob(t, lp, self._token_text(t))
-                              for t, lp in zip(completion.token_ids, completion.logprobs,
-                                               strict=False)]
-            delta.top_logprobs = [self._decoded(c) for c in completion.top_logprobs]
+                              for t, lp in zip(token_ids, completion.logprobs, strict=False)]
+            delta.top_logprobs = [self._decoded(c)
+                                  for c in completion.top_logprobs[:len(token_ids)]]
         return delta
 
     def _decoded(self, candidates: list[TokenLogprob]) -> list[DecodedLogprob]:

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 from pagedserve.services.common.errors import InvalidRequest
-from pagedserve.services.common.outputs import Usage
+from pagedserve.services.common.outputs import FinishReason, Usage
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import TokenLogprob
 from pagedserve.services.rpc.convert_common import (
@@ -100,12 +100,17 @@ def test_logprob_lists_round_trip():
     assert logprob_lists_from_proto(_wire(event).prompt_logprobs) == positions
 
 
-@pytest.mark.parametrize("reason", ["stop", "length", "abort", "error", None])
+@pytest.mark.parametrize("reason", [*FinishReason, None])
 def test_finish_reason_round_trip(reason):
     value = finish_reason_to_proto(reason)
     assert common_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_") == (
         reason or "unspecified").upper()
-    assert finish_reason_from_proto(value) == reason
+    assert finish_reason_from_proto(value) is reason
+
+
+def test_finish_reasons_read_as_vllm_words():
+    assert [str(r) for r in FinishReason] == ["stop", "length", "abort", "error"]
+    assert f"{FinishReason.STOP}" == "stop" and FinishReason("length") is FinishReason.LENGTH
 
 
 def test_unknown_finish_reasons_are_refused():

@@ -2,7 +2,7 @@
 
 import pytest
 from pagedserve.services.common.errors import InvalidRequest
-from pagedserve.services.common.outputs import CompletionOutput, RequestOutput
+from pagedserve.services.common.outputs import CompletionOutput, FinishReason, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import TokenLogprob
 from pagedserve.services.gateway.validation import (
@@ -106,3 +106,15 @@ def test_text_prompt_and_messages_without_template():
         prepare_request(GenerateInput(messages=(ChatMessage("user", "hi"),)), TOKENIZER, no_template)
     ready = prepare_request(GenerateInput(text="hello there"), TOKENIZER, INFO)
     assert ready.prompt_token_ids == TOKENIZER.encode("hello there")
+
+
+def test_tokens_after_the_stop_string_are_cut():
+    # a whole output in one event (beam search, best_of > n): the stop falls inside it
+    stream = _stream(stop=["X"], logprobs=0)
+    kept, dropped = ids("hello") + ids("X"), ids("world")
+    tokens = kept + dropped
+    (delta,) = stream.on_output(event(CompletionOutput(
+        0, tokens, logprobs=[-1.0] * len(tokens), finish_reason=FinishReason.LENGTH)))
+    assert (delta.text, delta.token_ids, delta.finish_reason) == ("hello", kept, "stop")
+    assert len(delta.logprobs) == len(kept)
+    assert delta.usage.completion_tokens == len(kept)
