@@ -26,7 +26,8 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from opentelemetry import trace
@@ -87,9 +88,12 @@ class RequestStream:
 
 
 class EngineService:
-    def __init__(self, engine: EngineCore, executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, engine: EngineCore, executor: ThreadPoolExecutor, stop_timeout_s: float
+                 ) -> None:
         self.engine = engine
-        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._executor = executor
+        self._stop_timeout_s = stop_timeout_s
+        self._engine_call: Future | None = None  # what the engine thread runs (or ran last)
         self._streams: dict[str, asyncio.Queue[_Item]] = {}
         self._pending: list[tuple[Callable[[], Any], asyncio.Future | None]] = []
         self._wakeup = asyncio.Event()
@@ -106,12 +110,14 @@ class EngineService:
         engine.step_observer = self
 
     @classmethod
-    async def start(cls, build_engine: Callable[[], EngineCore]) -> EngineService:
+    async def start(cls, build_engine: Callable[[], EngineCore], stop_timeout_s: float
+                    ) -> EngineService:
         """Run the worker handshake (`build_engine`, blocking: model load, profiling) on the
-        engine thread, then start the loop."""
+        engine thread, then start the loop. `stop` waits at most stop_timeout_s for the engine
+        thread."""
         executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         engine = await asyncio.get_running_loop().run_in_executor(executor, build_engine)
-        service = cls(engine, executor)
+        service = cls(engine, executor, stop_timeout_s)
         service._task = asyncio.create_task(service._run(), name="engine-loop")
         return service
 
@@ -161,8 +167,10 @@ class EngineService:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
 
-    async def stop(self) -> None:
-        """End the loop; requests still live fail with UNAVAILABLE."""
+    async def stop(self) -> bool:
+        """End the loop; requests still live fail with UNAVAILABLE. True once the engine thread
+        is idle: only then may the workers' channels close, because a gRPC channel closed under
+        a call in flight on another thread can crash the process."""
         self._is_accepting = False
         if self._task is not None:
             self._task.cancel()
@@ -171,6 +179,14 @@ class EngineService:
         for request_id in list(self._streams):
             self._end(request_id, Unavailable("the scheduler is shutting down"))
         self._executor.shutdown(wait=False, cancel_futures=True)
+        call = self._engine_call
+        if call is None or call.done():
+            return True
+        # cancelling the loop left the engine thread's step (or its recovery) running
+        done, _ = await asyncio.to_thread(futures.wait, [call], self._stop_timeout_s)
+        if not done:
+            logger.warning("the engine thread is still busy after %.1f s", self._stop_timeout_s)
+        return bool(done)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -196,27 +212,26 @@ class EngineService:
         self._wakeup.set()
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             self._apply_pending()
             self._load = self.engine.get_load()  # what GetLoad answers during the next step
             if not self.engine.has_unfinished_requests():
                 if self.engine.has_step_in_flight:
-                    await self._step(loop, self.engine.drain)
+                    await self._step(self.engine.drain)
                     continue
                 self._wakeup.clear()
                 if not self._pending:
                     await self._wakeup.wait()
                 continue
-            await self._step(loop, self.engine.step)
+            await self._step(self.engine.step)
 
-    async def _step(self, loop: asyncio.AbstractEventLoop,
-                    step: Callable[[], list[RequestOutput]]) -> None:
+    async def _step(self, step: Callable[[], list[RequestOutput]]) -> None:
         """`step` (engine.step or engine.drain) on the engine thread; its outputs to the
         streams."""
         self._is_stepping = True
         try:
-            outputs = await loop.run_in_executor(self._executor, step)
+            self._engine_call = self._executor.submit(step)
+            outputs = await asyncio.wrap_future(self._engine_call)
         except Exception as exc:  # EngineCore contains worker failures; this is a bug
             logger.exception("engine step raised; failing every live request")
             self._fail_all(exc)

@@ -102,7 +102,8 @@ async def start_engine(config: EngineConfig, service_config: SchedulerServiceCon
                             service_config.startup_timeout_s, service_config.tls)
                for address in service_config.worker_addresses]
     try:
-        return await EngineService.start(lambda: EngineCore(config, workers))
+        return await EngineService.start(lambda: EngineCore(config, workers),
+                                         service_config.shutdown.drain_timeout_s)
     except BaseException:
         for worker in workers:
             worker.close()
@@ -129,12 +130,12 @@ async def start_scheduler(config: EngineConfig, service_config: SchedulerService
 
 async def stop_scheduler(server: ServiceServer, servicer: SchedulerServicer,
                          grace_s: float = 0.0) -> None:
-    """Drain (bounded by grace_s), stop the server, end the engine loop, close the workers."""
+    """Drain (bounded by grace_s), stop the server, end the engine loop, close the workers
+    (left to the process's exit if the engine thread is still in a call to them)."""
     service = servicer.service
     drain = None if service is None else (lambda: service.drain(grace_s))
     await server.shutdown(grace_s, drain)
-    if service is not None:
-        await service.stop()
+    if service is not None and await service.stop():
         for worker in service.engine.workers:
             worker.close()
 
