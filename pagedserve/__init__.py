@@ -2,9 +2,8 @@
 
     from pagedserve import LLM, SamplingParams
 
-The layers are importable as pagedserve.services, pagedserve.scheduler_svc, pagedserve.worker_svc
-and pagedserve.kernels. A wheel installs them inside this package; in a source checkout they are
-the folders beside it, found through __path__ below.
+A wheel installs the layers (services, scheduler_svc, worker_svc, kernels) inside this package;
+in a source checkout they are the folders beside it, found through __path__.
 """
 
 from __future__ import annotations

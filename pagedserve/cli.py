@@ -38,8 +38,6 @@ from pagedserve.services.common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# --- services ---------------------------------------------------------------------------------
-
 
 def _serve(args: argparse.Namespace) -> int:
     from pagedserve.supervisor import serve_stack
@@ -91,8 +89,6 @@ def _gateway(args: argparse.Namespace) -> int:
     asyncio.run(serve(service))
     return 0
 
-
-# --- clients ----------------------------------------------------------------------------------
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -164,8 +160,7 @@ class _Client:
         self._channel.close()
 
     def stream(self, request, sampling: SamplingParams) -> tuple[int, str]:
-        """(exit code, text of output 0). One output streams to stdout; n > 1 prints each
-        whole at the end. Finish reasons and token counts go to stderr."""
+        """(exit code, text of output 0); n > 1 prints each output whole at the end."""
         import grpc
 
         from pagedserve.services.rpc.convert_common import (
@@ -223,8 +218,6 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
             base = next((a for a in args if a is not type(None)), tp)
             group.add_argument(flag, type=base, **kw)
 
-
-# --- the parser -------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -291,12 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr,
         format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s")
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC core's own INFO lines are noise
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         return args.run(args)
     except InvalidRequest as e:  # bad flags (ConfigError included) or sampling parameters
         parser.exit(2, f"pagedserve {args.command}: error: {e}\n")
-    except PagedServeError as e:  # e.g. no worker answered the scheduler's handshake
+    except PagedServeError as e:
         logger.error("%s", e)
         return 1
     except KeyboardInterrupt:

@@ -3,10 +3,8 @@
     llm = LLM(model="/path/to/model", enable_prefix_caching=True)
     outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
 
-Text is detokenized incrementally (skip_special_tokens by default). Stop strings are matched in
-that text: when one matches, that output is stopped in the engine (its blocks freed) and reported
-with finish_reason "stop". Beam search and best_of > n pick their winners only at the end, so their
-stop strings cut the final text.
+A stop string stops its output in the engine at once (its blocks freed); beam search and
+best_of > n pick their winners only at the end, so there a stop string cuts the final text.
 """
 
 from __future__ import annotations
@@ -74,7 +72,7 @@ class _Request:
         stopped = []
         for delta in self.text.on_output(report):
             engine_output = engine_outputs.get(delta.index)
-            if engine_output is None:  # the prompt-logprobs delta of an index with no tokens
+            if engine_output is None:  # the prompt-logprobs delta of an empty report
                 continue
             out = self.completions.setdefault(delta.index, LLMCompletion(index=delta.index))
             num_kept = len(delta.token_ids)
@@ -96,23 +94,19 @@ class _Request:
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        """`kwargs` are flat engine options (block_size, enable_prefix_caching, max_num_seqs,
-        num_gpu_blocks_override, preemption_mode, enable_chunked_prefill, dtype, seed,
-        tensor_parallel_size, ...). With tensor_parallel_size > 1 the ranks run as worker
-        processes until close() (or the interpreter's exit)."""
+        """`kwargs`: flat engine options, named as the CLI flags (block_size, dtype, seed, ...)."""
         config = engine_config_from_kwargs(model=model or default_model_dir(), **kwargs)
         self.tokenizer = Tokenizer.from_pretrained(config.model.tokenizer_path)
         self.engine = LLMEngine(config)
         self._request_ids = itertools.count()
 
     def close(self) -> None:
-        """Stop the engine's worker processes, if it has any (tensor parallelism)."""
         self.engine.close()
 
     def generate(self, prompts: str | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[LLMOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in input order."""
+        """Outputs come back in input order."""
         if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         encoded = [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p))
@@ -122,8 +116,7 @@ class LLM:
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[LLMOutput]:
-        """One conversation (a list of {"role", "content"} messages) or a list of them, through
-        the tokenizer's chat template."""
+        """One conversation (a list of {"role", "content"} messages) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         encoded = []
         for conversation in conversations:

@@ -1,10 +1,6 @@
-"""LLMEngine: the scheduler core wired straight to an in-process worker core (no gRPC).
-
-The gRPC scheduler service builds the same EngineCore with worker clients instead; everything
-between the two is transport. With tensor_parallel_size N > 1 every rank needs a process of its
-own (worker_svc/parallel.py), so the engine starts N `pagedserve worker` processes on loopback
-and drives them through worker clients, as the scheduler service does; close() (or the
-interpreter's exit) stops them.
+"""LLMEngine: the scheduler core wired straight to in-process worker cores (no gRPC); the
+scheduler service builds the same EngineCore with worker clients. Tensor parallelism needs a
+process per rank, so there the engine drives `pagedserve worker` processes on loopback.
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ if typing.TYPE_CHECKING:
 
 
 def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
-    """An EngineConfig from flat field names (`model=`, `block_size=`, `max_num_seqs=`, ...),
-    as the CLI flags spell them. Unknown names raise ConfigError naming them."""
+    """An EngineConfig from flat field names (`model=`, `block_size=`, ...), as the CLI flags."""
     sections: dict[str, dict[str, Any]] = {}
     owner: dict[str, str] = {}
     hints = typing.get_type_hints(EngineConfig)
@@ -62,8 +57,7 @@ class LLMEngine:
             raise
 
     def close(self) -> None:
-        """Stop the tensor-parallel rank processes, if any, once the step still in flight
-        (async scheduling) is done (idempotent)."""
+        """Idempotent; the ranks stop after the step still in flight."""
         if self.ranks:
             self.core.drain()
         self._stop_ranks()

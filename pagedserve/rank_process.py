@@ -32,10 +32,8 @@ def start_ranks(config: EngineConfig) -> list[RankProcess]:
 
 
 class RankProcess:
-    """One tensor-parallel rank: a WorkerClient (whose methods it has) plus its `pagedserve
-    worker` process on loopback. A rank that exited -- killed, or out of a broken
-    group (worker_svc/parallel.py) -- is started again when the engine rebuilds it (the
-    handshake's load_model), as Kubernetes or `pagedserve serve` would restart it."""
+    """A WorkerClient plus its process. A rank that exited is started again by the engine's
+    rebuild (load_model), as Kubernetes or `pagedserve serve` would restart it."""
 
     def __init__(self, config: EngineConfig, rank: int,
                  certificates: ThrowAwayCertificates) -> None:

@@ -1,14 +1,10 @@
 """`pagedserve serve`: worker, scheduler and gateway as supervised child processes of one command.
 
-Each child is `python -m pagedserve.cli <role> ...` in its own session, so a Ctrl-C at the terminal
-reaches only the supervisor, which then stops them in order: the gateway first (it drains its
-streams), then the scheduler, then the worker. Readiness is the children's own grpc.health.v1
-status, watched (a server stream, no polling) until SERVING. A restartable child -- a worker
-or the gateway -- that exits on its own is started again on its address, as Kubernetes restarts
-a pod (the scheduler rebuilds a restarted worker and recomputes its requests; the other
-tensor-parallel ranks exit on their own once their group breaks, and restart too). Any other
-exit -- the scheduler's, which held every request, or a child that keeps dying, MAX_RESTARTS
-times within RESTART_WINDOW_S -- stops the others.
+Each child runs in its own session, so a Ctrl-C reaches only the supervisor, which stops them
+gateway first (it drains its streams). A worker or the gateway that exits on its own is started
+again on its address, as Kubernetes restarts a pod (the scheduler rebuilds a restarted worker).
+The scheduler's exit, or a child that keeps dying, stops the others: the scheduler held every
+request.
 """
 
 from __future__ import annotations
@@ -50,8 +46,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def config_to_argv(config: Any) -> list[str]:
-    """The flags that rebuild `config` through pagedserve.services.common.config.from_args (nested dataclasses
-    flattened), so a child process gets exactly the parent's configuration."""
+    """The flags from which from_args rebuilds `config`: a child gets the parent's configuration."""
     argv: list[str] = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
@@ -71,15 +66,14 @@ def config_to_argv(config: Any) -> list[str]:
 @dataclass(slots=True)
 class Child:
     role: str  # "worker", "scheduler", "gateway"
-    address: str  # host:port it serves on
-    argv: Sequence[str]  # its flags, to start it again
+    address: str
+    argv: Sequence[str]
     process: asyncio.subprocess.Process
     restartable: bool = False
     tls: TlsConfig | None = None  # the supervisor's certificates for its port, if it has TLS
     restart_times: list[float] = dataclasses.field(default_factory=list)  # monotonic
 
     async def wait_serving(self, timeout_s: float) -> None:
-        """Until its health is SERVING; raises if it exits first or the time runs out."""
         serving = asyncio.create_task(_watch_until_serving(self.address, self.tls))
         exited = asyncio.create_task(self.process.wait())
         try:
@@ -123,18 +117,15 @@ async def _watch_until_serving(address: str, tls: TlsConfig | None) -> None:
 
 
 def service_command(role: str, argv: Sequence[str]) -> list[str]:
-    """The command line of one `pagedserve <role>` process (worker, scheduler, gateway)."""
     return [sys.executable, "-m", "pagedserve.cli", role, *argv]
 
 
 def service_env() -> dict[str, str]:
-    """Its environment: ours, with unbuffered output and gRPC core's INFO lines off."""
     return {**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "ERROR"}
 
 
 def with_loopback_rendezvous(config: Any) -> Any:
-    """`config` (an EngineConfig) with the tensor-parallel ranks meeting on loopback, on a port
-    nothing else uses: for ranks this process starts on this machine."""
+    """`config` with the tensor-parallel ranks meeting on a free loopback port."""
     return dataclasses.replace(config, parallel=dataclasses.replace(
         config.parallel, distributed_init_address=f"127.0.0.1:{free_port()}"))
 
@@ -152,8 +143,7 @@ async def start_child(role: str, address: str, argv: Sequence[str],
 
 
 async def restart_child(child: Child) -> bool:
-    """Start a restartable child that exited on its own again, unless it keeps dying; False if
-    it was not restarted."""
+    """False if it was not restarted (not restartable, or it keeps dying)."""
     now = time.monotonic()
     child.restart_times = [t for t in child.restart_times if now - t < RESTART_WINDOW_S]
     if not child.restartable or len(child.restart_times) >= MAX_RESTARTS:
@@ -164,8 +154,8 @@ async def restart_child(child: Child) -> bool:
 
 
 class Supervisor:
-    """Children in start order, stopped in reverse order. Create it inside the running event
-    loop: from then on SIGINT and SIGTERM request a stop instead of killing the supervisor."""
+    """Children stopped in reverse start order. Created inside the running loop, it turns
+    SIGINT and SIGTERM into a stop request."""
 
     def __init__(self, stop_timeout_s: float) -> None:
         self.children: list[Child] = []
@@ -182,8 +172,7 @@ class Supervisor:
         return child
 
     async def wait_serving(self, timeout_s: float) -> bool:
-        """True once every child serves; False if a stop was requested first. Raises if a
-        child exits or is not ready in time."""
+        """True once every child serves; False if a stop was requested first."""
         ready = asyncio.ensure_future(asyncio.gather(
             *(child.wait_serving(timeout_s) for child in self.children)))
         stop = asyncio.create_task(self._stop_requested.wait())
@@ -246,11 +235,8 @@ def example_commands(address: str) -> list[str]:
 async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, worker_port: int,
                       startup_timeout_s: float, drain_timeout_s: float,
                       tracing: Any = None, internal_tls: bool = True) -> int:
-    """Start the workers (one per tensor-parallel rank), scheduler and gateway (`config` is the
-    EngineConfig every one gets, and `tracing` the TracingConfig, if given), wait
-    until all three serve, print the gateway's address and examples, run until Ctrl-C or
-    SIGTERM (0) or until the scheduler dies or another child keeps dying (1), then stop them
-    gateway first. With `internal_tls` the three talk mutual TLS with certificates of a
+    """Run the stack until Ctrl-C or SIGTERM (0), or until the scheduler dies or another child
+    keeps dying (1). With `internal_tls` the three talk mutual TLS with certificates of a
     throw-away CA, removed when the stack stops."""
     connect = _connect_host(host)
     num_ranks = config.parallel.tensor_parallel_size

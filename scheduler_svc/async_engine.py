@@ -1,22 +1,9 @@
-"""The engine loop of the scheduler service: EngineCore driven from asyncio.
+"""The scheduler service's engine loop: EngineCore driven from asyncio.
 
-EngineCore is not thread-safe, so it is touched in two places only, never at once:
-- the engine thread (one dedicated thread) runs `step()`;
-- the event loop applies queued operations (add, abort) and takes the load snapshot, always
-  between two steps.
-Each Submit call owns an asyncio.Queue; after every step the loop pushes each RequestOutput to
-its request's queue. With no work the loop sleeps on an asyncio.Event (no polling); a new
-operation wakes it. A Submit whose consumer goes away (client gone, deadline, gateway abort)
-queues an abort that runs before the next step, so its blocks are free by then.
-
-Tracing: every step is an "engine_step" span (EngineService is the engine's StepObserver), from
-the moment it is sent to the workers until its outputs are processed -- with async scheduling,
-consecutive steps' spans overlap, as the steps do. The worker call (ExecuteStep, a CLIENT span)
-is its child. A step serves many requests, so it is drawn in the trace of one of them -- the
-oldest live request, as a child of its Submit span -- and links to the Submit spans of the others
-it ran. A lone request thus reads as one trace from the gateway down to the worker; in a batch,
-the other requests' steps are found through the links. When the last request finishes, the step
-already sent after it (async scheduling) is drained at once, so its span ends too.
+EngineCore is not thread-safe: the engine thread runs its steps, and the event loop applies the
+queued operations (add, abort) only between two steps. A Submit whose consumer leaves queues an
+abort that runs before the next step, so its blocks are free by then. Each step is a span in the
+trace of the oldest live request, linked to the Submit spans of the others it ran.
 """
 
 from __future__ import annotations
@@ -43,7 +30,6 @@ logger = logging.getLogger(__name__)
 
 _Item = RequestOutput | BaseException  # what a Submit queue carries; an exception ends it
 
-# Attributes of the engine step span (the worker's ExecuteStep spans share step_id's name).
 STEP_SPAN = "engine_step"
 STEP_ID = "pagedserve.step_id"
 NUM_SEQS = "pagedserve.num_seqs"
@@ -52,8 +38,7 @@ NUM_PREEMPTED = "pagedserve.num_preempted"
 
 
 class RequestStream:
-    """One request's outputs, ending after the finished one (or with the exception that failed
-    it). Use it as `async with stream:` so that leaving early aborts the request."""
+    """One request's outputs; leaving `async with stream:` early aborts the request."""
 
     def __init__(self, request_id: str, queue: asyncio.Queue[_Item],
                  on_abandon: Callable[[str], None]) -> None:
@@ -93,7 +78,7 @@ class EngineService:
         self.engine = engine
         self._executor = executor
         self._stop_timeout_s = stop_timeout_s
-        self._engine_call: Future | None = None  # what the engine thread runs (or ran last)
+        self._engine_call: Future | None = None
         self._streams: dict[str, asyncio.Queue[_Item]] = {}
         self._pending: list[tuple[Callable[[], Any], asyncio.Future | None]] = []
         self._wakeup = asyncio.Event()
@@ -104,7 +89,6 @@ class EngineService:
         self._load = engine.get_load()
         self._task: asyncio.Task | None = None
         self._tracer = trace.get_tracer(__name__)
-        # live requests' Submit spans, oldest first (only while tracing: else never valid)
         self._span_contexts: dict[str, SpanContext] = {}
         self._num_preemptions = engine.scheduler.num_preemptions  # as of the last step sent
         engine.step_observer = self
@@ -112,25 +96,19 @@ class EngineService:
     @classmethod
     async def start(cls, build_engine: Callable[[], EngineCore], stop_timeout_s: float
                     ) -> EngineService:
-        """Run the worker handshake (`build_engine`, blocking: model load, profiling) on the
-        engine thread, then start the loop. `stop` waits at most stop_timeout_s for the engine
-        thread."""
+        """`build_engine` (the blocking worker handshake) on the engine thread, then the loop."""
         executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         engine = await asyncio.get_running_loop().run_in_executor(executor, build_engine)
         service = cls(engine, executor, stop_timeout_s)
         service._task = asyncio.create_task(service._run(), name="engine-loop")
         return service
 
-    # --- requests -----------------------------------------------------------------------------
-
     async def submit(self, request: SubmitRequest) -> RequestStream:
-        """Queue the request; bad input raises InvalidRequest. Iterate the stream for its
-        outputs; closing it before the request finished aborts the request."""
         if not self._is_accepting:
             raise Unavailable("the scheduler is draining and accepts no new requests")
         request_id = request.request_id or uuid.uuid4().hex
         queue: asyncio.Queue[_Item] = asyncio.Queue()
-        span_context = trace.get_current_span().get_span_context()  # the Submit call's span
+        span_context = trace.get_current_span().get_span_context()
 
         def add() -> None:
             self.engine.add_request(request_id, request.prompt_token_ids, request.sampling,
@@ -148,8 +126,6 @@ class EngineService:
         return RequestStream(request_id, queue, self._drop)
 
     async def abort(self, request_id: str) -> None:
-        """Finish the request with "abort" (its stream gets the final outputs); NotFound if it is
-        unknown or already finished."""
         def abort() -> None:
             self._push(self.engine.abort_request(request_id))
 
@@ -159,18 +135,15 @@ class EngineService:
         """Live when the engine is between steps; during a step, as of just before it."""
         return self._load if self._is_stepping else self.engine.get_load()
 
-    # --- shutdown -----------------------------------------------------------------------------
-
     async def drain(self, timeout_s: float) -> None:
-        """Refuse new requests, then wait (at most timeout_s) for the live ones to finish."""
+        """Refuse new requests; wait at most timeout_s for the live ones."""
         self._is_accepting = False
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
 
     async def stop(self) -> bool:
-        """End the loop; requests still live fail with UNAVAILABLE. True once the engine thread
-        is idle: only then may the workers' channels close, because a gRPC channel closed under
-        a call in flight on another thread can crash the process."""
+        """End the loop (live requests get UNAVAILABLE); True once the engine thread is idle.
+        Only then may the worker channels close: grpc can crash closing one under a call."""
         self._is_accepting = False
         if self._task is not None:
             self._task.cancel()
@@ -182,16 +155,12 @@ class EngineService:
         call = self._engine_call
         if call is None or call.done():
             return True
-        # cancelling the loop left the engine thread's step (or its recovery) running
         done, _ = await asyncio.to_thread(futures.wait, [call], self._stop_timeout_s)
         if not done:
             logger.warning("the engine thread is still busy after %.1f s", self._stop_timeout_s)
         return bool(done)
 
-    # --- the loop -----------------------------------------------------------------------------
-
     def _call(self, fn: Callable[[], Any]) -> asyncio.Future:
-        """Run `fn` on the event loop between two steps; the future holds its result."""
         future = asyncio.get_running_loop().create_future()
         self._pending.append((fn, future))
         self._wakeup.set()
@@ -226,8 +195,6 @@ class EngineService:
             await self._step(self.engine.step)
 
     async def _step(self, step: Callable[[], list[RequestOutput]]) -> None:
-        """`step` (engine.step or engine.drain) on the engine thread; its outputs to the
-        streams."""
         self._is_stepping = True
         try:
             self._engine_call = self._executor.submit(step)
@@ -241,12 +208,9 @@ class EngineService:
         for output in outputs:
             self._push(output)
 
-    # --- step spans (StepObserver, called on the engine thread) -------------------------------
-
     @contextlib.contextmanager
     def step_sent(self, scheduled: ScheduledStep) -> Iterator[trace.Span]:
-        """The step's span starts, current while the step is submitted to the workers. The
-        event loop changes the span contexts only between engine calls."""
+        """On the engine thread; the event loop changes the span contexts only between steps."""
         parent = self._step_span_parent()
         span = self._tracer.start_span(STEP_SPAN, context=_context_of(parent))
         num_preemptions = self.engine.scheduler.num_preemptions
@@ -266,8 +230,6 @@ class EngineService:
 
     def step_done(self, span: trace.Span, scheduled: ScheduledStep,
                   outputs: list[RequestOutput]) -> None:
-        """A failed step finishes the requests it ran with "error" (rejected ones are not its
-        own); the span ends."""
         if span.is_recording():
             request_ids = {item.group.request_id for item in scheduled.scheduled}
             errors = [o.error for r in outputs if r.request_id in request_ids
@@ -277,7 +239,7 @@ class EngineService:
         span.end()
 
     def _step_span_parent(self) -> SpanContext | None:
-        """The Submit span of the oldest live request (forgetting those that ended)."""
+        """The Submit span of the oldest live request."""
         for request_id in [r for r in self._span_contexts if r not in self._streams]:
             del self._span_contexts[request_id]
         return next(iter(self._span_contexts.values()), None)
@@ -325,7 +287,6 @@ class EngineService:
 
 
 def _context_of(parent: SpanContext | None) -> Context:
-    """A context whose current span is `parent`; None: an empty one (the step starts a trace)."""
     if parent is None:
         return Context()
     return trace.set_span_in_context(trace.NonRecordingSpan(parent), Context())

@@ -1,16 +1,10 @@
 """One beam-search step for a group, with Hugging Face transformers' rules (early_stopping=False).
 
-Every live beam sampled its top 2*beam_width tokens (best first). The step:
-1. ranks all (beam, token) candidates by cumulative logprob and keeps the best 2*beam_width;
-2. a candidate that ends its beam (EOS, a stop token id, max_tokens, max_model_len) becomes a
-   finished hypothesis if it ranks among the best beam_width, scored
-   cum_logprob / num_output_tokens ** length_penalty (the final token counted); the group keeps
-   the best beam_width hypotheses;
-3. the best beam_width candidates that do not end continue as the live beams: the first
-   continuation of a beam reuses its sequence, further ones fork it (shared blocks, copy-on-write
-   later), and beams with no continuation are freed;
-4. the search stops when no beam continues, or when beam_width hypotheses exist and the best
-   live beam's score at its current length cannot beat the worst of them (HF's heuristic).
+Of all (beam, token) candidates, the best 2*beam_width by cumulative logprob are kept. One that
+ends its beam becomes a hypothesis (scored cum_logprob / num_output_tokens ** length_penalty) if it
+ranks among the best beam_width; the best beam_width others continue, the first continuation of a
+beam in its sequence, further ones in forks. The search stops when no beam continues, or when
+the best live beam cannot beat the worst of beam_width hypotheses (HF's heuristic).
 """
 
 from __future__ import annotations
@@ -36,9 +30,6 @@ def beam_search_step(group: SequenceGroup, sampled: list[tuple[Sequence, Sampled
                      stop_reason: Callable[[Sequence, int], FinishReason | None],
                      fork: Callable[[SequenceGroup, Sequence], Sequence],
                      free: Callable[[Sequence], None]) -> None:
-    """Advance `group` by one token per beam. `stop_reason(seq, token_id)` says whether appending
-    the token to `seq` would end it; `fork(group, parent)` adds a child sharing the parent's
-    blocks; `free(seq)` gives a sequence's blocks back."""
     beam_width = group.beam_width
     length_penalty = group.sampling.length_penalty
     candidates: list[_Candidate] = []
@@ -97,7 +88,7 @@ def beam_search_step(group: SequenceGroup, sampled: list[tuple[Sequence, Sampled
 
 def _is_done(group: SequenceGroup, beams: list[Sequence], beam_width: int,
              length_penalty: float) -> bool:
-    """`beams` are best first (by cumulative logprob)."""
+    """`beams` are best first."""
     if not beams:
         return True
     if len(group.beam_hypotheses) < beam_width:

@@ -1,13 +1,8 @@
 """Turns a worker's StepOutput into sequence state and RequestOutputs.
 
-Per scheduled sequence: advance num_computed_tokens (unless Scheduler.advance_in_flight did, for
-a step that ran ahead: then the placeholder token goes first), register newly full blocks with
-the prefix cache, collect prompt logprobs. Sequences that finished (or were aborted) while the
-step ran are skipped: their results are not wanted any more. Per sequence that sampled: append the token and check the finish
-conditions (EOS unless ignore_eos, stop_token_ids -- both only after min_tokens --, max_tokens,
-max_model_len). A group of best_of > 1 samples best_of tokens at the end of its prompt and forks
-into best_of sequences sharing the prompt blocks; beam search is delegated to beam_search.py.
-Finished sequences give their blocks back at once.
+Results of sequences that finished or were aborted while the step ran are dropped. EOS and
+stop_token_ids end a sequence only after min_tokens. best_of > 1 samples best_of tokens at the end
+of the prompt and forks there; finished sequences give their blocks back at once.
 """
 
 from __future__ import annotations
@@ -36,8 +31,7 @@ class OutputProcessor:
 
     def process(self, scheduled: ScheduledStep, step_output: StepOutput,
                 is_advanced: bool = False) -> list[RequestOutput]:
-        """The step's output into sequence state; the reports of the groups it ran.
-        `is_advanced`: Scheduler.advance_in_flight already counted this step."""
+        """`is_advanced`: Scheduler.advance_in_flight already counted this step."""
         by_seq_id = {out.seq_id: out for out in step_output.outputs}
         groups: dict[int, SequenceGroup] = {}
         samples: dict[int, list[tuple[Sequence, SampledSequence]]] = {}
@@ -96,7 +90,6 @@ class OutputProcessor:
 
     def _fork_candidates(self, group: SequenceGroup, parent: Sequence,
                          sampled: SampledSequence) -> None:
-        """The prompt is done: best_of candidates share its blocks, one sampled token each."""
         children = [self._fork(group, parent) for _ in range(1, len(sampled.token_ids))]
         group.has_forked = True
         for i, seq in enumerate([parent, *children]):
@@ -111,7 +104,6 @@ class OutputProcessor:
 
     def _stop_reason(self, sampling: SamplingParams, seq: Sequence,
                      token_id: int) -> FinishReason | None:
-        """How `seq` would finish if `token_id` were appended to it; None if it goes on."""
         num_output_tokens = seq.num_output_tokens + 1
         if num_output_tokens > sampling.min_tokens:
             if not sampling.ignore_eos and token_id in self.eos_token_ids:

@@ -1,13 +1,8 @@
 """Requests as the scheduler sees them: a `SequenceGroup` per request, one `Sequence` per candidate.
 
-A group runs a single sequence through its prompt; n > 1 / best_of and beam search fork it when
-the prompt is done. Every sequence also remembers what the worker's mirror of it holds
-(`worker_block_ids`, `num_worker_tokens`), so the scheduler can send deltas instead of whole
-sequences (see pagedserve.services.common.step_plan).
-
-With async scheduling the next step is scheduled while the current one runs: a sequence the
-current step samples for then ends in a placeholder token (`has_placeholder`) until the step's
-output replaces it -- only between those two points, never between two engine steps.
+Each sequence remembers what the worker's mirror of it holds, so that steps carry only deltas.
+With async scheduling, a sequence the in-flight step samples for ends in a placeholder token until
+that step's output replaces it -- never across two engine steps.
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ class SequenceStatus(enum.Enum):
         return self in _FINISH_REASONS
 
 
-PLACEHOLDER_TOKEN_ID = -1  # a token an in-flight step is sampling
+PLACEHOLDER_TOKEN_ID = -1
 
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
@@ -48,33 +43,32 @@ FINISHED_BY_REASON = {reason: status for status, reason in _FINISH_REASONS.items
 
 
 def derive_seed(seed: int | None, index: int) -> int | None:
-    """A stable per-sequence seed for sequence `index` of a seeded group (the worker draws its
-    noise statelessly from (seed, position), so siblings need distinct seeds)."""
+    """Siblings need distinct seeds: the worker draws noise statelessly from (seed, position)."""
     if seed is None:
         return None
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1  # fits a signed int64
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass(slots=True, eq=False)  # identity semantics: queues look groups up by `is`
 class Sequence:
     seq_id: int
-    token_ids: list[int]  # prompt + outputs
+    token_ids: list[int]
     prompt_len: int
     index: int = 0  # which of the group's best_of candidates (the output index for n > 1)
     seed: int | None = None
     status: SequenceStatus = SequenceStatus.WAITING
-    num_computed_tokens: int = 0  # tokens whose KV is in this sequence's blocks
+    num_computed_tokens: int = 0
     cumulative_logprob: float = 0.0
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     error: str | None = None
     # the worker's mirror: None = the worker does not know this sequence (send it whole)
     worker_block_ids: list[int] | None = None
-    num_worker_tokens: int = 0  # len(token_ids) the worker has seen
-    num_emitted_tokens: int = 0  # output tokens already reported in a RequestOutput
+    num_worker_tokens: int = 0
+    num_emitted_tokens: int = 0
     is_finish_reported: bool = False
-    has_placeholder: bool = False  # token_ids[-1] is PLACEHOLDER_TOKEN_ID
+    has_placeholder: bool = False
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -101,13 +95,11 @@ class Sequence:
         return self.worker_block_ids is not None
 
     def add_placeholder(self) -> None:
-        """Stand in for the token an in-flight step samples (async scheduling)."""
         assert not self.has_placeholder, f"seq {self.seq_id} already has a placeholder"
         self.token_ids.append(PLACEHOLDER_TOKEN_ID)
         self.has_placeholder = True
 
     def drop_placeholder(self) -> None:
-        """The step's output is here (or it failed): back to the known tokens."""
         if self.has_placeholder:
             self.token_ids.pop()
             self.has_placeholder = False
@@ -138,7 +130,7 @@ class Sequence:
 
 @dataclass(slots=True)
 class BeamHypothesis:
-    """A finished beam: kept as data only, its sequence (and blocks) are gone."""
+    """A finished beam: its sequence (and blocks) are gone."""
 
     token_ids: list[int]  # outputs only
     cumulative_logprob: float
@@ -154,21 +146,20 @@ class SequenceGroup:
     sampling: SamplingParams
     seqs: list[Sequence]
     arrival_time: float = field(default_factory=time.monotonic)
-    priority: int = 0  # lower runs first under the priority policy
+    priority: int = 0  # lower runs first
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     is_admitted: bool = False  # has held blocks at least once
-    has_forked: bool = False  # best_of candidates (or beams) already split off the prompt
+    has_forked: bool = False
     # positions 1.. of the prompt; None where the KV came from the prefix cache
     prompt_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
     beam_hypotheses: list[BeamHypothesis] = field(default_factory=list)
-    error: str | None = None  # set when the whole group failed
-    num_reports: int = 0  # RequestOutputs made so far (prompt logprobs go with the first)
+    error: str | None = None
+    num_reports: int = 0
 
     @classmethod
     def from_prompt(cls, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     seq_id: int, priority: int = 0,
                     arrival_time: float | None = None) -> SequenceGroup:
-        """A new request: one waiting sequence holding the prompt."""
         seq = Sequence(seq_id=seq_id, token_ids=list(prompt_token_ids),
                        prompt_len=len(prompt_token_ids), seed=derive_seed(sampling.seed, 0))
         return cls(request_id=request_id, sampling=sampling, seqs=[seq], priority=priority,
@@ -196,19 +187,16 @@ class SequenceGroup:
 
     @property
     def is_streamed(self) -> bool:
-        """Plain requests stream token deltas; beam search and best_of > n report only at the end
-        (which candidates win is known only then)."""
+        """Beam search and best_of > n report only at the end, when the winners are known."""
         return not self.is_beam_search and self.sampling.num_candidates == self.sampling.n
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]
 
     def is_decode_phase(self) -> bool:
-        """Every live sequence has exactly its last sampled token left to compute."""
         return all(s.num_uncomputed_tokens == 1 for s in self.live_seqs())
 
     def num_samples(self) -> int:
-        """Tokens the worker samples for one of this group's sequences when it reaches its end."""
         if self.is_beam_search:
             return 2 * self.beam_width
         return 1 if self.has_forked else self.sampling.num_candidates

@@ -1,9 +1,5 @@
-"""The Scheduler gRPC service: Submit (one server-streaming call per request), Abort, GetLoad,
-GetServedModel -- convert in, call the EngineService, convert out.
-
-Startup: the server listens at once with health NOT_SERVING, the worker handshake runs
-(EngineCore: load model, profile memory, allocate the cache, warm up), then health turns SERVING.
-Shutdown (SIGTERM): NOT_SERVING, refuse new requests, let live ones finish (bounded), stop.
+"""The Scheduler gRPC service: convert in, call the EngineService, convert out. It listens at
+once, NOT_SERVING until the worker handshake is done.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ logger = logging.getLogger(__name__)
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, model: str, service: EngineService | None = None) -> None:
-        """`model`: the folder the workers serve (reported by GetServedModel). `service` is set
-        once the worker handshake is done; until then every call is UNAVAILABLE."""
+        """`service` is set once the worker handshake is done; until then calls are UNAVAILABLE."""
         self.model = model
         self.service = service
 
@@ -79,7 +74,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
 def create_scheduler_server(config: EngineConfig, service_config: SchedulerServiceConfig
                             ) -> tuple[ServiceServer, SchedulerServicer]:
-    """The Scheduler service bound to host:port (not started, no engine yet)."""
     servicer = SchedulerServicer(config.model.model)
     server, _ = create_server(
         [ServiceBinding(servicer, scheduler_pb2_grpc.add_SchedulerServicer_to_server,
@@ -93,7 +87,6 @@ def create_scheduler_server(config: EngineConfig, service_config: SchedulerServi
 
 async def start_engine(config: EngineConfig, service_config: SchedulerServiceConfig
                        ) -> EngineService:
-    """The worker handshake over gRPC, then the engine loop."""
     num_ranks = config.parallel.tensor_parallel_size
     if len(service_config.worker_addresses) != num_ranks:
         raise ConfigError(f"worker_addresses has {len(service_config.worker_addresses)} "
@@ -112,8 +105,6 @@ async def start_engine(config: EngineConfig, service_config: SchedulerServiceCon
 
 async def start_scheduler(config: EngineConfig, service_config: SchedulerServiceConfig
                           ) -> tuple[ServiceServer, SchedulerServicer]:
-    """Listen (NOT_SERVING), run the worker handshake, start the engine loop, turn SERVING.
-    The engine is `servicer.service`."""
     server, servicer = create_scheduler_server(config, service_config)
     await server.start()
     logger.info("scheduler listening on %s:%d; handshake with workers %s", service_config.host,
@@ -130,8 +121,7 @@ async def start_scheduler(config: EngineConfig, service_config: SchedulerService
 
 async def stop_scheduler(server: ServiceServer, servicer: SchedulerServicer,
                          grace_s: float = 0.0) -> None:
-    """Drain (bounded by grace_s), stop the server, end the engine loop, close the workers
-    (left to the process's exit if the engine thread is still in a call to them)."""
+    """Drain (bounded by grace_s), stop; worker channels still in use are left to the exit."""
     service = servicer.service
     drain = None if service is None else (lambda: service.drain(grace_s))
     await server.shutdown(grace_s, drain)
@@ -141,7 +131,6 @@ async def stop_scheduler(server: ServiceServer, servicer: SchedulerServicer,
 
 
 async def serve(config: EngineConfig, service_config: SchedulerServiceConfig) -> None:
-    """Run the scheduler until SIGTERM/SIGINT, then drain and stop."""
     server, servicer = await start_scheduler(config, service_config)
     service = servicer.service
     grace_s = service_config.shutdown.drain_timeout_s

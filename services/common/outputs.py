@@ -1,10 +1,5 @@
-"""What the engine reports per request: RequestOutput with one CompletionOutput per index, and the
-Usage a finished request is billed with.
-
-Plain requests (n == best_of, no beam search) stream: each CompletionOutput carries the tokens
-added since the previous report of that index. Beam search and best_of > n report once, when the
-request finishes, with the whole output of the n winners (which candidates win is known only
-then).
+"""What the engine reports per request. Plain requests stream (each CompletionOutput carries the
+tokens since the last report); beam search and best_of > n report the n winners once, at the end.
 """
 
 from __future__ import annotations
@@ -16,8 +11,6 @@ from pagedserve.services.common.step_plan import TokenLogprob
 
 
 class FinishReason(enum.StrEnum):
-    """Why an output ended; the values are what users read (vLLM's words)."""
-
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"  # the client aborted or cancelled
@@ -31,7 +24,7 @@ class CompletionOutput:
     logprobs: list[float] = field(default_factory=list)  # one per token in token_ids
     top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # if asked, per token
     cumulative_logprob: float = 0.0  # of the whole output so far
-    finish_reason: FinishReason | None = None  # None while running
+    finish_reason: FinishReason | None = None
     error: str | None = None
 
 
@@ -48,7 +41,7 @@ class RequestOutput:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Token counts of one request (all n outputs together); the twin of common.proto's Usage."""
+    """Of one request, all n outputs together."""
 
     prompt_tokens: int
     completion_tokens: int

@@ -1,7 +1,5 @@
-"""Converters for the messages of common.proto that several services share: SamplingParams,
-token logprobs, finish reasons, usage. Free functions, one pair per message; only the edge
-modules (servicers, clients, convert.py) call them, the cores never see protobuf.
-"""
+"""Converters for the messages of common.proto that several services share; the cores never see
+protobuf."""
 
 from __future__ import annotations
 
@@ -35,8 +33,7 @@ def _set(msg: Message, name: str, value: object) -> None:
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    """Every set field travels; optional fields left None (best_of, seed, logprobs, ...) stay
-    unset, so the receiver applies the same defaults."""
+    """Fields left None stay unset, so the receiver applies the same defaults."""
     msg = common_pb2.SamplingParams()
     for name in _OPTIONAL_FIELDS + _PLAIN_FIELDS:
         value = getattr(params, name)
@@ -52,8 +49,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
 
 
 def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields take vLLM's defaults; validation runs (InvalidRequest names the
-    field and the value)."""
+    """Validates (InvalidRequest names the field and the value)."""
     kwargs = {name: getattr(msg, name) for name in _PLAIN_FIELDS}
     kwargs.update({name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)})
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
@@ -68,7 +64,6 @@ def token_logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
 
 
 def token_logprobs_to_proto(candidates: Iterable[TokenLogprob]) -> common_pb2.TokenLogprobs:
-    """One position's candidates, in order."""
     msg = common_pb2.TokenLogprobs()
     for c in candidates:
         msg.candidates.add(token_id=c.token_id, logprob=c.logprob)
@@ -81,7 +76,6 @@ def token_logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> list[TokenLogpro
 
 def add_logprob_lists(container: RepeatedCompositeFieldContainer[common_pb2.TokenLogprobs],
                       positions: Sequence[Sequence[TokenLogprob]]) -> None:
-    """Append one TokenLogprobs per position to a `repeated TokenLogprobs` field."""
     for candidates in positions:
         position = container.add()
         for c in candidates:
@@ -93,7 +87,6 @@ def logprob_lists_from_proto(container: Iterable[common_pb2.TokenLogprobs]) -> l
 
 
 def finish_reason_to_proto(reason: FinishReason | None) -> int:
-    """None (still running) is FINISH_REASON_UNSPECIFIED."""
     if reason is None:
         return common_pb2.FINISH_REASON_UNSPECIFIED
     try:

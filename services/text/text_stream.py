@@ -1,7 +1,6 @@
-"""One request's engine outputs as text deltas: per output index, incremental detokenization,
-then stop strings (text that could still become one is held back). An index ends with the engine's
-finish reason, or with STOP when a stop string completes; the tokens after the one that completed
-it are dropped. Both the gateway and the offline LLM read their text from here.
+"""One request's engine outputs as text deltas, for the gateway and the offline LLM: per output
+index, incremental detokenization, then stop strings. A stop string ends its index with STOP and
+drops the tokens after the one that completed it.
 """
 
 from __future__ import annotations
@@ -35,9 +34,9 @@ class StreamDelta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[DecodedLogprob] = field(default_factory=list)  # per token, if asked
     top_logprobs: list[list[DecodedLogprob]] = field(default_factory=list)  # per token, if asked
-    finish_reason: FinishReason | None = None  # None while running
+    finish_reason: FinishReason | None = None
     cumulative_logprob: float = 0.0
-    error: str | None = None  # with FinishReason.ERROR
+    error: str | None = None
     usage: Usage | None = None  # on the request's last delta
     prompt_logprobs: list[list[DecodedLogprob]] | None = None  # on the first delta, if asked
 
@@ -51,12 +50,11 @@ class _IndexState:
 
 
 class TextStream:
-    """One request's text. Not thread-safe."""
+    """Not thread-safe."""
 
     def __init__(self, prompt_token_ids: list[int], sampling: SamplingParams,
                  tokenizer: Tokenizer, decode_logprobs: bool = True) -> None:
-        """`decode_logprobs=False`: the caller reads logprobs off the engine's outputs itself, so
-        the deltas carry no token texts for them."""
+        """`decode_logprobs=False`: the deltas carry no logprobs (the caller reads the engine's)."""
         self._tokenizer = tokenizer
         self._wants_logprobs = decode_logprobs and sampling.logprobs is not None
         self._indices = [
@@ -79,7 +77,6 @@ class TextStream:
                      cached_tokens=self._num_cached_tokens)
 
     def on_output(self, output: RequestOutput) -> list[StreamDelta]:
-        """The deltas one token event makes (none while text is held back and no token came)."""
         self._num_prompt_tokens = output.num_prompt_tokens or self._num_prompt_tokens
         self._num_cached_tokens = output.num_cached_tokens
         deltas = [d for o in output.outputs if (d := self._on_completion(o)) is not None]
