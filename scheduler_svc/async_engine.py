@@ -4,6 +4,8 @@ EngineCore is not thread-safe: the engine thread runs its steps, and the event l
 queued operations (add, abort) only between two steps. A Submit whose consumer leaves queues an
 abort that runs before the next step, so its blocks are free by then. Each step is a span in the
 trace of the oldest live request, linked to the Submit spans of the others it ran.
+Stats: the engine feeds its stat loggers on the engine thread; every `stats_interval_s` a timer on
+the event loop logs vLLM's stats line (LoggingStatLogger).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext, Status, StatusCode
 from pagedserve.scheduler_svc.engine_core import EngineCore
 from pagedserve.scheduler_svc.scheduler import ScheduledStep
+from pagedserve.scheduler_svc.stats import LoggingStatLogger, StatLogger
 from pagedserve.services.common.engine_api import EngineLoad, SubmitRequest
 from pagedserve.services.common.errors import NotFound, Unavailable
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
@@ -88,20 +91,39 @@ class EngineService:
         self._is_accepting = True
         self._load = engine.get_load()
         self._task: asyncio.Task | None = None
+        self._stats_task: asyncio.Task | None = None
         self._tracer = trace.get_tracer(__name__)
         self._span_contexts: dict[str, SpanContext] = {}
         self._num_preemptions = engine.scheduler.num_preemptions  # as of the last step sent
         engine.step_observer = self
 
     @classmethod
-    async def start(cls, build_engine: Callable[[], EngineCore], stop_timeout_s: float
-                    ) -> EngineService:
-        """`build_engine` (the blocking worker handshake) on the engine thread, then the loop."""
+    async def start(cls, build_engine: Callable[[], EngineCore], stop_timeout_s: float,
+                    stat_loggers: list[StatLogger] | None = None,
+                    stats_interval_s: float = 0.0) -> EngineService:
+        """`build_engine` (the blocking worker handshake) on the engine thread, then the loop;
+        `stats_interval_s` > 0 logs the stats line."""
         executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         engine = await asyncio.get_running_loop().run_in_executor(executor, build_engine)
+        engine.stat_loggers.extend(stat_loggers or ())
         service = cls(engine, executor, stop_timeout_s)
         service._task = asyncio.create_task(service._run(), name="engine-loop")
+        if stats_interval_s > 0:
+            stat_line = LoggingStatLogger()
+            engine.stat_loggers.append(stat_line)
+            service._stats_task = asyncio.create_task(
+                service._log_stats(stat_line, stats_interval_s), name="engine-stats")
         return service
+
+    @property
+    def load(self) -> EngineLoad:
+        """The load as of the latest loop turn; readable from any thread."""
+        return self._load
+
+    async def _log_stats(self, stat_line: LoggingStatLogger, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            stat_line.log(self._load)
 
     async def submit(self, request: SubmitRequest) -> RequestStream:
         if not self._is_accepting:
@@ -145,10 +167,11 @@ class EngineService:
         """End the loop (live requests get UNAVAILABLE); True once the engine thread is idle.
         Only then may the worker channels close: grpc can crash closing one under a call."""
         self._is_accepting = False
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._stats_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for request_id in list(self._streams):
             self._end(request_id, Unavailable("the scheduler is shutting down"))
         self._executor.shutdown(wait=False, cancel_futures=True)

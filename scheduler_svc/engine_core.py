@@ -31,6 +31,7 @@ from pagedserve.scheduler_svc.output_processor import OutputProcessor
 from pagedserve.scheduler_svc.outputs import make_request_output
 from pagedserve.scheduler_svc.scheduler import ScheduledStep, Scheduler
 from pagedserve.scheduler_svc.sequence import SequenceGroup
+from pagedserve.scheduler_svc.stats import FinishedRequestStats, StatLogger, StepStats, StepTotals
 from pagedserve.services.common.config import EngineConfig
 from pagedserve.services.common.engine_api import EngineLoad
 from pagedserve.services.common.errors import ConfigError, InvalidRequest, NotFound
@@ -82,6 +83,7 @@ class _InFlight:
     futures: list[StepFuture]  # one per worker
     is_advanced: bool = False  # Scheduler.advance_in_flight counted it
     handle: Any = None  # what the StepObserver gave for it
+    schedule_time_s: float = 0.0
 
     def result(self) -> StepOutput:
         """Rank 0's output, once every rank is done; the first failure raises."""
@@ -156,6 +158,8 @@ class EngineCore:
         self._num_worker_rebuilds = 0
         # what the latest processed step ran, for observers between steps (the step span)
         self.last_scheduled: ScheduledStep | None = None
+        self.stat_loggers: list[StatLogger] = []
+        self._totals = StepTotals()
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -198,6 +202,7 @@ class EngineCore:
         if group is None:
             raise NotFound(f"request_id {request_id!r} is not running")
         self.scheduler.finish_group(group, FinishReason.ABORT)
+        self._record_finished(group)
         report = make_request_output(group)
         assert report is not None, "a newly finished group always reports"
         return report
@@ -221,6 +226,7 @@ class EngineCore:
         if not group.is_finished:
             return None
         del self._groups[request_id]
+        self._record_finished(group)
         return make_request_output(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -278,20 +284,54 @@ class EngineCore:
     def _forget_finished(self, outputs: list[RequestOutput]) -> None:
         for report in outputs:
             if report.finished:
-                self._groups.pop(report.request_id, None)
+                group = self._groups.pop(report.request_id, None)
+                if group is not None:
+                    self._record_finished(group)
+
+    def totals(self) -> StepTotals:
+        bm = self.block_manager
+        return StepTotals(self.output_processor.num_prompt_tokens,
+                          self.output_processor.num_generation_tokens,
+                          self.scheduler.num_preemptions, bm.prefix_cache_queries,
+                          bm.prefix_cache_hits)
+
+    def _record_step(self, step: _InFlight, process_time_s: float) -> None:
+        if not self.stat_loggers:
+            return
+        totals, before = self.totals(), self._totals
+        self._totals = totals
+        plan = step.scheduled.plan
+        stats = StepStats.between(before, totals, plan.num_scheduled_tokens,
+                                  len(plan.blocks_to_swap_in), len(plan.blocks_to_swap_out),
+                                  step.schedule_time_s + process_time_s)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_step(stats)
+
+    def _record_finished(self, group: SequenceGroup) -> None:
+        if not self.stat_loggers:
+            return
+        stats = FinishedRequestStats.of(
+            group.seqs[0].finish_reason or FinishReason.ABORT, group.arrival_time,
+            group.first_scheduled_time, group.first_token_time, time.monotonic())
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_finished(stats)
 
     def _schedule(self, outputs: list[RequestOutput]) -> _InFlight | None:
         """Schedule a step and send it to every worker (None: nothing to run); the reports of
         the requests the scheduler rejected go to `outputs`."""
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
+        schedule_time_s = time.perf_counter() - start
         outputs += [r for g in scheduled.rejected if (r := make_request_output(g)) is not None]
         plan = scheduled.plan
         if plan is None:
             return None
         if self.step_observer is None:
-            return _InFlight(scheduled, [_submit(w, plan) for w in self.workers])
+            return _InFlight(scheduled, [_submit(w, plan) for w in self.workers],
+                             schedule_time_s=schedule_time_s)
         with self.step_observer.step_sent(scheduled) as handle:
-            return _InFlight(scheduled, [_submit(w, plan) for w in self.workers], handle=handle)
+            return _InFlight(scheduled, [_submit(w, plan) for w in self.workers], handle=handle,
+                             schedule_time_s=schedule_time_s)
 
     def _finish(self, step: _InFlight) -> list[RequestOutput]:
         """Wait for the step's outputs and process them."""
@@ -301,7 +341,9 @@ class EngineCore:
             return self._fail_steps(step, exc)
         self.last_scheduled = step.scheduled
         self._num_rebuilds_in_a_row = 0
+        start = time.perf_counter()
         outputs = self.output_processor.process(step.scheduled, step_output, step.is_advanced)
+        self._record_step(step, time.perf_counter() - start)
         self._step_done(step, outputs)
         return outputs
 

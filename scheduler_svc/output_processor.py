@@ -2,13 +2,15 @@
 
 Results of sequences that finished or were aborted while the step ran are dropped. EOS and
 stop_token_ids end a sequence only after min_tokens. best_of > 1 samples best_of tokens at the end
-of the prompt and forks there; finished sequences give their blocks back at once.
+of the prompt and forks there; finished sequences give their blocks back at once. Running totals
+of prompts that got their first token and of tokens sampled are kept for the engine's stats.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 from pagedserve.scheduler_svc.beam_search import beam_search_step
 from pagedserve.scheduler_svc.outputs import make_request_output
@@ -28,6 +30,8 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self._seq_ids = seq_ids  # shared with whoever creates the first sequence of a group
+        self.num_prompt_tokens = 0  # prompts that got their first token, since start
+        self.num_generation_tokens = 0  # tokens appended to outputs, since start
 
     def process(self, scheduled: ScheduledStep, step_output: StepOutput,
                 is_advanced: bool = False) -> list[RequestOutput]:
@@ -60,10 +64,15 @@ class OutputProcessor:
                 continue
             samples.setdefault(id(group), []).append((seq, sampled))
 
+        now = time.monotonic()
         for key, sampled_seqs in samples.items():
             group = groups[key]
             if group.is_finished:
                 continue
+            if group.first_token_time is None:
+                group.first_token_time = now
+                self.num_prompt_tokens += group.prompt_len
+            self.num_generation_tokens += len(sampled_seqs)  # one token per sequence, but:
             if group.is_beam_search:
                 beam_search_step(
                     group, sampled_seqs,
@@ -71,6 +80,7 @@ class OutputProcessor:
                         sampling, seq, token_id),
                     self._fork, self.scheduler.free_seq)
             elif not group.has_forked and group.sampling.num_candidates > 1:
+                self.num_generation_tokens += len(sampled_seqs[0][1].token_ids) - 1  # candidates
                 self._fork_candidates(group, *sampled_seqs[0])
             else:
                 for seq, sampled in sampled_seqs:

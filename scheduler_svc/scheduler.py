@@ -8,6 +8,7 @@ StepPlan carries deltas only. The OutputProcessor calls back into it to fork and
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -345,6 +346,7 @@ class Scheduler:
                 return
             if not group.is_admitted:
                 group.is_admitted = True
+                group.first_scheduled_time = time.monotonic()
                 group.num_cached_tokens = live[0].num_computed_tokens
                 if group.sampling.prompt_logprobs is not None:
                     group.prompt_logprobs = [None] * group.num_cached_tokens

@@ -149,6 +149,8 @@ class SequenceGroup:
     priority: int = 0  # lower runs first
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     is_admitted: bool = False  # has held blocks at least once
+    first_scheduled_time: float | None = None  # monotonic, at first admission
+    first_token_time: float | None = None  # monotonic, when its first token was sampled
     has_forked: bool = False
     # positions 1.. of the prompt; None where the KV came from the prefix cache
     prompt_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)

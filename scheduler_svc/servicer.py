@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator
 import grpc
 from pagedserve.scheduler_svc.async_engine import EngineService
 from pagedserve.scheduler_svc.engine_core import EngineCore
+from pagedserve.scheduler_svc.metrics import SchedulerMetrics
+from pagedserve.scheduler_svc.stats import StatLogger
 from pagedserve.scheduler_svc.worker_client import WorkerClient
 from pagedserve.services.common.config import EngineConfig, SchedulerServiceConfig
 from pagedserve.services.common.errors import ConfigError, Unavailable
@@ -21,10 +23,12 @@ from pagedserve.services.rpc.convert_scheduler import (
     submit_request_from_proto,
     token_event_to_proto,
 )
+from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
 from pagedserve.services.rpc.status import map_errors
 from pagedserve.services.rpc.tls import internal_server_credentials
 from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """`service` is set once the worker handshake is done; until then calls are UNAVAILABLE."""
         self.model = model
         self.service = service
+        self.metrics_server: MetricsServer | None = None
 
     def _service(self) -> EngineService:
         if self.service is None:
@@ -85,8 +90,8 @@ def create_scheduler_server(config: EngineConfig, service_config: SchedulerServi
     return server, servicer
 
 
-async def start_engine(config: EngineConfig, service_config: SchedulerServiceConfig
-                       ) -> EngineService:
+async def start_engine(config: EngineConfig, service_config: SchedulerServiceConfig,
+                       stat_loggers: list[StatLogger] | None = None) -> EngineService:
     num_ranks = config.parallel.tensor_parallel_size
     if len(service_config.worker_addresses) != num_ranks:
         raise ConfigError(f"worker_addresses has {len(service_config.worker_addresses)} "
@@ -96,7 +101,8 @@ async def start_engine(config: EngineConfig, service_config: SchedulerServiceCon
                for address in service_config.worker_addresses]
     try:
         return await EngineService.start(lambda: EngineCore(config, workers),
-                                         service_config.shutdown.drain_timeout_s)
+                                         service_config.shutdown.drain_timeout_s, stat_loggers,
+                                         service_config.stats_interval_s)
     except BaseException:
         for worker in workers:
             worker.close()
@@ -109,10 +115,17 @@ async def start_scheduler(config: EngineConfig, service_config: SchedulerService
     await server.start()
     logger.info("scheduler listening on %s:%d; handshake with workers %s", service_config.host,
                 server.port, ", ".join(service_config.worker_addresses))
+    registry = CollectorRegistry()
+    metrics = SchedulerMetrics(registry, config.model.model,
+                               lambda: None if servicer.service is None else servicer.service.load)
     try:
-        servicer.service = await start_engine(config, service_config)
+        servicer.metrics_server = start_metrics_server(
+            registry, service_config.host, service_config.metrics.metrics_port, "scheduler")
+        servicer.service = await start_engine(config, service_config, [metrics])
     except BaseException:
         await server.shutdown(0)  # its health-only port too
+        if servicer.metrics_server is not None:
+            servicer.metrics_server.stop()
         raise
     await server.set_serving(True)
     logger.info("scheduler serving on port %d", server.port)
@@ -125,6 +138,8 @@ async def stop_scheduler(server: ServiceServer, servicer: SchedulerServicer,
     service = servicer.service
     drain = None if service is None else (lambda: service.drain(grace_s))
     await server.shutdown(grace_s, drain)
+    if servicer.metrics_server is not None:
+        servicer.metrics_server.stop()
     if service is not None and await service.stop():
         for worker in service.engine.workers:
             worker.close()

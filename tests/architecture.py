@@ -7,7 +7,7 @@ Layers import downwards only:
 
 Every project import goes through the one import root, `pagedserve.`. The cores -- all of
 kernels/, services/common/, services/text/, and scheduler_svc/ and worker_svc/ but for their
-edge modules -- import neither grpc, protobuf nor the generated stubs (services/rpc/v1).
+edge modules -- import neither grpc, protobuf, prometheus_client nor the rpc layer.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
 }
 # the modules of scheduler_svc/ and worker_svc/ that speak gRPC; the rest is core
-EDGE_MODULES = {"scheduler_svc.servicer", "scheduler_svc.worker_client", "worker_svc.servicer"}
-WIRE_PACKAGES = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf",
+EDGE_MODULES = {"scheduler_svc.servicer", "scheduler_svc.worker_client", "scheduler_svc.metrics",
+                "worker_svc.servicer", "worker_svc.metrics"}
+WIRE_PACKAGES = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "prometheus_client",
                  "pagedserve.services.rpc")
 OTHER_TOP_LEVELS = tuple(f for f in LAYER_FOLDERS if f != ROOT)
 

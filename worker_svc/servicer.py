@@ -34,12 +34,15 @@ from pagedserve.services.rpc.convert_worker import (
     step_plan_from_proto,
     worker_info_to_proto,
 )
+from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
 from pagedserve.services.rpc.status import map_errors
 from pagedserve.services.rpc.tls import internal_server_credentials
 from pagedserve.services.rpc.v1 import worker_pb2, worker_pb2_grpc
+from pagedserve.worker_svc.metrics import WorkerMetrics
 from pagedserve.worker_svc.parallel import leave_tensor_parallel
 from pagedserve.worker_svc.worker import Worker
+from prometheus_client import CollectorRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +83,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._load_lock = asyncio.Lock()  # LoadModel during the startup load waits for it
         self._step_order = asyncio.Condition()
         self._submitted_step_id = 0  # the last step handed to the model thread in this epoch
+        self.metrics: WorkerMetrics | None = None
+        self.metrics_server: MetricsServer | None = None
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -112,6 +117,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return info
 
     def close(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
         leave_tensor_parallel()
 
@@ -192,7 +199,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self._executor, worker.execute_step, plan)
             self._submitted_step_id = plan.step_id
             self._step_order.notify_all()
-        return step_output_to_proto(await running)
+        output = await running
+        if self.metrics is not None:
+            self.metrics.record_step(plan, output.timings)
+        return step_output_to_proto(output)
 
     @map_errors
     async def ClearState(self, request: worker_pb2.ClearStateRequest,
@@ -230,6 +240,10 @@ async def start_worker(config: EngineConfig, service: WorkerServiceConfig
     await server.start()
     logger.info("worker rank %d listening on %s:%d", service.rank, service.host, server.port)
     try:
+        registry = CollectorRegistry()
+        servicer.metrics = WorkerMetrics(registry, config.model.model, service.rank)
+        servicer.metrics_server = start_metrics_server(
+            registry, service.host, service.metrics.metrics_port, "worker")
         await servicer.load()
     except BaseException:
         await server.shutdown(0)  # its health-only port too

@@ -160,20 +160,34 @@ class EngineConfig:
 
 @dataclass(slots=True)
 class TracingConfig:
-    """OpenTelemetry tracing of one service (services/rpc/tracing.py); off by default."""
+    """OpenTelemetry tracing of one service (services/rpc/tracing.py); off by default. Empty
+    fields fall back on the standard OTEL_* variables, read when the service starts."""
 
-    otel_exporter: Literal["none", "console", "otlp"] = opt(
-        "none", "where spans go: none = tracing off, console = stdout, otlp = an OTLP/gRPC "
-                "collector (needs the otlp extra: pip install 'pagedserve[otlp]')")
+    otel_exporter: Literal["", "none", "console", "otlp"] = opt(
+        "", "where spans go: none = tracing off, console = stdout, otlp = an OTLP/gRPC "
+            "collector; empty = OTEL_TRACES_EXPORTER, else none")
     otel_endpoint: str = opt("", "OTLP collector, e.g. http://otel-collector:4317; empty = "
                                  "OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317")
-    service_name: str = opt("", "service.name of the spans; empty = pagedserve-<service>")
+    service_name: str = opt("", "service.name of the spans; empty = OTEL_SERVICE_NAME, else "
+                                "pagedserve-<service>")
 
     def __post_init__(self) -> None:
         _check_choices(self)
-        _check(not self.otel_endpoint or self.otel_exporter == "otlp",
+        _check(not self.otel_endpoint or self.otel_exporter in ("", "otlp"),
                f"otel_endpoint is only used with otel_exporter='otlp', got "
                f"otel_endpoint={self.otel_endpoint!r} with otel_exporter={self.otel_exporter!r}")
+
+
+@dataclass(slots=True)
+class MetricsConfig:
+    """Prometheus metrics of one service, served over HTTP at /metrics on the service's host."""
+
+    metrics_port: int = opt(-1, "port of the Prometheus /metrics endpoint; 0 = any free port, "
+                                "-1 = no endpoint")
+
+    def __post_init__(self) -> None:
+        _check(-1 <= self.metrics_port < 65536,
+               f"metrics_port must be -1 (off) or in [0, 65535], got {self.metrics_port}")
 
 
 @dataclass(slots=True)
@@ -258,6 +272,7 @@ class GatewayConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)
     public_tls: PublicTlsConfig = field(default_factory=PublicTlsConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
 
     def __post_init__(self) -> None:
@@ -276,14 +291,19 @@ class SchedulerServiceConfig:
     startup_timeout_s: float = opt(
         600.0, "deadline of the worker handshake (model load); also how long a lost worker is "
         "waited for before its requests fail")
+    stats_interval_s: float = opt(10.0, "seconds between two stats log lines (throughput, "
+                                        "queues, KV-cache usage); 0 = none")
     tls: TlsConfig = field(default_factory=TlsConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
         _check(len(self.worker_addresses) >= 1, "worker_addresses must name at least one worker")
         _check(self.step_timeout_s > 0, f"step_timeout_s must be > 0, got {self.step_timeout_s}")
+        _check(self.stats_interval_s >= 0,
+               f"stats_interval_s must be >= 0, got {self.stats_interval_s}")
 
 
 @dataclass(slots=True)
@@ -293,6 +313,7 @@ class WorkerServiceConfig:
     rank: int = opt(0, "tensor-parallel rank of this worker")
     tls: TlsConfig = field(default_factory=TlsConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
 
     def __post_init__(self) -> None:

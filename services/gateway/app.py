@@ -14,12 +14,15 @@ from dataclasses import dataclass
 from pagedserve.services.common.config import GatewayConfig
 from pagedserve.services.gateway.convert import model_info_from_served_model
 from pagedserve.services.gateway.frontend import Admission, Frontend
+from pagedserve.services.gateway.metrics import GatewayMetrics
 from pagedserve.services.gateway.scheduler_client import SchedulerClient
 from pagedserve.services.gateway.servicer import GenerationServicer, ModelsServicer
+from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
 from pagedserve.services.rpc.tls import public_server_credentials
 from pagedserve.services.rpc.v1 import gateway_pb2_grpc
 from pagedserve.services.text.tokenizer import Tokenizer
+from prometheus_client import CollectorRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,7 @@ class Gateway:
     server: ServiceServer
     scheduler: SchedulerClient
     admission: Admission
+    metrics_server: MetricsServer | None = None
 
     @property
     def port(self) -> int:
@@ -43,6 +47,8 @@ class Gateway:
     async def stop(self, grace_s: float) -> None:
         await self.server.shutdown(grace_s)
         await self.scheduler.close()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
 
 
 async def start_gateway(config: GatewayConfig) -> Gateway:
@@ -60,8 +66,11 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
         await scheduler.close()
         raise
     admission = Admission(config.max_concurrent_requests)
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry, info.model, info.max_model_len)
+    frontend = Frontend(tokenizer, scheduler, info, admission, metrics)
     server, port = create_server([
-        ServiceBinding(GenerationServicer(Frontend(tokenizer, scheduler, info, admission)),
+        ServiceBinding(GenerationServicer(frontend),
                        gateway_pb2_grpc.add_GenerationServicer_to_server,
                        "pagedserve.v1.Generation"),
         ServiceBinding(ModelsServicer(info), gateway_pb2_grpc.add_ModelsServicer_to_server,
@@ -69,10 +78,17 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     ], config.host, config.port, credentials=credentials,
         health_port=config.tls.health_port)
     await server.start()
+    try:
+        metrics_server = start_metrics_server(registry, config.host, config.metrics.metrics_port,
+                                              "gateway")
+    except BaseException:
+        await server.server.stop(0)
+        await scheduler.close()
+        raise
     await server.set_serving(True)
     logger.info("gateway serving %s (max_model_len %d) on port %d", info.model,
                 info.max_model_len, port)
-    return Gateway(server, scheduler, admission)
+    return Gateway(server, scheduler, admission, metrics_server)
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -83,3 +99,5 @@ async def serve(config: GatewayConfig) -> None:
         await gateway.server.serve_until_signal(grace_s, drain=lambda: gateway.drain(grace_s))
     finally:
         await gateway.scheduler.close()
+        if gateway.metrics_server is not None:
+            gateway.metrics_server.stop()

@@ -19,6 +19,7 @@ from pagedserve.services.common.errors import (
     PagedServeError,
     Unavailable,
 )
+from pagedserve.services.gateway.metrics import GatewayMetrics
 from pagedserve.services.gateway.scheduler_client import SchedulerClient
 from pagedserve.services.gateway.validation import (
     GenerateInput,
@@ -67,11 +68,12 @@ class Admission:
 
 class Frontend:
     def __init__(self, tokenizer: Tokenizer, scheduler: SchedulerClient, model_info: ModelInfo,
-                 admission: Admission) -> None:
+                 admission: Admission, metrics: GatewayMetrics | None = None) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.info = model_info
         self.admission = admission
+        self.metrics = metrics
 
     def prepare(self, request: GenerateInput) -> PreparedRequest:
         return prepare_request(request, self.tokenizer, self.info)
@@ -90,13 +92,18 @@ class Frontend:
         """The request's text deltas until every output has finished. A request the scheduler
         ends early raises Unavailable; outputs that failed raise PagedServeError at the end."""
         text_stream = TextStream(request.prompt_token_ids, request.sampling, self.tokenizer)
+        timer = None if self.metrics is None else self.metrics.start_request()
         outputs = self.scheduler.submit(request)
         errors: list[str] = []
+        usage = None
         try:
             async for output in outputs:
+                if timer is not None and any(o.token_ids for o in output.outputs):
+                    timer.on_tokens()
                 for delta in text_stream.on_output(output):
                     if delta.error:
                         errors.append(f"output {delta.index}: {delta.error}")
+                    usage = delta.usage or usage
                     yield delta
                 if text_stream.is_finished:
                     break  # a stop string ended the last output: closing aborts the rest
@@ -105,5 +112,7 @@ class Frontend:
         if not text_stream.is_finished:
             raise Unavailable(f"the scheduler ended request {request.request_id!r} before "
                               "every output finished")
+        if timer is not None:
+            timer.finished(usage)
         if errors:
             raise PagedServeError(f"request {request.request_id!r} failed: {'; '.join(errors)}")

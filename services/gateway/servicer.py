@@ -3,6 +3,7 @@ gateway's Frontend, convert out."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -24,11 +25,15 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend) -> None:
         self._frontend = frontend
 
+    def _track(self, method: str) -> contextlib.AbstractContextManager[None]:
+        metrics = self._frontend.metrics
+        return contextlib.nullcontext() if metrics is None else metrics.track(method)
+
     @map_errors
     async def GenerateStream(self, request: gateway_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
-        with self._frontend.admission.admit():
+        with self._track("GenerateStream"), self._frontend.admission.admit():
             prepared = self._frontend.prepare(generate_request_from_proto(request))
             async for delta in self._frontend.generate(prepared):
                 yield stream_delta_to_proto(delta, prepared.request_id)
@@ -36,7 +41,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     @map_errors
     async def Generate(self, request: gateway_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateResponse:
-        with self._frontend.admission.admit():
+        with self._track("Generate"), self._frontend.admission.admit():
             prepared = self._frontend.prepare(generate_request_from_proto(request))
             deltas = [delta async for delta in self._frontend.generate(prepared)]
         return generate_response_to_proto(prepared.request_id, deltas, prepared.sampling.n)

@@ -12,6 +12,7 @@ from pagedserve.services.common.config import (
     DeviceConfig,
     EngineConfig,
     GatewayConfig,
+    MetricsConfig,
     ModelConfig,
     SchedulerServiceConfig,
     TlsConfig,
@@ -43,6 +44,12 @@ class Stack:
     def scheduler_address(self) -> str:
         return f"127.0.0.1:{self.scheduler[0].port}"
 
+    def metrics_ports(self) -> dict[str, int]:
+        servers = {"worker": self.worker[1].metrics_server,
+                   "scheduler": self.scheduler[1].metrics_server,
+                   "gateway": self.gateway.metrics_server}
+        return {name: server.port for name, server in servers.items() if server is not None}
+
     def load(self) -> scheduler_pb2.Load:
         with internal_channel(self.scheduler_address, self.client_tls) as channel:
             return scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(
@@ -61,23 +68,27 @@ class Stack:
 
 def start_stack(config: EngineConfig, step_timeout_s: float = 30.0,
                 startup_timeout_s: float = 120.0,
-                certificates: ThrowAwayCertificates | None = None) -> Stack:
+                certificates: ThrowAwayCertificates | None = None,
+                metrics_port: int = -1) -> Stack:
     """`certificates` (roles gateway, scheduler, worker, client): mutual TLS between the three,
-    and `load` calls the scheduler as "client"."""
+    and `load` calls the scheduler as "client". `metrics_port` 0: each service serves /metrics on
+    a free port (see `metrics_ports`)."""
     loop = BackgroundLoop()
 
     def tls(role: str) -> TlsConfig:
         return TlsConfig() if certificates is None else certificates.tls(role)
 
     async def start() -> Stack:
-        worker = await start_worker(config, WorkerServiceConfig(port=0, tls=tls("worker")))
+        worker = await start_worker(config, WorkerServiceConfig(
+            port=0, tls=tls("worker"), metrics=MetricsConfig(metrics_port)))
         scheduler_config = SchedulerServiceConfig(
             port=0, worker_addresses=[f"127.0.0.1:{worker[0].port}"],
             step_timeout_s=step_timeout_s, startup_timeout_s=startup_timeout_s,
-            tls=tls("scheduler"))
+            tls=tls("scheduler"), metrics=MetricsConfig(metrics_port))
         scheduler = await start_scheduler(config, scheduler_config)
         gateway = await start_gateway(GatewayConfig(
-            port=0, scheduler_address=f"127.0.0.1:{scheduler[0].port}", tls=tls("gateway")))
+            port=0, scheduler_address=f"127.0.0.1:{scheduler[0].port}", tls=tls("gateway"),
+            metrics=MetricsConfig(metrics_port)))
         return Stack(loop, worker, scheduler, gateway, tls("client"))
 
     try:

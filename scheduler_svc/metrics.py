@@ -1,0 +1,117 @@
+"""The scheduler's Prometheus metrics: a StatLogger fed once per engine step and once per finished
+request (counters and histograms), and a collector reading the engine's load snapshot when
+scraped (the gauges, and the counters the engine already keeps) -- nothing per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from pagedserve.scheduler_svc.stats import FinishedRequestStats, StepStats
+from pagedserve.services.common.engine_api import EngineLoad
+from pagedserve.services.rpc.metrics import (
+    ITERATION_TOKENS_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    STEP_TIME_BUCKETS,
+)
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+MODEL = ["model_name"]
+
+
+class SchedulerMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str,
+                 load: Callable[[], EngineLoad | None]) -> None:
+        def counter(name: str, documentation: str) -> Counter:
+            return Counter(name, documentation, MODEL, registry=registry).labels(model_name)
+
+        def histogram(name: str, documentation: str, buckets) -> Histogram:
+            return Histogram(name, documentation, MODEL, registry=registry,
+                             buckets=buckets).labels(model_name)
+
+        self._model_name = model_name
+        self._prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self._generation_tokens = counter("vllm:generation_tokens",
+                                          "Number of generation tokens processed.")
+        self._preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self._prefix_queries = counter("vllm:prefix_cache_queries",
+                                       "Prefix cache queries, in terms of number of queried tokens.")
+        self._prefix_hits = counter("vllm:prefix_cache_hits",
+                                    "Prefix cache hits, in terms of number of cached tokens.")
+        self._request_success = Counter("vllm:request_success", "Count of finished requests.",
+                                        [*MODEL, "finished_reason"], registry=registry)
+        self._iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                           "Histogram of number of tokens per engine_step.",
+                                           ITERATION_TOKENS_BUCKETS)
+        self._queue_time = histogram("vllm:request_queue_time_seconds",
+                                     "Histogram of time spent in WAITING phase for request.",
+                                     REQUEST_LATENCY_BUCKETS)
+        self._prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                       "Histogram of time spent in PREFILL phase for request.",
+                                       REQUEST_LATENCY_BUCKETS)
+        self._decode_time = histogram("vllm:request_decode_time_seconds",
+                                      "Histogram of time spent in DECODE phase for request.",
+                                      REQUEST_LATENCY_BUCKETS)
+        self._step_overhead = histogram(
+            "pagedserve:scheduler_step_overhead_seconds",
+            "Scheduler time per engine step: scheduling and output processing.", STEP_TIME_BUCKETS)
+        swapped = Counter("pagedserve:swapped_blocks", "KV-cache blocks moved between the "
+                          "device and CPU swap space.", [*MODEL, "direction"], registry=registry)
+        self._swapped_in = swapped.labels(model_name, "in")
+        self._swapped_out = swapped.labels(model_name, "out")
+        registry.register(_LoadCollector(model_name, load))
+
+    def record_step(self, stats: StepStats) -> None:
+        self._prompt_tokens.inc(stats.num_prompt_tokens)
+        self._generation_tokens.inc(stats.num_generation_tokens)
+        self._iteration_tokens.observe(stats.num_scheduled_tokens)
+        self._step_overhead.observe(stats.schedule_time_s)
+        if stats.num_preemptions:
+            self._preemptions.inc(stats.num_preemptions)
+        if stats.num_prefix_cache_queries:
+            self._prefix_queries.inc(stats.num_prefix_cache_queries)
+            self._prefix_hits.inc(stats.num_prefix_cache_hits)
+        if stats.num_blocks_swapped_in:
+            self._swapped_in.inc(stats.num_blocks_swapped_in)
+        if stats.num_blocks_swapped_out:
+            self._swapped_out.inc(stats.num_blocks_swapped_out)
+
+    def record_finished(self, stats: FinishedRequestStats) -> None:
+        self._request_success.labels(self._model_name, stats.finish_reason).inc()
+        self._queue_time.observe(stats.queue_time_s)
+        self._prefill_time.observe(stats.prefill_time_s)
+        self._decode_time.observe(stats.decode_time_s)
+
+
+class _LoadCollector:
+    """Read at scrape time from the load snapshot the engine loop takes between steps."""
+
+    def __init__(self, model_name: str, load: Callable[[], EngineLoad | None]) -> None:
+        self._model_name = model_name
+        self._load = load
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        load = self._load()
+        if load is None:  # the worker handshake is still running
+            return
+        labels = [self._model_name]
+        usage = load.num_gpu_blocks_used / load.num_gpu_blocks if load.num_gpu_blocks else 0.0
+        for name, documentation, value in (
+                ("vllm:num_requests_running", "Number of requests in model execution batches.",
+                 load.num_running),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                 load.num_waiting),
+                ("vllm:num_requests_swapped", "Number of requests swapped to CPU.",
+                 load.num_swapped),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)):
+            gauge = GaugeMetricFamily(name, documentation, labels=MODEL)
+            gauge.add_metric(labels, value)
+            yield gauge
+        rebuilds = CounterMetricFamily("pagedserve:worker_rebuilds", "Workers rebuilt after "
+                                       "losing their KV cache.", labels=MODEL)
+        rebuilds.add_metric(labels, load.num_worker_rebuilds)
+        yield rebuilds

@@ -1,0 +1,127 @@
+"""Engine statistics, vLLM's IterationStats and FinishedRequestStats: what each processed step did
+and where each finished request spent its time, handed to the engine's stat loggers (the
+service's Prometheus metrics, the periodic log line). Steps are described from counters the engine
+keeps anyway, as differences between two steps, so a step costs a few subtractions.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from pagedserve.services.common.engine_api import EngineLoad
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StepTotals:
+    """The engine's running totals, since start."""
+
+    num_prompt_tokens: int = 0  # of the prompts that got their first token
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    num_prefix_cache_hits: int = 0  # among them, tokens whose KV was reused
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """One processed engine step."""
+
+    num_scheduled_tokens: int  # prefill chunks and decodes of the step
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_preemptions: int
+    num_prefix_cache_queries: int
+    num_prefix_cache_hits: int
+    num_blocks_swapped_in: int
+    num_blocks_swapped_out: int
+    schedule_time_s: float  # the scheduler's own time: schedule() and output processing
+
+    @classmethod
+    def between(cls, before: StepTotals, after: StepTotals, num_scheduled_tokens: int,
+                num_blocks_swapped_in: int, num_blocks_swapped_out: int,
+                schedule_time_s: float) -> StepStats:
+        return cls(num_scheduled_tokens,
+                   after.num_prompt_tokens - before.num_prompt_tokens,
+                   after.num_generation_tokens - before.num_generation_tokens,
+                   after.num_preemptions - before.num_preemptions,
+                   after.num_prefix_cache_queries - before.num_prefix_cache_queries,
+                   after.num_prefix_cache_hits - before.num_prefix_cache_hits,
+                   num_blocks_swapped_in, num_blocks_swapped_out, schedule_time_s)
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequestStats:
+    finish_reason: str  # "stop", "length", "abort", "error"
+    queue_time_s: float  # arrival -> first scheduled
+    prefill_time_s: float  # first scheduled -> first token
+    decode_time_s: float  # first token -> finished
+
+    @classmethod
+    def of(cls, finish_reason: str, arrival_time: float, first_scheduled_time: float | None,
+           first_token_time: float | None, now: float) -> FinishedRequestStats:
+        """From monotonic times; a phase never reached ends when the request did."""
+        scheduled = now if first_scheduled_time is None else first_scheduled_time
+        first_token = now if first_token_time is None else first_token_time
+        return cls(finish_reason, max(0.0, scheduled - arrival_time),
+                   max(0.0, first_token - scheduled), max(0.0, now - first_token))
+
+
+class StatLogger(Protocol):
+    """Called on the thread driving the engine, never twice at once."""
+
+    def record_step(self, stats: StepStats) -> None: ...
+    def record_finished(self, stats: FinishedRequestStats) -> None: ...
+
+
+class LoggingStatLogger:
+    """vLLM's periodic stats line: throughput since the last line, the queues, KV-cache usage and
+    the interval's prefix-cache hit rate. `log` runs on another thread than `record_step`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since = time.monotonic()
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._num_queries = 0
+        self._num_hits = 0
+        self._was_idle = True
+
+    def record_step(self, stats: StepStats) -> None:
+        with self._lock:
+            self._num_prompt_tokens += stats.num_prompt_tokens
+            self._num_generation_tokens += stats.num_generation_tokens
+            self._num_queries += stats.num_prefix_cache_queries
+            self._num_hits += stats.num_prefix_cache_hits
+
+    def record_finished(self, stats: FinishedRequestStats) -> None:
+        pass
+
+    def log(self, load: EngineLoad) -> str | None:
+        """Log the line (and return it); nothing while the engine stays idle."""
+        now = time.monotonic()
+        with self._lock:
+            elapsed_s = max(now - self._since, 1e-9)
+            prompt, generation = self._num_prompt_tokens, self._num_generation_tokens
+            queries, hits = self._num_queries, self._num_hits
+            self._since = now
+            self._num_prompt_tokens = self._num_generation_tokens = 0
+            self._num_queries = self._num_hits = 0
+        is_idle = not (prompt or generation or load.num_running or load.num_waiting
+                       or load.num_swapped)
+        if is_idle and self._was_idle:
+            return None
+        self._was_idle = is_idle
+        usage = load.num_gpu_blocks_used / load.num_gpu_blocks if load.num_gpu_blocks else 0.0
+        line = (f"Avg prompt throughput: {prompt / elapsed_s:.1f} tokens/s, "
+                f"Avg generation throughput: {generation / elapsed_s:.1f} tokens/s, "
+                f"Running: {load.num_running} reqs, Waiting: {load.num_waiting} reqs, "
+                f"Swapped: {load.num_swapped} reqs, GPU KV cache usage: {usage:.1%}, "
+                f"Prefix cache hit rate: {hits / queries if queries else 0.0:.1%}")
+        logger.info("%s", line)
+        return line

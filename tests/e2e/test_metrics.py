@@ -1,0 +1,152 @@
+"""Each service's /metrics, scraped with Prometheus's own text parser before and after real
+requests through the three services (one process, real gRPC): counters move by what the requests
+did, gauges fall back to zero when the engine is idle, histograms observe."""
+
+import dataclasses
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from pagedserve.services.common.config import CacheConfig
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.stack import assert_idle, start_stack, tiny_config
+
+NUM_GPU_BLOCKS = 16  # of 16 tokens: four 80-token requests do not fit side by side
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_served_model_dir):
+    config = tiny_config(tiny_served_model_dir)
+    config = dataclasses.replace(config, cache=CacheConfig(
+        kv_cache_memory_gib=0.01, swap_space_gib=0.01, num_gpu_blocks_override=NUM_GPU_BLOCKS))
+    stack = start_stack(config, metrics_port=0)
+    yield stack
+    stack.close()
+
+
+@pytest.fixture()
+def generation(stack):
+    with grpc.insecure_channel(stack.gateway_address) as channel:
+        yield gateway_pb2_grpc.GenerationStub(channel)
+
+
+def scrape(stack, service: str) -> list:
+    port = stack.metrics_ports()[service]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return [sample for family in text_string_to_metric_families(text)
+            for sample in family.samples]
+
+
+def value(samples, name: str, **labels) -> float:
+    """The sum of the samples named `name` whose labels include `labels`."""
+    return sum(s.value for s in samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def request(prompt: list[int], max_tokens: int) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        token_ids=gateway_pb2.TokenIds(token_ids=prompt),
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                           ignore_eos=True))
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the metrics never got there"
+        time.sleep(0.05)
+
+
+def test_every_service_serves_its_metrics_with_vllm_names(stack):
+    names = {service: {s.name for s in scrape(stack, service)}
+             for service in ("worker", "scheduler", "gateway")}
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting",
+            "vllm:num_requests_swapped", "vllm:kv_cache_usage_perc",
+            "pagedserve:worker_rebuilds_total"} <= names["scheduler"]
+    assert {"vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_bucket",
+            "vllm:request_prompt_tokens_sum"} <= names["gateway"]
+    assert "pagedserve:worker_step_time_seconds_count" in names["worker"]
+    labels = {s.labels.get("model_name") for s in scrape(stack, "scheduler")
+              if s.name.startswith("vllm:")}
+    assert labels == {stack.scheduler[1].model}
+
+
+def test_counters_equal_the_requests_usage_and_gauges_return_to_zero(stack, generation):
+    before = {service: scrape(stack, service) for service in ("worker", "scheduler", "gateway")}
+    prompts = [[1, 57, 300 % 256, 12, 99], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    responses = [generation.Generate(request(prompt, 6), timeout=60) for prompt in prompts]
+    after = {service: scrape(stack, service) for service in ("worker", "scheduler", "gateway")}
+
+    def delta(service: str, name: str, **labels) -> float:
+        return value(after[service], name, **labels) - value(before[service], name, **labels)
+
+    num_prompt_tokens = sum(r.usage.prompt_tokens for r in responses)
+    num_generation_tokens = sum(r.usage.completion_tokens for r in responses)
+    assert (num_prompt_tokens, num_generation_tokens) == (14, 12)
+    assert delta("scheduler", "vllm:prompt_tokens_total") == num_prompt_tokens
+    assert delta("scheduler", "vllm:generation_tokens_total") == num_generation_tokens
+    assert delta("scheduler", "vllm:request_success_total", finished_reason="length") == 2
+    for name in ("vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+                 "vllm:request_decode_time_seconds_count"):
+        assert delta("scheduler", name) == 2
+    assert delta("scheduler", "vllm:iteration_tokens_total_count") >= 6
+    assert delta("scheduler", "vllm:iteration_tokens_total_sum") >= num_prompt_tokens + 10
+    assert delta("scheduler", "pagedserve:scheduler_step_overhead_seconds_count") >= 6
+
+    assert delta("gateway", "vllm:request_prompt_tokens_sum") == num_prompt_tokens
+    assert delta("gateway", "vllm:request_generation_tokens_sum") == num_generation_tokens
+    assert delta("gateway", "vllm:time_to_first_token_seconds_count") == 2
+    assert delta("gateway", "vllm:e2e_request_latency_seconds_count") == 2
+    assert delta("gateway", "vllm:inter_token_latency_seconds_count") >= 2
+    assert delta("gateway", "pagedserve:gateway_requests_total", method="Generate",
+                 code="OK") == 2
+    assert delta("worker", "pagedserve:worker_step_time_seconds_count", phase="forward") >= 6
+    assert delta("worker", "pagedserve:worker_step_time_seconds_sum", phase="forward") > 0
+
+    assert_idle(stack)
+    idle = scrape(stack, "scheduler")
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:num_requests_swapped", "vllm:kv_cache_usage_perc"):
+        assert value(idle, name) == 0, name
+
+
+def test_preemptions_under_a_small_kv_pool_are_counted(stack, generation):
+    preempted_before = stack.load().num_preemptions
+    before = scrape(stack, "scheduler")
+    prompts = [[1 + i, 2, 3, 4, 5, 6, 7, 8, 9, 10] for i in range(4)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        responses = list(pool.map(lambda p: generation.Generate(request(p, 70), timeout=120),
+                                  prompts))
+    assert all(r.usage.completion_tokens == 70 for r in responses)
+    num_preemptions = stack.load().num_preemptions - preempted_before
+    assert num_preemptions > 0
+    after = scrape(stack, "scheduler")
+    assert (value(after, "vllm:num_preemptions_total")
+            - value(before, "vllm:num_preemptions_total")) == num_preemptions
+    # a recomputed prompt is counted once, as in the requests' usage
+    assert (value(after, "vllm:prompt_tokens_total")
+            - value(before, "vllm:prompt_tokens_total")) == 40
+    assert (value(after, "vllm:generation_tokens_total")
+            - value(before, "vllm:generation_tokens_total")) == 4 * 70
+
+
+def test_a_cancelled_request_counts_as_aborted(stack, generation):
+    before = scrape(stack, "scheduler")
+    gateway_before = scrape(stack, "gateway")
+    call = generation.GenerateStream(request([1, 2, 3, 4], 150), timeout=60)
+    next(call)
+    next(call)
+    call.cancel()
+    aborted = value(before, "vllm:request_success_total", finished_reason="abort")
+    wait_until(lambda: value(scrape(stack, "scheduler"), "vllm:request_success_total",
+                             finished_reason="abort") == aborted + 1)
+    wait_until(lambda: value(scrape(stack, "gateway"), "pagedserve:gateway_requests_total",
+                             method="GenerateStream", code="CANCELLED")
+               == value(gateway_before, "pagedserve:gateway_requests_total",
+                        method="GenerateStream", code="CANCELLED") + 1)
+    assert_idle(stack)
