@@ -21,6 +21,7 @@ import sys
 import typing
 from pathlib import Path
 
+from pagedserve.log_format import configure_logging
 from pagedserve.services.common.config import (
     EngineConfig,
     GatewayConfig,
@@ -57,10 +58,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _setup_tracing(tracing: TracingConfig, service: str) -> None:
-    from pagedserve.services.rpc.tracing import setup_tracing
+    from pagedserve.services.rpc.tracing_setup import setup_tracing, tracing_settings
 
-    setup_tracing(tracing.service_name or f"pagedserve-{service}", tracing.otel_exporter,
-                  tracing.otel_endpoint)
+    setup_tracing(tracing_settings(tracing, service))
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -225,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    common.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="json: one JSON object per line, with trace_id and span_id "
+                             "inside a traced request (default: text)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_parser = functools.partial(commands.add_parser, parents=[common])
 
@@ -281,9 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, stream=sys.stderr,
-        format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format, args.command)
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         return args.run(args)

@@ -13,7 +13,11 @@ from pagedserve.scheduler_svc.engine_core import EngineCore
 from pagedserve.scheduler_svc.metrics import SchedulerMetrics
 from pagedserve.scheduler_svc.stats import StatLogger
 from pagedserve.scheduler_svc.worker_client import WorkerClient
-from pagedserve.services.common.config import EngineConfig, SchedulerServiceConfig
+from pagedserve.services.common.config import (
+    EngineConfig,
+    SchedulerServiceConfig,
+    served_model_name,
+)
 from pagedserve.services.common.errors import ConfigError, Unavailable
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.rpc.convert_scheduler import (
@@ -27,6 +31,7 @@ from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
 from pagedserve.services.rpc.status import map_errors
 from pagedserve.services.rpc.tls import internal_server_credentials
+from pagedserve.services.rpc.tracing import set_request_model
 from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from prometheus_client import CollectorRegistry
 
@@ -49,6 +54,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Submit(self, request: scheduler_pb2.SubmitRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         service = self._service()
+        set_request_model(served_model_name(self.model))
         # leaving the block early (client gone, deadline, cancel) aborts the request
         async with await service.submit(submit_request_from_proto(request)) as stream:
             async for output in stream:
@@ -116,7 +122,7 @@ async def start_scheduler(config: EngineConfig, service_config: SchedulerService
     logger.info("scheduler listening on %s:%d; handshake with workers %s", service_config.host,
                 server.port, ", ".join(service_config.worker_addresses))
     registry = CollectorRegistry()
-    metrics = SchedulerMetrics(registry, config.model.model,
+    metrics = SchedulerMetrics(registry, served_model_name(config.model.model),
                                lambda: None if servicer.service is None else servicer.service.load)
     try:
         servicer.metrics_server = start_metrics_server(

@@ -21,7 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
-from pagedserve.services.common.config import EngineConfig, WorkerServiceConfig
+from pagedserve.services.common.config import (
+    EngineConfig,
+    WorkerServiceConfig,
+    served_model_name,
+)
 from pagedserve.services.common.errors import (
     InvalidRequest,
     StepOutOfOrder,
@@ -241,7 +245,8 @@ async def start_worker(config: EngineConfig, service: WorkerServiceConfig
     logger.info("worker rank %d listening on %s:%d", service.rank, service.host, server.port)
     try:
         registry = CollectorRegistry()
-        servicer.metrics = WorkerMetrics(registry, config.model.model, service.rank)
+        servicer.metrics = WorkerMetrics(registry, served_model_name(config.model.model),
+                                         service.rank)
         servicer.metrics_server = start_metrics_server(
             registry, service.host, service.metrics.metrics_port, "worker")
         await servicer.load()

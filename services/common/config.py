@@ -28,6 +28,11 @@ def default_model_dir() -> str:
     return str(Path(cache) / "models" / "SmolLM2-135M-Instruct")
 
 
+def served_model_name(model: str) -> str:
+    """How a model folder is named to clients, in metrics and in traces: the folder's name."""
+    return model.rstrip("/").rsplit("/", 1)[-1]
+
+
 def opt(default: Any, help: str, **kw: Any) -> Any:
     """A config field with its CLI help text."""
     if isinstance(default, list):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pagedserve.services.common.config import served_model_name
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
 from pagedserve.services.rpc.convert_common import (
@@ -165,8 +166,7 @@ def model_info_from_served_model(msg: scheduler_pb2.ServedModel, has_chat_templa
                                  ) -> ModelInfo:
     """The scheduler's ServedModel plus the gateway tokenizer's chat template; the model is
     named by its folder's name."""
-    name = msg.model.rstrip("/").rsplit("/", 1)[-1]
-    return ModelInfo(model=name, architecture=msg.architecture, max_model_len=msg.max_model_len,
+    return ModelInfo(model=served_model_name(msg.model), architecture=msg.architecture, max_model_len=msg.max_model_len,
                      vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids),
                      has_chat_template=has_chat_template)
 

@@ -18,6 +18,7 @@ from pagedserve.services.gateway.convert import (
 from pagedserve.services.gateway.frontend import Frontend
 from pagedserve.services.gateway.validation import ModelInfo
 from pagedserve.services.rpc.status import map_errors
+from pagedserve.services.rpc.tracing import set_request_model
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
@@ -33,6 +34,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     async def GenerateStream(self, request: gateway_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        set_request_model(self._frontend.info.model)
         with self._track("GenerateStream"), self._frontend.admission.admit():
             prepared = self._frontend.prepare(generate_request_from_proto(request))
             async for delta in self._frontend.generate(prepared):
@@ -41,6 +43,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     @map_errors
     async def Generate(self, request: gateway_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateResponse:
+        set_request_model(self._frontend.info.model)
         with self._track("Generate"), self._frontend.admission.admit():
             prepared = self._frontend.prepare(generate_request_from_proto(request))
             deltas = [delta async for delta in self._frontend.generate(prepared)]

@@ -1,19 +1,21 @@
 """OpenTelemetry tracing: one trace per request across gateway → scheduler → worker.
 
-- `setup_tracing(service_name, exporter, endpoint)` installs the process's TracerProvider (once),
-  before the servers and channels are made. Off by default: with exporter "none" nothing is
-  installed, servers and channels get no interceptors (zero cost per call), the engine's own
-  spans come from the no-op tracer, and nothing is exported.
+- `tracing_setup.setup_tracing` installs the process's TracerProvider (once), before the servers
+  and channels are made. Off by default: then servers and channels get no interceptors (zero cost
+  per call), the engine's own spans come from the no-op tracer, and nothing is exported.
 - W3C trace context (`traceparent`, `tracestate`) travels in gRPC metadata.
 - `ServerTracingInterceptor` (grpc.aio) opens one SERVER span per RPC, a child of the caller's
   context; a server-streaming RPC's span covers the whole stream.
 - `aio_client_interceptors` (grpc.aio) and `client_interceptors` (sync grpc) open one CLIENT
   span per call, a child of the current span, and send its context along.
 
-Spans are named `package.Service/Method` and carry rpc.system / rpc.service / rpc.method /
-rpc.grpc.status_code (OpenTelemetry's RPC conventions), plus what `_RPC_ATTRIBUTES` reads from
-the messages of pagedserve's own methods (request_id, token counts, step_id, step timings...).
-Health and reflection calls are not traced: probes would drown the requests.
+Spans are named `package.Service/Method` and carry rpc.system.name / rpc.method /
+rpc.response.status_code (OpenTelemetry's RPC conventions), plus what `_RPC_ATTRIBUTES` reads
+from the messages of pagedserve's own methods: the GenAI conventions' gen_ai.* for generation
+(operation, request parameters, response id, finish reasons, token usage, time to first token),
+pagedserve.* for engine steps (step_id, step timings...). Health and reflection calls are not
+traced: probes would drown the requests. opentelemetry-instrumentation-grpc is not used: it
+records the RPC attributes under their deprecated names, and cannot read the messages.
 """
 
 from __future__ import annotations
@@ -25,34 +27,37 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
-from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-from pagedserve.services.common.errors import ConfigError
 from pagedserve.services.rpc.convert_common import finish_reason_from_proto
 
 logger = logging.getLogger(__name__)
 
-Exporter = Literal["none", "console", "otlp"]
 INSTRUMENTATION_NAME = "pagedserve"
 UNTRACED_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                                "grpc.reflection.v1.ServerReflection"})
 
-# Span attributes of pagedserve's own methods.
-REQUEST_ID = "pagedserve.request_id"
-N = "pagedserve.n"
-MAX_TOKENS = "pagedserve.max_tokens"
-NUM_PROMPT_TOKENS = "pagedserve.num_prompt_tokens"
-NUM_CACHED_TOKENS = "pagedserve.num_cached_tokens"
-NUM_OUTPUT_TOKENS = "pagedserve.num_output_tokens"
-FINISH_REASONS = "pagedserve.finish_reasons"
+# Span attributes of generation: OpenTelemetry's GenAI conventions.
+OPERATION_NAME = "gen_ai.operation.name"  # "chat" (messages) or "text_completion"
+REQUEST_MODEL = "gen_ai.request.model"
+REQUEST_ID = "gen_ai.response.id"  # the request_id, which every response echoes
+N = "gen_ai.request.choice.count"
+MAX_TOKENS = "gen_ai.request.max_tokens"
+TEMPERATURE = "gen_ai.request.temperature"
+TOP_P = "gen_ai.request.top_p"
+NUM_PROMPT_TOKENS = "gen_ai.usage.input_tokens"
+NUM_CACHED_TOKENS = "gen_ai.usage.cache_read.input_tokens"
+NUM_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+FINISH_REASONS = "gen_ai.response.finish_reasons"
+TIME_TO_FIRST_TOKEN = "gen_ai.response.time_to_first_chunk"  # seconds; also the event below
+FIRST_TOKEN_EVENT = "gen_ai.first_token"
+# Span attributes of engine steps: pagedserve's own.
 STEP_ID = "pagedserve.step_id"
 NUM_SEQS = "pagedserve.num_seqs"
 NUM_SCHEDULED_TOKENS = "pagedserve.num_scheduled_tokens"
@@ -65,52 +70,19 @@ _SERVER_ERROR_CODES = frozenset({
 _CODE_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
-# --- setup ------------------------------------------------------------------------------------
-
-
-def build_tracer_provider(service_name: str, exporter: Exporter,
-                          endpoint: str = "") -> TracerProvider | None:
-    """A TracerProvider exporting to `exporter` in batches, or None for "none" (tracing off)."""
-    if exporter == "none":
-        return None
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
-    provider.add_span_processor(BatchSpanProcessor(_span_exporter(exporter, endpoint)))
-    return provider
-
-
-def _span_exporter(exporter: Exporter, endpoint: str) -> SpanExporter:
-    if exporter == "console":
-        return ConsoleSpanExporter()
-    if exporter == "otlp":
-        try:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        except ImportError as exc:
-            raise ConfigError("otel_exporter='otlp' needs opentelemetry-exporter-otlp-proto-grpc "
-                              "(pip install 'pagedserve[otlp]'), which is not installed") from exc
-        # no endpoint: OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317
-        return OTLPSpanExporter(endpoint=endpoint or None)
-    raise ConfigError(f"otel_exporter must be one of none, console, otlp, got {exporter!r}")
-
-
-def setup_tracing(service_name: str, exporter: Exporter = "none",
-                  endpoint: str = "") -> TracerProvider | None:
-    """Install the global TracerProvider for `exporter` and return it; None when tracing is off.
-    Idempotent: once an SDK TracerProvider is installed (an earlier call, a test) it is returned
-    as it is. Call it before the servers and channels serve traffic."""
-    current = trace.get_tracer_provider()
-    if isinstance(current, TracerProvider):
-        return current
-    provider = build_tracer_provider(service_name, exporter, endpoint)
-    if provider is not None:
-        trace.set_tracer_provider(provider)
-        logger.info("tracing on: service.name=%s, exporter=%s%s", service_name, exporter,
-                    f" ({endpoint})" if endpoint else "")
-    return provider
+# --- on or off -------------------------------------------------------------------------------
 
 
 def is_tracing_on() -> bool:
     """Whether an SDK TracerProvider is installed (setup_tracing with an exporter, or a test)."""
     return isinstance(trace.get_tracer_provider(), TracerProvider)
+
+
+def set_request_model(model: str) -> None:
+    """gen_ai.request.model on the current span (a handler's SERVER span), if it records."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attribute(REQUEST_MODEL, model)
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
@@ -156,7 +128,7 @@ class RpcMethod:
         return f"{self.service}/{self.method}"
 
     def attributes(self) -> dict[str, str]:
-        return {"rpc.system": "grpc", "rpc.service": self.service, "rpc.method": self.method}
+        return {"rpc.system.name": "grpc", "rpc.method": self.span_name}
 
 
 class _CallSpan:
@@ -179,7 +151,11 @@ class _CallSpan:
 
     def on_response(self, response: Any, is_streamed: bool) -> None:
         if is_streamed and self._num_responses == 0 and self.span.is_recording():
-            self.span.add_event("first_response")  # time to first token, seen from here
+            now = time.time_ns()  # time to first token, seen from here
+            self.span.add_event(FIRST_TOKEN_EVENT, timestamp=now)
+            start = getattr(self.span, "start_time", None)
+            if start is not None:
+                self._attributes[TIME_TO_FIRST_TOKEN] = (now - start) / 1e9
         self._num_responses += 1
         if self._fold_response is not None:
             self._fold_response(response, self._attributes)
@@ -189,11 +165,12 @@ class _CallSpan:
         span = self.span
         if span.is_recording():
             span.set_attributes(self._attributes)
-            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            span.set_attribute("rpc.response.status_code", code.name)
             # A client that cancels its own call (a stop string matched) did nothing wrong.
             is_error = (code in _SERVER_ERROR_CODES if self._is_server
                         else code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED))
             if is_error:
+                span.set_attribute("error.type", code.name)
                 span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details or ''}"))
             if error is not None:
                 span.record_exception(error)
@@ -419,11 +396,14 @@ def _add_finish_reason(msg: Any, attributes: dict[str, Any]) -> None:
 
 def _generate_request(msg: Any) -> dict[str, Any]:
     """What the client asked for; unset sampling fields keep their defaults, not recorded."""
-    attributes: dict[str, Any] = {REQUEST_ID: msg.request_id} if msg.request_id else {}
-    if msg.sampling.HasField("n"):
-        attributes[N] = msg.sampling.n
-    if msg.sampling.HasField("max_tokens"):
-        attributes[MAX_TOKENS] = msg.sampling.max_tokens
+    attributes: dict[str, Any] = {
+        OPERATION_NAME: "chat" if msg.HasField("messages") else "text_completion"}
+    if msg.request_id:
+        attributes[REQUEST_ID] = msg.request_id
+    for name, field in ((N, "n"), (MAX_TOKENS, "max_tokens"), (TEMPERATURE, "temperature"),
+                        (TOP_P, "top_p")):
+        if msg.sampling.HasField(field):
+            attributes[name] = getattr(msg.sampling, field)
     return attributes
 
 
@@ -447,8 +427,10 @@ def _generate_response(msg: Any, attributes: dict[str, Any]) -> None:
 
 
 def _submit_request(msg: Any) -> dict[str, Any]:
-    return {REQUEST_ID: msg.request_id, NUM_PROMPT_TOKENS: len(msg.prompt_token_ids),
-            N: msg.sampling.n, MAX_TOKENS: msg.sampling.max_tokens}
+    return {OPERATION_NAME: "text_completion", REQUEST_ID: msg.request_id,
+            NUM_PROMPT_TOKENS: len(msg.prompt_token_ids), N: msg.sampling.n,
+            MAX_TOKENS: msg.sampling.max_tokens, TEMPERATURE: msg.sampling.temperature,
+            TOP_P: msg.sampling.top_p}
 
 
 def _token_event(msg: Any, attributes: dict[str, Any]) -> None:

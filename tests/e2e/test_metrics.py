@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from pagedserve.services.common.config import CacheConfig
+from pagedserve.services.common.config import CacheConfig, served_model_name
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -73,7 +73,10 @@ def test_every_service_serves_its_metrics_with_vllm_names(stack):
     assert "pagedserve:worker_step_time_seconds_count" in names["worker"]
     labels = {s.labels.get("model_name") for s in scrape(stack, "scheduler")
               if s.name.startswith("vllm:")}
-    assert labels == {stack.scheduler[1].model}
+    assert labels == {served_model_name(stack.scheduler[1].model)}
+    gateway_labels = {s.labels.get("model_name") for s in scrape(stack, "gateway")
+                      if s.name.startswith("vllm:")}
+    assert gateway_labels == labels
 
 
 def test_counters_equal_the_requests_usage_and_gauges_return_to_zero(stack, generation):

@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from pagedserve.scheduler_svc.async_engine import STEP_SPAN
+from pagedserve.services.common.config import served_model_name
 from pagedserve.services.rpc.tracing import inject_metadata
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -80,7 +81,7 @@ def one(spans, name: str, kind: SpanKind) -> ReadableSpan:
     return found[0]
 
 
-def test_one_stream_is_one_trace_from_the_caller_down_to_the_worker(generation, exporter):
+def test_one_stream_is_one_trace_from_the_caller_down_to_the_worker(stack, generation, exporter):
     prompt = [1, 57, 300, 12, 99, 401, 7]
     max_tokens = 4
     with CALLER.start_as_current_span("client") as client_span:
@@ -125,24 +126,33 @@ def test_one_stream_is_one_trace_from_the_caller_down_to_the_worker(generation, 
     assert {(s.attributes["pagedserve.num_seqs"], s.attributes["pagedserve.num_preempted"])
             for s in steps} == {(1, 0)}
 
-    # what each hop recorded about the request
+    # what each hop recorded about the request, on OpenTelemetry's GenAI conventions
     for span in (gateway, submit_out, submit_in):
-        assert span.attributes["pagedserve.request_id"] == "traced-1"
-        assert span.attributes["pagedserve.max_tokens"] == max_tokens
+        assert span.attributes["gen_ai.operation.name"] == "text_completion"
+        assert span.attributes["gen_ai.response.id"] == "traced-1"
+        assert span.attributes["gen_ai.request.max_tokens"] == max_tokens
+        assert span.attributes["gen_ai.request.temperature"] == 0.0
         assert span.status.status_code == StatusCode.UNSET
-    assert gateway.attributes["rpc.grpc.status_code"] == grpc.StatusCode.OK.value[0]
+    model = served_model_name(stack.scheduler[1].model)
+    assert gateway.attributes["gen_ai.request.model"] == submit_in.attributes[
+        "gen_ai.request.model"] == model
+    assert gateway.attributes["rpc.response.status_code"] == "OK"
     # the gateway leaves Submit as soon as the last event came, maybe before its status did
-    assert {submit_out.attributes["rpc.grpc.status_code"],
-            submit_in.attributes["rpc.grpc.status_code"]} <= {grpc.StatusCode.OK.value[0],
-                                                              grpc.StatusCode.CANCELLED.value[0]}
-    assert gateway.attributes["pagedserve.num_prompt_tokens"] == len(prompt)
-    assert submit_out.attributes["pagedserve.num_prompt_tokens"] == len(prompt)
-    assert submit_out.attributes["pagedserve.n"] == 1
-    assert submit_in.attributes["pagedserve.num_cached_tokens"] == 0
-    assert submit_in.attributes["pagedserve.num_output_tokens"] == max_tokens
-    assert submit_in.attributes["pagedserve.finish_reasons"] == ("length",)
-    assert gateway.attributes["pagedserve.finish_reasons"] == ("length",)
-    assert [e.name for e in submit_in.events] == ["first_response"]
+    assert {submit_out.attributes["rpc.response.status_code"],
+            submit_in.attributes["rpc.response.status_code"]} <= {"OK", "CANCELLED"}
+    assert gateway.attributes["gen_ai.usage.input_tokens"] == len(prompt)
+    assert gateway.attributes["gen_ai.usage.output_tokens"] == max_tokens
+    assert gateway.attributes["gen_ai.usage.cache_read.input_tokens"] == 0
+    assert submit_out.attributes["gen_ai.usage.input_tokens"] == len(prompt)
+    assert submit_out.attributes["gen_ai.request.choice.count"] == 1
+    assert submit_in.attributes["gen_ai.usage.cache_read.input_tokens"] == 0
+    assert submit_in.attributes["gen_ai.usage.output_tokens"] == max_tokens
+    assert submit_in.attributes["gen_ai.response.finish_reasons"] == ("length",)
+    assert gateway.attributes["gen_ai.response.finish_reasons"] == ("length",)
+    for span in (gateway, submit_in):
+        assert [e.name for e in span.events] == ["gen_ai.first_token"]
+        assert 0 < span.attributes["gen_ai.response.time_to_first_chunk"] < (
+            span.end_time - span.start_time) / 1e9
 
 
 def test_a_step_of_two_requests_lives_in_one_trace_and_links_the_other(generation, exporter):
@@ -158,7 +168,7 @@ def test_a_step_of_two_requests_lives_in_one_trace_and_links_the_other(generatio
         trace_ids = set(pool.map(generate, ["pair-a", "pair-b"]))
     spans = wait_for_spans(exporter, trace_ids, lambda spans: len(named(spans, SUBMIT)) == 4)
 
-    submits = {s.attributes["pagedserve.request_id"]: s
+    submits = {s.attributes["gen_ai.response.id"]: s
                for s in named(spans, SUBMIT, SpanKind.SERVER)}
     assert {s.context.trace_id for s in submits.values()} == trace_ids
     shared = [s for s in named(spans, STEP_SPAN) if s.attributes["pagedserve.num_seqs"] == 2]
@@ -179,6 +189,6 @@ def test_a_bad_request_is_recorded_with_its_status_but_is_no_server_error(genera
     spans = wait_for_spans(exporter, {caller_span.get_span_context().trace_id},
                            lambda spans: named(spans, GENERATE_STREAM))
     gateway = one(spans, GENERATE_STREAM, SpanKind.SERVER)
-    assert gateway.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert gateway.attributes["rpc.response.status_code"] == "INVALID_ARGUMENT"
     assert gateway.status.status_code == StatusCode.UNSET  # the caller's fault, per the convention
     assert len(spans) == 1  # it never reached the scheduler

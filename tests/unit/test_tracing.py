@@ -6,7 +6,6 @@ import asyncio
 import os
 import subprocess
 import sys
-from importlib.util import find_spec
 
 import grpc
 import pytest
@@ -24,9 +23,13 @@ from pagedserve.services.rpc.tracing import (
     ClientTracingInterceptor,
     ServerTracingInterceptor,
     aio_client_interceptors,
-    build_tracer_provider,
     extract_context,
     inject_metadata,
+)
+from pagedserve.services.rpc.tracing_setup import (
+    TracingSettings,
+    build_tracer_provider,
+    tracing_settings,
 )
 from pagedserve.services.rpc.v1 import (
     common_pb2,
@@ -167,19 +170,24 @@ def test_a_stream_is_a_client_span_and_a_server_span_of_the_caller_trace():
     assert served.end_time >= client.start_time and served.start_time >= client.start_time
 
     for span in (client, served):
-        assert span.attributes["rpc.system"] == "grpc"
-        assert span.attributes["rpc.service"] == "pagedserve.v1.Scheduler"
-        assert span.attributes["rpc.method"] == "Submit"
-        assert span.attributes["rpc.grpc.status_code"] == 0
-        assert span.attributes["pagedserve.request_id"] == "r-1"
-        assert span.attributes["pagedserve.num_prompt_tokens"] == 4
-        assert (span.attributes["pagedserve.n"], span.attributes["pagedserve.max_tokens"]) == (1, 3)
+        assert span.attributes["rpc.system.name"] == "grpc"
+        assert span.attributes["rpc.method"] == "pagedserve.v1.Scheduler/Submit"
+        assert span.attributes["rpc.response.status_code"] == "OK"
+        assert "rpc.service" not in span.attributes and "rpc.system" not in span.attributes
+        assert span.attributes["gen_ai.operation.name"] == "text_completion"
+        assert span.attributes["gen_ai.response.id"] == "r-1"
+        assert span.attributes["gen_ai.usage.input_tokens"] == 4
+        assert (span.attributes["gen_ai.request.choice.count"],
+                span.attributes["gen_ai.request.max_tokens"]) == (1, 3)
         assert span.status.status_code == StatusCode.UNSET
     assert client.attributes["server.port"] == int(client.attributes["server.port"])
-    assert served.attributes["pagedserve.num_output_tokens"] == 3
-    assert served.attributes["pagedserve.num_cached_tokens"] == 2
-    assert served.attributes["pagedserve.finish_reasons"] == ("length",)
-    assert [e.name for e in served.events] == ["first_response"]
+    assert served.attributes["gen_ai.usage.output_tokens"] == 3
+    assert served.attributes["gen_ai.usage.cache_read.input_tokens"] == 2
+    assert served.attributes["gen_ai.response.finish_reasons"] == ("length",)
+    (first_token,) = served.events
+    assert first_token.name == "gen_ai.first_token"
+    assert served.attributes["gen_ai.response.time_to_first_chunk"] == pytest.approx(
+        (first_token.timestamp - served.start_time) / 1e9)
 
 
 @pytest.mark.parametrize(("method", "request_msg", "code", "server_status", "has_exception"), [
@@ -209,8 +217,9 @@ def test_a_failed_call_records_its_status(method, request_msg, code, server_stat
     error, spans = asyncio.run(main())
     assert error.code() == code
     client, served = by_kind(spans, SpanKind.CLIENT), by_kind(spans, SpanKind.SERVER)
-    assert client.attributes["rpc.grpc.status_code"] == served.attributes[
-        "rpc.grpc.status_code"] == code.value[0]
+    assert client.attributes["rpc.response.status_code"] == served.attributes[
+        "rpc.response.status_code"] == code.name
+    assert client.attributes["error.type"] == code.name
     assert client.status.status_code == StatusCode.ERROR
     assert client.status.description.startswith(code.name)
     assert served.status.status_code == server_status
@@ -234,7 +243,7 @@ def test_a_stream_the_client_cancels_ends_both_spans_cancelled_not_failed():
 
     spans = asyncio.run(main())
     for span in spans:
-        assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+        assert span.attributes["rpc.response.status_code"] == "CANCELLED"
         assert span.status.status_code == StatusCode.UNSET
 
 
@@ -309,45 +318,72 @@ def test_tracing_off_sends_no_context_and_records_nothing():
 # --- setup and flags ----------------------------------------------------------------------------
 
 
-def test_exporter_none_builds_no_provider():
-    assert build_tracer_provider("pagedserve-test", "none") is None
+def settings(env: dict[str, str], **flags) -> TracingSettings:
+    return tracing_settings(TracingConfig(**flags), "gateway", env)
 
 
-def has_otlp_exporter() -> bool:
-    try:
-        return find_spec("opentelemetry.exporter.otlp.proto.grpc") is not None
-    except ModuleNotFoundError:  # a parent package is missing
-        return False
+def test_tracing_is_off_by_default_and_none_builds_no_provider():
+    assert settings({}) == TracingSettings((), "", "pagedserve-gateway")
+    assert build_tracer_provider(settings({})) is None
+    assert build_tracer_provider(settings({"OTEL_TRACES_EXPORTER": "none"})) is None
 
 
-@pytest.mark.skipif(has_otlp_exporter(), reason="the OTLP exporter is installed")
-def test_otlp_without_its_package_is_a_config_error_that_says_what_to_install():
-    with pytest.raises(ConfigError, match=r"pagedserve\[otlp\]"):
-        build_tracer_provider("pagedserve-test", "otlp", "http://collector:4317")
+def test_otel_variables_alone_turn_tracing_on():
+    env = {"OTEL_TRACES_EXPORTER": "otlp,console", "OTEL_SERVICE_NAME": "gw-a",
+           "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}
+    assert settings(env) == TracingSettings(("otlp", "console"), "", "gw-a")
+    provider = build_tracer_provider(settings(env))
+    assert provider.resource.attributes["service.name"] == "gw-a"
+    assert provider.get_tracer("t").start_span("s").is_recording()
+    provider.shutdown()
+
+
+def test_flags_override_the_otel_variables():
+    env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SERVICE_NAME": "from-env"}
+    assert settings(env, otel_exporter="none") == TracingSettings((), "", "from-env")
+    assert settings(env, otel_exporter="console", service_name="gw-1") == TracingSettings(
+        ("console",), "", "gw-1")
+    assert settings({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"}).exporters == ()
+
+
+def test_an_unknown_otel_exporter_is_a_config_error_naming_the_variable():
+    with pytest.raises(ConfigError, match="OTEL_TRACES_EXPORTER .* got 'jaeger'"):
+        settings({"OTEL_TRACES_EXPORTER": "jaeger"})
 
 
 def test_setup_tracing_installs_one_global_provider_and_none_leaves_the_no_op_tracer():
-    """In a fresh interpreter (a process has one global provider): "none" installs nothing and
-    servers and channels get no interceptors; "console" installs a provider once and prints."""
+    """In a fresh interpreter (a process has one global provider), configured by the OTEL_*
+    variables only, read when setup runs: OTEL_TRACES_EXPORTER=none installs nothing and servers
+    and channels get no interceptors; console installs a provider once, sampled by
+    OTEL_TRACES_SAMPLER."""
     script = """
+import os
 from opentelemetry import trace
-from pagedserve.services.rpc.tracing import (aio_client_interceptors, client_interceptors, server_interceptors,
-                              setup_tracing)
+from pagedserve.services.common.config import TracingConfig
+from pagedserve.services.rpc.tracing import (aio_client_interceptors, client_interceptors,
+                                             server_interceptors)
+from pagedserve.services.rpc.tracing_setup import setup_tracing, tracing_settings
 def num_interceptors():
     return [len(server_interceptors()), len(aio_client_interceptors("h:1")),
             len(client_interceptors("h:1"))]
-assert setup_tracing("pagedserve-gateway", "none") is None
+os.environ["OTEL_TRACES_EXPORTER"] = "none"
+assert setup_tracing(tracing_settings(TracingConfig(), "gateway")) is None
 assert not trace.get_tracer("t").start_span("off").is_recording()
 assert num_interceptors() == [0, 0, 0]
-provider = setup_tracing("pagedserve-gateway", "console")
-assert setup_tracing("other", "console") is provider is trace.get_tracer_provider()
+os.environ["OTEL_TRACES_EXPORTER"] = "console"
+os.environ["OTEL_TRACES_SAMPLER"] = "always_on"
+provider = setup_tracing(tracing_settings(TracingConfig(), "gateway"))
+assert setup_tracing(tracing_settings(TracingConfig(), "other")) is provider
+assert provider is trace.get_tracer_provider()
+assert type(provider.sampler).__name__ == "StaticSampler"
 assert num_interceptors() == [1, 2, 1]
 trace.get_tracer("t").start_span("printed").end()
 provider.shutdown()
 """
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     assert '"name": "printed"' in done.stdout and '"name": "off"' not in done.stdout
     assert '"service.name": "pagedserve-gateway"' in done.stdout
@@ -358,11 +394,11 @@ def test_tracing_flags_build_the_tracing_config():
                                       "http://collector:4317", "--service-name", "gw-1"])
     assert from_args(GatewayConfig, args).tracing == TracingConfig(
         otel_exporter="otlp", otel_endpoint="http://collector:4317", service_name="gw-1")
-    assert GatewayConfig().tracing.otel_exporter == "none"
+    assert GatewayConfig().tracing.otel_exporter == ""
 
 
 def test_bad_tracing_config_names_the_field_and_value():
     with pytest.raises(ConfigError, match="otel_exporter must be one of .* got 'jaeger'"):
         TracingConfig(otel_exporter="jaeger")
     with pytest.raises(ConfigError, match="otel_endpoint=.*http://c:4317.*otel_exporter='none'"):
-        TracingConfig(otel_endpoint="http://c:4317")
+        TracingConfig(otel_exporter="none", otel_endpoint="http://c:4317")
