@@ -59,3 +59,18 @@ def test_bad_flags_exit_with_the_field_named(capsys):
         main(["worker", "--block-size", "12"])
     assert info.value.code == 2
     assert "block_size must be one of" in capsys.readouterr().err
+
+
+def test_metrics_and_log_flags():
+    from pagedserve.services.common.config import MetricsConfig, SchedulerServiceConfig
+
+    args = build_parser().parse_args(["scheduler", "--metrics-port", "9400",
+                                      "--stats-interval-s", "2.5", "--log-format", "json"])
+    service = from_args(SchedulerServiceConfig, args)
+    assert (service.metrics, service.stats_interval_s, args.log_format) == (
+        MetricsConfig(9400), 2.5, "json")
+    for command in ("worker", "gateway"):
+        args = build_parser().parse_args([command, "--metrics-port", "0"])
+        assert args.metrics_port == 0
+    with pytest.raises(Exception, match=r"metrics_port must be -1 \(off\) .* got -2"):
+        MetricsConfig(-2)
