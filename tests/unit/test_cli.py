@@ -6,8 +6,10 @@ from pagedserve.services.common.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    MetricsConfig,
     ModelConfig,
     SchedulerConfig,
+    SchedulerServiceConfig,
     TracingConfig,
     from_args,
 )
@@ -62,8 +64,6 @@ def test_bad_flags_exit_with_the_field_named(capsys):
 
 
 def test_metrics_and_log_flags():
-    from pagedserve.services.common.config import MetricsConfig, SchedulerServiceConfig
-
     args = build_parser().parse_args(["scheduler", "--metrics-port", "9400",
                                       "--stats-interval-s", "2.5", "--log-format", "json"])
     service = from_args(SchedulerServiceConfig, args)

@@ -90,7 +90,7 @@ CLI flags from a map of camelCase keys (services/common/config.py fields): `fooB
 {{/* Flags every service takes: (dict "root" $ "port" <its port>). */}}
 {{- define "pagedserve.serviceFlags" -}}
 {{- $tracing := .root.Values.tracing }}
-{{- if and $tracing.otelEndpoint (ne $tracing.otelExporter "otlp") }}
+{{- if and $tracing.otelEndpoint (ne $tracing.otelExporter "otlp") (ne $tracing.otelExporter "") }}
 {{- fail (printf "tracing.otelEndpoint is only used with tracing.otelExporter=otlp, got otelExporter=%s" $tracing.otelExporter) }}
 {{- end -}}
 - --host
@@ -101,6 +101,10 @@ CLI flags from a map of camelCase keys (services/common/config.py fields): `fooB
 - {{ .root.Values.logLevel | quote }}
 - --drain-timeout-s
 - {{ include "pagedserve.scalar" .root.Values.drainTimeoutS | quote }}
+{{- if .root.Values.metrics.enabled }}
+- --metrics-port
+- {{ .root.Values.metrics.port | quote }}
+{{- end }}
 {{ include "pagedserve.flags" $tracing }}
 {{- end }}
 
@@ -199,8 +203,46 @@ affinity:
       fieldPath: metadata.namespace
 - name: OTEL_RESOURCE_ATTRIBUTES
   value: k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)
+{{- range $name, $value := .Values.otelEnv }}
+- name: {{ $name }}
+  value: {{ $value | toString | quote }}
+{{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Pod annotations: the component's own, and Prometheus' scrape annotations. */}}
+{{- define "pagedserve.podAnnotations" -}}
+{{- $annotations := dict }}
+{{- if and .root.Values.metrics.enabled .root.Values.metrics.podAnnotations }}
+{{- $_ := set $annotations "prometheus.io/scrape" "true" }}
+{{- $_ := set $annotations "prometheus.io/port" (toString .root.Values.metrics.port) }}
+{{- $_ := set $annotations "prometheus.io/path" "/metrics" }}
+{{- end }}
+{{- $annotations = merge (deepCopy (default (dict) .values.podAnnotations)) $annotations }}
+{{- with $annotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The container's metrics port, when on. */}}
+{{- define "pagedserve.metricsContainerPort" -}}
+{{- if .Values.metrics.enabled }}
+- name: metrics
+  containerPort: {{ .Values.metrics.port }}
+  protocol: TCP
+{{- end }}
+{{- end }}
+
+{{/* The Service's metrics port, when on. */}}
+{{- define "pagedserve.metricsServicePort" -}}
+{{- if .Values.metrics.enabled }}
+- name: metrics
+  port: {{ .Values.metrics.port }}
+  targetPort: metrics
+  protocol: TCP
 {{- end }}
 {{- end }}
 
