@@ -15,6 +15,8 @@ Per decode-only step with exactly B sequences, medians in ms of:
                One step at a time it is schedule + RPC (protobuf both ways, loopback, the
                servicer) + output processing; with async scheduling those run while the worker
                computes the next step, and what is left is the hand-off between steps.
+Mode in_process_metrics is in_process with the scheduler's stat loggers attached (its
+Prometheus metrics and the stats line), so the cost of recording is the difference between the two.
 Target: overhead <= 1 ms at B = 32 through gRPC. Each mode and batch size is measured --repeats
 times and the repeat with the lowest median period is kept (a shared 2-core host has noisy
 neighbours; the other benchmarks keep each system's fastest run the same way).
@@ -39,10 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.scheduler_svc.engine_core import EngineCore, StepFuture, WorkerHandle
+from pagedserve.scheduler_svc.metrics import SchedulerMetrics
+from pagedserve.scheduler_svc.stats import LoggingStatLogger
 from pagedserve.scheduler_svc.worker_client import WorkerClient
 from pagedserve.services.common.step_plan import StepOutput, StepPlan, StepTimings
 from pagedserve.services.rpc.convert_worker import step_plan_to_proto
 from pagedserve.worker_svc.worker import Worker
+from prometheus_client import CollectorRegistry
 
 from bench.common import DEFAULT_MODEL, finish, make_workload, quiet_logging
 from pagedserve.llm_engine import engine_config_from_kwargs
@@ -53,7 +58,8 @@ log = logging.getLogger("bench.step_anatomy")
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("period", "cache_ops", "prepare", "forward", "sample", "schedule", "output",
           "overhead")
-MODES = {"in_process": False, "in_process_sync": False, "grpc": True, "grpc_sync": True}
+MODES = {"in_process": False, "in_process_metrics": False, "in_process_sync": False,
+         "grpc": True, "grpc_sync": True}
 TARGET_OVERHEAD_MS = 1.0
 
 
@@ -171,6 +177,9 @@ def engine_kwargs(args: argparse.Namespace, mode: str) -> dict:
 def run_mode(mode: str, workers: list[WorkerHandle], args: argparse.Namespace) -> list[dict]:
     config = engine_config_from_kwargs(**engine_kwargs(args, mode))
     core = EngineCore(config, workers)
+    if mode.endswith("_metrics"):
+        core.stat_loggers += [SchedulerMetrics(CollectorRegistry(), "bench", core.get_load),
+                              LoggingStatLogger()]
     warm = make_workload("warmup", 2, (16, 16), (4, 4), core.vocab_size, seed=args.seed + 1)
     for i, (prompt, sampling) in enumerate(zip(warm.prompts, warm.sampling_params(),
                                                strict=True)):

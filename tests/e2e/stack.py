@@ -69,7 +69,7 @@ class Stack:
 def start_stack(config: EngineConfig, step_timeout_s: float = 30.0,
                 startup_timeout_s: float = 120.0,
                 certificates: ThrowAwayCertificates | None = None,
-                metrics_port: int = -1) -> Stack:
+                metrics_port: int = -1, stats_interval_s: float = 0.0) -> Stack:
     """`certificates` (roles gateway, scheduler, worker, client): mutual TLS between the three,
     and `load` calls the scheduler as "client". `metrics_port` 0: each service serves /metrics on
     a free port (see `metrics_ports`)."""
@@ -84,7 +84,8 @@ def start_stack(config: EngineConfig, step_timeout_s: float = 30.0,
         scheduler_config = SchedulerServiceConfig(
             port=0, worker_addresses=[f"127.0.0.1:{worker[0].port}"],
             step_timeout_s=step_timeout_s, startup_timeout_s=startup_timeout_s,
-            tls=tls("scheduler"), metrics=MetricsConfig(metrics_port))
+            tls=tls("scheduler"), metrics=MetricsConfig(metrics_port),
+            stats_interval_s=stats_interval_s)
         scheduler = await start_scheduler(config, scheduler_config)
         gateway = await start_gateway(GatewayConfig(
             port=0, scheduler_address=f"127.0.0.1:{scheduler[0].port}", tls=tls("gateway"),

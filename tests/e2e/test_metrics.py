@@ -3,6 +3,7 @@ requests through the three services (one process, real gRPC): counters move by w
 did, gauges fall back to zero when the engine is idle, histograms observe."""
 
 import dataclasses
+import logging
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ def stack(tiny_served_model_dir):
     config = tiny_config(tiny_served_model_dir)
     config = dataclasses.replace(config, cache=CacheConfig(
         kv_cache_memory_gib=0.01, swap_space_gib=0.01, num_gpu_blocks_override=NUM_GPU_BLOCKS))
-    stack = start_stack(config, metrics_port=0)
+    stack = start_stack(config, metrics_port=0, stats_interval_s=0.2)
     yield stack
     stack.close()
 
@@ -136,6 +137,16 @@ def test_preemptions_under_a_small_kv_pool_are_counted(stack, generation):
             - value(before, "vllm:prompt_tokens_total")) == 40
     assert (value(after, "vllm:generation_tokens_total")
             - value(before, "vllm:generation_tokens_total")) == 4 * 70
+
+
+def test_the_scheduler_logs_its_stats_line_while_it_works(stack, generation, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedserve.scheduler_svc.stats"):
+        response = generation.Generate(request([5, 6, 7], 40), timeout=60)
+        assert response.usage.completion_tokens == 40
+        wait_until(lambda: any("Avg generation throughput" in m for m in caplog.messages))
+    line = next(m for m in caplog.messages if "Avg generation throughput" in m)
+    assert "Running: " in line and "GPU KV cache usage: " in line
+    assert "Prefix cache hit rate: " in line
 
 
 def test_a_cancelled_request_counts_as_aborted(stack, generation):
