@@ -82,7 +82,7 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
         metrics_server = start_metrics_server(registry, config.host, config.metrics.metrics_port,
                                               "gateway")
     except BaseException:
-        await server.server.stop(0)
+        await server.shutdown(0)
         await scheduler.close()
         raise
     await server.set_serving(True)

@@ -38,10 +38,12 @@ def test_offline(tiny_served_model_dir, results_dir):
 def test_step_anatomy(tiny_served_model_dir, results_dir):
     step_anatomy.main(["--model", str(tiny_served_model_dir), "--batch-sizes", "1", "3",
                        "--prompt-len", "8", "--output-len", "6", "--skip-steps", "1",
-                       "--repeats", "2", "--modes", "in_process", "grpc", "--tag", "smoke"])
+                       "--repeats", "2", "--modes", "in_process", "in_process_metrics", "grpc",
+                       "--tag", "smoke"])
     results = _record(results_dir, "step_anatomy")["results"]
     assert [(r["mode"], r["batch_size"]) for r in results] == [
-        ("in_process", 1), ("in_process", 3), ("grpc", 1), ("grpc", 3)]
+        ("in_process", 1), ("in_process", 3), ("in_process_metrics", 1),
+        ("in_process_metrics", 3), ("grpc", 1), ("grpc", 3)]
     for r in results:
         assert r["num_steps"] >= 1 and len(r["period_ms_per_repeat"]) == 2
         assert r["median_ms"]["period"] == min(r["period_ms_per_repeat"])

@@ -297,6 +297,7 @@ def test_network_policies_open_internal_ports_to_their_peers_only():
             '$.Values.worker.distributedPort))') in text
     assert "policyTypes:\n    - Ingress" in text
     assert "- port: {{ $root.Values.tls.healthPort }}" in text  # probes reach the health port
+    assert "- port: {{ $root.Values.metrics.port }}" in text  # and Prometheus the metrics
 
 
 def test_metrics_ports_scrape_annotations_service_monitors_and_otel_env():
