@@ -164,3 +164,31 @@ def test_a_cancelled_request_counts_as_aborted(stack, generation):
                == value(gateway_before, "pagedserve:gateway_requests_total",
                         method="GenerateStream", code="CANCELLED") + 1)
     assert_idle(stack)
+
+
+def test_swapped_blocks_are_counted_by_the_scheduler_and_the_worker(stack, generation):
+    """Groups of two sequences are preempted by swapping (preemption_mode auto)."""
+    before = {service: scrape(stack, service) for service in ("scheduler", "worker")}
+    prompts = [[9 + i, 8, 7, 6, 5, 4, 3, 2, 1, 11] for i in range(3)]
+
+    def sample_two(prompt):
+        req = request(prompt, 40)
+        req.sampling.n = 2
+        req.sampling.temperature = 0.8
+        req.sampling.seed = 5
+        return generation.Generate(req, timeout=120)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        responses = list(pool.map(sample_two, prompts))
+    assert all(r.usage.completion_tokens == 80 for r in responses)
+    after = {service: scrape(stack, service) for service in ("scheduler", "worker")}
+    for direction in ("out", "in"):
+        scheduled = (value(after["scheduler"], "pagedserve:swapped_blocks_total",
+                           direction=direction)
+                     - value(before["scheduler"], "pagedserve:swapped_blocks_total",
+                             direction=direction))
+        copied = (value(after["worker"], "pagedserve:worker_swapped_blocks_total",
+                        direction=direction)
+                  - value(before["worker"], "pagedserve:worker_swapped_blocks_total",
+                          direction=direction))
+        assert scheduled == copied > 0, direction
