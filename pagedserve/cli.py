@@ -54,7 +54,8 @@ def _serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve_stack(config, args.host, args.port, args.scheduler_port,
                                    args.worker_port, args.startup_timeout_s,
                                    from_args(ShutdownConfig, args).drain_timeout_s,
-                                   from_args(TracingConfig, args), args.internal_tls))
+                                   from_args(TracingConfig, args), args.internal_tls,
+                                   args.metrics_port, args.log_format))
 
 
 def _setup_tracing(tracing: TracingConfig, service: str) -> None:
@@ -242,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="gateway port; 0 = any free port")
     serve.add_argument("--scheduler-port", type=int, default=0, help="0 = any free port")
     serve.add_argument("--worker-port", type=int, default=0, help="0 = any free port")
+    serve.add_argument("--metrics-port", type=int, default=-1,
+                       help="Prometheus /metrics: the gateway's on this port, the scheduler's on "
+                            "the next, worker rank r's on port + 2 + r; 0 = free ports (logged); "
+                            "-1 = none (default: -1)")
     serve.add_argument("--startup-timeout-s", type=float, default=600.0,
                        help="how long the three may take to become ready")
     serve.add_argument("--internal-tls", action=argparse.BooleanOptionalAction, default=True,

@@ -234,10 +234,12 @@ def example_commands(address: str) -> list[str]:
 
 async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, worker_port: int,
                       startup_timeout_s: float, drain_timeout_s: float,
-                      tracing: Any = None, internal_tls: bool = True) -> int:
+                      tracing: Any = None, internal_tls: bool = True, metrics_port: int = -1,
+                      log_format: str = "text") -> int:
     """Run the stack until Ctrl-C or SIGTERM (0), or until the scheduler dies or another child
     keeps dying (1). With `internal_tls` the three talk mutual TLS with certificates of a
-    throw-away CA, removed when the stack stops."""
+    throw-away CA, removed when the stack stops. `metrics_port` P serves /metrics on P (gateway),
+    P+1 (scheduler) and P+2+rank (workers); 0 on free ports each; -1 not at all."""
     connect = _connect_host(host)
     num_ranks = config.parallel.tensor_parallel_size
     worker_ports = [worker_port or free_port(host)] + [free_port(host)
@@ -248,8 +250,14 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     if num_ranks > 1:
         config = with_loopback_rendezvous(config)
     engine_argv = config_to_argv(config)
-    drain = ["--drain-timeout-s", str(drain_timeout_s),
+    drain = ["--drain-timeout-s", str(drain_timeout_s), "--log-format", log_format,
              *(config_to_argv(tracing) if tracing is not None else [])]
+
+    def metrics_argv(offset: int) -> list[str]:
+        if metrics_port < 0:
+            return []
+        return ["--metrics-port", str(metrics_port + offset if metrics_port else 0)]
+
     certificates = (ThrowAwayCertificates(("gateway", "scheduler", "worker", "supervisor"),
                                           [connect]) if internal_tls else None)
 
@@ -264,14 +272,14 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     try:
         for rank, (address, p) in enumerate(zip(worker_addresses, worker_ports, strict=True)):
             await supervisor.start("worker", address, [
-                *engine_argv, *drain, *tls_argv("worker"), "--host", host, "--port", str(p),
-                "--rank", str(rank)], restartable=True, tls=watch_tls)
+                *engine_argv, *drain, *tls_argv("worker"), *metrics_argv(2 + rank), "--host", host,
+                "--port", str(p), "--rank", str(rank)], restartable=True, tls=watch_tls)
         await supervisor.start("scheduler", f"{connect}:{scheduler_port}", [
-            *engine_argv, *drain, *tls_argv("scheduler"), "--host", host,
+            *engine_argv, *drain, *tls_argv("scheduler"), *metrics_argv(1), "--host", host,
             "--port", str(scheduler_port), "--worker-addresses", *worker_addresses,
             "--startup-timeout-s", str(startup_timeout_s)], tls=watch_tls)
         await supervisor.start("gateway", f"{connect}:{port}", [
-            *drain, *tls_argv("gateway"), "--host", host, "--port", str(port),
+            *drain, *tls_argv("gateway"), *metrics_argv(0), "--host", host, "--port", str(port),
             "--scheduler-address", f"{connect}:{scheduler_port}",
             "--tokenizer", config.model.tokenizer_path], restartable=True)
         if not await supervisor.wait_serving(startup_timeout_s):

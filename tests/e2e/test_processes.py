@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -25,6 +26,7 @@ from pagedserve.services.rpc.v1 import (
     worker_pb2_grpc,
 )
 from pagedserve.worker_svc.parallel import GROUP_BROKEN_EXIT_CODE
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.llm import LLM
 from pagedserve.supervisor import free_port
@@ -88,11 +90,14 @@ def test_serve_runs_the_stack_and_ctrl_c_stops_it(tiny_served_model_dir):
     scheduler_port, worker_port = free_port(), free_port()
     serve = pagedserve("serve", "--model", str(tiny_served_model_dir), "--port", "0",
                        "--scheduler-port", str(scheduler_port), "--worker-port", str(worker_port),
-                       *SMALL_CACHE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                       "--metrics-port", "0", *SMALL_CACHE, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE)
     try:
         out, err = read_lines(serve.stdout), read_lines(serve.stderr)
         worker_pid = int(wait_for_line(err, "started the worker (pid", 60)
                          .split("(pid ")[1].split(")")[0])
+        scheduler_metrics = wait_for_line(err, "scheduler metrics on http://", 120).split(
+            "metrics on ")[1].split()[0]
         address = wait_for_line(out, "pagedserve is serving", 180).split(" on ")[-1].strip()
         worker_argv = Path(f"/proc/{worker_pid}/cmdline").read_bytes().decode().split("\0")
         tls_dir = Path(worker_argv[worker_argv.index("--internal-tls-dir") + 1])
@@ -121,6 +126,9 @@ def test_serve_runs_the_stack_and_ctrl_c_stops_it(tiny_served_model_dir):
                 gateway_pb2.GenerateRequest(text="the quick brown fox", sampling=common_pb2.SamplingParams(
                     temperature=0.0, max_tokens=8, ignore_eos=True)), timeout=30)
         assert generate.stdout == response.outputs[0].text + "\n"
+        with urllib.request.urlopen(scheduler_metrics, timeout=10) as scraped:
+            families = {f.name: f for f in text_string_to_metric_families(scraped.read().decode())}
+        assert families["vllm:generation_tokens"].samples[0].value == 16  # two requests
 
         assert stop(serve, signal.SIGINT) == 0
         log = rest(err)
