@@ -15,7 +15,8 @@ from the messages of pagedserve's own methods: the GenAI conventions' gen_ai.* f
 (operation, request parameters, response id, finish reasons, token usage, time to first token),
 pagedserve.* for engine steps (step_id, step timings...). Health and reflection calls are not
 traced: probes would drown the requests. opentelemetry-instrumentation-grpc is not used: it
-records the RPC attributes under their deprecated names, and cannot read the messages.
+records the RPC attributes under their deprecated names, makes every aborted call a server error
+(the client's INVALID_ARGUMENT included) and cannot read the messages; the SDK's propagator is.
 """
 
 from __future__ import annotations
