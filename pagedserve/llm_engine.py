@@ -16,7 +16,7 @@ from pagedserve.services.common.engine_api import EngineLoad
 from pagedserve.services.common.errors import ConfigError
 from pagedserve.services.common.outputs import RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.worker_svc.worker import Worker
+from pagedserve.worker_svc.worker import create_worker
 
 if typing.TYPE_CHECKING:
     from pagedserve.rank_process import RankProcess
@@ -49,7 +49,7 @@ class LLMEngine:
             self.ranks = start_ranks(config)
             workers = list(self.ranks)
         else:
-            workers = [Worker(config)]
+            workers = [create_worker(config)]
         try:
             self.core = EngineCore(config, workers)
         except BaseException:

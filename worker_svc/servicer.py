@@ -45,7 +45,7 @@ from pagedserve.services.rpc.tls import internal_server_credentials
 from pagedserve.services.rpc.v1 import worker_pb2, worker_pb2_grpc
 from pagedserve.worker_svc.metrics import WorkerMetrics
 from pagedserve.worker_svc.parallel import leave_tensor_parallel
-from pagedserve.worker_svc.worker import Worker
+from pagedserve.worker_svc.worker import Worker, create_worker
 from prometheus_client import CollectorRegistry
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._worker = None
 
         def load() -> tuple[Worker, WorkerInfo]:
-            worker = Worker(config, self.rank)
+            worker = create_worker(config, self.rank)
             return worker, worker.load_model()
 
         worker, info = await self._run(load)

@@ -52,6 +52,8 @@ def resolve_device(name: str, rank: int = 0) -> torch.device:
     one machine), else the current one (a pod that sees its own GPU only)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "sim":  # the simulated GPU's host side: the worker's small tensors live on CPU
+        return torch.device("cpu")
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device='cuda' but CUDA is not available")
@@ -147,8 +149,7 @@ class Worker:
         runner.decode_graphs = None  # they read the old cache; warm_up captures new ones
         self.cache_engine = None
         gc.collect()
-        self.cache_engine = CacheEngine(self.kv_spec, num_gpu_blocks, num_cpu_blocks, self.device,
-                                        self.backend)
+        self.cache_engine = self._new_cache_engine(num_gpu_blocks, num_cpu_blocks)
         self.scheduler_epoch = scheduler_epoch
         self._reset_steps()
 
@@ -254,6 +255,10 @@ class Worker:
         self.last_step_failed = False
         self._runner().mirrors.clear()
 
+    def _new_cache_engine(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheEngine:
+        return CacheEngine(self.kv_spec, num_gpu_blocks, num_cpu_blocks, self.device,
+                           self.backend)
+
     def _graph_batch_sizes(self) -> list[int]:
         """The decode buckets to capture: none off CUDA, with enable_cuda_graph off, under tensor
         parallelism (the all-reduces run eagerly), or with a backend whose kernels size their
@@ -279,3 +284,13 @@ class Worker:
         if self.cache_engine is None:
             raise Unavailable("worker has no KV cache yet (call init_cache)")
         return self.cache_engine
+
+
+def create_worker(config: EngineConfig, rank: int = 0) -> Worker:
+    """The worker for config.device.device: the real one, or with "sim" the simulated GPU
+    (worker_svc/sim), which is the same core with the model, sampler and KV cache modelled."""
+    if config.device.device == "sim":
+        from pagedserve.worker_svc.sim.worker import SimWorker
+
+        return SimWorker(config, rank)
+    return Worker(config, rank)

@@ -125,16 +125,43 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class DeviceConfig:
-    device: Literal["auto", "cpu", "cuda"] = opt("auto", "where the worker runs the model")
+    device: Literal["auto", "cpu", "cuda", "sim"] = opt(
+        "auto", "where the worker runs the model; sim = no model: each step waits the time the "
+        "sim_gpu would take (a roofline of sim_model's shapes) and samples deterministic tokens")
     attention_backend: Literal["auto", "torch", "triton", "flash_attn", "ref"] = opt(
         "auto", "kernels: auto = flash_attn if installed on CUDA, else triton on CUDA, else torch; "
         "ref = the slow readable reference")
     enable_cuda_graph: bool = opt(True, "capture CUDA graphs for decode-only steps (CUDA)")
     num_threads: int = opt(0, "torch CPU threads; 0 = torch's default")
+    sim_gpu: Literal["H100-SXM", "H200", "A100-80G", "L4"] = opt(
+        "H100-SXM", "device=sim: the GPU whose peak FLOP/s, bandwidth and memory are modelled")
+    sim_model: str = opt("", "device=sim: the shapes timed and sized: a preset (Llama-3-8B, "
+                             "Qwen2.5-7B, Llama-3.2-1B) or a folder with config.json; empty = "
+                             "the model folder (whose tokenizer and vocabulary are served)")
+    sim_eos_probability: float = opt(
+        0.005, "device=sim: chance that a sampled token is EOS (mean output ~1/p tokens)")
+    sim_flops_efficiency: float = opt(
+        1.0, "device=sim: fraction of peak FLOP/s reached (calibration; 1 = the roofline)")
+    sim_bandwidth_efficiency: float = opt(
+        1.0, "device=sim: fraction of peak memory bandwidth reached (calibration)")
+    sim_launch_overhead_us: float = opt(
+        100.0, "device=sim: fixed time added to every step (launches, sampling kernels)")
+    sim_time_scale: float = opt(
+        1.0, "device=sim: multiplies every modelled time; 0 = a GPU with no cost, to load the "
+             "control plane alone")
 
     def __post_init__(self) -> None:
         _check_choices(self)
         _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
+        _check(0.0 <= self.sim_eos_probability <= 1.0,
+               f"sim_eos_probability must be in [0, 1], got {self.sim_eos_probability}")
+        for name in ("sim_flops_efficiency", "sim_bandwidth_efficiency"):
+            value = getattr(self, name)
+            _check(0.0 < value <= 1.0, f"{name} must be in (0, 1], got {value}")
+        _check(self.sim_launch_overhead_us >= 0,
+               f"sim_launch_overhead_us must be >= 0, got {self.sim_launch_overhead_us}")
+        _check(self.sim_time_scale >= 0,
+               f"sim_time_scale must be >= 0, got {self.sim_time_scale}")
 
 
 @dataclass(slots=True)

@@ -1,0 +1,50 @@
+"""The simulated KV cache: block counts and layout of the real one (KVCacheSpec), no tensors.
+Cache ops are checked like the real ones and cost the time their bytes would take on the
+GpuTimeline; their data is never moved."""
+
+from __future__ import annotations
+
+import logging
+
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.worker_svc.cache_engine import KVCacheSpec
+from pagedserve.worker_svc.sim.roofline import Roofline
+from pagedserve.worker_svc.sim.timeline import GpuTimeline
+
+logger = logging.getLogger(__name__)
+
+
+class SimCacheEngine:
+    def __init__(self, spec: KVCacheSpec, num_gpu_blocks: int, num_cpu_blocks: int,
+                 roofline: Roofline, timeline: GpuTimeline) -> None:
+        self.spec = spec
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.roofline = roofline
+        self.timeline = timeline
+        self.gpu_cache: list = []  # what the forward reads: nothing
+        logger.info("simulated KV cache: %d device blocks, %d CPU blocks, %d bytes per block",
+                    num_gpu_blocks, num_cpu_blocks, spec.bytes_per_block)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, CPU block) pairs."""
+        self._move(pairs, self.num_gpu_blocks, self.num_cpu_blocks, is_swap=True)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(CPU block, device block) pairs."""
+        self._move(pairs, self.num_cpu_blocks, self.num_gpu_blocks, is_swap=True)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, device block) pairs."""
+        self._move(pairs, self.num_gpu_blocks, self.num_gpu_blocks, is_swap=False)
+
+    def _move(self, pairs: list[tuple[int, int]], num_src: int, num_dst: int,
+              is_swap: bool) -> None:
+        for src, dst in pairs:
+            if not (0 <= src < num_src and 0 <= dst < num_dst):
+                raise InvalidRequest(f"block pair ({src}, {dst}) out of range: "
+                                     f"src must be < {num_src}, dst < {num_dst}")
+        if pairs:
+            n = len(pairs)
+            self.timeline.enqueue(self.roofline.block_moves_s(
+                n if is_swap else 0, 0 if is_swap else n, self.spec.bytes_per_block))

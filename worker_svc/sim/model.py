@@ -1,0 +1,40 @@
+"""The simulated model: it takes the place of the nn.Module in ModelRunner, so the runner's
+bookkeeping (mirrors, the flattened batch, logits rows, sampling states) runs unchanged; only
+the forward is replaced by the time the roofline gives for the step, waited for on the
+GpuTimeline."""
+
+from __future__ import annotations
+
+import torch
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.worker_svc.sim.roofline import Roofline
+from pagedserve.worker_svc.sim.timeline import GpuTimeline
+from torch import nn
+
+
+class SimModel(nn.Module):
+    def __init__(self, roofline: Roofline, timeline: GpuTimeline, vocab_size: int) -> None:
+        super().__init__()
+        self.roofline = roofline
+        self.timeline = timeline
+        self.vocab_size = vocab_size
+        self._query_lens: list[int] = []
+        self._context_lens: list[int] = []
+        self._logits_row = torch.zeros(1, vocab_size)  # [1, vocab]: a uniform distribution
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Notes the step's shape; the hidden states are empty rows: [num_tokens, 0]."""
+        self._query_lens = meta.query_lens_cpu
+        self._context_lens = [s - q for s, q in zip(meta.seq_lens_cpu, meta.query_lens_cpu,
+                                                    strict=True)]
+        return input_ids.new_empty((input_ids.shape[0], 0), dtype=torch.float32)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Queues the whole step (its lm_head on these rows included), waits for it, and
+        returns uniform logits [num_rows, vocab] (a view: nothing is allocated per row)."""
+        num_rows = hidden_states.shape[0]
+        cost = self.roofline.step(self._query_lens, self._context_lens, num_rows)
+        self.timeline.enqueue(cost.time_s)
+        self.timeline.synchronize()
+        return self._logits_row.expand(num_rows, self.vocab_size)

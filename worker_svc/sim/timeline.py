@@ -1,0 +1,77 @@
+"""The simulated GPU's timeline: work is queued (asynchronously, like kernel launches) and the
+host waits for it by sleeping until the moment it would be done.
+
+The wait is a sleep to an absolute deadline on the monotonic clock, never a busy loop, so the
+waiting thread leaves the CPU to the scheduler and the gateway. It never ends early (the sleep is
+repeated until the deadline has passed); it ends late by the kernel's wake-up latency: the
+thread's timer slack is set to 1 ns (Linux's default is 50 us), which leaves tens of
+microseconds on an idle machine and whatever the OS scheduler adds on a loaded one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_TIMERSLACK = 29
+_STATS_EVERY_S = 30.0
+
+
+def _tighten_timer_slack() -> None:
+    """Per thread on Linux; elsewhere sleeps keep the platform's precision."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        logger.debug("prctl(PR_SET_TIMERSLACK) unavailable; sleeps keep the default slack")
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineStats:
+    busy_s: float  # modelled device time queued so far
+    num_syncs: int
+
+
+class GpuTimeline:
+    def __init__(self, time_scale: float = 1.0) -> None:
+        self.time_scale = time_scale
+        self._busy_until = 0.0  # perf_counter time at which the queued work is done
+        self._busy_s = 0.0
+        self._num_syncs = 0
+        self._local = threading.local()
+        self._last_log = (time.perf_counter(), 0.0)
+
+    def enqueue(self, seconds: float) -> None:
+        """Queue `seconds` of device work behind whatever is queued already."""
+        seconds *= self.time_scale
+        start = max(time.perf_counter(), self._busy_until)
+        self._busy_until = start + seconds
+        self._busy_s += seconds
+
+    def synchronize(self) -> None:
+        """Return once every queued piece of work would be done (never before)."""
+        if not getattr(self._local, "is_slack_set", False):
+            _tighten_timer_slack()
+            self._local.is_slack_set = True
+        while (remaining := self._busy_until - time.perf_counter()) > 0:
+            time.sleep(remaining)
+        self._num_syncs += 1
+        self._log_stats()
+
+    def stats(self) -> TimelineStats:
+        return TimelineStats(self._busy_s, self._num_syncs)
+
+    def _log_stats(self) -> None:
+        now = time.perf_counter()
+        since, busy_then = self._last_log
+        if now - since >= _STATS_EVERY_S:
+            logger.info("simulated GPU busy %.1f%% of the last %.0f s",
+                        100 * (self._busy_s - busy_then) / (now - since), now - since)
+            self._last_log = (now, self._busy_s)

@@ -1,0 +1,91 @@
+"""The simulated worker (device "sim"): the real Worker -- epochs, step order, the sequence
+mirrors, the flattened batch, sampling states, cache-op checks -- with three parts swapped for
+models of a named GPU: the forward (SimModel: roofline time, waited for), the sampler
+(SimSampler: deterministic tokens) and the KV cache (SimCacheEngine: block counts sized like the
+GPU's memory, no tensors).
+
+Its timings are a model, never a measurement: they tell how the control plane would keep up with
+that GPU, not how fast the GPU is.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from pagedserve.services.common.config import EngineConfig
+from pagedserve.services.common.errors import ConfigError
+from pagedserve.services.common.step_plan import MemoryProfile, WorkerInfo
+from pagedserve.worker_svc.cache_engine import KVCacheSpec
+from pagedserve.worker_svc.loader import eos_token_ids, load_hf_config
+from pagedserve.worker_svc.model_runner import ModelRunner
+from pagedserve.worker_svc.models.registry import resolve_architecture
+from pagedserve.worker_svc.sim.cache_engine import SimCacheEngine
+from pagedserve.worker_svc.sim.memory import sim_memory_profile
+from pagedserve.worker_svc.sim.model import SimModel
+from pagedserve.worker_svc.sim.roofline import Roofline, resolve_gpu, resolve_model_shape
+from pagedserve.worker_svc.sim.sampler import SimSampler
+from pagedserve.worker_svc.sim.timeline import GpuTimeline
+from pagedserve.worker_svc.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class SimWorker(Worker):
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        super().__init__(config, rank)
+        if config.model.dtype not in _DTYPES:
+            raise ConfigError(f"device='sim' models 16-bit weights: dtype must be one of "
+                              f"{list(_DTYPES)}, got {config.model.dtype!r}")
+        if config.parallel.tensor_parallel_size != 1:
+            raise ConfigError(f"device='sim' models one GPU: tensor_parallel_size must be 1, "
+                              f"got {config.parallel.tensor_parallel_size}")
+        self.dtype = _DTYPES[config.model.dtype]
+        device = config.device
+        self.timeline = GpuTimeline(device.sim_time_scale)
+        self.roofline: Roofline | None = None
+
+    def load_model(self) -> WorkerInfo:
+        """The served folder gives the vocabulary, EOS and length limit (its tokenizer is the
+        gateway's); sim_model gives the shapes that are timed and sized."""
+        model_config, device = self.config.model, self.config.device
+        hf_config = load_hf_config(model_config.model)
+        shape = resolve_model_shape(device.sim_model or model_config.model)
+        gpu = resolve_gpu(device.sim_gpu)
+        model_max_len = int(hf_config.max_position_embeddings)
+        if model_config.max_model_len > model_max_len:
+            raise ConfigError(f"max_model_len={model_config.max_model_len} exceeds the model's "
+                              f"max_position_embeddings={model_max_len}")
+        max_model_len = model_config.max_model_len or model_max_len
+        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        self.roofline = Roofline(shape, gpu, dtype_bytes, device.sim_flops_efficiency,
+                                 device.sim_bandwidth_efficiency,
+                                 device.sim_launch_overhead_us * 1e-6)
+        self.kv_spec = KVCacheSpec(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
+                                   head_size=shape.head_size,
+                                   block_size=self.config.cache.block_size, dtype=self.dtype)
+        vocab_size = int(hf_config.vocab_size)
+        eos_ids = eos_token_ids(model_config.model, hf_config)
+        sampler = SimSampler(vocab_size, eos_ids, device.sim_eos_probability, model_config.seed)
+        self.runner = ModelRunner(SimModel(self.roofline, self.timeline, vocab_size), sampler,
+                                  vocab_size, self.kv_spec.block_size, max_model_len, self.device)
+        architecture = resolve_architecture(getattr(hf_config, "architectures", None) or [])
+        self.info = WorkerInfo(
+            rank=self.rank, device=f"sim:{gpu.name}", dtype=str(self.dtype).removeprefix("torch."),
+            architecture=architecture, vocab_size=vocab_size, max_model_len=max_model_len,
+            eos_token_ids=eos_ids, num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
+            head_size=shape.head_size, attention_backend="sim")
+        logger.info("simulating %s on %s (%s); vocabulary and tokenizer of %s", shape.name,
+                    gpu.name, self.info.dtype, model_config.model)
+        return self.info
+
+    def profile_memory(self) -> MemoryProfile:
+        self._runner()
+        return sim_memory_profile(self.roofline, self.kv_spec, self.config.cache,
+                                  self.config.scheduler)
+
+    def _new_cache_engine(self, num_gpu_blocks: int, num_cpu_blocks: int) -> SimCacheEngine:
+        return SimCacheEngine(self.kv_spec, num_gpu_blocks, num_cpu_blocks, self.roofline,
+                              self.timeline)
