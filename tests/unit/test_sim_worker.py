@@ -17,12 +17,13 @@ from pagedserve.services.common.errors import ConfigError, InvalidRequest, StepO
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import NewSequence, RunningSequence, StepPlan
 from pagedserve.worker_svc.sampler import SeqSamplingState
-from pagedserve.worker_svc.sim.sampler import SimSampler, sim_token
+from pagedserve.worker_svc.sim.sampler import SimSampler
 from pagedserve.worker_svc.sim.timeline import GpuTimeline
 from pagedserve.worker_svc.sim.worker import SimWorker
 from pagedserve.worker_svc.worker import create_worker
 
 from pagedserve.llm_engine import LLMEngine
+from tests.sim_tokens import expected_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 PROMPTS = [[70 + i for i in range(n)] for n in (5, 13, 9, 21)]
@@ -33,14 +34,6 @@ def sim_engine(model_dir, **kw) -> LLMEngine:
                    sim_time_scale=0.01, block_size=8, num_gpu_blocks_override=64,
                    num_cpu_blocks_override=32)
     return LLMEngine.from_kwargs(**{**options, **kw})
-
-
-def expected_greedy(prompt: list[int], num_tokens: int, vocab_size: int) -> list[int]:
-    token_range = SimSampler(vocab_size, [], 0.0).token_range
-    ids = list(prompt)
-    for _ in range(num_tokens):
-        ids.append(sim_token(0, len(ids), ids, 0, token_range, None, 0.0)[0])
-    return ids[len(prompt):]
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], sampling=GREEDY) -> dict[str, list]:
