@@ -97,6 +97,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.on_ready is not None:
             await self.on_ready(is_ready)
 
+    @property
+    def worker(self) -> Worker | None:
+        """The loaded worker core, None before the first load (what benchmarks read)."""
+        return self._worker
+
     def _loaded(self) -> Worker:
         if self._worker is None:
             raise Unavailable("the worker has no model loaded yet (LoadModel)")

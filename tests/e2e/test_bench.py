@@ -8,7 +8,7 @@ import json
 import pytest
 
 import bench.common
-from bench import offline, serving, step_anatomy
+from bench import control_plane, offline, serving, step_anatomy
 
 
 @pytest.fixture
@@ -60,3 +60,19 @@ def test_serving(tiny_served_model_dir, results_dir):
     for r in results:
         assert r["stack"]["num_output_tokens"] == r["in_process"]["num_output_tokens"] > 0
         assert r["ratio_vs_in_process"] > 0
+
+
+def test_control_plane(tiny_served_model_dir, results_dir):
+    control_plane.main(["--model", str(tiny_served_model_dir), "--quick", "--tag", "smoke"])
+    record = _record(results_dir, "control_plane")
+    streams, capacity = record["results"]["streams"], record["results"]["capacity"]
+    assert [r["concurrency"] for r in streams] == [4, 16]
+    for r in streams:
+        assert r["num_requests"] >= 4 and r["num_output_tokens"] > 0
+        assert 0 < r["busy_fraction"] <= 1.0 and r["simulated_gpu_s"] > 0
+    assert capacity["simulated_gpu_s"] == 0 and capacity["output_tok_s"] > 0
+    scheduler = record["results"]["scheduler"]
+    assert [(r["batch_size"], r["prompt_len"]) for r in scheduler] == [(8, 16), (32, 16),
+                                                                       (32, 128)]
+    assert all(r["num_steps"] >= 3 and r["per_step_ms"] > 0 for r in scheduler)
+    assert set(record["targets"]) == {"busy_fraction", "gateway_tok_per_cpu_s"}
