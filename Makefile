@@ -57,6 +57,7 @@ bench: install proto model
 	$(VPY) -m bench.offline --model $(MODEL_DIR)
 	$(VPY) -m bench.serving --model $(MODEL_DIR)
 	$(VPY) -m bench.step_anatomy --model $(MODEL_DIR)
+	$(VPY) -m bench.control_plane --model $(MODEL_DIR)
 
 # Runs on a GPU machine with its own python: random weights of real shapes, no downloads.
 bench-gpu:

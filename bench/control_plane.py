@@ -227,11 +227,15 @@ def _is_full_decode(scheduled, batch_size: int) -> bool:
 def scheduler_cost(args: argparse.Namespace, batch_size: int, prompt_len: int) -> dict:
     """Median Scheduler.schedule and OutputProcessor.process times over the decode-only steps
     that run exactly batch_size sequences (in process; the simulated GPU takes no time)."""
+    token_budget = max(8192, prompt_len)
     engine = LLMEngine(engine_config(args, max_num_seqs=batch_size, sim_time_scale=0.0,
-                                     max_num_batched_tokens=max(8192, prompt_len)))
+                                     max_num_batched_tokens=token_budget))
     vocab = engine.core.vocab_size
     rng = random.Random(args.seed)
-    params = SamplingParams(temperature=0.0, max_tokens=args.decode_steps + 4, ignore_eos=True)
+    # the first sequences decode while the last prompts prefill: they must outlast those steps
+    num_prefill_steps = -(-batch_size * prompt_len // token_budget)
+    params = SamplingParams(temperature=0.0, max_tokens=num_prefill_steps + args.decode_steps + 4,
+                            ignore_eos=True)
     for i in range(batch_size):
         engine.add_request(f"s{i}", [rng.randrange(vocab // 4, vocab * 3 // 4)
                                      for _ in range(prompt_len)], params)
