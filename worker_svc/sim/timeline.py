@@ -3,9 +3,9 @@ host waits for it by sleeping until the moment it would be done.
 
 The wait is a sleep to an absolute deadline on the monotonic clock, never a busy loop, so the
 waiting thread leaves the CPU to the scheduler and the gateway. It never ends early (the sleep is
-repeated until the deadline has passed); it ends late by the kernel's wake-up latency: the
-thread's timer slack is set to 1 ns (Linux's default is 50 us), which leaves tens of
-microseconds on an idle machine and whatever the OS scheduler adds on a loaded one.
+repeated until the deadline has passed); it ends late by the kernel's wake-up latency, which
+grows with the host's load: the thread's timer slack is set to 1 ns (Linux's default is 50 us),
+so what is left is the OS scheduler's delay in running the woken thread.
 """
 
 from __future__ import annotations
