@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+from pagedserve.services.rpc.malformed_requests import MalformedRequestInterceptor
 from pagedserve.services.rpc.tracing import server_interceptors
 
 logger = logging.getLogger(__name__)
@@ -131,10 +132,12 @@ def create_server(bindings: Sequence[ServiceBinding], host: str = "127.0.0.1", p
                   ) -> tuple[ServiceServer, int]:
     """A grpc.aio server with `bindings`, Health and reflection, bound to host:port (0 = any
     free port) with `credentials` (None = plaintext; services/rpc/tls.py), tracing every call
-    once tracing is set up (services/rpc/tracing.py). A `health_port` adds a plaintext server
-    with Health alone, for probes that cannot speak TLS.
+    once tracing is set up (services/rpc/tracing.py), answering requests that do not parse with
+    INVALID_ARGUMENT (services/rpc/malformed_requests.py). A `health_port` adds a plaintext
+    server with Health alone, for probes that cannot speak TLS.
     Returns the server (not started) and the port it bound."""
-    server = grpc.aio.server(options=list(options), interceptors=server_interceptors())
+    server = grpc.aio.server(options=list(options),
+                             interceptors=[MalformedRequestInterceptor(), *server_interceptors()])
     for binding in bindings:
         binding.add_to_server(binding.servicer, server)
     health = health_aio.HealthServicer()
