@@ -104,8 +104,10 @@ def load_from_proto(msg: scheduler_pb2.Load) -> EngineLoad:
 
 
 def served_model_to_proto(model: str, info: WorkerInfo, max_model_len: int, vocab_size: int,
-                          eos_token_ids: list[int]) -> scheduler_pb2.ServedModel:
+                          eos_token_ids: list[int], block_size: int = 0, num_gpu_blocks: int = 0,
+                          max_num_seqs: int = 0) -> scheduler_pb2.ServedModel:
     """What the workers serve (rank 0's info) under the limits the scheduler enforces."""
     return scheduler_pb2.ServedModel(
         model=model, architecture=info.architecture, max_model_len=max_model_len,
-        vocab_size=vocab_size, eos_token_ids=eos_token_ids)
+        vocab_size=vocab_size, eos_token_ids=eos_token_ids, block_size=block_size,
+        num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs)
