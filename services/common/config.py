@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pagedserve.services.common.errors import ConfigError
+from pagedserve.services.common.sampling_params import MAX_LOGPROBS
 
 GiB = 1 << 30
 
@@ -293,6 +294,39 @@ class PublicTlsConfig:
 
 
 @dataclass(slots=True)
+class RequestLimitsConfig:
+    """What one request may ask of a gateway, checked before any per-output work (admission by
+    cost): over a limit the request is refused with INVALID_ARGUMENT naming the field."""
+
+    max_num_seqs_per_request: int = opt(
+        64, "most sequences (n, best_of, the beam width) one request may run; also capped by the "
+            "scheduler's max_num_seqs")
+    max_logprobs: int = opt(MAX_LOGPROBS, "most logprobs and prompt_logprobs candidates per "
+                                          f"position (at most {MAX_LOGPROBS})")
+    max_stop_strings: int = opt(64, "most stop strings per request")
+    max_stop_string_chars: int = opt(256, "longest stop string, in characters")
+    max_chat_messages: int = opt(1024, "most chat messages per request")
+    max_request_bytes: int = opt(
+        4 << 20, "largest request in bytes (prompt, messages, stop strings); also the gRPC "
+                 "server's max_receive_message_length")
+    stalled_stream_timeout_s: float = opt(
+        30.0, "a stream whose client stops reading for this long (one response cannot be "
+              "written) is aborted with RESOURCE_EXHAUSTED, its request's KV blocks freed")
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs_per_request", "max_stop_string_chars", "max_chat_messages",
+                     "max_request_bytes"):
+            value = getattr(self, name)
+            _check(value >= 1, f"{name} must be >= 1, got {value}")
+        _check(0 <= self.max_logprobs <= MAX_LOGPROBS,
+               f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
+        _check(self.max_stop_strings >= 0,
+               f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
+        _check(self.stalled_stream_timeout_s > 0,
+               f"stalled_stream_timeout_s must be > 0, got {self.stalled_stream_timeout_s}")
+
+
+@dataclass(slots=True)
 class GatewayConfig:
     host: str = opt("127.0.0.1", "address the gateway listens on")
     port: int = opt(50051, "gateway port; 0 = any free port")
@@ -301,6 +335,9 @@ class GatewayConfig:
                              "folder the scheduler reports serving")
     rpc_timeout_s: float = opt(10.0, "deadline of unary calls to the scheduler")
     max_concurrent_requests: int = opt(1024, "requests in flight before RESOURCE_EXHAUSTED")
+    num_tokenizer_threads: int = opt(
+        2, "threads that tokenize prompts and render chat templates off the event loop")
+    limits: RequestLimitsConfig = field(default_factory=RequestLimitsConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     public_tls: PublicTlsConfig = field(default_factory=PublicTlsConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
@@ -312,6 +349,8 @@ class GatewayConfig:
         _check(self.rpc_timeout_s > 0, f"rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
         _check(self.max_concurrent_requests >= 1,
                f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
+        _check(self.num_tokenizer_threads >= 1,
+               f"num_tokenizer_threads must be >= 1, got {self.num_tokenizer_threads}")
 
 
 @dataclass(slots=True)

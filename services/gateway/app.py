@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.services.common.config import GatewayConfig
 from pagedserve.services.gateway.convert import model_info_from_served_model
@@ -18,7 +20,12 @@ from pagedserve.services.gateway.metrics import GatewayMetrics
 from pagedserve.services.gateway.scheduler_client import SchedulerClient
 from pagedserve.services.gateway.servicer import GenerationServicer, ModelsServicer
 from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
-from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
+from pagedserve.services.rpc.server import (
+    DEFAULT_OPTIONS,
+    ServiceBinding,
+    ServiceServer,
+    create_server,
+)
 from pagedserve.services.rpc.tls import public_server_credentials
 from pagedserve.services.rpc.v1 import gateway_pb2_grpc
 from pagedserve.services.text.tokenizer import Tokenizer
@@ -33,6 +40,7 @@ class Gateway:
     scheduler: SchedulerClient
     admission: Admission
     metrics_server: MetricsServer | None = None
+    tokenizer_pool: ThreadPoolExecutor | None = None
 
     @property
     def port(self) -> int:
@@ -49,6 +57,8 @@ class Gateway:
         await self.scheduler.close()
         if self.metrics_server is not None:
             self.metrics_server.stop()
+        if self.tokenizer_pool is not None:
+            self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def start_gateway(config: GatewayConfig) -> Gateway:
@@ -68,15 +78,17 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     admission = Admission(config.max_concurrent_requests)
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry, info.model, info.max_model_len)
-    frontend = Frontend(tokenizer, scheduler, info, admission, metrics)
+    pool = ThreadPoolExecutor(config.num_tokenizer_threads, thread_name_prefix="tokenizer")
+    frontend = Frontend(tokenizer, scheduler, info, admission, metrics, limits=config.limits,
+                        executor=pool)
     server, port = create_server([
         ServiceBinding(GenerationServicer(frontend),
                        gateway_pb2_grpc.add_GenerationServicer_to_server,
                        "pagedserve.v1.Generation"),
         ServiceBinding(ModelsServicer(info), gateway_pb2_grpc.add_ModelsServicer_to_server,
                        "pagedserve.v1.Models"),
-    ], config.host, config.port, credentials=credentials,
-        health_port=config.tls.health_port)
+    ], config.host, config.port, server_options(config.limits.max_request_bytes),
+        credentials=credentials, health_port=config.tls.health_port)
     await server.start()
     try:
         metrics_server = start_metrics_server(registry, config.host, config.metrics.metrics_port,
@@ -84,11 +96,19 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     except BaseException:
         await server.shutdown(0)
         await scheduler.close()
+        pool.shutdown(wait=False)
         raise
     await server.set_serving(True)
     logger.info("gateway serving %s (max_model_len %d) on port %d", info.model,
                 info.max_model_len, port)
-    return Gateway(server, scheduler, admission, metrics_server)
+    return Gateway(server, scheduler, admission, metrics_server, pool)
+
+
+def server_options(max_request_bytes: int) -> list[tuple[str, Any]]:
+    """The shared server options, with requests larger than max_request_bytes refused by gRPC
+    (RESOURCE_EXHAUSTED) before they are even parsed."""
+    options = [o for o in DEFAULT_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+    return [*options, ("grpc.max_receive_message_length", max_request_bytes)]
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -101,3 +121,5 @@ async def serve(config: GatewayConfig) -> None:
         await gateway.scheduler.close()
         if gateway.metrics_server is not None:
             gateway.metrics_server.stop()
+        if gateway.tokenizer_pool is not None:
+            gateway.tokenizer_pool.shutdown(wait=False, cancel_futures=True)

@@ -149,6 +149,7 @@ def tokenize_response_to_proto(token_ids: Sequence[int], max_model_len: int
 
 
 def model_info_to_proto(info: ModelInfo) -> gateway_pb2.ModelInfo:
+    """The replica's capacity stays inside: clients see the model, not the deployment."""
     return gateway_pb2.ModelInfo(
         model=info.model, architecture=info.architecture, max_model_len=info.max_model_len,
         vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
@@ -168,5 +169,6 @@ def model_info_from_served_model(msg: scheduler_pb2.ServedModel, has_chat_templa
     named by its folder's name."""
     return ModelInfo(model=served_model_name(msg.model), architecture=msg.architecture, max_model_len=msg.max_model_len,
                      vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids),
-                     has_chat_template=has_chat_template)
+                     has_chat_template=has_chat_template, block_size=msg.block_size,
+                     num_gpu_blocks=msg.num_gpu_blocks, max_num_seqs=msg.max_num_seqs)
 

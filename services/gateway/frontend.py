@@ -1,6 +1,7 @@
-"""The gateway's generation path, shared by every front door (gRPC, HTTP): admission, validation,
-tokenization, submission to the scheduler, and the request's text deltas. No transport here: each
-front door converts its wire format to a GenerateInput and the StreamDeltas back.
+"""The gateway's generation path, shared by every front door (gRPC, HTTP): admission (by count
+and by cost), validation, tokenization (off the event loop), submission to the scheduler, and the
+request's text deltas (buffered for slow consumers). No transport here: each front door converts
+its wire format to a GenerateInput and the StreamDeltas back.
 
 The gateway keeps nothing that must survive it: the count of its live requests (for admission
 and draining) is all. Leaving `generate` early — a stop string ends every output, the client
@@ -11,25 +12,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import Executor
 
+from pagedserve.services.common.config import RequestLimitsConfig
 from pagedserve.services.common.errors import (
     InvalidRequest,
     Overloaded,
     PagedServeError,
     Unavailable,
 )
-from pagedserve.services.gateway.metrics import GatewayMetrics
+from pagedserve.services.gateway.delta_buffer import DeltaBuffer
+from pagedserve.services.gateway.limits import check_fits_replica, check_request_cost
+from pagedserve.services.gateway.metrics import GatewayMetrics, RequestTimer
 from pagedserve.services.gateway.scheduler_client import SchedulerClient
 from pagedserve.services.gateway.validation import (
     GenerateInput,
     ModelInfo,
     PreparedRequest,
-    prepare_request,
+    check_request,
+    prepared_request,
     prompt_token_ids,
 )
 from pagedserve.services.text.text_stream import StreamDelta, TextStream
 from pagedserve.services.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class Admission:
@@ -66,20 +75,42 @@ class Admission:
         await self._idle.wait()
 
 
+StallHandler = Callable[[PagedServeError], Awaitable[None]]
+
+
 class Frontend:
+    """`limits`: what one request may cost (default: the config's defaults). `executor`: where
+    prompts are tokenized, off the event loop (default: the loop's default executor)."""
+
     def __init__(self, tokenizer: Tokenizer, scheduler: SchedulerClient, model_info: ModelInfo,
-                 admission: Admission, metrics: GatewayMetrics | None = None) -> None:
+                 admission: Admission, metrics: GatewayMetrics | None = None,
+                 limits: RequestLimitsConfig | None = None,
+                 executor: Executor | None = None) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.info = model_info
         self.admission = admission
         self.metrics = metrics
+        self.limits = limits if limits is not None else RequestLimitsConfig()
+        self._executor = executor
 
-    def prepare(self, request: GenerateInput) -> PreparedRequest:
-        return prepare_request(request, self.tokenizer, self.info)
+    async def prepare(self, request: GenerateInput) -> PreparedRequest:
+        """Checked (its cost first, so nothing below scales with what it asks), tokenized in the
+        executor, and checked against the replica's KV cache."""
+        check_request_cost(request, self.limits, self.info)
+        request_id = check_request(request, self.info)
+        token_ids = await self._prompt_token_ids(request)
+        check_fits_replica(len(token_ids), request.sampling, self.info)
+        return prepared_request(request, request_id, token_ids, self.info)
 
-    def tokenize(self, request: GenerateInput) -> list[int]:
-        return prompt_token_ids(request, self.tokenizer, self.info)
+    async def tokenize(self, request: GenerateInput) -> list[int]:
+        check_request_cost(request, self.limits, self.info)
+        return await self._prompt_token_ids(request)
+
+    async def _prompt_token_ids(self, request: GenerateInput) -> list[int]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, prompt_token_ids, request,
+                                          self.tokenizer, self.info)
 
     async def abort(self, request_id: str) -> None:
         """Forwarded to the scheduler, so any gateway replica can abort any request; the
@@ -88,31 +119,72 @@ class Frontend:
             raise InvalidRequest("request_id must not be empty, got ''")
         await self.scheduler.abort(request_id)
 
-    async def generate(self, request: PreparedRequest) -> AsyncIterator[StreamDelta]:
+    async def generate(self, request: PreparedRequest, on_stalled: StallHandler | None = None
+                       ) -> AsyncIterator[StreamDelta]:
         """The request's text deltas until every output has finished. A request the scheduler
-        ends early raises Unavailable; outputs that failed raise PagedServeError at the end."""
-        text_stream = TextStream(request.prompt_token_ids, request.sampling, self.tokenizer)
+        ends early raises Unavailable; outputs that failed raise PagedServeError at the end.
+
+        The scheduler's stream is drained into a bounded DeltaBuffer by a task of its own, so a
+        slow consumer never holds back the engine. A consumer that does not come back for the
+        next delta within stalled_stream_timeout_s (a front door stuck writing to a client that
+        stopped reading) loses its request: the scheduler call is cancelled (its blocks freed),
+        `on_stalled` is awaited with the error (a front door ends its call with it), and the
+        task iterating this generator is cancelled."""
+        buffer = DeltaBuffer(request.sampling.n)
         timer = None if self.metrics is None else self.metrics.start_request()
-        outputs = self.scheduler.submit(request)
+        pump = asyncio.create_task(self._pump(request, buffer, timer))
+        watchdog = asyncio.create_task(self._watch(request.request_id, buffer, pump,
+                                                   asyncio.current_task(), on_stalled))
         errors: list[str] = []
-        usage = None
         try:
-            async for output in outputs:
-                if timer is not None and any(o.token_ids for o in output.outputs):
-                    timer.on_tokens()
-                for delta in text_stream.on_output(output):
-                    if delta.error:
-                        errors.append(f"output {delta.index}: {delta.error}")
-                    usage = delta.usage or usage
-                    yield delta
-                if text_stream.is_finished:
-                    break  # a stop string ended the last output: closing aborts the rest
+            while (delta := await buffer.get()) is not None:
+                if delta.error:
+                    errors.append(f"output {delta.index}: {delta.error}")
+                yield delta
         finally:
-            await outputs.aclose()
-        if not text_stream.is_finished:
-            raise Unavailable(f"the scheduler ended request {request.request_id!r} before "
-                              "every output finished")
-        if timer is not None:
-            timer.finished(usage)
+            watchdog.cancel()
+            pump.cancel()
         if errors:
             raise PagedServeError(f"request {request.request_id!r} failed: {'; '.join(errors)}")
+
+    async def _pump(self, request: PreparedRequest, buffer: DeltaBuffer,
+                    timer: RequestTimer | None) -> None:
+        """Scheduler events → text deltas → buffer, until every output has ended (a stop string
+        ended the last one: leaving the call aborts the rest) or the stream fails."""
+        text_stream = TextStream(request.prompt_token_ids, request.sampling, self.tokenizer)
+        try:
+            async with contextlib.aclosing(self.scheduler.submit(request)) as outputs:
+                async for output in outputs:
+                    if timer is not None and any(o.token_ids for o in output.outputs):
+                        timer.on_tokens()
+                    for delta in text_stream.on_output(output):
+                        buffer.put(delta)
+                    if text_stream.is_finished:
+                        break
+        except Exception as exc:
+            buffer.close(exc)
+            return
+        if not text_stream.is_finished:
+            buffer.close(Unavailable(f"the scheduler ended request {request.request_id!r} "
+                                     "before every output finished"))
+            return
+        buffer.close()
+        if timer is not None:
+            timer.finished(text_stream.usage)
+
+    async def _watch(self, request_id: str, buffer: DeltaBuffer, pump: asyncio.Task[None],
+                     consumer: asyncio.Task[object] | None, on_stalled: StallHandler | None
+                     ) -> None:
+        timeout_s = self.limits.stalled_stream_timeout_s
+        await buffer.wait_stalled(timeout_s)
+        pump.cancel()
+        error = Overloaded(f"request {request_id!r} aborted: its client stopped reading its "
+                           f"stream for stalled_stream_timeout_s={timeout_s:g}")
+        logger.warning("%s (%d deltas pending)", error, len(buffer))
+        buffer.close(error)
+        try:
+            if on_stalled is not None:
+                await on_stalled(error)
+        finally:
+            if consumer is not None:
+                consumer.cancel()

@@ -3,10 +3,13 @@ gateway's Frontend, convert out."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 
 import grpc
+from pagedserve.services.common.errors import PagedServeError
 from pagedserve.services.gateway.convert import (
     generate_request_from_proto,
     generate_response_to_proto,
@@ -17,9 +20,24 @@ from pagedserve.services.gateway.convert import (
 )
 from pagedserve.services.gateway.frontend import Frontend
 from pagedserve.services.gateway.validation import ModelInfo
-from pagedserve.services.rpc.status import map_errors
+from pagedserve.services.rpc.status import map_errors, status_of
 from pagedserve.services.rpc.tracing import set_request_model
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+
+async def _end_stalled_call(context: grpc.aio.ServicerContext, error: PagedServeError) -> None:
+    """Queue the call's status behind the output its client has not read, so a client that
+    reads again learns why; the Frontend then cancels the handler, which frees the call at once
+    instead of waiting for the client."""
+    code, message = status_of(error)
+    ending = asyncio.ensure_future(context.abort(code, message))
+    ending.add_done_callback(_ignore_abort_error)
+    await asyncio.sleep(0)  # let the abort hand its status to gRPC before the handler is cancelled
+
+
+def _ignore_abort_error(ending: asyncio.Future[None]) -> None:
+    if not ending.cancelled():
+        ending.exception()  # grpc.aio's abort always raises; the call has ended either way
 
 
 class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
@@ -36,8 +54,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                              ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         set_request_model(self._frontend.info.model)
         with self._track("GenerateStream"), self._frontend.admission.admit():
-            prepared = self._frontend.prepare(generate_request_from_proto(request))
-            async for delta in self._frontend.generate(prepared):
+            prepared = await self._frontend.prepare(generate_request_from_proto(request))
+            on_stalled = functools.partial(_end_stalled_call, context)
+            async for delta in self._frontend.generate(prepared, on_stalled):
                 yield stream_delta_to_proto(delta, prepared.request_id)
 
     @map_errors
@@ -45,14 +64,14 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                        context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateResponse:
         set_request_model(self._frontend.info.model)
         with self._track("Generate"), self._frontend.admission.admit():
-            prepared = self._frontend.prepare(generate_request_from_proto(request))
+            prepared = await self._frontend.prepare(generate_request_from_proto(request))
             deltas = [delta async for delta in self._frontend.generate(prepared)]
         return generate_response_to_proto(prepared.request_id, deltas, prepared.sampling.n)
 
     @map_errors
     async def Tokenize(self, request: gateway_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> gateway_pb2.TokenizeResponse:
-        token_ids = self._frontend.tokenize(tokenize_request_from_proto(request))
+        token_ids = await self._frontend.tokenize(tokenize_request_from_proto(request))
         return tokenize_response_to_proto(token_ids, self._frontend.info.max_model_len)
 
     @map_errors

@@ -44,6 +44,10 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     has_chat_template: bool
+    # the replica's capacity (0 = not reported): what services/gateway/limits.py checks against
+    block_size: int = 0
+    num_gpu_blocks: int = 0
+    max_num_seqs: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,15 +85,20 @@ def prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ModelIn
     raise InvalidRequest("prompt must be set: one of text, token_ids or messages")
 
 
-def prepare_request(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo
-                    ) -> PreparedRequest:
+def check_request(request: GenerateInput, info: ModelInfo) -> str:
+    """The checks that need no tokenizer; returns the request id (a fresh one if unset)."""
     request_id = request.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, "
                              f"got {len(request_id)}")
+    request.sampling.verify_for_model(info.vocab_size)
+    return request_id
+
+
+def prepared_request(request: GenerateInput, request_id: str, token_ids: list[int],
+                     info: ModelInfo) -> PreparedRequest:
+    """The tokenized request, once its length is known to fit the model."""
     sampling = request.sampling
-    sampling.verify_for_model(info.vocab_size)
-    token_ids = prompt_token_ids(request, tokenizer, info)
     num_tokens = len(token_ids) + sampling.max_tokens
     if num_tokens > info.max_model_len:
         raise InvalidRequest(
@@ -97,3 +106,11 @@ def prepare_request(request: GenerateInput, tokenizer: Tokenizer, info: ModelInf
             f"most max_model_len={info.max_model_len}, got {num_tokens}")
     return PreparedRequest(request_id=request_id, prompt_token_ids=token_ids, sampling=sampling,
                            priority=request.priority)
+
+
+def prepare_request(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo
+                    ) -> PreparedRequest:
+    """All of the above in the caller's thread (tests, tools); the gateway's Frontend runs the
+    tokenization in its thread pool and checks the request's cost first."""
+    request_id = check_request(request, info)
+    return prepared_request(request, request_id, prompt_token_ids(request, tokenizer, info), info)

@@ -1,6 +1,7 @@
 """A test double of the scheduler service over real grpc.aio (port 0): it answers every Submit
-with a scripted reply, one token per event, for each of the n outputs, then ends with EOS ("stop")
-or "length" at max_tokens. With `hang=True` it keeps the stream open after the reply until the
+with a scripted reply (`tokens_per_event` tokens per event, the reply cycled up to
+`num_reply_tokens` if set), for each of the n outputs, then ends with EOS ("stop") or "length" at
+max_tokens. With `hang=True` it keeps the stream open after the reply until the
 request is aborted or the call cancelled, and records which happened."""
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, model_dir: str, info: ModelInfo, reply_ids: list[int]) -> None:
         self.served_model = scheduler_pb2.ServedModel(
             model=model_dir, architecture=info.architecture, max_model_len=info.max_model_len,
-            vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids)
+            vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
+            block_size=info.block_size, num_gpu_blocks=info.num_gpu_blocks,
+            max_num_seqs=info.max_num_seqs)
         self.reply_ids = reply_ids
+        self.num_reply_tokens: int | None = None  # cycle reply_ids for this many tokens
+        self.tokens_per_event = 1
         self.hang = False
         self.error: str | None = None  # finish every output with "error" and this text
         self.submits: list[scheduler_pb2.SubmitRequest] = []
@@ -34,31 +39,37 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         sampling = sampling_params_from_proto(request.sampling)
         abort = self._abort_events[request_id] = asyncio.Event()
         prompt_len = len(request.prompt_token_ids)
-        num_tokens = min(sampling.max_tokens, len(self.reply_ids))
+        # this call's script is fixed when it starts; a test may change it for later calls
+        num_tokens = min(sampling.max_tokens, self.num_reply_tokens or len(self.reply_ids))
+        per_event = self.tokens_per_event
+        hang = self.hang
         is_complete = False
         try:
-            for step in range(num_tokens):
+            for step in range(0, num_tokens, per_event):
                 if abort.is_set():
                     break
-                is_last = step == num_tokens - 1 and not self.hang
+                token_ids = [self.reply_ids[i % len(self.reply_ids)]
+                             for i in range(step, min(step + per_event, num_tokens))]
+                is_last = step + len(token_ids) == num_tokens and not hang
                 finish = common_pb2.FINISH_REASON_UNSPECIFIED
                 if is_last:
-                    finish = (common_pb2.FINISH_REASON_LENGTH if step + 1 == sampling.max_tokens
+                    finish = (common_pb2.FINISH_REASON_LENGTH if num_tokens == sampling.max_tokens
                               else common_pb2.FINISH_REASON_STOP)
                 if is_last and self.error:
                     finish = common_pb2.FINISH_REASON_ERROR
                 event = scheduler_pb2.TokenEvent(num_prompt_tokens=prompt_len, num_cached_tokens=1)
-                token_id = self.reply_ids[step]
+                num_done = step + len(token_ids)
                 for index in range(sampling.n):
-                    delta = event.outputs.add(index=index, token_ids=[token_id],
-                                              finish_reason=finish, cumulative_logprob=-0.5 * (step + 1),
+                    delta = event.outputs.add(index=index, token_ids=token_ids,
+                                              finish_reason=finish, cumulative_logprob=-0.5 * num_done,
                                               error=self.error if is_last and self.error else "")
                     if sampling.logprobs is not None:
-                        delta.logprobs.append(-0.5)
-                        delta.top_logprobs.add().candidates.add(token_id=token_id, logprob=-0.5)
+                        for token_id in token_ids:
+                            delta.logprobs.append(-0.5)
+                            delta.top_logprobs.add().candidates.add(token_id=token_id, logprob=-0.5)
                 yield event
                 await asyncio.sleep(0)
-            if self.hang or abort.is_set():
+            if hang or abort.is_set():
                 await abort.wait()
                 self.aborted.add(request_id)
                 event = scheduler_pb2.TokenEvent(num_prompt_tokens=prompt_len)

@@ -2,6 +2,7 @@ import pytest
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.outputs import Usage
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import WorkerInfo
 from pagedserve.services.gateway.convert import (
     generate_request_from_proto,
     generate_request_to_proto,
@@ -14,6 +15,7 @@ from pagedserve.services.gateway.convert import (
     tokenize_request_from_proto,
 )
 from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
+from pagedserve.services.rpc.convert_scheduler import served_model_to_proto
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, scheduler_pb2
 from pagedserve.services.text.text_stream import DecodedLogprob, StreamDelta
 
@@ -82,6 +84,20 @@ def test_model_info_round_trip_and_from_served_model():
                                        architecture="LlamaForCausalLM", max_model_len=8192,
                                        vocab_size=49152, eos_token_ids=[2])
     assert model_info_from_served_model(served, has_chat_template=True) == info
+
+
+def test_served_model_carries_the_replicas_capacity_to_the_gateway():
+    worker = WorkerInfo(rank=0, device="cpu", dtype="float32", architecture="LlamaForCausalLM",
+                        vocab_size=49152, max_model_len=8192, eos_token_ids=[2], num_layers=30,
+                        num_kv_heads=3, head_size=64, attention_backend="torch")
+    served = scheduler_pb2.ServedModel.FromString(served_model_to_proto(
+        "/models/m", worker, 4096, 49152, [2], block_size=16, num_gpu_blocks=1000,
+        max_num_seqs=256).SerializeToString())
+    info = model_info_from_served_model(served, has_chat_template=False)
+    assert (info.max_model_len, info.block_size, info.num_gpu_blocks, info.max_num_seqs) == (
+        4096, 16, 1000, 256)
+    # the public ModelInfo keeps the deployment's capacity inside
+    assert model_info_from_proto(model_info_to_proto(info)).num_gpu_blocks == 0
 
 
 def test_tokenize_request():

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pagedserve.services.common.config import GatewayConfig
-from pagedserve.services.gateway.app import start_gateway
+from pagedserve.services.common.config import GatewayConfig, RequestLimitsConfig
+from pagedserve.services.gateway.app import Gateway, start_gateway
 from pagedserve.services.gateway.validation import ModelInfo
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -35,23 +35,33 @@ class Harness:
     models: gateway_pb2_grpc.ModelsStub
     channel: grpc.aio.Channel
     stop_scheduler: object
+    gateway: Gateway
+    fake_address: str
 
 
 @contextlib.asynccontextmanager
-async def harness(model_dir, max_concurrent_requests=8):
+async def harness(model_dir, max_concurrent_requests=8, max_model_len=MAX_MODEL_LEN,
+                  limits=None, capacity=None):
+    """`capacity`: the replica's (block_size, num_gpu_blocks, max_num_seqs); none reported
+    by default."""
     tokenizer = byte_level_bpe()
-    info = ModelInfo(model="tiny", architecture="LlamaForCausalLM", max_model_len=MAX_MODEL_LEN,
-                     vocab_size=tokenizer.vocab_size, eos_token_ids=(2,), has_chat_template=True)
+    block_size, num_gpu_blocks, max_num_seqs = capacity or (0, 0, 0)
+    info = ModelInfo(model="tiny", architecture="LlamaForCausalLM", max_model_len=max_model_len,
+                     vocab_size=tokenizer.vocab_size, eos_token_ids=(2,), has_chat_template=True,
+                     block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                     max_num_seqs=max_num_seqs)
     fake = FakeScheduler(model_dir, info, tokenizer.encode(REPLY, add_special_tokens=False))
     scheduler_server = await start_fake_scheduler(fake)
     gateway = await start_gateway(GatewayConfig(
         port=0, scheduler_address=f"127.0.0.1:{scheduler_server.port}", rpc_timeout_s=2.0,
-        max_concurrent_requests=max_concurrent_requests))
+        max_concurrent_requests=max_concurrent_requests,
+        limits=limits or RequestLimitsConfig()))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
     try:
         yield Harness(fake, gateway_pb2_grpc.GenerationStub(channel),
                       gateway_pb2_grpc.ModelsStub(channel), channel,
-                      lambda: scheduler_server.shutdown(grace_s=0))
+                      lambda: scheduler_server.shutdown(grace_s=0), gateway,
+                      f"127.0.0.1:{scheduler_server.port}")
     finally:
         await channel.close()
         await gateway.stop(grace_s=0)

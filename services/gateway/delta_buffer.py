@@ -1,0 +1,102 @@
+"""One request's text deltas between the scheduler's stream and a client that reads at its own
+pace.
+
+The gateway drains the scheduler's stream into this buffer whatever the client does, so a slow
+client never holds back the engine. The buffer is bounded in deltas: past the bound the pending
+deltas are coalesced into one per output index (text and token ids concatenated), so a slow
+reader gets the same text in fewer, larger pieces. What a request can generate is bounded by
+admission, so its buffer is too; a consumer stuck in writing one delta for too long is found by
+`wait_stalled`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from pagedserve.services.text.text_stream import StreamDelta
+
+MIN_PENDING_DELTAS = 64
+
+
+def merge_into(first: StreamDelta, later: StreamDelta) -> None:
+    """Fold `later` (the same index, after `first`) into `first`."""
+    assert first.index == later.index, (first.index, later.index)
+    first.text += later.text
+    first.token_ids += later.token_ids
+    first.logprobs += later.logprobs
+    first.top_logprobs += later.top_logprobs
+    first.finish_reason = later.finish_reason or first.finish_reason
+    first.cumulative_logprob = later.cumulative_logprob
+    first.error = later.error or first.error
+    first.usage = later.usage or first.usage
+    if first.prompt_logprobs is None:
+        first.prompt_logprobs = later.prompt_logprobs
+
+
+class DeltaBuffer:
+    """Producer: `put`, then `close` (with the error that ended the stream, if any). Consumer:
+    `get` until it returns None. Not thread-safe: one event loop."""
+
+    def __init__(self, num_outputs: int) -> None:
+        self._pending: deque[StreamDelta] = deque()
+        self.max_pending = max(MIN_PENDING_DELTAS, 2 * num_outputs)
+        self._has_pending = asyncio.Event()
+        self._is_consumer_away = asyncio.Event()  # it took a delta and has not asked again
+        self._is_consumer_back = asyncio.Event()
+        self._is_closed = False
+        self._error: BaseException | None = None
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def put(self, delta: StreamDelta) -> None:
+        assert not self._is_closed, "put after close"
+        if len(self._pending) >= self.max_pending:
+            self._coalesce()
+        self._pending.append(delta)
+        self._has_pending.set()
+
+    def close(self, error: BaseException | None = None) -> None:
+        """No more deltas; `get` raises `error` once the pending ones are taken."""
+        self._is_closed = True
+        self._error = error
+        self._has_pending.set()
+
+    async def get(self) -> StreamDelta | None:
+        """The next delta; None once closed and empty."""
+        self._is_consumer_away.clear()
+        self._is_consumer_back.set()
+        await self._has_pending.wait()
+        if self._pending:
+            delta = self._pending.popleft()
+            if not self._pending and not self._is_closed:
+                self._has_pending.clear()
+            self._is_consumer_back.clear()
+            self._is_consumer_away.set()
+            return delta
+        if self._error is not None:
+            raise self._error
+        return None
+
+    async def wait_stalled(self, timeout_s: float) -> None:
+        """Returns once the consumer has stayed away for `timeout_s` after taking a delta (a
+        front door is away while it writes the delta to its client: a write that long means
+        the client stopped reading); runs until cancelled otherwise."""
+        while True:
+            await self._is_consumer_away.wait()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._is_consumer_back.wait()
+            except TimeoutError:
+                return
+
+    def _coalesce(self) -> None:
+        """One delta per index, in the order of each index's first pending delta."""
+        merged: dict[int, StreamDelta] = {}
+        for delta in self._pending:
+            if delta.index in merged:
+                merge_into(merged[delta.index], delta)
+            else:
+                merged[delta.index] = delta
+        self._pending = deque(merged.values())

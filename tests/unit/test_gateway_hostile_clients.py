@@ -1,0 +1,213 @@
+"""Hostile and clumsy clients against the gateway over real gRPC (fake scheduler behind it): they
+get a clear status and hurt only themselves."""
+
+import asyncio
+import logging
+import threading
+import time
+
+import grpc
+import pytest
+from pagedserve.services.common.config import RequestLimitsConfig
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pagedserve.services.text.tokenizer import Tokenizer
+
+from tests.unit.test_gateway_servicer import collect, harness, read_rest, request
+from tests.unit.tiny_tokenizers import byte_level_bpe
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    byte_level_bpe().hf_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def run(model_dir, body, timeout_s=30, **kw):
+    async def main():
+        async with harness(model_dir, **kw) as h:
+            return await asyncio.wait_for(body(h), timeout_s)
+
+    return asyncio.run(main())
+
+
+async def refused(call):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(call)
+    return err.value
+
+
+def test_huge_n_is_answered_with_invalid_argument_fast(model_dir):
+    async def body(h):
+        start = time.monotonic()
+        err = await refused(h.generation.GenerateStream(request(n=2**31 - 1, temperature=1.0),
+                                                        timeout=10))
+        return err, time.monotonic() - start, h.fake.submits
+
+    err, elapsed, submits = run(model_dir, body)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "2147483647" in err.details() and "max_num_seqs_per_request" in err.details()
+    assert elapsed < 5.0 and submits == []
+
+
+@pytest.mark.parametrize("max_request_bytes, code, words", [
+    (None, grpc.StatusCode.RESOURCE_EXHAUSTED, [str(4 << 20)]),  # 8.9 MB: over the default
+    (16 << 20, grpc.StatusCode.INVALID_ARGUMENT, ["max_stop_strings=64", "1000000"]),
+])
+def test_a_million_stop_strings_are_refused_at_the_gateway(model_dir, max_request_bytes, code,
+                                                           words):
+    async def body(h):
+        stop = [f"s{i}" for i in range(1_000_000)]
+        err = await refused(h.generation.GenerateStream(request(stop=stop), timeout=30))
+        return err, h.fake.submits
+
+    limits = RequestLimitsConfig(max_request_bytes=max_request_bytes or 4 << 20)
+    err, submits = run(model_dir, body, limits=limits)
+    assert err.code() == code
+    for word in words:
+        assert word in err.details()
+    assert submits == []
+
+
+def test_a_request_over_max_request_bytes_is_refused_by_grpc(model_dir):
+    async def body(h):
+        big = gateway_pb2.GenerateRequest(text="x" * 300_000)
+        return await refused(h.generation.GenerateStream(big, timeout=10)), h.fake.submits
+
+    err, submits = run(model_dir, body, limits=RequestLimitsConfig(max_request_bytes=100_000))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "100000" in err.details()  # gRPC names the limit: "larger than max (... vs. 100000)"
+    assert submits == []
+
+
+def test_sequences_that_never_fit_the_replicas_cache_are_refused_up_front(model_dir):
+    async def body(h):
+        too_many = await refused(h.generation.GenerateStream(
+            request(n=4, temperature=1.0, max_tokens=40), timeout=10))
+        fits = await collect(h.generation.GenerateStream(
+            request(n=2, temperature=1.0, max_tokens=40), timeout=10))
+        return too_many, fits
+
+    # blocks of 16 tokens: a 4-token prompt + 40 tokens needs 3 blocks a sequence
+    too_many, fits = run(model_dir, body, max_model_len=4096, capacity=(16, 8, 256))
+    assert too_many.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "num_gpu_blocks=8" in too_many.details() and "12 KV-cache blocks" in too_many.details()
+    assert fits[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+# --- malformed wire data ----------------------------------------------------------------------
+
+GARBAGE = [b"\xff\xff\xff\xff", b"\x12\x05ab",  # not protobuf; a string cut short
+           gateway_pb2.GenerateRequest(text="ab").SerializeToString().replace(b"ab", b"\xff\xfe")]
+
+
+@pytest.mark.parametrize("payload", GARBAGE, ids=["garbage", "truncated", "bad-utf8"])
+def test_malformed_protobuf_is_invalid_argument_without_a_logged_traceback(model_dir, payload,
+                                                                          caplog):
+    async def body(h):
+        unary = h.channel.unary_unary("/pagedserve.v1.Generation/Generate")
+        streaming = h.channel.unary_stream("/pagedserve.v1.Generation/GenerateStream")
+        errors = []
+        for call in (unary(payload, timeout=5), streaming(payload, timeout=5)):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call if isinstance(call, grpc.aio.UnaryUnaryCall) else await collect(call)
+            errors.append(err.value)
+        scheduler = grpc.aio.insecure_channel(h.fake_address)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(scheduler.unary_stream("/pagedserve.v1.Scheduler/Submit")(
+                    payload, timeout=5))
+            errors.append(err.value)
+        finally:
+            await scheduler.close()
+        ok = await collect(h.generation.GenerateStream(request(max_tokens=3), timeout=5))
+        return errors, ok
+
+    with caplog.at_level(logging.WARNING):
+        errors, ok = run(model_dir, body)
+    for err in errors:
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid protobuf message" in err.details()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert ok[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+# --- tokenization off the event loop ----------------------------------------------------------
+
+
+def test_a_small_request_is_served_while_a_large_prompt_tokenizes(model_dir, monkeypatch):
+    """The large prompt's tokenization blocks (an event the test sets) until the small request
+    is done: on the event loop that would be a deadlock."""
+    small_done = threading.Event()
+    encode = Tokenizer.encode
+
+    def slow_encode(self, text, add_special_tokens=True):
+        if len(text) > 100_000:
+            small_done.wait(20)
+        return encode(self, text, add_special_tokens)
+
+    monkeypatch.setattr(Tokenizer, "encode", slow_encode)
+
+    async def body(h):
+        large = asyncio.ensure_future(collect(h.generation.GenerateStream(
+            gateway_pb2.GenerateRequest(request_id="large", text="the fox " * 50_000,
+                                        sampling=common_pb2.SamplingParams(max_tokens=4)),
+            timeout=30)))
+        await asyncio.sleep(0.2)
+        small = await collect(h.generation.GenerateStream(request(max_tokens=3), timeout=30))
+        was_large_pending = not large.done()
+        small_done.set()
+        return small, was_large_pending, await large
+
+    small, was_large_pending, large = run(model_dir, body, max_model_len=1_000_000)
+    assert small[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert was_large_pending
+    assert large[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+# --- slow consumers ---------------------------------------------------------------------------
+
+
+def test_stalled_streams_are_aborted_and_do_not_hold_back_other_clients(model_dir):
+    """20 clients that never read (their receive windows fill up) and one that does: the normal
+    client completes, every stalled request is cancelled in the scheduler after the timeout and
+    its handler ends without the client's help; a client that reads again learns why."""
+    num_stalled = 20
+
+    async def body(h):
+        h.fake.hang = True
+        h.fake.num_reply_tokens = 4_000
+        h.fake.tokens_per_event = 20  # 200 events: past the buffer's bound, so they coalesce
+        # a receive window of ~1 KB: the first responses fill it (gRPC's default grows to MBs)
+        small_window = grpc.aio.insecure_channel(f"127.0.0.1:{h.gateway.port}", options=[
+            ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
+        stalled = [gateway_pb2_grpc.GenerationStub(small_window).GenerateStream(
+            gateway_pb2.GenerateRequest(request_id=f"stalled-{i}", text="the fox",
+                                        sampling=common_pb2.SamplingParams(max_tokens=50_000)),
+            timeout=60) for i in range(num_stalled)]
+        while len(h.fake.submits) < num_stalled:
+            await asyncio.sleep(0.05)
+        h.fake.hang = False
+        h.fake.num_reply_tokens = None
+        h.fake.tokens_per_event = 1
+        normal = await collect(h.generation.GenerateStream(request(max_tokens=40), timeout=30))
+        while len(h.fake.cancelled) < num_stalled:
+            await asyncio.wait_for(h.fake.any_cancelled.wait(), 30)
+            h.fake.any_cancelled.clear()
+        await asyncio.wait_for(h.gateway.admission.wait_idle(), 30)  # every handler ended
+        ends = []
+        for call in stalled:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await read_rest(call)
+            ends.append(err.value)
+        await small_window.close()
+        return normal, set(h.fake.cancelled), ends
+
+    normal, cancelled, ends = run(model_dir, body, max_model_len=100_000, max_concurrent_requests=32,
+                                  limits=RequestLimitsConfig(stalled_stream_timeout_s=1.0))
+    assert "".join(r.text for r in normal).startswith("hello")
+    assert normal[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert cancelled == {f"stalled-{i}" for i in range(num_stalled)}
+    for err in ends:
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "stalled_stream_timeout_s=1" in err.details()
