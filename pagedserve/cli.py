@@ -25,6 +25,7 @@ from pagedserve.log_format import configure_logging
 from pagedserve.services.common.config import (
     EngineConfig,
     GatewayConfig,
+    RequestLimitsConfig,
     SchedulerServiceConfig,
     ShutdownConfig,
     TracingConfig,
@@ -55,7 +56,8 @@ def _serve(args: argparse.Namespace) -> int:
                                    args.worker_port, args.startup_timeout_s,
                                    from_args(ShutdownConfig, args).drain_timeout_s,
                                    from_args(TracingConfig, args), args.internal_tls,
-                                   args.metrics_port, args.log_format))
+                                   args.metrics_port, args.log_format,
+                                   from_args(RequestLimitsConfig, args)))
 
 
 def _setup_tracing(tracing: TracingConfig, service: str) -> None:
@@ -237,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve, EngineConfig)
     add_arguments(serve, TracingConfig)
     add_arguments(serve, ShutdownConfig)
+    add_arguments(serve, RequestLimitsConfig)
     gateway = GatewayConfig()
     serve.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     serve.add_argument("--port", type=int, default=gateway.port,

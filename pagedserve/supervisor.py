@@ -235,11 +235,12 @@ def example_commands(address: str) -> list[str]:
 async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, worker_port: int,
                       startup_timeout_s: float, drain_timeout_s: float,
                       tracing: Any = None, internal_tls: bool = True, metrics_port: int = -1,
-                      log_format: str = "text") -> int:
+                      log_format: str = "text", limits: Any = None) -> int:
     """Run the stack until Ctrl-C or SIGTERM (0), or until the scheduler dies or another child
     keeps dying (1). With `internal_tls` the three talk mutual TLS with certificates of a
     throw-away CA, removed when the stack stops. `metrics_port` P serves /metrics on P (gateway),
-    P+1 (scheduler) and P+2+rank (workers); 0 on free ports each; -1 not at all."""
+    P+1 (scheduler) and P+2+rank (workers); 0 on free ports each; -1 not at all. `limits`: the
+    gateway's RequestLimitsConfig."""
     connect = _connect_host(host)
     num_ranks = config.parallel.tensor_parallel_size
     worker_ports = [worker_port or free_port(host)] + [free_port(host)
@@ -281,7 +282,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
         await supervisor.start("gateway", f"{connect}:{port}", [
             *drain, *tls_argv("gateway"), *metrics_argv(0), "--host", host, "--port", str(port),
             "--scheduler-address", f"{connect}:{scheduler_port}",
-            "--tokenizer", config.model.tokenizer_path], restartable=True)
+            "--tokenizer", config.model.tokenizer_path,
+            *(config_to_argv(limits) if limits is not None else [])], restartable=True)
         if not await supervisor.wait_serving(startup_timeout_s):
             return 0
         address = f"{connect}:{port}"

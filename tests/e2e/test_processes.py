@@ -90,7 +90,8 @@ def test_serve_runs_the_stack_and_ctrl_c_stops_it(tiny_served_model_dir):
     scheduler_port, worker_port = free_port(), free_port()
     serve = pagedserve("serve", "--model", str(tiny_served_model_dir), "--port", "0",
                        "--scheduler-port", str(scheduler_port), "--worker-port", str(worker_port),
-                       "--metrics-port", "0", *SMALL_CACHE, stdout=subprocess.PIPE,
+                       "--metrics-port", "0", "--max-num-seqs-per-request", "3",
+                       *SMALL_CACHE, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE)
     try:
         out, err = read_lines(serve.stdout), read_lines(serve.stderr)
@@ -129,6 +130,10 @@ def test_serve_runs_the_stack_and_ctrl_c_stops_it(tiny_served_model_dir):
         with urllib.request.urlopen(scheduler_metrics, timeout=10) as scraped:
             families = {f.name: f for f in text_string_to_metric_families(scraped.read().decode())}
         assert families["vllm:generation_tokens"].samples[0].value == 16  # two requests
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as info:
+            gateway_pb2_grpc.GenerationStub(channel).Generate(gateway_pb2.GenerateRequest(
+                text="hi", sampling=common_pb2.SamplingParams(n=4, temperature=1.0)), timeout=30)
+        assert "max_num_seqs_per_request=3" in info.value.details()  # the gateway got the flag
 
         assert stop(serve, signal.SIGINT) == 0
         log = rest(err)

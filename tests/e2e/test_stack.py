@@ -234,3 +234,37 @@ def test_scheduler_refuses_bad_submits_with_invalid_argument(stack, prompt, samp
             timeout=30))
         assert [t for e in events for o in e.outputs for t in o.token_ids].__len__() == 2
         assert events[-1].outputs[-1].finish_reason == LENGTH
+
+
+def test_requests_the_replica_could_never_run_are_refused_by_the_gateway(stack, generation):
+    with grpc.insecure_channel(stack.scheduler_address) as channel:
+        served = scheduler_pb2_grpc.SchedulerStub(channel).GetServedModel(
+            scheduler_pb2.GetServedModelRequest(), timeout=10)
+    assert served.block_size > 0 and served.num_gpu_blocks > 0 and served.max_num_seqs > 0
+    max_tokens = served.max_model_len - 8  # each sequence then holds max_model_len tokens
+    blocks_per_seq = -(-served.max_model_len // served.block_size)
+    n = min(64, served.num_gpu_blocks // blocks_per_seq + 1)
+    assert n * blocks_per_seq > served.num_gpu_blocks  # the tiny cache: 64 full sequences overflow
+    too_big = request([1] * 8, n=n, temperature=1.0, max_tokens=max_tokens)
+    for bad, words in ((too_big, ["num_gpu_blocks", str(served.num_gpu_blocks)]),
+                       (request("hi", n=2**31 - 1, temperature=1.0), ["2147483647"])):
+        with pytest.raises(grpc.RpcError) as info:
+            list(generation.GenerateStream(bad, timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for word in words:
+            assert word in info.value.details()
+    assert_idle(stack)
+
+
+def test_malformed_protobuf_is_invalid_argument_on_every_service(stack, generation):
+    worker_address = f"127.0.0.1:{stack.worker[0].port}"
+    for address, method in ((stack.gateway_address, "/pagedserve.v1.Generation/Generate"),
+                            (stack.scheduler_address, "/pagedserve.v1.Scheduler/GetLoad"),
+                            (worker_address, "/pagedserve.v1.Worker/ExecuteStep")):
+        with grpc.insecure_channel(address) as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                channel.unary_unary(method)(b"\xff\xff\xff\xff", timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (address, method)
+    good = generation.Generate(request("hello", temperature=0.0, max_tokens=3, ignore_eos=True),
+                               timeout=30)
+    assert len(good.outputs[0].token_ids) == 3
