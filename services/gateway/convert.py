@@ -167,8 +167,9 @@ def model_info_from_served_model(msg: scheduler_pb2.ServedModel, has_chat_templa
                                  ) -> ModelInfo:
     """The scheduler's ServedModel plus the gateway tokenizer's chat template; the model is
     named by its folder's name."""
-    return ModelInfo(model=served_model_name(msg.model), architecture=msg.architecture, max_model_len=msg.max_model_len,
-                     vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids),
+    return ModelInfo(model=served_model_name(msg.model), architecture=msg.architecture,
+                     max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,
+                     eos_token_ids=tuple(msg.eos_token_ids),
                      has_chat_template=has_chat_template, block_size=msg.block_size,
                      num_gpu_blocks=msg.num_gpu_blocks, max_num_seqs=msg.max_num_seqs)
 
