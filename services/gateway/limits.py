@@ -58,9 +58,9 @@ def check_request_cost(request: GenerateInput, limits: RequestLimitsConfig,
             _require_at_most(name, value, limits.max_logprobs, "max_logprobs")
     _require_at_most("the number of stop strings", len(sampling.stop), limits.max_stop_strings,
                      "max_stop_strings")
-    longest_stop = max((len(s) for s in sampling.stop), default=0)
-    _require_at_most("the longest stop string's length", longest_stop,
-                     limits.max_stop_string_chars, "max_stop_string_chars")
+    for i, stop in enumerate(sampling.stop):
+        _require_at_most(f"the length of stop[{i}]", len(stop), limits.max_stop_string_chars,
+                         "max_stop_string_chars")
     if request.messages is not None:
         _require_at_most("the number of messages", len(request.messages),
                          limits.max_chat_messages, "max_chat_messages")

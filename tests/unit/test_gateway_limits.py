@@ -46,7 +46,7 @@ def test_huge_n_is_refused_before_any_per_output_work():
     (sampled(prompt_logprobs=6), {"max_logprobs": 5}, ["prompt_logprobs", "6", "max_logprobs=5"]),
     (sampled(stop=[f"s{i}" for i in range(1_000_000)]), {},
      ["stop strings", "1000000", "max_stop_strings=64"]),
-    (sampled(stop=["x" * 257]), {}, ["stop string", "257", "max_stop_string_chars=256"]),
+    (sampled(stop=["ok", "x" * 257]), {}, ["stop[1]", "257", "max_stop_string_chars=256"]),
     (GenerateInput(messages=(ChatMessage("user", "hi"),) * 3), {"max_chat_messages": 2},
      ["messages", "3", "max_chat_messages=2"]),
     (GenerateInput(text="é" * 600), {"max_request_bytes": 1000},
