@@ -6,12 +6,22 @@ turns it into INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pagedserve.services.common.errors import InvalidRequest
 
 GREEDY_EPSILON = 1e-5  # temperature below this means greedy
 MAX_LOGPROBS = 20
+# Dividing or multiplying float32 logits by a repetition penalty outside this range overflows
+# them to inf (5e-324 turns every logprob into NaN); vLLM's useful range is about 1-2.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+# Beam scores divide by num_output_tokens ** length_penalty: bounded so the power stays finite
+# for any max_model_len.
+MAX_ABS_LENGTH_PENALTY = 10.0
+_FLOAT_FIELDS = ("length_penalty", "temperature", "top_p", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -59,6 +69,10 @@ class SamplingParams:
         return self.temperature < GREEDY_EPSILON
 
     def _verify(self) -> None:
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            _require(isinstance(value, (int, float)) and math.isfinite(value),
+                     f"{name} must be a finite number, got {value!r}")
         _require(self.n >= 1, f"n must be at least 1, got {self.n}")
         _require(self.best_of is None or self.best_of >= self.n,
                  f"best_of must be >= n, got best_of={self.best_of} and n={self.n}")
@@ -71,8 +85,12 @@ class SamplingParams:
                  f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         _require(-2.0 <= self.frequency_penalty <= 2.0,
                  f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _require(self.repetition_penalty > 0.0,
-                 f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _require(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                 f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                 f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
+        _require(abs(self.length_penalty) <= MAX_ABS_LENGTH_PENALTY,
+                 f"length_penalty must be in [-{MAX_ABS_LENGTH_PENALTY}, "
+                 f"{MAX_ABS_LENGTH_PENALTY}], got {self.length_penalty}")
         _require(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
         _require(0 <= self.min_tokens <= self.max_tokens,
                  f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
