@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,7 +24,7 @@ from opentelemetry.trace import SpanContext, Status, StatusCode
 from pagedserve.scheduler_svc.engine_core import EngineCore
 from pagedserve.scheduler_svc.scheduler import ScheduledStep
 from pagedserve.scheduler_svc.stats import LoggingStatLogger, StatLogger
-from pagedserve.services.common.engine_api import EngineLoad, SubmitRequest
+from pagedserve.services.common.engine_api import AbortRequest, EngineLoad, SubmitRequest
 from pagedserve.services.common.errors import NotFound, Unavailable
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
 
@@ -126,15 +125,19 @@ class EngineService:
             stat_line.log(self._load)
 
     async def submit(self, request: SubmitRequest) -> RequestStream:
+        """Queue the request; bad input raises InvalidRequest, a full queue Overloaded. Its
+        arrival (the FCFS key) is now. Iterate the stream for its outputs; closing it before the
+        request finished aborts the request."""
         if not self._is_accepting:
             raise Unavailable("the scheduler is draining and accepts no new requests")
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = request.request_id
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         span_context = trace.get_current_span().get_span_context()
 
         def add() -> None:
+            self.engine.check_admission(request.prompt_token_ids, request.sampling)
             self.engine.add_request(request_id, request.prompt_token_ids, request.sampling,
-                                    request.priority, request.arrival_time_monotonic())
+                                    request.priority, owner=request.owner)
             self._streams[request_id] = queue
             if span_context.is_valid:
                 self._span_contexts[request_id] = span_context
@@ -147,9 +150,13 @@ class EngineService:
             raise
         return RequestStream(request_id, queue, self._drop)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request: AbortRequest) -> None:
+        """Finish the request with "abort" (its stream gets the final outputs); NotFound if it is
+        unknown, already finished, or another owner's (unless the caller is an admin)."""
+        owner = None if request.is_admin else request.owner
+
         def abort() -> None:
-            self._push(self.engine.abort_request(request_id))
+            self._push(self.engine.abort_request(request.request_id, owner))
 
         return await self._call(abort)
 

@@ -33,8 +33,12 @@ from pagedserve.scheduler_svc.scheduler import ScheduledStep, Scheduler
 from pagedserve.scheduler_svc.sequence import SequenceGroup
 from pagedserve.scheduler_svc.stats import FinishedRequestStats, StatLogger, StepStats, StepTotals
 from pagedserve.services.common.config import EngineConfig
-from pagedserve.services.common.engine_api import EngineLoad
-from pagedserve.services.common.errors import ConfigError, InvalidRequest, NotFound
+from pagedserve.services.common.engine_api import (
+    MAX_REQUEST_ID_CHARS,
+    PRIORITY_RANGE,
+    EngineLoad,
+)
+from pagedserve.services.common.errors import ConfigError, InvalidRequest, NotFound, Overloaded
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
@@ -164,12 +168,20 @@ class EngineCore:
     # --- requests -----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
-        """Queue a request; bad input raises InvalidRequest naming the field and the value."""
+                    priority: int = 0, arrival_time: float | None = None,
+                    owner: str = "") -> None:
+        """Queue a request; bad input raises InvalidRequest naming the field and the value.
+        `owner`: who may abort it (abort_request), besides an admin."""
         if not request_id:
-            raise InvalidRequest("request_id must not be empty")
+            raise InvalidRequest("request_id must not be empty, got ''")
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, "
+                                 f"got {len(request_id)}")
         if request_id in self._groups:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
+        if not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+            raise InvalidRequest(f"priority must be in [{PRIORITY_RANGE[0]}, "
+                                 f"{PRIORITY_RANGE[1]}], got {priority}")
         if not prompt_token_ids:
             raise InvalidRequest("prompt_token_ids must not be empty")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -187,20 +199,41 @@ class EngineCore:
                 f"prompt_token_ids has {len(prompt_token_ids)} tokens, which need "
                 f"{num_prompt_blocks} KV-cache blocks; the cache has {usable_blocks} usable blocks")
         sampling.verify_for_model(self.vocab_size)
-        if sampling.num_candidates > self.config.scheduler.max_num_seqs:
-            raise InvalidRequest(f"best_of={sampling.num_candidates} exceeds "
-                                 f"max_num_seqs={self.config.scheduler.max_num_seqs}")
+        scheduler = self.config.scheduler
+        for name, limit in (("max_best_of", scheduler.max_best_of),
+                            ("max_num_seqs", scheduler.max_num_seqs)):
+            if sampling.num_candidates > limit:
+                raise InvalidRequest(f"best_of={sampling.num_candidates} (the sequences of one "
+                                     f"request: n, best_of or the beam width) exceeds "
+                                     f"{name}={limit}")
         group = SequenceGroup.from_prompt(request_id, list(prompt_token_ids), sampling,
                                           next(self._seq_ids), priority, arrival_time)
+        group.owner = owner
         self._groups[request_id] = group
         self.scheduler.add_group(group)
 
-    def abort_request(self, request_id: str) -> RequestOutput:
+    def check_admission(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """What the Submit contract adds to add_request (the offline LLM, which queues whole
+        batches and lets outputs end at max_model_len, skips it): the whole output must fit in
+        max_model_len, and the waiting queue must have room (Overloaded otherwise)."""
+        num_tokens = len(prompt_token_ids) + sampling.max_tokens
+        if num_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
+                f"must be at most max_model_len={self.max_model_len}, got {num_tokens}")
+        max_waiting = self.config.scheduler.max_waiting_requests
+        if len(self.scheduler.waiting) >= max_waiting:
+            raise Overloaded(f"{len(self.scheduler.waiting)} requests are waiting, the limit "
+                             f"(max_waiting_requests) is {max_waiting}; retry later")
+
+    def abort_request(self, request_id: str, owner: str | None = None) -> RequestOutput:
         """Finish a request with finish_reason "abort" and free its blocks; returns its last
-        report. Unknown (or already finished) request ids raise NotFound."""
-        group = self._groups.pop(request_id, None)
-        if group is None:
+        report. Unknown (or already finished) request ids raise NotFound, and so does a request
+        of another `owner` (None: any owner, an admin's abort), with the same message."""
+        group = self._groups.get(request_id)
+        if group is None or (owner is not None and owner != group.owner):
             raise NotFound(f"request_id {request_id!r} is not running")
+        del self._groups[request_id]
         self.scheduler.finish_group(group, FinishReason.ABORT)
         self._record_finished(group)
         report = make_request_output(group)

@@ -69,6 +69,8 @@ class _Step:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     has_preempted: bool = False
+    num_long_prefills: int = 0
+    capped: list[ScheduledSequence] = field(default_factory=list)  # long chunks, topped up last
 
 
 class Scheduler:
@@ -78,6 +80,10 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.scheduler_epoch = scheduler_epoch
+        # at most half the budget, so a capped long prefill always leaves room for the others
+        self.long_prefill_token_threshold = max(1, min(
+            config.long_prefill_token_threshold or max(64, max_model_len * 4 // 100),
+            config.max_num_batched_tokens // 2))
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
@@ -225,6 +231,7 @@ class Scheduler:
             self._schedule_swapped(budget, step)
             if chunked:
                 self._schedule_waiting(budget, step)
+        self._top_up(budget, step)
         return self._build(step)
 
     def _key(self, group: SequenceGroup) -> tuple[float, ...]:
@@ -285,7 +292,11 @@ class Scheduler:
         kept: list[SequenceGroup] = []
         while pending:
             group = pending.pop(0)
-            assignment = self._assign_tokens(group, budget)
+            cap = self._long_prefill_cap(group)
+            if cap is not None and step.num_long_prefills >= self.config.max_long_partial_prefills:
+                skipped.append(group)
+                continue
+            assignment = self._assign_tokens(group, budget, cap)
             if assignment is None:
                 skipped.append(group)
                 continue
@@ -302,7 +313,7 @@ class Scheduler:
                 if victim is group:
                     break
             else:
-                self._add(group, assignment, budget, step)
+                self._add(group, assignment, budget, step, is_long=cap is not None)
                 kept.append(group)
         self.running = deque(kept + skipped)
 
@@ -323,6 +334,15 @@ class Scheduler:
             self._add(group, assignment, budget, step)
 
     def _schedule_waiting(self, budget: _Budget, step: _Step) -> None:
+        """Long prompts that find every long-prefill slot taken stay in `waiting`, in order, and
+        the prompts behind them are admitted past them."""
+        passed: list[SequenceGroup] = []
+        try:
+            self._admit_waiting(budget, step, passed)
+        finally:
+            self.waiting.extendleft(reversed(passed))
+
+    def _admit_waiting(self, budget: _Budget, step: _Step, passed: list[SequenceGroup]) -> None:
         while self.waiting and budget.remaining_tokens > 0:
             group = self.waiting[0]
             if not self._outranks_swapped(group):
@@ -331,6 +351,10 @@ class Scheduler:
             if not group.is_admitted and group.prompt_len >= self.max_model_len:
                 self._reject(group, step, f"prompt has {group.prompt_len} tokens; it must be "
                              f"shorter than max_model_len={self.max_model_len}")
+                continue
+            cap = self._long_prefill_cap(group)
+            if cap is not None and step.num_long_prefills >= self.config.max_long_partial_prefills:
+                passed.append(self.waiting.popleft())
                 continue
             if budget.remaining_seqs < len(live):
                 return
@@ -350,7 +374,8 @@ class Scheduler:
                 group.num_cached_tokens = live[0].num_computed_tokens
                 if group.sampling.prompt_logprobs is not None:
                     group.prompt_logprobs = [None] * group.num_cached_tokens
-            assignment = self._assign_tokens(group, budget)
+            cap = self._long_prefill_cap(group)  # prefix-cache hits may have shortened it
+            assignment = self._assign_tokens(group, budget, cap)
             if assignment is None:  # whole prompts only, and this one does not fit any more
                 self._to_waiting(live)
                 return
@@ -358,7 +383,7 @@ class Scheduler:
             for seq in live:
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
-            self._add(group, assignment, budget, step)
+            self._add(group, assignment, budget, step, is_long=cap is not None)
 
     def _is_pool_idle(self) -> bool:
         bm = self.block_manager
@@ -376,9 +401,18 @@ class Scheduler:
             done.append(seq)
         return AllocStatus.OK
 
-    def _assign_tokens(self, group: SequenceGroup,
-                       budget: _Budget) -> list[tuple[Sequence, int]] | None:
-        """Tokens to compute per live sequence this step within the budget; None if none fit."""
+    def _long_prefill_cap(self, group: SequenceGroup) -> int | None:
+        """The chunk cap of a long prefill (chunked prefill only); None: not one."""
+        if not self.config.enable_chunked_prefill or group.is_decode_phase():
+            return None
+        threshold = self.long_prefill_token_threshold
+        live = group.live_seqs()
+        return threshold if live and live[0].num_uncomputed_tokens > threshold else None
+
+    def _assign_tokens(self, group: SequenceGroup, budget: _Budget,
+                       cap: int | None = None) -> list[tuple[Sequence, int]] | None:
+        """Tokens to compute per live sequence this step within the budget (and `cap`, a long
+        prefill's chunk cap); None if none fit."""
         live = group.live_seqs()
         if budget.remaining_seqs < len(live):
             return None
@@ -386,6 +420,8 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         if group.is_decode_phase():
             return [(s, 1) for s in live] if len(live) <= left else None
+        if cap is not None:
+            left = min(left, cap)
         if len(live) == 1:
             want = live[0].num_uncomputed_tokens
             num_tokens = min(want, left) if chunked else (want if want <= left else 0)
@@ -418,7 +454,7 @@ class Scheduler:
              for seq, n in assignment])
 
     def _add(self, group: SequenceGroup, assignment: list[tuple[Sequence, int]],
-             budget: _Budget, step: _Step) -> None:
+             budget: _Budget, step: _Step, is_long: bool = False) -> None:
         num_samples = group.num_samples()
         for seq, num_tokens in assignment:
             step.blocks_to_copy += self.block_manager.append_slots(
@@ -428,6 +464,28 @@ class Scheduler:
                                                     is_sampling))
             budget.num_tokens += num_tokens
         budget.num_seqs += len(assignment)
+        if is_long:
+            step.num_long_prefills += 1
+            if len(group.live_seqs()) == 1:  # groups of several stop one token short
+                step.capped.append(step.scheduled[-1])
+
+    def _top_up(self, budget: _Budget, step: _Step) -> None:
+        """Fairness without waste: what budget every other request left goes to the long
+        prefills capped earlier in the step, in their order, as far as free blocks allow."""
+        bm = self.block_manager
+        for item in step.capped:
+            seq = item.seq
+            num_extra = min(budget.remaining_tokens,
+                            seq.num_uncomputed_tokens - item.num_scheduled_tokens)
+            if num_extra <= 0 or seq.is_finished:
+                continue
+            num_total = seq.num_computed_tokens + item.num_scheduled_tokens + num_extra
+            if not bm.can_append_slots([seq.seq_id], [max(0, num_total - bm.num_tokens(seq.seq_id))]):
+                continue
+            step.blocks_to_copy += bm.append_slots(seq.seq_id, num_total)
+            item.num_scheduled_tokens += num_extra
+            item.is_sampling = num_total == len(seq.token_ids)
+            budget.num_tokens += num_extra
 
     def _preempt(self, group: SequenceGroup, step: _Step, mode: str | None = None) -> None:
         """By `mode`, else as SchedulerConfig.preemption_mode says."""

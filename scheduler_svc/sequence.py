@@ -157,6 +157,7 @@ class SequenceGroup:
     beam_hypotheses: list[BeamHypothesis] = field(default_factory=list)
     error: str | None = None
     num_reports: int = 0
+    owner: str = ""  # who may abort it, besides an admin (the gateway's tag of its caller)
 
     @classmethod
     def from_prompt(cls, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,

@@ -65,7 +65,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                         errors[0] or "the request failed inside the engine")
 
     @map_errors
-    async def Abort(self, request: common_pb2.AbortRequest,
+    async def Abort(self, request: scheduler_pb2.OwnedAbortRequest,
                     context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
         await self._service().abort(abort_request_from_proto(request))
         return common_pb2.AbortResponse()

@@ -115,6 +115,18 @@ class SchedulerConfig:
     watermark: float = opt(0.01, "fraction of device blocks kept free when admitting prompts")
     async_scheduling: bool = opt(True, "schedule and send step n+1 while step n runs, so the "
                                  "workers never wait for the scheduler")
+    long_prefill_token_threshold: int = opt(
+        0, "a prompt with more tokens left to prefill is long: its chunk is capped at this many "
+        "tokens until every other request of the step is scheduled, then it takes what budget "
+        "is left; 0 = 4 percent of max_model_len, at least 64; never above half of "
+        "max_num_batched_tokens")
+    max_long_partial_prefills: int = opt(
+        1, "long prompts prefilled in the same step; the others wait while shorter prompts "
+        "pass them")
+    max_best_of: int = opt(64, "most sequences one request may run (n, best_of, beam width): "
+                           "more is INVALID_ARGUMENT, so no request takes every sequence slot")
+    max_waiting_requests: int = opt(
+        4096, "requests queued and not yet running; past it Submit is RESOURCE_EXHAUSTED")
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -122,6 +134,13 @@ class SchedulerConfig:
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}")
+        _check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be "
+               f">= 0, got {self.long_prefill_token_threshold}")
+        _check(self.max_long_partial_prefills >= 1,
+               f"max_long_partial_prefills must be >= 1, got {self.max_long_partial_prefills}")
+        _check(self.max_best_of >= 1, f"max_best_of must be >= 1, got {self.max_best_of}")
+        _check(self.max_waiting_requests >= 1,
+               f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
 
 
 @dataclass(slots=True)
@@ -340,6 +359,9 @@ class GatewayConfig:
     limits: RequestLimitsConfig = field(default_factory=RequestLimitsConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     public_tls: PublicTlsConfig = field(default_factory=PublicTlsConfig)
+    admin_token: str = field(default="", repr=False, metadata={
+        "help": "a credential (sent as 'authorization: Bearer <token>') that may abort any "
+                "request; empty = none (callers abort only their own requests)"})
     tracing: TracingConfig = field(default_factory=TracingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)

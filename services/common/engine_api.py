@@ -3,10 +3,12 @@ types shared by the scheduler core, its servicer and the gateway's client."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from pagedserve.services.common.sampling_params import SamplingParams
+
+MAX_REQUEST_ID_CHARS = 256
+PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)  # int32, as the protos carry it
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,13 +19,17 @@ class SubmitRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     priority: int = 0
-    arrival_time_s: float = 0.0  # the gateway's wall clock (Unix seconds); 0 = on receipt
+    owner: str = ""  # who may abort it (the gateway's tag of its caller); arrival is stamped
+    #                  on receipt, never taken from the caller
 
-    def arrival_time_monotonic(self) -> float | None:
-        """The arrival on this process's monotonic clock (the engine's FCFS key); None = now."""
-        if self.arrival_time_s <= 0.0:
-            return None
-        return time.monotonic() - max(0.0, time.time() - self.arrival_time_s)
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """An abort on behalf of a caller: only the owner of the request, or an admin, may."""
+
+    request_id: str
+    owner: str = ""
+    is_admin: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,7 +80,7 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     metrics = GatewayMetrics(registry, info.model, info.max_model_len)
     pool = ThreadPoolExecutor(config.num_tokenizer_threads, thread_name_prefix="tokenizer")
     frontend = Frontend(tokenizer, scheduler, info, admission, metrics, limits=config.limits,
-                        executor=pool)
+                        executor=pool, admin_token=config.admin_token)
     server, port = create_server([
         ServiceBinding(GenerationServicer(frontend),
                        gateway_pb2_grpc.add_GenerationServicer_to_server,

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 
 from pagedserve.services.common.config import RequestLimitsConfig
+from pagedserve.services.common.engine_api import AbortRequest
 from pagedserve.services.common.errors import (
     InvalidRequest,
     Overloaded,
@@ -26,6 +27,7 @@ from pagedserve.services.common.errors import (
 from pagedserve.services.gateway.delta_buffer import DeltaBuffer
 from pagedserve.services.gateway.limits import check_fits_replica, check_request_cost
 from pagedserve.services.gateway.metrics import GatewayMetrics, RequestTimer
+from pagedserve.services.gateway.ownership import ANONYMOUS, Caller, is_admin
 from pagedserve.services.gateway.scheduler_client import SchedulerClient
 from pagedserve.services.gateway.validation import (
     GenerateInput,
@@ -85,7 +87,7 @@ class Frontend:
     def __init__(self, tokenizer: Tokenizer, scheduler: SchedulerClient, model_info: ModelInfo,
                  admission: Admission, metrics: GatewayMetrics | None = None,
                  limits: RequestLimitsConfig | None = None,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, admin_token: str = "") -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.info = model_info
@@ -93,6 +95,7 @@ class Frontend:
         self.metrics = metrics
         self.limits = limits if limits is not None else RequestLimitsConfig()
         self._executor = executor
+        self._admin_token = admin_token
 
     async def prepare(self, request: GenerateInput) -> PreparedRequest:
         """Checked (its cost first, so nothing below scales with what it asks), tokenized in the
@@ -112,15 +115,17 @@ class Frontend:
         return await loop.run_in_executor(self._executor, prompt_token_ids, request,
                                           self.tokenizer, self.info)
 
-    async def abort(self, request_id: str) -> None:
-        """Forwarded to the scheduler, so any gateway replica can abort any request; the
-        request's own stream then ends with finish_reason "abort"."""
+    async def abort(self, request_id: str, caller: Caller = ANONYMOUS) -> None:
+        """Forwarded to the scheduler, so any gateway replica can abort any request of the same
+        caller (or any request, for an admin: see ownership); the request's own stream then
+        ends with finish_reason "abort"."""
         if not request_id:
             raise InvalidRequest("request_id must not be empty, got ''")
-        await self.scheduler.abort(request_id)
+        await self.scheduler.abort(AbortRequest(request_id, caller.owner,
+                                                is_admin(caller, self._admin_token)))
 
-    async def generate(self, request: PreparedRequest, on_stalled: StallHandler | None = None
-                       ) -> AsyncIterator[StreamDelta]:
+    async def generate(self, request: PreparedRequest, on_stalled: StallHandler | None = None,
+                       caller: Caller = ANONYMOUS) -> AsyncIterator[StreamDelta]:
         """The request's text deltas until every output has finished. A request the scheduler
         ends early raises Unavailable; outputs that failed raise PagedServeError at the end.
 
@@ -132,7 +137,7 @@ class Frontend:
         task iterating this generator is cancelled."""
         buffer = DeltaBuffer(request.sampling.n)
         timer = None if self.metrics is None else self.metrics.start_request()
-        pump = asyncio.create_task(self._pump(request, buffer, timer))
+        pump = asyncio.create_task(self._pump(request, buffer, timer, caller.owner))
         watchdog = asyncio.create_task(self._watch(request.request_id, buffer, pump,
                                                    asyncio.current_task(), on_stalled))
         errors: list[str] = []
@@ -148,12 +153,12 @@ class Frontend:
             raise PagedServeError(f"request {request.request_id!r} failed: {'; '.join(errors)}")
 
     async def _pump(self, request: PreparedRequest, buffer: DeltaBuffer,
-                    timer: RequestTimer | None) -> None:
+                    timer: RequestTimer | None, owner: str) -> None:
         """Scheduler events → text deltas → buffer, until every output has ended (a stop string
         ended the last one: leaving the call aborts the rest) or the stream fails."""
         text_stream = TextStream(request.prompt_token_ids, request.sampling, self.tokenizer)
         try:
-            async with contextlib.aclosing(self.scheduler.submit(request)) as outputs:
+            async with contextlib.aclosing(self.scheduler.submit(request, owner)) as outputs:
                 async for output in outputs:
                     if timer is not None and any(o.token_ids for o in output.outputs):
                         timer.on_tokens()

@@ -11,24 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.services.common.config import TlsConfig
-from pagedserve.services.common.engine_api import SubmitRequest
+from pagedserve.services.common.engine_api import AbortRequest, SubmitRequest
 from pagedserve.services.common.errors import Unavailable
 from pagedserve.services.common.outputs import RequestOutput
 from pagedserve.services.gateway.validation import PreparedRequest
 from pagedserve.services.rpc.convert_scheduler import (
+    abort_request_to_proto,
     submit_request_to_proto,
     token_event_from_proto,
 )
 from pagedserve.services.rpc.status import error_from_rpc
 from pagedserve.services.rpc.tls import internal_aio_channel
 from pagedserve.services.rpc.tracing import aio_client_interceptors
-from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.services.rpc.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -81,22 +81,21 @@ class SchedulerClient:
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, PEER) from exc
 
-    async def abort(self, request_id: str) -> None:
-        """NotFound when the scheduler has no live request with that id."""
+    async def abort(self, request: AbortRequest) -> None:
+        """NotFound when the scheduler has no live request with that id of that owner."""
         try:
-            await self._stub.Abort(common_pb2.AbortRequest(request_id=request_id),
-                                   timeout=self._rpc_timeout_s)
+            await self._stub.Abort(abort_request_to_proto(request), timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, PEER) from exc
 
-    async def submit(self, request: PreparedRequest, arrival_time_s: float | None = None
+    async def submit(self, request: PreparedRequest, owner: str = ""
                      ) -> AsyncIterator[RequestOutput]:
-        """The request's token events until the scheduler ends the stream."""
+        """The request's token events until the scheduler ends the stream. `owner`: who may
+        abort it (see ownership)."""
         await self._ensure_connected()
         msg = submit_request_to_proto(SubmitRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            sampling=request.sampling, priority=request.priority,
-            arrival_time_s=arrival_time_s if arrival_time_s is not None else time.time()))
+            sampling=request.sampling, priority=request.priority, owner=owner))
         call = self._stub.Submit(msg)
         wants_prompt_logprobs = request.sampling.prompt_logprobs is not None
         try:

@@ -19,6 +19,7 @@ from pagedserve.services.gateway.convert import (
     tokenize_response_to_proto,
 )
 from pagedserve.services.gateway.frontend import Frontend
+from pagedserve.services.gateway.ownership import grpc_caller
 from pagedserve.services.gateway.validation import ModelInfo
 from pagedserve.services.rpc.status import map_errors, status_of
 from pagedserve.services.rpc.tracing import set_request_model
@@ -56,7 +57,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         with self._track("GenerateStream"), self._frontend.admission.admit():
             prepared = await self._frontend.prepare(generate_request_from_proto(request))
             on_stalled = functools.partial(_end_stalled_call, context)
-            async for delta in self._frontend.generate(prepared, on_stalled):
+            async for delta in self._frontend.generate(
+                    prepared, on_stalled, grpc_caller(context)):
                 yield stream_delta_to_proto(delta, prepared.request_id)
 
     @map_errors
@@ -65,7 +67,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         set_request_model(self._frontend.info.model)
         with self._track("Generate"), self._frontend.admission.admit():
             prepared = await self._frontend.prepare(generate_request_from_proto(request))
-            deltas = [delta async for delta in self._frontend.generate(prepared)]
+            deltas = [delta async for delta in self._frontend.generate(
+                prepared, caller=grpc_caller(context))]
         return generate_response_to_proto(prepared.request_id, deltas, prepared.sampling.n)
 
     @map_errors
@@ -77,7 +80,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     @map_errors
     async def Abort(self, request: common_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
-        await self._frontend.abort(request.request_id)
+        await self._frontend.abort(request.request_id, grpc_caller(context))
         return common_pb2.AbortResponse()
 
 

@@ -5,7 +5,7 @@ core never sees protobuf.
 
 from __future__ import annotations
 
-from pagedserve.services.common.engine_api import EngineLoad, SubmitRequest
+from pagedserve.services.common.engine_api import AbortRequest, EngineLoad, SubmitRequest
 from pagedserve.services.common.outputs import CompletionOutput, RequestOutput
 from pagedserve.services.common.step_plan import TokenLogprob, WorkerInfo
 from pagedserve.services.rpc.convert_common import (
@@ -16,14 +16,14 @@ from pagedserve.services.rpc.convert_common import (
     sampling_params_from_proto,
     sampling_params_to_proto,
 )
-from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2
+from pagedserve.services.rpc.v1 import scheduler_pb2
 
 
 def submit_request_to_proto(request: SubmitRequest) -> scheduler_pb2.SubmitRequest:
     return scheduler_pb2.SubmitRequest(
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_params_to_proto(request.sampling), priority=request.priority,
-        arrival_time_s=request.arrival_time_s)
+        owner=request.owner)
 
 
 def submit_request_from_proto(msg: scheduler_pb2.SubmitRequest) -> SubmitRequest:
@@ -31,7 +31,7 @@ def submit_request_from_proto(msg: scheduler_pb2.SubmitRequest) -> SubmitRequest
     return SubmitRequest(
         request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
         sampling=sampling_params_from_proto(msg.sampling), priority=msg.priority,
-        arrival_time_s=msg.arrival_time_s)
+        owner=msg.owner)
 
 
 def completion_output_to_proto(output: CompletionOutput) -> scheduler_pb2.SequenceDelta:
@@ -77,12 +77,13 @@ def token_event_from_proto(msg: scheduler_pb2.TokenEvent, request_id: str,
         prompt_logprobs=prompt_logprobs)
 
 
-def abort_request_to_proto(request_id: str) -> common_pb2.AbortRequest:
-    return common_pb2.AbortRequest(request_id=request_id)
+def abort_request_to_proto(request: AbortRequest) -> scheduler_pb2.OwnedAbortRequest:
+    return scheduler_pb2.OwnedAbortRequest(request_id=request.request_id, owner=request.owner,
+                                           is_admin=request.is_admin)
 
 
-def abort_request_from_proto(msg: common_pb2.AbortRequest) -> str:
-    return msg.request_id
+def abort_request_from_proto(msg: scheduler_pb2.OwnedAbortRequest) -> AbortRequest:
+    return AbortRequest(request_id=msg.request_id, owner=msg.owner, is_admin=msg.is_admin)
 
 
 def load_to_proto(load: EngineLoad) -> scheduler_pb2.Load:

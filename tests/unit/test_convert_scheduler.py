@@ -1,10 +1,9 @@
 """scheduler.proto converters: every field survives the wire."""
 
 import dataclasses
-import time
 
 import pytest
-from pagedserve.services.common.engine_api import EngineLoad, SubmitRequest
+from pagedserve.services.common.engine_api import AbortRequest, EngineLoad, SubmitRequest
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.outputs import CompletionOutput, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
@@ -43,7 +42,7 @@ def test_submit_request_round_trip():
     request = SubmitRequest(
         request_id="req-1", prompt_token_ids=[1, 49151, 0, 7],
         sampling=SamplingParams(n=2, temperature=0.7, seed=3, logprobs=4, stop=("x",)),
-        priority=-3, arrival_time_s=1_700_000_000.25)
+        priority=-3, owner="3f9a")
     assert submit_request_from_proto(_wire(submit_request_to_proto(request))) == request
 
 
@@ -54,11 +53,13 @@ def test_submit_request_with_bad_sampling_names_the_field():
         submit_request_from_proto(msg)
 
 
-def test_arrival_time_maps_onto_the_monotonic_clock():
-    now = SubmitRequest("r", [1], SamplingParams())
-    assert now.arrival_time_monotonic() is None
-    earlier = SubmitRequest("r", [1], SamplingParams(), arrival_time_s=time.time() - 2.0)
-    assert time.monotonic() - earlier.arrival_time_monotonic() == pytest.approx(2.0, abs=0.1)
+def test_a_client_set_arrival_time_is_no_longer_read():
+    """Field 5 is reserved: an old client's arrival_time_s is skipped, never a queue key."""
+    msg = scheduler_pb2.SubmitRequest(request_id="r", prompt_token_ids=[1])
+    assert "arrival_time_s" not in scheduler_pb2.SubmitRequest.DESCRIPTOR.fields_by_name
+    old_wire = msg.SerializeToString() + bytes([0x29]) + b"\x00" * 8  # field 5, fixed64
+    assert submit_request_from_proto(
+        scheduler_pb2.SubmitRequest.FromString(old_wire)).request_id == "r"
 
 
 @pytest.mark.parametrize("output", [
@@ -90,8 +91,23 @@ def test_token_event_without_prompt_logprobs_or_finish():
     assert token_event_from_proto(_wire(token_event_to_proto(output)), "r") == output
 
 
-def test_abort_request_round_trip():
-    assert abort_request_from_proto(_wire(abort_request_to_proto("req-9"))) == "req-9"
+@pytest.mark.parametrize("abort", [
+    AbortRequest("req-9"), AbortRequest("req-9", owner="ab12"),
+    AbortRequest("req-9", owner="ab12", is_admin=True)])
+def test_abort_request_round_trip(abort):
+    assert abort_request_from_proto(_wire(abort_request_to_proto(abort))) == abort
+
+
+def test_every_abort_field_is_converted():
+    assert set(scheduler_pb2.OwnedAbortRequest.DESCRIPTOR.fields_by_name) == {
+        f.name for f in dataclasses.fields(AbortRequest)}
+
+
+def test_a_public_abort_request_reads_as_an_anonymous_owned_one():
+    """Same field 1: an older gateway's AbortRequest is an abort with no owner, no admin."""
+    msg = scheduler_pb2.OwnedAbortRequest.FromString(
+        common_pb2.AbortRequest(request_id="r").SerializeToString())
+    assert abort_request_from_proto(msg) == AbortRequest("r")
 
 
 def test_load_round_trip():

@@ -35,17 +35,22 @@ REQUESTS = st.lists(st.tuples(st.integers(1, 30),  # prompt length
        enable_chunked_prefill=st.booleans(), enable_prefix_caching=st.booleans(),
        max_num_seqs=st.integers(2, 8), max_num_batched_tokens=st.integers(8, 64),
        async_scheduling=st.booleans(), requests=REQUESTS,
-       aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 7)), max_size=3))
+       aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 7)), max_size=3),
+       long_prefill_token_threshold=st.sampled_from([0, 2, 5, 12]),
+       max_long_partial_prefills=st.integers(1, 2))
 def test_every_request_ends_and_every_block_comes_back(
         num_gpu_blocks, num_cpu_blocks, block_size, policy, preemption_mode,
         enable_chunked_prefill, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
-        async_scheduling, requests, aborts):
+        async_scheduling, requests, aborts, long_prefill_token_threshold,
+        max_long_partial_prefills):
     assume(max_num_batched_tokens >= max_num_seqs)
     h = Harness(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                 block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                 policy=policy, preemption_mode=preemption_mode, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill)
+                enable_chunked_prefill=enable_chunked_prefill,
+                long_prefill_token_threshold=long_prefill_token_threshold,
+                max_long_partial_prefills=max_long_partial_prefills)
     arrivals: dict[int, list[tuple[str, int, SamplingParams, int]]] = {}
     for i, (prompt_len, kind, max_tokens, priority, at) in enumerate(requests):
         try:

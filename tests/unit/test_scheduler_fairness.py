@@ -1,0 +1,73 @@
+"""Fairness between requests: a long prompt's prefill shares each step's token budget, so a short
+request next to it waits a few steps, not the whole prefill (scheduler core, hand-built worker)."""
+
+from __future__ import annotations
+
+from pagedserve.services.common.sampling_params import SamplingParams
+
+from tests.unit.test_scheduler import Harness, scheduled_ids
+
+SHORT = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+def _harness(**kw) -> Harness:
+    return Harness(num_gpu_blocks=1200, num_cpu_blocks=0, block_size=16, max_model_len=16384,
+                   max_num_batched_tokens=512, **kw)
+
+
+def _steps_until_finished(h: Harness, request_id: str, max_steps: int = 100) -> int:
+    for num_steps in range(1, max_steps + 1):
+        _, reports = h.step()
+        if any(r.request_id == request_id and r.finished for r in reports):
+            return num_steps
+    raise AssertionError(f"{request_id} did not finish in {max_steps} steps")
+
+
+def test_a_short_request_next_to_an_8k_prefill_waits_a_few_steps():
+    h = _harness()
+    h.add("long", 8150, LONG)
+    h.step()  # the long prefill is under way
+    h.add("short", 8, SHORT)
+    # one step for its prompt (and first token), three more decodes; the prefill alone takes 16
+    assert _steps_until_finished(h, "short") <= 5
+    assert not h.groups["long"].is_finished
+
+
+def test_the_long_prefill_still_uses_every_token_the_others_leave():
+    """Work-conserving: the cap holds only until the others are scheduled; then the long
+    prefill takes the rest of the budget, so it is not slower than alone by more than the
+    short request's own tokens."""
+    h = _harness()
+    h.add("long", 8150, LONG)
+    out, _ = h.step()
+    assert out.plan.num_scheduled_tokens == 512  # alone: capped, then topped up
+    h.add("short", 8, SHORT)
+    out, _ = h.step()
+    assert sorted(scheduled_ids(out)) == ["long", "short"]
+    assert out.plan.num_scheduled_tokens == 512
+    alone = _harness()
+    alone.add("long", 8150, LONG)
+    assert _steps_until_finished(h, "long") + 2 <= _steps_until_finished(alone, "long") + 1
+
+
+def test_long_prompts_take_turns_and_short_ones_pass_them():
+    h = _harness(max_long_partial_prefills=1)
+    h.add("long_a", 4000, LONG)
+    h.add("long_b", 4000, LONG)
+    h.add("short", 8, SHORT)
+    out, _ = h.step()
+    assert sorted(scheduled_ids(out)) == ["long_a", "short"]  # long_b waits for the slot
+    assert [g.request_id for g in h.scheduler.waiting] == ["long_b"]
+    h.run_to_end()
+    assert h.all_free()
+
+
+def test_the_threshold_defaults_to_four_percent_of_max_model_len_within_half_the_budget():
+    def threshold(max_model_len: int, **kw) -> int:
+        return Harness(max_model_len=max_model_len, **kw).scheduler.long_prefill_token_threshold
+
+    assert threshold(16384) == 16384 * 4 // 100
+    assert threshold(256) == 64
+    assert threshold(16384, max_num_batched_tokens=512) == 256
+    assert threshold(16384, long_prefill_token_threshold=100) == 100
