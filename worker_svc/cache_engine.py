@@ -67,6 +67,14 @@ class CacheEngine:
                 raise InvalidRequest(f"block pair ({src}, {dst}) out of range: "
                                      f"src must be < {num_src}, dst < {num_dst}")
 
+    def check_ops(self, blocks_to_swap_out: list[tuple[int, int]],
+                  blocks_to_swap_in: list[tuple[int, int]],
+                  blocks_to_copy: list[tuple[int, int]]) -> None:
+        """Refuse a step's cache ops with a block id outside its pool, before any runs."""
+        self._check_pairs(blocks_to_swap_out, self.num_gpu_blocks, self.num_cpu_blocks)
+        self._check_pairs(blocks_to_swap_in, self.num_cpu_blocks, self.num_gpu_blocks)
+        self._check_pairs(blocks_to_copy, self.num_gpu_blocks, self.num_gpu_blocks)
+
     def _mapping(self, pairs: list[tuple[int, int]], num_src: int, num_dst: int,
                  device: torch.device) -> torch.Tensor:
         self._check_pairs(pairs, num_src, num_dst)

@@ -64,18 +64,48 @@ class SequenceMirrors:
         self.seqs.clear()
 
     def apply(self, plan: StepPlan) -> list[CachedSequence]:
-        """Apply the plan's deltas; returns this step's sequences, prefills first, then decodes
-        (plan order inside each group)."""
+        """Apply the plan's deltas (all or none: `check` first); returns this step's sequences,
+        prefills first, then decodes (plan order inside each group)."""
+        self.check(plan)
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
         for seq_id in plan.preempted_seq_ids:
             self.seqs.pop(seq_id, None)
         scheduled = [self._add(new) for new in plan.new_seqs]
         scheduled += [self._update(delta) for delta in plan.running_seqs]
-        for seq in scheduled:
-            self._verify(seq)
         return ([s for s in scheduled if s.is_prefill]
                 + [s for s in scheduled if not s.is_prefill])
+
+    def check(self, plan: StepPlan, num_gpu_blocks: int | None = None,
+              vocab_size: int | None = None) -> None:
+        """Refuse (InvalidRequest, NotFound) deltas that cannot apply, touching nothing: every
+        sequence once, known to the mirror if sent as a delta, its lengths consistent, and --
+        when given -- block ids in [0, num_gpu_blocks) and token ids in [0, vocab_size)."""
+        dropped = set(plan.finished_seq_ids) | set(plan.preempted_seq_ids)
+        seq_ids = [s.seq_id for s in plan.new_seqs] + [s.seq_id for s in plan.running_seqs]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidRequest(f"a step names each sequence once, got seq_ids {seq_ids}")
+        for new in plan.new_seqs:
+            _check_ids("block_ids", new.seq_id, new.block_ids, num_gpu_blocks)
+            _check_ids("token_ids", new.seq_id, new.token_ids, vocab_size)
+            _check_ids("stop_token_ids", new.seq_id, new.sampling.stop_token_ids, vocab_size)
+            self._check_lengths(new.seq_id, len(new.token_ids), len(new.block_ids),
+                                new.num_computed_tokens, new.num_scheduled_tokens, new.prompt_len,
+                                new.num_samples)
+        for delta in plan.running_seqs:
+            seq = None if delta.seq_id in dropped else self.seqs.get(delta.seq_id)
+            if seq is None:
+                raise NotFound(f"seq_id {delta.seq_id} is not known to the worker; send it as a "
+                               "new sequence")
+            if not 0 <= delta.block_ids_start <= len(seq.block_table):
+                raise InvalidRequest(f"seq {delta.seq_id}: block_ids_start="
+                                     f"{delta.block_ids_start} outside [0, {len(seq.block_table)}]")
+            _check_ids("block_ids", delta.seq_id, delta.block_ids, num_gpu_blocks)
+            _check_ids("new_token_ids", delta.seq_id, delta.new_token_ids, vocab_size)
+            self._check_lengths(delta.seq_id, len(seq.token_ids) + len(delta.new_token_ids),
+                                delta.block_ids_start + len(delta.block_ids),
+                                seq.num_computed_tokens, delta.num_scheduled_tokens,
+                                seq.prompt_len, delta.num_samples)
 
     def advance(self, scheduled: list[CachedSequence], sampled: list[SampledSequence]) -> None:
         """After the forward: this step's tokens now have KV in the cache, and a sequence that
@@ -100,32 +130,39 @@ class SequenceMirrors:
         return seq
 
     def _update(self, delta: RunningSequence) -> CachedSequence:
-        seq = self.seqs.get(delta.seq_id)
-        if seq is None:
-            raise NotFound(f"seq_id {delta.seq_id} is not known to the worker; send it as a "
-                           "new sequence")
-        if not 0 <= delta.block_ids_start <= len(seq.block_table):
-            raise InvalidRequest(f"seq {delta.seq_id}: block_ids_start={delta.block_ids_start} "
-                                 f"outside [0, {len(seq.block_table)}]")
+        seq = self.seqs[delta.seq_id]
         seq.token_ids.extend(delta.new_token_ids)
         seq.block_table[delta.block_ids_start:] = delta.block_ids
         seq.num_scheduled_tokens = delta.num_scheduled_tokens
         seq.num_samples = delta.num_samples
         return seq
 
-    def _verify(self, seq: CachedSequence) -> None:
-        end = seq.num_computed_tokens + seq.num_scheduled_tokens
-        if seq.num_scheduled_tokens < 1 or seq.num_computed_tokens < 0 or end > len(seq.token_ids):
+    def _check_lengths(self, seq_id: int, num_tokens: int, num_blocks: int,
+                       num_computed_tokens: int, num_scheduled_tokens: int, prompt_len: int,
+                       num_samples: int) -> None:
+        end = num_computed_tokens + num_scheduled_tokens
+        if num_scheduled_tokens < 1 or num_computed_tokens < 0 or end > num_tokens:
             raise InvalidRequest(
-                f"seq {seq.seq_id}: num_scheduled_tokens={seq.num_scheduled_tokens} from "
-                f"num_computed_tokens={seq.num_computed_tokens} must be >= 1 and stay within "
-                f"its {len(seq.token_ids)} tokens")
+                f"seq {seq_id}: num_scheduled_tokens={num_scheduled_tokens} from "
+                f"num_computed_tokens={num_computed_tokens} must be >= 1 and stay within "
+                f"its {num_tokens} tokens")
         if end > self.max_model_len:
-            raise InvalidRequest(f"seq {seq.seq_id}: {end} tokens exceed max_model_len="
+            raise InvalidRequest(f"seq {seq_id}: {end} tokens exceed max_model_len="
                                  f"{self.max_model_len}")
-        if len(seq.block_table) * self.block_size < end:
-            raise InvalidRequest(f"seq {seq.seq_id}: block table of {len(seq.block_table)} blocks "
+        if num_blocks * self.block_size < end:
+            raise InvalidRequest(f"seq {seq_id}: block table of {num_blocks} blocks "
                                  f"cannot hold {end} tokens (block_size {self.block_size})")
-        if not 0 <= seq.prompt_len <= len(seq.token_ids):
-            raise InvalidRequest(f"seq {seq.seq_id}: prompt_len={seq.prompt_len} outside "
-                                 f"[0, {len(seq.token_ids)}]")
+        if not 0 <= prompt_len <= num_tokens:
+            raise InvalidRequest(f"seq {seq_id}: prompt_len={prompt_len} outside "
+                                 f"[0, {num_tokens}]")
+        if num_samples < 1:
+            raise InvalidRequest(f"seq {seq_id}: num_samples must be >= 1, got {num_samples}")
+
+
+def _check_ids(name: str, seq_id: int, ids: list[int] | tuple[int, ...], limit: int | None) -> None:
+    """Every id in [0, limit); no limit: nothing to check."""
+    if limit is None:
+        return
+    bad = [i for i in ids if not 0 <= i < limit]
+    if bad:
+        raise InvalidRequest(f"seq {seq_id}: {name} must be in [0, {limit}), got {bad[:8]}")

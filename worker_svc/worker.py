@@ -186,9 +186,11 @@ class Worker:
     def execute_step(self, plan: StepPlan) -> StepOutput:
         """Run one StepPlan (see pagedserve.services.common.step_plan for the protocol).
 
-        A step that raises may leave the mirror half-updated, so the steps after it are refused
-        until the scheduler calls clear_state and resends its sequences as new (the KV blocks are
-        still valid).
+        A step with a block id outside its pool, a token id outside the vocabulary or deltas that
+        do not fit the mirror is refused (InvalidRequest, NotFound) before it touches the KV
+        cache or the mirror: every other sequence stays as it was. A step that raises later may
+        leave the mirror half-updated, so the steps after it are refused until the scheduler
+        calls clear_state and resends its sequences as new (the KV blocks are still valid).
         """
         self.check_step(plan)
         if plan.previous_step_id != self.last_step_id:
@@ -197,9 +199,13 @@ class Worker:
         if self.last_step_failed:
             raise StepOutOfOrder(f"step {plan.step_id} follows step {plan.previous_step_id}, "
                                  "which failed; ClearState first")
+        runner, cache_engine = self._runner(), self._cache_engine()
+        cache_engine.check_ops(plan.blocks_to_swap_out, plan.blocks_to_swap_in,
+                               plan.blocks_to_copy)
+        runner.mirrors.check(plan, cache_engine.num_gpu_blocks, runner.vocab_size)
         self.last_step_id = plan.step_id
         try:
-            return self._runner().execute_step(plan, self._cache_engine())
+            return runner.execute_step(plan, cache_engine)
         except BaseException:
             self.last_step_failed = True
             raise

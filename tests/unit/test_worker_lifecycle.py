@@ -119,11 +119,14 @@ def test_steps_run_only_in_their_previous_step_id_order(tiny_model_dir):
     ahead = driver.plan({0: 1})
     with pytest.raises(StepOutOfOrder, match="must follow step 5, but the worker's last step is 1"):
         driver.worker.execute_step(dataclasses.replace(ahead, previous_step_id=5))
-    with pytest.raises(NotFound):  # a step that fails ...
+    with pytest.raises(NotFound):  # a step refused before it runs ...
         driver.worker.execute_step(dataclasses.replace(ahead, running_seqs=[
             dataclasses.replace(ahead.running_seqs[0], seq_id=99)]))
-    with pytest.raises(StepOutOfOrder, match="which failed"):  # ... stops the ones after it
+    with pytest.raises(StepOutOfOrder, match="last step is 1"):  # ... is not a step that ran
         driver.worker.execute_step(dataclasses.replace(ahead, step_id=3, previous_step_id=2))
+    driver.worker.last_step_failed = True  # as after a step that raised while running
+    with pytest.raises(StepOutOfOrder, match="which failed"):
+        driver.worker.execute_step(ahead)
     driver.worker.clear_state(driver.epoch)
     assert driver.worker.last_step_id == 0 and not driver.worker.last_step_failed
 
