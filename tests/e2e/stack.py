@@ -50,6 +50,10 @@ class Stack:
                    "gateway": self.gateway.metrics_server}
         return {name: server.port for name, server in servers.items() if server is not None}
 
+    @property
+    def worker_address(self) -> str:
+        return f"127.0.0.1:{self.worker[0].port}"
+
     def load(self) -> scheduler_pb2.Load:
         with internal_channel(self.scheduler_address, self.client_tls) as channel:
             return scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(
@@ -69,10 +73,10 @@ class Stack:
 def start_stack(config: EngineConfig, step_timeout_s: float = 30.0,
                 startup_timeout_s: float = 120.0,
                 certificates: ThrowAwayCertificates | None = None,
-                metrics_port: int = -1, stats_interval_s: float = 0.0) -> Stack:
+                metrics_port: int = -1, stats_interval_s: float = 0.0, **gateway_kw) -> Stack:
     """`certificates` (roles gateway, scheduler, worker, client): mutual TLS between the three,
     and `load` calls the scheduler as "client". `metrics_port` 0: each service serves /metrics on
-    a free port (see `metrics_ports`)."""
+    a free port (see `metrics_ports`). `gateway_kw`: more GatewayConfig fields."""
     loop = BackgroundLoop()
 
     def tls(role: str) -> TlsConfig:
@@ -89,7 +93,7 @@ def start_stack(config: EngineConfig, step_timeout_s: float = 30.0,
         scheduler = await start_scheduler(config, scheduler_config)
         gateway = await start_gateway(GatewayConfig(
             port=0, scheduler_address=f"127.0.0.1:{scheduler[0].port}", tls=tls("gateway"),
-            metrics=MetricsConfig(metrics_port)))
+            metrics=MetricsConfig(metrics_port), **gateway_kw))
         return Stack(loop, worker, scheduler, gateway, tls("client"))
 
     try:
