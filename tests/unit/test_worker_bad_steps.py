@@ -10,7 +10,7 @@ import pytest
 import torch
 from pagedserve.services.common.errors import InvalidRequest, NotFound
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import NewSequence, RunningSequence, StepPlan
+from pagedserve.services.common.step_plan import NewSequence, RunningSequence
 
 from tests.integration.worker_driver import Driver, make_worker
 
