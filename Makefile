@@ -10,7 +10,7 @@ GEN     := services/rpc/v1/.stamp
 MODEL_DIR ?= $(HOME)/.cache/pagedserve/models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: install proto model run test test-gpu lint bench bench-gpu helm-test clean
+.PHONY: install proto model run test test-gpu lint bench bench-gpu helm-test clean fuzz
 
 install: $(STAMP)
 
@@ -41,6 +41,13 @@ run: install proto model
 
 test: install proto model
 	PAGEDSERVE_TEST_MODEL=$(MODEL_DIR) TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" $(PYTEST_ARGS) tests
+
+# The public and internal gRPC APIs of a tiny stack under 10,000 random requests per API
+# (make test runs 150); prints the status codes seen. FUZZ_EXAMPLES=n for another count.
+FUZZ_EXAMPLES ?= 10000
+fuzz: install proto
+	PAGEDSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) TRITON_INTERPRET=1 $(VPY) -m pytest -q -s -p no:logging \
+		tests/e2e/test_fuzz_api.py
 
 # Runs on a GPU machine with its own python, no install step: only kernels and worker core.
 test-gpu:
