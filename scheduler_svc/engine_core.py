@@ -25,20 +25,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pagedserve.kernels.cdiv import cdiv
 from pagedserve.scheduler_svc.block_manager import BlockManager
 from pagedserve.scheduler_svc.output_processor import OutputProcessor
 from pagedserve.scheduler_svc.outputs import make_request_output
+from pagedserve.scheduler_svc.request_checks import RequestLimits, check_admission, check_request
 from pagedserve.scheduler_svc.scheduler import ScheduledStep, Scheduler
 from pagedserve.scheduler_svc.sequence import SequenceGroup
 from pagedserve.scheduler_svc.stats import FinishedRequestStats, StatLogger, StepStats, StepTotals
 from pagedserve.services.common.config import EngineConfig
-from pagedserve.services.common.engine_api import (
-    MAX_REQUEST_ID_CHARS,
-    PRIORITY_RANGE,
-    EngineLoad,
-)
-from pagedserve.services.common.errors import ConfigError, InvalidRequest, NotFound, Overloaded
+from pagedserve.services.common.engine_api import EngineLoad
+from pagedserve.services.common.errors import ConfigError, InvalidRequest, NotFound
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
@@ -152,6 +148,12 @@ class EngineCore:
                                           cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    self.scheduler_epoch)
+        self._limits = RequestLimits(
+            vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+            block_size=cache.block_size,
+            num_usable_blocks=self.num_gpu_blocks - self.block_manager.watermark_blocks,
+            max_best_of=config.scheduler.max_best_of, max_num_seqs=config.scheduler.max_num_seqs,
+            max_waiting_requests=config.scheduler.max_waiting_requests)
         self._seq_ids = itertools.count()
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids,
                                                 self.max_model_len, self._seq_ids)
@@ -172,40 +174,9 @@ class EngineCore:
                     owner: str = "") -> None:
         """Queue a request; bad input raises InvalidRequest naming the field and the value.
         `owner`: who may abort it (abort_request), besides an admin."""
-        if not request_id:
-            raise InvalidRequest("request_id must not be empty, got ''")
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, "
-                                 f"got {len(request_id)}")
         if request_id in self._groups:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
-        if not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
-            raise InvalidRequest(f"priority must be in [{PRIORITY_RANGE[0]}, "
-                                 f"{PRIORITY_RANGE[1]}], got {priority}")
-        if not prompt_token_ids:
-            raise InvalidRequest("prompt_token_ids must not be empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequest(f"prompt_token_ids must be in [0, vocab_size={self.vocab_size}), "
-                                 f"got {bad[:8]}")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"prompt_token_ids has {len(prompt_token_ids)} tokens; the prompt must be shorter "
-                f"than max_model_len={self.max_model_len}")
-        usable_blocks = self.num_gpu_blocks - self.block_manager.watermark_blocks
-        num_prompt_blocks = cdiv(len(prompt_token_ids), self.block_manager.block_size)
-        if num_prompt_blocks > usable_blocks:
-            raise InvalidRequest(
-                f"prompt_token_ids has {len(prompt_token_ids)} tokens, which need "
-                f"{num_prompt_blocks} KV-cache blocks; the cache has {usable_blocks} usable blocks")
-        sampling.verify_for_model(self.vocab_size)
-        scheduler = self.config.scheduler
-        for name, limit in (("max_best_of", scheduler.max_best_of),
-                            ("max_num_seqs", scheduler.max_num_seqs)):
-            if sampling.num_candidates > limit:
-                raise InvalidRequest(f"best_of={sampling.num_candidates} (the sequences of one "
-                                     f"request: n, best_of or the beam width) exceeds "
-                                     f"{name}={limit}")
+        check_request(request_id, prompt_token_ids, sampling, priority, self._limits)
         group = SequenceGroup.from_prompt(request_id, list(prompt_token_ids), sampling,
                                           next(self._seq_ids), priority, arrival_time)
         group.owner = owner
@@ -213,18 +184,8 @@ class EngineCore:
         self.scheduler.add_group(group)
 
     def check_admission(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """What the Submit contract adds to add_request (the offline LLM, which queues whole
-        batches and lets outputs end at max_model_len, skips it): the whole output must fit in
-        max_model_len, and the waiting queue must have room (Overloaded otherwise)."""
-        num_tokens = len(prompt_token_ids) + sampling.max_tokens
-        if num_tokens > self.max_model_len:
-            raise InvalidRequest(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
-                f"must be at most max_model_len={self.max_model_len}, got {num_tokens}")
-        max_waiting = self.config.scheduler.max_waiting_requests
-        if len(self.scheduler.waiting) >= max_waiting:
-            raise Overloaded(f"{len(self.scheduler.waiting)} requests are waiting, the limit "
-                             f"(max_waiting_requests) is {max_waiting}; retry later")
+        """What the Submit contract adds to add_request (see request_checks.check_admission)."""
+        check_admission(prompt_token_ids, sampling, self._limits, len(self.scheduler.waiting))
 
     def abort_request(self, request_id: str, owner: str | None = None) -> RequestOutput:
         """Finish a request with finish_reason "abort" and free its blocks; returns its last

@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 
 from pagedserve.scheduler_svc.block_manager import AllocStatus, BlockManager
 from pagedserve.scheduler_svc.deltas import sequence_deltas
+from pagedserve.scheduler_svc.prefill_fairness import (
+    long_prefill_cap,
+    long_prefill_threshold,
+    top_up,
+)
 from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedserve.services.common.config import SchedulerConfig
 from pagedserve.services.common.outputs import FinishReason
@@ -80,10 +85,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.scheduler_epoch = scheduler_epoch
-        # at most half the budget, so a capped long prefill always leaves room for the others
-        self.long_prefill_token_threshold = max(1, min(
-            config.long_prefill_token_threshold or max(64, max_model_len * 4 // 100),
-            config.max_num_batched_tokens // 2))
+        self.long_prefill_token_threshold = long_prefill_threshold(config, max_model_len)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
@@ -180,7 +182,9 @@ class Scheduler:
         was preempted, and only those that outrank every group still swapped out: the swapped
         groups come back first, unless a waiting one has a higher priority) -- all within
         `max_num_batched_tokens` tokens and `max_num_seqs` sequences. A prompt longer than the
-        token budget left is split into chunks over several steps. Without chunked prefill a step
+        token budget left is split into chunks over several steps; long ones share the budget
+        (prefill_fairness), at most max_long_partial_prefills per step, and waiting prompts pass
+        a long one that finds no slot. Without chunked prefill a step
         is either all whole prompts or all decodes (vLLM V0); a lone prompt may then use up to
         max(max_num_batched_tokens, max_model_len) tokens so every prompt can run.
 
@@ -402,12 +406,9 @@ class Scheduler:
         return AllocStatus.OK
 
     def _long_prefill_cap(self, group: SequenceGroup) -> int | None:
-        """The chunk cap of a long prefill (chunked prefill only); None: not one."""
-        if not self.config.enable_chunked_prefill or group.is_decode_phase():
+        if not self.config.enable_chunked_prefill:
             return None
-        threshold = self.long_prefill_token_threshold
-        live = group.live_seqs()
-        return threshold if live and live[0].num_uncomputed_tokens > threshold else None
+        return long_prefill_cap(group, self.long_prefill_token_threshold)
 
     def _assign_tokens(self, group: SequenceGroup, budget: _Budget,
                        cap: int | None = None) -> list[tuple[Sequence, int]] | None:
@@ -470,22 +471,10 @@ class Scheduler:
                 step.capped.append(step.scheduled[-1])
 
     def _top_up(self, budget: _Budget, step: _Step) -> None:
-        """Fairness without waste: what budget every other request left goes to the long
-        prefills capped earlier in the step, in their order, as far as free blocks allow."""
-        bm = self.block_manager
-        for item in step.capped:
-            seq = item.seq
-            num_extra = min(budget.remaining_tokens,
-                            seq.num_uncomputed_tokens - item.num_scheduled_tokens)
-            if num_extra <= 0 or seq.is_finished:
-                continue
-            num_total = seq.num_computed_tokens + item.num_scheduled_tokens + num_extra
-            if not bm.can_append_slots([seq.seq_id], [max(0, num_total - bm.num_tokens(seq.seq_id))]):
-                continue
-            step.blocks_to_copy += bm.append_slots(seq.seq_id, num_total)
-            item.num_scheduled_tokens += num_extra
-            item.is_sampling = num_total == len(seq.token_ids)
-            budget.num_tokens += num_extra
+        blocks_to_copy, num_added = top_up(self.block_manager, step.capped,
+                                           budget.remaining_tokens)
+        step.blocks_to_copy += blocks_to_copy
+        budget.num_tokens += num_added
 
     def _preempt(self, group: SequenceGroup, step: _Step, mode: str | None = None) -> None:
         """By `mode`, else as SchedulerConfig.preemption_mode says."""

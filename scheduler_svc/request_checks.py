@@ -1,0 +1,75 @@
+"""What a request must satisfy to be queued, checked whoever sends it (the gateway checks the
+same, but the scheduler trusts no caller): every refusal is InvalidRequest naming the field and
+the value, or Overloaded for a full queue, and never a broken engine step later."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.kernels.cdiv import cdiv
+from pagedserve.services.common.engine_api import MAX_REQUEST_ID_CHARS, PRIORITY_RANGE
+from pagedserve.services.common.errors import InvalidRequest, Overloaded
+from pagedserve.services.common.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What the engine was sized with."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_usable_blocks: int  # device blocks a prompt may take (the watermark left aside)
+    max_best_of: int
+    max_num_seqs: int
+    max_waiting_requests: int
+
+
+def check_request(request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                  priority: int, limits: RequestLimits) -> None:
+    """Every request, the offline LLM's included."""
+    if not request_id:
+        raise InvalidRequest("request_id must not be empty, got ''")
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, "
+                             f"got {len(request_id)}")
+    if not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+        raise InvalidRequest(f"priority must be in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], "
+                             f"got {priority}")
+    if not prompt_token_ids:
+        raise InvalidRequest("prompt_token_ids must not be empty")
+    bad = [t for t in prompt_token_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt_token_ids must be in [0, vocab_size={limits.vocab_size}), "
+                             f"got {bad[:8]}")
+    if len(prompt_token_ids) >= limits.max_model_len:
+        raise InvalidRequest(
+            f"prompt_token_ids has {len(prompt_token_ids)} tokens; the prompt must be shorter "
+            f"than max_model_len={limits.max_model_len}")
+    num_prompt_blocks = cdiv(len(prompt_token_ids), limits.block_size)
+    if num_prompt_blocks > limits.num_usable_blocks:
+        raise InvalidRequest(
+            f"prompt_token_ids has {len(prompt_token_ids)} tokens, which need "
+            f"{num_prompt_blocks} KV-cache blocks; the cache has {limits.num_usable_blocks} "
+            "usable blocks")
+    sampling.verify_for_model(limits.vocab_size)
+    for name, limit in (("max_best_of", limits.max_best_of),
+                        ("max_num_seqs", limits.max_num_seqs)):
+        if sampling.num_candidates > limit:
+            raise InvalidRequest(f"best_of={sampling.num_candidates} (the sequences of one "
+                                 f"request: n, best_of or the beam width) exceeds {name}={limit}")
+
+
+def check_admission(prompt_token_ids: list[int], sampling: SamplingParams,
+                    limits: RequestLimits, num_waiting: int) -> None:
+    """What the Submit contract adds (the offline LLM, which queues whole batches and lets
+    outputs end at max_model_len, skips it): the whole output fits in max_model_len, and the
+    waiting queue has room."""
+    num_tokens = len(prompt_token_ids) + sampling.max_tokens
+    if num_tokens > limits.max_model_len:
+        raise InvalidRequest(
+            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
+            f"must be at most max_model_len={limits.max_model_len}, got {num_tokens}")
+    if num_waiting >= limits.max_waiting_requests:
+        raise Overloaded(f"{num_waiting} requests are waiting, the limit "
+                         f"(max_waiting_requests) is {limits.max_waiting_requests}; retry later")
