@@ -37,11 +37,9 @@ FUZZ_SETTINGS = settings(max_examples=NUM_EXAMPLES, deadline=None, database=None
 INT32 = (-(1 << 31), (1 << 31) - 1)
 FLOATS = st.one_of(st.floats(-3.0, 3.0), st.sampled_from(
     [0.0, 1e-5, 1.0, -1.0, 5e-324, 1e308, -1e308, math.inf, -math.inf, math.nan, 100.0, 101.0]))
-# every value small enough to generate fast, or refused. Through the gateway n stays below a
-# few hundred: n = 2**31 - 1 (and 10**6 stop strings) belong to the gateway's own admission
-# limits and tests; the scheduler refuses any n over max_best_of.
-COUNTS = st.one_of(st.integers(-2, 3), st.sampled_from([0, 65, 300, INT32[0]]))
-INTERNAL_COUNTS = st.one_of(COUNTS, st.just(INT32[1]))
+# every value small enough to generate fast, or refused (the gateway's max_num_seqs_per_request,
+# the scheduler's max_best_of)
+COUNTS = st.one_of(st.integers(-2, 3), st.sampled_from([0, 65, 300, *INT32]))
 MAX_TOKENS = st.one_of(st.integers(-2, 12), st.sampled_from([0, 512, 100_000, *INT32]))
 TOKEN_IDS = st.one_of(  # mostly inside the tiny model's vocabulary of 512
     st.lists(st.integers(0, 511), min_size=1, max_size=30),
@@ -68,9 +66,9 @@ SANE = {  # values a well-behaved client sends, so that many requests reach the 
 
 
 @st.composite
-def sampling_params(draw, counts=COUNTS) -> common_pb2.SamplingParams:
+def sampling_params(draw) -> common_pb2.SamplingParams:
     """Mostly sane requests with at most one wild field (each check is reached), else wild."""
-    wild = draw(_wild_sampling_params(counts))
+    wild = draw(_wild_sampling_params())
     if draw(st.integers(0, 3)) == 0:
         return wild
     msg = common_pb2.SamplingParams()
@@ -94,9 +92,9 @@ def sampling_params(draw, counts=COUNTS) -> common_pb2.SamplingParams:
 
 
 @st.composite
-def _wild_sampling_params(draw, counts) -> common_pb2.SamplingParams:
+def _wild_sampling_params(draw) -> common_pb2.SamplingParams:
     fields = {
-        "n": draw(_optional(counts)), "best_of": draw(_optional(counts)),
+        "n": draw(_optional(COUNTS)), "best_of": draw(_optional(COUNTS)),
         "use_beam_search": draw(st.booleans()), "length_penalty": draw(_optional(FLOATS)),
         "temperature": draw(_optional(st.one_of(st.just(0.0), FLOATS))),
         "top_p": draw(_optional(FLOATS)), "top_k": draw(_optional(st.integers(-3, 600))),
@@ -104,7 +102,10 @@ def _wild_sampling_params(draw, counts) -> common_pb2.SamplingParams:
         "frequency_penalty": draw(_optional(FLOATS)),
         "repetition_penalty": draw(_optional(FLOATS)),
         "seed": draw(_optional(st.integers(-(1 << 63), (1 << 63) - 1))),
-        "stop": draw(_optional(st.lists(st.text(max_size=4), max_size=4))),
+        "stop": draw(_optional(st.one_of(
+            st.lists(st.text(max_size=4), max_size=4),
+            st.lists(st.text(min_size=1, max_size=3), min_size=65, max_size=80),
+            st.just(["x" * 300])))),
         "stop_token_ids": draw(_optional(st.lists(st.integers(0, 600), max_size=4))),
         "include_stop_str_in_output": draw(st.booleans()), "ignore_eos": draw(st.booleans()),
         "max_tokens": draw(_optional(MAX_TOKENS)), "min_tokens": draw(_optional(MAX_TOKENS)),
@@ -139,7 +140,7 @@ def generate_requests(draw) -> gateway_pb2.GenerateRequest:
 def submit_requests(draw) -> scheduler_pb2.SubmitRequest:
     return scheduler_pb2.SubmitRequest(
         request_id=draw(REQUEST_IDS),
-        prompt_token_ids=draw(TOKEN_IDS), sampling=draw(sampling_params(INTERNAL_COUNTS)),
+        prompt_token_ids=draw(TOKEN_IDS), sampling=draw(sampling_params()),
         priority=draw(st.integers(*INT32)), owner=draw(TEXT))
 
 
