@@ -13,6 +13,7 @@ import dataclasses
 import os
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -253,6 +254,48 @@ class ShutdownConfig:
                f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
 
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+
+
+@dataclass(slots=True)
+class HttpConfig:
+    """The gateway's OpenAI-compatible HTTP API, and the API key that guards it and gRPC alike."""
+
+    http_port: int = opt(8000, "OpenAI-compatible HTTP port, on the gateway's host; 0 = off, "
+                               "-1 = any free port")
+    served_model_name: str = opt("", "the model name clients send and see; empty = the name "
+                                     "of the model's folder")
+    max_request_body_bytes: int = opt(16 << 20, "largest HTTP request body; larger -> 413")
+    api_key: str = field(default="", repr=False, metadata={
+        "help": "when set, every Generation/Models call and HTTP request but health and metrics "
+                "needs 'Authorization: Bearer KEY'; empty = api_key_file, else $" + API_KEY_ENV})
+    api_key_file: str = opt("", "file holding the API key (its first line)")
+
+    def __post_init__(self) -> None:
+        _check(-1 <= self.http_port < 65536,
+               f"http_port must be in [-1, 65535], got {self.http_port}")
+        _check(self.max_request_body_bytes >= 1024,
+               f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
+        _check(not (self.api_key and self.api_key_file),
+               f"set api_key or api_key_file, not both (api_key_file={self.api_key_file!r})")
+
+    def resolve_api_key(self, environ: Mapping[str, str] = os.environ) -> str:
+        """The key: api_key, else api_key_file's first line, else $PAGEDSERVE_API_KEY; empty =
+        no key."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_file:
+            try:
+                key = Path(self.api_key_file).read_text().strip().splitlines()
+            except OSError as e:
+                raise ConfigError(f"api_key_file {self.api_key_file!r} cannot be read: "
+                                  f"{e.strerror}") from e
+            _check(bool(key) and bool(key[0].strip()),
+                   f"api_key_file {self.api_key_file!r} holds no key")
+            return key[0].strip()
+        return environ.get(API_KEY_ENV, "")
+
+
 @dataclass(slots=True)
 class TlsConfig:
     """Mutual TLS between the services (services/rpc/tls.py): each presents its certificate as
@@ -359,6 +402,7 @@ class GatewayConfig:
     limits: RequestLimitsConfig = field(default_factory=RequestLimitsConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     public_tls: PublicTlsConfig = field(default_factory=PublicTlsConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
     admin_token: str = field(default="", repr=False, metadata={
         "help": "a credential (sent as 'authorization: Bearer <token>') that may abort any "
                 "request; empty = none (callers abort only their own requests)"})

@@ -1,5 +1,6 @@
 """The gateway process: wait for the scheduler, load the tokenizer of the model it serves, serve
-Generation and Models (plus Health and reflection) until SIGTERM, then drain.
+Generation and Models (plus Health and reflection) and the OpenAI-compatible HTTP API, both on
+one event loop and one Frontend, until SIGTERM, then drain.
 
 Health stays NOT_SERVING until the scheduler answered and the tokenizer is loaded.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,8 +19,12 @@ from pagedserve.services.common.config import GatewayConfig
 from pagedserve.services.gateway.convert import model_info_from_served_model
 from pagedserve.services.gateway.frontend import Admission, Frontend
 from pagedserve.services.gateway.metrics import GatewayMetrics
+from pagedserve.services.gateway.openai.routes import build_app
+from pagedserve.services.gateway.openai.server import HttpServer, bind_socket
+from pagedserve.services.gateway.openai.serving import OpenAIServing
 from pagedserve.services.gateway.scheduler_client import SchedulerClient
 from pagedserve.services.gateway.servicer import GenerationServicer, ModelsServicer
+from pagedserve.services.rpc.auth import ApiKeyInterceptor
 from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
 from pagedserve.services.rpc.server import (
     DEFAULT_OPTIONS,
@@ -33,6 +39,8 @@ from prometheus_client import CollectorRegistry
 
 logger = logging.getLogger(__name__)
 
+GUARDED_SERVICES = ("pagedserve.v1.Generation", "pagedserve.v1.Models")
+
 
 @dataclass(slots=True)
 class Gateway:
@@ -41,10 +49,16 @@ class Gateway:
     admission: Admission
     metrics_server: MetricsServer | None = None
     tokenizer_pool: ThreadPoolExecutor | None = None
+    http: HttpServer | None = None
 
     @property
     def port(self) -> int:
         return self.server.port
+
+    @property
+    def http_port(self) -> int | None:
+        """The OpenAI-compatible HTTP API's port; None when it is off."""
+        return self.http.port if self.http is not None else None
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests; wait at most timeout_s for the live ones."""
@@ -53,6 +67,8 @@ class Gateway:
             await asyncio.wait_for(self.admission.wait_idle(), timeout_s)
 
     async def stop(self, grace_s: float) -> None:
+        if self.http is not None:
+            await self.http.stop(grace_s)
         await self.server.shutdown(grace_s)
         await self.scheduler.close()
         if self.metrics_server is not None:
@@ -65,6 +81,7 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     """Started and SERVING once the scheduler serves; raises if the scheduler cannot tell what
     it serves."""
     credentials = public_server_credentials(config.public_tls)  # bad files fail before waiting
+    api_key = config.http.resolve_api_key()
     scheduler = SchedulerClient(config.scheduler_address, config.rpc_timeout_s, config.tls)
     try:
         logger.info("waiting for the scheduler at %s", config.scheduler_address)
@@ -75,6 +92,8 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     except BaseException:
         await scheduler.close()
         raise
+    if config.http.served_model_name:
+        info = dataclasses.replace(info, model=config.http.served_model_name)
     admission = Admission(config.max_concurrent_requests)
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry, info.model, info.max_model_len)
@@ -88,7 +107,13 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
         ServiceBinding(ModelsServicer(info), gateway_pb2_grpc.add_ModelsServicer_to_server,
                        "pagedserve.v1.Models"),
     ], config.host, config.port, server_options(config.limits.max_request_bytes),
-        credentials=credentials, health_port=config.tls.health_port)
+        credentials=credentials, health_port=config.tls.health_port,
+        interceptors=[ApiKeyInterceptor(api_key, GUARDED_SERVICES)] if api_key else ())
+    http = None
+    if config.http.http_port != 0:
+        app = build_app(OpenAIServing(frontend, info.model), api_key,
+                        config.http.max_request_body_bytes)
+        http = HttpServer(app, bind_socket(config.host, max(config.http.http_port, 0)))
     await server.start()
     try:
         metrics_server = start_metrics_server(registry, config.host, config.metrics.metrics_port,
@@ -98,10 +123,13 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
         await scheduler.close()
         pool.shutdown(wait=False)
         raise
+    if http is not None:
+        await http.start()
     await server.set_serving(True)
-    logger.info("gateway serving %s (max_model_len %d) on port %d", info.model,
-                info.max_model_len, port)
-    return Gateway(server, scheduler, admission, metrics_server, pool)
+    logger.info("gateway serving %s (max_model_len %d) on port %d%s%s", info.model,
+                info.max_model_len, port, f", HTTP on port {http.port}" if http else "",
+                ", API key required" if api_key else "")
+    return Gateway(server, scheduler, admission, metrics_server, pool, http)
 
 
 def server_options(max_request_bytes: int) -> list[tuple[str, Any]]:
@@ -118,6 +146,8 @@ async def serve(config: GatewayConfig) -> None:
     try:
         await gateway.server.serve_until_signal(grace_s, drain=lambda: gateway.drain(grace_s))
     finally:
+        if gateway.http is not None:
+            await gateway.http.stop(grace_s)
         await gateway.scheduler.close()
         if gateway.metrics_server is not None:
             gateway.metrics_server.stop()

@@ -70,6 +70,10 @@ class Admission:
             if self._num_live == 0:
                 self._idle.set()
 
+    @property
+    def is_draining(self) -> bool:
+        return self._is_draining
+
     def start_draining(self) -> None:
         self._is_draining = True
 

@@ -128,16 +128,18 @@ def _bind(server: grpc.aio.Server, host: str, port: int,
 
 def create_server(bindings: Sequence[ServiceBinding], host: str = "127.0.0.1", port: int = 0,
                   options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS,
-                  credentials: grpc.ServerCredentials | None = None, health_port: int = 0
+                  credentials: grpc.ServerCredentials | None = None, health_port: int = 0,
+                  interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
                   ) -> tuple[ServiceServer, int]:
     """A grpc.aio server with `bindings`, Health and reflection, bound to host:port (0 = any
     free port) with `credentials` (None = plaintext; services/rpc/tls.py), tracing every call
     once tracing is set up (services/rpc/tracing.py), answering requests that do not parse with
-    INVALID_ARGUMENT (services/rpc/malformed_requests.py). A `health_port` adds a plaintext
-    server with Health alone, for probes that cannot speak TLS.
+    INVALID_ARGUMENT (services/rpc/malformed_requests.py), then `interceptors`. A `health_port`
+    adds a plaintext server with Health alone, for probes that cannot speak TLS.
     Returns the server (not started) and the port it bound."""
     server = grpc.aio.server(options=list(options),
-                             interceptors=[MalformedRequestInterceptor(), *server_interceptors()])
+                             interceptors=[MalformedRequestInterceptor(), *server_interceptors(),
+                                           *interceptors])
     for binding in bindings:
         binding.add_to_server(binding.servicer, server)
     health = health_aio.HealthServicer()

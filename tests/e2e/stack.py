@@ -12,6 +12,7 @@ from pagedserve.services.common.config import (
     DeviceConfig,
     EngineConfig,
     GatewayConfig,
+    HttpConfig,
     MetricsConfig,
     ModelConfig,
     SchedulerServiceConfig,
@@ -39,6 +40,11 @@ class Stack:
     @property
     def gateway_address(self) -> str:
         return f"127.0.0.1:{self.gateway.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible HTTP API's base URL (its /v1 is the OpenAI clients' base_url)."""
+        return f"http://127.0.0.1:{self.gateway.http_port}"
 
     @property
     def scheduler_address(self) -> str:
@@ -76,7 +82,8 @@ def start_stack(config: EngineConfig, step_timeout_s: float = 30.0,
                 metrics_port: int = -1, stats_interval_s: float = 0.0, **gateway_kw) -> Stack:
     """`certificates` (roles gateway, scheduler, worker, client): mutual TLS between the three,
     and `load` calls the scheduler as "client". `metrics_port` 0: each service serves /metrics on
-    a free port (see `metrics_ports`). `gateway_kw`: more GatewayConfig fields."""
+    a free port (see `metrics_ports`). `gateway_kw`: more GatewayConfig fields (`http` defaults
+    to the HTTP API on a free port, no API key)."""
     loop = BackgroundLoop()
 
     def tls(role: str) -> TlsConfig:
@@ -93,7 +100,8 @@ def start_stack(config: EngineConfig, step_timeout_s: float = 30.0,
         scheduler = await start_scheduler(config, scheduler_config)
         gateway = await start_gateway(GatewayConfig(
             port=0, scheduler_address=f"127.0.0.1:{scheduler[0].port}", tls=tls("gateway"),
-            metrics=MetricsConfig(metrics_port), **gateway_kw))
+            metrics=MetricsConfig(metrics_port),
+            **{"http": HttpConfig(http_port=-1), **gateway_kw}))
         return Stack(loop, worker, scheduler, gateway, tls("client"))
 
     try:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pagedserve.services.common.config import GatewayConfig, RequestLimitsConfig
+from pagedserve.services.common.config import GatewayConfig, HttpConfig, RequestLimitsConfig
 from pagedserve.services.gateway.app import Gateway, start_gateway
 from pagedserve.services.gateway.validation import ModelInfo
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -55,7 +55,7 @@ async def harness(model_dir, max_concurrent_requests=8, max_model_len=MAX_MODEL_
     gateway = await start_gateway(GatewayConfig(
         port=0, scheduler_address=f"127.0.0.1:{scheduler_server.port}", rpc_timeout_s=2.0,
         max_concurrent_requests=max_concurrent_requests,
-        limits=limits or RequestLimitsConfig()))
+        limits=limits or RequestLimitsConfig(), http=HttpConfig(http_port=0)))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
     try:
         yield Harness(fake, gateway_pb2_grpc.GenerationStub(channel),

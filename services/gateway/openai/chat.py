@@ -1,0 +1,130 @@
+"""POST /v1/chat/completions: the messages through the model's chat template, n choices,
+streamed as `chat.completion.chunk`s (the role first, then content, then the finish reason) or
+returned whole."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+from pagedserve.services.common.outputs import Usage
+from pagedserve.services.gateway.openai import sse
+from pagedserve.services.gateway.openai.convert import (
+    chat_max_tokens,
+    chat_messages,
+    chat_top_logprobs,
+    sampling_params,
+)
+from pagedserve.services.gateway.openai.errors import error_for
+from pagedserve.services.gateway.openai.generation import Submission, unless_disconnected
+from pagedserve.services.gateway.openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+)
+from pagedserve.services.gateway.openai.serving import (
+    OpenAIServing,
+    logprob_value,
+    now_s,
+    top_logprob,
+    usage_info,
+)
+from pagedserve.services.gateway.validation import GenerateInput
+from pagedserve.services.text.text_stream import StreamDelta
+from starlette.requests import Request
+from starlette.responses import Response
+
+
+def _logprobs(delta: StreamDelta) -> ChatLogprobs:
+    content = []
+    for i, sampled in enumerate(delta.logprobs):
+        top = delta.top_logprobs[i] if i < len(delta.top_logprobs) else []
+        content.append(ChatTokenLogprob(
+            token=sampled.text, logprob=logprob_value(sampled.logprob),
+            bytes=list(sampled.text.encode()), top_logprobs=[top_logprob(c) for c in top]))
+    return ChatLogprobs(content=content)
+
+
+class _Chat:
+    def __init__(self, serving: OpenAIServing, body: ChatCompletionRequest) -> None:
+        serving.check_model(body.model)
+        self.serving = serving
+        self.body = body
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = now_s()
+        logprobs = chat_top_logprobs(body)
+        frontend = serving.frontend
+        token_ids = frontend.tokenize(GenerateInput(messages=chat_messages(body.messages)))
+        max_tokens = chat_max_tokens(body, len(token_ids), frontend.info.max_model_len)
+        sampling = sampling_params(body, max_tokens, logprobs)
+        self.input = GenerateInput(request_id=self.id, token_ids=tuple(token_ids),
+                                   sampling=sampling, priority=body.priority)
+        self.texts = [""] * sampling.n
+        self.logprobs = [ChatLogprobs() if logprobs is not None else None
+                         for _ in range(sampling.n)]
+        self.finish_reasons: list[str | None] = [None] * sampling.n
+        self.usages: list[Usage] = []
+
+    def on_delta(self, delta: StreamDelta) -> ChatChunkChoice:
+        logprobs = _logprobs(delta) if self.body.logprobs else None
+        self.texts[delta.index] += delta.text
+        whole = self.logprobs[delta.index]
+        if whole is not None and logprobs is not None:
+            whole.content.extend(logprobs.content)
+        self.finish_reasons[delta.index] = delta.finish_reason
+        if delta.usage is not None:
+            self.usages.append(delta.usage)
+        return ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text or None),
+                               logprobs=logprobs, finish_reason=delta.finish_reason)
+
+    def chunk(self, choices: list[ChatChunkChoice], with_usage: bool = False) -> str:
+        return sse.event(ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.serving.model_name,
+            system_fingerprint=self.serving.system_fingerprint, choices=choices,
+            usage=usage_info(self.usages) if with_usage else None).model_dump_json())
+
+    async def whole(self, submission: Submission) -> ChatCompletionResponse:
+        async for _, delta in submission.deltas():
+            self.on_delta(delta)
+        return ChatCompletionResponse(
+            id=self.id, created=self.created, model=self.serving.model_name,
+            system_fingerprint=self.serving.system_fingerprint,
+            choices=[ChatChoice(index=i, message=ChatMessageOut(content=text),
+                                logprobs=self.logprobs[i], finish_reason=self.finish_reasons[i])
+                     for i, text in enumerate(self.texts)],
+            usage=usage_info(self.usages))
+
+    async def events(self, submission: Submission) -> AsyncIterator[str]:
+        try:
+            yield self.chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
+                                                                       content=""))
+                              for i in range(len(self.texts))])
+            async for _, delta in submission.deltas():
+                choice = self.on_delta(delta)
+                if choice.delta.content or choice.logprobs or choice.finish_reason:
+                    yield self.chunk([choice])
+            options = self.body.stream_options
+            if options is not None and options.include_usage:
+                yield self.chunk([], with_usage=True)
+        except Exception as exc:
+            yield sse.event(error_for(exc).model_dump_json())
+        yield sse.DONE
+
+
+async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest,
+                                 request: Request) -> Response:
+    chat = _Chat(serving, body)
+    submission = Submission(serving.frontend, [chat.input])
+    if body.stream:
+        return sse.EventStreamResponse(chat.events(submission), submission.close)
+    try:
+        result = await unless_disconnected(request, chat.whole(submission))
+    finally:
+        submission.close()
+    return Response(result.model_dump_json(), media_type="application/json")

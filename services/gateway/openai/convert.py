@@ -1,0 +1,122 @@
+"""OpenAI request bodies → the gateway's GenerateInput and SamplingParams.
+
+Problems raise InvalidRequest naming the field and the value, as the gRPC door does; the sampling
+rules themselves are SamplingParams' (one place), so its messages reach HTTP clients unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.gateway.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessageIn,
+    CompletionRequest,
+    GenerationRequest,
+)
+from pagedserve.services.gateway.validation import ChatMessage, GenerateInput
+
+_PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+def _brief(value: Any, max_chars: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= max_chars else text[:max_chars] + "..."
+
+
+def _reject_unsupported(request: GenerationRequest) -> None:
+    if request.logit_bias:
+        raise InvalidRequest(f"logit_bias is not supported, got {_brief(request.logit_bias)}")
+    if isinstance(request, ChatCompletionRequest):
+        if request.tools:
+            raise InvalidRequest(f"tools are not supported, got {len(request.tools)} tools")
+        kind = (request.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise InvalidRequest(f"response_format type must be 'text', got {kind!r}")
+    if isinstance(request, CompletionRequest) and request.suffix:
+        raise InvalidRequest(f"suffix is not supported, got {_brief(request.suffix)}")
+
+
+def sampling_params(request: GenerationRequest, max_tokens: int | None,
+                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """Fields left unset (or null) keep SamplingParams' defaults."""
+    _reject_unsupported(request)
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop
+    values: dict[str, Any] = {
+        "n": request.n, "best_of": request.best_of, "use_beam_search": request.use_beam_search,
+        "length_penalty": request.length_penalty, "temperature": request.temperature,
+        "top_p": request.top_p, "top_k": request.top_k, "min_p": request.min_p,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty, "seed": request.seed, "stop": stop,
+        "stop_token_ids": request.stop_token_ids,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+        "ignore_eos": request.ignore_eos, "max_tokens": max_tokens,
+        "min_tokens": request.min_tokens, "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs, "skip_special_tokens": request.skip_special_tokens}
+    return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+
+
+def completion_prompts(prompt: str | list[Any]) -> list[GenerateInput]:
+    """One input per prompt: text, texts, token ids, or token-id lists (sampling set later)."""
+    if isinstance(prompt, str):
+        return [GenerateInput(text=prompt)]
+    if not prompt:
+        raise InvalidRequest("prompt must not be empty, got []")
+    if all(isinstance(p, str) for p in prompt):
+        return [GenerateInput(text=p) for p in prompt]
+    if all(_is_token_id(t) for t in prompt):
+        return [GenerateInput(token_ids=tuple(prompt))]
+    if all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
+        return [GenerateInput(token_ids=tuple(p)) for p in prompt]
+    raise InvalidRequest(f"prompt must be {_PROMPT_SHAPES}, got {_brief(prompt)}")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def chat_messages(messages: list[ChatMessageIn]) -> tuple[ChatMessage, ...]:
+    """String content as is; a list of parts must hold text parts only, joined by newlines."""
+    return tuple(ChatMessage(role=m.role, content=_message_text(m.content, i))
+                 for i, m in enumerate(messages))
+
+
+def _message_text(content: str | list[dict[str, Any]] | None, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind != "text":
+            raise InvalidRequest(f"messages[{index}].content[{j}].type must be 'text' (the only "
+                                 f"content part served), got {_brief(kind)}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidRequest(f"messages[{index}].content[{j}].text must be a string, got "
+                                 f"{_brief(text)}")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def chat_top_logprobs(request: ChatCompletionRequest) -> int | None:
+    """SamplingParams.logprobs for a chat request: top_logprobs needs logprobs=true."""
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidRequest(f"top_logprobs needs logprobs=true, got top_logprobs="
+                             f"{request.top_logprobs} with logprobs=false")
+    return (request.top_logprobs or 0) if request.logprobs else None
+
+
+def chat_max_tokens(request: ChatCompletionRequest, num_prompt_tokens: int,
+                    max_model_len: int) -> int:
+    """max_completion_tokens, else max_tokens, else what the context leaves (at least 1, so a
+    prompt that fills the context fails on the length check naming both)."""
+    if request.max_completion_tokens is not None:
+        return request.max_completion_tokens
+    if request.max_tokens is not None:
+        return request.max_tokens
+    return max(1, max_model_len - num_prompt_tokens)

@@ -1,0 +1,121 @@
+"""OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`, and the one mapping from
+the error taxonomy (and FastAPI's own failures) to HTTP status codes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pagedserve.services.common.errors import (
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    PagedServeError,
+    Unavailable,
+)
+from pagedserve.services.gateway.openai.protocol import ErrorInfo, ErrorResponse
+from starlette.exceptions import HTTPException
+
+logger = logging.getLogger(__name__)
+
+_TO_STATUS: tuple[tuple[type[BaseException], HTTPStatus, str], ...] = (
+    (InvalidRequest, HTTPStatus.BAD_REQUEST, "invalid_request_error"),
+    (NotFound, HTTPStatus.NOT_FOUND, "not_found_error"),
+    (Overloaded, HTTPStatus.TOO_MANY_REQUESTS, "rate_limit_error"),
+    (Unavailable, HTTPStatus.SERVICE_UNAVAILABLE, "service_unavailable_error"),
+)
+_TYPE_BY_STATUS = {
+    HTTPStatus.UNAUTHORIZED: "authentication_error",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "invalid_request_error",
+    HTTPStatus.METHOD_NOT_ALLOWED: "invalid_request_error",
+    **{status: kind for _, status, kind in _TO_STATUS},
+}
+# "temperature must be ...", "messages[0].content[1].type must ...": the field a message is about
+_FIELD_FIRST = re.compile(r"^([A-Za-z_][\w.\[\]]*) (?:must|is|are|needs)\b")
+
+
+class ModelNotFound(NotFound):
+    pass
+
+
+def error_body(status: HTTPStatus, message: str, param: str | None = None,
+               code: str | None = None) -> ErrorResponse:
+    kind = _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
+
+
+def error_response(status: HTTPStatus, message: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code).model_dump(), status_code=status)
+
+
+def status_of(exc: BaseException) -> tuple[HTTPStatus, str]:
+    for error_type, status, _ in _TO_STATUS:
+        if isinstance(exc, error_type):
+            return status, str(exc)
+    logger.error("unexpected error in an HTTP handler", exc_info=exc)
+    return HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def error_for(exc: BaseException) -> ErrorResponse:
+    status, message = status_of(exc)
+    match = _FIELD_FIRST.match(message) if status == HTTPStatus.BAD_REQUEST else None
+    code = "model_not_found" if isinstance(exc, ModelNotFound) else None
+    param = "model" if code else (match.group(1) if match else None)
+    return error_body(status, message, param, code)
+
+
+def response_for(exc: BaseException) -> JSONResponse:
+    return JSONResponse(error_for(exc).model_dump(), status_code=status_of(exc)[0])
+
+
+def _param_of(loc: tuple[int | str, ...]) -> str:
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'; pydantic's union branch tags
+    ('str', 'list[str]', ...) are not fields and end the path."""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none"):
+            break
+        else:
+            path += f".{part}" if path else part
+    return path or "body"
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str]:
+    first = exc.errors()[0]
+    param = _param_of(tuple(first.get("loc", ())))
+    if first.get("type") == "json_invalid":
+        return "body", f"the body must be valid JSON: {first.get('msg', '')}"
+    value = first.get("input")
+    shown = json.dumps(value, default=str)[:80] if first.get("type") != "missing" else "nothing"
+    return param, f"{param}: {first.get('msg', 'invalid value')}, got {shown}"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every failure answers in OpenAI's shape: bad bodies 400 (not FastAPI's 422)."""
+
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        param, message = _validation_message(exc)
+        return error_response(HTTPStatus.BAD_REQUEST, message, param)
+
+    async def on_http(request: Request, exc: HTTPException) -> JSONResponse:
+        status = HTTPStatus(exc.status_code)
+        message = exc.detail if isinstance(exc.detail, str) else status.phrase
+        if status == HTTPStatus.NOT_FOUND:
+            message = f"no route {request.method} {request.url.path}"
+        return error_response(status, message)
+
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        return response_for(exc)
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(HTTPException, on_http)
+    app.add_exception_handler(PagedServeError, on_error)
+    app.add_exception_handler(Exception, on_error)

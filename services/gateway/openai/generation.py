@@ -1,0 +1,93 @@
+"""One HTTP request's prompts through the Frontend: admitted and prepared up front (so refusals
+and bad input answer with their status before any byte is streamed), then their deltas
+interleaved as they come. Leaving early closes every prompt's stream, which aborts it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from pagedserve.services.common.errors import Unavailable
+from pagedserve.services.gateway.frontend import Frontend
+from pagedserve.services.gateway.validation import GenerateInput, PreparedRequest
+from pagedserve.services.text.text_stream import StreamDelta
+from starlette.requests import Request
+
+T = TypeVar("T")
+
+
+class Submission:
+    """Admitted, prepared prompts; `close` gives their admission back (idempotent)."""
+
+    def __init__(self, frontend: Frontend, inputs: list[GenerateInput]) -> None:
+        self._frontend = frontend
+        self._admitted = contextlib.ExitStack()
+        try:
+            self.prepared: list[PreparedRequest] = []
+            for request in inputs:
+                self._admitted.enter_context(frontend.admission.admit())
+                self.prepared.append(frontend.prepare(request))
+        except BaseException:
+            self._admitted.close()
+            raise
+
+    def close(self) -> None:
+        self._admitted.close()
+
+    async def deltas(self) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """(prompt index, delta) until every prompt has finished."""
+        if len(self.prepared) == 1:
+            async with contextlib.aclosing(self._frontend.generate(self.prepared[0])) as deltas:
+                async for delta in deltas:
+                    yield 0, delta
+            return
+        queue: asyncio.Queue[tuple[int, StreamDelta | None, BaseException | None]] = \
+            asyncio.Queue()
+
+        async def pump(index: int, request: PreparedRequest) -> None:
+            try:
+                async with contextlib.aclosing(self._frontend.generate(request)) as deltas:
+                    async for delta in deltas:
+                        queue.put_nowait((index, delta, None))
+            except Exception as exc:
+                queue.put_nowait((index, None, exc))
+                return
+            queue.put_nowait((index, None, None))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(self.prepared)]
+        try:
+            num_running = len(tasks)
+            while num_running:
+                index, delta, error = await queue.get()
+                if error is not None:
+                    raise error
+                if delta is None:
+                    num_running -= 1
+                else:
+                    yield index, delta
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; cancelled (so its requests abort) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    disconnect = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait((task, disconnect), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise Unavailable("the client disconnected")
+        return task.result()
+    finally:
+        for pending in (task, disconnect):
+            pending.cancel()
+        await asyncio.gather(task, disconnect, return_exceptions=True)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,84 @@
+"""The FastAPI app of the OpenAI-compatible door. `build_app` makes it; other features add their
+routes to the app it returns (they stay behind the API key unless listed in OPEN_PATHS)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.gateway.openai.chat import create_chat_completion
+from pagedserve.services.gateway.openai.completions import create_completion
+from pagedserve.services.gateway.openai.convert import chat_messages
+from pagedserve.services.gateway.openai.errors import install_error_handlers
+from pagedserve.services.gateway.openai.middleware import ApiKeyGuard, BodyLimit
+from pagedserve.services.gateway.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagedserve.services.gateway.openai.serving import OpenAIServing
+from pagedserve.services.gateway.validation import GenerateInput
+from starlette.responses import Response
+
+OPEN_PATHS = ("/health", "/metrics")
+
+
+def build_app(serving: OpenAIServing, api_key: str = "",
+              max_request_body_bytes: int = 16 << 20) -> FastAPI:
+    app = FastAPI(title="pagedserve OpenAI-compatible API", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    install_error_handlers(app)
+    frontend = serving.frontend
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the scheduler serves and this gateway takes requests, else 503."""
+        is_ready = (not frontend.admission.is_draining
+                    and await frontend.scheduler.is_serving())
+        return Response(status_code=200 if is_ready else 503)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=serving.model_name, root=frontend.info.model,
+                                         max_model_len=frontend.info.max_model_len)])
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(serving, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(serving, body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequest("tokenize needs exactly one of prompt or messages")
+        if body.messages is not None:
+            token_ids = frontend.tokenize(GenerateInput(messages=chat_messages(body.messages)))
+        elif body.add_special_tokens:
+            token_ids = frontend.tokenize(GenerateInput(text=body.prompt))
+        else:
+            token_ids = frontend.tokenizer.encode(body.prompt or "", add_special_tokens=False)
+        return TokenizeResponse(count=len(token_ids), max_model_len=frontend.info.max_model_len,
+                                tokens=token_ids)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(body.model)
+        vocab_size = frontend.info.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size][:8]
+        if bad:
+            raise InvalidRequest(f"tokens must be in [0, vocab_size={vocab_size}), got {bad}")
+        return DetokenizeResponse(prompt=frontend.tokenizer.decode(body.tokens))
+
+    app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyGuard, api_key=api_key, open_paths=OPEN_PATHS)
+    return app
+

@@ -1,0 +1,47 @@
+"""uvicorn serving an ASGI app on the caller's event loop, beside the gateway's gRPC server:
+no threads, no signal handlers of its own (the gateway's SIGTERM handling drains both doors)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import uvicorn
+from starlette.types import ASGIApp
+
+logger = logging.getLogger(__name__)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port; port 0 = any free port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)
+
+
+class HttpServer:
+    def __init__(self, app: ASGIApp, sock: socket.socket) -> None:
+        self._socket = sock
+        self.port: int = sock.getsockname()[1]
+        config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
+                                timeout_keep_alive=30)
+        config.load()
+        self._server = uvicorn.Server(config)
+        self._server.lifespan = config.lifespan_class(config)
+        self._main_loop: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self._server.startup(sockets=[self._socket])
+        self._main_loop = asyncio.create_task(self._server.main_loop())
+        logger.info("OpenAI-compatible HTTP API on port %d", self.port)
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting; responses still streaming after `grace_s` are cancelled."""
+        if self._main_loop is None:
+            return
+        self._server.should_exit = True
+        await self._main_loop
+        self._main_loop = None
+        self._server.config.timeout_graceful_shutdown = max(grace_s, 0.01)
+        await self._server.shutdown(sockets=[self._socket])
+        logger.info("HTTP server on port %d stopped", self.port)

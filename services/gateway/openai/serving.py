@@ -1,0 +1,65 @@
+"""What every OpenAI endpoint shares: the Frontend, the served model's name, the usage and
+logprob pieces of the responses."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagedserve.services.common.outputs import Usage
+from pagedserve.services.gateway.frontend import Frontend
+from pagedserve.services.gateway.openai.errors import ModelNotFound
+from pagedserve.services.gateway.openai.protocol import (
+    PromptTokensDetails,
+    TopLogprob,
+    UsageInfo,
+)
+from pagedserve.services.text.text_stream import DecodedLogprob
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI's clients expect a number
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIServing:
+    frontend: Frontend
+    model_name: str
+    system_fingerprint: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        info = self.frontend.info
+        digest = hashlib.sha256(f"{info.model}|{info.architecture}|{info.max_model_len}|"
+                                f"{info.vocab_size}".encode()).hexdigest()
+        object.__setattr__(self, "system_fingerprint", f"fp_{digest[:10]}")
+
+    def check_model(self, model: str | None) -> None:
+        """A request's `model` must be the served name (or absent)."""
+        if model is not None and model != self.model_name:
+            raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
+                                f"{self.model_name!r}")
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def usage_info(usages: Iterable[Usage]) -> UsageInfo:
+    """The usage of all a request's prompts together."""
+    prompt = completion = cached = 0
+    for usage in usages:
+        prompt += usage.prompt_tokens
+        completion += usage.completion_tokens
+        cached += usage.cached_tokens
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def logprob_value(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def top_logprob(logprob: DecodedLogprob) -> TopLogprob:
+    return TopLogprob(token=logprob.text, logprob=logprob_value(logprob.logprob),
+                      bytes=list(logprob.text.encode()))

@@ -1,0 +1,45 @@
+"""Server-sent events: `data: <json>` lines ending with `data: [DONE]`, and the response that
+streams them. A client that goes away cancels the stream at once (not at the next write), so its
+request is aborted down to the worker; closing the response releases what it held (admission)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+DONE = "data: [DONE]\n\n"
+
+
+def event(json_text: str) -> str:
+    return f"data: {json_text}\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        disconnect = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait((stream, disconnect), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, disconnect):
+                task.cancel()
+            results = await asyncio.gather(stream, disconnect, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self._events.aclose()  # type: ignore[attr-defined]
+            self._on_close()
+        error = results[0]
+        if isinstance(error, Exception) and not isinstance(error, OSError):
+            logger.error("event stream failed", exc_info=error)

@@ -1,0 +1,45 @@
+"""The API key on the gRPC front door: a server interceptor that answers UNAUTHENTICATED, before
+the handler runs, to a call of a guarded service without metadata `authorization: Bearer KEY`.
+Health and reflection are not guarded."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any
+
+import grpc
+from pagedserve.services.common.api_key import is_authorized
+
+_MESSAGE = "a valid API key is required: metadata 'authorization: Bearer <key>'"
+
+
+async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, api_key: str, guarded_services: Collection[str]) -> None:
+        self._api_key = api_key
+        self._prefixes = tuple(f"/{name}/" for name in guarded_services)
+
+    async def intercept_service(self, continuation: Callable[[Any], Any],
+                                handler_call_details: grpc.HandlerCallDetails
+                                ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(self._prefixes):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        authorization = metadata.get("authorization")
+        if isinstance(authorization, bytes):
+            authorization = authorization.decode(errors="replace")
+        if is_authorized(self._api_key, authorization):
+            return handler
+        kw = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(_refuse, **kw)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(_refuse, **kw)
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(_refuse, **kw)
+        return grpc.unary_unary_rpc_method_handler(_refuse, **kw)
