@@ -116,6 +116,9 @@ def chat_max_tokens(request: ChatCompletionRequest, num_prompt_tokens: int,
     """max_completion_tokens, else max_tokens, else what the context leaves (at least 1, so a
     prompt that fills the context fails on the length check naming both)."""
     if request.max_completion_tokens is not None:
+        if request.max_completion_tokens < 1:
+            raise InvalidRequest(f"max_completion_tokens must be at least 1, got "
+                                 f"{request.max_completion_tokens}")
         return request.max_completion_tokens
     if request.max_tokens is not None:
         return request.max_tokens

@@ -58,7 +58,7 @@ def build_app(serving: OpenAIServing, api_key: str = "",
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
-            raise InvalidRequest("tokenize needs exactly one of prompt or messages")
+            raise InvalidRequest("prompt or messages must be set, not both nor neither")
         if body.messages is not None:
             token_ids = frontend.tokenize(GenerateInput(messages=chat_messages(body.messages)))
         elif body.add_special_tokens:
