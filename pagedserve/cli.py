@@ -25,6 +25,7 @@ from pagedserve.log_format import configure_logging
 from pagedserve.services.common.config import (
     EngineConfig,
     GatewayConfig,
+    HttpConfig,
     RequestLimitsConfig,
     SchedulerServiceConfig,
     ShutdownConfig,
@@ -57,7 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
                                    from_args(ShutdownConfig, args).drain_timeout_s,
                                    from_args(TracingConfig, args), args.internal_tls,
                                    args.metrics_port, args.log_format,
-                                   from_args(RequestLimitsConfig, args)))
+                                   from_args(RequestLimitsConfig, args), from_args(HttpConfig, args)))
 
 
 def _setup_tracing(tracing: TracingConfig, service: str) -> None:
@@ -240,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve, TracingConfig)
     add_arguments(serve, ShutdownConfig)
     add_arguments(serve, RequestLimitsConfig)
+    add_arguments(serve, HttpConfig)
     gateway = GatewayConfig()
     serve.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     serve.add_argument("--port", type=int, default=gateway.port,

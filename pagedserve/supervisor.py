@@ -26,7 +26,7 @@ from typing import Any
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.certificates import ThrowAwayCertificates
-from pagedserve.services.common.config import TlsConfig
+from pagedserve.services.common.config import API_KEY_ENV, TlsConfig
 from pagedserve.services.rpc.tls import internal_aio_channel, is_loopback
 
 logger = logging.getLogger(__name__)
@@ -222,25 +222,32 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
 
 
-def example_commands(address: str) -> list[str]:
+def example_commands(address: str, http_url: str | None = None) -> list[str]:
     prompt = "The capital of France is"
     request = json.dumps({"text": prompt, "sampling": {"max_tokens": 32, "temperature": 0}})
-    return [
+    commands = [
         f'pagedserve generate --address {address} "{prompt}" --max-tokens 32 --temperature 0',
         f'pagedserve chat --address {address} "What is the capital of France?" --temperature 0',
         f"grpcurl -plaintext -d '{request}' {address} pagedserve.v1.Generation/GenerateStream",
     ]
+    if http_url is not None:
+        chat = json.dumps({"messages": [{"role": "user", "content": "What is the capital of "
+                                         "France?"}], "temperature": 0})
+        commands.append(f"curl {http_url}/v1/chat/completions -H 'Content-Type: "
+                        f"application/json' -d '{chat}'")
+    return commands
 
 
 async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, worker_port: int,
                       startup_timeout_s: float, drain_timeout_s: float,
                       tracing: Any = None, internal_tls: bool = True, metrics_port: int = -1,
-                      log_format: str = "text", limits: Any = None) -> int:
+                      log_format: str = "text", limits: Any = None, http: Any = None) -> int:
     """Run the stack until Ctrl-C or SIGTERM (0), or until the scheduler dies or another child
     keeps dying (1). With `internal_tls` the three talk mutual TLS with certificates of a
     throw-away CA, removed when the stack stops. `metrics_port` P serves /metrics on P (gateway),
     P+1 (scheduler) and P+2+rank (workers); 0 on free ports each; -1 not at all. `limits`: the
-    gateway's RequestLimitsConfig."""
+    gateway's RequestLimitsConfig. `http` is the gateway's HttpConfig; an API key in it reaches
+    the gateway through its environment, never its command line."""
     connect = _connect_host(host)
     num_ranks = config.parallel.tensor_parallel_size
     worker_ports = [worker_port or free_port(host)] + [free_port(host)
@@ -248,6 +255,14 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     worker_addresses = [f"{connect}:{p}" for p in worker_ports]
     scheduler_port = scheduler_port or free_port(host)
     port = port or free_port(host)
+    http_argv: list[str] = []
+    http_url = None
+    if http is not None:
+        http_port = free_port(host) if http.http_port == -1 else http.http_port
+        if http.api_key:  # children inherit our environment (service_env)
+            os.environ[API_KEY_ENV] = http.api_key
+        http_argv = config_to_argv(dataclasses.replace(http, http_port=http_port, api_key=""))
+        http_url = f"http://{connect}:{http_port}" if http_port else None
     if num_ranks > 1:
         config = with_loopback_rendezvous(config)
     engine_argv = config_to_argv(config)
@@ -283,12 +298,15 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
             *drain, *tls_argv("gateway"), *metrics_argv(0), "--host", host, "--port", str(port),
             "--scheduler-address", f"{connect}:{scheduler_port}",
             "--tokenizer", config.model.tokenizer_path,
-            *(config_to_argv(limits) if limits is not None else [])], restartable=True)
+            *(config_to_argv(limits) if limits is not None else []), *http_argv],
+            restartable=True)
         if not await supervisor.wait_serving(startup_timeout_s):
             return 0
         address = f"{connect}:{port}"
         print(f"\npagedserve is serving {config.model.model} on {address}\n", flush=True)
-        print("Try:\n  " + "\n  ".join(example_commands(address)), flush=True)
+        if http_url is not None:
+            print(f"OpenAI-compatible HTTP API on {http_url}/v1\n", flush=True)
+        print("Try:\n  " + "\n  ".join(example_commands(address, http_url)), flush=True)
         print("\nCtrl-C stops it.\n", flush=True)
         return await supervisor.run_until_stopped()
     except (RuntimeError, TimeoutError) as e:

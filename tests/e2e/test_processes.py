@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.services.common.sampling_params import SamplingParams
@@ -91,7 +92,7 @@ def test_serve_runs_the_stack_and_ctrl_c_stops_it(tiny_served_model_dir):
     serve = pagedserve("serve", "--model", str(tiny_served_model_dir), "--port", "0",
                        "--scheduler-port", str(scheduler_port), "--worker-port", str(worker_port),
                        "--metrics-port", "0", "--max-num-seqs-per-request", "3",
-                       *SMALL_CACHE, stdout=subprocess.PIPE,
+                       "--http-port", "-1", *SMALL_CACHE, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE)
     try:
         out, err = read_lines(serve.stdout), read_lines(serve.stderr)
@@ -112,6 +113,9 @@ def test_serve_runs_the_stack_and_ctrl_c_stops_it(tiny_served_model_dir):
                 with pytest.raises(grpc.RpcError) as refused:
                     call(channel)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+        http_url = wait_for_line(out, "OpenAI-compatible HTTP API on", 5).split(" on ")[-1].strip()
+        models = httpx.get(f"{http_url}/models", timeout=30).json()
+        assert models["data"][0]["id"] == tiny_served_model_dir.name
         example = wait_for_line(out, "pagedserve generate", 5).strip()
         assert f"--address {address}" in example
         assert "grpcurl -plaintext" in wait_for_line(out, "grpcurl", 5)
@@ -150,7 +154,8 @@ def test_serve_starts_a_killed_worker_again_and_the_streams_complete_unchanged(
         tiny_served_model_dir):
     scheduler_port = free_port()
     serve = pagedserve("serve", "--model", str(tiny_served_model_dir), "--port", "0",
-                       "--scheduler-port", str(scheduler_port), "--no-internal-tls", *SMALL_CACHE,
+                       "--http-port", "0", "--scheduler-port", str(scheduler_port),
+                       "--no-internal-tls", *SMALL_CACHE,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out, err = read_lines(serve.stdout), read_lines(serve.stderr)
@@ -196,7 +201,7 @@ def test_a_killed_scheduler_fails_open_calls_with_unavailable_within_5s(tiny_ser
         pagedserve("worker", *model, "--port", str(worker_port)),
         pagedserve("scheduler", *model, "--port", str(scheduler_port),
                    "--worker-addresses", f"127.0.0.1:{worker_port}"),
-        pagedserve("gateway", "--port", str(gateway_port),
+        pagedserve("gateway", "--port", str(gateway_port), "--http-port", "0",
                    "--scheduler-address", f"127.0.0.1:{scheduler_port}"),
     ]
     worker, scheduler, gateway = processes
@@ -285,7 +290,7 @@ def test_serve_with_two_tensor_parallel_ranks_generates_what_one_worker_does(
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     expected_long = [o.outputs[0].token_ids for o in llm.generate(prompts, long, use_tqdm=False)]
     serve = pagedserve("serve", "--model", str(tiny_served_model_dir), "--port", "0",
-                       "--tensor-parallel-size", "2", *SMALL_CACHE,
+                       "--http-port", "0", "--tensor-parallel-size", "2", *SMALL_CACHE,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out, err = read_lines(serve.stdout), read_lines(serve.stderr)
