@@ -18,8 +18,10 @@ import pytest
 import yaml
 from pagedserve.scheduler_svc.metrics import SchedulerMetrics
 from pagedserve.services.common.config import (
+    API_KEY_ENV,
     EngineConfig,
     GatewayConfig,
+    HttpConfig,
     SchedulerServiceConfig,
     WorkerServiceConfig,
     from_args,
@@ -89,6 +91,7 @@ def _service_argv(values: dict[str, Any], service: str) -> list[str]:
             *_flags(values["tracing"])]
     if service == "gateway":
         return [*argv, "--scheduler-address", f"scheduler:{values['scheduler']['port']}",
+                "--http-port", str(values["gateway"]["httpPort"]),
                 *_flags(values["gateway"]["args"])]
     argv += ["--model", values["model"]["path"], *_flags(values["engine"])]
     if service == "worker":
@@ -180,6 +183,21 @@ def test_model_path_lies_on_the_model_volume():
 
 
 # --- templates ----------------------------------------------------------------------------------
+
+
+def test_gateway_service_exposes_the_http_api_and_the_key_comes_from_a_secret():
+    values = _values()["gateway"]
+    assert values["httpPort"] == HttpConfig().http_port
+    config = from_args(GatewayConfig, _parse("gateway", _service_argv(_values(), "gateway")))
+    assert config.http.http_port == values["httpPort"]
+    deployment = _template("gateway-deployment.yaml")
+    assert "- --http-port\n            - {{ .Values.gateway.httpPort | quote }}" in deployment
+    assert "containerPort: {{ .Values.gateway.httpPort }}" in deployment
+    assert f"- name: {API_KEY_ENV}\n" in deployment and "secretKeyRef" in deployment
+    assert "--api-key" not in deployment  # a key never on a command line
+    service = _template("gateway-service.yaml")
+    assert re.search(r"- name: http\n\s+port: \{\{ \.Values\.gateway\.httpPort \}\}\n"
+                     r"\s+targetPort: http\n", service)
 
 
 def test_workers_are_a_statefulset_of_one_gpu_ranks_behind_a_headless_service():
@@ -387,8 +405,16 @@ def test_rendered_workloads_run_real_commands_and_probe_their_ports(sets):
         else:
             assert container["command"] == ["pagedserve", service]
         config = from_args(SERVICE_CONFIGS[service], _parse(service, argv))
-        (port,) = container["ports"]
-        assert port["containerPort"] == config.port
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports.pop("grpc") == config.port
+        if service == "gateway":
+            assert ports.pop("http") == config.http.http_port
+            service_ports = manifests[("Service", "demo-pagedserve-gateway")]["spec"]["ports"]
+            assert {p["name"]: p["targetPort"] for p in service_ports
+                    if p["name"] != "metrics"} == {"grpc": "grpc", "http": "http"}
+        ports.pop("health", None)  # the plaintext probe port, with TLS
+        ports.pop("metrics", None)
+        assert not ports
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"] == {"port": config.port}
         if service == "worker":
