@@ -154,7 +154,7 @@ def start_stack(config: EngineConfig, log_file, startup_timeout_s: float) -> Sta
         cwd=ROOT, stdout=log_file, stderr=log_file, env=env)
     gateway = subprocess.Popen(
         [*cli, "gateway", "--port", str(gateway_port), "--scheduler-address",
-         f"127.0.0.1:{scheduler_port}", "--max-concurrent-requests", "4096",
+         f"127.0.0.1:{scheduler_port}", "--max-concurrent-requests", "4096", "--http-port", "0",
          "--log-level", "WARNING"], cwd=ROOT, stdout=log_file, stderr=log_file, env=env)
     stack = Stack(worker, parent, scheduler, gateway, f"127.0.0.1:{gateway_port}")
     try:

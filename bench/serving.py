@@ -8,8 +8,13 @@ drives LLMEngine the same way, keeping N requests in flight. For each N: time to
 inter-token latency percentiles (ms), output tokens/s, and stack ÷ in-process throughput
 (target >= 0.9). The record goes to bench/results/serving-<tag>.json.
 
+`--api openai` also runs the same closed-loop workload through the gateway's OpenAI-compatible
+HTTP API (/v1/completions, token-id prompts, SSE) and reports it against the gRPC door of the
+same stack in the same run (target: >= 0.9x throughput, TTFT p50 within 10%).
+
     python -m bench.serving                          # N = 1, 8, 32
     python -m bench.serving --concurrency 1 4 --requests-per-client 1 --tag smoke
+    python -m bench.serving --api openai --concurrency 8 --tag openai
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import asyncio
 import functools
 import itertools
+import json
 import logging
 import os
 import subprocess
@@ -29,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.services.rpc.convert_common import sampling_params_to_proto
 from pagedserve.services.rpc.v1 import gateway_pb2, gateway_pb2_grpc
@@ -48,6 +55,7 @@ log = logging.getLogger("bench.serving")
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 0.9
+MAX_TTFT_INCREASE = 0.1  # the HTTP door's TTFT p50 within 10% of gRPC's
 
 
 @dataclass(slots=True)
@@ -107,9 +115,11 @@ def run_in_process(engine: LLMEngine, wl: Workload, concurrency: int) -> RunResu
 # --- the stack ----------------------------------------------------------------------------------
 
 
-def start_stack(args: argparse.Namespace, port: int, log_file) -> subprocess.Popen:
+def start_stack(args: argparse.Namespace, port: int, http_port: int, log_file
+                ) -> subprocess.Popen:
     argv = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", args.model,
-            "--port", str(port), "--device", "cpu", "--dtype", "float32",
+            "--port", str(port), "--http-port", str(http_port), "--device", "cpu",
+            "--dtype", "float32",
             "--max-num-seqs", str(max(args.concurrency)),
             "--kv-cache-memory-gib", str(args.kv_cache_memory_gib), "--swap-space-gib", "0.25",
             "--log-level", "WARNING"]
@@ -166,10 +176,59 @@ def run_stack(address: str, wl: Workload, concurrency: int) -> RunResult:
     return asyncio.run(_run_stack(address, wl, concurrency))
 
 
+async def _http_client(http: httpx.AsyncClient, wl: Workload, queue: deque[int],
+                       traces: list[RequestTrace]) -> None:
+    """Token counts come from the last chunk's usage; chunk times from the chunks with text (or
+    the finish reason)."""
+    while queue:
+        i = queue.popleft()
+        body = {"prompt": wl.prompts[i], "max_tokens": wl.output_lens[i], "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        trace = RequestTrace(time.perf_counter())
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                choices = chunk["choices"]
+                if choices and (choices[0]["text"] or choices[0]["finish_reason"]):
+                    trace.chunk_times_s.append(time.perf_counter())
+                if chunk.get("usage"):
+                    trace.num_tokens = chunk["usage"]["completion_tokens"]
+        if trace.num_tokens != wl.output_lens[i]:
+            raise RuntimeError(f"request {i} streamed {trace.num_tokens} tokens over HTTP, "
+                               f"asked for {wl.output_lens[i]}")
+        traces.append(trace)
+
+
+async def _run_http(url: str, wl: Workload, concurrency: int) -> RunResult:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        queue = deque(range(len(wl.prompts)))
+        traces: list[RequestTrace] = []
+        start = time.perf_counter()
+        await asyncio.gather(*(_http_client(http, wl, queue, traces)
+                               for _ in range(concurrency)))
+        return RunResult(time.perf_counter() - start, traces)
+
+
+def run_http(url: str, wl: Workload, concurrency: int) -> RunResult:
+    return asyncio.run(_run_http(url, wl, concurrency))
+
+
+def openai_vs_grpc(openai: dict, grpc_door: dict) -> dict:
+    throughput = openai["output_tok_s"] / grpc_door["output_tok_s"]
+    ttft = openai["ttft_ms"]["p50"] / grpc_door["ttft_ms"]["p50"]
+    return {"throughput_ratio": throughput, "ttft_p50_ratio": ttft,
+            "met": throughput >= TARGET_RATIO and ttft <= 1 + MAX_TTFT_INCREASE}
+
+
 # --- main ---------------------------------------------------------------------------------------
 
 
-def run_all(args: argparse.Namespace, address: str, stack: subprocess.Popen) -> list[dict]:
+def run_all(args: argparse.Namespace, address: str, stack: subprocess.Popen,
+            http_url: str | None = None) -> list[dict]:
     engine = LLMEngine.from_kwargs(
         model=args.model, device="cpu", dtype="float32", max_num_seqs=max(args.concurrency),
         kv_cache_memory_gib=args.kv_cache_memory_gib, swap_space_gib=0.25)
@@ -178,6 +237,8 @@ def run_all(args: argparse.Namespace, address: str, stack: subprocess.Popen) -> 
     warm = make_workload("warmup", 2, (16, 32), (8, 8), vocab, seed=args.seed + 1)
     run_in_process(engine, warm, 2)
     run_stack(address, warm, 2)
+    if http_url is not None:
+        run_http(http_url, warm, 2)
     results = []
     for concurrency in args.concurrency:
         num_requests = max(args.min_requests, args.requests_per_client * concurrency)
@@ -188,6 +249,8 @@ def run_all(args: argparse.Namespace, address: str, stack: subprocess.Popen) -> 
         # back to back, in alternating order, so that neither side always runs second
         runs = {"in_process": functools.partial(run_in_process, engine, wl, concurrency),
                 "stack": functools.partial(run_stack, address, wl, concurrency)}
+        if http_url is not None:
+            runs["openai"] = functools.partial(run_http, http_url, wl, concurrency)
         order = list(runs) if len(results) % 2 == 0 else list(reversed(runs))
         summaries = {name: runs[name]().summary() for name in order}
         in_process, served = summaries["in_process"], summaries["stack"]
@@ -197,6 +260,9 @@ def run_all(args: argparse.Namespace, address: str, stack: subprocess.Popen) -> 
         results.append({**wl.describe(), "concurrency": concurrency, "stack": served,
                         "in_process": in_process, "ratio_vs_in_process": ratio,
                         "target": {"target": TARGET_RATIO, "met": ratio >= TARGET_RATIO}})
+        if http_url is not None:
+            results[-1]["openai"] = summaries["openai"]
+            results[-1]["openai_vs_grpc"] = openai_vs_grpc(summaries["openai"], served)
     return results
 
 
@@ -215,6 +281,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default="cpu")
+    parser.add_argument("--api", choices=["grpc", "openai"], default="grpc",
+                        help="openai: also the OpenAI-compatible HTTP door, against gRPC")
     return parser.parse_args(argv)
 
 
@@ -223,10 +291,12 @@ def main(argv: list[str] | None = None) -> dict:
     quiet_logging()
     port = free_port()
     address = f"127.0.0.1:{port}"
+    http_port = free_port() if args.api == "openai" else 0
+    http_url = f"http://127.0.0.1:{http_port}" if http_port else None
     with tempfile.TemporaryFile("w+") as stack_log:
-        stack = start_stack(args, port, stack_log)
+        stack = start_stack(args, port, http_port, stack_log)
         try:
-            results = run_all(args, address, stack)
+            results = run_all(args, address, stack, http_url)
         except Exception:
             stack_log.seek(0)
             log.error("stack log:\n%s", stack_log.read()[-4000:])
@@ -242,7 +312,12 @@ def main(argv: list[str] | None = None) -> dict:
         f"N={r['concurrency']} {r['stack']['output_tok_s']:.1f} tok/s "
         f"TTFT p50 {r['stack']['ttft_ms']['p50']:.0f} ms, ITL p50 {r['stack']['itl_ms']['p50']:.0f}"
         f"/p99 {r['stack']['itl_ms']['p99']:.0f} ms, {r['ratio_vs_in_process']:.2f}x in-process"
-        f"{'' if r['target']['met'] else ' (target 0.9x MISSED)'}" for r in results)
+        f"{'' if r['target']['met'] else ' (target 0.9x MISSED)'}"
+        + (f"; openai {r['openai']['output_tok_s']:.1f} tok/s "
+           f"{r['openai_vs_grpc']['throughput_ratio']:.2f}x gRPC, TTFT p50 "
+           f"{r['openai_vs_grpc']['ttft_p50_ratio']:.2f}x"
+           f"{'' if r['openai_vs_grpc']['met'] else ' (target MISSED)'}" if "openai" in r else "")
+        for r in results)
     return finish("serving", args, line, results, model=args.model, dtype="float32")
 
 

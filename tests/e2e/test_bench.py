@@ -54,12 +54,13 @@ def test_serving(tiny_served_model_dir, results_dir):
     serving.main(["--model", str(tiny_served_model_dir), "--concurrency", "1", "2",
                   "--requests-per-client", "1", "--min-requests", "2", "--min-prompt-len", "4",
                   "--max-prompt-len", "12", "--min-output-len", "2", "--max-output-len", "6",
-                  "--kv-cache-memory-gib", "0.01", "--tag", "smoke"])
+                  "--kv-cache-memory-gib", "0.01", "--api", "openai", "--tag", "smoke"])
     results = _record(results_dir, "serving")["results"]
     assert [r["concurrency"] for r in results] == [1, 2]
     for r in results:
         assert r["stack"]["num_output_tokens"] == r["in_process"]["num_output_tokens"] > 0
-        assert r["ratio_vs_in_process"] > 0
+        assert r["openai"]["num_output_tokens"] == r["stack"]["num_output_tokens"]
+        assert r["ratio_vs_in_process"] > 0 and r["openai_vs_grpc"]["throughput_ratio"] > 0
 
 
 def test_control_plane(tiny_served_model_dir, results_dir):
