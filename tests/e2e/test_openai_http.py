@@ -9,6 +9,7 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pagedserve.scheduler_svc.servicer import stop_scheduler
 from pagedserve.services.common.config import HttpConfig
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -242,3 +243,18 @@ def test_past_the_limit_is_429_then_draining_is_503(guarded):
         draining = http.post(COMPLETIONS, json={"prompt": "x"})
         assert draining.status_code == 503, draining.text
         assert "shutting down" in draining.json()["error"]["message"]
+
+
+def test_scheduler_gone_is_503(tiny_served_model_dir):
+    stack = start_stack(tiny_config(tiny_served_model_dir))
+    try:
+        stack.loop.run(stop_scheduler(*stack.scheduler))
+        with httpx.Client(base_url=stack.http_url, timeout=60) as http:
+            assert http.get("/health").status_code == 503
+            for body in ({"prompt": "x"}, {"prompt": "x", "stream": True}):
+                response = http.post(COMPLETIONS, json=body)
+                assert response.status_code == 503, response.text
+                assert "scheduler" in response.json()["error"]["message"]
+            assert http.post(CHAT, json={"messages": USER, "stream": True}).status_code == 503
+    finally:
+        stack.close()

@@ -4,6 +4,7 @@ returned whole."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
@@ -16,7 +17,11 @@ from pagedserve.services.gateway.openai.convert import (
     sampling_params,
 )
 from pagedserve.services.gateway.openai.errors import error_for
-from pagedserve.services.gateway.openai.generation import Submission, unless_disconnected
+from pagedserve.services.gateway.openai.generation import (
+    StartedDeltas,
+    Submission,
+    unless_disconnected,
+)
 from pagedserve.services.gateway.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -90,8 +95,9 @@ class _Chat:
             usage=usage_info(self.usages) if with_usage else None).model_dump_json())
 
     async def whole(self, submission: Submission) -> ChatCompletionResponse:
-        async for _, delta in submission.deltas():
-            self.on_delta(delta)
+        async with contextlib.aclosing(submission.deltas()) as deltas:
+            async for _, delta in deltas:
+                self.on_delta(delta)
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.serving.model_name,
             system_fingerprint=self.serving.system_fingerprint,
@@ -100,15 +106,16 @@ class _Chat:
                      for i, text in enumerate(self.texts)],
             usage=usage_info(self.usages))
 
-    async def events(self, submission: Submission) -> AsyncIterator[str]:
+    async def events(self, deltas: StartedDeltas) -> AsyncIterator[str]:
         try:
             yield self.chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
                                                                        content=""))
                               for i in range(len(self.texts))])
-            async for _, delta in submission.deltas():
-                choice = self.on_delta(delta)
-                if choice.delta.content or choice.logprobs or choice.finish_reason:
-                    yield self.chunk([choice])
+            async with contextlib.aclosing(deltas):
+                async for _, delta in deltas:
+                    choice = self.on_delta(delta)
+                    if choice.delta.content or choice.logprobs or choice.finish_reason:
+                        yield self.chunk([choice])
             options = self.body.stream_options
             if options is not None and options.include_usage:
                 yield self.chunk([], with_usage=True)
@@ -122,7 +129,12 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     chat = _Chat(serving, body)
     submission = Submission(serving.frontend, [chat.input])
     if body.stream:
-        return sse.EventStreamResponse(chat.events(submission), submission.close)
+        try:
+            deltas = await StartedDeltas.start(submission, request)
+        except BaseException:
+            submission.close()
+            raise
+        return sse.EventStreamResponse(chat.events(deltas), submission.close)
     try:
         result = await unless_disconnected(request, chat.whole(submission))
     finally:

@@ -3,6 +3,7 @@ output index), streamed as `text_completion` chunks or returned whole."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator
@@ -11,7 +12,11 @@ from pagedserve.services.common.outputs import Usage
 from pagedserve.services.gateway.openai import sse
 from pagedserve.services.gateway.openai.convert import completion_prompts, sampling_params
 from pagedserve.services.gateway.openai.errors import error_for
-from pagedserve.services.gateway.openai.generation import Submission, unless_disconnected
+from pagedserve.services.gateway.openai.generation import (
+    StartedDeltas,
+    Submission,
+    unless_disconnected,
+)
 from pagedserve.services.gateway.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -105,18 +110,20 @@ class _Completion:
             usage=usage_info(self.usages) if with_usage else None)
 
     async def whole(self, submission: Submission) -> CompletionResponse:
-        async for prompt_index, delta in submission.deltas():
-            self.on_delta(prompt_index, delta)
+        async with contextlib.aclosing(submission.deltas()) as deltas:
+            async for prompt_index, delta in deltas:
+                self.on_delta(prompt_index, delta)
         return self.response([CompletionChoice(index=i, text=c.text, logprobs=c.logprobs,
                                                finish_reason=c.finish_reason)
                               for i, c in enumerate(self.choices)], with_usage=True)
 
-    async def events(self, submission: Submission) -> AsyncIterator[str]:
+    async def events(self, deltas: StartedDeltas) -> AsyncIterator[str]:
         try:
-            async for prompt_index, delta in submission.deltas():
-                choice = self.on_delta(prompt_index, delta)
-                if choice.text or choice.logprobs or choice.finish_reason:
-                    yield sse.event(self.response([choice], False).model_dump_json())
+            async with contextlib.aclosing(deltas):
+                async for prompt_index, delta in deltas:
+                    choice = self.on_delta(prompt_index, delta)
+                    if choice.text or choice.logprobs or choice.finish_reason:
+                        yield sse.event(self.response([choice], False).model_dump_json())
             options = self.body.stream_options
             if options is not None and options.include_usage:
                 yield sse.event(self.response([], True).model_dump_json())
@@ -130,7 +137,12 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest,
     completion = _Completion(serving, body)
     submission = Submission(serving.frontend, completion.inputs)
     if body.stream:
-        return sse.EventStreamResponse(completion.events(submission), submission.close)
+        try:
+            deltas = await StartedDeltas.start(submission, request)
+        except BaseException:
+            submission.close()
+            raise
+        return sse.EventStreamResponse(completion.events(deltas), submission.close)
     try:
         result = await unless_disconnected(request, completion.whole(submission))
     finally:

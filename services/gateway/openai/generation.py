@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from typing import TypeVar
 
 from pagedserve.services.common.errors import Unavailable
@@ -36,7 +36,7 @@ class Submission:
     def close(self) -> None:
         self._admitted.close()
 
-    async def deltas(self) -> AsyncIterator[tuple[int, StreamDelta]]:
+    async def deltas(self) -> AsyncGenerator[tuple[int, StreamDelta], None]:
         """(prompt index, delta) until every prompt has finished."""
         if len(self.prepared) == 1:
             async with contextlib.aclosing(self._frontend.generate(self.prepared[0])) as deltas:
@@ -71,6 +71,39 @@ class Submission:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class StartedDeltas:
+    """A submission's deltas once the first one came: a scheduler that is gone or refuses the
+    request raises while the HTTP status can still say so, not inside a 200 event stream.
+    Close it (`aclose`) to abort what still runs."""
+
+    def __init__(self, first: tuple[int, StreamDelta] | None,
+                 rest: AsyncGenerator[tuple[int, StreamDelta], None]) -> None:
+        self._first = first
+        self._rest = rest
+
+    @classmethod
+    async def start(cls, submission: Submission, request: Request) -> StartedDeltas:
+        deltas = submission.deltas()
+        try:
+            first = await unless_disconnected(request, anext(deltas, None))
+        except BaseException:
+            await deltas.aclose()
+            raise
+        return cls(first, deltas)
+
+    def __aiter__(self) -> StartedDeltas:
+        return self
+
+    async def __anext__(self) -> tuple[int, StreamDelta]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await anext(self._rest)
+
+    async def aclose(self) -> None:
+        await self._rest.aclose()
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
