@@ -289,6 +289,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     quiet_logging()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     port = free_port()
     address = f"127.0.0.1:{port}"
     http_port = free_port() if args.api == "openai" else 0

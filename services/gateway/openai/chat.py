@@ -32,11 +32,11 @@ from pagedserve.services.gateway.openai.protocol import (
     ChatLogprobs,
     ChatMessageOut,
     ChatTokenLogprob,
+    now_s,
 )
 from pagedserve.services.gateway.openai.serving import (
     OpenAIServing,
     logprob_value,
-    now_s,
     top_logprob,
     usage_info,
 )

@@ -22,11 +22,11 @@ from pagedserve.services.gateway.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    now_s,
 )
 from pagedserve.services.gateway.openai.serving import (
     OpenAIServing,
     logprob_value,
-    now_s,
     usage_info,
 )
 from pagedserve.services.gateway.validation import GenerateInput

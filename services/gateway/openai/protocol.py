@@ -104,7 +104,7 @@ class DetokenizeRequest(BaseModel):
 # --- responses --------------------------------------------------------------------------------
 
 
-def _now_s() -> int:
+def now_s() -> int:
     return int(time.time())
 
 
@@ -136,7 +136,7 @@ class CompletionChoice(BaseModel):
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now_s)
+    created: int = Field(default_factory=now_s)
     model: str
     system_fingerprint: str | None = None
     choices: list[CompletionChoice]
@@ -172,7 +172,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now_s)
+    created: int = Field(default_factory=now_s)
     model: str
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
@@ -210,7 +210,7 @@ class ChatCompletionChunk(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now_s)
+    created: int = Field(default_factory=now_s)
     owned_by: str = "pagedserve"
     root: str
     max_model_len: int

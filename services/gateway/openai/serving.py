@@ -4,7 +4,6 @@ logprob pieces of the responses."""
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -38,10 +37,6 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r}")
-
-
-def now_s() -> int:
-    return int(time.time())
 
 
 def usage_info(usages: Iterable[Usage]) -> UsageInfo:
