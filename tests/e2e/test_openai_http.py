@@ -107,6 +107,9 @@ def test_error_statuses(http):
     assert not_json.status_code == 400 and not_json.json()["error"]["param"] == "body"
     huge = http.post(COMPLETIONS, json={"prompt": "x" * (17 << 20)})
     assert huge.status_code == 413 and "bytes" in huge.json()["error"]["message"]
+    chunked = http.post(COMPLETIONS, content=iter([b"[" * (9 << 20)] * 2),
+                        headers={"content-type": "application/json"})  # no Content-Length
+    assert chunked.status_code == 413, chunked.text
 
 
 def test_health_models_tokenize_detokenize(http):
