@@ -113,7 +113,8 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     if config.http.http_port != 0:
         app = build_app(OpenAIServing(frontend, info.model), api_key,
                         config.http.max_request_body_bytes)
-        http = HttpServer(app, bind_socket(config.host, max(config.http.http_port, 0)))
+        http = HttpServer(app, bind_socket(config.host, max(config.http.http_port, 0)),
+                          config.public_tls)
     await server.start()
     try:
         metrics_server = start_metrics_server(registry, config.host, config.metrics.metrics_port,

@@ -44,7 +44,7 @@ class Stack:
     @property
     def http_url(self) -> str:
         """The OpenAI-compatible HTTP API's base URL (its /v1 is the OpenAI clients' base_url)."""
-        return f"http://127.0.0.1:{self.gateway.http_port}"
+        return f"{self.gateway.http.scheme}://127.0.0.1:{self.gateway.http_port}"
 
     @property
     def scheduler_address(self) -> str:

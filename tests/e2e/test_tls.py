@@ -3,8 +3,9 @@ internal ports take only peers with a certificate of the stack's CA; the public 
 plaintext here and serves as before."""
 
 import grpc
+import httpx
 import pytest
-from pagedserve.services.common.config import GatewayConfig, PublicTlsConfig
+from pagedserve.services.common.config import GatewayConfig, HttpConfig, PublicTlsConfig
 from pagedserve.services.gateway.app import start_gateway
 from pagedserve.services.rpc.tls import internal_channel
 from pagedserve.services.rpc.v1 import (
@@ -107,7 +108,8 @@ def test_a_gateway_with_public_tls_serves_the_cli_and_refuses_plaintext(stack, c
     gateway = stack.loop.run(start_gateway(GatewayConfig(
         port=0, scheduler_address=stack.scheduler_address, tls=certificates.tls("gateway"),
         public_tls=PublicTlsConfig(public_tls_cert=str(folder / "tls.crt"),
-                                   public_tls_key=str(folder / "tls.key")))))
+                                   public_tls_key=str(folder / "tls.key")),
+        http=HttpConfig(http_port=-1))))
     try:
         address = f"127.0.0.1:{gateway.port}"
         argv = ["generate", "--address", address, "hello", "--max-tokens", "4",
@@ -116,5 +118,10 @@ def test_a_gateway_with_public_tls_serves_the_cli_and_refuses_plaintext(stack, c
         assert "finish: length; prompt" in capsys.readouterr().err
         assert main(argv) == 1  # plaintext to a TLS port
         assert "error: UNAVAILABLE" in capsys.readouterr().err
+        # the HTTP door speaks HTTPS with the same certificate
+        url = f"https://127.0.0.1:{gateway.http_port}/v1/models"
+        assert httpx.get(url, verify=str(folder / "ca.crt"), timeout=30).status_code == 200
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url.replace("https", "http"), timeout=30)
     finally:
         stack.loop.run(gateway.stop(grace_s=0))

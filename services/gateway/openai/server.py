@@ -1,13 +1,16 @@
 """uvicorn serving an ASGI app on the caller's event loop, beside the gateway's gRPC server:
-no threads, no signal handlers of its own (the gateway's SIGTERM handling drains both doors)."""
+no threads, no signal handlers of its own (the gateway's SIGTERM handling drains both doors).
+With the gateway's public TLS it serves HTTPS with the same certificate (and client CA)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import socket
+import ssl
 
 import uvicorn
+from pagedserve.services.common.config import PublicTlsConfig
 from starlette.types import ASGIApp
 
 logger = logging.getLogger(__name__)
@@ -20,11 +23,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 class HttpServer:
-    def __init__(self, app: ASGIApp, sock: socket.socket) -> None:
+    def __init__(self, app: ASGIApp, sock: socket.socket,
+                 tls: PublicTlsConfig | None = None) -> None:
         self._socket = sock
         self.port: int = sock.getsockname()[1]
+        is_tls = tls is not None and tls.is_enabled
+        self.scheme = "https" if is_tls else "http"
+        tls_options = {} if not is_tls else {
+            "ssl_certfile": tls.public_tls_cert, "ssl_keyfile": tls.public_tls_key,
+            "ssl_ca_certs": tls.public_tls_client_ca or None,
+            "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.public_tls_client_ca else ssl.CERT_NONE}
         config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
-                                timeout_keep_alive=30)
+                                timeout_keep_alive=30, **tls_options)
         config.load()
         self._server = uvicorn.Server(config)
         self._server.lifespan = config.lifespan_class(config)
@@ -33,7 +43,7 @@ class HttpServer:
     async def start(self) -> None:
         await self._server.startup(sockets=[self._socket])
         self._main_loop = asyncio.create_task(self._server.main_loop())
-        logger.info("OpenAI-compatible HTTP API on port %d", self.port)
+        logger.info("OpenAI-compatible HTTP API (%s) on port %d", self.scheme, self.port)
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting; responses still streaming after `grace_s` are cancelled."""
