@@ -1,5 +1,7 @@
 """OpenAI request bodies → GenerateInput and SamplingParams (no server)."""
 
+import dataclasses
+
 import pytest
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.sampling_params import SamplingParams
@@ -15,7 +17,7 @@ from pagedserve.services.gateway.openai.protocol import (
     ChatMessageIn,
     CompletionRequest,
 )
-from pagedserve.services.gateway.validation import ChatMessage
+from pagedserve.services.gateway.validation import ChatMessage, ModelInfo
 
 
 def test_every_prompt_shape():
@@ -50,10 +52,16 @@ def test_chat_content_parts_and_token_budget():
     assert chat_messages(messages) == (ChatMessage("system", "be brief"),
                                        ChatMessage("user", "a\nb"), ChatMessage("assistant", ""))
     body = ChatCompletionRequest(messages=messages)
-    assert chat_max_tokens(body, 10, 100) == 90
-    assert chat_max_tokens(body.model_copy(update={"max_tokens": 5}), 10, 100) == 5
+    info = ModelInfo(model="m", architecture="LlamaForCausalLM", max_model_len=100,
+                     vocab_size=512, eos_token_ids=(2,), has_chat_template=True)
+    assert chat_max_tokens(body, 10, info) == 90
+    assert chat_max_tokens(body.model_copy(update={"max_tokens": 5}), 10, info) == 5
     assert chat_max_tokens(body.model_copy(update={"max_tokens": 5,
-                                                   "max_completion_tokens": 7}), 10, 100) == 7
+                                                   "max_completion_tokens": 7}), 10, info) == 7
+    # 4 KV blocks of 16 tokens: one sequence gets 64 - 10 - 16 (a block of slack), two 32 - 26
+    small_cache = dataclasses.replace(info, block_size=16, num_gpu_blocks=4)
+    assert chat_max_tokens(body, 10, small_cache) == 38
+    assert chat_max_tokens(body.model_copy(update={"n": 2}), 10, small_cache) == 6
     assert chat_top_logprobs(body) is None
     assert chat_top_logprobs(body.model_copy(update={"logprobs": True})) == 0
     assert chat_top_logprobs(body.model_copy(update={"logprobs": True, "top_logprobs": 4})) == 4

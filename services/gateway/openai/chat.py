@@ -57,16 +57,15 @@ def _logprobs(delta: StreamDelta) -> ChatLogprobs:
 
 
 class _Chat:
-    def __init__(self, serving: OpenAIServing, body: ChatCompletionRequest) -> None:
-        serving.check_model(body.model)
+    def __init__(self, serving: OpenAIServing, body: ChatCompletionRequest,
+                 token_ids: list[int]) -> None:
+        """`token_ids`: the messages through the chat template."""
         self.serving = serving
         self.body = body
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = now_s()
         logprobs = chat_top_logprobs(body)
-        frontend = serving.frontend
-        token_ids = frontend.tokenize(GenerateInput(messages=chat_messages(body.messages)))
-        max_tokens = chat_max_tokens(body, len(token_ids), frontend.info.max_model_len)
+        max_tokens = chat_max_tokens(body, len(token_ids), serving.frontend.info)
         sampling = sampling_params(body, max_tokens, logprobs)
         self.input = GenerateInput(request_id=self.id, token_ids=tuple(token_ids),
                                    sampling=sampling, priority=body.priority)
@@ -126,15 +125,19 @@ class _Chat:
 
 async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest,
                                  request: Request) -> Response:
-    chat = _Chat(serving, body)
-    submission = Submission(serving.frontend, [chat.input])
+    serving.check_model(body.model)
+    token_ids = await serving.frontend.tokenize(
+        GenerateInput(messages=chat_messages(body.messages)))
+    chat = _Chat(serving, body, token_ids)
+    submission = await Submission.open(serving.frontend, [chat.input])
     if body.stream:
         try:
             deltas = await StartedDeltas.start(submission, request)
         except BaseException:
             submission.close()
             raise
-        return sse.EventStreamResponse(chat.events(deltas), submission.close)
+        return sse.EventStreamResponse(chat.events(deltas), submission.close,
+                                       submission.stalled)
     try:
         result = await unless_disconnected(request, chat.whole(submission))
     finally:

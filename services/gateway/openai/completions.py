@@ -135,14 +135,15 @@ class _Completion:
 async def create_completion(serving: OpenAIServing, body: CompletionRequest,
                             request: Request) -> Response:
     completion = _Completion(serving, body)
-    submission = Submission(serving.frontend, completion.inputs)
+    submission = await Submission.open(serving.frontend, completion.inputs)
     if body.stream:
         try:
             deltas = await StartedDeltas.start(submission, request)
         except BaseException:
             submission.close()
             raise
-        return sse.EventStreamResponse(completion.events(deltas), submission.close)
+        return sse.EventStreamResponse(completion.events(deltas), submission.close,
+                                       submission.stalled)
     try:
         result = await unless_disconnected(request, completion.whole(submission))
     finally:

@@ -16,7 +16,7 @@ from pagedserve.services.gateway.openai.protocol import (
     CompletionRequest,
     GenerationRequest,
 )
-from pagedserve.services.gateway.validation import ChatMessage, GenerateInput
+from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
 
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
@@ -112,9 +112,10 @@ def chat_top_logprobs(request: ChatCompletionRequest) -> int | None:
 
 
 def chat_max_tokens(request: ChatCompletionRequest, num_prompt_tokens: int,
-                    max_model_len: int) -> int:
-    """max_completion_tokens, else max_tokens, else what the context leaves (at least 1, so a
-    prompt that fills the context fails on the length check naming both)."""
+                    info: ModelInfo) -> int:
+    """max_completion_tokens, else max_tokens, else what the context leaves, and what the
+    replica's KV cache leaves each of the request's sequences when it reports its size (at
+    least 1, so a prompt that fills either fails on the length check naming both)."""
     if request.max_completion_tokens is not None:
         if request.max_completion_tokens < 1:
             raise InvalidRequest(f"max_completion_tokens must be at least 1, got "
@@ -122,4 +123,9 @@ def chat_max_tokens(request: ChatCompletionRequest, num_prompt_tokens: int,
         return request.max_completion_tokens
     if request.max_tokens is not None:
         return request.max_tokens
-    return max(1, max_model_len - num_prompt_tokens)
+    room = info.max_model_len - num_prompt_tokens
+    if info.num_gpu_blocks and info.block_size:
+        num_seqs = max(request.best_of or 1, request.n or 1)
+        cache_tokens = info.num_gpu_blocks * info.block_size // num_seqs
+        room = min(room, cache_tokens - num_prompt_tokens - info.block_size)
+    return max(1, room)

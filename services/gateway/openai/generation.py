@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import AsyncGenerator, Awaitable
 from typing import TypeVar
 
-from pagedserve.services.common.errors import Unavailable
+from pagedserve.services.common.errors import PagedServeError, Unavailable
 from pagedserve.services.gateway.frontend import Frontend
 from pagedserve.services.gateway.validation import GenerateInput, PreparedRequest
 from pagedserve.services.text.text_stream import StreamDelta
@@ -19,42 +19,57 @@ T = TypeVar("T")
 
 
 class Submission:
-    """Admitted, prepared prompts; `close` gives their admission back (idempotent)."""
+    """Admitted, prepared prompts (`open`); `close` gives their admission back (idempotent).
+    `stalled` is set when the Frontend gave up on a consumer that stopped reading (its request
+    already aborted): the response writing to that client is then cancelled."""
 
-    def __init__(self, frontend: Frontend, inputs: list[GenerateInput]) -> None:
+    def __init__(self, frontend: Frontend) -> None:
         self._frontend = frontend
         self._admitted = contextlib.ExitStack()
+        self.prepared: list[PreparedRequest] = []
+        self.stalled = asyncio.Event()
+
+    @classmethod
+    async def open(cls, frontend: Frontend, inputs: list[GenerateInput]) -> Submission:
+        submission = cls(frontend)
         try:
-            self.prepared: list[PreparedRequest] = []
             for request in inputs:
-                self._admitted.enter_context(frontend.admission.admit())
-                self.prepared.append(frontend.prepare(request))
+                submission._admitted.enter_context(frontend.admission.admit())
+                submission.prepared.append(await frontend.prepare(request))
         except BaseException:
-            self._admitted.close()
+            submission.close()
             raise
+        return submission
 
     def close(self) -> None:
         self._admitted.close()
 
+    async def _on_stalled(self, error: PagedServeError) -> None:
+        self.stalled.set()
+
+    def _generate(self, request: PreparedRequest) -> AsyncGenerator[StreamDelta, None]:
+        return self._frontend.generate(request, self._on_stalled)  # type: ignore[return-value]
+
     async def deltas(self) -> AsyncGenerator[tuple[int, StreamDelta], None]:
         """(prompt index, delta) until every prompt has finished."""
         if len(self.prepared) == 1:
-            async with contextlib.aclosing(self._frontend.generate(self.prepared[0])) as deltas:
+            async with contextlib.aclosing(self._generate(self.prepared[0])) as deltas:
                 async for delta in deltas:
                     yield 0, delta
             return
+        # bounded, so that a client that stops reading stalls the Frontend's own buffers
         queue: asyncio.Queue[tuple[int, StreamDelta | None, BaseException | None]] = \
-            asyncio.Queue()
+            asyncio.Queue(maxsize=len(self.prepared))
 
         async def pump(index: int, request: PreparedRequest) -> None:
             try:
-                async with contextlib.aclosing(self._frontend.generate(request)) as deltas:
+                async with contextlib.aclosing(self._generate(request)) as deltas:
                     async for delta in deltas:
-                        queue.put_nowait((index, delta, None))
+                        await queue.put((index, delta, None))
             except Exception as exc:
-                queue.put_nowait((index, None, exc))
+                await queue.put((index, None, exc))
                 return
-            queue.put_nowait((index, None, None))
+            await queue.put((index, None, None))
 
         tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(self.prepared)]
         try:

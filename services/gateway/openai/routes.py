@@ -3,6 +3,8 @@ routes to the app it returns (they stay behind the API key unless listed in OPEN
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import FastAPI, Request
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.gateway.openai.chat import create_chat_completion
@@ -60,11 +62,13 @@ def build_app(serving: OpenAIServing, api_key: str = "",
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("prompt or messages must be set, not both nor neither")
         if body.messages is not None:
-            token_ids = frontend.tokenize(GenerateInput(messages=chat_messages(body.messages)))
+            token_ids = await frontend.tokenize(
+                GenerateInput(messages=chat_messages(body.messages)))
         elif body.add_special_tokens:
-            token_ids = frontend.tokenize(GenerateInput(text=body.prompt))
+            token_ids = await frontend.tokenize(GenerateInput(text=body.prompt))
         else:
-            token_ids = frontend.tokenizer.encode(body.prompt or "", add_special_tokens=False)
+            token_ids = await asyncio.to_thread(frontend.tokenizer.encode, body.prompt or "",
+                                                add_special_tokens=False)
         return TokenizeResponse(count=len(token_ids), max_model_len=frontend.info.max_model_len,
                                 tokens=token_ids)
 
@@ -75,7 +79,8 @@ def build_app(serving: OpenAIServing, api_key: str = "",
         bad = [t for t in body.tokens if not 0 <= t < vocab_size][:8]
         if bad:
             raise InvalidRequest(f"tokens must be in [0, vocab_size={vocab_size}), got {bad}")
-        return DetokenizeResponse(prompt=frontend.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await asyncio.to_thread(frontend.tokenizer.decode,
+                                                                 body.tokens))
 
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
     if api_key:

@@ -1,6 +1,7 @@
 """Server-sent events: `data: <json>` lines ending with `data: [DONE]`, and the response that
-streams them. A client that goes away cancels the stream at once (not at the next write), so its
-request is aborted down to the worker; closing the response releases what it held (admission)."""
+streams them. A client that goes away, or stops reading, cancels the stream at once (not at the
+next write), so its request is aborted down to the worker; closing the response releases what it
+held (admission)."""
 
 from __future__ import annotations
 
@@ -22,21 +23,26 @@ def event(json_text: str) -> str:
 
 
 class EventStreamResponse(StreamingResponse):
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    """`stalled`: set when the client stopped reading (the stream is then given up)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None],
+                 stalled: asyncio.Event) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
         self._on_close = on_close
+        self._stalled = stalled
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = asyncio.ensure_future(self.stream_response(send))
         disconnect = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        stalled = asyncio.ensure_future(self._stalled.wait())
         try:
-            await asyncio.wait((stream, disconnect), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((stream, disconnect, stalled), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (stream, disconnect):
+            for task in (stream, disconnect, stalled):
                 task.cancel()
-            results = await asyncio.gather(stream, disconnect, return_exceptions=True)
+            results = await asyncio.gather(stream, disconnect, stalled, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await self._events.aclose()  # type: ignore[attr-defined]
             self._on_close()
