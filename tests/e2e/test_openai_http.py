@@ -226,6 +226,22 @@ def test_api_key_guards_grpc(guarded):
         assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_grpc_abort_by_the_same_caller_ends_an_http_stream(guarded):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=guarded.http_url, headers=headers, timeout=60) as http, \
+            http.stream("POST", COMPLETIONS, json={"prompt": "abc", "stream": True, **LONG}) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        request_id = json.loads(next(lines)[6:])["id"]
+        with grpc.insecure_channel(guarded.gateway_address) as channel:
+            gateway_pb2_grpc.GenerationStub(channel).Abort(
+                common_pb2.AbortRequest(request_id=request_id), timeout=30,
+                metadata=[("authorization", f"Bearer {KEY}")])
+        events = _events(lines)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == "abort"
+    assert_idle(guarded, timeout_s=15)
+
+
 def test_past_the_limit_is_429_then_draining_is_503(guarded):
     headers = {"Authorization": f"Bearer {KEY}"}
     body = {"prompt": "abc", "stream": True, **LONG}

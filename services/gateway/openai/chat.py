@@ -129,7 +129,7 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     token_ids = await serving.frontend.tokenize(
         GenerateInput(messages=chat_messages(body.messages)))
     chat = _Chat(serving, body, token_ids)
-    submission = await Submission.open(serving.frontend, [chat.input])
+    submission = await Submission.open(serving.frontend, [chat.input], request)
     if body.stream:
         try:
             deltas = await StartedDeltas.start(submission, request)

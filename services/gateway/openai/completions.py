@@ -135,7 +135,7 @@ class _Completion:
 async def create_completion(serving: OpenAIServing, body: CompletionRequest,
                             request: Request) -> Response:
     completion = _Completion(serving, body)
-    submission = await Submission.open(serving.frontend, completion.inputs)
+    submission = await Submission.open(serving.frontend, completion.inputs, request)
     if body.stream:
         try:
             deltas = await StartedDeltas.start(submission, request)

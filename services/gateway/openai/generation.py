@@ -11,6 +11,7 @@ from typing import TypeVar
 
 from pagedserve.services.common.errors import PagedServeError, Unavailable
 from pagedserve.services.gateway.frontend import Frontend
+from pagedserve.services.gateway.ownership import Caller, caller_of
 from pagedserve.services.gateway.validation import GenerateInput, PreparedRequest
 from pagedserve.services.text.text_stream import StreamDelta
 from starlette.requests import Request
@@ -23,15 +24,18 @@ class Submission:
     `stalled` is set when the Frontend gave up on a consumer that stopped reading (its request
     already aborted): the response writing to that client is then cancelled."""
 
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, caller: Caller) -> None:
         self._frontend = frontend
+        self._caller = caller
         self._admitted = contextlib.ExitStack()
         self.prepared: list[PreparedRequest] = []
         self.stalled = asyncio.Event()
 
     @classmethod
-    async def open(cls, frontend: Frontend, inputs: list[GenerateInput]) -> Submission:
-        submission = cls(frontend)
+    async def open(cls, frontend: Frontend, inputs: list[GenerateInput],
+                   request: Request) -> Submission:
+        """`request`: the HTTP request, whose caller owns the prompts' requests (ownership)."""
+        submission = cls(frontend, http_caller(request))
         try:
             for request in inputs:
                 submission._admitted.enter_context(frontend.admission.admit())
@@ -48,7 +52,8 @@ class Submission:
         self.stalled.set()
 
     def _generate(self, request: PreparedRequest) -> AsyncGenerator[StreamDelta, None]:
-        return self._frontend.generate(request, self._on_stalled)  # type: ignore[return-value]
+        return self._frontend.generate(  # type: ignore[return-value]
+            request, self._on_stalled, self._caller)
 
     async def deltas(self) -> AsyncGenerator[tuple[int, StreamDelta], None]:
         """(prompt index, delta) until every prompt has finished."""
@@ -119,6 +124,15 @@ class StartedDeltas:
 
     async def aclose(self) -> None:
         await self._rest.aclose()
+
+
+def http_caller(request: Request) -> Caller:
+    """The caller as ownership sees it: its credential, else its host, written as gRPC writes
+    a peer's host, so that a host is one caller at both doors."""
+    host = request.client.host if request.client else ""
+    if host:
+        host = f"ipv6:[{host}]" if ":" in host else f"ipv4:{host}"
+    return caller_of(request.headers.get("authorization", ""), peer_host=host)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
