@@ -43,6 +43,23 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device,
             for _ in range(spec.num_layers)]
 
 
+def check_block_pairs(pairs: list[tuple[int, int]], num_src: int, num_dst: int) -> None:
+    for src, dst in pairs:
+        if not (0 <= src < num_src and 0 <= dst < num_dst):
+            raise InvalidRequest(f"block pair ({src}, {dst}) out of range: "
+                                 f"src must be < {num_src}, dst < {num_dst}")
+
+
+def check_cache_ops(blocks_to_swap_out: list[tuple[int, int]],
+                    blocks_to_swap_in: list[tuple[int, int]],
+                    blocks_to_copy: list[tuple[int, int]],
+                    num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    """Refuse a step's cache ops with a block id outside its pool, before any runs."""
+    check_block_pairs(blocks_to_swap_out, num_gpu_blocks, num_cpu_blocks)
+    check_block_pairs(blocks_to_swap_in, num_cpu_blocks, num_gpu_blocks)
+    check_block_pairs(blocks_to_copy, num_gpu_blocks, num_gpu_blocks)
+
+
 class CacheEngine:
     def __init__(self, spec: KVCacheSpec, num_gpu_blocks: int, num_cpu_blocks: int,
                  device: torch.device, backend: ModuleType) -> None:
@@ -60,24 +77,15 @@ class CacheEngine:
         logger.info("KV cache: %d device blocks, %d CPU blocks, %d bytes per block",
                     num_gpu_blocks, num_cpu_blocks, spec.bytes_per_block)
 
-    @staticmethod
-    def _check_pairs(pairs: list[tuple[int, int]], num_src: int, num_dst: int) -> None:
-        for src, dst in pairs:
-            if not (0 <= src < num_src and 0 <= dst < num_dst):
-                raise InvalidRequest(f"block pair ({src}, {dst}) out of range: "
-                                     f"src must be < {num_src}, dst < {num_dst}")
-
     def check_ops(self, blocks_to_swap_out: list[tuple[int, int]],
                   blocks_to_swap_in: list[tuple[int, int]],
                   blocks_to_copy: list[tuple[int, int]]) -> None:
-        """Refuse a step's cache ops with a block id outside its pool, before any runs."""
-        self._check_pairs(blocks_to_swap_out, self.num_gpu_blocks, self.num_cpu_blocks)
-        self._check_pairs(blocks_to_swap_in, self.num_cpu_blocks, self.num_gpu_blocks)
-        self._check_pairs(blocks_to_copy, self.num_gpu_blocks, self.num_gpu_blocks)
+        check_cache_ops(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy,
+                        self.num_gpu_blocks, self.num_cpu_blocks)
 
     def _mapping(self, pairs: list[tuple[int, int]], num_src: int, num_dst: int,
                  device: torch.device) -> torch.Tensor:
-        self._check_pairs(pairs, num_src, num_dst)
+        check_block_pairs(pairs, num_src, num_dst)
         return torch.tensor(pairs, dtype=torch.int64, device=device).view(-1, 2)  # [n, 2]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
@@ -85,7 +93,7 @@ class CacheEngine:
         if not pairs:
             return
         if self.swap_stream is not None:
-            self._check_pairs(pairs, self.num_gpu_blocks, self.num_cpu_blocks)
+            check_block_pairs(pairs, self.num_gpu_blocks, self.num_cpu_blocks)
             self._swap_async(self.gpu_cache, self.cpu_cache, pairs)
             return
         mapping = self._mapping(pairs, self.num_gpu_blocks, self.num_cpu_blocks,
@@ -98,7 +106,7 @@ class CacheEngine:
         if not pairs:
             return
         if self.swap_stream is not None:
-            self._check_pairs(pairs, self.num_cpu_blocks, self.num_gpu_blocks)
+            check_block_pairs(pairs, self.num_cpu_blocks, self.num_gpu_blocks)
             self._swap_async(self.cpu_cache, self.gpu_cache, pairs)
             return
         mapping = self._mapping(pairs, self.num_cpu_blocks, self.num_gpu_blocks,

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from pagedserve.services.common.errors import InvalidRequest
-from pagedserve.worker_svc.cache_engine import KVCacheSpec
+from pagedserve.worker_svc.cache_engine import KVCacheSpec, check_block_pairs, check_cache_ops
 from pagedserve.worker_svc.sim.roofline import Roofline
 from pagedserve.worker_svc.sim.timeline import GpuTimeline
 
@@ -26,6 +25,12 @@ class SimCacheEngine:
         logger.info("simulated KV cache: %d device blocks, %d CPU blocks, %d bytes per block",
                     num_gpu_blocks, num_cpu_blocks, spec.bytes_per_block)
 
+    def check_ops(self, blocks_to_swap_out: list[tuple[int, int]],
+                  blocks_to_swap_in: list[tuple[int, int]],
+                  blocks_to_copy: list[tuple[int, int]]) -> None:
+        check_cache_ops(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy,
+                        self.num_gpu_blocks, self.num_cpu_blocks)
+
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, CPU block) pairs."""
         self._move(pairs, self.num_gpu_blocks, self.num_cpu_blocks, is_swap=True)
@@ -40,10 +45,7 @@ class SimCacheEngine:
 
     def _move(self, pairs: list[tuple[int, int]], num_src: int, num_dst: int,
               is_swap: bool) -> None:
-        for src, dst in pairs:
-            if not (0 <= src < num_src and 0 <= dst < num_dst):
-                raise InvalidRequest(f"block pair ({src}, {dst}) out of range: "
-                                     f"src must be < {num_src}, dst < {num_dst}")
+        check_block_pairs(pairs, num_src, num_dst)
         if pairs:
             n = len(pairs)
             self.timeline.enqueue(self.roofline.block_moves_s(
