@@ -75,6 +75,7 @@ class _Step:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     has_preempted: bool = False
     num_long_prefills: int = 0
+    is_long_limit_lifted: bool = False  # the second pass: the budget left goes to deferred ones
     capped: list[ScheduledSequence] = field(default_factory=list)  # long chunks, topped up last
 
 
@@ -236,6 +237,8 @@ class Scheduler:
             if chunked:
                 self._schedule_waiting(budget, step)
         self._top_up(budget, step)
+        if chunked and not step.has_preempted and budget.remaining_tokens > 0:
+            self._schedule_deferred_long(budget, step)
         return self._build(step)
 
     def _key(self, group: SequenceGroup) -> tuple[float, ...]:
@@ -297,7 +300,7 @@ class Scheduler:
         while pending:
             group = pending.pop(0)
             cap = self._long_prefill_cap(group)
-            if cap is not None and step.num_long_prefills >= self.config.max_long_partial_prefills:
+            if self._is_deferred(cap, step):
                 skipped.append(group)
                 continue
             assignment = self._assign_tokens(group, budget, cap)
@@ -357,7 +360,7 @@ class Scheduler:
                              f"shorter than max_model_len={self.max_model_len}")
                 continue
             cap = self._long_prefill_cap(group)
-            if cap is not None and step.num_long_prefills >= self.config.max_long_partial_prefills:
+            if self._is_deferred(cap, step):
                 passed.append(self.waiting.popleft())
                 continue
             if budget.remaining_seqs < len(live):
@@ -379,6 +382,8 @@ class Scheduler:
                 if group.sampling.prompt_logprobs is not None:
                     group.prompt_logprobs = [None] * group.num_cached_tokens
             cap = self._long_prefill_cap(group)  # prefix-cache hits may have shortened it
+            if step.is_long_limit_lifted:
+                cap = None
             assignment = self._assign_tokens(group, budget, cap)
             if assignment is None:  # whole prompts only, and this one does not fit any more
                 self._to_waiting(live)
@@ -388,6 +393,24 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
             self._add(group, assignment, budget, step, is_long=cap is not None)
+
+    def _is_deferred(self, cap: int | None, step: _Step) -> bool:
+        """A long prefill over this step's long-prefill limit waits for the second pass."""
+        return (cap is not None and not step.is_long_limit_lifted
+                and step.num_long_prefills >= self.config.max_long_partial_prefills)
+
+    def _schedule_deferred_long(self, budget: _Budget, step: _Step) -> None:
+        """Work conservation: the budget everything else left goes to the long prefills the
+        limit deferred, running ones first, in queue order, uncapped and without preempting."""
+        step.is_long_limit_lifted = True
+        scheduled = {id(item.group) for item in step.scheduled}
+        for group in self.running:
+            if id(group) in scheduled or group.is_decode_phase():
+                continue
+            assignment = self._assign_tokens(group, budget)
+            if assignment is not None and self._can_append(assignment):
+                self._add(group, assignment, budget, step)
+        self._schedule_waiting(budget, step)
 
     def _is_pool_idle(self) -> bool:
         bm = self.block_manager

@@ -12,8 +12,8 @@ LONG = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
 def _harness(**kw) -> Harness:
-    return Harness(num_gpu_blocks=1200, num_cpu_blocks=0, block_size=16, max_model_len=16384,
-                   max_num_batched_tokens=512, **kw)
+    return Harness(**{"num_gpu_blocks": 1200, "num_cpu_blocks": 0, "block_size": 16,
+                      "max_model_len": 16384, "max_num_batched_tokens": 512, **kw})
 
 
 def _steps_until_finished(h: Harness, request_id: str, max_steps: int = 100) -> int:
@@ -71,3 +71,16 @@ def test_the_threshold_defaults_to_four_percent_of_max_model_len_within_half_the
     assert threshold(256) == 64
     assert threshold(16384, max_num_batched_tokens=512) == 256
     assert threshold(16384, long_prefill_token_threshold=100) == 100
+
+
+def test_prompts_over_the_threshold_arriving_together_share_one_step_when_the_budget_allows():
+    """The long-prefill limit orders who is served first; it never leaves budget unused: once
+    everything else is scheduled, deferred long prompts take what is left, in order."""
+    h = _harness(max_num_batched_tokens=2048)  # threshold 655: these six prompts are long
+    for i in range(6):
+        h.add(f"p{i}", 700, LONG)
+    out, _ = h.step()
+    assert sorted(scheduled_ids(out)) == [f"p{i}" for i in range(3)]
+    assert out.plan.num_scheduled_tokens == 2048
+    h.run_to_end()
+    assert h.all_free()
