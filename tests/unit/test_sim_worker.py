@@ -160,14 +160,15 @@ def test_a_step_takes_at_least_its_modelled_time(tiny_model_dir):
         assert len(output.outputs) == 1
 
 
-def test_cache_ops_are_checked_and_a_failed_step_blocks_the_next(tiny_model_dir):
+def test_cache_ops_out_of_range_are_refused_before_the_step_runs(tiny_model_dir):
+    """As on the real worker: a refused step never ran, so its successor is out of order and a
+    corrected retry of it needs no ClearState."""
     worker = _worker(tiny_model_dir("llama"), sim_time_scale=0.0)
     with pytest.raises(InvalidRequest, match="out of range"):
         worker.execute_step(StepPlan(scheduler_epoch=1, step_id=1,
                                      blocks_to_swap_in=[(8, 0)]))
-    with pytest.raises(StepOutOfOrder, match="ClearState"):
+    with pytest.raises(StepOutOfOrder, match="last step is 0"):
         worker.execute_step(StepPlan(scheduler_epoch=1, step_id=2, previous_step_id=1))
-    worker.clear_state(1)
     worker.execute_step(StepPlan(scheduler_epoch=1, step_id=1, blocks_to_swap_out=[(31, 7)]))
 
 
