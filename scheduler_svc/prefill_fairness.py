@@ -5,14 +5,10 @@ long prefill loses no throughput."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pagedserve.scheduler_svc.block_manager import BlockManager
+from pagedserve.scheduler_svc.scheduled_step import ScheduledSequence
 from pagedserve.scheduler_svc.sequence import SequenceGroup
 from pagedserve.services.common.config import SchedulerConfig
-
-if TYPE_CHECKING:
-    from pagedserve.scheduler_svc.scheduler import ScheduledSequence
 
 
 def long_prefill_threshold(config: SchedulerConfig, max_model_len: int) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from pagedserve.scheduler_svc.block_manager import AllocStatus, BlockManager
 from pagedserve.scheduler_svc.deltas import sequence_deltas
@@ -19,64 +18,20 @@ from pagedserve.scheduler_svc.prefill_fairness import (
     long_prefill_threshold,
     top_up,
 )
+from pagedserve.scheduler_svc.queue_policy import (
+    outranks_swapped,
+    preempt_for_priority,
+    rank,
+    sort_queue,
+)
+from pagedserve.scheduler_svc.scheduled_step import ScheduledSequence, ScheduledStep, StepDraft
 from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedserve.scheduler_svc.token_budget import TokenBudget, assign_tokens
 from pagedserve.services.common.config import SchedulerConfig
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    group: SequenceGroup
-    seq: Sequence
-    num_scheduled_tokens: int
-    num_samples: int
-    is_sampling: bool  # the worker samples for it: this step computes up to its last known token
-
-
-@dataclass(slots=True)
-class ScheduledStep:
-    """What schedule() chose for one engine step: the StepPlan for the workers, and the
-    scheduler's own view of it (its sequences, the groups it rejected or swapped out)."""
-
-    plan: StepPlan | None  # None: nothing for the workers this step
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    rejected: list[SequenceGroup] = field(default_factory=list)  # finished with an error here
-    swapped_out: list[SequenceGroup] = field(default_factory=list)  # their KV moves this step
-
-
-@dataclass(slots=True)
-class _Budget:
-    max_num_tokens: int
-    max_num_seqs: int
-    num_tokens: int = 0
-    num_seqs: int = 0
-
-    @property
-    def remaining_tokens(self) -> int:
-        return self.max_num_tokens - self.num_tokens
-
-    @property
-    def remaining_seqs(self) -> int:
-        return self.max_num_seqs - self.num_seqs
-
-
-@dataclass(slots=True)
-class _Step:
-    """What one schedule() call accumulates before it becomes a StepPlan."""
-
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    rejected: list[SequenceGroup] = field(default_factory=list)
-    swapped_out: list[SequenceGroup] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    has_preempted: bool = False
-    num_long_prefills: int = 0
-    is_long_limit_lifted: bool = False  # the second pass: the budget left goes to deferred ones
-    capped: list[ScheduledSequence] = field(default_factory=list)  # long chunks, topped up last
 
 
 class Scheduler:
@@ -218,13 +173,16 @@ class Scheduler:
         by one per plan; a step with nothing to compute and no cache ops yields `plan=None` and
         keeps the pending drops for the next plan.
         """
-        step = _Step()
+        step = StepDraft()
         chunked = self.config.enable_chunked_prefill
         for queue in (self.waiting, self.running, self.swapped):
-            self._sort(queue)
-        if self.config.policy == "priority":
-            self._preempt_for_priority(step)
-        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+            sort_queue(queue, self.config.policy)
+        if self.config.policy == "priority" and preempt_for_priority(
+                self.waiting, self.running, self.swapped, self.block_manager,
+                self.config.max_num_seqs, lambda victim: self._preempt(victim, step, "recompute")):
+            sort_queue(self.waiting, self.config.policy)  # the victims went to its front
+            step.has_preempted = False  # the room was made for `waiting`: admit it this step
+        budget = TokenBudget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         if not chunked:
             budget.max_num_tokens = max(budget.max_num_tokens, self.max_model_len)
             self._schedule_waiting(budget, step)
@@ -242,56 +200,9 @@ class Scheduler:
         return self._build(step)
 
     def _key(self, group: SequenceGroup) -> tuple[float, ...]:
-        if self.config.policy == "priority":
-            return (group.priority, group.arrival_time)
-        return (group.arrival_time,)
+        return rank(group, self.config.policy)
 
-    def _outranks_swapped(self, group: SequenceGroup) -> bool:
-        """A waiting group may take room only ahead of every swapped group (they hold KV on
-        the CPU and would starve otherwise); under FCFS they are older than any new prompt."""
-        return not self.swapped or self._key(group) < min(map(self._key, self.swapped))
-
-    def _sort(self, queue: deque[SequenceGroup]) -> None:
-        ordered = sorted(queue, key=self._key)
-        queue.clear()
-        queue.extend(ordered)
-
-    def _preempt_for_priority(self, step: _Step) -> None:
-        """Walk `waiting` in order, claiming room for each group; a group short of blocks or
-        sequence slots preempts running groups that rank below it, lowest first, by recompute
-        (so the victims wait behind it, not in the swapped queue ahead of it). Stops at the
-        first group that cannot get room or does not outrank a swapped group: those after it
-        rank lower still."""
-        bm = self.block_manager
-        num_claimed_blocks = 0
-        num_claimed_seqs = sum(len(g.live_seqs()) for g in self.running)
-        for group in list(self.waiting):
-            if not self._outranks_swapped(group):
-                break
-            live = group.live_seqs()
-            if any(bm.can_allocate(s.token_ids) is AllocStatus.NEVER for s in live):
-                continue  # rejected by _schedule_waiting; no one makes room for it
-            num_blocks = sum(bm.num_blocks_taken(s.token_ids) for s in live)
-            while (self.running and self._key(self.running[-1]) > self._key(group)
-                   and self._lacks_room(num_claimed_blocks + num_blocks,
-                                        num_claimed_seqs + len(live))):
-                victim = self.running.pop()
-                num_claimed_seqs -= len(victim.live_seqs())
-                self._preempt(victim, step, "recompute")
-            if self._lacks_room(num_claimed_blocks + num_blocks, num_claimed_seqs + len(live)):
-                break
-            num_claimed_blocks += num_blocks
-            num_claimed_seqs += len(live)
-        if step.has_preempted:
-            self._sort(self.waiting)  # the victims went to its front
-            step.has_preempted = False  # the room was made for `waiting`: admit it this step
-
-    def _lacks_room(self, num_blocks: int, num_seqs: int) -> bool:
-        bm = self.block_manager
-        return (num_blocks > bm.num_free_gpu_blocks - bm.watermark_blocks
-                or num_seqs > self.config.max_num_seqs)
-
-    def _schedule_running(self, budget: _Budget, step: _Step) -> None:
+    def _schedule_running(self, budget: TokenBudget, step: StepDraft) -> None:
         groups = list(self.running)
         pending = [g for g in groups if g.is_decode_phase()] + [
             g for g in groups if not g.is_decode_phase()]
@@ -303,7 +214,7 @@ class Scheduler:
             if self._is_deferred(cap, step):
                 skipped.append(group)
                 continue
-            assignment = self._assign_tokens(group, budget, cap)
+            assignment = assign_tokens(group, budget, self.config.enable_chunked_prefill, cap)
             if assignment is None:
                 skipped.append(group)
                 continue
@@ -324,11 +235,11 @@ class Scheduler:
                 kept.append(group)
         self.running = deque(kept + skipped)
 
-    def _schedule_swapped(self, budget: _Budget, step: _Step) -> None:
+    def _schedule_swapped(self, budget: TokenBudget, step: StepDraft) -> None:
         while self.swapped:
             group = self.swapped[0]
             seq_ids = [s.seq_id for s in group.live_seqs()]
-            assignment = self._assign_tokens(group, budget)
+            assignment = assign_tokens(group, budget, self.config.enable_chunked_prefill)
             if assignment is None or not self._can_swap_in(seq_ids):
                 return
             self.swapped.popleft()
@@ -340,7 +251,7 @@ class Scheduler:
                 continue  # back on the device; it runs next step (or is preempted again)
             self._add(group, assignment, budget, step)
 
-    def _schedule_waiting(self, budget: _Budget, step: _Step) -> None:
+    def _schedule_waiting(self, budget: TokenBudget, step: StepDraft) -> None:
         """Long prompts that find every long-prefill slot taken stay in `waiting`, in order, and
         the prompts behind them are admitted past them."""
         passed: list[SequenceGroup] = []
@@ -349,10 +260,10 @@ class Scheduler:
         finally:
             self.waiting.extendleft(reversed(passed))
 
-    def _admit_waiting(self, budget: _Budget, step: _Step, passed: list[SequenceGroup]) -> None:
+    def _admit_waiting(self, budget: TokenBudget, step: StepDraft, passed: list[SequenceGroup]) -> None:
         while self.waiting and budget.remaining_tokens > 0:
             group = self.waiting[0]
-            if not self._outranks_swapped(group):
+            if not outranks_swapped(group, self.swapped, self.config.policy):
                 return
             live = group.live_seqs()
             if not group.is_admitted and group.prompt_len >= self.max_model_len:
@@ -384,7 +295,7 @@ class Scheduler:
             cap = self._long_prefill_cap(group)  # prefix-cache hits may have shortened it
             if step.is_long_limit_lifted:
                 cap = None
-            assignment = self._assign_tokens(group, budget, cap)
+            assignment = assign_tokens(group, budget, self.config.enable_chunked_prefill, cap)
             if assignment is None:  # whole prompts only, and this one does not fit any more
                 self._to_waiting(live)
                 return
@@ -394,12 +305,12 @@ class Scheduler:
             self.running.append(group)
             self._add(group, assignment, budget, step, is_long=cap is not None)
 
-    def _is_deferred(self, cap: int | None, step: _Step) -> bool:
+    def _is_deferred(self, cap: int | None, step: StepDraft) -> bool:
         """A long prefill over this step's long-prefill limit waits for the second pass."""
         return (cap is not None and not step.is_long_limit_lifted
                 and step.num_long_prefills >= self.config.max_long_partial_prefills)
 
-    def _schedule_deferred_long(self, budget: _Budget, step: _Step) -> None:
+    def _schedule_deferred_long(self, budget: TokenBudget, step: StepDraft) -> None:
         """Work conservation: the budget everything else left goes to the long prefills the
         limit deferred, running ones first, in queue order, uncapped and without preempting."""
         step.is_long_limit_lifted = True
@@ -407,7 +318,7 @@ class Scheduler:
         for group in self.running:
             if id(group) in scheduled or group.is_decode_phase():
                 continue
-            assignment = self._assign_tokens(group, budget)
+            assignment = assign_tokens(group, budget, self.config.enable_chunked_prefill)
             if assignment is not None and self._can_append(assignment):
                 self._add(group, assignment, budget, step)
         self._schedule_waiting(budget, step)
@@ -433,32 +344,6 @@ class Scheduler:
             return None
         return long_prefill_cap(group, self.long_prefill_token_threshold)
 
-    def _assign_tokens(self, group: SequenceGroup, budget: _Budget,
-                       cap: int | None = None) -> list[tuple[Sequence, int]] | None:
-        """Tokens to compute per live sequence this step within the budget (and `cap`, a long
-        prefill's chunk cap); None if none fit."""
-        live = group.live_seqs()
-        if budget.remaining_seqs < len(live):
-            return None
-        left = budget.remaining_tokens
-        chunked = self.config.enable_chunked_prefill
-        if group.is_decode_phase():
-            return [(s, 1) for s in live] if len(live) <= left else None
-        if cap is not None:
-            left = min(left, cap)
-        if len(live) == 1:
-            want = live[0].num_uncomputed_tokens
-            num_tokens = min(want, left) if chunked else (want if want <= left else 0)
-            return [(live[0], num_tokens)] if num_tokens > 0 else None
-        assignment = []
-        for seq in live:
-            want = seq.num_uncomputed_tokens - 1
-            num_tokens = min(want, left) if chunked else want
-            if num_tokens > 0:
-                assignment.append((seq, num_tokens))
-                left -= num_tokens
-        return assignment if assignment and left >= 0 else None
-
     def _can_swap_in(self, seq_ids: list[int]) -> bool:
         """Room to swap in, plus a block per sequence to grow right after (vLLM's margin), so a
         group that comes back can run instead of being swapped straight out again -- unless
@@ -478,7 +363,7 @@ class Scheduler:
              for seq, n in assignment])
 
     def _add(self, group: SequenceGroup, assignment: list[tuple[Sequence, int]],
-             budget: _Budget, step: _Step, is_long: bool = False) -> None:
+             budget: TokenBudget, step: StepDraft, is_long: bool = False) -> None:
         num_samples = group.num_samples()
         for seq, num_tokens in assignment:
             step.blocks_to_copy += self.block_manager.append_slots(
@@ -493,13 +378,13 @@ class Scheduler:
             if len(group.live_seqs()) == 1:  # groups of several stop one token short
                 step.capped.append(step.scheduled[-1])
 
-    def _top_up(self, budget: _Budget, step: _Step) -> None:
+    def _top_up(self, budget: TokenBudget, step: StepDraft) -> None:
         blocks_to_copy, num_added = top_up(self.block_manager, step.capped,
                                            budget.remaining_tokens)
         step.blocks_to_copy += blocks_to_copy
         budget.num_tokens += num_added
 
-    def _preempt(self, group: SequenceGroup, step: _Step, mode: str | None = None) -> None:
+    def _preempt(self, group: SequenceGroup, step: StepDraft, mode: str | None = None) -> None:
         """By `mode`, else as SchedulerConfig.preemption_mode says."""
         live = group.live_seqs()
         seq_ids = [s.seq_id for s in live]
@@ -534,11 +419,11 @@ class Scheduler:
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
 
-    def _reject(self, group: SequenceGroup, step: _Step, message: str) -> None:
+    def _reject(self, group: SequenceGroup, step: StepDraft, message: str) -> None:
         self.waiting.popleft()
         self._fail(group, step, message)
 
-    def _fail(self, group: SequenceGroup, step: _Step, message: str) -> None:
+    def _fail(self, group: SequenceGroup, step: StepDraft, message: str) -> None:
         """Finish a group that can never run with an error (reported in `rejected`)."""
         logger.warning("request %s rejected: %s", group.request_id, message)
         group.finish(FinishReason.ERROR, message)
@@ -546,11 +431,10 @@ class Scheduler:
             self.free_seq(seq)
         step.rejected.append(group)
 
-    def _build(self, step: _Step) -> ScheduledStep:
+    def _build(self, step: StepDraft) -> ScheduledStep:
         out = ScheduledStep(plan=None, scheduled=step.scheduled, rejected=step.rejected,
-                              swapped_out=step.swapped_out)
-        if not (step.scheduled or step.blocks_to_swap_out or step.blocks_to_swap_in
-                or step.blocks_to_copy):
+                            swapped_out=step.swapped_out)
+        if not step.has_work:
             return out
         new_seqs, running_seqs = sequence_deltas(
             [(i.group, i.seq, i.num_scheduled_tokens, i.num_samples, i.is_sampling)

@@ -1,0 +1,65 @@
+"""The order of the queues: FCFS (arrival time) or priority (lower `priority` first, then
+arrival), and, under the priority policy, the running groups a waiting group displaces."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from pagedserve.scheduler_svc.block_manager import AllocStatus, BlockManager
+from pagedserve.scheduler_svc.sequence import SequenceGroup
+
+
+def rank(group: SequenceGroup, policy: str) -> tuple[float, ...]:
+    """Lower runs first."""
+    if policy == "priority":
+        return (group.priority, group.arrival_time)
+    return (group.arrival_time,)
+
+
+def sort_queue(queue: deque[SequenceGroup], policy: str) -> None:
+    ordered = sorted(queue, key=lambda g: rank(g, policy))
+    queue.clear()
+    queue.extend(ordered)
+
+
+def outranks_swapped(group: SequenceGroup, swapped: deque[SequenceGroup], policy: str) -> bool:
+    """A waiting group may take room only ahead of every swapped group (they hold KV on the CPU
+    and would starve otherwise); under FCFS they are older than any new prompt."""
+    return not swapped or rank(group, policy) < min(rank(g, policy) for g in swapped)
+
+
+def preempt_for_priority(waiting: deque[SequenceGroup], running: deque[SequenceGroup],
+                         swapped: deque[SequenceGroup], block_manager: BlockManager,
+                         max_num_seqs: int, preempt: Callable[[SequenceGroup], None]) -> bool:
+    """Walk `waiting` in order, claiming room for each group; a group short of blocks or sequence
+    slots has `preempt` (by recompute, so the victims wait behind it, not in the swapped queue
+    ahead of it) the running groups that rank below it, lowest first. Stops at the first group
+    that cannot get room or does not outrank a swapped group: those after it rank lower still.
+    Returns whether any group was preempted. `running` must be sorted."""
+    bm = block_manager
+
+    def lacks_room(num_blocks: int, num_seqs: int) -> bool:
+        return num_blocks > bm.num_free_gpu_blocks - bm.watermark_blocks or num_seqs > max_num_seqs
+
+    has_preempted = False
+    num_claimed_blocks = 0
+    num_claimed_seqs = sum(len(g.live_seqs()) for g in running)
+    for group in list(waiting):
+        if not outranks_swapped(group, swapped, "priority"):
+            break
+        live = group.live_seqs()
+        if any(bm.can_allocate(s.token_ids) is AllocStatus.NEVER for s in live):
+            continue  # rejected at admission; no one makes room for it
+        num_blocks = sum(bm.num_blocks_taken(s.token_ids) for s in live)
+        while (running and rank(running[-1], "priority") > rank(group, "priority")
+               and lacks_room(num_claimed_blocks + num_blocks, num_claimed_seqs + len(live))):
+            victim = running.pop()
+            num_claimed_seqs -= len(victim.live_seqs())
+            preempt(victim)
+            has_preempted = True
+        if lacks_room(num_claimed_blocks + num_blocks, num_claimed_seqs + len(live)):
+            break
+        num_claimed_blocks += num_blocks
+        num_claimed_seqs += len(live)
+    return has_preempted

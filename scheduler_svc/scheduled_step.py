@@ -1,0 +1,47 @@
+"""What one schedule() call chose: the sequences it runs, the groups it rejected or swapped out,
+and the StepPlan that carries it to the workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup
+from pagedserve.services.common.step_plan import StepPlan
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    group: SequenceGroup
+    seq: Sequence
+    num_scheduled_tokens: int
+    num_samples: int
+    is_sampling: bool  # the worker samples for it: this step computes up to its last known token
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    plan: StepPlan | None  # None: nothing for the workers this step
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    rejected: list[SequenceGroup] = field(default_factory=list)  # finished with an error here
+    swapped_out: list[SequenceGroup] = field(default_factory=list)  # their KV moves this step
+
+
+@dataclass(slots=True)
+class StepDraft:
+    """What schedule() accumulates before it becomes a StepPlan."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    rejected: list[SequenceGroup] = field(default_factory=list)
+    swapped_out: list[SequenceGroup] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    has_preempted: bool = False
+    num_long_prefills: int = 0
+    is_long_limit_lifted: bool = False  # the second pass: the budget left goes to deferred ones
+    capped: list[ScheduledSequence] = field(default_factory=list)  # long chunks, topped up last
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in
+                    or self.blocks_to_copy)

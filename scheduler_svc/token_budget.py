@@ -1,0 +1,52 @@
+"""The per-step budget (max_num_batched_tokens, max_num_seqs) and how many tokens of a group fit
+in what is left of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup
+
+
+@dataclass(slots=True)
+class TokenBudget:
+    max_num_tokens: int
+    max_num_seqs: int
+    num_tokens: int = 0
+    num_seqs: int = 0
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.max_num_tokens - self.num_tokens
+
+    @property
+    def remaining_seqs(self) -> int:
+        return self.max_num_seqs - self.num_seqs
+
+
+def assign_tokens(group: SequenceGroup, budget: TokenBudget, is_chunked: bool,
+                  cap: int | None = None) -> list[tuple[Sequence, int]] | None:
+    """Tokens to compute per live sequence this step (a long prefill's chunk at most `cap`);
+    None if none fit. Without chunking a prompt fits whole or not at all. The sequences of a
+    multi-sequence prefill stop one token short, so they all sample together in one later
+    step (beam search needs every beam's candidates at once)."""
+    live = group.live_seqs()
+    if budget.remaining_seqs < len(live):
+        return None
+    left = budget.remaining_tokens
+    if group.is_decode_phase():
+        return [(s, 1) for s in live] if len(live) <= left else None
+    if cap is not None:
+        left = min(left, cap)
+    if len(live) == 1:
+        want = live[0].num_uncomputed_tokens
+        num_tokens = min(want, left) if is_chunked else (want if want <= left else 0)
+        return [(live[0], num_tokens)] if num_tokens > 0 else None
+    assignment = []
+    for seq in live:
+        want = seq.num_uncomputed_tokens - 1
+        num_tokens = min(want, left) if is_chunked else want
+        if num_tokens > 0:
+            assignment.append((seq, num_tokens))
+            left -= num_tokens
+    return assignment if assignment and left >= 0 else None
