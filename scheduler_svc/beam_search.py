@@ -1,10 +1,8 @@
-"""One beam-search step for a group, with Hugging Face transformers' rules (early_stopping=False).
-
-Of all (beam, token) candidates, the best 2*beam_width by cumulative logprob are kept. One that
-ends its beam becomes a hypothesis (scored cum_logprob / num_output_tokens ** length_penalty) if it
-ranks among the best beam_width; the best beam_width others continue, the first continuation of a
-beam in its sequence, further ones in forks. The search stops when no beam continues, or when
-the best live beam cannot beat the worst of beam_width hypotheses (HF's heuristic).
+"""One beam-search step for a group, with Hugging Face transformers' rules (early_stopping=False):
+of the best 2*beam_width (beam, token) candidates, one that ends its beam becomes a hypothesis if
+it ranks among the best beam_width; the best beam_width others continue, the first continuation
+of a beam in its sequence, further ones in forks. The search stops when no beam continues, or
+when the best live beam cannot beat the worst of beam_width hypotheses.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""The engine loop shared by the in-process LLMEngine and the scheduler service.
+"""The engine loop shared by the in-process LLMEngine and the scheduler service; not thread-safe.
 
-`EngineCore` owns the scheduler, the block manager and the output processor, and drives its
-workers through `WorkerHandle`s -- the one seam: in-process `Worker`s here, `WorkerClient`s (gRPC)
-in the scheduler service. It is not thread-safe: one caller (the engine loop) at a
-time.
-
-Async scheduling (SchedulerConfig.async_scheduling, on by default): while step n runs on the
-workers, the engine already schedules step n+1 -- counting step n as done, with placeholders for
-the tokens it samples, which the workers fill in from their own mirrors -- and sends it, so the
-workers go from one step to the next without waiting for the scheduler, the RPC round trip or
-the output processing. A step() call thus returns step n's outputs with step n+1 in flight.
-Steps whose next one depends on their outputs (best_of forks, beam search) run one at a time.
-A sequence that finishes at step n has run one step too many; that result is dropped.
+Async scheduling: while step n runs, step n+1 is scheduled with placeholders for step n's sampled
+tokens and sent, so the workers never wait for the scheduler; step() returns step n's outputs
+with step n+1 in flight. Forks and beam search run one step at a time.
 """
 
 from __future__ import annotations
@@ -41,14 +32,11 @@ from pagedserve.services.common.step_plan import MemoryProfile, StepOutput, Step
 
 logger = logging.getLogger(__name__)
 
-# Worker rebuilds in a row (no step done between) after which the failed steps' requests are
-# blamed: they end with an error instead of being recomputed once more.
+# rebuilds with no step done between, after which the failed steps' requests are blamed
 MAX_REBUILDS_IN_A_ROW = 3
 
 
 class WorkerHandle(Protocol):
-    """The scheduler's handle on one worker: the worker core itself, or a client of one."""
-
     def load_model(self) -> WorkerInfo: ...
     def get_info(self) -> WorkerInfo: ...
     def profile_memory(self) -> MemoryProfile: ...
@@ -64,25 +52,20 @@ class StepFuture(Protocol):
 
 
 class StepObserver(Protocol):
-    """Follows each step from its sending to its processed outputs (the service's tracing)."""
-
     def step_sent(self, scheduled: ScheduledStep) -> contextlib.AbstractContextManager[Any]:
-        """Entered on the engine thread around the step's submission to the workers; what it
-        yields comes back to step_done."""
+        """Entered around the submission; what it yields comes back to step_done."""
 
     def step_done(self, handle: Any, scheduled: ScheduledStep,
                   outputs: list[RequestOutput]) -> None:
-        """The step's outputs are processed; after a failure, `outputs` carry the errors."""
+        """After a failure, `outputs` carry the errors."""
 
 
 @dataclass(slots=True)
 class _InFlight:
-    """A step sent to every worker, its outputs not yet processed."""
-
     scheduled: ScheduledStep
-    futures: list[StepFuture]  # one per worker
+    futures: list[StepFuture]
     is_advanced: bool = False  # Scheduler.advance_in_flight counted it
-    handle: Any = None  # what the StepObserver gave for it
+    handle: Any = None  # from StepObserver.step_sent
     schedule_time_s: float = 0.0
 
     def result(self) -> StepOutput:
@@ -95,7 +78,6 @@ class _InFlight:
         return results[0]
 
     def wait(self) -> None:
-        """Until every rank is done, whatever the outcome."""
         for future in self.futures:
             with contextlib.suppress(Exception):
                 future.result()
@@ -104,10 +86,8 @@ class _InFlight:
 class EngineCore:
     def __init__(self, config: EngineConfig, workers: list[WorkerHandle],
                  scheduler_epoch: int | None = None) -> None:
-        """The startup handshake: load_model on every rank, profile_memory (the smallest block
-        counts across ranks win, unless overridden), init_cache, warm_up. A fresh epoch (from
-        the clock unless given) takes the workers over from any earlier scheduler: they refuse
-        every call with another epoch from then on."""
+        """The startup handshake; its fresh epoch takes the workers over from any earlier
+        scheduler."""
         if not workers:
             raise ConfigError("EngineCore needs at least one worker, got none")
         self.config = config
@@ -158,22 +138,18 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids,
                                                 self.max_model_len, self._seq_ids)
         self._groups: dict[str, SequenceGroup] = {}
-        self._in_flight: _InFlight | None = None  # sent, outputs not processed yet
+        self._in_flight: _InFlight | None = None
         self.step_observer: StepObserver | None = None
         self._num_rebuilds_in_a_row = 0
         self._num_worker_rebuilds = 0
-        # what the latest processed step ran, for observers between steps (the step span)
         self.last_scheduled: ScheduledStep | None = None
         self.stat_loggers: list[StatLogger] = []
         self._totals = StepTotals()
 
-    # --- requests -----------------------------------------------------------------------------
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,
                     owner: str = "") -> None:
-        """Queue a request; bad input raises InvalidRequest naming the field and the value.
-        `owner`: who may abort it (abort_request), besides an admin."""
+        """`owner`: who may abort it besides an admin."""
         if request_id in self._groups:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
         check_request(request_id, prompt_token_ids, sampling, priority, self._limits)
@@ -184,13 +160,11 @@ class EngineCore:
         self.scheduler.add_group(group)
 
     def check_admission(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """What the Submit contract adds to add_request (see request_checks.check_admission)."""
         check_admission(prompt_token_ids, sampling, self._limits, len(self.scheduler.waiting))
 
     def abort_request(self, request_id: str, owner: str | None = None) -> RequestOutput:
-        """Finish a request with finish_reason "abort" and free its blocks; returns its last
-        report. Unknown (or already finished) request ids raise NotFound, and so does a request
-        of another `owner` (None: any owner, an admin's abort), with the same message."""
+        """A request of another `owner` (None: an admin's abort) raises the same NotFound as an
+        unknown one, so request ids leak nothing."""
         group = self._groups.get(request_id)
         if group is None or (owner is not None and owner != group.owner):
             raise NotFound(f"request_id {request_id!r} is not running")
@@ -202,10 +176,8 @@ class EngineCore:
         return report
 
     def stop_sequence(self, request_id: str, index: int) -> RequestOutput | None:
-        """Finish output `index` of a running request with finish_reason "stop" -- the caller
-        matched a stop string in its text -- and free its blocks. Returns the request's report
-        if that ended the request (its other outputs keep running otherwise). Beam search and
-        best_of > n pick their winners only at the end: stop their strings in the final text."""
+        """The caller matched a stop string in output `index`'s text. Returns the report if that
+        ended the request."""
         group = self._groups.get(request_id)
         if group is None:
             raise NotFound(f"request_id {request_id!r} is not running")
@@ -238,17 +210,10 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_worker_rebuilds=self._num_worker_rebuilds)
 
-    # --- the loop -----------------------------------------------------------------------------
-
     def step(self) -> list[RequestOutput]:
-        """Process one engine step: schedule → submit_step on every rank (rank 0's output is
-        used) → process its outputs. With async scheduling the step after it is scheduled and
-        sent before this one's outputs are waited for (see the module docstring).
-
-        A failed step finishes the requests it touched -- and those of the step sent after it,
-        whose outcome is dropped -- with finish_reason "error", resets the workers' mirrors
-        (clear_state) and leaves every other request running. If a worker lost its
-        KV cache (it restarted), it is rebuilt instead and every request recomputed (_rebuild)."""
+        """A failed step finishes the requests it touched, and those of the step sent after it,
+        with finish_reason "error"; every other request keeps running. A worker that lost its
+        KV cache is rebuilt instead and every request recomputed."""
         outputs: list[RequestOutput] = []
         current, self._in_flight = self._in_flight, None
         if current is None:
@@ -267,9 +232,7 @@ class EngineCore:
         return self._in_flight is not None
 
     def drain(self) -> list[RequestOutput]:
-        """Wait for the step still in flight (async scheduling), if any, and process it without
-        sending another: the workers are idle afterwards. Its outputs are usually empty -- the
-        requests it ran have finished -- unless some were added since."""
+        """Process the step in flight without sending another: the workers are idle after."""
         current, self._in_flight = self._in_flight, None
         outputs = self._finish(current) if current is not None else []
         self._forget_finished(outputs)
@@ -311,8 +274,7 @@ class EngineCore:
             stat_logger.record_finished(stats)
 
     def _schedule(self, outputs: list[RequestOutput]) -> _InFlight | None:
-        """Schedule a step and send it to every worker (None: nothing to run); the reports of
-        the requests the scheduler rejected go to `outputs`."""
+        """None: nothing to run. Rejected requests' reports go to `outputs`."""
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         schedule_time_s = time.perf_counter() - start
@@ -328,7 +290,6 @@ class EngineCore:
                              schedule_time_s=schedule_time_s)
 
     def _finish(self, step: _InFlight) -> list[RequestOutput]:
-        """Wait for the step's outputs and process them."""
         try:
             step_output = step.result()
         except Exception as exc:  # any worker failure: the engine keeps serving
@@ -346,18 +307,13 @@ class EngineCore:
             self.step_observer.step_done(step.handle, step.scheduled, outputs)
 
     def _can_run_ahead(self, current: _InFlight) -> bool:
-        """Whether the next step can be scheduled before `current`'s outputs are in: not when
-        they fork sequences or pick beams (several samples per sequence)."""
+        """Not when its outputs fork sequences or pick beams."""
         return self.config.scheduler.async_scheduling and all(
             item.num_samples == 1 for item in current.scheduled.scheduled if item.is_sampling)
 
     def _fail_steps(self, failed: _InFlight, exc: Exception) -> list[RequestOutput]:
-        """After a failed step: clear_state on every worker, in the same epoch (only a
-        handshake moves a worker to another). The steps sent before are all done by then, and
-        step ids keep growing, so no step sent before can follow one sent after. Workers that
-        cannot clear -- unreachable, or restarted without their KV cache -- are rebuilt and
-        every request is recomputed; otherwise the requests of the failed steps end with
-        finish_reason "error"."""
+        """clear_state stays in the same epoch (only a handshake moves a worker to another);
+        step ids keep growing, so no step sent before can follow one sent after."""
         steps = [failed]
         if self._in_flight is not None:  # sent after the failed one: the workers refuse it
             steps.append(self._in_flight)
@@ -389,13 +345,8 @@ class EngineCore:
 
     def _rebuild(self, lost: list[WorkerHandle], steps: list[_InFlight],
                  message: str) -> list[RequestOutput]:
-        """Some workers lost their KV cache (DESIGN: no accepted request is lost to a worker
-        crash): every request goes back to the queue to be recomputed from its tokens, and each
-        lost worker gets the startup handshake again once it is back (load_model waits for it,
-        up to the workers' startup timeout). The requests of the failed steps end with an error
-        instead if the workers were lost MAX_REBUILDS_IN_A_ROW times with no step done between:
-        one of them may be what brings the worker down. If a worker does not come back, every
-        request ends with an error; the next step tries again."""
+        """No accepted request is lost to a worker crash -- unless the workers were lost
+        MAX_REBUILDS_IN_A_ROW times in a row: the failed steps' requests may be the cause."""
         self._num_rebuilds_in_a_row += 1
         outputs: list[RequestOutput] = []
         if self._num_rebuilds_in_a_row >= MAX_REBUILDS_IN_A_ROW:
@@ -417,7 +368,6 @@ class EngineCore:
         return outputs
 
     def _handshake_again(self, worker: WorkerHandle) -> None:
-        """The startup handshake for one restarted worker, sized as the engine already is."""
         info = worker.load_model()
         if _shape(info) != _shape(self.worker_info) or info.max_model_len < self.max_model_len:
             raise ConfigError(f"the restarted worker serves another model: {info}, "
@@ -439,18 +389,15 @@ class EngineCore:
         return self._on_workers(call, self.workers)
 
     def _on_workers(self, call, workers: list[WorkerHandle]):
-        """call(worker) on each worker at once; the results in order, or the first error."""
         if self._pool is None or len(workers) == 1:
             return [call(worker) for worker in workers]
-        # each call runs in a copy of this thread's context, so the engine-step span (tracing)
-        # stays the parent of every rank's ExecuteStep
+        # a copy of this thread's context keeps the step span the parent of each ExecuteStep
         contexts = [contextvars.copy_context() for _ in workers]
         return list(self._pool.map(lambda ctx, w: ctx.run(call, w), contexts, workers))
 
 
 def _touched_groups(steps: list[_InFlight]) -> list[SequenceGroup]:
-    """The requests the steps ran, and those they swapped out (a failed swap-out may have lost
-    their KV), each once."""
+    """Swapped-out groups too: a failed swap-out may have lost their KV."""
     groups: dict[int, SequenceGroup] = {}
     for step in steps:
         groups.update((id(item.group), item.group) for item in step.scheduled.scheduled)
@@ -459,13 +406,12 @@ def _touched_groups(steps: list[_InFlight]) -> list[SequenceGroup]:
 
 
 def _shape(info: WorkerInfo) -> tuple:
-    """What the engine was sized by; a rebuilt worker must match it."""
     return (info.architecture, info.vocab_size, info.num_layers, info.num_kv_heads,
             info.head_size, info.dtype)
 
 
 def _submit(worker: WorkerHandle, plan: StepPlan) -> StepFuture:
-    """worker.submit_step; a call that fails at once fails its future instead."""
+    """A call that fails at once fails its future instead."""
     try:
         return worker.submit_step(plan)
     except Exception as exc:

@@ -1,10 +1,6 @@
-"""Turns a worker's StepOutput into sequence state and RequestOutputs.
-
-Results of sequences that finished or were aborted while the step ran are dropped. EOS and
-stop_token_ids end a sequence only after min_tokens. best_of > 1 samples best_of tokens at the end
-of the prompt and forks there; finished sequences give their blocks back at once. Running totals
-of prompts that got their first token and of tokens sampled are kept for the engine's stats.
-"""
+"""Turns a worker's StepOutput into sequence state and RequestOutputs. Results of sequences that
+finished or were aborted while the step ran are dropped; best_of > 1 samples best_of tokens at
+the end of the prompt and forks there."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Fairness between prefills (vLLM's long_prefill_token_threshold idea): a long prompt's chunk
-is capped while the other requests of a step are scheduled, and tops up on the budget they
-leave, so a short request next to a long prefill waits a step, not the whole prefill, and the
-long prefill loses no throughput."""
+"""Fairness between prefills: a long prompt's chunk is capped while the step's other requests are
+scheduled, then tops up on the budget they leave, so a short request next to a long prefill
+waits a step, not the whole prefill, and the long prefill loses no throughput."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ def long_prefill_threshold(config: SchedulerConfig, max_model_len: int) -> int:
 
 
 def long_prefill_cap(group: SequenceGroup, threshold: int) -> int | None:
-    """The chunk cap of a group still prefilling more than `threshold` tokens; None: not long."""
+    """None: not a long prefill."""
     if group.is_decode_phase():
         return None
     live = group.live_seqs()

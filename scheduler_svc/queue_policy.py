@@ -32,11 +32,9 @@ def outranks_swapped(group: SequenceGroup, swapped: deque[SequenceGroup], policy
 def preempt_for_priority(waiting: deque[SequenceGroup], running: deque[SequenceGroup],
                          swapped: deque[SequenceGroup], block_manager: BlockManager,
                          max_num_seqs: int, preempt: Callable[[SequenceGroup], None]) -> bool:
-    """Walk `waiting` in order, claiming room for each group; a group short of blocks or sequence
-    slots has `preempt` (by recompute, so the victims wait behind it, not in the swapped queue
-    ahead of it) the running groups that rank below it, lowest first. Stops at the first group
-    that cannot get room or does not outrank a swapped group: those after it rank lower still.
-    Returns whether any group was preempted. `running` must be sorted."""
+    """Claim room for each waiting group in order, preempting (by recompute, so the victims wait
+    behind it) the sorted running groups that rank below it, lowest first. Stops at the first
+    group that gets no room: those after it rank lower still. Returns whether any was."""
     bm = block_manager
 
     def lacks_room(num_blocks: int, num_seqs: int) -> bool:

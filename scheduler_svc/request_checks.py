@@ -14,7 +14,6 @@ from pagedserve.services.common.sampling_params import SamplingParams
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
-    """What the engine was sized with."""
 
     vocab_size: int
     max_model_len: int
@@ -27,7 +26,6 @@ class RequestLimits:
 
 def check_request(request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                   priority: int, limits: RequestLimits) -> None:
-    """Every request, the offline LLM's included."""
     if not request_id:
         raise InvalidRequest("request_id must not be empty, got ''")
     if len(request_id) > MAX_REQUEST_ID_CHARS:
@@ -62,9 +60,8 @@ def check_request(request_id: str, prompt_token_ids: list[int], sampling: Sampli
 
 def check_admission(prompt_token_ids: list[int], sampling: SamplingParams,
                     limits: RequestLimits, num_waiting: int) -> None:
-    """What the Submit contract adds (the offline LLM, which queues whole batches and lets
-    outputs end at max_model_len, skips it): the whole output fits in max_model_len, and the
-    waiting queue has room."""
+    """What Submit adds; the offline LLM queues whole batches and lets outputs end at
+    max_model_len."""
     num_tokens = len(prompt_token_ids) + sampling.max_tokens
     if num_tokens > limits.max_model_len:
         raise InvalidRequest(

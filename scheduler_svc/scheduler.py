@@ -1,9 +1,7 @@
-"""The scheduler: three queues (waiting, running, swapped), budgets, preemption, and the StepPlan.
+"""The scheduler: three queues (waiting, running, swapped), preemption, and the StepPlan.
 
-It owns every sequence's place in the queues and, through the BlockManager, its blocks. It also
-tracks what each worker mirror holds (Sequence.worker_block_ids / num_worker_tokens) so every
-StepPlan carries deltas only. The OutputProcessor calls back into it to fork and free sequences.
-"""
+It owns every sequence's place in the queues and, through the BlockManager, its blocks, and
+tracks what each worker mirror holds so every StepPlan carries deltas only."""
 
 from __future__ import annotations
 
@@ -48,11 +46,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._step_id = 0
         self._previous_step_id = 0  # the last plan sent in this epoch (0: none yet)
-        # mirrors the workers must drop, sent with the next plan that goes out
+        # mirrors to drop, sent with the next plan that goes out
         self._finished_seq_ids: list[int] = []
         self._preempted_seq_ids: list[int] = []
-
-    # --- queues -------------------------------------------------------------------------------
 
     def add_group(self, group: SequenceGroup) -> None:
         self.waiting.append(group)
@@ -62,12 +58,10 @@ class Scheduler:
 
     def finish_group(self, group: SequenceGroup, reason: FinishReason,
                      error: str | None = None) -> None:
-        """Finish every live sequence of `group` (abort, error), free its blocks, unqueue it."""
         group.finish(reason, error)
         self.release_finished(group)
 
     def release_finished(self, group: SequenceGroup) -> None:
-        """Free the blocks of the group's finished sequences; unqueue the group once all are."""
         for seq in group.seqs:
             if seq.is_finished:
                 self.free_seq(seq)
@@ -77,19 +71,18 @@ class Scheduler:
                     queue.remove(group)
 
     def free_seq(self, seq: Sequence) -> None:
-        """Give a sequence's blocks back and have the workers drop its mirror (idempotent)."""
+        """Idempotent."""
         if seq.is_known_to_worker:
             self._finished_seq_ids.append(seq.seq_id)
             seq.worker_block_ids = None
         self.block_manager.free(seq.seq_id)
 
     def fork_seq(self, parent: Sequence, child: Sequence) -> None:
-        """`child` starts sharing `parent`'s blocks; the worker learns it whole (NewSequence)."""
         self.block_manager.fork(parent.seq_id, child.seq_id)
         child.worker_block_ids = None
 
     def forget_worker_state(self) -> None:
-        """The workers lost their mirrors (ClearState after a failed step): resend everything."""
+        """The workers lost their mirrors (ClearState after a failed step)."""
         self._previous_step_id = 0
         for queue in (self.running, self.swapped, self.waiting):
             for group in queue:
@@ -99,10 +92,8 @@ class Scheduler:
         self._preempted_seq_ids.clear()
 
     def recompute_all(self) -> int:
-        """Every KV block is gone (a worker restarted): free all blocks, forget the prefix cache
-        and queue every running and swapped request for recomputation, ahead of the waiting
-        ones, in the policy's order. Their tokens are all here, so they resume where they
-        were. Returns the number of requests requeued."""
+        """Every KV block is gone (a worker restarted): requeue every running and swapped request
+        ahead of the waiting ones, to be recomputed from its tokens. Returns the number."""
         groups = sorted([*self.running, *self.swapped], key=self._key)
         for group in groups:
             self._to_waiting(group.live_seqs())
@@ -113,11 +104,8 @@ class Scheduler:
         return len(groups)
 
     def advance_in_flight(self, scheduled: ScheduledStep) -> None:
-        """Count a step that is still running as done, so the next one can be scheduled now
-        (async scheduling): its tokens are computed, and each sequence it samples for ends in a
-        placeholder for the token (the worker appends the real one itself).
-        OutputProcessor.process(..., is_advanced=True) puts the real tokens in. Only for steps
-        where every sampling sequence samples one token: forks and beams need their outputs."""
+        """Count a step still running as done, its sampled tokens placeholders, so the next can
+        be scheduled now. Forks and beams need their outputs first."""
         for item in scheduled.scheduled:
             seq = item.seq
             if seq.is_finished:  # finished or aborted after the step was sent
@@ -127,51 +115,25 @@ class Scheduler:
             if item.is_sampling:
                 seq.add_placeholder()
 
-    # --- scheduling ---------------------------------------------------------------------------
-
     def schedule(self) -> ScheduledStep:
         """Choose what runs in the next engine step and describe it as a StepPlan of deltas.
 
-        Order (chunked prefill, the default): decodes of running groups first (one token per
-        live sequence), then prefill chunks of running groups, then swapped groups coming back
-        (only if nothing was preempted this step), then prompts from `waiting` (only if nothing
-        was preempted, and only those that outrank every group still swapped out: the swapped
-        groups come back first, unless a waiting one has a higher priority) -- all within
-        `max_num_batched_tokens` tokens and `max_num_seqs` sequences. A prompt longer than the
-        token budget left is split into chunks over several steps; long ones share the budget
-        (prefill_fairness), at most max_long_partial_prefills per step, and waiting prompts pass
-        a long one that finds no slot. Without chunked prefill a step
-        is either all whole prompts or all decodes (vLLM V0); a lone prompt may then use up to
-        max(max_num_batched_tokens, max_model_len) tokens so every prompt can run.
+        Order (chunked prefill): decodes of running groups, their prefill chunks, then, only if
+        nothing was preempted, swapped groups coming back and waiting prompts that outrank every
+        swapped group -- within `max_num_batched_tokens` and `max_num_seqs`. Without chunked
+        prefill a step is all whole prompts or all decodes, and a lone prompt may use up to
+        max(max_num_batched_tokens, max_model_len) tokens.
 
-        Queues are ordered by the policy: FCFS (arrival time) or priority (lower `priority`
-        first, then arrival). Under the priority policy a waiting group that outranks running
-        groups but finds no room (KV blocks or max_num_seqs) first takes theirs: the
-        lowest-ranked running groups are preempted by recompute until it fits
-        (_preempt_for_priority). When a running group cannot get a block for its next token, the
-        lowest-ordered running group not yet scheduled this step is preempted (possibly the group
-        itself): by recompute (blocks freed, back to the front of `waiting`, the whole token list
-        is prefilled again later) for single-sequence groups, by swap (blocks copied to CPU
-        blocks, to `swapped`) for multi-sequence groups; `SchedulerConfig.preemption_mode`
-        overrides the choice, and a swap without CPU room falls back to recompute. A running
-        group that cannot grow even with the device to itself finishes with finish_reason
-        "error" (in `rejected`) instead of being preempted and resumed forever.
+        When a running group cannot get a block for its next token, the lowest-ranked running
+        group not yet scheduled this step is preempted (possibly itself): by recompute for
+        single-sequence groups, by swap for multi-sequence ones, unless `preemption_mode` says
+        otherwise or there is no CPU room. A group that can never run (too long, more blocks
+        than the device has) finishes with finish_reason "error" in `rejected`; the groups
+        behind it proceed.
 
-        A waiting prompt that can never run (not shorter than max_model_len, or more blocks than
-        the device has: AllocStatus.NEVER) finishes with finish_reason "error" and is returned in
-        `ScheduledStep.rejected`; the groups behind it proceed.
-
-        A multi-sequence group re-running its prefill (recompute after a fork) computes each
-        sequence up to one token short, so all its sequences sample together in one later
-        decode-phase step (beam search needs every beam's candidates at once).
-
-        The plan carries deltas against the workers' mirrors (pagedserve.scheduler_svc.deltas): NewSequence
-        whole for a sequence the workers do not know (with its num_computed_tokens: prefix-cache
-        hit, swapped-in or forked KV), RunningSequence otherwise. `finished_seq_ids` /
-        `preempted_seq_ids` name mirrors to drop; `blocks_to_swap_out` / `blocks_to_swap_in` /
-        `blocks_to_copy` are the cache ops, run in that order before the forward. `step_id` grows
-        by one per plan; a step with nothing to compute and no cache ops yields `plan=None` and
-        keeps the pending drops for the next plan.
+        The plan holds NewSequence for a sequence the workers do not know and RunningSequence
+        deltas otherwise. A step with nothing to do yields `plan=None` and keeps the pending
+        mirror drops for the next plan.
         """
         step = StepDraft()
         chunked = self.config.enable_chunked_prefill
@@ -252,8 +214,8 @@ class Scheduler:
             self._add(group, assignment, budget, step)
 
     def _schedule_waiting(self, budget: TokenBudget, step: StepDraft) -> None:
-        """Long prompts that find every long-prefill slot taken stay in `waiting`, in order, and
-        the prompts behind them are admitted past them."""
+        """Long prompts that find every long-prefill slot taken keep their place in `waiting`;
+        the prompts behind them pass."""
         passed: list[SequenceGroup] = []
         try:
             self._admit_waiting(budget, step, passed)
@@ -328,7 +290,7 @@ class Scheduler:
         return bm.num_free_gpu_blocks == bm.num_gpu_blocks
 
     def _allocate(self, seqs: list[Sequence]) -> AllocStatus:
-        """Blocks for every sequence's known tokens, all or none."""
+        """All or none."""
         done: list[Sequence] = []
         for seq in seqs:
             status = self.block_manager.can_allocate(seq.token_ids)
@@ -345,17 +307,15 @@ class Scheduler:
         return long_prefill_cap(group, self.long_prefill_token_threshold)
 
     def _can_swap_in(self, seq_ids: list[int]) -> bool:
-        """Room to swap in, plus a block per sequence to grow right after (vLLM's margin), so a
-        group that comes back can run instead of being swapped straight out again -- unless
-        nothing runs: then the room is all its own (without that, a group holding nearly the
-        whole device would wait forever)."""
+        """Room to swap in plus a block per sequence to grow, so a group that comes back is not
+        swapped straight out again -- unless nothing runs (else a group holding nearly the whole
+        device would wait forever)."""
         bm = self.block_manager
         num_blocks = len({b for seq_id in seq_ids for b in bm.block_table(seq_id)})
         margin = len(seq_ids) if self.running else 0
         return bm.can_swap_in(seq_ids) and bm.num_free_gpu_blocks >= num_blocks + margin
 
     def _can_append(self, assignment: list[tuple[Sequence, int]]) -> bool:
-        """Free blocks for the slots (and copy-on-writes) this assignment needs."""
         bm = self.block_manager
         return bm.can_append_slots(
             [seq.seq_id for seq, _ in assignment],
@@ -385,7 +345,6 @@ class Scheduler:
         budget.num_tokens += num_added
 
     def _preempt(self, group: SequenceGroup, step: StepDraft, mode: str | None = None) -> None:
-        """By `mode`, else as SchedulerConfig.preemption_mode says."""
         live = group.live_seqs()
         seq_ids = [s.seq_id for s in live]
         mode = mode or self.config.preemption_mode
@@ -413,7 +372,6 @@ class Scheduler:
         logger.debug("preempted request %s by %s", group.request_id, mode)
 
     def _to_waiting(self, seqs: list[Sequence]) -> None:
-        """Free the sequences' blocks: they wait to compute every token again."""
         for seq in seqs:
             self.block_manager.free(seq.seq_id)
             seq.num_computed_tokens = 0
@@ -424,7 +382,6 @@ class Scheduler:
         self._fail(group, step, message)
 
     def _fail(self, group: SequenceGroup, step: StepDraft, message: str) -> None:
-        """Finish a group that can never run with an error (reported in `rejected`)."""
         logger.warning("request %s rejected: %s", group.request_id, message)
         group.finish(FinishReason.ERROR, message)
         for seq in group.seqs:

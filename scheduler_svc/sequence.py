@@ -1,9 +1,6 @@
 """Requests as the scheduler sees them: a `SequenceGroup` per request, one `Sequence` per candidate.
-
-Each sequence remembers what the worker's mirror of it holds, so that steps carry only deltas.
 With async scheduling, a sequence the in-flight step samples for ends in a placeholder token until
-that step's output replaces it -- never across two engine steps.
-"""
+that step's output replaces it -- never across two engine steps."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Engine statistics, vLLM's IterationStats and FinishedRequestStats: what each processed step did
-and where each finished request spent its time, handed to the engine's stat loggers (the
-service's Prometheus metrics, the periodic log line). Steps are described from counters the engine
-keeps anyway, as differences between two steps, so a step costs a few subtractions.
-"""
+"""Engine statistics for the stat loggers: what each processed step did and where each finished
+request spent its time. A step is the difference between two sets of counters the engine keeps
+anyway, so it costs a few subtractions."""
 
 from __future__ import annotations
 
@@ -19,8 +17,6 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class StepTotals:
-    """The engine's running totals, since start."""
-
     num_prompt_tokens: int = 0  # of the prompts that got their first token
     num_generation_tokens: int = 0
     num_preemptions: int = 0
@@ -30,9 +26,7 @@ class StepTotals:
 
 @dataclass(frozen=True, slots=True)
 class StepStats:
-    """One processed engine step."""
-
-    num_scheduled_tokens: int  # prefill chunks and decodes of the step
+    num_scheduled_tokens: int
     num_prompt_tokens: int
     num_generation_tokens: int
     num_preemptions: int
@@ -65,7 +59,7 @@ class FinishedRequestStats:
     @classmethod
     def of(cls, finish_reason: str, arrival_time: float, first_scheduled_time: float | None,
            first_token_time: float | None, now: float) -> FinishedRequestStats:
-        """From monotonic times; a phase never reached ends when the request did."""
+        """A phase never reached ends when the request did."""
         scheduled = now if first_scheduled_time is None else first_scheduled_time
         first_token = now if first_token_time is None else first_token_time
         return cls(finish_reason, max(0.0, scheduled - arrival_time),
@@ -73,15 +67,14 @@ class FinishedRequestStats:
 
 
 class StatLogger(Protocol):
-    """Called on the thread driving the engine, never twice at once."""
+    """Never called twice at once."""
 
     def record_step(self, stats: StepStats) -> None: ...
     def record_finished(self, stats: FinishedRequestStats) -> None: ...
 
 
 class LoggingStatLogger:
-    """vLLM's periodic stats line: throughput since the last line, the queues, KV-cache usage and
-    the interval's prefix-cache hit rate. `log` runs on another thread than `record_step`."""
+    """vLLM's periodic stats line. `log` runs on another thread than `record_step`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -103,7 +96,6 @@ class LoggingStatLogger:
         pass
 
     def log(self, load: EngineLoad) -> str | None:
-        """Log the line (and return it); nothing while the engine stays idle."""
         now = time.monotonic()
         with self._lock:
             elapsed_s = max(now - self._since, 1e-9)

@@ -26,10 +26,8 @@ class TokenBudget:
 
 def assign_tokens(group: SequenceGroup, budget: TokenBudget, is_chunked: bool,
                   cap: int | None = None) -> list[tuple[Sequence, int]] | None:
-    """Tokens to compute per live sequence this step (a long prefill's chunk at most `cap`);
-    None if none fit. Without chunking a prompt fits whole or not at all. The sequences of a
-    multi-sequence prefill stop one token short, so they all sample together in one later
-    step (beam search needs every beam's candidates at once)."""
+    """None if none fit. The sequences of a multi-sequence prefill stop one token short, so they
+    all sample together in one later step (beam search needs every beam's candidates at once)."""
     live = group.live_seqs()
     if budget.remaining_seqs < len(live):
         return None

@@ -1,15 +1,9 @@
-"""The scheduler's gRPC client for one worker: a `WorkerClient` is a WorkerHandle
-(scheduler_svc/engine_core.py), so the engine drives remote workers exactly as it drives
-in-process ones.
+"""The scheduler's gRPC client for one worker, a WorkerHandle like the in-process Worker.
 
-The calls are synchronous -- EngineCore runs on the scheduler's engine thread -- except
-submit_step, which returns at once with a future (async scheduling). Every call carries
-a deadline (startup_timeout_s for the handshake, step_timeout_s for the rest); a worker that is
-gone or misses its deadline raises Unavailable, so a step fails fast instead of hanging. The
-handshake waits for the worker to come up (wait_for_ready), so the scheduler may start first --
-and so that EngineCore, rebuilding a worker that restarted, waits for it to be back.
-Once tracing is set up, every call is a CLIENT span (services/rpc/tracing.py), child of the span
-current on the calling thread (the engine step's, for ExecuteStep).
+Calls are synchronous (EngineCore runs on the engine thread) except submit_step. Every call has
+a deadline, so a worker that is gone fails a step fast (Unavailable) instead of hanging. The
+handshake waits for the worker to come up, so the scheduler may start first and a rebuild waits
+for a restarted worker.
 """
 
 from __future__ import annotations
@@ -32,9 +26,8 @@ from pagedserve.services.rpc.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-# ExecuteStep carries whole prompts; the default 4 MiB would cap a batch of long ones.
-_MAX_MESSAGE_BYTES = 256 << 20
-# A restarted worker is reconnected to within a second (gRPC's default backoff grows to 2 min).
+_MAX_MESSAGE_BYTES = 256 << 20  # ExecuteStep carries whole prompts
+# a restarted worker is reconnected to within a second (gRPC's default backoff grows to 2 min)
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -44,10 +37,7 @@ _CHANNEL_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
 class WorkerClient:
     def __init__(self, address: str, config: EngineConfig, step_timeout_s: float,
                  startup_timeout_s: float, tls: TlsConfig | None = None) -> None:
-        """`config` is the scheduler's: its block size and step budget must match the worker's
-        (the worker refuses a mismatch); memory budgets and the model come from the worker's
-        own flags. `tls`: the scheduler's internal certificates (mutual TLS); None or empty =
-        plaintext."""
+        """`config` is the scheduler's: the worker refuses another block size or step budget."""
         self.address = address
         self.config = config
         self.step_timeout_s = step_timeout_s
@@ -66,8 +56,6 @@ class WorkerClient:
                                                wait_for_ready=wait_for_ready)
         except grpc.RpcError as e:
             raise error_from_rpc(e, f"worker {self.address} {method}") from e
-
-    # --- the handshake --------------------------------------------------------------------------
 
     def load_model(self) -> WorkerInfo:
         response = self._call("LoadModel", worker_pb2.LoadModelRequest(),
@@ -93,14 +81,10 @@ class WorkerClient:
             self.startup_timeout_s)
 
     def warm_up(self) -> int:
-        """Returns the number of CUDA graphs the worker captured."""
         return self._call("WarmUp", worker_pb2.WarmUpRequest(),
                           self.startup_timeout_s).num_graphs_captured
 
-    # --- steps ----------------------------------------------------------------------------------
-
     def submit_step(self, plan: StepPlan) -> PendingStep:
-        """Send the step now; its result (or error) comes from the returned future."""
         call = self._stub.ExecuteStep.future(step_plan_to_proto(plan), timeout=self.step_timeout_s)
         return PendingStep(call, self.address)
 
@@ -113,7 +97,7 @@ class WorkerClient:
 
 
 class PendingStep:
-    """An ExecuteStep in flight; `result()` has the concurrent.futures.Future signature."""
+    """`result()` has the concurrent.futures.Future signature."""
 
     def __init__(self, call: grpc.Future, address: str) -> None:
         self._call = call
