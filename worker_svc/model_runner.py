@@ -1,5 +1,4 @@
-"""Runs one engine step: cache ops, mirror deltas, the flattened forward, logits at the selected
-rows only, sampling, and prompt logprobs."""
+"""Runs one engine step: cache ops, mirror deltas, the flattened forward, sampling."""
 
 from __future__ import annotations
 
@@ -33,12 +32,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.mirrors = SequenceMirrors(block_size, max_model_len)
-        self.decode_graphs: DecodeGraphs | None = None  # captured by Worker.warm_up on CUDA
+        self.decode_graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
     def execute_step(self, plan: StepPlan, cache_engine: CacheEngine) -> StepOutput:
-        """One engine step, in the contract's order: swap out, swap in, copy, apply the deltas,
-        forward, then sample for every sequence whose computed tokens reach its known tokens."""
         clock = _PhaseClock(self.device)
         cache_engine.swap_out(plan.blocks_to_swap_out)
         cache_engine.swap_in(plan.blocks_to_swap_in)
@@ -65,9 +62,8 @@ class ModelRunner:
 
     def _forward(self, model_input: ModelInput,
                  kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
-        """Hidden states of the whole batch (a CUDA graph replay for a decode-only step that
-        fits one), then logits only at the selected rows: [num_logits_rows, vocab] float32 (on
-        tensor-parallel rank 0, which samples: None on the others)."""
+        """[num_logits_rows, vocab] float32 on tensor-parallel rank 0, which samples; None on
+        the others."""
         graphs = self.decode_graphs
         batch_size = graphs.batch_size_for(model_input, kv_caches) if graphs else None
         if batch_size is None:
@@ -104,8 +100,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def dummy_run(self, query_lens: list[int], kv_caches: list[torch.Tensor]) -> None:
-        """A forward of prompts of the given lengths (token id 0) through `kv_caches`, laid out
-        block after block, with logits at each last row: the memory profile and the warm-up."""
+        """Prompts of these lengths, block after block: the memory profile and the warm-up."""
         seqs, next_block = [], 0
         for i, query_len in enumerate(query_lens):
             num_blocks = cdiv(query_len, self.block_size)
@@ -122,10 +117,9 @@ class ModelRunner:
 
 
 class _PhaseClock:
-    """The boundaries of a step's phases. Kernel launches are asynchronous, so on CUDA the
-    boundaries are events on the compute stream, read once the step's results are on the host
-    (the copy of the sampled ids waited for them all): timing adds no sync. Host clocks mark the
-    same boundaries, for CPU devices and for steps that never wait for the device."""
+    """On CUDA the phase boundaries are stream events, read once the sampled ids are on the host
+    (that copy waited for them all), so timing adds no sync. Host clocks serve CPU devices and
+    steps that never wait for the device."""
 
     def __init__(self, device: torch.device) -> None:
         self._host_ns: list[int] = []
@@ -143,7 +137,6 @@ class _PhaseClock:
         return [end - start for start, end in pairwise(self._host_ns)]
 
     def phases_ns(self) -> list[int]:
-        """Device time between the marks; call it once the step's results are on the host."""
         if self._events is None:
             return self.host_phases_ns()
         self._events[-1].synchronize()  # recorded after that copy: the stream is idle already
@@ -151,5 +144,4 @@ class _PhaseClock:
 
 
 def dummy_num_blocks(query_lens: list[int], block_size: int) -> int:
-    """Blocks `ModelRunner.dummy_run` needs for these prompt lengths."""
     return sum(cdiv(n, block_size) for n in query_lens)

@@ -1,9 +1,5 @@
-"""The worker's mirror of the scheduler's sequences, kept up to date from StepPlan deltas.
-
-The scheduler is the truth; this mirror only holds what the worker needs to run a sequence
-without being sent its whole history every step (vLLM V1's persistent batch): its tokens, block
-table, how many tokens already have KV in the cache, and its sampling settings.
-"""
+"""The worker's mirror of the scheduler's sequences, kept up to date from StepPlan deltas (vLLM
+V1's persistent batch). The scheduler is the truth."""
 
 from __future__ import annotations
 
@@ -34,12 +30,10 @@ class CachedSequence:
 
     @property
     def is_prefill(self) -> bool:
-        """More than one token this step: a prompt (chunk) or a recomputation."""
         return self.num_scheduled_tokens > 1
 
     @property
     def is_sampling(self) -> bool:
-        """Its computed tokens reach the end of its known tokens after this step."""
         return self.num_computed_tokens + self.num_scheduled_tokens >= len(self.token_ids)
 
     @property
@@ -49,9 +43,6 @@ class CachedSequence:
 
 
 class SequenceMirrors:
-    """seq_id → CachedSequence (one sequence's mirror), and the order in which this step's
-    sequences are batched."""
-
     def __init__(self, block_size: int, max_model_len: int) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -64,8 +55,7 @@ class SequenceMirrors:
         self.seqs.clear()
 
     def apply(self, plan: StepPlan) -> list[CachedSequence]:
-        """Apply the plan's deltas (all or none: `check` first); returns this step's sequences,
-        prefills first, then decodes (plan order inside each group)."""
+        """All or none. Returns this step's sequences, prefills first."""
         self.check(plan)
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
@@ -78,9 +68,7 @@ class SequenceMirrors:
 
     def check(self, plan: StepPlan, num_gpu_blocks: int | None = None,
               vocab_size: int | None = None) -> None:
-        """Refuse (InvalidRequest, NotFound) deltas that cannot apply, touching nothing: every
-        sequence once, known to the mirror if sent as a delta, its lengths consistent, and --
-        when given -- block ids in [0, num_gpu_blocks) and token ids in [0, vocab_size)."""
+        """Refuse deltas that cannot apply, touching nothing."""
         dropped = set(plan.finished_seq_ids) | set(plan.preempted_seq_ids)
         seq_ids = [s.seq_id for s in plan.new_seqs] + [s.seq_id for s in plan.running_seqs]
         if len(set(seq_ids)) != len(seq_ids):
@@ -108,9 +96,8 @@ class SequenceMirrors:
                                 seq.prompt_len, delta.num_samples)
 
     def advance(self, scheduled: list[CachedSequence], sampled: list[SampledSequence]) -> None:
-        """After the forward: this step's tokens now have KV in the cache, and a sequence that
-        sampled exactly one token has it appended (the scheduler counts on it, see
-        pagedserve.services.common.step_plan); several samples (forks, beams) wait for the scheduler's choice."""
+        """A sequence that sampled exactly one token has it appended: the scheduler counts on
+        it. Several samples (forks, beams) wait for the scheduler's choice."""
         for seq in scheduled:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
@@ -160,7 +147,6 @@ class SequenceMirrors:
 
 
 def _check_ids(name: str, seq_id: int, ids: list[int] | tuple[int, ...], limit: int | None) -> None:
-    """Every id in [0, limit); no limit: nothing to check."""
     if limit is None:
         return
     bad = [i for i in ids if not 0 <= i < limit]

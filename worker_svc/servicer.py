@@ -1,14 +1,10 @@
 """The Worker gRPC service over the worker core: convert in, call, convert out.
 
-Every model call (load, profile, steps, cache ops) runs on ONE dedicated thread, in order: the
-model and its KV cache are not thread-safe, and the event loop stays free to answer health
-checks while a step runs. Health is NOT_SERVING until a model is loaded and its cache allocated.
-With async scheduling the scheduler sends step n+1 while step n runs; ExecuteStep hands steps to
-the model thread in their previous_step_id order, whichever RPC arrived first.
-
-The model is loaded at startup from the worker's own flags (`load()`), so the scheduler's
-LoadModel -- whose empty or zero fields keep those flags -- is instant unless it asks for
-something else, in which case the model is loaded again.
+Every model call runs on ONE dedicated thread, in order: the model and its KV cache are not
+thread-safe, and the event loop stays free to answer health checks while a step runs. ExecuteStep
+hands steps to that thread in previous_step_id order, whichever RPC arrived first. The model is
+loaded at startup from the worker's own flags, so the scheduler's LoadModel is instant unless it
+asks for something else.
 """
 
 from __future__ import annotations
@@ -55,7 +51,7 @@ STEP_ORDER_WAIT_S = 60.0  # how long a step waits for its predecessor's RPC to a
 
 
 def merge_load_request(config: EngineConfig, msg: worker_pb2.LoadModelRequest) -> EngineConfig:
-    """`config` with the request's non-empty, non-zero fields applied (validation runs)."""
+    """Empty and zero fields keep the worker's flags."""
     model = config.model
     overrides: dict[str, Any] = {name: getattr(msg, name)
                                  for name in ("model", "dtype", "max_model_len", "load_format",
@@ -77,8 +73,6 @@ def _check_matches(field: str, requested: float, own: float) -> None:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, config: EngineConfig, rank: int = 0,
                  on_ready: Callable[[bool], Awaitable[None]] | None = None) -> None:
-        """`on_ready(is_ready)` is told when the worker can (or can no longer) run steps: the
-        server's health."""
         self.config = config
         self.rank = rank
         self.on_ready = on_ready
@@ -99,7 +93,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     @property
     def worker(self) -> Worker | None:
-        """The loaded worker core, None before the first load (what benchmarks read)."""
         return self._worker
 
     def _loaded(self) -> Worker:
@@ -108,8 +101,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self._worker
 
     async def load(self, config: EngineConfig | None = None) -> WorkerInfo:
-        """Load the model (the worker's flags, or `config`) on the model thread; the previous
-        model and its cache go away first."""
         async with self._load_lock:
             return await self._load(config or self.config)
 
@@ -130,8 +121,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.metrics_server.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
         leave_tensor_parallel()
-
-    # --- RPCs ---------------------------------------------------------------------------------
 
     @map_errors
     async def GetInfo(self, request: worker_pb2.GetInfoRequest,
@@ -230,7 +219,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 def create_worker_server(config: EngineConfig, service: WorkerServiceConfig
                          ) -> tuple[ServiceServer, WorkerServicer]:
-    """The Worker service bound to service.host:port (not started, no model loaded yet)."""
     servicer = WorkerServicer(config, service.rank)
     server, _ = create_server(
         [ServiceBinding(servicer, worker_pb2_grpc.add_WorkerServicer_to_server,
@@ -243,8 +231,7 @@ def create_worker_server(config: EngineConfig, service: WorkerServiceConfig
 
 async def start_worker(config: EngineConfig, service: WorkerServiceConfig
                        ) -> tuple[ServiceServer, WorkerServicer]:
-    """Listen, then load the model from the worker's flags; health turns SERVING once a
-    scheduler's handshake has allocated the cache."""
+    """Health turns SERVING once a scheduler's handshake has allocated the cache."""
     server, servicer = create_worker_server(config, service)
     await server.start()
     logger.info("worker rank %d listening on %s:%d", service.rank, service.host, server.port)
@@ -263,7 +250,6 @@ async def start_worker(config: EngineConfig, service: WorkerServiceConfig
 
 
 async def serve(config: EngineConfig, service: WorkerServiceConfig) -> None:
-    """Run a worker until SIGTERM/SIGINT."""
     server, servicer = await start_worker(config, service)
     try:
         await server.serve_until_signal(service.shutdown.drain_timeout_s)

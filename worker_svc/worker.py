@@ -1,12 +1,7 @@
 """The worker core: one model replica on one device, driven by the scheduler one call at a time
-(in process directly, or through the gRPC servicer, which wraps these methods 1:1).
+(directly, or through the gRPC servicer, which wraps these methods 1:1).
 
-Lifecycle: Worker(config) → load_model() → profile_memory() → init_cache(...) → warm_up() →
-execute_step(plan) per engine step (or submit_step, which runs it on the worker's step thread, so
-the caller can schedule the next step meanwhile). `clear_state(epoch)` forgets every sequence (the
-scheduler resends them after a failed step). Every call that carries a scheduler epoch follows
-`check_epoch`; steps out of their previous_step_id order or after a failed step are refused with
-StepOutOfOrder.
+Lifecycle: load_model → profile_memory → init_cache → warm_up → execute_step per engine step.
 """
 
 from __future__ import annotations
@@ -82,15 +77,13 @@ class Worker:
         self.scheduler_epoch = 0
         self.last_step_id = 0  # the step that ran last in this epoch (0: none yet)
         self.last_step_failed = False
-        self._step_thread: ThreadPoolExecutor | None = None  # submit_step's, made on first use
+        self._step_thread: ThreadPoolExecutor | None = None
         self.info: WorkerInfo | None = None
         self.runner: ModelRunner | None = None
         self.cache_engine: CacheEngine | None = None
         self.kv_spec: KVCacheSpec | None = None
-        self.backend: ModuleType | None = None  # the kernel module, imported by load_model
-        self.tp = SINGLE  # this rank's tensor-parallel group, joined by load_model
-
-    # --- startup ------------------------------------------------------------------------------
+        self.backend: ModuleType | None = None  # the kernel module
+        self.tp = SINGLE
 
     def load_model(self) -> WorkerInfo:
         model_config = self.config.model
@@ -139,8 +132,7 @@ class Worker:
                               self._graph_batch_sizes(), self._graph_max_seq_len())
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, scheduler_epoch: int) -> None:
-        """The end of a scheduler's handshake: allocate the KV cache (replacing any previous one)
-        and serve `scheduler_epoch` from now on; the mirror starts empty."""
+        """The end of a scheduler's handshake: serve `scheduler_epoch` from now on."""
         runner = self._runner()
         if num_gpu_blocks < 1 or num_cpu_blocks < 0:
             raise InvalidRequest(f"num_gpu_blocks must be >= 1 and num_cpu_blocks >= 0, got "
@@ -154,11 +146,8 @@ class Worker:
         self._reset_steps()
 
     def warm_up(self, batch_sizes: list[int] | None = None) -> int:
-        """One small prefill and decode-sized forward, so the first real step pays no one-time
-        costs (allocator growth, kernel selection); then, on CUDA with enable_cuda_graph, the
-        decode CUDA graphs on the KV cache (call init_cache first). batch_sizes: the decode
-        buckets to capture, none larger than the default largest (the memory profile reserved
-        for those); empty or None = the defaults. Returns the number of graphs captured."""
+        """Returns the number of CUDA graphs captured, none above the default largest size: the
+        memory profile reserved for those."""
         runner = self._runner()
         query_lens = [min(8, self.get_info().max_model_len), 1]
         kv_caches = allocate_kv_caches(self.kv_spec, dummy_num_blocks(query_lens,
@@ -181,16 +170,13 @@ class Worker:
         runner.decode_graphs = graphs
         return len(sizes)
 
-    # --- steps --------------------------------------------------------------------------------
-
     def execute_step(self, plan: StepPlan) -> StepOutput:
-        """Run one StepPlan (see pagedserve.services.common.step_plan for the protocol).
+        """Run one StepPlan (the protocol is in services/common/step_plan.py), strictly in
+        `previous_step_id` order.
 
-        A step with a block id outside its pool, a token id outside the vocabulary or deltas that
-        do not fit the mirror is refused (InvalidRequest, NotFound) before it touches the KV
-        cache or the mirror: every other sequence stays as it was. A step that raises later may
-        leave the mirror half-updated, so the steps after it are refused until the scheduler
-        calls clear_state and resends its sequences as new (the KV blocks are still valid).
+        A step with a bad block id, token id or delta is refused before it touches the KV cache
+        or the mirror. A step that raises later may leave the mirror half-updated, so the steps
+        after it are refused until clear_state (the KV blocks stay valid).
         """
         self.check_step(plan)
         if plan.previous_step_id != self.last_step_id:
@@ -211,41 +197,35 @@ class Worker:
             raise
 
     def check_step(self, plan: StepPlan) -> None:
-        """Refuse a step that cannot run whatever came before it: no model or KV cache yet
-        (Unavailable), or another scheduler's epoch."""
         self._runner()
         self._cache_engine()
         self.check_epoch(plan.scheduler_epoch, f"step {plan.step_id}")
 
     def submit_step(self, plan: StepPlan) -> Future[StepOutput]:
-        """execute_step on the worker's step thread; steps submitted in order run in order."""
+        """Steps submitted in order run in order, while the caller schedules the next."""
         if self._step_thread is None:
             self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="worker-step",
                                                    initializer=self._init_step_thread)
         return self._step_thread.submit(self.execute_step, plan)
 
     def _init_step_thread(self) -> None:
-        """Per-thread torch state the constructor set for its own thread."""
         if self.config.device.num_threads > 0:
             torch.set_num_threads(self.config.device.num_threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
     def clear_state(self, scheduler_epoch: int) -> None:
-        """Forget every sequence; the next step is the first again (KV blocks stay; the
-        scheduler resends its sequences as new). Unavailable without a KV cache: a worker that
-        restarted has lost the blocks the scheduler counts on (it rebuilds the worker)."""
+        """Forget every sequence; the KV blocks stay. Unavailable without a KV cache: a worker
+        that restarted has lost the blocks the scheduler counts on."""
         self._runner()
         self._cache_engine()
         self.check_epoch(scheduler_epoch, "clear_state")
         self._reset_steps()
 
     def check_epoch(self, scheduler_epoch: int, what: str, is_handshake: bool = False) -> None:
-        """The epoch rule, for every call that carries one: the worker serves only the scheduler
-        whose handshake (init_cache) set its epoch. A later scheduler (a larger epoch: epochs come
-        from the clock) takes over by doing the handshake; clear_state and steps never move the
-        epoch. The message leaves out the worker's epoch, so a caller cannot learn it to pass as
-        the scheduler."""
+        """The worker serves only the scheduler whose handshake set its epoch; a later one (a
+        larger epoch) takes over by doing the handshake. The message leaves out the worker's
+        epoch, so a caller cannot learn it to pass as the scheduler."""
         if scheduler_epoch == self.scheduler_epoch or (
                 is_handshake and scheduler_epoch > self.scheduler_epoch):
             return
@@ -253,10 +233,7 @@ class Worker:
                          "scheduler this worker serves; a newer scheduler takes the worker over "
                          "with the handshake (InitCache)")
 
-    # --- helpers ------------------------------------------------------------------------------
-
     def _reset_steps(self) -> None:
-        """No sequences, and the next step is the first."""
         self.last_step_id = 0
         self.last_step_failed = False
         self._runner().mirrors.clear()
@@ -266,9 +243,8 @@ class Worker:
                            self.backend)
 
     def _graph_batch_sizes(self) -> list[int]:
-        """The decode buckets to capture: none off CUDA, with enable_cuda_graph off, under tensor
-        parallelism (the all-reduces run eagerly), or with a backend whose kernels size their
-        launches by each step's real lengths."""
+        """None under tensor parallelism (the all-reduces run eagerly) or with a backend whose
+        kernels size their launches by each step's real lengths."""
         if (self.device.type != "cuda" or not self.config.device.enable_cuda_graph
                 or self.tp.size > 1):
             return []
@@ -293,8 +269,7 @@ class Worker:
 
 
 def create_worker(config: EngineConfig, rank: int = 0) -> Worker:
-    """The worker for config.device.device: the real one, or with "sim" the simulated GPU
-    (worker_svc/sim), which is the same core with the model, sampler and KV cache modelled."""
+    """"sim": the same core with the model, sampler and KV cache modelled."""
     if config.device.device == "sim":
         from pagedserve.worker_svc.sim.worker import SimWorker
 

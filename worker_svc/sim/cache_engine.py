@@ -1,6 +1,5 @@
-"""The simulated KV cache: block counts and layout of the real one (KVCacheSpec), no tensors.
-Cache ops are checked like the real ones and cost the time their bytes would take on the
-GpuTimeline; their data is never moved."""
+"""The simulated KV cache: the real one's block counts, no tensors. Cache ops are checked like
+the real ones and cost the time their bytes would take; no data moves."""
 
 from __future__ import annotations
 
@@ -32,15 +31,12 @@ class SimCacheEngine:
                         self.num_gpu_blocks, self.num_cpu_blocks)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """(device block, CPU block) pairs."""
         self._move(pairs, self.num_gpu_blocks, self.num_cpu_blocks, is_swap=True)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """(CPU block, device block) pairs."""
         self._move(pairs, self.num_cpu_blocks, self.num_gpu_blocks, is_swap=True)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """(device block, device block) pairs."""
         self._move(pairs, self.num_gpu_blocks, self.num_gpu_blocks, is_swap=False)
 
     def _move(self, pairs: list[tuple[int, int]], num_src: int, num_dst: int,

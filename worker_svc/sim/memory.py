@@ -1,6 +1,5 @@
-"""KV blocks the named GPU would hold (the sim's memory profile): what the real profile would
-leave of gpu_memory_utilization x the GPU's memory after the weights, the activation peak of the
-largest step and the CUDA context -- estimated from the shapes, since nothing is allocated."""
+"""The sim's memory profile: the KV blocks the named GPU would hold, estimated from the shapes
+since nothing is allocated."""
 
 from __future__ import annotations
 

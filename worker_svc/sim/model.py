@@ -1,7 +1,5 @@
-"""The simulated model: it takes the place of the nn.Module in ModelRunner, so the runner's
-bookkeeping (mirrors, the flattened batch, logits rows, sampling states) runs unchanged; only
-the forward is replaced by the time the roofline gives for the step, waited for on the
-GpuTimeline."""
+"""The simulated model: in place of the nn.Module, so ModelRunner's bookkeeping runs unchanged;
+the forward is the roofline's time for the step, waited for on the GpuTimeline."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ class SimModel(nn.Module):
         return input_ids.new_empty((input_ids.shape[0], 0), dtype=torch.float32)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Queues the whole step (its lm_head on these rows included), waits for it, and
-        returns uniform logits [num_rows, vocab] (a view: nothing is allocated per row)."""
+        """Waits for the whole step; the logits [num_rows, vocab] are a view of one row."""
         num_rows = hidden_states.shape[0]
         cost = self.roofline.step(self._query_lens, self._context_lens, num_rows)
         self.timeline.enqueue(cost.time_s)

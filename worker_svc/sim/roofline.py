@@ -1,13 +1,8 @@
-"""A roofline model of one engine step on a named GPU: the time the step's FLOPs take at peak
-FLOP/s or the time its bytes take at peak memory bandwidth, whichever is longer, plus a fixed
-per-step overhead.
-
-It is a model of time, not a measurement: it counts the matmul and attention FLOPs of a dense
-decoder, and the bytes every step must move (each weight read once, the KV of every scheduled
-sequence's context read, the new tokens' KV written); activations, kernel efficiency and
-overlap are left out (the calibration factors scale peak numbers down). Its floor for
-Llama-3-8B on an H100 SXM decoding one sequence is 15.0 GB / 3.35 TB/s = 4.5 ms, the published
-"~16 GB / 3.35 TB/s ~ 4.8 ms" less the embedding table, of which a step reads only its tokens' rows.
+"""A roofline model of one engine step on a named GPU: its FLOPs at peak FLOP/s or its bytes at
+peak bandwidth, whichever takes longer, plus a fixed overhead. Activations, kernel efficiency
+and overlap are left out (the calibration factors scale peak numbers down). Llama-3-8B decoding
+one sequence on an H100 SXM: 15.0 GB / 3.35 TB/s = 4.5 ms (a step reads only its tokens' rows
+of the embedding table).
 """
 
 from __future__ import annotations
@@ -41,8 +36,6 @@ GPUS = {g.name: g for g in (
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """The shapes of a dense decoder (Llama / Qwen2 / Mistral family) that set its cost."""
-
     name: str
     hidden_size: int
     num_layers: int
@@ -57,13 +50,11 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        """Matmul weights of one layer: q, k, v, o and the gated MLP (gate, up, down)."""
         q, kv = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         return self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
 
     @property
     def num_params(self) -> int:
-        """Every parameter, embedding and norms included (what the published counts count)."""
         h = self.hidden_size
         bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_size if self.has_qkv_bias else 0
         per_layer = self.layer_params + 2 * h + bias
@@ -72,8 +63,8 @@ class ModelShape:
 
     @property
     def params_read_per_step(self) -> int:
-        """Parameters a step reads whole: all but the input embedding table (its rows are
-        gathered) -- the lm_head is read whole even when tied to it."""
+        """All but the input embedding table, whose rows are gathered; the lm_head is read whole
+        even when tied to it."""
         embedding = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         return self.num_params - embedding
 
@@ -116,7 +107,6 @@ def resolve_gpu(name: str) -> GpuSpec:
 
 
 def resolve_model_shape(name_or_path: str) -> ModelShape:
-    """A preset by name, else a model folder (or its config.json)."""
     if name_or_path in MODELS:
         return MODELS[name_or_path]
     path = Path(name_or_path)
@@ -148,8 +138,6 @@ class Roofline:
 
     def step(self, query_lens: list[int], context_lens: list[int],
              num_logits_rows: int) -> StepCost:
-        """One forward: sequence i computes query_lens[i] new tokens after context_lens[i]
-        cached ones (causal inside its chunk); num_logits_rows rows go through the lm_head."""
         m = self.model
         num_tokens = sum(query_lens)
         # QK^T and PV, 2 FLOPs per multiply-add: new token j of a chunk sees context + j + 1

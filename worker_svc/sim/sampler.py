@@ -1,11 +1,8 @@
 """The simulated sampler: tokens are a deterministic function of (seed, position, the last
-tokens of the context), so a test can predict every output through the whole stack.
-
-Greedy rows ignore the seed (like argmax, the token depends on the context alone); other rows
-mix in the sequence's seed, or the model seed when unseeded. EOS is drawn with a fixed
-probability per token once min_tokens are out (never with ignore_eos), which makes output
-lengths geometric. Other tokens come from the middle of the vocabulary, away from special
-tokens. Logprobs are made up the same deterministic way, in [-5, -1), best first for beams.
+tokens of the context), so a test can predict every output through the whole stack. Greedy rows
+ignore the seed, like argmax. EOS has a fixed probability per token once min_tokens are out, so
+output lengths are geometric; other tokens come from the middle of the vocabulary, away from
+special tokens.
 """
 
 from __future__ import annotations
@@ -50,7 +47,6 @@ class SimSampler:
         self.token_range = range(low, max(vocab_size - 1000, vocab_size * 3 // 4, low + 1))
 
     def __call__(self, logits: object, seqs: list[SeqSamplingState]) -> list[SampledSequence]:
-        """logits: unused (the model's are uniform); one SampledSequence per state."""
         return [self._sample(s) for s in seqs]
 
     def _sample(self, s: SeqSamplingState) -> SampledSequence:
@@ -72,7 +68,6 @@ class SimSampler:
                                logprobs=[lp for _, lp in draws], top_logprobs=top_logprobs)
 
     def _top(self, token: int, logprob: float, num_top: int) -> list[TokenLogprob]:
-        """The sampled token first, then made-up runners-up, less probable one by one."""
         span = len(self.token_range)
         return [TokenLogprob(token, logprob)] + [
             TokenLogprob(self.token_range[(token - self.token_range.start + k) % span],

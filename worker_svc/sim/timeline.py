@@ -1,11 +1,7 @@
-"""The simulated GPU's timeline: work is queued (asynchronously, like kernel launches) and the
-host waits for it by sleeping until the moment it would be done.
-
-The wait is a sleep to an absolute deadline on the monotonic clock, never a busy loop, so the
-waiting thread leaves the CPU to the scheduler and the gateway. It never ends early (the sleep is
-repeated until the deadline has passed); it ends late by the kernel's wake-up latency, which
-grows with the host's load: the thread's timer slack is set to 1 ns (Linux's default is 50 us),
-so what is left is the OS scheduler's delay in running the woken thread.
+"""The simulated GPU's timeline: work is queued (like kernel launches) and the host waits for it
+by sleeping to an absolute deadline, never busy-looping, so the waiting thread leaves the CPU to
+the scheduler and the gateway. The wait never ends early; it ends late by the wake-up latency,
+kept low by a 1 ns timer slack (Linux's default is 50 us).
 """
 
 from __future__ import annotations
@@ -49,14 +45,12 @@ class GpuTimeline:
         self._last_log = (time.perf_counter(), 0.0)
 
     def enqueue(self, seconds: float) -> None:
-        """Queue `seconds` of device work behind whatever is queued already."""
         seconds *= self.time_scale
         start = max(time.perf_counter(), self._busy_until)
         self._busy_until = start + seconds
         self._busy_s += seconds
 
     def synchronize(self) -> None:
-        """Return once every queued piece of work would be done (never before)."""
         if not getattr(self._local, "is_slack_set", False):
             _tighten_timer_slack()
             self._local.is_slack_set = True

@@ -1,11 +1,6 @@
-"""The simulated worker (device "sim"): the real Worker -- epochs, step order, the sequence
-mirrors, the flattened batch, sampling states, cache-op checks -- with three parts swapped for
-models of a named GPU: the forward (SimModel: roofline time, waited for), the sampler
-(SimSampler: deterministic tokens) and the KV cache (SimCacheEngine: block counts sized like the
-GPU's memory, no tensors).
-
-Its timings are a model, never a measurement: they tell how the control plane would keep up with
-that GPU, not how fast the GPU is.
+"""The simulated worker (device "sim"): the real Worker with the forward, the sampler and the KV
+cache swapped for models of a named GPU. Its timings are a model, never a measurement: they tell
+how the control plane would keep up with that GPU, not how fast the GPU is.
 """
 
 from __future__ import annotations
