@@ -13,19 +13,16 @@ PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)  # int32, as the protos carry it
 
 @dataclass(frozen=True, slots=True)
 class SubmitRequest:
-    """One request as the scheduler service receives it (the twin of SubmitRequest)."""
-
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     priority: int = 0
-    owner: str = ""  # who may abort it (the gateway's tag of its caller); arrival is stamped
-    #                  on receipt, never taken from the caller
+    owner: str = ""  # who may abort it: the gateway's tag of its caller
 
 
 @dataclass(frozen=True, slots=True)
 class AbortRequest:
-    """An abort on behalf of a caller: only the owner of the request, or an admin, may."""
+    """Only the owner of the request, or an admin, may abort it."""
 
     request_id: str
     owner: str = ""

@@ -1,5 +1,5 @@
-"""The error taxonomy shared by every core. Mapping to gRPC status codes lives in one place,
-`services.status`; cores raise these and never import grpc."""
+"""The error taxonomy shared by every core, mapped to gRPC status codes in services/rpc/status.py
+only: cores raise these and never import grpc."""
 
 
 class PagedServeError(Exception):
@@ -30,11 +30,9 @@ class Unavailable(PagedServeError):
 
 
 class StaleEpoch(PagedServeError):
-    """A call with a scheduler epoch other than the one of the scheduler the worker serves
-    (→ FAILED_PRECONDITION)."""
+    """Another scheduler's epoch (→ FAILED_PRECONDITION)."""
 
 
 class StepOutOfOrder(StaleEpoch):
-    """A step whose predecessor (previous_step_id) did not run, or failed, on this worker: like a
-    stale epoch, the worker's state is not what the scheduler thinks, and ClearState resyncs it
-    (→ FAILED_PRECONDITION)."""
+    """The step's predecessor did not run, or failed: as with a stale epoch, the worker's state
+    is not what the scheduler thinks, and ClearState resyncs it."""

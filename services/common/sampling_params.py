@@ -1,8 +1,4 @@
-"""SamplingParams: vLLM's fields, defaults and validation rules, so users meet no surprise.
-
-Every check raises `InvalidRequest` with a message naming the field and the value; the gateway
-turns it into INVALID_ARGUMENT.
-"""
+"""SamplingParams: vLLM's fields, defaults and validation rules, so users meet no surprise."""
 
 from __future__ import annotations
 
@@ -13,12 +9,10 @@ from pagedserve.services.common.errors import InvalidRequest
 
 GREEDY_EPSILON = 1e-5  # temperature below this means greedy
 MAX_LOGPROBS = 20
-# Dividing or multiplying float32 logits by a repetition penalty outside this range overflows
-# them to inf (5e-324 turns every logprob into NaN); vLLM's useful range is about 1-2.
+# outside this range float32 logits overflow (5e-324 turns every logprob into NaN)
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
-# Beam scores divide by num_output_tokens ** length_penalty: bounded so the power stays finite
-# for any max_model_len.
+# bounded so num_output_tokens ** length_penalty stays finite for any max_model_len
 MAX_ABS_LENGTH_PENALTY = 10.0
 _FLOAT_FIELDS = ("length_penalty", "temperature", "top_p", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty")
@@ -54,14 +48,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        # frozen: normalise list inputs to tuples so instances stay hashable and immutable
+        # lists become tuples so instances stay hashable
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self._verify()
 
     @property
     def num_candidates(self) -> int:
-        """Sequences a group runs: best_of (n when unset)."""
         return self.best_of if self.best_of is not None else self.n
 
     @property
@@ -111,6 +104,5 @@ class SamplingParams:
                      f"best_of must be 1 when sampling greedily (temperature=0), got {self.num_candidates}")
 
     def verify_for_model(self, vocab_size: int) -> None:
-        """Checks that need the model: token ids inside the vocabulary."""
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         _require(not bad, f"stop_token_ids must be < vocab_size={vocab_size}, got {bad}")

@@ -1,22 +1,15 @@
 """The scheduler → worker contract as plain dataclasses: the twin of worker.proto's StepRequest
-and StepResult (the seeds' SchedulerOutputs, sent as deltas).
+and StepResult.
 
-The worker keeps a mirror of every sequence it has been told about, keyed by `seq_id`:
-- a sequence is sent whole once (`NewSequence`): when first scheduled, after a preemption (swap or
-  recompute; the worker forgot it), or when forked from a parent (n > 1, beam search);
-- afterwards only its delta (`RunningSequence`): tokens the scheduler appended since the last
-  step, block-table changes, and how many tokens to compute now;
-- `finished_seq_ids` / `preempted_seq_ids` drop mirrors.
-A sequence that samples exactly one token (`num_samples == 1`) gets it appended to its mirror by
-the worker itself, so a plain decode's delta carries no tokens; tokens the scheduler chose (best_of
-forks, beam search) travel in `new_token_ids`. That is also what lets the scheduler send step n+1
-before step n's output is back (async scheduling): steps chain through `previous_step_id`, and the
-worker runs them strictly in that order.
+The worker keeps a mirror of every sequence it was told about. A sequence is sent whole
+(`NewSequence`) when first scheduled, after a preemption, or when forked; afterwards only its
+delta (`RunningSequence`). A sequence that samples one token gets it appended by the worker
+itself, so a plain decode's delta carries no tokens, and the scheduler can send step n+1 before
+step n's output is back: steps chain through `previous_step_id`, run strictly in that order.
 
-Per step the worker: swaps out, swaps in, copies blocks (in that order), applies the deltas, builds
-the flattened batch (prefill chunks first, then decodes), runs the model, and samples for every
-sequence whose computed tokens reach the end of its known tokens after this step. Token ids travel
-as lists of ints, never tensors.
+Per step the worker swaps out, swaps in, copies blocks, applies the deltas, runs the flattened
+batch (prefill chunks first), and samples for every sequence whose computed tokens reach the end
+of its known tokens. Token ids travel as lists of ints, never tensors.
 """
 
 from __future__ import annotations

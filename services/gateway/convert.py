@@ -19,15 +19,12 @@ from pagedserve.services.rpc.convert_common import (
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, scheduler_pb2
 from pagedserve.services.text.text_stream import DecodedLogprob, StreamDelta
 
-# --- GenerateRequest --------------------------------------------------------------------------
-
 
 def _messages_from_proto(msg: gateway_pb2.ChatMessages) -> tuple[ChatMessage, ...]:
     return tuple(ChatMessage(role=m.role, content=m.content) for m in msg.messages)
 
 
 def generate_request_from_proto(msg: gateway_pb2.GenerateRequest) -> GenerateInput:
-    """Bad sampling values raise InvalidRequest naming the field and the value."""
     prompt = msg.WhichOneof("prompt")
     return GenerateInput(
         request_id=msg.request_id,
@@ -52,9 +49,6 @@ def generate_request_to_proto(request: GenerateInput) -> gateway_pb2.GenerateReq
     return msg
 
 
-# --- logprobs ---------------------------------------------------------------------------------
-
-
 def _logprob_to_proto(logprob: DecodedLogprob) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob,
                                    text=logprob.text)
@@ -72,9 +66,6 @@ def _positions_to_proto(positions: Sequence[Sequence[DecodedLogprob]]
 
 def _positions_from_proto(msgs: Sequence[common_pb2.TokenLogprobs]) -> list[list[DecodedLogprob]]:
     return [[_logprob_from_proto(c) for c in p.candidates] for p in msgs]
-
-
-# --- GenerateStreamResponse -------------------------------------------------------------------
 
 
 def stream_delta_to_proto(delta: StreamDelta, request_id: str
@@ -103,9 +94,6 @@ def stream_delta_from_proto(msg: gateway_pb2.GenerateStreamResponse) -> StreamDe
         prompt_logprobs=_positions_from_proto(msg.prompt_logprobs) or None)
 
 
-# --- GenerateResponse: the deltas of a request folded into whole outputs ----------------------
-
-
 def generate_response_to_proto(request_id: str, deltas: Sequence[StreamDelta], n: int
                                ) -> gateway_pb2.GenerateResponse:
     outputs = [gateway_pb2.CompletionOutput(index=i) for i in range(n)]
@@ -127,11 +115,7 @@ def generate_response_to_proto(request_id: str, deltas: Sequence[StreamDelta], n
     return msg
 
 
-# --- Tokenize ---------------------------------------------------------------------------------
-
-
 def tokenize_request_from_proto(msg: gateway_pb2.TokenizeRequest) -> GenerateInput:
-    """Tokenize takes text or messages; the request is checked like a GenerateRequest's prompt."""
     prompt = msg.WhichOneof("prompt")
     if prompt is None:
         raise InvalidRequest("prompt must be set: one of text or messages")
@@ -143,9 +127,6 @@ def tokenize_request_from_proto(msg: gateway_pb2.TokenizeRequest) -> GenerateInp
 def tokenize_response_to_proto(token_ids: Sequence[int], max_model_len: int
                                ) -> gateway_pb2.TokenizeResponse:
     return gateway_pb2.TokenizeResponse(token_ids=token_ids, max_model_len=max_model_len)
-
-
-# --- model info -------------------------------------------------------------------------------
 
 
 def model_info_to_proto(info: ModelInfo) -> gateway_pb2.ModelInfo:
@@ -165,8 +146,6 @@ def model_info_from_proto(msg: gateway_pb2.ModelInfo) -> ModelInfo:
 
 def model_info_from_served_model(msg: scheduler_pb2.ServedModel, has_chat_template: bool
                                  ) -> ModelInfo:
-    """The scheduler's ServedModel plus the gateway tokenizer's chat template; the model is
-    named by its folder's name."""
     return ModelInfo(model=served_model_name(msg.model), architecture=msg.architecture,
                      max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,
                      eos_token_ids=tuple(msg.eos_token_ids),

@@ -1,12 +1,6 @@
 """One request's text deltas between the scheduler's stream and a client that reads at its own
-pace.
-
-The gateway drains the scheduler's stream into this buffer whatever the client does, so a slow
-client never holds back the engine. The buffer is bounded in deltas: past the bound the pending
-deltas are coalesced into one per output index (text and token ids concatenated), so a slow
-reader gets the same text in fewer, larger pieces. What a request can generate is bounded by
-admission, so its buffer is too; a consumer stuck in writing one delta for too long is found by
-`wait_stalled`.
+pace, so a slow client never holds back the engine. Past its bound the pending deltas are
+coalesced into one per output index: a slow reader gets the same text in fewer, larger pieces.
 """
 
 from __future__ import annotations
@@ -20,7 +14,6 @@ MIN_PENDING_DELTAS = 64
 
 
 def merge_into(first: StreamDelta, later: StreamDelta) -> None:
-    """Fold `later` (the same index, after `first`) into `first`."""
     assert first.index == later.index, (first.index, later.index)
     first.text += later.text
     first.token_ids += later.token_ids
@@ -58,13 +51,12 @@ class DeltaBuffer:
         self._has_pending.set()
 
     def close(self, error: BaseException | None = None) -> None:
-        """No more deltas; `get` raises `error` once the pending ones are taken."""
+        """`get` raises `error` once the pending ones are taken."""
         self._is_closed = True
         self._error = error
         self._has_pending.set()
 
     async def get(self) -> StreamDelta | None:
-        """The next delta; None once closed and empty."""
         self._is_consumer_away.clear()
         self._is_consumer_back.set()
         await self._has_pending.wait()
@@ -80,9 +72,9 @@ class DeltaBuffer:
         return None
 
     async def wait_stalled(self, timeout_s: float) -> None:
-        """Returns once the consumer has stayed away for `timeout_s` after taking a delta (a
-        front door is away while it writes the delta to its client: a write that long means
-        the client stopped reading); runs until cancelled otherwise."""
+        """Returns once the consumer has stayed away `timeout_s` after taking a delta: a front
+        door is away while it writes the delta, and a write that long means the client stopped
+        reading."""
         while True:
             await self._is_consumer_away.wait()
             try:
@@ -92,7 +84,6 @@ class DeltaBuffer:
                 return
 
     def _coalesce(self) -> None:
-        """One delta per index, in the order of each index's first pending delta."""
         merged: dict[int, StreamDelta] = {}
         for delta in self._pending:
             if delta.index in merged:

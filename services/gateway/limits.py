@@ -1,11 +1,5 @@
 """Admission by cost: every request's worst case is known before any per-output work, so one
-request cannot make the gateway (or the replica behind it) do unbounded work.
-
-`check_request_cost` runs before tokenization: sequences, logprobs, stop strings, chat messages
-and the request's size. `check_fits_replica` runs once the prompt's length is known: the
-request's sequences at their longest must fit in the replica's KV cache. Each refusal is an
-InvalidRequest naming the field, the value and the limit (→ INVALID_ARGUMENT).
-"""
+request cannot make the gateway, or the replica behind it, do unbounded work."""
 
 from __future__ import annotations
 
@@ -23,15 +17,12 @@ def _require_at_most(name: str, value: int, limit: int, limit_name: str) -> None
 
 
 def max_num_seqs(limits: RequestLimitsConfig, info: ModelInfo) -> tuple[int, str]:
-    """The most sequences one request may run here, and the name of the limit that says so."""
     if info.max_num_seqs and info.max_num_seqs < limits.max_num_seqs_per_request:
         return info.max_num_seqs, "max_num_seqs"
     return limits.max_num_seqs_per_request, "max_num_seqs_per_request"
 
 
 def request_bytes(request: GenerateInput) -> int:
-    """The request's variable-size payload in bytes: prompt, messages, stop strings and token
-    ids (4 bytes each), text as UTF-8."""
     strings: list[str] = list(request.sampling.stop)
     if request.text is not None:
         strings.append(request.text)
@@ -46,7 +37,7 @@ def request_bytes(request: GenerateInput) -> int:
 
 def check_request_cost(request: GenerateInput, limits: RequestLimitsConfig,
                        info: ModelInfo) -> None:
-    """Everything knowable before tokenization; cheap whatever the request asks."""
+    """Before tokenization; cheap whatever the request asks."""
     sampling = request.sampling
     seq_limit, seq_limit_name = max_num_seqs(limits, info)
     _require_at_most("n", sampling.n, seq_limit, seq_limit_name)
@@ -78,8 +69,8 @@ def check_request_cost(request: GenerateInput, limits: RequestLimitsConfig,
 
 
 def num_blocks_at_most(num_prompt_tokens: int, sampling: SamplingParams, block_size: int) -> int:
-    """KV blocks the request's sequences hold at their longest: the prompt's full blocks are
-    shared by every sequence (forks copy only a partly filled block), the rest is each one's."""
+    """The prompt's full blocks are shared by every sequence (forks copy only a partly filled
+    block); the rest is each one's."""
     num_shared = num_prompt_tokens // block_size
     num_total = num_prompt_tokens + sampling.max_tokens
     num_own = (num_total + block_size - 1) // block_size - num_shared
@@ -87,8 +78,7 @@ def num_blocks_at_most(num_prompt_tokens: int, sampling: SamplingParams, block_s
 
 
 def check_fits_replica(num_prompt_tokens: int, sampling: SamplingParams, info: ModelInfo) -> None:
-    """A request the replica's KV cache could never hold, even alone, is refused now rather than
-    failed after its prefill."""
+    """Refused now rather than failed after its prefill."""
     if not (info.block_size and info.num_gpu_blocks):
         return
     num_blocks = num_blocks_at_most(num_prompt_tokens, sampling, info.block_size)

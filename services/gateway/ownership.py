@@ -1,11 +1,8 @@
 """Who may abort a request: the caller that submitted it, or an admin.
 
-The gateway tags every request it submits with an owner, an opaque hash of the caller's identity:
-its `authorization` credential when it sends one (an API key), else the identity of its TLS client
-certificate, else its host. Abort goes to the scheduler with the caller's owner, and the scheduler
-aborts only a request with the same owner (NOT_FOUND otherwise, as for an unknown id). A caller
-that shows the deployment's admin token may abort any request. Callers that share a credential,
-or a host without credentials, share an owner.
+The owner is an opaque hash of the caller's identity: its credential, else its TLS client
+certificate, else its host; callers sharing one share an owner. The scheduler aborts only a
+request of the same owner (NOT_FOUND otherwise, as for an unknown id).
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ def owner_tag(kind: str, identity: str) -> str:
 
 
 def caller_of(authorization: str = "", tls_identity: str = "", peer_host: str = "") -> Caller:
-    """The caller as any front door sees it (gRPC metadata or HTTP headers, TLS, the socket)."""
     credential = authorization.removeprefix("Bearer ").strip()
     if credential:
         return Caller(owner_tag("authorization", credential), credential)
@@ -41,7 +37,6 @@ def caller_of(authorization: str = "", tls_identity: str = "", peer_host: str = 
 
 
 def grpc_caller(context: Any) -> Caller:
-    """The caller of a grpc.aio call."""
     metadata = dict(context.invocation_metadata() or ())
     identities = context.peer_identities() or []
     peer = context.peer() or ""  # "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:/path"

@@ -1,10 +1,9 @@
 """The gateway's side of scheduler.proto: one channel, Submit streams, unary calls with deadlines.
 
 A Submit call has no deadline (a request lives as long as it generates), so a dead scheduler is
-found otherwise: the call is only opened on a connected channel (a bounded wait, else
-UNAVAILABLE), and HTTP/2 keepalive pings end a stream whose peer vanished without closing it.
-Leaving the `submit` iterator early (stop string, client gone, deadline) cancels the call, which
-aborts the request in the scheduler.
+found otherwise: the call opens only on a connected channel, and keepalive pings end a stream
+whose peer vanished. Leaving the `submit` iterator early cancels the call, which aborts the
+request in the scheduler.
 """
 
 from __future__ import annotations
@@ -49,7 +48,6 @@ _FAILED_STATES = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnec
 
 class SchedulerClient:
     def __init__(self, address: str, rpc_timeout_s: float, tls: TlsConfig | None = None) -> None:
-        """`tls`: the gateway's internal certificates (mutual TLS); None or empty = plaintext."""
         self.address = address
         self._rpc_timeout_s = rpc_timeout_s
         self._channel = internal_aio_channel(address, tls, CHANNEL_OPTIONS,
@@ -60,8 +58,7 @@ class SchedulerClient:
         await self._channel.close()
 
     async def wait_until_serving(self) -> None:
-        """Wait (no polling: a Health.Watch stream that waits for the connection) until the
-        scheduler reports SERVING."""
+        """No polling: a Health.Watch stream that waits for the connection."""
         stub = health_pb2_grpc.HealthStub(self._channel)
         call = stub.Watch(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True)
         try:
@@ -75,7 +72,6 @@ class SchedulerClient:
         raise Unavailable(f"{PEER} at {self.address} ended its health stream before serving")
 
     async def is_serving(self) -> bool:
-        """One Health.Check within rpc_timeout_s: False when unreachable or not SERVING."""
         try:
             response = await health_pb2_grpc.HealthStub(self._channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=self._rpc_timeout_s)
@@ -99,8 +95,6 @@ class SchedulerClient:
 
     async def submit(self, request: PreparedRequest, owner: str = ""
                      ) -> AsyncIterator[RequestOutput]:
-        """The request's token events until the scheduler ends the stream. `owner`: who may
-        abort it (see ownership)."""
         await self._ensure_connected()
         msg = submit_request_to_proto(SubmitRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
@@ -117,8 +111,8 @@ class SchedulerClient:
             call.cancel()  # no-op once the stream ended; otherwise it aborts the request
 
     async def _ensure_connected(self) -> None:
-        """READY, or UNAVAILABLE: at once when the last connection attempt failed (reconnects
-        back off at most MAX_RECONNECT_BACKOFF_MS), else after waiting rpc_timeout_s."""
+        """UNAVAILABLE at once when the last connection attempt failed (reconnects back off at
+        most MAX_RECONNECT_BACKOFF_MS), else after rpc_timeout_s."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._rpc_timeout_s
         state = self._channel.get_state(try_to_connect=True)

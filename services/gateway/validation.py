@@ -1,8 +1,4 @@
-"""A client's request checked against the served model and turned into prompt token ids.
-
-Every problem raises InvalidRequest naming the field and the value (→ INVALID_ARGUMENT); the
-sampling fields were already checked by SamplingParams when the request was converted.
-"""
+"""A client's request checked against the served model and turned into prompt token ids."""
 
 from __future__ import annotations
 
@@ -24,7 +20,7 @@ class ChatMessage:
 
 @dataclass(frozen=True, slots=True)
 class GenerateInput:
-    """What the client asked for; exactly one of text, token_ids, messages is set."""
+    """Exactly one of text, token_ids, messages is set."""
 
     request_id: str = ""
     text: str | None = None
@@ -36,15 +32,13 @@ class GenerateInput:
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """The served model, as the scheduler reports it plus what the gateway's tokenizer knows."""
-
     model: str
     architecture: str
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     has_chat_template: bool
-    # the replica's capacity (0 = not reported): what services/gateway/limits.py checks against
+    # the replica's capacity (0 = not reported)
     block_size: int = 0
     num_gpu_blocks: int = 0
     max_num_seqs: int = 0
@@ -52,8 +46,6 @@ class ModelInfo:
 
 @dataclass(frozen=True, slots=True)
 class PreparedRequest:
-    """Ready for the scheduler."""
-
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
@@ -61,8 +53,6 @@ class PreparedRequest:
 
 
 def prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo) -> list[int]:
-    """The prompt as token ids: text is tokenized (with the model's BOS), messages go through
-    the chat template, token ids are checked against the vocabulary."""
     if request.text is not None:
         if not request.text:
             raise InvalidRequest("prompt text must not be empty, got ''")
@@ -86,7 +76,7 @@ def prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ModelIn
 
 
 def check_request(request: GenerateInput, info: ModelInfo) -> str:
-    """The checks that need no tokenizer; returns the request id (a fresh one if unset)."""
+    """Returns the request id, a fresh one if unset."""
     request_id = request.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, "
@@ -97,7 +87,6 @@ def check_request(request: GenerateInput, info: ModelInfo) -> str:
 
 def prepared_request(request: GenerateInput, request_id: str, token_ids: list[int],
                      info: ModelInfo) -> PreparedRequest:
-    """The tokenized request, once its length is known to fit the model."""
     sampling = request.sampling
     num_tokens = len(token_ids) + sampling.max_tokens
     if num_tokens > info.max_model_len:
@@ -110,7 +99,6 @@ def prepared_request(request: GenerateInput, request_id: str, token_ids: list[in
 
 def prepare_request(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo
                     ) -> PreparedRequest:
-    """All of the above in the caller's thread (tests, tools); the gateway's Frontend runs the
-    tokenization in its thread pool and checks the request's cost first."""
+    """In the caller's thread (tests, tools); the Frontend tokenizes in its thread pool."""
     request_id = check_request(request, info)
     return prepared_request(request, request_id, prompt_token_ids(request, tokenizer, info), info)

@@ -49,7 +49,6 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
 
 
 def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Validates (InvalidRequest names the field and the value)."""
     kwargs = {name: getattr(msg, name) for name in _PLAIN_FIELDS}
     kwargs.update({name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)})
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), **kwargs)

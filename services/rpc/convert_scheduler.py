@@ -1,7 +1,4 @@
-"""scheduler.proto ↔ the scheduler's dataclasses: the only place they meet. Free functions, one
-pair per message; the scheduler servicer and the gateway's scheduler client call them, the engine
-core never sees protobuf.
-"""
+"""scheduler.proto ↔ the scheduler's dataclasses: the only place they meet."""
 
 from __future__ import annotations
 
@@ -27,7 +24,6 @@ def submit_request_to_proto(request: SubmitRequest) -> scheduler_pb2.SubmitReque
 
 
 def submit_request_from_proto(msg: scheduler_pb2.SubmitRequest) -> SubmitRequest:
-    """Raises InvalidRequest (naming the field and the value) for bad sampling parameters."""
     return SubmitRequest(
         request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
         sampling=sampling_params_from_proto(msg.sampling), priority=msg.priority,
@@ -107,7 +103,6 @@ def load_from_proto(msg: scheduler_pb2.Load) -> EngineLoad:
 def served_model_to_proto(model: str, info: WorkerInfo, max_model_len: int, vocab_size: int,
                           eos_token_ids: list[int], block_size: int = 0, num_gpu_blocks: int = 0,
                           max_num_seqs: int = 0) -> scheduler_pb2.ServedModel:
-    """What the workers serve (rank 0's info) under the limits the scheduler enforces."""
     return scheduler_pb2.ServedModel(
         model=model, architecture=info.architecture, max_model_len=max_model_len,
         vocab_size=vocab_size, eos_token_ids=eos_token_ids, block_size=block_size,

@@ -1,10 +1,5 @@
-"""worker.proto ↔ services/common/step_plan.py: the only place the worker contract's protobuf and its
-dataclasses meet. Free functions, one pair per message; the servicer and the scheduler's worker
-client call them, the cores never see protobuf.
-
-ExecuteStep runs these once per engine step, so they copy repeated fields wholesale (`extend`,
-constructor lists) rather than element by element where they can.
-"""
+"""worker.proto ↔ services/common/step_plan.py: the only place they meet. ExecuteStep runs these
+once per engine step, so they copy repeated fields wholesale rather than element by element."""
 
 from __future__ import annotations
 
@@ -31,7 +26,6 @@ from pagedserve.services.rpc.v1 import worker_pb2
 
 
 def block_pairs_to_proto(pairs: Sequence[tuple[int, int]], msg: worker_pb2.BlockPairs) -> None:
-    """Fill `msg` (a message field, e.g. `request.blocks_to_copy`) with (src, dst) pairs."""
     msg.src.extend(src for src, _ in pairs)
     msg.dst.extend(dst for _, dst in pairs)
 
@@ -92,7 +86,6 @@ def step_plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
 
 
 def step_plan_from_proto(msg: worker_pb2.StepRequest) -> StepPlan:
-    """Raises InvalidRequest for a malformed request (bad sampling params, unpaired block ids)."""
     return StepPlan(
         scheduler_epoch=msg.scheduler_epoch, step_id=msg.step_id,
         previous_step_id=msg.previous_step_id,

@@ -1,10 +1,6 @@
-"""Prometheus metrics of a service: its own registry (the three services may share a process, as
-in tests), served over HTTP at /metrics by prometheus_client's server on a side thread, and the
-histogram buckets vLLM uses, so dashboards built for vLLM read pagedserve unchanged.
-
-Metric names are vLLM's (`vllm:...`, label `model_name`) where vLLM has the metric, and
-`pagedserve:...` otherwise. prometheus_client appends `_total` to a counter's name itself: counters
-are declared without it.
+"""Prometheus metrics of a service, in its own registry (the services may share a process, as in
+tests). Names and buckets are vLLM's where vLLM has the metric, so its dashboards read pagedserve
+unchanged; `pagedserve:...` otherwise. prometheus_client appends `_total` to counters itself.
 """
 
 from __future__ import annotations
@@ -44,8 +40,6 @@ def tokens_buckets(max_model_len: int) -> list[int]:
 
 @dataclass(slots=True)
 class MetricsServer:
-    """A running /metrics endpoint; `port` is the bound one (ask for 0 in tests)."""
-
     port: int
     _httpd: Any
 
@@ -56,7 +50,7 @@ class MetricsServer:
 
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int,
                          service: str) -> MetricsServer | None:
-    """Serve `registry` at http://host:port/metrics; None when `port` is -1 (off)."""
+    """None when `port` is -1 (off)."""
     if port < 0:
         return None
     httpd, _ = start_http_server(port, addr=host, registry=registry)

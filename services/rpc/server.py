@@ -1,16 +1,5 @@
-"""gRPC server plumbing every service shares: a grpc.aio server with the standard
-grpc.health.v1 Health service and server reflection, and the graceful shutdown.
-
-    server, port = create_server([ServiceBinding(servicer, add_GenerationServicer_to_server,
-                                                 "pagedserve.v1.Generation")], host, port)
-    await server.start()
-    await server.set_serving(True)              # once the model is loaded, the cache allocated
-    await server.serve_until_signal(grace_s, drain=...)  # SIGTERM: NOT_SERVING, drain, stop
-
-Health starts NOT_SERVING for the whole server ("") and each bound service; the owner marks it
-serving when it can take work. Shutdown: health goes NOT_SERVING (load balancers stop routing),
-`is_draining` turns true (owners refuse new work with UNAVAILABLE), the owner's `drain` waits for
-work in flight, then `server.stop(grace)` ends the calls still open.
+"""The gRPC server every service shares: grpc.aio with standard Health and reflection, and the
+graceful shutdown. Health starts NOT_SERVING; the owner marks it serving when it can take work.
 """
 
 from __future__ import annotations
@@ -36,7 +25,7 @@ DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),  # two services must never share a port by accident
-    # Clients ping every 10 s to find a vanished peer during long streams; allow it.
+    # clients ping every 10 s to find a vanished peer during long streams
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 )
@@ -44,16 +33,12 @@ DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
 
 @dataclass(frozen=True, slots=True)
 class ServiceBinding:
-    """One servicer and how the generated code adds it to a server."""
-
     servicer: object
-    add_to_server: Callable[[Any, grpc.aio.Server], None]  # e.g. add_GenerationServicer_to_server
-    name: str  # full service name, e.g. "pagedserve.v1.Generation"
+    add_to_server: Callable[[Any, grpc.aio.Server], None]  # add_GenerationServicer_to_server
+    name: str  # "pagedserve.v1.Generation"
 
 
 class ServiceServer:
-    """A started-or-not grpc.aio server with its health state."""
-
     def __init__(self, server: grpc.aio.Server, port: int, service_names: Sequence[str],
                  health: health_aio.HealthServicer,
                  health_server: grpc.aio.Server | None = None) -> None:
@@ -77,7 +62,6 @@ class ServiceServer:
                     ", ".join(self.service_names), self.port)
 
     async def set_serving(self, is_serving: bool) -> None:
-        """Health of the server and of every bound service."""
         status = (health_pb2.HealthCheckResponse.SERVING if is_serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("", *self.service_names):
@@ -85,8 +69,8 @@ class ServiceServer:
 
     async def shutdown(self, grace_s: float, drain: Callable[[], Awaitable[None]] | None = None
                        ) -> None:
-        """NOT_SERVING, stop admitting, drain (the owner's wait for work in flight, bounded by
-        the owner), then stop the server: calls still open after `grace_s` are cancelled."""
+        """NOT_SERVING (load balancers stop routing), `is_draining` (owners refuse new work),
+        the owner's `drain`, then calls still open after `grace_s` are cancelled."""
         if self._is_draining:
             return
         self._is_draining = True
@@ -101,7 +85,6 @@ class ServiceServer:
 
     async def serve_until_signal(self, grace_s: float,
                                  drain: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Block until SIGTERM or SIGINT, then shut down."""
         loop = asyncio.get_running_loop()
         stop_requested = asyncio.Event()
         signals = (signal.SIGTERM, signal.SIGINT)
@@ -131,12 +114,8 @@ def create_server(bindings: Sequence[ServiceBinding], host: str = "127.0.0.1", p
                   credentials: grpc.ServerCredentials | None = None, health_port: int = 0,
                   interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
                   ) -> tuple[ServiceServer, int]:
-    """A grpc.aio server with `bindings`, Health and reflection, bound to host:port (0 = any
-    free port) with `credentials` (None = plaintext; services/rpc/tls.py), tracing every call
-    once tracing is set up (services/rpc/tracing.py), answering requests that do not parse with
-    INVALID_ARGUMENT (services/rpc/malformed_requests.py), then `interceptors`. A `health_port`
-    adds a plaintext server with Health alone, for probes that cannot speak TLS.
-    Returns the server (not started) and the port it bound."""
+    """Returns the server, not started, and the port it bound (`port` 0: any free one). A
+    `health_port` adds a plaintext server with Health alone, for probes that cannot speak TLS."""
     server = grpc.aio.server(options=list(options),
                              interceptors=[MalformedRequestInterceptor(), *server_interceptors(),
                                            *interceptors])

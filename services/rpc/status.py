@@ -1,10 +1,5 @@
-"""The one mapping between the error taxonomy (pagedserve.services.common.errors) and gRPC status codes.
-
-Servicers: decorate handlers with `@map_errors` (unary and server-streaming alike), or call
-`abort_with(context, exc)`. Clients: turn a failed call into our errors with `error_from_rpc`.
-Unexpected exceptions become INTERNAL with their message (and a logged traceback); a bad request
-never takes the service down.
-"""
+"""The one mapping between the error taxonomy (services/common/errors.py) and gRPC status codes.
+Unexpected exceptions become INTERNAL with their message and a logged traceback."""
 
 from __future__ import annotations
 
@@ -26,7 +21,7 @@ from pagedserve.services.common.errors import (
 
 logger = logging.getLogger(__name__)
 
-# Most specific first: ConfigError is an InvalidRequest, NotFound is also a KeyError.
+# most specific first: ConfigError is an InvalidRequest, NotFound is also a KeyError
 _TO_CODE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -43,13 +38,12 @@ _FROM_CODE: dict[grpc.StatusCode, type[PagedServeError]] = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.FAILED_PRECONDITION: StaleEpoch,
 }
-# A peer that did not answer in time, or that dropped the call, is as good as gone.
+# a peer that did not answer in time, or dropped the call, is as good as gone
 _PEER_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.CANCELLED)
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """(code, message) for an exception; anything outside the taxonomy is INTERNAL."""
     for error_type, code in _TO_CODE:
         if isinstance(exc, error_type):
             return code, str(exc)
@@ -57,7 +51,6 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
-    """End the call with the status `exc` maps to. Raises (grpc's abort always does)."""
     code, message = status_of(exc)
     if code == grpc.StatusCode.INTERNAL:
         logger.error("unexpected error in handler", exc_info=exc)
@@ -69,8 +62,7 @@ Handler = TypeVar("Handler", bound=Callable[..., Any])
 
 
 def map_errors(handler: Handler) -> Handler:
-    """Decorate a grpc.aio handler `(self, request, context)`, unary (coroutine) or
-    server-streaming (async generator): an exception becomes its status code."""
+    """For unary and server-streaming grpc.aio handlers alike."""
     if inspect.isasyncgenfunction(handler):
         @functools.wraps(handler)
         async def streaming(self: Any, request: Any, context: grpc.aio.ServicerContext
@@ -98,8 +90,7 @@ def map_errors(handler: Handler) -> Handler:
 
 
 def error_from_status(code: grpc.StatusCode, details: str, peer: str = "peer") -> PagedServeError:
-    """Our error for a status a peer answered with; codes outside the taxonomy (INTERNAL,
-    UNKNOWN, ...) become a plain PagedServeError, which maps back to INTERNAL."""
+    """Codes outside the taxonomy become a plain PagedServeError, which maps back to INTERNAL."""
     if code in _PEER_GONE:
         return Unavailable(f"{peer} is unavailable ({code.name}): {details}")
     error_type = _FROM_CODE.get(code)
@@ -109,5 +100,4 @@ def error_from_status(code: grpc.StatusCode, details: str, peer: str = "peer") -
 
 
 def error_from_rpc(exc: grpc.aio.AioRpcError, peer: str = "peer") -> PagedServeError:
-    """A failed client call as our error (raise it `from exc`)."""
     return error_from_status(exc.code(), exc.details() or "", peer)

@@ -1,12 +1,6 @@
-"""TLS for the services' ports and channels.
-
-Internal ports (scheduler, worker) with a TlsConfig take mutual TLS: the server asks every
-client for a certificate signed by the configured CA and refuses the handshake without one, and
-every internal client shows its own certificate and checks the server's against the same CA.
-A folder given by `internal_tls_dir` holds the files under the names a cert-manager Certificate
-(or any kubernetes.io/tls Secret with ca.crt) mounts: CA_FILE, CERT_FILE, KEY_FILE.
-Without TLS an internal port on a non-loopback address is open to anyone who reaches it, and a
-warning says so.
+"""TLS for the services' ports and channels. Internal ports (scheduler, worker) take mutual TLS
+against one CA; `internal_tls_dir` holds the files under the names a cert-manager Certificate
+(or a kubernetes.io/tls Secret with ca.crt) mounts.
 """
 
 from __future__ import annotations
@@ -47,7 +41,6 @@ def read_pem(flag: str, path: str | Path) -> bytes:
 
 
 def internal_pem(tls: TlsConfig) -> InternalPem | None:
-    """The CA, certificate and key of `tls`, read now; None when TLS is off."""
     if tls.internal_tls_dir:
         folder = Path(tls.internal_tls_dir)
         return InternalPem(*(read_pem("internal_tls_dir", folder / name)
@@ -69,7 +62,6 @@ def is_loopback(host: str) -> bool:
 
 def internal_server_credentials(tls: TlsConfig, host: str, service: str
                                 ) -> grpc.ServerCredentials | None:
-    """Mutual TLS for an internal port, or None (plaintext, with a warning off loopback)."""
     pem = internal_pem(tls)
     if pem is None:
         if not is_loopback(host):
@@ -83,8 +75,7 @@ def internal_server_credentials(tls: TlsConfig, host: str, service: str
 
 
 def public_server_credentials(public: PublicTlsConfig) -> grpc.ServerCredentials | None:
-    """Server-authenticated TLS for the gateway's public port (client certificates required
-    only with a client CA), or None for plaintext."""
+    """Client certificates are required only with a client CA."""
     if not public.is_enabled:
         return None
     client_ca = (read_pem("public_tls_client_ca", public.public_tls_client_ca)
@@ -107,7 +98,6 @@ def _security(tls: TlsConfig | None) -> tuple[grpc.ChannelCredentials | None,
 
 def internal_channel(address: str, tls: TlsConfig | None,
                      options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
-    """A blocking channel to an internal service: mutual TLS when `tls` has certificates."""
     credentials, extra = _security(tls)
     if credentials is None:
         return grpc.insecure_channel(address, options=list(options))
@@ -117,7 +107,6 @@ def internal_channel(address: str, tls: TlsConfig | None,
 def internal_aio_channel(address: str, tls: TlsConfig | None,
                          options: Sequence[tuple[str, Any]] = (),
                          interceptors: Sequence[Any] | None = None) -> grpc.aio.Channel:
-    """An asyncio channel to an internal service: mutual TLS when `tls` has certificates."""
     credentials, extra = _security(tls)
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=list(options),

@@ -1,22 +1,7 @@
-"""OpenTelemetry tracing: one trace per request across gateway → scheduler → worker.
-
-- `tracing_setup.setup_tracing` installs the process's TracerProvider (once), before the servers
-  and channels are made. Off by default: then servers and channels get no interceptors (zero cost
-  per call), the engine's own spans come from the no-op tracer, and nothing is exported.
-- W3C trace context (`traceparent`, `tracestate`) travels in gRPC metadata.
-- `ServerTracingInterceptor` (grpc.aio) opens one SERVER span per RPC, a child of the caller's
-  context; a server-streaming RPC's span covers the whole stream.
-- `aio_client_interceptors` (grpc.aio) and `client_interceptors` (sync grpc) open one CLIENT
-  span per call, a child of the current span, and send its context along.
-
-Spans are named `package.Service/Method` and carry rpc.system.name / rpc.method /
-rpc.response.status_code (OpenTelemetry's RPC conventions), plus what `_RPC_ATTRIBUTES` reads
-from the messages of pagedserve's own methods: the GenAI conventions' gen_ai.* for generation
-(operation, request parameters, response id, finish reasons, token usage, time to first token),
-pagedserve.* for engine steps (step_id, step timings...). Health and reflection calls are not
-traced: probes would drown the requests. opentelemetry-instrumentation-grpc is not used: it
-records the RPC attributes under their deprecated names, makes every aborted call a server error
-(the client's INVALID_ARGUMENT included) and cannot read the messages; the SDK's propagator is.
+"""OpenTelemetry tracing: one trace per request across gateway → scheduler → worker. While it is
+off, servers and channels get no interceptors. Health and reflection calls are not traced: probes
+would drown the requests. opentelemetry-instrumentation-grpc records deprecated attribute names,
+makes a client's INVALID_ARGUMENT a server error, and cannot read the messages.
 """
 
 from __future__ import annotations
@@ -44,7 +29,6 @@ INSTRUMENTATION_NAME = "pagedserve"
 UNTRACED_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                                "grpc.reflection.v1.ServerReflection"})
 
-# Span attributes of generation: OpenTelemetry's GenAI conventions.
 OPERATION_NAME = "gen_ai.operation.name"  # "chat" (messages) or "text_completion"
 REQUEST_MODEL = "gen_ai.request.model"
 REQUEST_ID = "gen_ai.response.id"  # the request_id, which every response echoes
@@ -58,57 +42,42 @@ NUM_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 FINISH_REASONS = "gen_ai.response.finish_reasons"
 TIME_TO_FIRST_TOKEN = "gen_ai.response.time_to_first_chunk"  # seconds; also the event below
 FIRST_TOKEN_EVENT = "gen_ai.first_token"
-# Span attributes of engine steps: pagedserve's own.
 STEP_ID = "pagedserve.step_id"
 NUM_SEQS = "pagedserve.num_seqs"
 NUM_SCHEDULED_TOKENS = "pagedserve.num_scheduled_tokens"
 STEP_TIMINGS = ("cache_ops_ns", "prepare_ns", "forward_ns", "sample_ns")  # pagedserve.<name>
 
-# OpenTelemetry's RPC conventions: which codes make a SERVER span an error (the server's fault).
+# the codes that make a SERVER span an error: the server's fault
 _SERVER_ERROR_CODES = frozenset({
     grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
     grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
 _CODE_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
-# --- on or off -------------------------------------------------------------------------------
-
-
 def is_tracing_on() -> bool:
-    """Whether an SDK TracerProvider is installed (setup_tracing with an exporter, or a test)."""
     return isinstance(trace.get_tracer_provider(), TracerProvider)
 
 
 def set_request_model(model: str) -> None:
-    """gen_ai.request.model on the current span (a handler's SERVER span), if it records."""
     span = trace.get_current_span()
     if span.is_recording():
         span.set_attribute(REQUEST_MODEL, model)
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
-    """For `grpc.aio.server(interceptors=...)`: none while tracing is off."""
     return [ServerTracingInterceptor()] if is_tracing_on() else []
-
-
-# --- propagation ------------------------------------------------------------------------------
 
 
 def inject_metadata(metadata: Iterable[tuple[str, Any]] | None,
                     context: Context | None = None) -> list[tuple[str, Any]]:
-    """`metadata` plus the trace context of `context` (default: the current one)."""
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=context)
     return [*(metadata or ()), *carrier.items()]
 
 
 def extract_context(metadata: Iterable[tuple[str, Any]] | None) -> Context:
-    """The trace context a caller sent in `metadata` (an empty context if none)."""
     return propagate.extract({key: value for key, value in metadata or ()
                               if isinstance(value, str)})
-
-
-# --- spans of one call ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +87,6 @@ class RpcMethod:
 
     @classmethod
     def parse(cls, full_method: str | bytes) -> RpcMethod:
-        """From gRPC's "/package.Service/Method"."""
         if isinstance(full_method, bytes):
             full_method = full_method.decode()
         service, _, method = full_method.lstrip("/").rpartition("/")
@@ -133,8 +101,7 @@ class RpcMethod:
 
 
 class _CallSpan:
-    """One call's span: the method's attributes from its request and responses, then the status.
-    Nothing is computed when the span does not record (tracing off)."""
+    """Nothing is computed when the span does not record."""
 
     __slots__ = ("span", "_is_server", "_attributes", "_fold_response", "_num_responses")
 
@@ -179,7 +146,6 @@ class _CallSpan:
 
 
 def _status_code(code: Any) -> grpc.StatusCode:
-    """A servicer context's code (a StatusCode, a number, or None = OK) as a StatusCode."""
     if code is None:
         return grpc.StatusCode.OK
     if isinstance(code, grpc.StatusCode):
@@ -187,12 +153,8 @@ def _status_code(code: Any) -> grpc.StatusCode:
     return _CODE_BY_NUMBER.get(int(code), grpc.StatusCode.UNKNOWN)
 
 
-# --- server -----------------------------------------------------------------------------------
-
-
 class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
-    """A SERVER span per RPC, child of the trace context in the call's metadata and current
-    while the handler runs, so the handler's own calls and spans become its children."""
+    """The span is current while the handler runs, so its calls and spans become children."""
 
     def __init__(self, tracer_provider: trace.TracerProvider | None = None) -> None:
         self._tracer = trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
@@ -271,8 +233,7 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
 
 def _end_server_call(call: _CallSpan, context: grpc.aio.ServicerContext,
                      exc: BaseException | None) -> None:
-    """The status the client will see: what the handler set or aborted with; a handler that was
-    cancelled (the client left) CANCELLED; any other exception UNKNOWN (gRPC's own answer)."""
+    """The status the client will see; an unexpected exception is UNKNOWN, as gRPC answers."""
     if exc is None or isinstance(exc, grpc.aio.AbortError):
         call.end(_status_code(context.code()), context.details())
     elif isinstance(exc, asyncio.CancelledError | GeneratorExit):
@@ -281,13 +242,7 @@ def _end_server_call(call: _CallSpan, context: grpc.aio.ServicerContext,
         call.end(_status_code(context.code() or grpc.StatusCode.UNKNOWN), str(exc), error=exc)
 
 
-# --- clients ----------------------------------------------------------------------------------
-
-
 class _ClientSpans:
-    """What the client interceptors share: a CLIENT span per call, child of the current span,
-    and the call's metadata with that span's context added."""
-
     def __init__(self, target: str, tracer_provider: trace.TracerProvider | None) -> None:
         self._tracer = trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
         host, _, port = target.rpartition(":")
@@ -295,7 +250,7 @@ class _ClientSpans:
                                       if port.isdigit() else {"server.address": target})
 
     def start(self, details: Any, request: Any) -> tuple[_CallSpan | None, list[Any]]:
-        """(the call's span, the call's metadata with its context); (None, []) if untraced."""
+        """(None, []) if untraced."""
         rpc = RpcMethod.parse(details.method)
         if rpc.service in UNTRACED_SERVICES:
             return None, []
@@ -322,8 +277,7 @@ class _AioClientInterceptor:
             call_span.end(grpc.StatusCode.CANCELLED if isinstance(exc, asyncio.CancelledError)
                           else grpc.StatusCode.UNKNOWN, str(exc))
             raise
-        # The caller reads the responses; the span ends when the call does, however it ends
-        # (last response, error, or the caller cancelling a stream it left early).
+        # the span ends however the call does, a stream the caller left early included
         call.add_done_callback(lambda done: self._on_done(call_span, done))
         return call
 
@@ -350,9 +304,7 @@ class _AioUnaryStreamInterceptor(_AioClientInterceptor, grpc.aio.UnaryStreamClie
 
 def aio_client_interceptors(target: str, tracer_provider: trace.TracerProvider | None = None
                             ) -> list[grpc.aio.ClientInterceptor]:
-    """For `grpc.aio.insecure_channel(target, interceptors=...)`: unary and server-streaming
-    calls (the only kinds pagedserve's clients make). None while tracing is off, unless a
-    provider is given."""
+    """Unary and server-streaming calls, the only kinds pagedserve's clients make."""
     if tracer_provider is None and not is_tracing_on():
         return []
     spans = _ClientSpans(target, tracer_provider)
@@ -360,8 +312,7 @@ def aio_client_interceptors(target: str, tracer_provider: trace.TracerProvider |
 
 
 class ClientTracingInterceptor(grpc.UnaryUnaryClientInterceptor):
-    """For `grpc.intercept_channel` on a synchronous channel (the scheduler's worker clients,
-    called from the engine thread, where the engine step span is current)."""
+    """For the scheduler's synchronous worker channels, called where the step span is current."""
 
     def __init__(self, target: str, tracer_provider: trace.TracerProvider | None = None) -> None:
         self._spans = _ClientSpans(target, tracer_provider)
@@ -376,11 +327,7 @@ class ClientTracingInterceptor(grpc.UnaryUnaryClientInterceptor):
 
 
 def client_interceptors(target: str) -> list[ClientTracingInterceptor]:
-    """For `grpc.intercept_channel(channel, *...)`: none while tracing is off."""
     return [ClientTracingInterceptor(target)] if is_tracing_on() else []
-
-
-# --- what pagedserve's methods record ---------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,7 +343,7 @@ def _add_finish_reason(msg: Any, attributes: dict[str, Any]) -> None:
 
 
 def _generate_request(msg: Any) -> dict[str, Any]:
-    """What the client asked for; unset sampling fields keep their defaults, not recorded."""
+    """Unset sampling fields are not recorded."""
     attributes: dict[str, Any] = {
         OPERATION_NAME: "chat" if msg.HasField("messages") else "text_completion"}
     if msg.request_id:

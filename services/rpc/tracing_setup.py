@@ -1,11 +1,5 @@
-"""Installing OpenTelemetry tracing in a service, configured the OpenTelemetry way: the flags
-(TracingConfig) where given, else the standard variables -- OTEL_TRACES_EXPORTER (none, console,
-otlp; a comma list sends spans to each), OTEL_SERVICE_NAME, OTEL_EXPORTER_OTLP_ENDPOINT (read by
-the OTLP exporter), OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG (read by the SDK's provider),
-OTEL_RESOURCE_ATTRIBUTES, OTEL_SDK_DISABLED -- read when the service starts, never at import.
-With no exporter nothing is installed: servers and channels get no interceptors, the engine's
-spans come from the no-op tracer.
-"""
+"""Installing OpenTelemetry tracing in a service: the flags (TracingConfig) where given, else the
+standard OTEL_* variables, read when the service starts, never at import."""
 
 from __future__ import annotations
 
@@ -35,8 +29,6 @@ class TracingSettings:
 
 def tracing_settings(config: TracingConfig, service: str,
                      env: Mapping[str, str] | None = None) -> TracingSettings:
-    """The flags first, then the OTEL_* variables of `env` (default: the process's), then
-    pagedserve's defaults (tracing off, service.name pagedserve-<service>)."""
     env = os.environ if env is None else env
     if config.otel_exporter:
         names, source = config.otel_exporter, "otel_exporter"
@@ -55,7 +47,6 @@ def tracing_settings(config: TracingConfig, service: str,
 
 
 def build_tracer_provider(settings: TracingSettings) -> TracerProvider | None:
-    """A TracerProvider exporting to each exporter in batches, or None when there is none."""
     if not settings.exporters:
         return None
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: settings.service_name}))
@@ -73,9 +64,8 @@ def _span_exporter(name: str, endpoint: str) -> SpanExporter:
 
 
 def setup_tracing(settings: TracingSettings) -> TracerProvider | None:
-    """Install the global TracerProvider for `settings` and return it; None when tracing is
-    off. Idempotent: once an SDK TracerProvider is installed (an earlier call, a test) it is
-    returned as it is. Call it before the servers and channels serve traffic."""
+    """Idempotent: an SDK TracerProvider already installed (an earlier call, a test) wins.
+    Call it before the servers and channels serve traffic."""
     current = trace.get_tracer_provider()
     if isinstance(current, TracerProvider):
         return current
