@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.scheduler_svc.block_manager import BlockManager
+from pagedserve.scheduler_svc.deltas import sequence_deltas
 from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup
 from pagedserve.services.common.step_plan import StepPlan
 
@@ -45,3 +47,16 @@ class StepDraft:
     def has_work(self) -> bool:
         return bool(self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in
                     or self.blocks_to_copy)
+
+    def to_plan(self, block_manager: BlockManager, scheduler_epoch: int, step_id: int,
+                previous_step_id: int, finished_seq_ids: list[int],
+                preempted_seq_ids: list[int]) -> StepPlan:
+        """Records in each sequence what its worker mirror will hold."""
+        new_seqs, running_seqs = sequence_deltas(
+            [(i.group, i.seq, i.num_scheduled_tokens, i.num_samples, i.is_sampling)
+             for i in self.scheduled], block_manager)
+        return StepPlan(
+            scheduler_epoch=scheduler_epoch, step_id=step_id, previous_step_id=previous_step_id,
+            new_seqs=new_seqs, running_seqs=running_seqs, finished_seq_ids=finished_seq_ids,
+            preempted_seq_ids=preempted_seq_ids, blocks_to_swap_out=self.blocks_to_swap_out,
+            blocks_to_swap_in=self.blocks_to_swap_in, blocks_to_copy=self.blocks_to_copy)

@@ -10,7 +10,6 @@ import time
 from collections import deque
 
 from pagedserve.scheduler_svc.block_manager import AllocStatus, BlockManager
-from pagedserve.scheduler_svc.deltas import sequence_deltas
 from pagedserve.scheduler_svc.prefill_fairness import (
     long_prefill_cap,
     long_prefill_threshold,
@@ -27,7 +26,6 @@ from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup, SequenceS
 from pagedserve.scheduler_svc.token_budget import TokenBudget, assign_tokens
 from pagedserve.services.common.config import SchedulerConfig
 from pagedserve.services.common.outputs import FinishReason
-from pagedserve.services.common.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -393,18 +391,10 @@ class Scheduler:
                             swapped_out=step.swapped_out)
         if not step.has_work:
             return out
-        new_seqs, running_seqs = sequence_deltas(
-            [(i.group, i.seq, i.num_scheduled_tokens, i.num_samples, i.is_sampling)
-             for i in step.scheduled],
-            self.block_manager)
         self._step_id += 1
-        out.plan = StepPlan(
-            scheduler_epoch=self.scheduler_epoch, step_id=self._step_id,
-            previous_step_id=self._previous_step_id, new_seqs=new_seqs,
-            running_seqs=running_seqs, finished_seq_ids=self._finished_seq_ids,
-            preempted_seq_ids=self._preempted_seq_ids,
-            blocks_to_swap_out=step.blocks_to_swap_out, blocks_to_swap_in=step.blocks_to_swap_in,
-            blocks_to_copy=step.blocks_to_copy)
+        out.plan = step.to_plan(self.block_manager, self.scheduler_epoch, self._step_id,
+                                self._previous_step_id, self._finished_seq_ids,
+                                self._preempted_seq_ids)
         self._previous_step_id = self._step_id
         self._finished_seq_ids = []
         self._preempted_seq_ids = []
