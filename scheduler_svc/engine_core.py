@@ -149,7 +149,6 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,
                     owner: str = "") -> None:
-        """`owner`: who may abort it besides an admin."""
         if request_id in self._groups:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
         check_request(request_id, prompt_token_ids, sampling, priority, self._limits)

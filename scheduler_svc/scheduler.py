@@ -120,7 +120,9 @@ class Scheduler:
         nothing was preempted, swapped groups coming back and waiting prompts that outrank every
         swapped group -- within `max_num_batched_tokens` and `max_num_seqs`. Without chunked
         prefill a step is all whole prompts or all decodes, and a lone prompt may use up to
-        max(max_num_batched_tokens, max_model_len) tokens.
+        max(max_num_batched_tokens, max_model_len) tokens. Long prefills share the budget
+        (prefill_fairness); under the priority policy a waiting group short of room first
+        preempts lower-ranked running groups (queue_policy).
 
         When a running group cannot get a block for its next token, the lowest-ranked running
         group not yet scheduled this step is preempted (possibly itself): by recompute for

@@ -82,8 +82,8 @@ def extract_context(metadata: Iterable[tuple[str, Any]] | None) -> Context:
 
 @dataclass(frozen=True, slots=True)
 class RpcMethod:
-    service: str  # "pagedserve.v1.Scheduler"
-    method: str  # "Submit"
+    service: str
+    method: str
 
     @classmethod
     def parse(cls, full_method: str | bytes) -> RpcMethod:

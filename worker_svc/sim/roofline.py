@@ -90,7 +90,6 @@ class ModelShape:
             raise ConfigError(f"sim_model {name!r}: config.json lacks {exc.args[0]!r}") from exc
 
 
-# the published configs of the models the presets are named after
 MODELS = {m.name: m for m in (
     ModelShape("Llama-3-8B", 4096, 32, 32, 8, 128, 14336, 128256),
     ModelShape("Qwen2.5-7B", 3584, 28, 28, 4, 128, 18944, 152064, has_qkv_bias=True,
