@@ -77,12 +77,6 @@ class CacheEngine:
         logger.info("KV cache: %d device blocks, %d CPU blocks, %d bytes per block",
                     num_gpu_blocks, num_cpu_blocks, spec.bytes_per_block)
 
-    def check_ops(self, blocks_to_swap_out: list[tuple[int, int]],
-                  blocks_to_swap_in: list[tuple[int, int]],
-                  blocks_to_copy: list[tuple[int, int]]) -> None:
-        check_cache_ops(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy,
-                        self.num_gpu_blocks, self.num_cpu_blocks)
-
     def _mapping(self, pairs: list[tuple[int, int]], num_src: int, num_dst: int,
                  device: torch.device) -> torch.Tensor:
         check_block_pairs(pairs, num_src, num_dst)

@@ -22,7 +22,12 @@ from pagedserve.services.common.errors import (
     Unavailable,
 )
 from pagedserve.services.common.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
-from pagedserve.worker_svc.cache_engine import CacheEngine, KVCacheSpec, allocate_kv_caches
+from pagedserve.worker_svc.cache_engine import (
+    CacheEngine,
+    KVCacheSpec,
+    allocate_kv_caches,
+    check_cache_ops,
+)
 from pagedserve.worker_svc.cuda_graphs import (
     CAPTURABLE_BACKENDS,
     MAX_CAPTURE_SEQ_LEN,
@@ -186,8 +191,8 @@ class Worker:
             raise StepOutOfOrder(f"step {plan.step_id} follows step {plan.previous_step_id}, "
                                  "which failed; ClearState first")
         runner, cache_engine = self._runner(), self._cache_engine()
-        cache_engine.check_ops(plan.blocks_to_swap_out, plan.blocks_to_swap_in,
-                               plan.blocks_to_copy)
+        check_cache_ops(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy,
+                        cache_engine.num_gpu_blocks, cache_engine.num_cpu_blocks)
         runner.mirrors.check(plan, cache_engine.num_gpu_blocks, runner.vocab_size)
         self.last_step_id = plan.step_id
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from pagedserve.worker_svc.cache_engine import KVCacheSpec, check_block_pairs, check_cache_ops
+from pagedserve.worker_svc.cache_engine import KVCacheSpec, check_block_pairs
 from pagedserve.worker_svc.sim.roofline import Roofline
 from pagedserve.worker_svc.sim.timeline import GpuTimeline
 
@@ -23,12 +23,6 @@ class SimCacheEngine:
         self.gpu_cache: list = []  # what the forward reads: nothing
         logger.info("simulated KV cache: %d device blocks, %d CPU blocks, %d bytes per block",
                     num_gpu_blocks, num_cpu_blocks, spec.bytes_per_block)
-
-    def check_ops(self, blocks_to_swap_out: list[tuple[int, int]],
-                  blocks_to_swap_in: list[tuple[int, int]],
-                  blocks_to_copy: list[tuple[int, int]]) -> None:
-        check_cache_ops(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy,
-                        self.num_gpu_blocks, self.num_cpu_blocks)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         self._move(pairs, self.num_gpu_blocks, self.num_cpu_blocks, is_swap=True)

@@ -20,7 +20,7 @@ from pagedserve.services.gateway.openai.errors import error_for
 from pagedserve.services.gateway.openai.generation import (
     StartedDeltas,
     Submission,
-    unless_disconnected,
+    respond,
 )
 from pagedserve.services.gateway.openai.protocol import (
     ChatChoice,
@@ -130,16 +130,4 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
         GenerateInput(messages=chat_messages(body.messages)))
     chat = _Chat(serving, body, token_ids)
     submission = await Submission.open(serving.frontend, [chat.input], request)
-    if body.stream:
-        try:
-            deltas = await StartedDeltas.start(submission, request)
-        except BaseException:
-            submission.close()
-            raise
-        return sse.EventStreamResponse(chat.events(deltas), submission.close,
-                                       submission.stalled)
-    try:
-        result = await unless_disconnected(request, chat.whole(submission))
-    finally:
-        submission.close()
-    return Response(result.model_dump_json(), media_type="application/json")
+    return await respond(submission, request, body.stream, chat.events, chat.whole)

@@ -15,7 +15,7 @@ from pagedserve.services.gateway.openai.errors import error_for
 from pagedserve.services.gateway.openai.generation import (
     StartedDeltas,
     Submission,
-    unless_disconnected,
+    respond,
 )
 from pagedserve.services.gateway.openai.protocol import (
     CompletionChoice,
@@ -136,16 +136,4 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest,
                             request: Request) -> Response:
     completion = _Completion(serving, body)
     submission = await Submission.open(serving.frontend, completion.inputs, request)
-    if body.stream:
-        try:
-            deltas = await StartedDeltas.start(submission, request)
-        except BaseException:
-            submission.close()
-            raise
-        return sse.EventStreamResponse(completion.events(deltas), submission.close,
-                                       submission.stalled)
-    try:
-        result = await unless_disconnected(request, completion.whole(submission))
-    finally:
-        submission.close()
-    return Response(result.model_dump_json(), media_type="application/json")
+    return await respond(submission, request, body.stream, completion.events, completion.whole)

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from pagedserve.services.common.errors import PagedServeError, Unavailable
 from pagedserve.services.gateway.frontend import Frontend
+from pagedserve.services.gateway.openai import sse
 from pagedserve.services.gateway.ownership import Caller, caller_of
 from pagedserve.services.gateway.validation import GenerateInput, PreparedRequest
 from pagedserve.services.text.text_stream import StreamDelta
+from pydantic import BaseModel
 from starlette.requests import Request
+from starlette.responses import Response
 
 T = TypeVar("T")
 
@@ -133,6 +136,24 @@ def http_caller(request: Request) -> Caller:
     if host:
         host = f"ipv6:[{host}]" if ":" in host else f"ipv4:{host}"
     return caller_of(request.headers.get("authorization", ""), peer_host=host)
+
+
+async def respond(submission: Submission, request: Request, stream: bool,
+                  events: Callable[[StartedDeltas], AsyncIterator[str]],
+                  whole: Callable[[Submission], Awaitable[BaseModel]]) -> Response:
+    """The submission's answer: an SSE stream of `events`, or the `whole` body once done."""
+    if stream:
+        try:
+            deltas = await StartedDeltas.start(submission, request)
+        except BaseException:
+            submission.close()
+            raise
+        return sse.EventStreamResponse(events(deltas), submission.close, submission.stalled)
+    try:
+        result = await unless_disconnected(request, whole(submission))
+    finally:
+        submission.close()
+    return Response(result.model_dump_json(), media_type="application/json")
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
