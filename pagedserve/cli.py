@@ -58,7 +58,8 @@ def _serve(args: argparse.Namespace) -> int:
                                    from_args(ShutdownConfig, args).drain_timeout_s,
                                    from_args(TracingConfig, args), args.internal_tls,
                                    args.metrics_port, args.log_format,
-                                   from_args(RequestLimitsConfig, args), from_args(HttpConfig, args)))
+                                   from_args(RequestLimitsConfig, args), from_args(HttpConfig, args),
+                                   data_parallel_size=args.data_parallel_size))
 
 
 def _setup_tracing(tracing: TracingConfig, service: str) -> None:
@@ -224,6 +225,13 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.splitlines()[0])
     common = argparse.ArgumentParser(add_help=False)
@@ -246,12 +254,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     serve.add_argument("--port", type=int, default=gateway.port,
                        help="gateway port; 0 = any free port")
-    serve.add_argument("--scheduler-port", type=int, default=0, help="0 = any free port")
-    serve.add_argument("--worker-port", type=int, default=0, help="0 = any free port")
+    serve.add_argument("--data-parallel-size", type=_positive_int, default=1,
+                       help="engine replicas (a scheduler and its tensor-parallel workers each) "
+                            "behind the gateway (default: 1)")
+    serve.add_argument("--scheduler-port", type=int, default=0,
+                       help="replica r's scheduler listens on this port + r; 0 = any free port")
+    serve.add_argument("--worker-port", type=int, default=0,
+                       help="replica r's rank-0 worker listens on this port + r; 0 = any free "
+                            "port")
     serve.add_argument("--metrics-port", type=int, default=-1,
                        help="Prometheus /metrics: the gateway's on this port, the scheduler's on "
-                            "the next, worker rank r's on port + 2 + r; 0 = free ports (logged); "
-                            "-1 = none (default: -1)")
+                            "the next, worker rank r's on port + 2 + r; replica d's scheduler "
+                            "d * (1 + tensor_parallel_size) ports further; 0 = free ports "
+                            "(logged); -1 = none (default: -1)")
     serve.add_argument("--startup-timeout-s", type=float, default=600.0,
                        help="how long the three may take to become ready")
     serve.add_argument("--internal-tls", action=argparse.BooleanOptionalAction, default=True,

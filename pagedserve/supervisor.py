@@ -1,10 +1,13 @@
-"""`pagedserve serve`: worker, scheduler and gateway as supervised child processes of one command.
+"""`pagedserve serve`: workers, schedulers and the gateway as supervised child processes of one
+command: `data_parallel_size` engine replicas (a scheduler and its tensor-parallel workers each)
+behind one gateway.
 
 Each child runs in its own session, so a Ctrl-C reaches only the supervisor, which stops them
-gateway first (it drains its streams). A worker or the gateway that exits on its own is started
-again on its address, as Kubernetes restarts a pod (the scheduler rebuilds a restarted worker).
-The scheduler's exit, or a child that keeps dying, stops the others: the scheduler held every
-request.
+gateway first (it drains its streams). A child that exits on its own is started again on its
+address, as Kubernetes restarts a container: the scheduler rebuilds a restarted worker, a
+restarted scheduler takes its live workers over (worker_svc/worker.py: a new epoch, the model and
+the KV cache kept), and the gateway reconnects to it. A child that keeps dying (more than
+MAX_RESTARTS times in RESTART_WINDOW_S) stops the others.
 """
 
 from __future__ import annotations
@@ -238,22 +241,30 @@ def example_commands(address: str, http_url: str | None = None) -> list[str]:
     return commands
 
 
+def replica_port(port: int, replica: int, host: str) -> int:
+    """Replica r's port: port + r when one was given, else a free one."""
+    return port + replica if port else free_port(host)
+
+
 async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, worker_port: int,
                       startup_timeout_s: float, drain_timeout_s: float,
                       tracing: Any = None, internal_tls: bool = True, metrics_port: int = -1,
-                      log_format: str = "text", limits: Any = None, http: Any = None) -> int:
-    """Run the stack until Ctrl-C or SIGTERM (0), or until the scheduler dies or another child
-    keeps dying (1). With `internal_tls` the three talk mutual TLS with certificates of a
-    throw-away CA, removed when the stack stops. `metrics_port` P serves /metrics on P (gateway),
-    P+1 (scheduler) and P+2+rank (workers); 0 on free ports each; -1 not at all. `limits`: the
-    gateway's RequestLimitsConfig. `http` is the gateway's HttpConfig; an API key in it reaches
-    the gateway through its environment, never its command line."""
+                      log_format: str = "text", limits: Any = None, http: Any = None,
+                      data_parallel_size: int = 1) -> int:
+    """Run the stack until Ctrl-C or SIGTERM (0), or until a child keeps dying (1).
+    `data_parallel_size` replicas, each a scheduler and tensor_parallel_size workers: replica r's
+    scheduler listens on scheduler_port + r and its rank-0 worker on worker_port + r (free ports
+    when 0); the gateway gets every scheduler's address, comma-separated. With `internal_tls`
+    they all talk mutual TLS with certificates of one throw-away CA, removed when the stack
+    stops. `metrics_port` P serves /metrics on P (gateway), then per replica r, with
+    S = P + 1 + r * (1 + tensor_parallel_size): S (scheduler) and S + 1 + rank (workers); 0 on
+    free ports each; -1 not at all. `limits`: the gateway's RequestLimitsConfig. `http` is the
+    gateway's HttpConfig; an API key in it reaches the gateway through its environment, never
+    its command line."""
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
     connect = _connect_host(host)
     num_ranks = config.parallel.tensor_parallel_size
-    worker_ports = [worker_port or free_port(host)] + [free_port(host)
-                                                      for _ in range(num_ranks - 1)]
-    worker_addresses = [f"{connect}:{p}" for p in worker_ports]
-    scheduler_port = scheduler_port or free_port(host)
     port = port or free_port(host)
     http_argv: list[str] = []
     http_url = None
@@ -263,9 +274,6 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
             os.environ[API_KEY_ENV] = http.api_key
         http_argv = config_to_argv(dataclasses.replace(http, http_port=http_port, api_key=""))
         http_url = f"http://{connect}:{http_port}" if http_port else None
-    if num_ranks > 1:
-        config = with_loopback_rendezvous(config)
-    engine_argv = config_to_argv(config)
     drain = ["--drain-timeout-s", str(drain_timeout_s), "--log-format", log_format,
              *(config_to_argv(tracing) if tracing is not None else [])]
 
@@ -285,25 +293,40 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     logger.info("internal services: %s", "mutual TLS (a throw-away CA)" if internal_tls
                 else "plaintext on loopback only" if is_loopback(host) else f"plaintext on {host}")
     supervisor = Supervisor(stop_timeout_s=drain_timeout_s + 10.0)
+    scheduler_addresses = []
     try:
-        for rank, (address, p) in enumerate(zip(worker_addresses, worker_ports, strict=True)):
-            await supervisor.start("worker", address, [
-                *engine_argv, *drain, *tls_argv("worker"), *metrics_argv(2 + rank), "--host", host,
-                "--port", str(p), "--rank", str(rank)], restartable=True, tls=watch_tls)
-        await supervisor.start("scheduler", f"{connect}:{scheduler_port}", [
-            *engine_argv, *drain, *tls_argv("scheduler"), *metrics_argv(1), "--host", host,
-            "--port", str(scheduler_port), "--worker-addresses", *worker_addresses,
-            "--startup-timeout-s", str(startup_timeout_s)], tls=watch_tls)
+        for replica in range(data_parallel_size):
+            worker_ports = [replica_port(worker_port, replica, host)] + [
+                free_port(host) for _ in range(num_ranks - 1)]
+            worker_addresses = [f"{connect}:{p}" for p in worker_ports]
+            scheduler_replica_port = replica_port(scheduler_port, replica, host)
+            engine_argv = config_to_argv(with_loopback_rendezvous(config) if num_ranks > 1
+                                         else config)
+            metrics_offset = 1 + replica * (1 + num_ranks)
+            for rank, (address, p) in enumerate(zip(worker_addresses, worker_ports,
+                                                    strict=True)):
+                await supervisor.start("worker", address, [
+                    *engine_argv, *drain, *tls_argv("worker"),
+                    *metrics_argv(metrics_offset + 1 + rank), "--host", host, "--port", str(p),
+                    "--rank", str(rank)], restartable=True, tls=watch_tls)
+            scheduler_addresses.append(f"{connect}:{scheduler_replica_port}")
+            await supervisor.start("scheduler", scheduler_addresses[-1], [
+                *engine_argv, *drain, *tls_argv("scheduler"), *metrics_argv(metrics_offset),
+                "--host", host, "--port", str(scheduler_replica_port),
+                "--worker-addresses", *worker_addresses,
+                "--startup-timeout-s", str(startup_timeout_s)], restartable=True, tls=watch_tls)
         await supervisor.start("gateway", f"{connect}:{port}", [
             *drain, *tls_argv("gateway"), *metrics_argv(0), "--host", host, "--port", str(port),
-            "--scheduler-address", f"{connect}:{scheduler_port}",
+            "--scheduler-address", ",".join(scheduler_addresses),
             "--tokenizer", config.model.tokenizer_path,
             *(config_to_argv(limits) if limits is not None else []), *http_argv],
             restartable=True)
         if not await supervisor.wait_serving(startup_timeout_s):
             return 0
         address = f"{connect}:{port}"
-        print(f"\npagedserve is serving {config.model.model} on {address}\n", flush=True)
+        replicas = f" ({data_parallel_size} replicas)" if data_parallel_size > 1 else ""
+        print(f"\npagedserve is serving {config.model.model}{replicas} on {address}\n",
+              flush=True)
         if http_url is not None:
             print(f"OpenAI-compatible HTTP API on {http_url}/v1\n", flush=True)
         print("Try:\n  " + "\n  ".join(example_commands(address, http_url)), flush=True)

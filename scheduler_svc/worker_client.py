@@ -60,6 +60,9 @@ class WorkerClient:
     def load_model(self) -> WorkerInfo:
         response = self._call("LoadModel", worker_pb2.LoadModelRequest(),
                               self.startup_timeout_s, wait_for_ready=True)
+        if response.kept_loaded_model:
+            logger.info("worker %s has the model loaded already (taken over, not reloaded)",
+                        self.address)
         return worker_info_from_proto(response.info)
 
     def get_info(self) -> WorkerInfo:
@@ -74,11 +77,16 @@ class WorkerClient:
         return memory_profile_from_proto(
             self._call("ProfileMemory", request, self.startup_timeout_s))
 
-    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, scheduler_epoch: int) -> None:
-        self._call("InitCache", worker_pb2.InitCacheRequest(
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, scheduler_epoch: int) -> bool:
+        """True if the worker kept the KV cache it had (same sizes)."""
+        response = self._call("InitCache", worker_pb2.InitCacheRequest(
             num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
             block_size=self.config.cache.block_size, scheduler_epoch=scheduler_epoch),
             self.startup_timeout_s)
+        if response.kept_cache:
+            logger.info("worker %s kept its KV cache of %d GPU and %d CPU blocks (epoch %d)",
+                        self.address, num_gpu_blocks, num_cpu_blocks, scheduler_epoch)
+        return response.kept_cache
 
     def warm_up(self) -> int:
         return self._call("WarmUp", worker_pb2.WarmUpRequest(),

@@ -133,12 +133,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         config = merge_load_request(self.config, request)
         async with self._load_lock:
             worker = self._worker
-            if worker is not None and worker.config.model == config.model \
-                    and worker.config.parallel == config.parallel:
+            is_kept = (worker is not None and worker.config.model == config.model
+                       and worker.config.parallel == config.parallel)
+            if is_kept:
                 info = worker.get_info()
+                logger.info("LoadModel: %s is loaded already; kept it", config.model.model)
             else:
                 info = await self._load(config)
-        return worker_pb2.LoadModelResponse(info=worker_info_to_proto(info))
+        return worker_pb2.LoadModelResponse(info=worker_info_to_proto(info),
+                                            kept_loaded_model=is_kept)
 
     @map_errors
     async def ProfileMemory(self, request: worker_pb2.ProfileMemoryRequest,
@@ -163,13 +166,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         worker = self._loaded()
         _check_matches("block_size", request.block_size, worker.config.cache.block_size)
         await self._set_ready(False)
-        await self._run(worker.init_cache, request.num_gpu_blocks, request.num_cpu_blocks,
-                        request.scheduler_epoch)
+        is_kept = await self._run(worker.init_cache, request.num_gpu_blocks,
+                                  request.num_cpu_blocks, request.scheduler_epoch)
         self._submitted_step_id = 0
         await self._set_ready(True)
-        logger.info("KV cache: %d device and %d CPU blocks (scheduler epoch %d)",
-                    request.num_gpu_blocks, request.num_cpu_blocks, request.scheduler_epoch)
-        return worker_pb2.InitCacheResponse()
+        logger.info("KV cache: %d device and %d CPU blocks, %s (scheduler epoch %d)",
+                    request.num_gpu_blocks, request.num_cpu_blocks,
+                    "kept" if is_kept else "allocated", request.scheduler_epoch)
+        return worker_pb2.InitCacheResponse(kept_cache=is_kept)
 
     @map_errors
     async def WarmUp(self, request: worker_pb2.WarmUpRequest,

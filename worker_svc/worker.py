@@ -2,6 +2,8 @@
 (directly, or through the gRPC servicer, which wraps these methods 1:1).
 
 Lifecycle: load_model → profile_memory → init_cache → warm_up → execute_step per engine step.
+A restarted scheduler takes a live worker over by repeating the handshake: the memory profile is
+the one taken before the first cache, and a cache of the same sizes is kept (init_cache).
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ class Worker:
         self.cache_engine: CacheEngine | None = None
         self.kv_spec: KVCacheSpec | None = None
         self.backend: ModuleType | None = None  # the kernel module
+        # taken once, before any KV cache existed: a later profile would count the cache as used
+        self._memory_profile: MemoryProfile | None = None
         self.tp = SINGLE
 
     def load_model(self) -> WorkerInfo:
@@ -131,24 +135,40 @@ class Worker:
         return self.info
 
     def profile_memory(self) -> MemoryProfile:
+        """How many blocks fit; measured on the first call, the same answer after (a scheduler
+        that takes the worker over asks again while the cache is allocated)."""
+        self._runner()
+        if self._memory_profile is None:
+            self._memory_profile = self._profile_memory()
+        return self._memory_profile
+
+    def _profile_memory(self) -> MemoryProfile:
         runner = self._runner()
         return profile_memory(runner, runner.model, self.kv_spec, self.config.cache,
                               self.config.scheduler, self.get_info().max_model_len, self.device,
                               self._graph_batch_sizes(), self._graph_max_seq_len())
 
-    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, scheduler_epoch: int) -> None:
-        """The end of a scheduler's handshake: serve `scheduler_epoch` from now on."""
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, scheduler_epoch: int) -> bool:
+        """The end of a scheduler's handshake: serve `scheduler_epoch` from now on, with empty
+        mirrors and the KV cache allocated already if it has these sizes (a restarted scheduler
+        taking the worker over: its block manager starts with every block free, so the old
+        contents are never read), else a new one. True if kept."""
         runner = self._runner()
         if num_gpu_blocks < 1 or num_cpu_blocks < 0:
             raise InvalidRequest(f"num_gpu_blocks must be >= 1 and num_cpu_blocks >= 0, got "
                                  f"{num_gpu_blocks} and {num_cpu_blocks}")
         self.check_epoch(scheduler_epoch, "init_cache", is_handshake=True)
-        runner.decode_graphs = None  # they read the old cache; warm_up captures new ones
-        self.cache_engine = None
-        gc.collect()
-        self.cache_engine = self._new_cache_engine(num_gpu_blocks, num_cpu_blocks)
+        cache = self.cache_engine
+        is_kept = (cache is not None and cache.num_gpu_blocks == num_gpu_blocks
+                   and cache.num_cpu_blocks == num_cpu_blocks)
+        if not is_kept:
+            runner.decode_graphs = None  # they read the old cache; warm_up captures new ones
+            self.cache_engine = None
+            gc.collect()
+            self.cache_engine = self._new_cache_engine(num_gpu_blocks, num_cpu_blocks)
         self.scheduler_epoch = scheduler_epoch
         self._reset_steps()
+        return is_kept
 
     def warm_up(self, batch_sizes: list[int] | None = None) -> int:
         """Returns the number of CUDA graphs captured, none above the default largest size: the
@@ -168,6 +188,8 @@ class Worker:
             raise InvalidRequest(f"batch_sizes must lie in [1, {default_sizes[-1]}], got "
                                  f"{batch_sizes}")
         cache_engine = self._cache_engine()
+        if runner.decode_graphs is not None and runner.decode_graphs.batch_sizes == sizes:
+            return len(sizes)  # captured on this very cache (init_cache kept it)
         runner.decode_graphs = None
         graphs = DecodeGraphs(runner.model, sizes, self._graph_max_seq_len(),
                               self.kv_spec.block_size, self.device)

@@ -76,8 +76,7 @@ class SimWorker(Worker):
                     gpu.name, self.info.dtype, model_config.model)
         return self.info
 
-    def profile_memory(self) -> MemoryProfile:
-        self._runner()
+    def _profile_memory(self) -> MemoryProfile:
         return sim_memory_profile(self.roofline, self.kv_spec, self.config.cache,
                                   self.config.scheduler)
 
