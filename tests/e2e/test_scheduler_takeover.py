@@ -148,10 +148,11 @@ def test_serve_with_two_data_parallel_replicas_runs_two_schedulers_that_each_ser
         tiny_served_model_dir):
     """Mutual TLS (one throw-away CA for all) and metrics ports per replica; each scheduler
     generates the same; through the gateway too once it routes over several schedulers."""
-    scheduler_port = free_port()
+    scheduler_port, metrics_port = free_port(), free_port()
     serve = pagedserve("serve", "--model", str(tiny_served_model_dir), "--port", "0",
                        "--http-port", "-1", "--data-parallel-size", "2",
-                       "--scheduler-port", str(scheduler_port), "--metrics-port", "0",
+                       "--scheduler-port", str(scheduler_port),
+                       "--metrics-port", str(metrics_port),
                        *SMALL_CACHE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out, err = Log(serve.stdout), Log(serve.stderr)
@@ -162,9 +163,12 @@ def test_serve_with_two_data_parallel_replicas_runs_two_schedulers_that_each_ser
         gateway_argv = Path(f"/proc/{gateway_pid}/cmdline").read_bytes().decode().split("\0")
         addresses = gateway_argv[gateway_argv.index("--scheduler-address") + 1].split(",")
         assert addresses == [f"127.0.0.1:{scheduler_port}", f"127.0.0.1:{scheduler_port + 1}"]
-        for i in range(2):  # each replica's scheduler and worker export metrics on their own port
-            err.wait_for("scheduler metrics on http://", 120, i + 1)
-            err.wait_for("worker metrics on http://", 120, i + 1)
+        metrics = {role: [int(err.wait_for(f"{role} metrics on http://", 120, i + 1)
+                              .split("/metrics")[0].rsplit(":", 1)[1]) for i in range(2)]
+                   for role in ("scheduler", "worker")}
+        # P: the gateway; per replica r: P + 1 + 2r its scheduler, P + 2 + 2r its worker
+        assert sorted(metrics["scheduler"]) == [metrics_port + 1, metrics_port + 3]
+        assert sorted(metrics["worker"]) == [metrics_port + 2, metrics_port + 4]
         tls = TlsConfig(internal_tls_dir=_tls_dir(gateway_pid))
         outputs = []
         for i, scheduler in enumerate(addresses):
