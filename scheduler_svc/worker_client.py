@@ -61,7 +61,7 @@ class WorkerClient:
         response = self._call("LoadModel", worker_pb2.LoadModelRequest(),
                               self.startup_timeout_s, wait_for_ready=True)
         if response.kept_loaded_model:
-            logger.info("worker %s has the model loaded already (taken over, not reloaded)",
+            logger.info("worker %s has the model loaded already; not loaded again",
                         self.address)
         return worker_info_from_proto(response.info)
 

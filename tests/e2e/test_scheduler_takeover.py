@@ -118,8 +118,9 @@ def test_a_killed_scheduler_is_restarted_and_takes_the_live_worker_over(tiny_ser
             wait_serving(f"127.0.0.1:{scheduler_port}", timeout_s=120)
             after = [generate_once_back(stub, ids, sampling) for ids, sampling in prompts]
         assert after == expected
-        err.wait_for("has the model loaded already (taken over, not reloaded)", 10)
+        err.wait_for("has the model loaded already; not loaded again", 10, count=2)
         err.wait_for("kept its KV cache", 10)
+        assert err.count("kept its KV cache") == 1  # the first start allocated it
         assert err.count("started the worker (pid") == 1
         os.kill(worker_pid, 0)  # the same worker process still runs
         assert err.count("loaded LlamaForCausalLM from") == 1, "".join(err.lines)
