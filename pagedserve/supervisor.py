@@ -183,6 +183,7 @@ class Supervisor:
         stop.cancel()
         if ready not in done:
             ready.cancel()
+            await asyncio.gather(ready, return_exceptions=True)  # retrieved: no stray warning
             return False
         ready.result()
         return True

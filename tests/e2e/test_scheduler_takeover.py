@@ -56,6 +56,12 @@ class Log:
                 return
             self.lines.append(line)
 
+    def rest(self, timeout_s: float = 30) -> list[str]:
+        """Every line, once the process closed its output."""
+        while (line := self._lines.get(timeout=timeout_s)) is not None:
+            self.lines.append(line)
+        return self.lines
+
     def count(self, needle: str) -> int:
         self.drain()
         return sum(needle in line for line in self.lines)
@@ -134,8 +140,19 @@ def test_a_killed_scheduler_is_restarted_and_takes_the_live_worker_over(tiny_ser
             serve.kill()
 
 
+def _argv(pid: int, timeout_s: float = 30) -> list[str]:
+    """The command line of a child of serve, once it runs the pagedserve command (right after
+    the fork it still shows serve's)."""
+    deadline = time.monotonic() + timeout_s
+    while "pagedserve.cli" not in (argv := Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+                                   .split("\0")) or "serve" in argv:
+        assert time.monotonic() < deadline, argv
+        time.sleep(0.05)
+    return argv
+
+
 def _tls_dir(pid: int) -> str:
-    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    argv = _argv(pid)
     return argv[argv.index("--internal-tls-dir") + 1]
 
 
@@ -161,15 +178,15 @@ def test_serve_with_two_data_parallel_replicas_runs_two_schedulers_that_each_ser
         scheduler_pids = started_pids(err, "scheduler", 2)
         gateway_pid = started_pids(err, "gateway", 1)[0]
         assert len(set(worker_pids)) == 2 and len(set(scheduler_pids)) == 2
-        gateway_argv = Path(f"/proc/{gateway_pid}/cmdline").read_bytes().decode().split("\0")
-        addresses = gateway_argv[gateway_argv.index("--scheduler-address") + 1].split(",")
-        assert addresses == [f"127.0.0.1:{scheduler_port}", f"127.0.0.1:{scheduler_port + 1}"]
         metrics = {role: [int(err.wait_for(f"{role} metrics on http://", 120, i + 1)
                               .split("/metrics")[0].rsplit(":", 1)[1]) for i in range(2)]
                    for role in ("scheduler", "worker")}
         # P: the gateway; per replica r: P + 1 + 2r its scheduler, P + 2 + 2r its worker
         assert sorted(metrics["scheduler"]) == [metrics_port + 1, metrics_port + 3]
         assert sorted(metrics["worker"]) == [metrics_port + 2, metrics_port + 4]
+        gateway_argv = _argv(gateway_pid)
+        addresses = gateway_argv[gateway_argv.index("--scheduler-address") + 1].split(",")
+        assert addresses == [f"127.0.0.1:{scheduler_port}", f"127.0.0.1:{scheduler_port + 1}"]
         tls = TlsConfig(internal_tls_dir=_tls_dir(gateway_pid))
         outputs = []
         for i, scheduler in enumerate(addresses):
@@ -192,6 +209,7 @@ def test_serve_with_two_data_parallel_replicas_runs_two_schedulers_that_each_ser
                 stub = gateway_pb2_grpc.GenerationStub(channel)
                 assert all(generate(stub, [1, 2, 3], GREEDY) == outputs[0] for _ in range(4))
         assert stop(serve, signal.SIGINT) == 0
+        assert not [line for line in err.rest() if "Traceback" in line], "".join(err.lines)
         for pid in (*worker_pids, *scheduler_pids):
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
