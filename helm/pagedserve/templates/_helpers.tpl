@@ -42,22 +42,42 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 
 {{/* Addresses ------------------------------------------------------------------------------ */}}
 
+{{/*
+The headless engine Service: its DNS name resolves to every ready engine pod, whose scheduler
+listens on scheduler.port. The gateways' --scheduler-address.
+*/}}
 {{- define "pagedserve.schedulerAddress" -}}
-{{ include "pagedserve.fullname" . }}-scheduler.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:{{ .Values.scheduler.port }}
+{{ include "pagedserve.fullname" . }}-engine.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:{{ .Values.scheduler.port }}
 {{- end }}
 
-{{/* One worker-addresses entry per rank: <fullname>-worker-<rank>.<headless service>:port. */}}
-{{- define "pagedserve.workerAddresses" -}}
+{{- define "pagedserve.tensorParallelSize" -}}
 {{- $tp := int .Values.engine.tensorParallelSize }}
 {{- if lt $tp 1 }}
 {{- fail (printf "engine.tensorParallelSize must be >= 1, got %v" .Values.engine.tensorParallelSize) }}
 {{- end }}
-{{- $worker := printf "%s-worker" (include "pagedserve.fullname" .) }}
+{{- $tp }}
+{{- end }}
+
+{{/* One worker-addresses entry per rank: the pod's loopback, port worker.port + rank. */}}
+{{- define "pagedserve.workerAddresses" -}}
 {{- $addresses := list }}
-{{- range $rank := until $tp }}
-{{- $addresses = append $addresses (printf "%s-%d.%s.%s.svc.%s:%v" $worker $rank $worker $.Release.Namespace $.Values.clusterDomain $.Values.worker.port) }}
+{{- range $rank := until (include "pagedserve.tensorParallelSize" . | int) }}
+{{- $addresses = append $addresses (printf "127.0.0.1:%d" (add $.Values.worker.port $rank)) }}
 {{- end }}
 {{- toYaml $addresses }}
+{{- end }}
+
+{{/* Engine values that are chart settings rather than flags. */}}
+{{- define "pagedserve.engineFlags" -}}
+{{ include "pagedserve.flags" (omit .Values.engine "replicas" "gpuResource" "shmSizeLimit" "pod" "podDisruptionBudget" "autoscaling") }}
+{{- end }}
+
+{{- define "pagedserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- .Values.serviceAccount.name | default (include "pagedserve.fullname" .) }}
+{{- else }}
+{{- .Values.serviceAccount.name | default "default" }}
+{{- end }}
 {{- end }}
 
 {{/* Flags ---------------------------------------------------------------------------------- */}}
@@ -87,7 +107,7 @@ CLI flags from a map of camelCase keys (services/common/config.py fields): `fooB
 {{- with $args }}{{ toYaml . }}{{ end }}
 {{- end }}
 
-{{/* Flags every service takes: (dict "root" $ "port" <its port>). */}}
+{{/* Flags every service takes: (dict "root" $ "port" <its port> "metricsPort" <its metrics port>). */}}
 {{- define "pagedserve.serviceFlags" -}}
 {{- $tracing := .root.Values.tracing }}
 {{- if and $tracing.otelEndpoint (ne $tracing.otelExporter "otlp") (ne $tracing.otelExporter "") }}
@@ -103,7 +123,7 @@ CLI flags from a map of camelCase keys (services/common/config.py fields): `fooB
 - {{ include "pagedserve.scalar" .root.Values.drainTimeoutS | quote }}
 {{- if .root.Values.metrics.enabled }}
 - --metrics-port
-- {{ .root.Values.metrics.port | quote }}
+- {{ .metricsPort | default .root.Values.metrics.port | quote }}
 {{- end }}
 {{ include "pagedserve.flags" $tracing }}
 {{- end }}
@@ -116,7 +136,7 @@ CLI flags from a map of camelCase keys (services/common/config.py fields): `fooB
 
 {{/*
 Internal mTLS flags every service takes; `tls`: whether the service's own port has TLS, so that
-its probes need the plaintext health port: (dict "root" $ "tls" <bool>).
+its probes need the plaintext health port: (dict "root" $ "tls" <bool> "healthPort" <port>).
 */}}
 {{- define "pagedserve.tlsFlags" -}}
 {{- $internal := .root.Values.tls.internal }}
@@ -130,7 +150,7 @@ its probes need the plaintext health port: (dict "root" $ "tls" <bool>).
 {{- end }}
 {{- if .tls }}
 - --health-port
-- {{ .root.Values.tls.healthPort | quote }}
+- {{ .healthPort | default .root.Values.tls.healthPort | quote }}
 {{- end }}
 {{- end }}
 
@@ -150,25 +170,39 @@ its probes need the plaintext health port: (dict "root" $ "tls" <bool>).
 {{- end }}
 {{- end }}
 
-{{/* The health port's containerPort, when the service's port has TLS: (dict "root" $ "tls" <bool>). */}}
+{{/*
+The health port's containerPort, when the service's port has TLS:
+(dict "root" $ "tls" <bool> "healthPort" <port> "suffix" <port-name suffix>).
+*/}}
 {{- define "pagedserve.healthContainerPort" -}}
 {{- if .tls }}
-- name: health
-  containerPort: {{ .root.Values.tls.healthPort }}
+- name: health{{ .suffix }}
+  containerPort: {{ .healthPort | default .root.Values.tls.healthPort }}
   protocol: TCP
 {{- end }}
 {{- end }}
 
 {{/* Pods ----------------------------------------------------------------------------------- */}}
 
-{{/* SIGTERM: drain for drainTimeoutS, then server.stop with the same grace, plus a margin. */}}
+{{/*
+SIGTERM: drain for drainTimeoutS, then server.stop with the same grace, plus a margin. Ranks
+wait drainTimeoutS + 5 (preStop) first, so that they outlive their scheduler's drain.
+*/}}
 {{- define "pagedserve.terminationGracePeriodSeconds" -}}
-{{- add (mul 2 (ceil .Values.drainTimeoutS | int)) 15 }}
+{{- $drain := ceil .root.Values.drainTimeoutS | int }}
+{{- add (mul 2 $drain) 15 (.preStopSeconds | default 0) }}
 {{- end }}
 
-{{/* Pod spec fields the three share: (dict "root" $ "values" .Values.<component>). */}}
+{{- define "pagedserve.rankPreStopSeconds" -}}
+{{- add (ceil .Values.drainTimeoutS | int) 5 }}
+{{- end }}
+
+{{/* Pod spec fields both workloads share: (dict "root" $ "values" <pod settings> "preStopSeconds" <n>). */}}
 {{- define "pagedserve.podCommon" -}}
-terminationGracePeriodSeconds: {{ include "pagedserve.terminationGracePeriodSeconds" .root }}
+terminationGracePeriodSeconds: {{ include "pagedserve.terminationGracePeriodSeconds" . }}
+serviceAccountName: {{ include "pagedserve.serviceAccountName" .root }}
+automountServiceAccountToken: {{ .root.Values.serviceAccount.automountServiceAccountToken }}
+enableServiceLinks: false
 {{- with .root.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
@@ -176,6 +210,12 @@ imagePullSecrets:
 {{- with .root.Values.podSecurityContext }}
 securityContext:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .values.priorityClassName }}
+priorityClassName: {{ . }}
 {{- end }}
 {{- with .values.nodeSelector }}
 nodeSelector:
@@ -191,6 +231,36 @@ affinity:
 {{- end }}
 {{- end }}
 
+{{/* Container fields every container shares: image, security context. */}}
+{{- define "pagedserve.containerCommon" -}}
+image: {{ include "pagedserve.image" . | quote }}
+imagePullPolicy: {{ .Values.image.pullPolicy }}
+{{- with .Values.securityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/*
+The writable directories of a read-only root filesystem: caches (HF, Triton's compiled kernels,
+torch) and /tmp, as emptyDirs.
+*/}}
+{{- define "pagedserve.scratchVolumes" -}}
+- name: cache
+  emptyDir:
+    sizeLimit: {{ .Values.cacheSizeLimit }}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.tmpSizeLimit }}
+{{- end }}
+
+{{- define "pagedserve.scratchVolumeMounts" -}}
+- name: cache
+  mountPath: /cache
+- name: tmp
+  mountPath: /tmp
+{{- end }}
+
 {{/* The container's env: pod identity (the worker's rank, span resources) and extraEnv. */}}
 {{- define "pagedserve.env" -}}
 - name: POD_NAME
@@ -203,12 +273,29 @@ affinity:
       fieldPath: metadata.namespace
 - name: OTEL_RESOURCE_ATTRIBUTES
   value: k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)
+- name: HOME
+  value: /cache
+- name: XDG_CACHE_HOME
+  value: /cache
+- name: HF_HOME
+  value: /cache/huggingface
+- name: TRITON_CACHE_DIR
+  value: /cache/triton
+- name: TORCHINDUCTOR_CACHE_DIR
+  value: /cache/torchinductor
 {{- range $name, $value := .Values.otelEnv }}
 - name: {{ $name }}
   value: {{ $value | toString | quote }}
 {{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "pagedserve.envFrom" -}}
+{{- with .Values.extraEnvFrom }}
+envFrom:
+  {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
 
@@ -227,32 +314,24 @@ annotations:
 {{- end }}
 {{- end }}
 
-{{/* The container's metrics port, when on. */}}
+{{/* The container's metrics port, when on: (dict "root" $ "port" <port> "name" <port name>). */}}
 {{- define "pagedserve.metricsContainerPort" -}}
-{{- if .Values.metrics.enabled }}
-- name: metrics
-  containerPort: {{ .Values.metrics.port }}
-  protocol: TCP
-{{- end }}
-{{- end }}
-
-{{/* The Service's metrics port, when on. */}}
-{{- define "pagedserve.metricsServicePort" -}}
-{{- if .Values.metrics.enabled }}
-- name: metrics
-  port: {{ .Values.metrics.port }}
-  targetPort: metrics
+{{- if .root.Values.metrics.enabled }}
+- name: {{ .name | default "metrics" }}
+  containerPort: {{ .port | default .root.Values.metrics.port }}
   protocol: TCP
 {{- end }}
 {{- end }}
 
 {{/*
-gRPC health probes on the port the service listens on, or on the plaintext health port when
-that port has TLS: (dict "root" $ "port" <its port> "tls" <bool>).
+Startup and readiness: gRPC health on the port the service listens on, or on the plaintext
+health port when that port has TLS. Liveness: a TCP connect to that port, so that a service
+NOT_SERVING for a while (a worker rebuilding its cache) is taken out of rotation, not killed.
+(dict "root" $ "port" <its port> "tls" <bool> "healthPort" <its health port>).
 Kubernetes calls grpc.health.v1.Health/Check for the whole server ("").
 */}}
 {{- define "pagedserve.probes" -}}
-{{- $port := ternary .root.Values.tls.healthPort .port (.tls | default false) }}
+{{- $port := ternary (.healthPort | default .root.Values.tls.healthPort) .port (.tls | default false) }}
 startupProbe:
   grpc:
     port: {{ $port }}
@@ -262,7 +341,7 @@ readinessProbe:
     port: {{ $port }}
   {{- toYaml .root.Values.probes.readiness | nindent 2 }}
 livenessProbe:
-  grpc:
+  tcpSocket:
     port: {{ $port }}
   {{- toYaml .root.Values.probes.liveness | nindent 2 }}
 {{- end }}
@@ -280,7 +359,7 @@ livenessProbe:
   {{- else }}
   persistentVolumeClaim:
     claimName: {{ required "model.existingClaim or model.hostPath must hold the model folder" .Values.model.existingClaim | quote }}
-    readOnly: true
+    readOnly: {{ not .Values.model.download.enabled }}
   {{- end }}
 {{- end }}
 
@@ -288,4 +367,14 @@ livenessProbe:
 - name: model
   mountPath: {{ .Values.model.mountPath | quote }}
   readOnly: true
+{{- end }}
+
+{{/* The Deployment's / StatefulSet's replica count, unless an autoscaler owns it. */}}
+{{- define "pagedserve.replicas" -}}
+{{- if lt (int .replicas) 0 }}
+{{- fail (printf "%s must be >= 0, got %v" .name .replicas) }}
+{{- end }}
+{{- if not .autoscaled }}
+replicas: {{ .replicas }}
+{{- end }}
 {{- end }}
