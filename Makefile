@@ -10,7 +10,7 @@ GEN     := services/rpc/v1/.stamp
 MODEL_DIR ?= $(HOME)/.cache/pagedserve/models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: install proto model run test test-gpu lint bench bench-gpu helm-test clean fuzz
+.PHONY: install proto model run test test-gpu lint bench bench-gpu helm-test image clean fuzz
 
 install: $(STAMP)
 
@@ -57,6 +57,7 @@ test-gpu:
 lint: install
 	$(VPY) -m ruff check pagedserve services scheduler_svc worker_svc kernels protos tests bench setup.py
 	$(VPY) -m tests.architecture
+	$(VENV)/bin/hadolint Dockerfile Dockerfile.cpu
 
 # CPU benchmarks against HF transformers and the in-process engine (~13 min on 2 cores);
 # JSON records with machine info go to bench/results/.
@@ -71,8 +72,19 @@ bench-gpu:
 	$(PY) -m bench.offline_gpu
 	$(PY) -m bench.kernels_gpu
 
-helm-test:
-	helm lint helm/pagedserve && helm template pagedserve helm/pagedserve >/dev/null
+# The chart through Helm's own engine (helm-python-sdk, no helm binary or cluster): lint --strict,
+# a matrix of values rendered and validated against the Kubernetes 1.31 schemas, policy checks.
+helm-test: install proto
+	$(VPY) -m pytest -q -p no:cacheprovider tests/unit/test_helm_render.py tests/unit/test_helm_chart.py
+
+# The images the chart runs (README: Kubernetes), where docker or podman exists.
+IMAGE   ?= pagedserve
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+ENGINE  ?= $(shell command -v docker || command -v podman)
+image:
+	@test -n "$(ENGINE)" || { echo "make image needs docker or podman"; exit 1; }
+	$(ENGINE) build -f Dockerfile -t $(IMAGE):$(VERSION) .
+	$(ENGINE) build -f Dockerfile.cpu -t $(IMAGE):$(VERSION)-cpu .
 
 clean:
 	rm -rf $(VENV) services/rpc/v1 build *.egg-info

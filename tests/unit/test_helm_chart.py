@@ -1,21 +1,20 @@
-"""The Helm chart (helm/pagedserve), checked without helm: every value a template reads exists,
-every flag it passes is a real flag of that `pagedserve` subcommand, the values' flag maps make
-a valid configuration, workers take one GPU each, probes call gRPC health on the port the
-service listens on. With a `helm` binary on PATH the rendered manifests are checked as well."""
+"""The Helm chart (helm/pagedserve): every value a template reads exists, every flag it passes is
+a real flag of that `pagedserve` subcommand, the values' flag maps make a valid configuration;
+rendered by the real Helm engine (helm-python-sdk), the services parse their arguments and probe
+the ports they listen on. test_helm_render.py: schemas, policies, the values matrix."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import re
-import shutil
-import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from helm_python.errors import HelmError
 from pagedserve.scheduler_svc.metrics import SchedulerMetrics
 from pagedserve.services.common.config import (
     API_KEY_ENV,
@@ -32,6 +31,7 @@ from pagedserve.worker_svc.metrics import WorkerMetrics
 from prometheus_client import CollectorRegistry
 
 from pagedserve.cli import build_parser
+from tests.unit.helm_render import FULLNAME, by_name, render
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pagedserve"
@@ -39,8 +39,11 @@ TEMPLATES = CHART / "templates"
 SERVICES = ("gateway", "scheduler", "worker")
 SERVICE_CONFIGS = {"gateway": GatewayConfig, "scheduler": SchedulerServiceConfig,
                    "worker": WorkerServiceConfig}
-WORKLOADS = {"gateway": "gateway-deployment.yaml", "scheduler": "scheduler-deployment.yaml",
-             "worker": "worker-statefulset.yaml"}
+WORKLOADS = {"gateway": "gateway-deployment.yaml", "scheduler": "engine-statefulset.yaml",
+             "worker": "engine-statefulset.yaml"}
+# engine.* keys that are chart settings, not flags ("pagedserve.engineFlags" omits them)
+ENGINE_CHART_KEYS = ("replicas", "gpuResource", "shmSizeLimit", "pod", "podDisruptionBudget",
+                     "autoscaling")
 
 _VALUES_REF = re.compile(r"\.Values((?:\.[A-Za-z_]\w*)+)")
 _FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
@@ -54,6 +57,14 @@ def _values() -> dict[str, Any]:
 
 def _template(name: str) -> str:
     return (TEMPLATES / name).read_text()
+
+
+def _template_files() -> list[Path]:
+    return sorted(p for p in TEMPLATES.rglob("*") if p.is_file())
+
+
+def _engine_flags(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values["engine"].items() if k not in ENGINE_CHART_KEYS}
 
 
 def _option_strings(command: str) -> set[str]:
@@ -93,12 +104,12 @@ def _service_argv(values: dict[str, Any], service: str) -> list[str]:
         return [*argv, "--scheduler-address", f"scheduler:{values['scheduler']['port']}",
                 "--http-port", str(values["gateway"]["httpPort"]),
                 *_flags(values["gateway"]["args"])]
-    argv += ["--model", values["model"]["path"], *_flags(values["engine"])]
+    argv += ["--model", values["model"]["path"], *_flags(_engine_flags(values))]
     if service == "worker":
         return ["--rank", "0", *argv]
     tp = values["engine"]["tensorParallelSize"]
     return [*argv, "--worker-addresses",
-            *(f"worker-{rank}:{values['worker']['port']}" for rank in range(tp)),
+            *(f"127.0.0.1:{values['worker']['port'] + rank}" for rank in range(tp)),
             *_flags(values["scheduler"]["args"])]
 
 
@@ -123,7 +134,7 @@ def test_chart_metadata_and_default_image_tag_follow_the_package():
 def test_every_value_a_template_reads_exists_in_values_yaml():
     values = _values()
     missing = []
-    for path in sorted(TEMPLATES.iterdir()):
+    for path in _template_files():
         for ref in _VALUES_REF.findall(path.read_text()):
             node: Any = values
             for key in ref.strip(".").split("."):
@@ -135,16 +146,22 @@ def test_every_value_a_template_reads_exists_in_values_yaml():
 
 
 def test_every_literal_flag_is_a_flag_of_its_subcommand():
-    """Helpers serve all three services; NOTES.txt shows a `pagedserve chat` command."""
+    """Helpers serve all three services; the engine pod runs a scheduler and workers (a flag of
+    either; the rendered tests parse each container's argv); NOTES.txt shows `pagedserve chat`,
+    the test hook `pagedserve generate`."""
     commands = {path.name: [s for s in SERVICES if path.name.startswith(s)]
-                for path in TEMPLATES.iterdir()}
+                for path in _template_files()}
     commands["_helpers.tpl"] = list(SERVICES)
+    commands["engine-statefulset.yaml"] = ["scheduler|worker"]
     commands["NOTES.txt"] = ["chat"]
+    commands["test-generate.yaml"] = ["generate"]
     checked = 0
-    for name, services in commands.items():
-        for flag in set(_FLAG.findall(_TEMPLATE_COMMENT.sub("", _template(name)))):
-            for service in services:
-                assert flag in _option_strings(service), f"{name}: pagedserve {service} {flag}"
+    for path in _template_files():
+        text = _TEMPLATE_COMMENT.sub("", path.read_text())
+        for flag in set(_FLAG.findall(text)):
+            for service in commands[path.name]:
+                options = set().union(*(_option_strings(s) for s in service.split("|")))
+                assert flag in options, f"{path.name}: pagedserve {service} {flag}"
                 checked += 1
     assert checked >= 10
 
@@ -200,49 +217,6 @@ def test_gateway_service_exposes_the_http_api_and_the_key_comes_from_a_secret():
                      r"\s+targetPort: http\n", service)
 
 
-def test_workers_are_a_statefulset_of_one_gpu_ranks_behind_a_headless_service():
-    statefulset = _template("worker-statefulset.yaml")
-    assert "kind: StatefulSet" in statefulset
-    assert "replicas: {{ .Values.engine.tensorParallelSize }}" in statefulset
-    assert re.search(r"limits:\n\s+nvidia\.com/gpu: 1\n", statefulset)
-    assert "podManagementPolicy: Parallel" in statefulset  # ranks are ready only together
-    assert '--rank "${POD_NAME##*-}"' in statefulset and "exec pagedserve worker" in statefulset
-    # the ranks meet at rank 0's stable DNS name (resolvable before readiness, see below)
-    assert "--distributed-init-address" in statefulset
-    assert '"%s-worker-0.%s-worker:%d"' in statefulset
-    service = _template("worker-service.yaml")
-    assert "clusterIP: None" in service
-    assert "publishNotReadyAddresses: true" in service  # the scheduler dials before readiness
-    tolerations = _values()["worker"]["tolerations"]
-    assert any(t["key"] == "nvidia.com/gpu" for t in tolerations)
-
-
-def test_scheduler_is_one_replica_never_two_at_once():
-    scheduler = _template("scheduler-deployment.yaml")
-    assert re.search(r"\n  replicas: 1\n", scheduler)
-    assert "type: Recreate" in scheduler
-    assert "--worker-addresses" in scheduler and "pagedserve.workerAddresses" in scheduler
-
-
-@pytest.mark.parametrize("service", SERVICES)
-def test_probes_call_grpc_health_on_the_port_the_service_listens_on(service):
-    text = _template(WORKLOADS[service])
-    port = f".Values.{service}.port"
-    assert f"containerPort: {{{{ {port} }}}}" in text
-    assert f'include "pagedserve.serviceFlags" (dict "root" . "port" {port})' in text
-    assert f'include "pagedserve.probes" (dict "root" . "port" {port} "tls" ' in text
-    allowed = {service, "scheduler"} if service == "gateway" else {service}  # its address
-    assert set(re.findall(r"\.Values\.(\w+)\.port", text)) <= allowed
-    helpers = _template("_helpers.tpl")
-    probes = helpers[helpers.index('define "pagedserve.probes"'):]
-    probes = probes[:probes.index("{{- end }}")]
-    assert probes.count("grpc:\n    port: {{ $port }}") == 3
-    # the service's own port, unless it has TLS: then the plaintext health-only port
-    assert "ternary .root.Values.tls.healthPort .port (.tls | default false)" in probes
-    assert "httpGet" not in probes and "tcpSocket" not in probes
-    assert "- --port\n- {{ .port | quote }}" in helpers
-
-
 def _tls_argv(values: dict[str, Any], own_port_has_tls: bool) -> list[str]:
     """What the chart's "pagedserve.tlsFlags" helper renders."""
     internal = values["tls"]["internal"]
@@ -265,14 +239,15 @@ def test_internal_tls_gives_every_service_the_mounted_secret_and_probes_the_heal
     assert tls.internal_tls_dir == values["tls"]["internal"]["mountPath"]
     assert tls.tls_server_name == "pagedserve-internal"
     assert tls.health_port == (values["tls"]["healthPort"] if own_port_has_tls else 0)
-    text = _template(WORKLOADS[service])
-    assert "pagedserve.internalTlsVolumeMount" in text and "pagedserve.internalTlsVolume" in text
-    tls_value = "$public.enabled" if service == "gateway" else ".Values.tls.internal.enabled"
-    for helper in ("tlsFlags", "healthContainerPort", "probes"):
-        assert re.search(rf'include "pagedserve.{helper}" \(dict "root" \. (?:"port" \S+ )?'
-                         rf'"tls" {re.escape(tls_value)}\)', text), (service, helper)
-    helpers = _template("_helpers.tpl")
-    assert "secretName: {{ include \"pagedserve.internalTlsSecret\" . | quote }}" in helpers
+    objects = by_name(render({"tls": {"internal": {"enabled": True}}}))
+    workload = objects[("Deployment", f"{FULLNAME}-gateway")] if service == "gateway" else \
+        objects[("StatefulSet", f"{FULLNAME}-engine")]
+    spec = workload["spec"]["template"]["spec"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "internal-tls"]
+    assert volume["secret"]["secretName"] == f"{FULLNAME}-internal-tls"
+    for container in spec["containers"]:
+        assert {"name": "internal-tls", "mountPath": values["tls"]["internal"]["mountPath"],
+                "readOnly": True} in container["volumeMounts"]
 
 
 def test_public_tls_passes_the_secrets_files_to_the_gateway():
@@ -291,51 +266,26 @@ def test_public_tls_passes_the_secrets_files_to_the_gateway():
     assert "tls.public.secretName must name a Secret" in text
 
 
-def test_the_cert_manager_certificate_names_every_address_the_services_dial():
-    text = _template("internal-certificate.yaml")
-    assert "kind: Certificate" in text and "apiVersion: cert-manager.io/v1" in text
-    assert "if and $internal.enabled $internal.certManager.issuerRef" in text
-    assert "- server auth\n    - client auth" in text  # one certificate for both ends
-    assert 'secretName: {{ include "pagedserve.internalTlsSecret" . | quote }}' in text
-    # the scheduler's address and each worker's (<fullname>-worker-<rank>.<fullname>-worker...)
-    assert 'printf "%s-scheduler%s" $fullname .' in text
-    assert 'printf "*.%s-worker%s" $fullname .' in text
-    helpers = _template("_helpers.tpl")
-    assert '{{ include "pagedserve.fullname" . }}-scheduler.{{ .Release.Namespace }}.svc.' in helpers
-    assert 'printf "%s-%d.%s.%s.svc.%s:%v" $worker $rank $worker' in helpers
-    assert '(printf ".%s.svc.%s" .Release.Namespace .Values.clusterDomain)' in text
-
-
-def test_network_policies_open_internal_ports_to_their_peers_only():
-    text = _template("networkpolicy.yaml")
-    assert _values()["networkPolicy"]["enabled"] is False
-    assert "{{- if .Values.networkPolicy.enabled }}" in text
-    assert ('dict "scheduler" (list (list "gateway" $.Values.scheduler.port)) "worker" '
-            '(list (list "scheduler" $.Values.worker.port) (list "worker" '
-            '$.Values.worker.distributedPort))') in text
-    assert "policyTypes:\n    - Ingress" in text
-    assert "- port: {{ $root.Values.tls.healthPort }}" in text  # probes reach the health port
-    assert "- port: {{ $root.Values.metrics.port }}" in text  # and Prometheus the metrics
-
-
 def test_metrics_ports_scrape_annotations_service_monitors_and_otel_env():
     values = _values()
     assert values["metrics"]["enabled"] and not values["metrics"]["serviceMonitor"]["enabled"]
-    for service in SERVICES:
-        workload = _template(WORKLOADS[service])
-        assert 'include "pagedserve.metricsContainerPort" .' in workload
-        assert f'include "pagedserve.podAnnotations" (dict "root" . "values" .Values.{service})' \
-            in workload
-        assert 'include "pagedserve.metricsServicePort" .' in _template(f"{service}-service.yaml")
-    helpers = _template("_helpers.tpl")
-    assert '"prometheus.io/scrape" "true"' in helpers and '"prometheus.io/path" "/metrics"' in helpers
-    assert "- name: metrics\n  containerPort: {{ .Values.metrics.port }}" in helpers
-    assert "range $name, $value := .Values.otelEnv" in helpers
-    monitors = _template("servicemonitor.yaml")
-    assert "kind: ServiceMonitor" in monitors
-    assert 'range $component := list "gateway" "scheduler" "worker"' in monitors
-    assert "if and .Values.metrics.enabled .Values.metrics.serviceMonitor.enabled" in monitors
-    assert "- port: metrics" in monitors
+    objects = by_name(render({"engine": {"tensorParallelSize": 2}, "otelEnv": {"A": 1},
+                              "metrics": {"serviceMonitor": {"enabled": True}}}))
+    for component in ("gateway", "engine"):
+        kind = "Deployment" if component == "gateway" else "StatefulSet"
+        pod = objects[(kind, f"{FULLNAME}-{component}")]["spec"]["template"]
+        assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+        service_ports = {p["name"]: p["port"] for p in
+                         objects[("Service", f"{FULLNAME}-{component}")]["spec"]["ports"]}
+        monitor = objects[("ServiceMonitor", f"{FULLNAME}-{component}")]["spec"]
+        scraped = [e["port"] for e in monitor["endpoints"]]
+        for container in pod["spec"]["containers"]:
+            assert {"name": "A", "value": "1"} in container["env"]
+            (port,) = [p for p in container["ports"] if p["name"].startswith("metrics")]
+            assert service_ports[port["name"]] == port["containerPort"]
+            assert port["name"] in scraped
+            flag = container["args"].index("--metrics-port")
+            assert container["args"][flag + 1] == str(port["containerPort"])
     dashboard_map = _template("grafana-dashboard.yaml")
     assert '.Files.Get "dashboards/pagedserve.json"' in dashboard_map
     assert values["metrics"]["grafanaDashboard"]["labels"] == {"grafana_dashboard": "1"}
@@ -364,83 +314,65 @@ def test_the_grafana_dashboard_reads_only_metrics_pagedserve_exports():
     assert all('model_name=~"$model_name"' in expr for expr in exprs)
 
 
-# --- rendered by helm, where it is installed ---------------------------------------------------
-
-HELM = shutil.which("helm")
-needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary on PATH")
+# --- rendered by Helm ---------------------------------------------------------------------------
 
 
-def _render(*sets: str) -> subprocess.CompletedProcess:
-    argv = [HELM, "template", "demo", str(CHART), "--namespace", "llm"]
-    for s in sets:
-        argv += ["--set", s]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+def _workloads(values: dict[str, Any]) -> dict[str, tuple[dict[str, Any], list[str]]]:
+    """Each service's container and argv, from the rendered manifests (rank 1 for a worker)."""
+    objects = by_name(render(values))
+    gateway = objects[("Deployment", f"{FULLNAME}-gateway")]["spec"]["template"]["spec"]
+    engine = objects[("StatefulSet", f"{FULLNAME}-engine")]["spec"]["template"]["spec"]
+    containers = {"gateway": gateway["containers"][0], "scheduler": engine["containers"][0],
+                  "worker": engine["containers"][-1]}
+    return {s: (c, c["args"]) for s, c in containers.items()}
 
 
-def _manifests(*sets: str) -> dict[tuple[str, str], dict[str, Any]]:
-    result = _render(*sets)
-    assert result.returncode == 0, result.stderr
-    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
-    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
-
-
-@needs_helm
-@pytest.mark.parametrize("sets", [(), ("engine.tensorParallelSize=2", "drainTimeoutS=45",
-                                       "tracing.otelExporter=otlp",
-                                       "tracing.otelEndpoint=http://collector:4317")])
-def test_rendered_workloads_run_real_commands_and_probe_their_ports(sets):
-    manifests = _manifests(*sets)
-    tp = 2 if sets else 1
-    drain_s = 45 if sets else 30
-    kinds = {"gateway": "Deployment", "scheduler": "Deployment", "worker": "StatefulSet"}
-    for service, kind in kinds.items():
-        workload = manifests[(kind, f"demo-pagedserve-{service}")]
-        pod = workload["spec"]["template"]["spec"]
+@pytest.mark.parametrize("values", [{}, {"engine": {"tensorParallelSize": 2},
+                                         "drainTimeoutS": 45, "tracing": {
+                                             "otelExporter": "otlp",
+                                             "otelEndpoint": "http://collector:4317"}}])
+def test_rendered_workloads_run_real_commands_and_probe_their_ports(values):
+    tp = 2 if values else 1
+    drain_s = 45 if values else 30
+    objects = by_name(render(values))
+    for kind, name in (("Deployment", "gateway"), ("StatefulSet", "engine")):
+        pod = objects[(kind, f"{FULLNAME}-{name}")]["spec"]["template"]["spec"]
         assert pod["terminationGracePeriodSeconds"] >= 2 * drain_s
-        (container,) = pod["containers"]
-        argv = container["args"]
-        if service == "worker":
-            assert container["command"][:2] == ["/bin/sh", "-c"]
-            argv = ["--rank", "1", *argv]  # what the shell wrapper adds for pod ...-worker-1
-        else:
-            assert container["command"] == ["pagedserve", service]
+    for service, (container, argv) in _workloads(values).items():
+        assert container["command"] == ["pagedserve", service]
         config = from_args(SERVICE_CONFIGS[service], _parse(service, argv))
-        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert config.shutdown.drain_timeout_s == drain_s
+        ports = {p["name"].rsplit("-", 1)[0]: p["containerPort"] for p in container["ports"]}
         assert ports.pop("grpc") == config.port
         if service == "gateway":
             assert ports.pop("http") == config.http.http_port
-            service_ports = manifests[("Service", "demo-pagedserve-gateway")]["spec"]["ports"]
+            service_ports = objects[("Service", f"{FULLNAME}-gateway")]["spec"]["ports"]
             assert {p["name"]: p["targetPort"] for p in service_ports
                     if p["name"] != "metrics"} == {"grpc": "grpc", "http": "http"}
-        ports.pop("health", None)  # the plaintext probe port, with TLS
-        ports.pop("metrics", None)
+        assert ports.pop("metrics") == config.metrics.metrics_port
         assert not ports
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        for probe in ("startupProbe", "readinessProbe"):
             assert container[probe]["grpc"] == {"port": config.port}
+        assert container["livenessProbe"]["tcpSocket"] == {"port": config.port}
         if service == "worker":
-            assert workload["spec"]["replicas"] == tp
+            assert config.rank == tp - 1
             assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-            headless = manifests[("Service", workload["spec"]["serviceName"])]["spec"]
-            assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"]
         if service == "scheduler":
-            assert config.worker_addresses == [
-                f"demo-pagedserve-worker-{rank}.demo-pagedserve-worker.llm.svc.cluster.local:"
-                f"50053" for rank in range(tp)]
+            assert config.worker_addresses == [f"127.0.0.1:{50053 + rank}" for rank in range(tp)]
             assert from_args(EngineConfig, _parse(service, argv)) \
                 .parallel.tensor_parallel_size == tp
 
 
-@needs_helm
-@pytest.mark.parametrize("sets, message", [
-    (("engine.tensorParallelSize=0",), "tensorParallelSize must be >= 1"),
-    (("tracing.otelExporter=console", "tracing.otelEndpoint=http://collector:4317"),
+@pytest.mark.parametrize("values, message", [
+    ({"engine": {"tensorParallelSize": 0}}, "tensorParallelSize"),
+    ({"tracing": {"otelExporter": "console", "otelEndpoint": "http://collector:4317"}},
      "otelExporter=otlp"),
-    (("model.path=/elsewhere/m",), "model.path must lie under model.mountPath"),
+    ({"model": {"path": "/elsewhere/m"}}, "model.path must lie under model.mountPath"),
+    ({"gateway": {"replicaCount": 9}}, "gateway.autoscaling.maxReplicas must be >= "),
 ])
-def test_rendering_refuses_bad_values_with_the_value_named(sets, message):
-    result = _render(*sets)
-    assert result.returncode != 0
-    assert message in result.stderr
+def test_rendering_refuses_bad_values_with_the_value_named(values, message):
+    with pytest.raises(HelmError, match=re.escape(message)):
+        render(values)
 
 
 def _dns_match(pattern: str, host: str) -> bool:
@@ -450,38 +382,22 @@ def _dns_match(pattern: str, host: str) -> bool:
     return pattern == host
 
 
-@needs_helm
 def test_rendered_internal_tls_mounts_the_certificate_and_names_the_dialled_hosts():
-    manifests = _manifests("tls.internal.enabled=true", "tls.internal.certManager.issuerRef.name=ca",
-                           "engine.tensorParallelSize=2")
-    certificate = manifests[("Certificate", "demo-pagedserve-internal-tls")]["spec"]
-    scheduler = manifests[("Deployment", "demo-pagedserve-scheduler")]["spec"]["template"]["spec"]
-    gateway = manifests[("Deployment", "demo-pagedserve-gateway")]["spec"]["template"]["spec"]
-    config = from_args(SchedulerServiceConfig, _parse("scheduler", scheduler["containers"][0]["args"]))
-    gateway_config = from_args(GatewayConfig, _parse("gateway", gateway["containers"][0]["args"]))
-    hosts = [a.rsplit(":", 1)[0] for a in (*config.worker_addresses,
-                                           gateway_config.scheduler_address)]
-    for host in hosts:
-        assert any(_dns_match(name, host) for name in certificate["dnsNames"]), host
+    values = {"tls": {"internal": {"enabled": True, "certManager": {"issuerRef": {"name": "ca"}}}},
+              "engine": {"tensorParallelSize": 2}}
+    objects = by_name(render(values))
+    certificate = objects[("Certificate", f"{FULLNAME}-internal-tls")]["spec"]
+    workloads = _workloads(values)
+    config = from_args(SchedulerServiceConfig, _parse("scheduler", workloads["scheduler"][1]))
+    gateway_config = from_args(GatewayConfig, _parse("gateway", workloads["gateway"][1]))
+    for address in (*config.worker_addresses, gateway_config.scheduler_address):
+        host = address.rsplit(":", 1)[0]
+        assert any(_dns_match(name, host) for name in certificate["dnsNames"]) \
+            or host in certificate["ipAddresses"], host
     assert config.tls.internal_tls_dir and config.tls.health_port == 8081
-    (container,) = scheduler["containers"]
-    assert container["readinessProbe"]["grpc"] == {"port": 8081}
-    (volume,) = [v for v in scheduler["volumes"] if v["name"] == "internal-tls"]
-    assert volume["secret"]["secretName"] == certificate["secretName"]
+    worker = from_args(WorkerServiceConfig, _parse("worker", workloads["worker"][1]))
+    assert worker.tls.health_port == 8083  # rank 1: its own, in the shared network namespace
+    assert workloads["scheduler"][0]["readinessProbe"]["grpc"] == {"port": 8081}
+    assert workloads["worker"][0]["readinessProbe"]["grpc"] == {"port": 8083}
     assert gateway_config.tls.health_port == 0  # its own, public, port stays plaintext
-    assert gateway["containers"][0]["readinessProbe"]["grpc"] == {"port": gateway_config.port}
-
-
-@needs_helm
-def test_rendered_network_policies_admit_only_the_peer_components():
-    manifests = _manifests("networkPolicy.enabled=true")
-    peers = {}
-    for component in ("scheduler", "worker"):
-        spec = manifests[("NetworkPolicy", f"demo-pagedserve-{component}")]["spec"]
-        assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == component
-        peers[component] = sorted(
-            (rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"],
-             rule["ports"][0]["port"]) for rule in spec["ingress"])
-    assert peers == {"scheduler": [("gateway", 50052)],
-                     "worker": [("scheduler", 50053), ("worker", 29500)]}
-    assert ("NetworkPolicy", "demo-pagedserve-gateway") not in manifests
+    assert workloads["gateway"][0]["readinessProbe"]["grpc"] == {"port": gateway_config.port}
