@@ -308,3 +308,17 @@ def test_every_value_has_a_schema():
                 walk(child, schema["properties"].get(key, {}), f"{path}.{key}")
 
     walk(yaml.safe_load((CHART_DIR / "values.yaml").read_text()), SCHEMA, "")
+
+
+def test_cpu_nodes_run_the_cpu_image_without_gpu_requests():
+    values = {"image": {"tag": "0.1.0-cpu"}, "engine": {
+        "device": "cpu", "gpuResource": "", "tensorParallelSize": 2, "pod": {"tolerations": []}}}
+    objects = render(values)
+    for obj in objects:
+        _validate(obj)
+    engine = pod_specs(objects)["engine"]
+    for container in engine["containers"]:
+        assert container["image"] == "pagedserve:0.1.0-cpu"
+        assert set(container["resources"]["limits"]) == {"memory"}
+        args = _parse(container["command"][1], container["args"])
+        assert from_args(EngineConfig, args).device.device == "cpu"
