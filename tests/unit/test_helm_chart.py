@@ -369,6 +369,8 @@ def test_rendered_workloads_run_real_commands_and_probe_their_ports(values):
      "otelExporter=otlp"),
     ({"model": {"path": "/elsewhere/m"}}, "model.path must lie under model.mountPath"),
     ({"gateway": {"replicaCount": 9}}, "gateway.autoscaling.maxReplicas must be >= "),
+    ({"engine": {"tensorParallelSize": 2}, "scheduler": {"port": 50054}},
+     "their ports collide: [50054 29500 9400 50053 9401 50054 9402]"),
 ])
 def test_rendering_refuses_bad_values_with_the_value_named(values, message):
     with pytest.raises(HelmError, match=re.escape(message)):
