@@ -74,3 +74,36 @@ def test_hugging_face_kernels_beside_it_is_unharmed(venv):
         assert actual.decode() == expected, f"{path} was overwritten"
     assert not (site / "kernels" / "ref.py").exists()
     assert os.listdir(site / "kernels")
+
+
+def test_the_images_install_of_the_wheel_with_its_extras_resolves(venv, tmp_path):
+    """What Dockerfile installs (the wheel with [triton]) and Dockerfile.cpu (the wheel alone):
+    every requirement either declares holds in the venv, and the OTLP exporter the chart offers
+    imports; run under the image's environment (HOME and caches under one writable folder)."""
+    env_dir, _ = venv
+    code = (
+        "import importlib.metadata as m, sys\n"
+        "from packaging.requirements import Requirement\n"
+        "unmet = []\n"
+        "for extra in ('', 'triton'):\n"
+        "    for text in m.requires('pagedserve'):\n"
+        "        req = Requirement(text)\n"
+        "        if req.marker and not req.marker.evaluate({'extra': extra}):\n"
+        "            continue\n"
+        "        try:\n"
+        "            version = m.version(req.name)\n"
+        "        except m.PackageNotFoundError:\n"
+        "            unmet.append(f'{extra}: {req} (missing)'); continue\n"
+        "        if not req.specifier.contains(version, prereleases=True):\n"
+        "            unmet.append(f'{extra}: {req} (have {version})')\n"
+        "assert not unmet, unmet\n"
+        "assert 'triton' in m.metadata('pagedserve').get_all('Provides-Extra')\n"
+        "from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter\n"
+        "print('ok')\n")
+    cache = tmp_path / "cache"
+    env = {"PATH": os.environ["PATH"], "HOME": str(cache), "XDG_CACHE_HOME": str(cache),
+           "HF_HOME": str(cache / "huggingface"), "TRITON_CACHE_DIR": str(cache / "triton"),
+           "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([str(env_dir / "bin" / "python"), "-c", code], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr
