@@ -83,6 +83,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 ENGINE  ?= $(shell command -v docker || command -v podman)
 image:
 	@test -n "$(ENGINE)" || { echo "make image needs docker or podman"; exit 1; }
+	@$(ENGINE) info >/dev/null 2>&1 || { echo "make image: $(ENGINE) cannot reach its daemon"; exit 1; }
 	$(ENGINE) build -f Dockerfile -t $(IMAGE):$(VERSION) .
 	$(ENGINE) build -f Dockerfile.cpu -t $(IMAGE):$(VERSION)-cpu .
 
