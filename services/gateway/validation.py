@@ -56,12 +56,15 @@ def prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ModelIn
     if request.text is not None:
         if not request.text:
             raise InvalidRequest("prompt text must not be empty, got ''")
+        _check_prompt_chars("prompt text", len(request.text), tokenizer, info)
         return tokenizer.encode(request.text, add_special_tokens=True)
     if request.messages is not None:
         if not info.has_chat_template:
             raise InvalidRequest(f"prompt messages need a chat template, but model "
                                  f"{info.model!r} has none; send text or token_ids")
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        _check_prompt_chars("the messages' content", sum(len(m["content"]) for m in messages),
+                            tokenizer, info)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     if request.token_ids is not None:
         token_ids = list(request.token_ids)
@@ -73,6 +76,18 @@ def prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ModelIn
                 f"prompt token_ids must be in [0, vocab_size={info.vocab_size}), got {bad}")
         return token_ids
     raise InvalidRequest("prompt must be set: one of text, token_ids or messages")
+
+
+def _check_prompt_chars(what: str, num_chars: int, tokenizer: Tokenizer,
+                        info: ModelInfo) -> None:
+    """Refuses, before tokenizing it (hundreds of bytes of memory a token), text that cannot
+    encode to max_model_len tokens or fewer: no token spans more than max_token_chars characters
+    (twice that, for normalizers that merge characters)."""
+    limit = 2 * info.max_model_len * tokenizer.max_token_chars
+    if num_chars > limit:
+        raise InvalidRequest(
+            f"{what} must be at most {limit} characters (max_model_len={info.max_model_len} "
+            f"tokens of at most {tokenizer.max_token_chars} characters, twice), got {num_chars}")
 
 
 def check_request(request: GenerateInput, info: ModelInfo) -> str:

@@ -27,6 +27,8 @@ class Tokenizer:
         added_special = [i for i, tok in hf_tokenizer.added_tokens_decoder.items() if tok.special]
         self.special_token_ids: frozenset[int] = frozenset(
             [*hf_tokenizer.all_special_ids, *added_special])
+        # At least the characters any one token decodes to (byte-level tokens: their bytes).
+        self.max_token_chars: int = max(map(len, hf_tokenizer.get_vocab()), default=1)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:

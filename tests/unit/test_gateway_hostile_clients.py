@@ -95,6 +95,28 @@ def test_sequences_that_never_fit_the_replicas_cache_are_refused_up_front(model_
     assert fits[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
 
 
+@pytest.mark.parametrize("field", ["text", "messages"])
+def test_text_that_cannot_fit_max_model_len_is_refused_before_tokenizing(model_dir, monkeypatch,
+                                                                      field):
+    """Tokenizing costs hundreds of bytes a token: 3 MB of text would cost the gateway ~600 MB
+    only to learn it is too long."""
+    encoded = []
+    monkeypatch.setattr(Tokenizer, "encode", lambda self, text, *a, **k: encoded.append(text))
+    monkeypatch.setattr(Tokenizer, "apply_chat_template", lambda self, m, *a, **k: encoded.append(m))
+    text = "the fox " * 400_000
+    prompt = {"text": text} if field == "text" else {"messages": gateway_pb2.ChatMessages(
+        messages=[gateway_pb2.ChatMessage(role="user", content=text)])}
+
+    async def body(h):
+        return await refused(h.generation.GenerateStream(
+            gateway_pb2.GenerateRequest(**prompt), timeout=10))
+
+    err = run(model_dir, body)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "characters" in err.details() and "3200000" in err.details()
+    assert not [e for e in encoded if len(e) > 1000]
+
+
 # --- malformed wire data ----------------------------------------------------------------------
 
 GARBAGE = [b"\xff\xff\xff\xff", b"\x12\x05ab",  # not protobuf; a string cut short
