@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pagedserve.log_format import configure_logging
 from pagedserve.services.common.config import (
+    AdminConfig,
     EngineConfig,
     GatewayConfig,
     HttpConfig,
@@ -59,6 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
                                    from_args(TracingConfig, args), args.internal_tls,
                                    args.metrics_port, args.log_format,
                                    from_args(RequestLimitsConfig, args), from_args(HttpConfig, args),
+                                   admin=from_args(AdminConfig, args),
                                    data_parallel_size=args.data_parallel_size))
 
 
@@ -250,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve, ShutdownConfig)
     add_arguments(serve, RequestLimitsConfig)
     add_arguments(serve, HttpConfig)
+    add_arguments(serve, AdminConfig)
     gateway = GatewayConfig()
     serve.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     serve.add_argument("--port", type=int, default=gateway.port,

@@ -29,7 +29,7 @@ from typing import Any
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.certificates import ThrowAwayCertificates
-from pagedserve.services.common.config import API_KEY_ENV, TlsConfig
+from pagedserve.services.common.config import ADMIN_TOKEN_ENV, API_KEY_ENV, TlsConfig
 from pagedserve.services.rpc.tls import internal_aio_channel, is_loopback
 
 logger = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
                       startup_timeout_s: float, drain_timeout_s: float,
                       tracing: Any = None, internal_tls: bool = True, metrics_port: int = -1,
                       log_format: str = "text", limits: Any = None, http: Any = None,
-                      data_parallel_size: int = 1) -> int:
+                      data_parallel_size: int = 1, admin: Any = None) -> int:
     """Run the stack until Ctrl-C or SIGTERM (0), or until a child keeps dying (1).
     `data_parallel_size` replicas, each a scheduler and tensor_parallel_size workers: replica r's
     scheduler listens on scheduler_port + r and its rank-0 worker on worker_port + r (free ports
@@ -261,7 +261,7 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     S = P + 1 + r * (1 + tensor_parallel_size): S (scheduler) and S + 1 + rank (workers); 0 on
     free ports each; -1 not at all. `limits`: the gateway's RequestLimitsConfig. `http` is the
     gateway's HttpConfig; an API key in it reaches the gateway through its environment, never
-    its command line."""
+    its command line; so does `admin`'s token (an AdminConfig)."""
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
     connect = _connect_host(host)

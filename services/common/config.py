@@ -282,18 +282,22 @@ class HttpConfig:
     def resolve_api_key(self, environ: Mapping[str, str] = os.environ) -> str:
         """The key: api_key, else api_key_file's first line, else $PAGEDSERVE_API_KEY; empty =
         no key."""
-        if self.api_key:
-            return self.api_key
-        if self.api_key_file:
-            try:
-                key = Path(self.api_key_file).read_text().strip().splitlines()
-            except OSError as e:
-                raise ConfigError(f"api_key_file {self.api_key_file!r} cannot be read: "
-                                  f"{e.strerror}") from e
-            _check(bool(key) and bool(key[0].strip()),
-                   f"api_key_file {self.api_key_file!r} holds no key")
-            return key[0].strip()
-        return environ.get(API_KEY_ENV, "")
+        return _secret(self.api_key, "api_key_file", self.api_key_file, environ.get(API_KEY_ENV, ""))
+
+
+def _secret(value: str, file_field: str, path: str, from_env: str) -> str:
+    """A credential given as a value, else as a file (its first line), else from the
+    environment; the file is read here so that a bad one fails at start-up."""
+    if value:
+        return value
+    if path:
+        try:
+            lines = Path(path).read_text().strip().splitlines()
+        except OSError as e:
+            raise ConfigError(f"{file_field} {path!r} cannot be read: {e.strerror}") from e
+        _check(bool(lines) and bool(lines[0].strip()), f"{file_field} {path!r} holds no key")
+        return lines[0].strip()
+    return from_env
 
 
 @dataclass(slots=True)
@@ -388,6 +392,29 @@ class RequestLimitsConfig:
                f"stalled_stream_timeout_s must be > 0, got {self.stalled_stream_timeout_s}")
 
 
+ADMIN_TOKEN_ENV = "PAGEDSERVE_ADMIN_TOKEN"
+
+
+@dataclass(slots=True)
+class AdminConfig:
+    """The deployment's admin credential: its holder may abort any request (every other caller
+    aborts only its own)."""
+
+    admin_token: str = field(default="", repr=False, metadata={
+        "help": "a credential (sent as 'authorization: Bearer <token>') that may abort any "
+                "request; empty = admin_token_file, else $" + ADMIN_TOKEN_ENV + ", else none"})
+    admin_token_file: str = opt("", "file holding the admin token (its first line)")
+
+    def __post_init__(self) -> None:
+        _check(not (self.admin_token and self.admin_token_file),
+               f"set admin_token or admin_token_file, not both "
+               f"(admin_token_file={self.admin_token_file!r})")
+
+    def resolve_admin_token(self, environ: Mapping[str, str] = os.environ) -> str:
+        return _secret(self.admin_token, "admin_token_file", self.admin_token_file,
+                       environ.get(ADMIN_TOKEN_ENV, ""))
+
+
 @dataclass(slots=True)
 class GatewayConfig:
     host: str = opt("127.0.0.1", "address the gateway listens on")
@@ -403,9 +430,7 @@ class GatewayConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)
     public_tls: PublicTlsConfig = field(default_factory=PublicTlsConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
-    admin_token: str = field(default="", repr=False, metadata={
-        "help": "a credential (sent as 'authorization: Bearer <token>') that may abort any "
-                "request; empty = none (callers abort only their own requests)"})
+    admin: AdminConfig = field(default_factory=AdminConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)

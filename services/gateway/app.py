@@ -82,6 +82,7 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     it serves."""
     credentials = public_server_credentials(config.public_tls)  # bad files fail before waiting
     api_key = config.http.resolve_api_key()
+    admin_token = config.admin.resolve_admin_token()
     scheduler = SchedulerClient(config.scheduler_address, config.rpc_timeout_s, config.tls)
     try:
         logger.info("waiting for the scheduler at %s", config.scheduler_address)
@@ -99,7 +100,7 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     metrics = GatewayMetrics(registry, info.model, info.max_model_len)
     pool = ThreadPoolExecutor(config.num_tokenizer_threads, thread_name_prefix="tokenizer")
     frontend = Frontend(tokenizer, scheduler, info, admission, metrics, limits=config.limits,
-                        executor=pool, admin_token=config.admin_token)
+                        executor=pool, admin_token=admin_token)
     server, port = create_server([
         ServiceBinding(GenerationServicer(frontend),
                        gateway_pb2_grpc.add_GenerationServicer_to_server,

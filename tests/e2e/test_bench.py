@@ -8,7 +8,7 @@ import json
 import pytest
 
 import bench.common
-from bench import control_plane, offline, serving, step_anatomy
+from bench import control_plane, hostile_clients, offline, serving, step_anatomy
 
 
 @pytest.fixture
@@ -77,3 +77,17 @@ def test_control_plane(tiny_served_model_dir, results_dir):
                                                                        (32, 128)]
     assert all(r["num_steps"] >= 3 and r["per_step_ms"] > 0 for r in scheduler)
     assert set(record["targets"]) == {"busy_fraction", "gateway_tok_per_cpu_s"}
+
+
+def test_hostile_clients(tiny_served_model_dir, results_dir):
+    hostile_clients.main(["--model", str(tiny_served_model_dir), "--quick",
+                          "--stalled-stream-timeout-s", "1", "--tag", "smoke"])
+    results = _record(results_dir, "hostile_clients")["results"]
+    assert results["alone_tok_s"] > 0 and len(results["alone_runs"]) == 2
+    stalled, hostile = results["beside_stalled"], results["beside_hostile"]
+    ends = stalled["stalled_stream_ends"]  # one read soon after the client's run may finish OK
+    assert set(ends) <= {"RESOURCE_EXHAUSTED", "OK"} and sum(ends.values()) == 20
+    assert stalled["num_output_tokens"] == hostile["num_output_tokens"] > 0
+    assert set(hostile["hostile_status_codes"]) <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
+    assert sum(hostile["hostile_status_codes"].values()) >= 1
+    assert stalled["ratio_vs_alone"] > 0 and set(hostile["target"]) == {"target", "met"}

@@ -8,6 +8,7 @@ import time
 
 import grpc
 import pytest
+from pagedserve.services.common.config import AdminConfig
 from pagedserve.services.rpc.v1 import (
     common_pb2,
     gateway_pb2,
@@ -30,7 +31,7 @@ def stack(tiny_served_model_dir):
     config = tiny_config(tiny_served_model_dir)
     config = dataclasses.replace(config, scheduler=dataclasses.replace(
         config.scheduler, max_num_seqs=2, max_best_of=2, max_waiting_requests=3))
-    stack = start_stack(config, admin_token=ADMIN_TOKEN)
+    stack = start_stack(config, admin=AdminConfig(admin_token=ADMIN_TOKEN))
     yield stack
     stack.close()
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.services.common.sampling_params import SamplingParams
@@ -145,6 +146,45 @@ def test_serve_runs_the_stack_and_ctrl_c_stops_it(tiny_served_model_dir):
                  if f"the {role} stopped (code 0)" in line]
         assert order == ["gateway", "scheduler", "worker"], "".join(log)
         assert not tls_dir.parent.exists()
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+
+
+@pytest.mark.parametrize("given_as", ["flag", "file"])
+def test_serve_passes_the_admin_token_to_its_gateway_outside_its_command_line(
+        tiny_served_model_dir, tmp_path, given_as):
+    """Only the admin aborts another caller's request; the token is in no child's argv."""
+    token_file = tmp_path / "admin-token"
+    token_file.write_text("0p3n-s3same\n")
+    admin = (["--admin-token", "0p3n-s3same"] if given_as == "flag"
+             else ["--admin-token-file", str(token_file)])
+    serve = pagedserve("serve", "--model", str(tiny_served_model_dir), "--port", "0",
+                       "--http-port", "0", "--no-internal-tls", *admin, *SMALL_CACHE,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = read_lines(serve.stdout), read_lines(serve.stderr)
+        address = wait_for_line(out, "pagedserve is serving", 180).split(" on ")[-1].strip()
+        for child in psutil.Process(serve.pid).children(recursive=True):
+            assert "0p3n-s3same" not in " ".join(child.cmdline())
+        with grpc.insecure_channel(address) as channel:
+            stub = gateway_pb2_grpc.GenerationStub(channel)
+            call = stub.GenerateStream(gateway_pb2.GenerateRequest(
+                request_id="alices", token_ids=gateway_pb2.TokenIds(token_ids=[1, 2, 3]),
+                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=480,
+                                                   ignore_eos=True)),
+                timeout=120, metadata=[("authorization", "Bearer alice")])
+            next(call)
+            for token in ("bob", "0p3n-s3sam"):
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Abort(common_pb2.AbortRequest(request_id="alices"), timeout=30,
+                               metadata=[("authorization", f"Bearer {token}")])
+                assert refused.value.code() == grpc.StatusCode.NOT_FOUND, refused.value
+            stub.Abort(common_pb2.AbortRequest(request_id="alices"), timeout=30,
+                       metadata=[("authorization", "Bearer 0p3n-s3same")])
+            assert list(call)[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+        assert stop(serve, signal.SIGINT) == 0
+        rest(err)
     finally:
         if serve.poll() is None:
             serve.kill()

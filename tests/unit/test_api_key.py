@@ -1,8 +1,14 @@
-"""The API key: where it comes from (flag, file, environment) and how a header is checked."""
+"""The API key and the admin token: where they come from (flag, file, environment) and how a
+header is checked."""
 
 import pytest
 from pagedserve.services.common.api_key import is_authorized
-from pagedserve.services.common.config import API_KEY_ENV, HttpConfig
+from pagedserve.services.common.config import (
+    ADMIN_TOKEN_ENV,
+    API_KEY_ENV,
+    AdminConfig,
+    HttpConfig,
+)
 from pagedserve.services.common.errors import ConfigError
 
 
@@ -41,3 +47,18 @@ def test_bad_key_settings_are_config_errors(tmp_path):
 
 def test_the_key_is_not_in_the_config_repr():
     assert "s3cret" not in repr(HttpConfig(api_key="s3cret"))
+
+
+def test_admin_token_from_flag_then_file_then_environment(tmp_path):
+    environ = {ADMIN_TOKEN_ENV: "from-env", API_KEY_ENV: "the-api-key"}
+    assert AdminConfig(admin_token="from-flag").resolve_admin_token(environ) == "from-flag"
+    path = tmp_path / "token"
+    path.write_text("from-file\nignored\n")
+    assert AdminConfig(admin_token_file=str(path)).resolve_admin_token(environ) == "from-file"
+    assert AdminConfig().resolve_admin_token(environ) == "from-env"
+    assert AdminConfig().resolve_admin_token({API_KEY_ENV: "the-api-key"}) == ""
+    with pytest.raises(ConfigError, match="admin_token_file"):
+        AdminConfig(admin_token_file=str(tmp_path / "missing")).resolve_admin_token({})
+    with pytest.raises(ConfigError, match="not both"):
+        AdminConfig(admin_token="a", admin_token_file="b")
+    assert "s3cret" not in repr(AdminConfig(admin_token="s3cret"))
