@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 
@@ -101,14 +102,17 @@ class Frontend:
         self._executor = executor
         self._admin_token = admin_token
 
-    async def prepare(self, request: GenerateInput) -> PreparedRequest:
+    async def prepare(self, request: GenerateInput, arrival_s: float | None = None
+                      ) -> PreparedRequest:
         """Checked (its cost first, so nothing below scales with what it asks), tokenized in the
-        executor, and checked against the replica's KV cache."""
+        executor, and checked against the replica's KV cache. `arrival_s`: time.monotonic() when
+        the request reached the front door (default: now)."""
+        arrival_s = time.monotonic() if arrival_s is None else arrival_s
         check_request_cost(request, self.limits, self.info)
         request_id = check_request(request, self.info)
         token_ids = await self._prompt_token_ids(request)
         check_fits_replica(len(token_ids), request.sampling, self.info)
-        return prepared_request(request, request_id, token_ids, self.info)
+        return prepared_request(request, request_id, token_ids, self.info, arrival_s)
 
     async def tokenize(self, request: GenerateInput) -> list[int]:
         check_request_cost(request, self.limits, self.info)
@@ -140,7 +144,7 @@ class Frontend:
         `on_stalled` is awaited with the error (a front door ends its call with it), and the
         task iterating this generator is cancelled."""
         buffer = DeltaBuffer(request.sampling.n)
-        timer = None if self.metrics is None else self.metrics.start_request()
+        timer = None if self.metrics is None else self.metrics.start_request(request.arrival_s)
         pump = asyncio.create_task(self._pump(request, buffer, timer, caller.owner))
         watchdog = asyncio.create_task(self._watch(request.request_id, buffer, pump,
                                                    asyncio.current_task(), on_stalled))

@@ -51,8 +51,10 @@ class GatewayMetrics:
             "pagedserve:admission_rejections", "Requests refused by admission control "
             "(RESOURCE_EXHAUSTED).", MODEL, registry=registry).labels(model_name)
 
-    def start_request(self) -> RequestTimer:
-        return RequestTimer(self)
+    def start_request(self, arrival_s: float | None = None) -> RequestTimer:
+        """`arrival_s`: time.monotonic() when the request reached the gateway, before its
+        validation and tokenization: vLLM measures TTFT and e2e latency from arrival."""
+        return RequestTimer(self, time.monotonic() if arrival_s is None else arrival_s)
 
     @contextlib.contextmanager
     def track(self, method: str) -> Iterator[None]:
@@ -75,9 +77,9 @@ class RequestTimer:
 
     __slots__ = ("_metrics", "_start", "_last")
 
-    def __init__(self, metrics: GatewayMetrics) -> None:
+    def __init__(self, metrics: GatewayMetrics, arrival_s: float) -> None:
         self._metrics = metrics
-        self._start = time.monotonic()
+        self._start = arrival_s
         self._last: float | None = None
 
     def on_tokens(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -53,9 +54,11 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     async def GenerateStream(self, request: gateway_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        arrival_s = time.monotonic()
         set_request_model(self._frontend.info.model)
         with self._track("GenerateStream"), self._frontend.admission.admit():
-            prepared = await self._frontend.prepare(generate_request_from_proto(request))
+            prepared = await self._frontend.prepare(generate_request_from_proto(request),
+                                                    arrival_s)
             on_stalled = functools.partial(_end_stalled_call, context)
             async for delta in self._frontend.generate(
                     prepared, on_stalled, grpc_caller(context)):
@@ -64,9 +67,11 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     @map_errors
     async def Generate(self, request: gateway_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateResponse:
+        arrival_s = time.monotonic()
         set_request_model(self._frontend.info.model)
         with self._track("Generate"), self._frontend.admission.admit():
-            prepared = await self._frontend.prepare(generate_request_from_proto(request))
+            prepared = await self._frontend.prepare(generate_request_from_proto(request),
+                                                    arrival_s)
             deltas = [delta async for delta in self._frontend.generate(
                 prepared, caller=grpc_caller(context))]
         return generate_response_to_proto(prepared.request_id, deltas, prepared.sampling.n)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.sampling_params import SamplingParams
@@ -50,6 +51,8 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     priority: int
+    # time.monotonic() when the request reached the gateway: latency metrics count from here
+    arrival_s: float = field(default_factory=time.monotonic)
 
 
 def prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo) -> list[int]:
@@ -101,7 +104,7 @@ def check_request(request: GenerateInput, info: ModelInfo) -> str:
 
 
 def prepared_request(request: GenerateInput, request_id: str, token_ids: list[int],
-                     info: ModelInfo) -> PreparedRequest:
+                     info: ModelInfo, arrival_s: float | None = None) -> PreparedRequest:
     sampling = request.sampling
     num_tokens = len(token_ids) + sampling.max_tokens
     if num_tokens > info.max_model_len:
@@ -109,7 +112,8 @@ def prepared_request(request: GenerateInput, request_id: str, token_ids: list[in
             f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) must be at "
             f"most max_model_len={info.max_model_len}, got {num_tokens}")
     return PreparedRequest(request_id=request_id, prompt_token_ids=token_ids, sampling=sampling,
-                           priority=request.priority)
+                           priority=request.priority,
+                           arrival_s=time.monotonic() if arrival_s is None else arrival_s)
 
 
 def prepare_request(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo

@@ -9,9 +9,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx
 import pytest
 from pagedserve.services.common.config import CacheConfig, served_model_name
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pagedserve.services.text.tokenizer import Tokenizer
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
@@ -192,3 +194,29 @@ def test_swapped_blocks_are_counted_by_the_scheduler_and_the_worker(stack, gener
                   - value(before["worker"], "pagedserve:worker_swapped_blocks_total",
                           direction=direction))
         assert scheduled == copied > 0, direction
+
+
+@pytest.mark.parametrize("door", ["grpc", "http"])
+def test_ttft_counts_from_the_requests_arrival(stack, generation, monkeypatch, door):
+    """As vLLM does: the prompt's tokenization (made slow here) is part of the time to first
+    token and of the request's latency, at both doors."""
+    slow_s = 1.0
+    encode = Tokenizer.encode
+
+    def slow_encode(self, text, add_special_tokens=True):
+        time.sleep(slow_s)
+        return encode(self, text, add_special_tokens)
+
+    monkeypatch.setattr(Tokenizer, "encode", slow_encode)
+    before = scrape(stack, "gateway")
+    if door == "grpc":
+        generation.Generate(gateway_pb2.GenerateRequest(
+            text="the fox", sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=60)
+    else:
+        httpx.post(f"{stack.http_url}/v1/completions", timeout=60, json={
+            "model": served_model_name(stack.scheduler[1].model), "prompt": "the fox",
+            "max_tokens": 2}).raise_for_status()
+    after = scrape(stack, "gateway")
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+        assert value(after, f"{name}_count") - value(before, f"{name}_count") == 1
+        assert value(after, f"{name}_sum") - value(before, f"{name}_sum") >= slow_s

@@ -39,10 +39,11 @@ class Submission:
                    request: Request) -> Submission:
         """`request`: the HTTP request, whose caller owns the prompts' requests (ownership)."""
         submission = cls(frontend, http_caller(request))
+        arrival_s = arrival_time(request)
         try:
-            for request in inputs:
+            for one in inputs:
                 submission._admitted.enter_context(frontend.admission.admit())
-                submission.prepared.append(await frontend.prepare(request))
+                submission.prepared.append(await frontend.prepare(one, arrival_s))
         except BaseException:
             submission.close()
             raise
@@ -127,6 +128,11 @@ class StartedDeltas:
 
     async def aclose(self) -> None:
         await self._rest.aclose()
+
+
+def arrival_time(request: Request) -> float | None:
+    """time.monotonic() when the request reached the gateway (the ArrivalTime middleware)."""
+    return getattr(request.state, "arrival_s", None)
 
 
 def http_caller(request: Request) -> Caller:

@@ -1,8 +1,9 @@
-"""ASGI middleware around the whole app: the API key (before routing, so an unknown route needs
-the key too) and the request body limit (413)."""
+"""ASGI middleware around the whole app: the arrival time, the API key (before routing, so an
+unknown route needs the key too) and the request body limit (413)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from http import HTTPStatus
 
@@ -11,6 +12,19 @@ from pagedserve.services.gateway.openai.errors import error_response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class ArrivalTime:
+    """Stamps each request with time.monotonic() as it reaches the gateway, before its body is
+    read and validated (request.state.arrival_s): latency metrics count from arrival."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrival_s"] = time.monotonic()
+        await self.app(scope, receive, send)
 
 
 class ApiKeyGuard:

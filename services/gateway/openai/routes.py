@@ -11,7 +11,7 @@ from pagedserve.services.gateway.openai.chat import create_chat_completion
 from pagedserve.services.gateway.openai.completions import create_completion
 from pagedserve.services.gateway.openai.convert import chat_messages
 from pagedserve.services.gateway.openai.errors import install_error_handlers
-from pagedserve.services.gateway.openai.middleware import ApiKeyGuard, BodyLimit
+from pagedserve.services.gateway.openai.middleware import ApiKeyGuard, ArrivalTime, BodyLimit
 from pagedserve.services.gateway.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -85,5 +85,6 @@ def build_app(serving: OpenAIServing, api_key: str = "",
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyGuard, api_key=api_key, open_paths=OPEN_PATHS)
+    app.add_middleware(ArrivalTime)  # the outermost
     return app
 
