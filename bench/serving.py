@@ -60,7 +60,10 @@ MAX_TTFT_INCREASE = 0.1  # the HTTP door's TTFT p50 within 10% of gRPC's
 
 @dataclass(slots=True)
 class RequestTrace:
-    """Arrival times (perf_counter seconds) of one request's token-bearing messages."""
+    """Arrival times (perf_counter seconds) of one request's messages that carry text or the
+    finish reason: the one event both doors show (an OpenAI chunk has no token ids, and a gRPC
+    message may carry ids whose text the detokenizer still holds back). The in-process baseline
+    times the steps that bring token ids."""
 
     submit_s: float
     chunk_times_s: list[float] = field(default_factory=list)
@@ -153,9 +156,9 @@ async def _client(stub, wl: Workload, queue: deque[int], traces: list[RequestTra
             sampling=sampling_params_to_proto(params[i]))
         trace = RequestTrace(time.perf_counter())
         async for delta in stub.GenerateStream(request, timeout=600):
-            if delta.token_ids:
+            if delta.text or delta.finish_reason:
                 trace.chunk_times_s.append(time.perf_counter())
-                trace.num_tokens += len(delta.token_ids)
+            trace.num_tokens += len(delta.token_ids)
         if trace.num_tokens != wl.output_lens[i]:
             raise RuntimeError(f"request {i} streamed {trace.num_tokens} tokens, "
                                f"asked for {wl.output_lens[i]}")
@@ -179,7 +182,7 @@ def run_stack(address: str, wl: Workload, concurrency: int) -> RunResult:
 async def _http_client(http: httpx.AsyncClient, wl: Workload, queue: deque[int],
                        traces: list[RequestTrace]) -> None:
     """Token counts come from the last chunk's usage; chunk times from the chunks with text (or
-    the finish reason)."""
+    the finish reason), as the gRPC client's."""
     while queue:
         i = queue.popleft()
         body = {"prompt": wl.prompts[i], "max_tokens": wl.output_lens[i], "temperature": 0.0,
