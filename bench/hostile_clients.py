@@ -3,10 +3,13 @@ never read, and beside a loop of hostile requests, against the same client alone
 
 The stack is `python -m pagedserve.cli serve`. The normal client sends its requests one after
 another (closed loop, GenerateStream, token-id prompts, greedy, ignore_eos). The phases run as
-alone, beside-stalled, beside-hostile, alone: the baseline is the mean of the two alone runs, so
-drift of the machine hits both sides. Beside-stalled: 20 streams on a channel with a ~1 KB
-receive window that nobody reads (each asks for long outputs with logprobs, so its window fills
-and the gateway must buffer, coalesce and, after --stalled-stream-timeout-s, abort it).
+alone, beside-reading, beside-stalled, beside-hostile, alone: the baseline is the mean of the
+two alone runs, so drift of the machine hits both sides. Beside-stalled: 20 streams on a channel
+with a ~1 KB receive window that nobody reads (each asks for long outputs with logprobs, so its
+window fills and the gateway must buffer, coalesce and, after --stalled-stream-timeout-s, abort
+it). Beside-reading, the control: the same 20 streams, read; stalled ÷ reading is what not
+reading costs the others, beyond the engine's work for 20 more requests (which on a CPU slows
+every step).
 Beside-hostile: another thread sends, over and over, n = 2^31 - 1, a million stop strings, a
 prompt just under --max-request-bytes and a 50 MB request. Target: each ratio >= 0.8 (issue 16).
 The record goes to bench/results/hostile_clients-<tag>.json.
@@ -72,16 +75,38 @@ async def normal_client(stub, wl: Workload) -> RunResult:
     return RunResult(time.perf_counter() - start, traces)
 
 
-async def beside_stalled(address: str, stub, wl: Workload, stalled_max_tokens: int
+def _side_streams(channel, wl: Workload, max_tokens: int) -> list:
+    return [gateway_pb2_grpc.GenerationStub(channel).GenerateStream(gateway_pb2.GenerateRequest(
+        token_ids=gateway_pb2.TokenIds(token_ids=wl.prompts[i % len(wl.prompts)]),
+        sampling=common_pb2.SamplingParams(temperature=1.0, seed=i, logprobs=20,
+                                           max_tokens=max_tokens, ignore_eos=True)),
+        timeout=600) for i in range(NUM_STALLED)]
+
+
+async def beside_reading(address: str, stub, wl: Workload, max_tokens: int) -> RunResult:
+    """The control: the normal client beside the same NUM_STALLED streams, read as they come
+    (the engine's extra work without the not-reading); cancelled once the client is done."""
+
+    async def read(call) -> None:
+        async for _ in call:
+            pass
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        calls = _side_streams(channel, wl, max_tokens)
+        readers = [asyncio.create_task(read(call)) for call in calls]
+        result = await normal_client(stub, wl)
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+    return result
+
+
+async def beside_stalled(address: str, stub, wl: Workload, max_tokens: int
                          ) -> tuple[RunResult, dict]:
     """The normal client while NUM_STALLED streams sit unread; then how those ended."""
     window = grpc.aio.insecure_channel(address, options=[
         ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
-    calls = [gateway_pb2_grpc.GenerationStub(window).GenerateStream(gateway_pb2.GenerateRequest(
-        token_ids=gateway_pb2.TokenIds(token_ids=wl.prompts[i % len(wl.prompts)]),
-        sampling=common_pb2.SamplingParams(temperature=1.0, seed=i, logprobs=20,
-                                           max_tokens=stalled_max_tokens, ignore_eos=True)),
-        timeout=600) for i in range(NUM_STALLED)]
+    calls = _side_streams(window, wl, max_tokens)
     try:
         result = await normal_client(stub, wl)
         ends: dict[str, int] = {}
@@ -154,6 +179,7 @@ async def run_phases(args: argparse.Namespace, address: str, vocab_size: int) ->
         stub = gateway_pb2_grpc.GenerationStub(channel)
         await normal_client(stub, warm)
         alone_first = await normal_client(stub, wl)
+        reading = await beside_reading(address, stub, wl, args.stalled_max_tokens)
         stalled, stalled_ends = await beside_stalled(address, stub, wl, args.stalled_max_tokens)
         with HostileLoop(address, hostile) as loop:
             beside_hostile = await normal_client(stub, wl)
@@ -162,6 +188,9 @@ async def run_phases(args: argparse.Namespace, address: str, vocab_size: int) ->
                    + alone_last.summary()["output_tok_s"]) / 2
     out = {**wl.describe(), "alone_tok_s": alone_tok_s,
            "alone_runs": [alone_first.summary(), alone_last.summary()]}
+    out["beside_reading"] = reading.summary()
+    out["stalled_vs_reading"] = (stalled.summary()["output_tok_s"]
+                                 / out["beside_reading"]["output_tok_s"])
     for name, run, extra in (("stalled", stalled, {"stalled_stream_ends": stalled_ends}),
                              ("hostile", beside_hostile, {"hostile_status_codes": loop.codes})):
         summary = run.summary()
@@ -219,7 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
     stalled, hostile = result["beside_stalled"], result["beside_hostile"]
     line = (f"hostile_clients: alone {result['alone_tok_s']:.1f} tok/s; beside {NUM_STALLED} "
             f"unread streams {stalled['output_tok_s']:.1f} tok/s = "
-            f"{stalled['ratio_vs_alone']:.2f}x; beside hostile requests "
+            f"{stalled['ratio_vs_alone']:.2f}x ({result['stalled_vs_reading']:.2f}x beside the "
+            f"same streams read); beside hostile requests "
             f"{hostile['output_tok_s']:.1f} tok/s = {hostile['ratio_vs_alone']:.2f}x "
             f"(target >= {TARGET_RATIO}x: "
             f"{'met' if stalled['target']['met'] and hostile['target']['met'] else 'MISSED'})")

@@ -91,3 +91,5 @@ def test_hostile_clients(tiny_served_model_dir, results_dir):
     assert set(hostile["hostile_status_codes"]) <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
     assert sum(hostile["hostile_status_codes"].values()) >= 1
     assert stalled["ratio_vs_alone"] > 0 and set(hostile["target"]) == {"target", "met"}
+    assert results["beside_reading"]["num_output_tokens"] == stalled["num_output_tokens"]
+    assert results["stalled_vs_reading"] > 0
