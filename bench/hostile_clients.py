@@ -10,7 +10,7 @@ window fills and the gateway must buffer, coalesce and, after --stalled-stream-t
 it). Beside-reading, the control: the same 20 streams, read; stalled ÷ reading is what not
 reading costs the others, beyond the engine's work for 20 more requests (which on a CPU slows
 every step).
-Beside-hostile: another thread sends, over and over, n = 2^31 - 1, a million stop strings, a
+Beside-hostile: another process sends, over and over, n = 2^31 - 1, a million stop strings, a
 prompt just under --max-request-bytes and a 50 MB request. Target: each ratio >= 0.8 (issue 16).
 The record goes to bench/results/hostile_clients-<tag>.json.
 
@@ -23,11 +23,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import grpc
@@ -137,36 +137,48 @@ def hostile_requests(vocab_size: int) -> list[gateway_pb2.GenerateRequest]:
     ]
 
 
-class HostileLoop:
-    """Sends the hostile requests over and over from a thread of its own (their serialization
-    must not slow the normal client's event loop); counts the status codes."""
+def _send_hostile_requests(address: str, vocab_size: int, started, stopped, codes) -> None:
+    """A process of its own: the requests' serialization must not take the normal client's
+    GIL. `started` is set once the first answer came; `codes` gets the status-code counts once
+    `stopped` is set."""
+    counts: dict[str, int] = {}
+    requests = hostile_requests(vocab_size)
+    with grpc.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GenerationStub(channel)
+        while not stopped.is_set():
+            for request in requests:
+                try:
+                    stub.Generate(request, timeout=120)
+                    code = "OK"
+                except grpc.RpcError as error:
+                    code = error.code().name
+                counts[code] = counts.get(code, 0) + 1
+                started.set()
+    codes.put(counts)
 
-    def __init__(self, address: str, requests: list[gateway_pb2.GenerateRequest]) -> None:
-        self._address = address
-        self._requests = requests
-        self._stopped = threading.Event()
+
+class HostileLoop:
+    """Sends the hostile requests over and over from another process; `codes` counts their
+    status codes once it has stopped."""
+
+    def __init__(self, address: str, vocab_size: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._started, self._stopped = context.Event(), context.Event()
+        self._codes = context.Queue()
+        self._process = context.Process(target=_send_hostile_requests, daemon=True, args=(
+            address, vocab_size, self._started, self._stopped, self._codes))
         self.codes: dict[str, int] = {}
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> HostileLoop:
-        self._thread.start()
+        self._process.start()
+        if not self._started.wait(300):
+            raise TimeoutError("the hostile requests' process never got an answer")
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self._stopped.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        with grpc.insecure_channel(self._address) as channel:
-            stub = gateway_pb2_grpc.GenerationStub(channel)
-            while not self._stopped.is_set():
-                for request in self._requests:
-                    try:
-                        stub.Generate(request, timeout=120)
-                        code = "OK"
-                    except grpc.RpcError as error:
-                        code = error.code().name
-                    self.codes[code] = self.codes.get(code, 0) + 1
+        self.codes = self._codes.get(timeout=300)
+        self._process.join(60)
 
 
 async def run_phases(args: argparse.Namespace, address: str, vocab_size: int) -> dict:
@@ -174,14 +186,13 @@ async def run_phases(args: argparse.Namespace, address: str, vocab_size: int) ->
                        (args.output_len, args.output_len), vocab_size, seed=args.seed)
     warm = make_workload("warmup", 2, (args.prompt_len, args.prompt_len), (8, 8), vocab_size,
                          seed=args.seed + 1)
-    hostile = hostile_requests(vocab_size)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = gateway_pb2_grpc.GenerationStub(channel)
         await normal_client(stub, warm)
         alone_first = await normal_client(stub, wl)
         reading = await beside_reading(address, stub, wl, args.stalled_max_tokens)
         stalled, stalled_ends = await beside_stalled(address, stub, wl, args.stalled_max_tokens)
-        with HostileLoop(address, hostile) as loop:
+        with HostileLoop(address, vocab_size) as loop:
             beside_hostile = await normal_client(stub, wl)
         alone_last = await normal_client(stub, wl)
     alone_tok_s = (alone_first.summary()["output_tok_s"]
