@@ -275,6 +275,10 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
             os.environ[API_KEY_ENV] = http.api_key
         http_argv = config_to_argv(dataclasses.replace(http, http_port=http_port, api_key=""))
         http_url = f"http://{connect}:{http_port}" if http_port else None
+    if admin is not None:
+        if admin.admin_token:
+            os.environ[ADMIN_TOKEN_ENV] = admin.admin_token
+        http_argv += config_to_argv(dataclasses.replace(admin, admin_token=""))
     drain = ["--drain-timeout-s", str(drain_timeout_s), "--log-format", log_format,
              *(config_to_argv(tracing) if tracing is not None else [])]
 
