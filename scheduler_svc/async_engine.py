@@ -137,7 +137,9 @@ class EngineService:
         def add() -> None:
             self.engine.check_admission(request.prompt_token_ids, request.sampling)
             self.engine.add_request(request_id, request.prompt_token_ids, request.sampling,
-                                    request.priority, owner=request.owner)
+                                    request.priority, owner=request.owner,
+                                    resumed={o.index: o.token_ids
+                                             for o in request.resumed_outputs})
             self._streams[request_id] = queue
             if span_context.is_valid:
                 self._span_contexts[request_id] = span_context

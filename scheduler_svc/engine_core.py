@@ -19,7 +19,12 @@ from typing import Any, Protocol
 from pagedserve.scheduler_svc.block_manager import BlockManager
 from pagedserve.scheduler_svc.output_processor import OutputProcessor
 from pagedserve.scheduler_svc.outputs import make_request_output
-from pagedserve.scheduler_svc.request_checks import RequestLimits, check_admission, check_request
+from pagedserve.scheduler_svc.request_checks import (
+    RequestLimits,
+    check_admission,
+    check_request,
+    check_resumed_outputs,
+)
 from pagedserve.scheduler_svc.scheduler import ScheduledStep, Scheduler
 from pagedserve.scheduler_svc.sequence import SequenceGroup
 from pagedserve.scheduler_svc.stats import FinishedRequestStats, StatLogger, StepStats, StepTotals
@@ -148,12 +153,19 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,
-                    owner: str = "") -> None:
+                    owner: str = "", resumed: dict[int, list[int]] | None = None) -> None:
+        """`resumed`: output index → the tokens it already produced elsewhere (a gateway's
+        failover); only those indices run, each continuing where it stopped."""
         if request_id in self._groups:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
         check_request(request_id, prompt_token_ids, sampling, priority, self._limits)
-        group = SequenceGroup.from_prompt(request_id, list(prompt_token_ids), sampling,
-                                          next(self._seq_ids), priority, arrival_time)
+        if resumed:
+            check_resumed_outputs(len(prompt_token_ids), sampling, resumed, self._limits)
+            group = SequenceGroup.from_resumed(request_id, list(prompt_token_ids), sampling,
+                                               resumed, self._seq_ids, priority, arrival_time)
+        else:
+            group = SequenceGroup.from_prompt(request_id, list(prompt_token_ids), sampling,
+                                              next(self._seq_ids), priority, arrival_time)
         group.owner = owner
         self._groups[request_id] = group
         self.scheduler.add_group(group)

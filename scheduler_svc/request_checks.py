@@ -70,3 +70,34 @@ def check_admission(prompt_token_ids: list[int], sampling: SamplingParams,
     if num_waiting >= limits.max_waiting_requests:
         raise Overloaded(f"{num_waiting} requests are waiting, the limit "
                          f"(max_waiting_requests) is {limits.max_waiting_requests}; retry later")
+
+
+def check_resumed_outputs(prompt_len: int, sampling: SamplingParams,
+                          resumed: dict[int, list[int]], limits: RequestLimits) -> None:
+    """Outputs a gateway resubmits after a failover: streamed ones (not beam search or
+    best_of > n, whose outputs are final only at the end), each index once, each non-empty
+    and still short of max_tokens and max_model_len."""
+    if not resumed:
+        return
+    if sampling.use_beam_search or sampling.num_candidates != sampling.n:
+        raise InvalidRequest("resumed_outputs needs streamed outputs; beam search and "
+                             f"best_of={sampling.num_candidates} > n={sampling.n} cannot resume")
+    for index, token_ids in resumed.items():
+        if not 0 <= index < sampling.n:
+            raise InvalidRequest(f"resumed_outputs index must be in [0, n={sampling.n}), "
+                                 f"got {index}")
+        if not token_ids:
+            raise InvalidRequest(f"resumed_outputs[{index}] has no token_ids; an output "
+                                 "with none is submitted from its prompt")
+        bad = [t for t in token_ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise InvalidRequest(f"resumed_outputs[{index}] token_ids must be in "
+                                 f"[0, vocab_size={limits.vocab_size}), got {bad[:8]}")
+        if len(token_ids) >= sampling.max_tokens:
+            raise InvalidRequest(f"resumed_outputs[{index}] has {len(token_ids)} tokens; an "
+                                 f"unfinished output has fewer than max_tokens="
+                                 f"{sampling.max_tokens}")
+        if prompt_len + len(token_ids) >= limits.max_model_len:
+            raise InvalidRequest(f"resumed_outputs[{index}] reaches {prompt_len + len(token_ids)} "
+                                 f"tokens with its prompt; it must stay below max_model_len="
+                                 f"{limits.max_model_len}")

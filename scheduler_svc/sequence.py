@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pagedserve.services.common.outputs import FinishReason
@@ -164,6 +165,22 @@ class SequenceGroup:
                        prompt_len=len(prompt_token_ids), seed=derive_seed(sampling.seed, 0))
         return cls(request_id=request_id, sampling=sampling, seqs=[seq], priority=priority,
                    arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+
+    @classmethod
+    def from_resumed(cls, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                     resumed: dict[int, list[int]], seq_ids: Iterator[int], priority: int = 0,
+                     arrival_time: float | None = None) -> SequenceGroup:
+        """The unfinished outputs of a request streamed elsewhere: one sequence per output index,
+        already past its fork, each prefilled again over prompt + its output tokens."""
+        prompt_len = len(prompt_token_ids)
+        seqs = [Sequence(seq_id=next(seq_ids), token_ids=[*prompt_token_ids, *token_ids],
+                         prompt_len=prompt_len, index=index,
+                         seed=derive_seed(sampling.seed, index),
+                         num_emitted_tokens=len(token_ids))
+                for index, token_ids in sorted(resumed.items())]
+        return cls(request_id=request_id, sampling=sampling, seqs=seqs, priority=priority,
+                   arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                   has_forked=sampling.num_candidates > 1)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -3,12 +3,21 @@ types shared by the scheduler core, its servicer and the gateway's client."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.services.common.sampling_params import SamplingParams
 
 MAX_REQUEST_ID_CHARS = 256
 PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)  # int32, as the protos carry it
+
+
+@dataclass(frozen=True, slots=True)
+class ResumedOutput:
+    """An output a gateway already streamed before its replica failed: resubmitted as output
+    (not prompt), so penalties, min_tokens, stop checks and the seeded noise carry on exactly."""
+
+    index: int
+    token_ids: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +27,7 @@ class SubmitRequest:
     sampling: SamplingParams
     priority: int = 0
     owner: str = ""  # who may abort it: the gateway's tag of its caller
+    resumed_outputs: list[ResumedOutput] = field(default_factory=list)  # unfinished ones only
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from pagedserve.services.common.engine_api import AbortRequest, EngineLoad, SubmitRequest
+from pagedserve.services.common.engine_api import (
+    AbortRequest,
+    EngineLoad,
+    ResumedOutput,
+    SubmitRequest,
+)
+from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.outputs import CompletionOutput, RequestOutput
 from pagedserve.services.common.step_plan import TokenLogprob, WorkerInfo
 from pagedserve.services.rpc.convert_common import (
@@ -20,14 +26,22 @@ def submit_request_to_proto(request: SubmitRequest) -> scheduler_pb2.SubmitReque
     return scheduler_pb2.SubmitRequest(
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_params_to_proto(request.sampling), priority=request.priority,
-        owner=request.owner)
+        owner=request.owner,
+        resumed_outputs=[scheduler_pb2.ResumedOutput(index=o.index, token_ids=o.token_ids)
+                         for o in request.resumed_outputs])
 
 
 def submit_request_from_proto(msg: scheduler_pb2.SubmitRequest) -> SubmitRequest:
+    """Raises InvalidRequest (naming the field and the value) for bad sampling parameters or
+    an output index resumed twice."""
+    resumed = [ResumedOutput(o.index, list(o.token_ids)) for o in msg.resumed_outputs]
+    indices = [o.index for o in resumed]
+    if len(set(indices)) != len(indices):
+        raise InvalidRequest(f"resumed_outputs must name each index once, got {indices}")
     return SubmitRequest(
         request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
         sampling=sampling_params_from_proto(msg.sampling), priority=msg.priority,
-        owner=msg.owner)
+        owner=msg.owner, resumed_outputs=resumed)
 
 
 def completion_output_to_proto(output: CompletionOutput) -> scheduler_pb2.SequenceDelta:
@@ -98,6 +112,20 @@ def load_from_proto(msg: scheduler_pb2.Load) -> EngineLoad:
         num_gpu_blocks=msg.num_gpu_blocks, num_cpu_blocks_used=msg.num_cpu_blocks_used,
         num_cpu_blocks=msg.num_cpu_blocks, prefix_cache_hit_rate=msg.prefix_cache_hit_rate,
         num_preemptions=msg.num_preemptions, num_worker_rebuilds=msg.num_worker_rebuilds)
+
+
+DEFAULT_WATCH_LOAD_INTERVAL_MS = 100
+MIN_WATCH_LOAD_INTERVAL_MS = 10
+
+
+def watch_load_request_to_proto(min_interval_s: float) -> scheduler_pb2.WatchLoadRequest:
+    return scheduler_pb2.WatchLoadRequest(min_interval_ms=round(min_interval_s * 1000))
+
+
+def watch_load_request_from_proto(msg: scheduler_pb2.WatchLoadRequest) -> float:
+    """The interval in seconds: 0 means the default, and it is never below the minimum."""
+    interval_ms = msg.min_interval_ms or DEFAULT_WATCH_LOAD_INTERVAL_MS
+    return max(interval_ms, MIN_WATCH_LOAD_INTERVAL_MS) / 1000
 
 
 def served_model_to_proto(model: str, info: WorkerInfo, max_model_len: int, vocab_size: int,

@@ -3,7 +3,12 @@
 import dataclasses
 
 import pytest
-from pagedserve.services.common.engine_api import AbortRequest, EngineLoad, SubmitRequest
+from pagedserve.services.common.engine_api import (
+    AbortRequest,
+    EngineLoad,
+    ResumedOutput,
+    SubmitRequest,
+)
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.outputs import CompletionOutput, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
@@ -19,6 +24,8 @@ from pagedserve.services.rpc.convert_scheduler import (
     submit_request_to_proto,
     token_event_from_proto,
     token_event_to_proto,
+    watch_load_request_from_proto,
+    watch_load_request_to_proto,
 )
 from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2
 
@@ -44,6 +51,27 @@ def test_submit_request_round_trip():
         sampling=SamplingParams(n=2, temperature=0.7, seed=3, logprobs=4, stop=("x",)),
         priority=-3, owner="3f9a")
     assert submit_request_from_proto(_wire(submit_request_to_proto(request))) == request
+
+
+def test_submit_request_with_resumed_outputs_round_trip():
+    request = SubmitRequest(
+        request_id="req-2", prompt_token_ids=[1, 2], sampling=SamplingParams(n=3, seed=7),
+        resumed_outputs=[ResumedOutput(0, [5, 6]), ResumedOutput(2, [49151])])
+    assert submit_request_from_proto(_wire(submit_request_to_proto(request))) == request
+
+
+def test_an_output_resumed_twice_is_refused():
+    msg = scheduler_pb2.SubmitRequest(request_id="r", prompt_token_ids=[1], resumed_outputs=[
+        scheduler_pb2.ResumedOutput(index=1, token_ids=[3]),
+        scheduler_pb2.ResumedOutput(index=1, token_ids=[4])])
+    with pytest.raises(InvalidRequest, match=r"resumed_outputs .*\[1, 1\]"):
+        submit_request_from_proto(msg)
+
+
+@pytest.mark.parametrize(("interval_s", "expected_s"), [(0.25, 0.25), (0.0, 0.1), (0.001, 0.01)])
+def test_watch_load_request_round_trip(interval_s, expected_s):
+    msg = _wire(watch_load_request_to_proto(interval_s))
+    assert watch_load_request_from_proto(msg) == pytest.approx(expected_s)
 
 
 def test_submit_request_with_bad_sampling_names_the_field():
