@@ -89,6 +89,7 @@ class EngineService:
         self._is_stepping = False
         self._is_accepting = True
         self._load = engine.get_load()
+        self._load_changed = asyncio.Event()  # set, then replaced, when _load changes
         self._task: asyncio.Task | None = None
         self._stats_task: asyncio.Task | None = None
         self._tracer = trace.get_tracer(__name__)
@@ -118,6 +119,25 @@ class EngineService:
     def load(self) -> EngineLoad:
         """The load as of the latest loop turn; readable from any thread."""
         return self._load
+
+    async def watch_load(self, min_interval_s: float) -> AsyncIterator[EngineLoad]:
+        """The load now, then each time it changes, at most once per min_interval_s."""
+        sent = None
+        while True:
+            changed = self._load_changed  # taken before reading: a change after it wakes us
+            load = self.get_load()
+            if load == sent:
+                await changed.wait()
+                continue
+            sent = load
+            yield load
+            await asyncio.sleep(min_interval_s)
+
+    def _set_load(self, load: EngineLoad) -> None:
+        if load != self._load:
+            self._load_changed.set()
+            self._load_changed = asyncio.Event()
+        self._load = load
 
     async def _log_stats(self, stat_line: LoggingStatLogger, interval_s: float) -> None:
         while True:
@@ -215,7 +235,7 @@ class EngineService:
     async def _run(self) -> None:
         while True:
             self._apply_pending()
-            self._load = self.engine.get_load()  # what GetLoad answers during the next step
+            self._set_load(self.engine.get_load())  # what GetLoad answers during the next step
             if not self.engine.has_unfinished_requests():
                 if self.engine.has_step_in_flight:
                     await self._step(self.engine.drain)

@@ -26,6 +26,7 @@ from pagedserve.services.rpc.convert_scheduler import (
     served_model_to_proto,
     submit_request_from_proto,
     token_event_to_proto,
+    watch_load_request_from_proto,
 )
 from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
@@ -74,6 +75,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetLoad(self, request: scheduler_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> scheduler_pb2.Load:
         return load_to_proto(self._service().get_load())
+
+    @map_errors
+    async def WatchLoad(self, request: scheduler_pb2.WatchLoadRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.Load]:
+        async for load in self._service().watch_load(watch_load_request_from_proto(request)):
+            yield load_to_proto(load)
 
     @map_errors
     async def GetServedModel(self, request: scheduler_pb2.GetServedModelRequest,

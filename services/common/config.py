@@ -360,6 +360,39 @@ class PublicTlsConfig:
 
 
 @dataclass(slots=True)
+class RoutingConfig:
+    """How a gateway spreads requests over its scheduler replicas and moves them off one that
+    fails."""
+
+    routing_policy: Literal["affinity", "least-loaded", "round-robin"] = opt(
+        "affinity", "affinity: a hash of the prompt's first full KV blocks picks the replica (a "
+        "consistent-hash ring), so shared prefixes meet their cached blocks, bounded by load; "
+        "least-loaded: fewest running + waiting requests; round-robin: in turn")
+    routing_max_imbalance: float = opt(
+        1.5, "affinity yields to the least loaded replica when the preferred one would carry "
+        "more than this factor times the mean load of the serving replicas")
+    routing_prefix_blocks: int = opt(
+        4, "full KV blocks at the start of the prompt that make its affinity key")
+    replica_refresh_s: float = opt(
+        10.0, "seconds between two resolutions of --scheduler-address (a DNS name may resolve "
+        "to several replicas: replicas come and go without a restart)")
+    failover_timeout_s: float = opt(
+        30.0, "how long a request whose replica failed waits for a serving replica (another "
+        "one, or the same once back) before it ends with UNAVAILABLE")
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check(self.routing_max_imbalance >= 1.0,
+               f"routing_max_imbalance must be >= 1, got {self.routing_max_imbalance}")
+        _check(self.routing_prefix_blocks >= 1,
+               f"routing_prefix_blocks must be >= 1, got {self.routing_prefix_blocks}")
+        _check(self.replica_refresh_s > 0,
+               f"replica_refresh_s must be > 0, got {self.replica_refresh_s}")
+        _check(self.failover_timeout_s >= 0,
+               f"failover_timeout_s must be >= 0, got {self.failover_timeout_s}")
+
+
+@dataclass(slots=True)
 class RequestLimitsConfig:
     """What one request may ask of a gateway, checked before any per-output work (admission by
     cost): over a limit the request is refused with INVALID_ARGUMENT naming the field."""
@@ -419,7 +452,9 @@ class AdminConfig:
 class GatewayConfig:
     host: str = opt("127.0.0.1", "address the gateway listens on")
     port: int = opt(50051, "gateway port; 0 = any free port")
-    scheduler_address: str = opt("127.0.0.1:50052", "host:port of the scheduler service")
+    scheduler_address: str = opt(
+        "127.0.0.1:50052", "host:port of the scheduler replicas, comma-separated; a host name "
+        "that resolves to several addresses (a headless Service) is one replica per address")
     tokenizer: str = opt("", "folder with the tokenizer and chat template; empty = the model "
                              "folder the scheduler reports serving")
     rpc_timeout_s: float = opt(10.0, "deadline of unary calls to the scheduler")
@@ -427,6 +462,7 @@ class GatewayConfig:
     num_tokenizer_threads: int = opt(
         2, "threads that tokenize prompts and render chat templates off the event loop")
     limits: RequestLimitsConfig = field(default_factory=RequestLimitsConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     public_tls: PublicTlsConfig = field(default_factory=PublicTlsConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
@@ -442,6 +478,11 @@ class GatewayConfig:
                f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
         _check(self.num_tokenizer_threads >= 1,
                f"num_tokenizer_threads must be >= 1, got {self.num_tokenizer_threads}")
+        targets = scheduler_targets(self.scheduler_address)
+        _check(bool(targets) and all(t.rpartition(":")[0] and t.rpartition(":")[2].isdigit()
+                                     for t in targets),
+               f"scheduler_address must be comma-separated host:port targets, got "
+               f"{self.scheduler_address!r}")
 
 
 @dataclass(slots=True)
@@ -534,3 +575,8 @@ def from_args(cls: type, args: argparse.Namespace) -> Any:
         elif hasattr(args, f.name):
             values[f.name] = getattr(args, f.name)
     return cls(**values)
+
+
+def scheduler_targets(scheduler_address: str) -> list[str]:
+    """The comma-separated host:port targets of a gateway's --scheduler-address, in order."""
+    return list(dict.fromkeys(t.strip() for t in scheduler_address.split(",") if t.strip()))

@@ -1,8 +1,8 @@
-"""The gateway process: wait for the scheduler, load the tokenizer of the model it serves, serve
+"""The gateway process: wait for a scheduler replica, load the tokenizer of the model it serves, serve
 Generation and Models (plus Health and reflection) and the OpenAI-compatible HTTP API, both on
 one event loop and one Frontend, until SIGTERM, then drain.
 
-Health stays NOT_SERVING until the scheduler answered and the tokenizer is loaded.
+Health stays NOT_SERVING until a scheduler replica answered and the tokenizer is loaded.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pagedserve.services.gateway.metrics import GatewayMetrics
 from pagedserve.services.gateway.openai.routes import build_app
 from pagedserve.services.gateway.openai.server import HttpServer, bind_socket
 from pagedserve.services.gateway.openai.serving import OpenAIServing
-from pagedserve.services.gateway.scheduler_client import SchedulerClient
+from pagedserve.services.gateway.replica_set import ReplicaSet
 from pagedserve.services.gateway.servicer import GenerationServicer, ModelsServicer
 from pagedserve.services.rpc.auth import ApiKeyInterceptor
 from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
@@ -45,7 +45,7 @@ GUARDED_SERVICES = ("pagedserve.v1.Generation", "pagedserve.v1.Models")
 @dataclass(slots=True)
 class Gateway:
     server: ServiceServer
-    scheduler: SchedulerClient
+    replicas: ReplicaSet
     admission: Admission
     metrics_server: MetricsServer | None = None
     tokenizer_pool: ThreadPoolExecutor | None = None
@@ -70,7 +70,7 @@ class Gateway:
         if self.http is not None:
             await self.http.stop(grace_s)
         await self.server.shutdown(grace_s)
-        await self.scheduler.close()
+        await self.replicas.close()
         if self.metrics_server is not None:
             self.metrics_server.stop()
         if self.tokenizer_pool is not None:
@@ -78,20 +78,20 @@ class Gateway:
 
 
 async def start_gateway(config: GatewayConfig) -> Gateway:
-    """Started and SERVING once the scheduler serves; raises if the scheduler cannot tell what
-    it serves."""
+    """Started and SERVING once a scheduler replica serves (the model is the first one's)."""
     credentials = public_server_credentials(config.public_tls)  # bad files fail before waiting
     api_key = config.http.resolve_api_key()
     admin_token = config.admin.resolve_admin_token()
-    scheduler = SchedulerClient(config.scheduler_address, config.rpc_timeout_s, config.tls)
+    replicas = ReplicaSet(config.scheduler_address, config.routing, config.rpc_timeout_s,
+                          config.tls)
     try:
-        logger.info("waiting for the scheduler at %s", config.scheduler_address)
-        await scheduler.wait_until_serving()
-        served = await scheduler.get_served_model()
+        logger.info("waiting for a scheduler replica at %s", config.scheduler_address)
+        await replicas.start()
+        served = await replicas.wait_until_serving()
         tokenizer = Tokenizer.from_pretrained(config.tokenizer or served.model)
         info = model_info_from_served_model(served, tokenizer.has_chat_template)
     except BaseException:
-        await scheduler.close()
+        await replicas.close()
         raise
     if config.http.served_model_name:
         info = dataclasses.replace(info, model=config.http.served_model_name)
@@ -99,7 +99,7 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry, info.model, info.max_model_len)
     pool = ThreadPoolExecutor(config.num_tokenizer_threads, thread_name_prefix="tokenizer")
-    frontend = Frontend(tokenizer, scheduler, info, admission, metrics, limits=config.limits,
+    frontend = Frontend(tokenizer, replicas, info, admission, metrics, limits=config.limits,
                         executor=pool, admin_token=admin_token)
     server, port = create_server([
         ServiceBinding(GenerationServicer(frontend),
@@ -122,7 +122,7 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
                                               "gateway")
     except BaseException:
         await server.shutdown(0)
-        await scheduler.close()
+        await replicas.close()
         pool.shutdown(wait=False)
         raise
     if http is not None:
@@ -131,7 +131,7 @@ async def start_gateway(config: GatewayConfig) -> Gateway:
     logger.info("gateway serving %s (max_model_len %d) on port %d%s%s", info.model,
                 info.max_model_len, port, f", HTTP on port {http.port}" if http else "",
                 ", API key required" if api_key else "")
-    return Gateway(server, scheduler, admission, metrics_server, pool, http)
+    return Gateway(server, replicas, admission, metrics_server, pool, http)
 
 
 def server_options(max_request_bytes: int) -> list[tuple[str, Any]]:
@@ -150,7 +150,7 @@ async def serve(config: GatewayConfig) -> None:
     finally:
         if gateway.http is not None:
             await gateway.http.stop(grace_s)
-        await gateway.scheduler.close()
+        await gateway.replicas.close()
         if gateway.metrics_server is not None:
             gateway.metrics_server.stop()
         if gateway.tokenizer_pool is not None:

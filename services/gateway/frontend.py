@@ -6,6 +6,8 @@ its wire format to a GenerateInput and the StreamDeltas back.
 The gateway keeps nothing that must survive it: the count of its live requests (for admission
 and draining) is all. Leaving `generate` early — a stop string ends every output, the client
 cancels, its deadline passes — cancels the Submit call, which aborts the request in the scheduler.
+Which replica runs a request, and its move to another when that one fails, is the failover
+module's; the text stream goes on across the move.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from pagedserve.services.common.errors import (
     Unavailable,
 )
 from pagedserve.services.gateway.delta_buffer import DeltaBuffer
+from pagedserve.services.gateway.failover import ResumableSubmission
 from pagedserve.services.gateway.limits import check_fits_replica, check_request_cost
 from pagedserve.services.gateway.metrics import GatewayMetrics, RequestTimer
 from pagedserve.services.gateway.ownership import ANONYMOUS, Caller, is_admin
-from pagedserve.services.gateway.scheduler_client import SchedulerClient
+from pagedserve.services.gateway.replica_set import ReplicaSet
 from pagedserve.services.gateway.validation import (
     GenerateInput,
     ModelInfo,
@@ -89,18 +92,19 @@ class Frontend:
     """`limits`: what one request may cost (default: the config's defaults). `executor`: where
     prompts are tokenized, off the event loop (default: the loop's default executor)."""
 
-    def __init__(self, tokenizer: Tokenizer, scheduler: SchedulerClient, model_info: ModelInfo,
+    def __init__(self, tokenizer: Tokenizer, replicas: ReplicaSet, model_info: ModelInfo,
                  admission: Admission, metrics: GatewayMetrics | None = None,
                  limits: RequestLimitsConfig | None = None,
                  executor: Executor | None = None, admin_token: str = "") -> None:
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
+        self.replicas = replicas
         self.info = model_info
         self.admission = admission
         self.metrics = metrics
         self.limits = limits if limits is not None else RequestLimitsConfig()
         self._executor = executor
         self._admin_token = admin_token
+        self.failover_timeout_s = replicas.config.failover_timeout_s if replicas else 0.0
 
     async def prepare(self, request: GenerateInput, arrival_s: float | None = None
                       ) -> PreparedRequest:
@@ -124,12 +128,12 @@ class Frontend:
                                           self.tokenizer, self.info)
 
     async def abort(self, request_id: str, caller: Caller = ANONYMOUS) -> None:
-        """Forwarded to the scheduler, so any gateway replica can abort any request of the same
-        caller (or any request, for an admin: see ownership); the request's own stream then
-        ends with finish_reason "abort"."""
+        """Forwarded to every scheduler replica, so any gateway can abort any request of the
+        same caller (or any request, for an admin: see ownership); the request's own stream
+        then ends with finish_reason "abort"."""
         if not request_id:
             raise InvalidRequest("request_id must not be empty, got ''")
-        await self.scheduler.abort(AbortRequest(request_id, caller.owner,
+        await self.replicas.abort(AbortRequest(request_id, caller.owner,
                                                 is_admin(caller, self._admin_token)))
 
     async def generate(self, request: PreparedRequest, on_stalled: StallHandler | None = None,
@@ -165,8 +169,11 @@ class Frontend:
         """Scheduler events → text deltas → buffer, until every output has ended (a stop string
         ended the last one: leaving the call aborts the rest) or the stream fails."""
         text_stream = TextStream(request.prompt_token_ids, request.sampling, self.tokenizer)
+        submission = ResumableSubmission(self.replicas, request, owner,
+                                         self.failover_timeout_s, text_stream.is_output_finished,
+                                         self.metrics)
         try:
-            async with contextlib.aclosing(self.scheduler.submit(request, owner)) as outputs:
+            async with contextlib.aclosing(submission.outputs()) as outputs:
                 async for output in outputs:
                     if timer is not None and any(o.token_ids for o in output.outputs):
                         timer.on_tokens()

@@ -50,6 +50,20 @@ class GatewayMetrics:
         self._rejections = Counter(
             "pagedserve:admission_rejections", "Requests refused by admission control "
             "(RESOURCE_EXHAUSTED).", MODEL, registry=registry).labels(model_name)
+        self._routing = Counter(
+            "pagedserve:gateway_routing_decisions", "Submissions to a scheduler replica, by "
+            "replica and reason (affinity, overloaded, short_prompt, least_loaded, round_robin; "
+            "a failover's resubmission counts again).", [*MODEL, "replica", "reason"],
+            registry=registry)
+        self._failovers = Counter(
+            "pagedserve:gateway_failovers", "Requests moved off a scheduler replica whose stream "
+            "broke, by that replica.", [*MODEL, "replica"], registry=registry)
+
+    def on_routed(self, replica: str, reason: str) -> None:
+        self._routing.labels(self._model_name, replica, reason).inc()
+
+    def on_failover(self, replica: str) -> None:
+        self._failovers.labels(self._model_name, replica).inc()
 
     def start_request(self, arrival_s: float | None = None) -> RequestTimer:
         """`arrival_s`: time.monotonic() when the request reached the gateway, before its

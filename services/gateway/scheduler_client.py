@@ -15,14 +15,21 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.services.common.config import TlsConfig
-from pagedserve.services.common.engine_api import AbortRequest, SubmitRequest
+from pagedserve.services.common.engine_api import (
+    AbortRequest,
+    EngineLoad,
+    ResumedOutput,
+    SubmitRequest,
+)
 from pagedserve.services.common.errors import Unavailable
 from pagedserve.services.common.outputs import RequestOutput
 from pagedserve.services.gateway.validation import PreparedRequest
 from pagedserve.services.rpc.convert_scheduler import (
     abort_request_to_proto,
+    load_from_proto,
     submit_request_to_proto,
     token_event_from_proto,
+    watch_load_request_to_proto,
 )
 from pagedserve.services.rpc.status import error_from_rpc
 from pagedserve.services.rpc.tls import internal_aio_channel
@@ -47,10 +54,16 @@ _FAILED_STATES = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnec
 
 
 class SchedulerClient:
-    def __init__(self, address: str, rpc_timeout_s: float, tls: TlsConfig | None = None) -> None:
+    def __init__(self, address: str, rpc_timeout_s: float, tls: TlsConfig | None = None,
+                 server_name: str = "") -> None:
+        """`server_name`: the name its certificate carries when `address` is one of the IPs a
+        name resolved to."""
         self.address = address
         self._rpc_timeout_s = rpc_timeout_s
-        self._channel = internal_aio_channel(address, tls, CHANNEL_OPTIONS,
+        options = CHANNEL_OPTIONS
+        if server_name:
+            options = (*options, ("grpc.ssl_target_name_override", server_name))
+        self._channel = internal_aio_channel(address, tls, options,
                                              interceptors=aio_client_interceptors(address))
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
@@ -93,12 +106,26 @@ class SchedulerClient:
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, PEER) from exc
 
-    async def submit(self, request: PreparedRequest, owner: str = ""
+    async def watch_load(self, min_interval_s: float) -> AsyncIterator[EngineLoad]:
+        """The scheduler's load, pushed on change, until the stream breaks (Unavailable)."""
+        call = self._stub.WatchLoad(watch_load_request_to_proto(min_interval_s))
+        try:
+            async for msg in call:
+                yield load_from_proto(msg)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, PEER) from exc
+        finally:
+            call.cancel()
+        raise Unavailable(f"{PEER} at {self.address} ended its load stream")
+
+    async def submit(self, request: PreparedRequest, owner: str = "",
+                     resumed_outputs: list[ResumedOutput] | None = None
                      ) -> AsyncIterator[RequestOutput]:
         await self._ensure_connected()
         msg = submit_request_to_proto(SubmitRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            sampling=request.sampling, priority=request.priority, owner=owner))
+            sampling=request.sampling, priority=request.priority, owner=owner,
+            resumed_outputs=resumed_outputs or []))
         call = self._stub.Submit(msg)
         wants_prompt_logprobs = request.sampling.prompt_logprobs is not None
         try:

@@ -46,6 +46,11 @@ STEP_ID = "pagedserve.step_id"
 NUM_SEQS = "pagedserve.num_seqs"
 NUM_SCHEDULED_TOKENS = "pagedserve.num_scheduled_tokens"
 STEP_TIMINGS = ("cache_ops_ns", "prepare_ns", "forward_ns", "sample_ns")  # pagedserve.<name>
+# The gateway's routing of a request: the replica of its last attempt, why, and its failovers.
+ROUTING_REPLICA = "pagedserve.routing.replica"
+ROUTING_REASON = "pagedserve.routing.reason"
+NUM_FAILOVERS = "pagedserve.routing.num_failovers"
+FAILOVER_EVENT = "pagedserve.failover"
 
 # the codes that make a SERVER span an error: the server's fault
 _SERVER_ERROR_CODES = frozenset({
@@ -62,6 +67,17 @@ def set_request_model(model: str) -> None:
     span = trace.get_current_span()
     if span.is_recording():
         span.set_attribute(REQUEST_MODEL, model)
+
+
+def set_routing_decision(replica: str, reason: str, num_failovers: int) -> None:
+    """The replica a request was sent to on the current span (the gateway's SERVER span); a
+    failover also leaves an event naming the replica it moved to."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes({ROUTING_REPLICA: replica, ROUTING_REASON: reason,
+                             NUM_FAILOVERS: num_failovers})
+        if num_failovers:
+            span.add_event(FAILOVER_EVENT, {ROUTING_REPLICA: replica})
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:

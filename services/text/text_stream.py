@@ -70,6 +70,9 @@ class TextStream:
     def is_finished(self) -> bool:
         return all(state.is_finished for state in self._indices)
 
+    def is_output_finished(self, index: int) -> bool:
+        return self._indices[index].is_finished
+
     @property
     def usage(self) -> Usage:
         return Usage(prompt_tokens=self._num_prompt_tokens,

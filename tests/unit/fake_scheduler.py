@@ -95,6 +95,10 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     async def GetLoad(self, request, context):
         return scheduler_pb2.Load()
 
+    async def WatchLoad(self, request, context):
+        yield scheduler_pb2.Load(num_running_requests=len(self._abort_events))
+        await asyncio.Event().wait()  # a constant load: nothing more to push
+
     async def GetServedModel(self, request, context):
         return self.served_model
 

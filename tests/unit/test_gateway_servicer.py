@@ -8,7 +8,12 @@ from dataclasses import dataclass
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pagedserve.services.common.config import GatewayConfig, HttpConfig, RequestLimitsConfig
+from pagedserve.services.common.config import (
+    GatewayConfig,
+    HttpConfig,
+    RequestLimitsConfig,
+    RoutingConfig,
+)
 from pagedserve.services.gateway.app import Gateway, start_gateway
 from pagedserve.services.gateway.validation import ModelInfo
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -41,7 +46,7 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def harness(model_dir, max_concurrent_requests=8, max_model_len=MAX_MODEL_LEN,
-                  limits=None, capacity=None):
+                  limits=None, capacity=None, routing=None):
     """`capacity`: the replica's (block_size, num_gpu_blocks, max_num_seqs); none reported
     by default."""
     tokenizer = byte_level_bpe()
@@ -55,7 +60,8 @@ async def harness(model_dir, max_concurrent_requests=8, max_model_len=MAX_MODEL_
     gateway = await start_gateway(GatewayConfig(
         port=0, scheduler_address=f"127.0.0.1:{scheduler_server.port}", rpc_timeout_s=2.0,
         max_concurrent_requests=max_concurrent_requests,
-        limits=limits or RequestLimitsConfig(), http=HttpConfig(http_port=0)))
+        limits=limits or RequestLimitsConfig(), http=HttpConfig(http_port=0),
+        routing=routing or RoutingConfig()))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
     try:
         yield Harness(fake, gateway_pb2_grpc.GenerationStub(channel),
@@ -272,7 +278,8 @@ def test_overloaded_when_too_many_requests_are_live(model_dir):
     assert "max_concurrent_requests" in err.details()
 
 
-def test_dead_scheduler_gives_unavailable_fast(model_dir):
+def test_dead_scheduler_gives_unavailable_after_the_failover_timeout(model_dir):
+    """A request waits failover_timeout_s for a replica to serve (a restart), then fails."""
     async def body(h):
         await h.stop_scheduler()
         start = time.monotonic()
@@ -280,7 +287,7 @@ def test_dead_scheduler_gives_unavailable_fast(model_dir):
             await collect(h.generation.GenerateStream(request(max_tokens=4), timeout=10))
         return err.value, time.monotonic() - start
 
-    err, elapsed = run(model_dir, body)
+    err, elapsed = run(model_dir, body, routing=RoutingConfig(failover_timeout_s=0.5))
     assert err.code() == grpc.StatusCode.UNAVAILABLE
     assert "scheduler" in err.details()
-    assert elapsed < 3.0
+    assert elapsed < 5.0

@@ -38,9 +38,8 @@ def build_app(serving: OpenAIServing, api_key: str = "",
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the scheduler serves and this gateway takes requests, else 503."""
-        is_ready = (not frontend.admission.is_draining
-                    and await frontend.scheduler.is_serving())
+        """200 while a scheduler replica serves and this gateway takes requests, else 503."""
+        is_ready = not frontend.admission.is_draining and bool(frontend.replicas.serving())
         return Response(status_code=200 if is_ready else 503)
 
     @app.get("/v1/models")

@@ -1,0 +1,115 @@
+"""One request's scheduler events across replicas: routed to one, and when its stream breaks
+(the replica died, restarted or is draining: UNAVAILABLE), resubmitted -- to another serving
+replica, or the same one once it serves again, within failover_timeout_s -- with the same
+request id and the tokens each unfinished output already produced as `resumed_outputs`. The
+scheduler continues each of them exactly where it stopped (same seeds, penalties, min_tokens
+and max_tokens), so the events after a failover carry only new tokens.
+
+Beam search and best_of > n report their outputs only when they end: one that broke before is
+submitted again from its prompt; after (only a partial final event could be lost) it fails. A
+request is resubmitted at most MAX_FAILOVERS times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from pagedserve.services.common.engine_api import ResumedOutput
+from pagedserve.services.common.errors import Unavailable
+from pagedserve.services.common.outputs import RequestOutput
+from pagedserve.services.gateway.metrics import GatewayMetrics
+from pagedserve.services.gateway.replica_set import ReplicaSet
+from pagedserve.services.gateway.validation import PreparedRequest
+from pagedserve.services.rpc.tracing import set_routing_decision
+
+logger = logging.getLogger(__name__)
+
+MAX_FAILOVERS = 3
+
+
+class ResumableSubmission:
+    """`is_stopped(index)`: the gateway ended that output itself (a stop string); it is not
+    resumed."""
+
+    def __init__(self, replicas: ReplicaSet, request: PreparedRequest, owner: str,
+                 failover_timeout_s: float, is_stopped: Callable[[int], bool],
+                 metrics: GatewayMetrics | None = None) -> None:
+        self._replicas = replicas
+        self._request = request
+        self._owner = owner
+        self._timeout_s = failover_timeout_s
+        self._is_stopped = is_stopped
+        self._metrics = metrics
+        n = request.sampling.n
+        self._token_ids: list[list[int]] = [[] for _ in range(n)]
+        self._is_finished = [False] * n
+        self._logprob_base = [0.0] * n  # a resumed output's cumulative logprob restarts at 0
+        self._cumulative_logprob = [0.0] * n
+        self.num_failovers = 0
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        avoid: set[str] = set()
+        while True:
+            resumed = self._resumed_outputs()
+            replica, decision = await self._replicas.choose(
+                self._request.prompt_token_ids, avoid, self._timeout_s)
+            set_routing_decision(decision.address, decision.reason, self.num_failovers)
+            if self._metrics is not None:
+                self._metrics.on_routed(decision.address, decision.reason)
+            try:
+                with self._replicas.holding(replica):
+                    async with contextlib.aclosing(replica.client.submit(
+                            self._request, self._owner, resumed)) as events:
+                        async for output in events:
+                            yield self._observed(output)
+                return
+            except Unavailable as exc:
+                error = exc
+            self._replicas.mark_failed(replica)
+            if self._metrics is not None:
+                self._metrics.on_failover(replica.address)
+            self.num_failovers += 1
+            if self.num_failovers > MAX_FAILOVERS:
+                raise Unavailable(f"request {self._request.request_id!r} failed over "
+                                  f"{MAX_FAILOVERS} times; the last replica, {replica.address}, "
+                                  f"failed with: {error}") from error
+            logger.warning("request %s: replica %s failed (%s); failing over (%d of %d)",
+                           self._request.request_id, replica.address, error,
+                           self.num_failovers, MAX_FAILOVERS)
+            avoid = {replica.address}
+
+    def _observed(self, output: RequestOutput) -> RequestOutput:
+        outputs = []
+        for completion in output.outputs:
+            i = completion.index
+            if 0 <= i < len(self._token_ids):
+                self._token_ids[i].extend(completion.token_ids)
+                self._is_finished[i] = self._is_finished[i] or completion.finish_reason is not None
+                total = self._logprob_base[i] + completion.cumulative_logprob
+                self._cumulative_logprob[i] = total
+                completion = dataclasses.replace(completion, cumulative_logprob=total)
+            outputs.append(completion)
+        return dataclasses.replace(output, outputs=outputs, num_cached_tokens=min(
+            output.num_cached_tokens, len(self._request.prompt_token_ids)))
+
+    def _resumed_outputs(self) -> list[ResumedOutput]:
+        """What a (re)submission carries: nothing the first time or when nothing was streamed
+        yet, else every unfinished output's tokens. Raises Unavailable when they cannot be."""
+        if not any(self._token_ids):
+            return []
+        sampling = self._request.sampling
+        if sampling.use_beam_search or sampling.num_candidates != sampling.n:
+            raise Unavailable(
+                f"request {self._request.request_id!r} lost its replica after its outputs "
+                "were sent; beam search and best_of > n outputs are final only at the end, so "
+                "they cannot be resumed")
+        unfinished = [i for i in range(sampling.n)
+                      if not self._is_finished[i] and not self._is_stopped(i)]
+        if not unfinished or any(not self._token_ids[i] for i in unfinished):
+            raise Unavailable(f"request {self._request.request_id!r} lost its replica before "
+                              "every output had a token; it cannot be resumed")
+        self._logprob_base = list(self._cumulative_logprob)
+        return [ResumedOutput(i, list(self._token_ids[i])) for i in unfinished]

@@ -1,0 +1,234 @@
+"""The scheduler replicas one gateway routes to: found from --scheduler-address (several targets,
+and host names resolved to every address they have, again every replica_refresh_s), each with
+one SchedulerClient, its health and its load (a WatchLoad stream).
+
+A replica serves (takes new requests) from its first pushed load until that stream breaks or a
+request saw it fail; its watcher then waits (Health.Watch) until it serves again. A replica whose
+model differs from the first one served never serves. A replica gone from the resolution takes
+no new request; its channel closes once its live requests end (or fail over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pagedserve.services.common.config import RoutingConfig, TlsConfig, scheduler_targets
+from pagedserve.services.common.engine_api import AbortRequest, EngineLoad
+from pagedserve.services.common.errors import NotFound, PagedServeError, Unavailable
+from pagedserve.services.gateway.routing import Candidate, Decision, Router
+from pagedserve.services.gateway.scheduler_client import SchedulerClient
+from pagedserve.services.rpc.v1 import scheduler_pb2
+
+logger = logging.getLogger(__name__)
+
+LOAD_INTERVAL_S = 0.1  # the most often a scheduler pushes its load
+RETRY_S = 0.5  # after a watch failed at once (no wait inside it)
+_SAME_MODEL_FIELDS = ("model", "architecture", "max_model_len", "vocab_size", "block_size")
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    address: str
+    client: SchedulerClient
+    is_serving: bool = False
+    is_removed: bool = False
+    load: EngineLoad | None = None
+    served: scheduler_pb2.ServedModel | None = None
+    num_live: int = 0  # this gateway's requests on it
+    watcher: asyncio.Task[None] | None = None
+
+    @property
+    def num_requests(self) -> int:
+        """Its queue as last pushed, or this gateway's own requests if more (pushes lag)."""
+        pushed = 0 if self.load is None else self.load.num_running + self.load.num_waiting
+        return max(pushed, self.num_live)
+
+
+class ReplicaSet:
+    def __init__(self, scheduler_address: str, config: RoutingConfig, rpc_timeout_s: float,
+                 tls: TlsConfig | None = None) -> None:
+        self.targets = scheduler_targets(scheduler_address)
+        self.config = config
+        self.router = Router(config.routing_policy, config.routing_max_imbalance,
+                             config.routing_prefix_blocks)
+        self.served: scheduler_pb2.ServedModel | None = None  # the first replica's: the model
+        self.replicas: dict[str, Replica] = {}
+        self._rpc_timeout_s = rpc_timeout_s
+        self._tls = tls
+        self._resolved: dict[str, dict[str, str]] = {}  # target -> address -> server name
+        self._changed = asyncio.Event()  # set, then replaced, when a replica's serving changes
+        self._refresher: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Resolve the targets and watch every replica; re-resolve every replica_refresh_s."""
+        await self.refresh()
+        self._refresher = asyncio.create_task(self._refresh_forever(), name="replica-refresh")
+
+    async def wait_until_serving(self) -> scheduler_pb2.ServedModel:
+        """The model of the first replica to serve, once one does."""
+        while self.served is None or not self.serving():
+            await self._changed.wait()
+        return self.served
+
+    def serving(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.is_serving]
+
+    @property
+    def block_size(self) -> int:
+        return self.served.block_size if self.served is not None else 0
+
+    async def refresh(self) -> None:
+        for target in self.targets:
+            try:
+                self._resolved[target] = await _resolve(target)
+            except OSError as exc:  # keep what it resolved to before
+                logger.warning("cannot resolve scheduler address %s: %s", target, exc)
+        wanted = {a: n for resolved in self._resolved.values() for a, n in resolved.items()}
+        for address, server_name in wanted.items():
+            if address not in self.replicas:
+                self._add(address, server_name)
+        for address in [a for a in self.replicas if a not in wanted]:
+            self._remove(self.replicas.pop(address))
+
+    async def choose(self, prompt_token_ids: list[int], avoid: set[str],
+                     timeout_s: float) -> tuple[Replica, Decision]:
+        """A serving replica, not one of `avoid` while another serves; waits at most timeout_s
+        for one (Unavailable after)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not (serving := self.serving()):
+                    await self._changed.wait()
+        except TimeoutError:
+            raise Unavailable(f"no scheduler replica of {', '.join(self.targets)} served within "
+                              f"failover_timeout_s={timeout_s:g}") from None
+        candidates = [r for r in serving if r.address not in avoid] or serving
+        decision = self.router.choose(
+            [Candidate(r.address, r.num_requests) for r in candidates], prompt_token_ids,
+            self.block_size)
+        return self.replicas[decision.address], decision
+
+    @contextlib.contextmanager
+    def holding(self, replica: Replica) -> Iterator[None]:
+        """Counts a request on `replica` while it runs there."""
+        replica.num_live += 1
+        try:
+            yield
+        finally:
+            replica.num_live -= 1
+            if replica.is_removed and replica.num_live == 0:
+                asyncio.get_running_loop().create_task(replica.client.close())
+
+    def mark_failed(self, replica: Replica) -> None:
+        """A request saw it fail: no new requests until its watcher finds it serving again."""
+        if replica.is_removed:
+            return
+        if replica.watcher is not None:
+            replica.watcher.cancel()
+        self._set_serving(replica, False)
+        replica.watcher = asyncio.create_task(self._watch(replica), name=f"watch {replica.address}")
+
+    async def abort(self, request: AbortRequest) -> None:
+        """On every replica (the request runs on one); NotFound if none has it."""
+        replicas = [r for r in self.replicas.values() if not r.is_removed]
+        results = await asyncio.gather(*(r.client.abort(request) for r in replicas),
+                                       return_exceptions=True)
+        if any(result is None for result in results):
+            return
+        for error in results:
+            if not isinstance(error, NotFound):
+                raise error
+        raise NotFound(f"request_id {request.request_id!r} is not running")
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+        for replica in list(self.replicas.values()):
+            if replica.watcher is not None:
+                replica.watcher.cancel()
+            await replica.client.close()
+        self.replicas.clear()
+
+    def _add(self, address: str, server_name: str) -> None:
+        logger.info("scheduler replica %s added", address)
+        replica = Replica(address, SchedulerClient(address, self._rpc_timeout_s, self._tls,
+                                                   server_name))
+        self.replicas[address] = replica
+        replica.watcher = asyncio.create_task(self._watch(replica), name=f"watch {address}")
+
+    def _remove(self, replica: Replica) -> None:
+        logger.info("scheduler replica %s removed (%d live requests finish there)",
+                    replica.address, replica.num_live)
+        replica.is_removed = True
+        if replica.watcher is not None:
+            replica.watcher.cancel()
+        self._set_serving(replica, False)
+        if replica.num_live == 0:
+            asyncio.get_running_loop().create_task(replica.client.close())
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.replica_refresh_s)
+            await self.refresh()
+
+    async def _watch(self, replica: Replica) -> None:
+        """Serving while its load streams in; otherwise waiting (Health.Watch) to serve again."""
+        while True:
+            try:
+                await replica.client.wait_until_serving()
+                served = await replica.client.get_served_model()
+                if not self._is_same_model(replica.address, served):
+                    await asyncio.sleep(self.config.replica_refresh_s)
+                    continue
+                replica.served = served
+                async for load in replica.client.watch_load(LOAD_INTERVAL_S):
+                    replica.load = load
+                    self._set_serving(replica, True)
+            except PagedServeError as exc:
+                logger.info("scheduler replica %s is not serving: %s", replica.address, exc)
+            self._set_serving(replica, False)
+            await asyncio.sleep(RETRY_S)
+
+    def _is_same_model(self, address: str, served: scheduler_pb2.ServedModel) -> bool:
+        if self.served is None:
+            self.served = served
+            return True
+        different = [f"{name}={getattr(served, name)!r} (not {getattr(self.served, name)!r})"
+                     for name in _SAME_MODEL_FIELDS
+                     if getattr(served, name) != getattr(self.served, name)]
+        if different:
+            logger.error("scheduler replica %s serves another model, left out: %s", address,
+                         ", ".join(different))
+        return not different
+
+    def _set_serving(self, replica: Replica, is_serving: bool) -> None:
+        if not is_serving:
+            replica.load = None
+        if replica.is_serving != is_serving:
+            replica.is_serving = is_serving
+            logger.info("scheduler replica %s %s", replica.address,
+                        "serving" if is_serving else "not serving")
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+
+async def _resolve(target: str) -> dict[str, str]:
+    """address -> server name: the target itself when its host is an IP or resolves to one
+    address; otherwise one replica per address (IPv4 ones if any), named by the host."""
+    host, _, port = target.rpartition(":")
+    bare = host.strip("[]")
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(bare)
+        return {target: ""}
+    infos = await asyncio.get_running_loop().getaddrinfo(bare, int(port),
+                                                         type=socket.SOCK_STREAM)
+    ips = list(dict.fromkeys(str(info[4][0]) for info in infos))
+    ips = [ip for ip in ips if ":" not in ip] or ips
+    if len(ips) <= 1:
+        return {target: ""}
+    return {(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"): bare for ip in ips}
