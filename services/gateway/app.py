@@ -22,7 +22,7 @@ from pagedserve.services.gateway.metrics import GatewayMetrics
 from pagedserve.services.gateway.openai.routes import build_app
 from pagedserve.services.gateway.openai.server import HttpServer, bind_socket
 from pagedserve.services.gateway.openai.serving import OpenAIServing
-from pagedserve.services.gateway.replica_set import ReplicaSet
+from pagedserve.services.gateway.replica_set import ReplicaSet, Resolver
 from pagedserve.services.gateway.servicer import GenerationServicer, ModelsServicer
 from pagedserve.services.rpc.auth import ApiKeyInterceptor
 from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
@@ -77,13 +77,14 @@ class Gateway:
             self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 
-async def start_gateway(config: GatewayConfig) -> Gateway:
-    """Started and SERVING once a scheduler replica serves (the model is the first one's)."""
+async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) -> Gateway:
+    """Started and SERVING once a scheduler replica serves (the model is the first one's).
+    `resolve`: how scheduler_address targets become replicas (default: DNS)."""
     credentials = public_server_credentials(config.public_tls)  # bad files fail before waiting
     api_key = config.http.resolve_api_key()
     admin_token = config.admin.resolve_admin_token()
     replicas = ReplicaSet(config.scheduler_address, config.routing, config.rpc_timeout_s,
-                          config.tls)
+                          config.tls, resolve)
     try:
         logger.info("waiting for a scheduler replica at %s", config.scheduler_address)
         await replicas.start()

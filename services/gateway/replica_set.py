@@ -15,7 +15,7 @@ import contextlib
 import ipaddress
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 from pagedserve.services.common.config import RoutingConfig, TlsConfig, scheduler_targets
@@ -50,9 +50,14 @@ class Replica:
         return max(pushed, self.num_live)
 
 
+Resolver = Callable[[str], Awaitable[dict[str, str]]]
+
+
 class ReplicaSet:
     def __init__(self, scheduler_address: str, config: RoutingConfig, rpc_timeout_s: float,
-                 tls: TlsConfig | None = None) -> None:
+                 tls: TlsConfig | None = None, resolve: Resolver | None = None) -> None:
+        """`resolve`: target -> {address: server name} (default: DNS, see resolve_target)."""
+        self._resolve = resolve or resolve_target
         self.targets = scheduler_targets(scheduler_address)
         self.config = config
         self.router = Router(config.routing_policy, config.routing_max_imbalance,
@@ -86,7 +91,7 @@ class ReplicaSet:
     async def refresh(self) -> None:
         for target in self.targets:
             try:
-                self._resolved[target] = await _resolve(target)
+                self._resolved[target] = await self._resolve(target)
             except OSError as exc:  # keep what it resolved to before
                 logger.warning("cannot resolve scheduler address %s: %s", target, exc)
         wanted = {a: n for resolved in self._resolved.values() for a, n in resolved.items()}
@@ -217,7 +222,7 @@ class ReplicaSet:
             self._changed = asyncio.Event()
 
 
-async def _resolve(target: str) -> dict[str, str]:
+async def resolve_target(target: str) -> dict[str, str]:
     """address -> server name: the target itself when its host is an IP or resolves to one
     address; otherwise one replica per address (IPv4 ones if any), named by the host."""
     host, _, port = target.rpartition(":")

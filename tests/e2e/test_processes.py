@@ -242,7 +242,8 @@ def test_a_killed_scheduler_fails_open_calls_with_unavailable_within_5s(tiny_ser
         pagedserve("scheduler", *model, "--port", str(scheduler_port),
                    "--worker-addresses", f"127.0.0.1:{worker_port}"),
         pagedserve("gateway", "--port", str(gateway_port), "--http-port", "0",
-                   "--scheduler-address", f"127.0.0.1:{scheduler_port}"),
+                   "--scheduler-address", f"127.0.0.1:{scheduler_port}",
+                   "--failover-timeout-s", "1"),
     ]
     worker, scheduler, gateway = processes
     address = f"127.0.0.1:{gateway_port}"

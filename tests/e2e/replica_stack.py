@@ -1,0 +1,111 @@
+"""Several engine replicas (each a worker and its scheduler) behind one gateway, in this process
+on one background loop; replicas can be added, removed from the gateway's resolution, or
+stopped abruptly (their streams break as a killed scheduler's do)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.scheduler_svc.servicer import SchedulerServicer, start_scheduler, stop_scheduler
+from pagedserve.services.common.config import (
+    EngineConfig,
+    GatewayConfig,
+    HttpConfig,
+    SchedulerServiceConfig,
+    WorkerServiceConfig,
+)
+from pagedserve.services.gateway.app import Gateway, start_gateway
+from pagedserve.services.rpc.server import ServiceServer
+from pagedserve.services.rpc.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.worker_svc.servicer import WorkerServicer, start_worker
+
+import grpc
+from tests.e2e.background import BackgroundLoop
+
+TARGET = "replicas.test:1"  # the name the gateway resolves to the listed replicas
+
+
+@dataclass(slots=True)
+class Replica:
+    worker: tuple[ServiceServer, WorkerServicer]
+    scheduler: tuple[ServiceServer, SchedulerServicer]
+    is_stopped: bool = False
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.scheduler[0].port}"
+
+    def load(self) -> scheduler_pb2.Load:
+        with grpc.insecure_channel(self.address) as channel:
+            return scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(
+                scheduler_pb2.GetLoadRequest(), timeout=10)
+
+
+@dataclass(slots=True)
+class ReplicaStack:
+    loop: BackgroundLoop
+    config: EngineConfig
+    replicas: list[Replica]
+    gateway: Gateway | None = None
+    resolved: list[str] = field(default_factory=list)  # what TARGET resolves to now
+
+    @property
+    def gateway_address(self) -> str:
+        return f"127.0.0.1:{self.gateway.port}"
+
+    def add_replica(self) -> Replica:
+        replica = self.loop.run(_start_replica(self.config))
+        self.replicas.append(replica)
+        self.resolved.append(replica.address)
+        return replica
+
+    def unlist(self, replica: Replica) -> None:
+        """Gone from the resolution (it keeps running)."""
+        self.resolved.remove(replica.address)
+
+    def refresh(self) -> None:
+        self.loop.run(self.gateway.replicas.refresh())
+
+    def kill(self, replica: Replica) -> None:
+        """Stop its scheduler with no grace: open streams break."""
+        replica.is_stopped = True
+        self.loop.run(stop_scheduler(*replica.scheduler))
+
+    def close(self) -> None:
+        async def stop() -> None:
+            if self.gateway is not None:
+                await self.gateway.stop(grace_s=0)
+            for replica in self.replicas:
+                if not replica.is_stopped:
+                    await stop_scheduler(*replica.scheduler)
+                await replica.worker[0].shutdown(0)
+                replica.worker[1].close()
+
+        self.loop.run(stop())
+        self.loop.close()
+
+
+async def _start_replica(config: EngineConfig) -> Replica:
+    worker = await start_worker(config, WorkerServiceConfig(port=0))
+    scheduler = await start_scheduler(config, SchedulerServiceConfig(
+        port=0, worker_addresses=[f"127.0.0.1:{worker[0].port}"], stats_interval_s=0))
+    return Replica(worker, scheduler)
+
+
+def start_replica_stack(config: EngineConfig, num_replicas: int, **gateway_kw) -> ReplicaStack:
+    """`gateway_kw`: more GatewayConfig fields (the HTTP API is off by default)."""
+    stack = ReplicaStack(BackgroundLoop(), config, [])
+    try:
+        for _ in range(num_replicas):
+            stack.add_replica()
+
+        async def resolve(target: str) -> dict[str, str]:
+            return dict.fromkeys(stack.resolved, "")
+
+        stack.gateway = stack.loop.run(start_gateway(GatewayConfig(
+            port=0, scheduler_address=TARGET,
+            **{"http": HttpConfig(http_port=-1), **gateway_kw}), resolve))
+    except BaseException:
+        stack.close()
+        raise
+    return stack
