@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import grpc
 from pagedserve.scheduler_svc.servicer import SchedulerServicer, start_scheduler, stop_scheduler
 from pagedserve.services.common.config import (
     EngineConfig,
@@ -19,7 +20,6 @@ from pagedserve.services.rpc.server import ServiceServer
 from pagedserve.services.rpc.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.worker_svc.servicer import WorkerServicer, start_worker
 
-import grpc
 from tests.e2e.background import BackgroundLoop
 
 TARGET = "replicas.test:1"  # the name the gateway resolves to the listed replicas

@@ -11,7 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from pagedserve.services.common.config import RoutingConfig
-from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pagedserve.services.rpc.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 
 from tests.e2e.replica_stack import Replica, ReplicaStack, start_replica_stack
 from tests.e2e.stack import tiny_config
@@ -140,3 +146,23 @@ def test_requests_sharing_a_long_prefix_meet_their_cached_blocks(stack: ReplicaS
     assert all(c >= 64 for c in cached[1:]), cached
     hits = [r.scheduler[1].service.engine.totals().num_prefix_cache_hits for r in stack.replicas]
     assert sorted(hits)[0] == 0 and sorted(hits)[1] >= 5 * 64, hits
+
+
+def test_watch_load_pushes_each_change(stack: ReplicaStack):
+    replica, other = stack.replicas
+    stack.unlist(other)
+    stack.refresh()
+    with grpc.insecure_channel(replica.address) as channel:
+        loads = scheduler_pb2_grpc.SchedulerStub(channel).WatchLoad(
+            scheduler_pb2.WatchLoadRequest(min_interval_ms=10), timeout=120)
+        assert next(loads).num_running_requests == 0
+        with ThreadPoolExecutor(1) as pool:
+            done = pool.submit(stream, stack.gateway_address, requests("w")[0])
+            seen = []
+            for load in loads:
+                seen.append(load.num_running_requests + load.num_waiting_requests)
+                if seen[-1] == 0:
+                    break
+            assert len(done.result(timeout=120)[0]) == MAX_TOKENS
+        loads.cancel()
+    assert seen[0] >= 1, seen
