@@ -8,7 +8,7 @@ import json
 import pytest
 
 import bench.common
-from bench import control_plane, hostile_clients, offline, serving, step_anatomy
+from bench import control_plane, hostile_clients, offline, routing, serving, step_anatomy
 
 
 @pytest.fixture
@@ -93,3 +93,16 @@ def test_hostile_clients(tiny_served_model_dir, results_dir):
     assert stalled["ratio_vs_alone"] > 0 and set(hostile["target"]) == {"target", "met"}
     assert results["beside_reading"]["num_output_tokens"] == stalled["num_output_tokens"]
     assert results["stalled_vs_reading"] > 0
+
+
+def test_routing(tiny_served_model_dir, results_dir):
+    routing.main(["--model", str(tiny_served_model_dir), "--quick", "--num-conversations", "4",
+                  "--num-turns", "2", "--system-len", "40", "--kv-cache-memory-gib", "0.01",
+                  "--tag", "smoke"])
+    record = _record(results_dir, "routing")
+    affinity, round_robin = record["results"]
+    assert (affinity["policy"], round_robin["policy"]) == ("affinity", "round-robin")
+    for result in (affinity, round_robin):
+        assert result["num_requests"] == 8 and result["num_output_tokens"] == 8 * 8
+        assert result["routing_us"]["p50"] > 0
+    assert affinity["num_cached_tokens"] > 0
