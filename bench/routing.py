@@ -13,7 +13,7 @@ cache, as the gateways' usage reports them), output tokens/s, and the gateway's 
 time per request (p50, p99: choosing a replica from the live set); then affinity ÷ round robin
 (targets: >= 1.8x hit tokens, throughput not lower; routing p50 <= 1 ms).
 
-    python -m bench.routing                     # SmolLM2, 16 clients
+    python -m bench.routing                     # SmolLM2, 8 clients
     python -m bench.routing --quick --tag quick
 """
 
@@ -174,12 +174,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--quick", action="store_true", help="a small run (minutes on a CPU)")
     parser.add_argument("--num-system-prompts", type=int, default=4)
-    parser.add_argument("--system-len", type=int, default=256)
-    parser.add_argument("--num-conversations", type=int, default=32)
-    parser.add_argument("--num-turns", type=int, default=4)
-    parser.add_argument("--user-len", type=int, default=32)
+    parser.add_argument("--system-len", type=int, default=128)
+    parser.add_argument("--num-conversations", type=int, default=24)
+    parser.add_argument("--num-turns", type=int, default=6)
+    parser.add_argument("--user-len", type=int, default=48)
     parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--kv-cache-memory-gib", type=float, default=0.25)
     parser.add_argument("--min-token-id", type=int, default=3)
     parser.add_argument("--max-token-id", type=int, default=300)
