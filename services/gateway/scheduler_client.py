@@ -84,14 +84,6 @@ class SchedulerClient:
             call.cancel()
         raise Unavailable(f"{PEER} at {self.address} ended its health stream before serving")
 
-    async def is_serving(self) -> bool:
-        try:
-            response = await health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=self._rpc_timeout_s)
-        except grpc.aio.AioRpcError:
-            return False
-        return response.status == health_pb2.HealthCheckResponse.SERVING
-
     async def get_served_model(self) -> scheduler_pb2.ServedModel:
         try:
             return await self._stub.GetServedModel(scheduler_pb2.GetServedModelRequest(),
