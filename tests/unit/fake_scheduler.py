@@ -27,6 +27,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.tokens_per_event = 1
         self.hang = False
         self.error: str | None = None  # finish every output with "error" and this text
+        self.break_after: int | None = None  # end each Submit with UNAVAILABLE after N events
         self.submits: list[scheduler_pb2.SubmitRequest] = []
         self.cancelled: set[str] = set()
         self.aborted: set[str] = set()
@@ -68,6 +69,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                             delta.logprobs.append(-0.5)
                             delta.top_logprobs.add().candidates.add(token_id=token_id, logprob=-0.5)
                 yield event
+                if self.break_after is not None and step // per_event + 1 >= self.break_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")
                 await asyncio.sleep(0)
             if hang or abort.is_set():
                 await abort.wait()
