@@ -69,6 +69,7 @@ class ReplicaSet:
         self._resolved: dict[str, dict[str, str]] = {}  # target -> address -> server name
         self._changed = asyncio.Event()  # set, then replaced, when a replica's serving changes
         self._refresher: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()  # channels of removed replicas
 
     async def start(self) -> None:
         """Resolve the targets and watch every replica; re-resolve every replica_refresh_s."""
@@ -127,7 +128,7 @@ class ReplicaSet:
         finally:
             replica.num_live -= 1
             if replica.is_removed and replica.num_live == 0:
-                asyncio.get_running_loop().create_task(replica.client.close())
+                self._close_later(replica)
 
     def mark_failed(self, replica: Replica) -> None:
         """A request saw it fail: no new requests until its watcher finds it serving again."""
@@ -174,7 +175,12 @@ class ReplicaSet:
             replica.watcher.cancel()
         self._set_serving(replica, False)
         if replica.num_live == 0:
-            asyncio.get_running_loop().create_task(replica.client.close())
+            self._close_later(replica)
+
+    def _close_later(self, replica: Replica) -> None:
+        task = asyncio.get_running_loop().create_task(replica.client.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _refresh_forever(self) -> None:
         while True:
