@@ -4,8 +4,8 @@ round robin, same run.
 Two replicas (a worker and its scheduler each, prefix caching on) and two gateways in front of
 both, one per policy, all in this process over loopback. The workload: a few long system prompts
 shared by many conversations, each conversation several turns, every turn's prompt the previous
-one plus an assistant answer and a new user message (so a turn's prompt extends the one before
-it). Each of N clients plays one conversation at a time, turn after turn. The two policies get
+one plus the answer it got and a new user message (so a turn's prompt extends the one before it
+and its generated tokens, whose blocks the replica that ran it has cached). Each of N clients plays one conversation at a time, turn after turn. The two policies get
 workloads of the same shape with different tokens, so neither finds the other's blocks cached.
 
 Reported per policy: prefix-cache hit tokens (the prompt tokens the schedulers served from their
@@ -53,7 +53,7 @@ POLICIES = ("affinity", "round-robin")
 @dataclass(slots=True)
 class Conversation:
     system: list[int]
-    turns: list[tuple[list[int], list[int]]]  # (user message, assistant answer) token ids
+    user_turns: list[list[int]]  # token ids of each user message
 
 
 @dataclass(slots=True)
@@ -78,19 +78,18 @@ def make_conversations(args: argparse.Namespace, salt: int) -> list[Conversation
         return [rng.randrange(args.min_token_id, args.max_token_id) for _ in range(n)]
 
     systems = [tokens(args.system_len) for _ in range(args.num_system_prompts)]
-    return [Conversation(rng.choice(systems),
-                         [(tokens(args.user_len), tokens(args.output_len))
-                          for _ in range(args.num_turns)])
+    return [Conversation(rng.choice(systems), [tokens(args.user_len) for _ in range(args.num_turns)])
             for _ in range(args.num_conversations)]
 
 
-async def _client(stub, queue: deque[Conversation], max_tokens: int,
-                  result: PolicyResult) -> None:
+async def _client(stub, queue: deque[Conversation], max_tokens: int, result: PolicyResult,
+                  prompts: list[list[int]]) -> None:
     while queue:
         conversation = queue.popleft()
         history = list(conversation.system)
-        for user, answer in conversation.turns:
+        for user in conversation.user_turns:
             history += user
+            prompts.append(list(history))
             response = await stub.Generate(gateway_pb2.GenerateRequest(
                 token_ids=gateway_pb2.TokenIds(token_ids=history),
                 sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
@@ -99,37 +98,32 @@ async def _client(stub, queue: deque[Conversation], max_tokens: int,
             result.num_prompt_tokens += response.usage.prompt_tokens
             result.num_cached_tokens += response.usage.cached_tokens
             result.num_output_tokens += response.usage.completion_tokens
-            history += answer
+            history += response.outputs[0].token_ids
 
 
 async def run_policy(gateway: Gateway, conversations: list[Conversation], args: argparse.Namespace,
                      policy: str) -> PolicyResult:
     result = PolicyResult(policy)
     queue = deque(conversations)
+    prompts: list[list[int]] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
         stub = gateway_pb2_grpc.GenerationStub(channel)
         start = time.perf_counter()
-        await asyncio.gather(*(_client(stub, queue, args.output_len, result)
+        await asyncio.gather(*(_client(stub, queue, args.output_len, result, prompts)
                                for _ in range(args.concurrency)))
         result.elapsed_s = time.perf_counter() - start
-    result.routing_us = await routing_time_us(gateway, conversations)
+    result.routing_us = await routing_time_us(gateway, prompts)
     return result
 
 
-async def routing_time_us(gateway: Gateway, conversations: list[Conversation]
-                          ) -> dict[str, float]:
+async def routing_time_us(gateway: Gateway, prompts: list[list[int]]) -> dict[str, float]:
     """What one routing decision costs the gateway: the replica set's choice over the live
-    replicas (their pushed loads) for each of the workload's prompts."""
-    replicas = gateway.replicas
+    replicas (their pushed loads) for each prompt the run sent."""
     times_us = []
-    for conversation in conversations:
-        history = list(conversation.system)
-        for user, answer in conversation.turns:
-            history += user
-            start = time.perf_counter()
-            await replicas.choose(history, set(), 1.0)
-            times_us.append((time.perf_counter() - start) * 1e6)
-            history += answer
+    for prompt in prompts:
+        start = time.perf_counter()
+        await gateway.replicas.choose(prompt, set(), 1.0)
+        times_us.append((time.perf_counter() - start) * 1e6)
     return percentiles(times_us)
 
 
@@ -178,9 +172,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-conversations", type=int, default=24)
     parser.add_argument("--num-turns", type=int, default=6)
     parser.add_argument("--user-len", type=int, default=48)
-    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--kv-cache-memory-gib", type=float, default=0.25)
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=0.12)
     parser.add_argument("--min-token-id", type=int, default=3)
     parser.add_argument("--max-token-id", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
