@@ -104,7 +104,6 @@ class Frontend:
         self.limits = limits if limits is not None else RequestLimitsConfig()
         self._executor = executor
         self._admin_token = admin_token
-        self.failover_timeout_s = replicas.config.failover_timeout_s if replicas else 0.0
 
     async def prepare(self, request: GenerateInput, arrival_s: float | None = None
                       ) -> PreparedRequest:
@@ -134,7 +133,7 @@ class Frontend:
         if not request_id:
             raise InvalidRequest("request_id must not be empty, got ''")
         await self.replicas.abort(AbortRequest(request_id, caller.owner,
-                                                is_admin(caller, self._admin_token)))
+                                               is_admin(caller, self._admin_token)))
 
     async def generate(self, request: PreparedRequest, on_stalled: StallHandler | None = None,
                        caller: Caller = ANONYMOUS) -> AsyncIterator[StreamDelta]:
@@ -170,8 +169,8 @@ class Frontend:
         ended the last one: leaving the call aborts the rest) or the stream fails."""
         text_stream = TextStream(request.prompt_token_ids, request.sampling, self.tokenizer)
         submission = ResumableSubmission(self.replicas, request, owner,
-                                         self.failover_timeout_s, text_stream.is_output_finished,
-                                         self.metrics)
+                                         self.replicas.config.failover_timeout_s,
+                                         text_stream.is_output_finished, self.metrics)
         try:
             async with contextlib.aclosing(submission.outputs()) as outputs:
                 async for output in outputs:
