@@ -137,6 +137,9 @@ def test_one_stream_is_one_trace_from_the_caller_down_to_the_worker(stack, gener
     assert gateway.attributes["gen_ai.request.model"] == submit_in.attributes[
         "gen_ai.request.model"] == model
     assert gateway.attributes["rpc.response.status_code"] == "OK"
+    assert gateway.attributes["pagedserve.routing.replica"] == stack.scheduler_address
+    assert gateway.attributes["pagedserve.routing.reason"] == "short_prompt"
+    assert gateway.attributes["pagedserve.routing.num_failovers"] == 0
     # the gateway leaves Submit as soon as the last event came, maybe before its status did
     assert {submit_out.attributes["rpc.response.status_code"],
             submit_in.attributes["rpc.response.status_code"]} <= {"OK", "CANCELLED"}
