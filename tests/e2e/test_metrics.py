@@ -111,6 +111,8 @@ def test_counters_equal_the_requests_usage_and_gauges_return_to_zero(stack, gene
     assert delta("gateway", "vllm:inter_token_latency_seconds_count") >= 2
     assert delta("gateway", "pagedserve:gateway_requests_total", method="Generate",
                  code="OK") == 2
+    assert delta("gateway", "pagedserve:gateway_routing_decisions_total",
+                 replica=stack.scheduler_address, reason="short_prompt") == 2
     assert delta("worker", "pagedserve:worker_step_time_seconds_count", phase="forward") >= 6
     assert delta("worker", "pagedserve:worker_step_time_seconds_sum", phase="forward") > 0
 
