@@ -4,13 +4,17 @@ percentiles, machine facts and the JSON record every script writes to bench/resu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import platform
 import random
 import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
@@ -75,6 +79,28 @@ def hf_generate(model, prompts: list[list[int]], num_new_tokens: int) -> torch.T
                          max_new_tokens=num_new_tokens, min_new_tokens=num_new_tokens,
                          do_sample=False, pad_token_id=0)
     return out[:, width:]
+
+
+@contextlib.contextmanager
+def serve_process(serve_args: list[str], cwd: Path) -> Iterator[subprocess.Popen]:
+    """`pagedserve serve` with these flags, terminated on exit; its output is kept aside and its
+    tail logged if the benchmark fails."""
+    with tempfile.TemporaryFile("w+") as log_file:
+        stack = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", *serve_args],
+                                 cwd=cwd, stdout=log_file, stderr=log_file,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            yield stack
+        except Exception:
+            log_file.seek(0)
+            logging.getLogger(__name__).error("stack log:\n%s", log_file.read()[-4000:])
+            raise
+        finally:
+            stack.terminate()
+            try:
+                stack.wait(60)
+            except subprocess.TimeoutExpired:
+                stack.kill()
 
 
 def percentiles(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:

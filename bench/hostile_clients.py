@@ -24,10 +24,6 @@ import argparse
 import asyncio
 import logging
 import multiprocessing
-import os
-import subprocess
-import sys
-import tempfile
 import time
 
 import grpc
@@ -35,7 +31,14 @@ from pagedserve.services.rpc.convert_common import sampling_params_to_proto
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pagedserve.services.text.tokenizer import Tokenizer
 
-from bench.common import DEFAULT_MODEL, Workload, finish, make_workload, quiet_logging
+from bench.common import (
+    DEFAULT_MODEL,
+    Workload,
+    finish,
+    make_workload,
+    quiet_logging,
+    serve_process,
+)
 from bench.serving import ROOT, RequestTrace, RunResult, wait_serving
 from pagedserve.supervisor import free_port
 
@@ -46,15 +49,12 @@ NUM_STALLED = 20
 MAX_REQUEST_BYTES = 4 << 20
 
 
-def start_stack(args: argparse.Namespace, port: int, log_file) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", args.model,
-            "--port", str(port), "--http-port", "0", "--device", "cpu", "--dtype", "float32",
+def serve_args(args: argparse.Namespace, port: int) -> list[str]:
+    return ["--model", args.model, "--port", str(port), "--http-port", "0", "--device", "cpu", "--dtype", "float32",
             "--kv-cache-memory-gib", str(args.kv_cache_memory_gib), "--swap-space-gib", "0.25",
             "--max-request-bytes", str(MAX_REQUEST_BYTES),
             "--stalled-stream-timeout-s", str(args.stalled_stream_timeout_s),
             "--log-level", "ERROR"]
-    return subprocess.Popen(argv, cwd=ROOT, stdout=log_file, stderr=log_file,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 async def normal_client(stub, wl: Workload) -> RunResult:
@@ -240,22 +240,10 @@ def main(argv: list[str] | None = None) -> dict:
     quiet_logging()
     port = free_port()
     address = f"127.0.0.1:{port}"
-    with tempfile.TemporaryFile("w+") as stack_log:
-        stack = start_stack(args, port, stack_log)
-        try:
-            wait_serving(address, stack, args.startup_timeout_s)
-            vocab_size = Tokenizer.from_pretrained(args.model).vocab_size
-            result = asyncio.run(run_phases(args, address, vocab_size))
-        except Exception:
-            stack_log.seek(0)
-            log.error("stack log:\n%s", stack_log.read()[-4000:])
-            raise
-        finally:
-            stack.terminate()
-            try:
-                stack.wait(60)
-            except subprocess.TimeoutExpired:
-                stack.kill()
+    with serve_process(serve_args(args, port), ROOT) as stack:
+        wait_serving(address, stack, args.startup_timeout_s)
+        vocab_size = Tokenizer.from_pretrained(args.model).vocab_size
+        result = asyncio.run(run_phases(args, address, vocab_size))
     stalled, hostile = result["beside_stalled"], result["beside_hostile"]
     line = (f"hostile_clients: alone {result['alone_tok_s']:.1f} tok/s; beside {NUM_STALLED} "
             f"unread streams {stalled['output_tok_s']:.1f} tok/s = "

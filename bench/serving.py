@@ -25,10 +25,7 @@ import functools
 import itertools
 import json
 import logging
-import os
 import subprocess
-import sys
-import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,6 +44,7 @@ from bench.common import (
     make_workload,
     percentiles,
     quiet_logging,
+    serve_process,
 )
 from pagedserve.llm_engine import LLMEngine
 from pagedserve.supervisor import free_port
@@ -118,16 +116,12 @@ def run_in_process(engine: LLMEngine, wl: Workload, concurrency: int) -> RunResu
 # --- the stack ----------------------------------------------------------------------------------
 
 
-def start_stack(args: argparse.Namespace, port: int, http_port: int, log_file
-                ) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", args.model,
-            "--port", str(port), "--http-port", str(http_port), "--device", "cpu",
+def serve_args(args: argparse.Namespace, port: int, http_port: int) -> list[str]:
+    return ["--model", args.model, "--port", str(port), "--http-port", str(http_port), "--device", "cpu",
             "--dtype", "float32",
             "--max-num-seqs", str(max(args.concurrency)),
             "--kv-cache-memory-gib", str(args.kv_cache_memory_gib), "--swap-space-gib", "0.25",
             "--log-level", "WARNING"]
-    return subprocess.Popen(argv, cwd=ROOT, stdout=log_file, stderr=log_file,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def wait_serving(address: str, stack: subprocess.Popen, timeout_s: float) -> None:
@@ -297,20 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
     address = f"127.0.0.1:{port}"
     http_port = free_port() if args.api == "openai" else 0
     http_url = f"http://127.0.0.1:{http_port}" if http_port else None
-    with tempfile.TemporaryFile("w+") as stack_log:
-        stack = start_stack(args, port, http_port, stack_log)
-        try:
-            results = run_all(args, address, stack, http_url)
-        except Exception:
-            stack_log.seek(0)
-            log.error("stack log:\n%s", stack_log.read()[-4000:])
-            raise
-        finally:
-            stack.terminate()
-            try:
-                stack.wait(60)
-            except subprocess.TimeoutExpired:
-                stack.kill()
+    with serve_process(serve_args(args, port, http_port), ROOT) as stack:
+        results = run_all(args, address, stack, http_url)
 
     line = "serving: " + "; ".join(
         f"N={r['concurrency']} {r['stack']['output_tok_s']:.1f} tok/s "
