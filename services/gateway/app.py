@@ -70,6 +70,10 @@ class Gateway:
         if self.http is not None:
             await self.http.stop(grace_s)
         await self.server.shutdown(grace_s)
+        await self.close_resources()
+
+    async def close_resources(self) -> None:
+        """What outlives the gRPC server: replica channels, metrics, tokenizer threads."""
         await self.replicas.close()
         if self.metrics_server is not None:
             self.metrics_server.stop()
@@ -151,8 +155,4 @@ async def serve(config: GatewayConfig) -> None:
     finally:
         if gateway.http is not None:
             await gateway.http.stop(grace_s)
-        await gateway.replicas.close()
-        if gateway.metrics_server is not None:
-            gateway.metrics_server.stop()
-        if gateway.tokenizer_pool is not None:
-            gateway.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        await gateway.close_resources()
