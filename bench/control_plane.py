@@ -178,8 +178,8 @@ class Trace:
 async def _client(stub, wl: Workload, queue: deque[int], traces: list[Trace]) -> None:
     while queue:
         i = queue.popleft()
-        request = gateway_pb2.GenerateRequest(
-            token_ids=gateway_pb2.TokenIds(token_ids=wl.prompts[i]),
+        request = gateway_pb2.GenerateStreamRequest(
+            token_ids=common_pb2.TokenIds(token_ids=wl.prompts[i]),
             sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=wl.output_lens[i],
                                                ignore_eos=True, stop=STOP_STRINGS))
         trace = Trace(time.perf_counter())
@@ -192,7 +192,7 @@ async def _client(stub, wl: Workload, queue: deque[int], traces: list[Trace]) ->
 
 async def _drive(address: str, wl: Workload, concurrency: int) -> tuple[float, list[Trace]]:
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = gateway_pb2_grpc.GenerationStub(channel)
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         queue, traces = deque(range(len(wl.prompts))), []
         start = time.perf_counter()
         await asyncio.gather(*(_client(stub, wl, queue, traces) for _ in range(concurrency)))

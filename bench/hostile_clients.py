@@ -27,7 +27,7 @@ import multiprocessing
 import time
 
 import grpc
-from pagedserve.services.rpc.convert_common import sampling_params_to_proto
+from pagedserve.services.rpc.convert_public import sampling_params_to_proto
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pagedserve.services.text.tokenizer import Tokenizer
 
@@ -63,8 +63,8 @@ async def normal_client(stub, wl: Workload) -> RunResult:
     start = time.perf_counter()
     for prompt, sampling, expected in zip(wl.prompts, params, wl.output_lens, strict=True):
         trace = RequestTrace(time.perf_counter())
-        async for response in stub.GenerateStream(gateway_pb2.GenerateRequest(
-                token_ids=gateway_pb2.TokenIds(token_ids=prompt),
+        async for response in stub.GenerateStream(gateway_pb2.GenerateStreamRequest(
+                token_ids=common_pb2.TokenIds(token_ids=prompt),
                 sampling=sampling_params_to_proto(sampling)), timeout=600):
             if response.token_ids:
                 trace.chunk_times_s.append(time.perf_counter())
@@ -76,8 +76,8 @@ async def normal_client(stub, wl: Workload) -> RunResult:
 
 
 def _side_streams(channel, wl: Workload, max_tokens: int) -> list:
-    return [gateway_pb2_grpc.GenerationStub(channel).GenerateStream(gateway_pb2.GenerateRequest(
-        token_ids=gateway_pb2.TokenIds(token_ids=wl.prompts[i % len(wl.prompts)]),
+    return [gateway_pb2_grpc.GenerationServiceStub(channel).GenerateStream(gateway_pb2.GenerateStreamRequest(
+        token_ids=common_pb2.TokenIds(token_ids=wl.prompts[i % len(wl.prompts)]),
         sampling=common_pb2.SamplingParams(temperature=1.0, seed=i, logprobs=20,
                                            max_tokens=max_tokens, ignore_eos=True)),
         timeout=600) for i in range(NUM_STALLED)]
@@ -131,7 +131,7 @@ def hostile_requests(vocab_size: int) -> list[gateway_pb2.GenerateRequest]:
         gateway_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(
             stop=[f"s{i}" for i in range(10**6)])),
         gateway_pb2.GenerateRequest(text=text),
-        gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(
+        gateway_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(
             token_ids=[vocab_size // 2] * ((MAX_REQUEST_BYTES - 64) // 4))),
         gateway_pb2.GenerateRequest(text="x" * (50 << 20)),
     ]
@@ -144,7 +144,7 @@ def _send_hostile_requests(address: str, vocab_size: int, started, stopped, code
     counts: dict[str, int] = {}
     requests = hostile_requests(vocab_size)
     with grpc.insecure_channel(address) as channel:
-        stub = gateway_pb2_grpc.GenerationStub(channel)
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         while not stopped.is_set():
             for request in requests:
                 try:
@@ -187,7 +187,7 @@ async def run_phases(args: argparse.Namespace, address: str, vocab_size: int) ->
     warm = make_workload("warmup", 2, (args.prompt_len, args.prompt_len), (8, 8), vocab_size,
                          seed=args.seed + 1)
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = gateway_pb2_grpc.GenerationStub(channel)
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         await normal_client(stub, warm)
         alone_first = await normal_client(stub, wl)
         reading = await beside_reading(address, stub, wl, args.stalled_max_tokens)

@@ -91,7 +91,7 @@ async def _client(stub, queue: deque[Conversation], max_tokens: int, result: Pol
             history += user
             prompts.append(list(history))
             response = await stub.Generate(gateway_pb2.GenerateRequest(
-                token_ids=gateway_pb2.TokenIds(token_ids=history),
+                token_ids=common_pb2.TokenIds(token_ids=history),
                 sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                    ignore_eos=True)), timeout=600)
             result.num_requests += 1
@@ -107,7 +107,7 @@ async def run_policy(gateway: Gateway, conversations: list[Conversation], args: 
     queue = deque(conversations)
     prompts: list[list[int]] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-        stub = gateway_pb2_grpc.GenerationStub(channel)
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         start = time.perf_counter()
         await asyncio.gather(*(_client(stub, queue, args.output_len, result, prompts)
                                for _ in range(args.concurrency)))

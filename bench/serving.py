@@ -3,7 +3,7 @@ in-process engine on the same workload, same run.
 
 The stack is `python -m pagedserve.cli serve` (worker, scheduler and gateway as processes, gRPC
 over loopback). Each of N clients sends its requests one after another (closed loop) through
-Generation.GenerateStream with token-id prompts, greedy and ignore_eos; the in-process baseline
+GenerationService.GenerateStream with token-id prompts, greedy and ignore_eos; the in-process baseline
 drives LLMEngine the same way, keeping N requests in flight. For each N: time to first token and
 inter-token latency percentiles (ms), output tokens/s, and stack ÷ in-process throughput
 (target >= 0.9). The record goes to bench/results/serving-<tag>.json.
@@ -34,8 +34,8 @@ from pathlib import Path
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pagedserve.services.rpc.convert_common import sampling_params_to_proto
-from pagedserve.services.rpc.v1 import gateway_pb2, gateway_pb2_grpc
+from pagedserve.services.rpc.convert_public import sampling_params_to_proto
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from bench.common import (
     DEFAULT_MODEL,
@@ -145,8 +145,8 @@ async def _client(stub, wl: Workload, queue: deque[int], traces: list[RequestTra
     params = wl.sampling_params()
     while queue:
         i = queue.popleft()
-        request = gateway_pb2.GenerateRequest(
-            token_ids=gateway_pb2.TokenIds(token_ids=wl.prompts[i]),
+        request = gateway_pb2.GenerateStreamRequest(
+            token_ids=common_pb2.TokenIds(token_ids=wl.prompts[i]),
             sampling=sampling_params_to_proto(params[i]))
         trace = RequestTrace(time.perf_counter())
         async for delta in stub.GenerateStream(request, timeout=600):
@@ -161,7 +161,7 @@ async def _client(stub, wl: Workload, queue: deque[int], traces: list[RequestTra
 
 async def _run_stack(address: str, wl: Workload, concurrency: int) -> RunResult:
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = gateway_pb2_grpc.GenerationStub(channel)
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         queue = deque(range(len(wl.prompts)))
         traces: list[RequestTrace] = []
         start = time.perf_counter()

@@ -104,15 +104,15 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
     sampling = _sampling(args)
     with _Client(args) as client:
-        return client.stream(gateway_pb2.GenerateRequest(text=prompt), sampling)[0]
+        return client.stream(gateway_pb2.GenerateStreamRequest(text=prompt), sampling)[0]
 
 
 def _chat(args: argparse.Namespace) -> int:
     """One message and its answer, or (no message) a conversation until EOF or 'exit'."""
-    from pagedserve.services.rpc.v1 import gateway_pb2
+    from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
 
     sampling = _sampling(args)
-    messages = [gateway_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
+    messages = [common_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
     is_interactive = args.message is None
     with _Client(args) as client:
         while True:
@@ -126,12 +126,12 @@ def _chat(args: argparse.Namespace) -> int:
                     return 0
             else:
                 content = args.message
-            messages.append(gateway_pb2.ChatMessage(role="user", content=content))
-            code, reply = client.stream(gateway_pb2.GenerateRequest(
-                messages=gateway_pb2.ChatMessages(messages=messages)), sampling)
+            messages.append(common_pb2.ChatMessage(role="user", content=content))
+            code, reply = client.stream(gateway_pb2.GenerateStreamRequest(
+                messages=common_pb2.ChatMessages(messages=messages)), sampling)
             if code or not is_interactive:
                 return code
-            messages.append(gateway_pb2.ChatMessage(role="assistant", content=reply))
+            messages.append(common_pb2.ChatMessage(role="assistant", content=reply))
 
 
 class _Client:
@@ -157,7 +157,7 @@ class _Client:
                 read_pem("tls_ca", args.tls_ca), *client_pair))
         else:
             self._channel = grpc.insecure_channel(args.address)
-        self._stub = gateway_pb2_grpc.GenerationStub(self._channel)
+        self._stub = gateway_pb2_grpc.GenerationServiceStub(self._channel)
         self._timeout_s = args.timeout_s
 
     def __enter__(self) -> _Client:
@@ -170,7 +170,7 @@ class _Client:
         """(exit code, text of output 0); n > 1 prints each output whole at the end."""
         import grpc
 
-        from pagedserve.services.rpc.convert_common import (
+        from pagedserve.services.rpc.convert_public import (
             finish_reason_from_proto,
             sampling_params_to_proto,
         )

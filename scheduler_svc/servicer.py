@@ -28,18 +28,18 @@ from pagedserve.services.rpc.convert_scheduler import (
     token_event_to_proto,
     watch_load_request_from_proto,
 )
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
 from pagedserve.services.rpc.status import map_errors
 from pagedserve.services.rpc.tls import internal_server_credentials
 from pagedserve.services.rpc.tracing import set_request_model
-from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 logger = logging.getLogger(__name__)
 
 
-class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, model: str, service: EngineService | None = None) -> None:
         """`service` is set once the worker handshake is done; until then calls are UNAVAILABLE."""
         self.model = model
@@ -53,7 +53,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     @map_errors
     async def Submit(self, request: scheduler_pb2.SubmitRequest,
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
         service = self._service()
         set_request_model(served_model_name(self.model))
         # leaving the block early (client gone, deadline, cancel) aborts the request
@@ -66,25 +66,27 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                         errors[0] or "the request failed inside the engine")
 
     @map_errors
-    async def Abort(self, request: scheduler_pb2.OwnedAbortRequest,
-                    context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
+    async def Abort(self, request: scheduler_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
         await self._service().abort(abort_request_from_proto(request))
-        return common_pb2.AbortResponse()
+        return scheduler_pb2.AbortResponse()
 
     @map_errors
     async def GetLoad(self, request: scheduler_pb2.GetLoadRequest,
-                      context: grpc.aio.ServicerContext) -> scheduler_pb2.Load:
-        return load_to_proto(self._service().get_load())
+                      context: grpc.aio.ServicerContext) -> scheduler_pb2.GetLoadResponse:
+        return load_to_proto(self._service().get_load(), scheduler_pb2.GetLoadResponse)
 
     @map_errors
     async def WatchLoad(self, request: scheduler_pb2.WatchLoadRequest,
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.Load]:
+                        context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[scheduler_pb2.WatchLoadResponse]:
         async for load in self._service().watch_load(watch_load_request_from_proto(request)):
-            yield load_to_proto(load)
+            yield load_to_proto(load, scheduler_pb2.WatchLoadResponse)
 
     @map_errors
     async def GetServedModel(self, request: scheduler_pb2.GetServedModelRequest,
-                             context: grpc.aio.ServicerContext) -> scheduler_pb2.ServedModel:
+                             context: grpc.aio.ServicerContext
+                             ) -> scheduler_pb2.GetServedModelResponse:
         engine = self._service().engine
         return served_model_to_proto(self.model, engine.worker_info, engine.max_model_len,
                                      engine.vocab_size, engine.eos_token_ids,
@@ -97,8 +99,8 @@ def create_scheduler_server(config: EngineConfig, service_config: SchedulerServi
                             ) -> tuple[ServiceServer, SchedulerServicer]:
     servicer = SchedulerServicer(config.model.model)
     server, _ = create_server(
-        [ServiceBinding(servicer, scheduler_pb2_grpc.add_SchedulerServicer_to_server,
-                        "pagedserve.v1.Scheduler")],
+        [ServiceBinding(servicer, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
+                        "pagedserve.internal.v1.SchedulerService")],
         service_config.host, service_config.port,
         credentials=internal_server_credentials(service_config.tls, service_config.host,
                                                 "scheduler"),

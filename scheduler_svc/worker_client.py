@@ -19,10 +19,10 @@ from pagedserve.services.rpc.convert_worker import (
     step_plan_to_proto,
     worker_info_from_proto,
 )
+from pagedserve.services.rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from pagedserve.services.rpc.status import error_from_rpc
 from pagedserve.services.rpc.tls import internal_channel
 from pagedserve.services.rpc.tracing import client_interceptors
-from pagedserve.services.rpc.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class WorkerClient:
         self._channel = grpc.intercept_channel(
             internal_channel(address, tls, _CHANNEL_OPTIONS),
             *client_interceptors(address))
-        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -67,7 +67,7 @@ class WorkerClient:
 
     def get_info(self) -> WorkerInfo:
         return worker_info_from_proto(
-            self._call("GetInfo", worker_pb2.GetInfoRequest(), self.step_timeout_s))
+            self._call("GetInfo", worker_pb2.GetInfoRequest(), self.step_timeout_s).info)
 
     def profile_memory(self) -> MemoryProfile:
         request = worker_pb2.ProfileMemoryRequest(

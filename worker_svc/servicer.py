@@ -34,11 +34,11 @@ from pagedserve.services.rpc.convert_worker import (
     step_plan_from_proto,
     worker_info_to_proto,
 )
+from pagedserve.services.rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
 from pagedserve.services.rpc.status import map_errors
 from pagedserve.services.rpc.tls import internal_server_credentials
-from pagedserve.services.rpc.v1 import worker_pb2, worker_pb2_grpc
 from pagedserve.worker_svc.metrics import WorkerMetrics
 from pagedserve.worker_svc.parallel import leave_tensor_parallel
 from pagedserve.worker_svc.worker import Worker, create_worker
@@ -70,7 +70,7 @@ def _check_matches(field: str, requested: float, own: float) -> None:
                              f"start the scheduler and the worker with the same value")
 
 
-class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, config: EngineConfig, rank: int = 0,
                  on_ready: Callable[[bool], Awaitable[None]] | None = None) -> None:
         self.config = config
@@ -124,8 +124,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     @map_errors
     async def GetInfo(self, request: worker_pb2.GetInfoRequest,
-                      context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
-        return worker_info_to_proto(self._loaded().get_info())
+                      context: grpc.aio.ServicerContext) -> worker_pb2.GetInfoResponse:
+        return worker_pb2.GetInfoResponse(info=worker_info_to_proto(self._loaded().get_info()))
 
     @map_errors
     async def LoadModel(self, request: worker_pb2.LoadModelRequest,
@@ -182,8 +182,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.WarmUpResponse(num_graphs_captured=num_graphs)
 
     @map_errors
-    async def ExecuteStep(self, request: worker_pb2.StepRequest,
-                          context: grpc.aio.ServicerContext) -> worker_pb2.StepResult:
+    async def ExecuteStep(self, request: worker_pb2.ExecuteStepRequest,
+                          context: grpc.aio.ServicerContext) -> worker_pb2.ExecuteStepResponse:
         worker = self._loaded()
         plan = step_plan_from_proto(request)
         # refused at once, not after waiting for its predecessor (nor counted as submitted); the
@@ -225,8 +225,8 @@ def create_worker_server(config: EngineConfig, service: WorkerServiceConfig
                          ) -> tuple[ServiceServer, WorkerServicer]:
     servicer = WorkerServicer(config, service.rank)
     server, _ = create_server(
-        [ServiceBinding(servicer, worker_pb2_grpc.add_WorkerServicer_to_server,
-                        "pagedserve.v1.Worker")], service.host, service.port,
+        [ServiceBinding(servicer, worker_pb2_grpc.add_WorkerServiceServicer_to_server,
+                        "pagedserve.internal.v1.WorkerService")], service.host, service.port,
         credentials=internal_server_credentials(service.tls, service.host, "worker"),
         health_port=service.tls.health_port)
     servicer.on_ready = server.set_serving

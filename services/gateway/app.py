@@ -23,7 +23,7 @@ from pagedserve.services.gateway.openai.routes import build_app
 from pagedserve.services.gateway.openai.server import HttpServer, bind_socket
 from pagedserve.services.gateway.openai.serving import OpenAIServing
 from pagedserve.services.gateway.replica_set import ReplicaSet, Resolver
-from pagedserve.services.gateway.servicer import GenerationServicer, ModelsServicer
+from pagedserve.services.gateway.servicer import GenerationServicer, ModelServicer
 from pagedserve.services.rpc.auth import ApiKeyInterceptor
 from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
 from pagedserve.services.rpc.server import (
@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry
 
 logger = logging.getLogger(__name__)
 
-GUARDED_SERVICES = ("pagedserve.v1.Generation", "pagedserve.v1.Models")
+GUARDED_SERVICES = ("pagedserve.v1.GenerationService", "pagedserve.v1.ModelService")
 
 
 @dataclass(slots=True)
@@ -108,10 +108,10 @@ async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) 
                         executor=pool, admin_token=admin_token)
     server, port = create_server([
         ServiceBinding(GenerationServicer(frontend),
-                       gateway_pb2_grpc.add_GenerationServicer_to_server,
-                       "pagedserve.v1.Generation"),
-        ServiceBinding(ModelsServicer(info), gateway_pb2_grpc.add_ModelsServicer_to_server,
-                       "pagedserve.v1.Models"),
+                       gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
+                       "pagedserve.v1.GenerationService"),
+        ServiceBinding(ModelServicer(info), gateway_pb2_grpc.add_ModelServiceServicer_to_server,
+                       "pagedserve.v1.ModelService"),
     ], config.host, config.port, server_options(config.limits.max_request_bytes),
         credentials=credentials, health_port=config.tls.health_port,
         interceptors=[ApiKeyInterceptor(api_key, GUARDED_SERVICES)] if api_key else ())

@@ -1,5 +1,5 @@
-"""gateway.proto (and scheduler.proto's ServedModel) ↔ the gateway's dataclasses: the only place
-they meet. Free functions, one pair per message."""
+"""gateway.proto (and scheduler.proto's GetServedModelResponse) ↔ the gateway's dataclasses: the only
+place they meet. Free functions, one pair per message."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pagedserve.services.common.config import served_model_name
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
-from pagedserve.services.rpc.convert_common import (
+from pagedserve.services.rpc.convert_public import (
     finish_reason_from_proto,
     finish_reason_to_proto,
     sampling_params_from_proto,
@@ -16,15 +16,18 @@ from pagedserve.services.rpc.convert_common import (
     usage_from_proto,
     usage_to_proto,
 )
-from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, scheduler_pb2
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
 from pagedserve.services.text.text_stream import DecodedLogprob, StreamDelta
 
 
-def _messages_from_proto(msg: gateway_pb2.ChatMessages) -> tuple[ChatMessage, ...]:
+def _messages_from_proto(msg: common_pb2.ChatMessages) -> tuple[ChatMessage, ...]:
     return tuple(ChatMessage(role=m.role, content=m.content) for m in msg.messages)
 
 
-def generate_request_from_proto(msg: gateway_pb2.GenerateRequest) -> GenerateInput:
+def generate_request_from_proto(msg: gateway_pb2.GenerateRequest | gateway_pb2.GenerateStreamRequest
+                                ) -> GenerateInput:
+    """Either request: GenerateStreamRequest has GenerateRequest's fields, same numbers."""
     prompt = msg.WhichOneof("prompt")
     return GenerateInput(
         request_id=msg.request_id,
@@ -129,22 +132,22 @@ def tokenize_response_to_proto(token_ids: Sequence[int], max_model_len: int
     return gateway_pb2.TokenizeResponse(token_ids=token_ids, max_model_len=max_model_len)
 
 
-def model_info_to_proto(info: ModelInfo) -> gateway_pb2.ModelInfo:
+def model_info_to_proto(info: ModelInfo) -> gateway_pb2.GetModelInfoResponse:
     """The replica's capacity stays inside: clients see the model, not the deployment."""
-    return gateway_pb2.ModelInfo(
+    return gateway_pb2.GetModelInfoResponse(
         model=info.model, architecture=info.architecture, max_model_len=info.max_model_len,
         vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
         has_chat_template=info.has_chat_template)
 
 
-def model_info_from_proto(msg: gateway_pb2.ModelInfo) -> ModelInfo:
+def model_info_from_proto(msg: gateway_pb2.GetModelInfoResponse) -> ModelInfo:
     return ModelInfo(
         model=msg.model, architecture=msg.architecture, max_model_len=msg.max_model_len,
         vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids),
         has_chat_template=msg.has_chat_template)
 
 
-def model_info_from_served_model(msg: scheduler_pb2.ServedModel, has_chat_template: bool
+def model_info_from_served_model(msg: scheduler_pb2.GetServedModelResponse, has_chat_template: bool
                                  ) -> ModelInfo:
     return ModelInfo(model=served_model_name(msg.model), architecture=msg.architecture,
                      max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,

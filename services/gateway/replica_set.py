@@ -23,7 +23,7 @@ from pagedserve.services.common.engine_api import AbortRequest, EngineLoad
 from pagedserve.services.common.errors import NotFound, PagedServeError, Unavailable
 from pagedserve.services.gateway.routing import Candidate, Decision, Router
 from pagedserve.services.gateway.scheduler_client import SchedulerClient
-from pagedserve.services.rpc.v1 import scheduler_pb2
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Replica:
     is_serving: bool = False
     is_removed: bool = False
     load: EngineLoad | None = None
-    served: scheduler_pb2.ServedModel | None = None
+    served: scheduler_pb2.GetServedModelResponse | None = None
     num_live: int = 0  # this gateway's requests on it
     watcher: asyncio.Task[None] | None = None
 
@@ -62,7 +62,7 @@ class ReplicaSet:
         self.config = config
         self.router = Router(config.routing_policy, config.routing_max_imbalance,
                              config.routing_prefix_blocks)
-        self.served: scheduler_pb2.ServedModel | None = None  # the first replica's: the model
+        self.served: scheduler_pb2.GetServedModelResponse | None = None  # the first replica's: the model
         self.replicas: dict[str, Replica] = {}
         self._rpc_timeout_s = rpc_timeout_s
         self._tls = tls
@@ -76,7 +76,7 @@ class ReplicaSet:
         await self.refresh()
         self._refresher = asyncio.create_task(self._refresh_forever(), name="replica-refresh")
 
-    async def wait_until_serving(self) -> scheduler_pb2.ServedModel:
+    async def wait_until_serving(self) -> scheduler_pb2.GetServedModelResponse:
         """The model of the first replica to serve, once one does."""
         while self.served is None or not self.serving():
             await self._changed.wait()
@@ -205,7 +205,7 @@ class ReplicaSet:
             self._set_serving(replica, False)
             await asyncio.sleep(RETRY_S)
 
-    def _is_same_model(self, address: str, served: scheduler_pb2.ServedModel) -> bool:
+    def _is_same_model(self, address: str, served: scheduler_pb2.GetServedModelResponse) -> bool:
         if self.served is None:
             self.served = served
             return True

@@ -31,10 +31,10 @@ from pagedserve.services.rpc.convert_scheduler import (
     token_event_from_proto,
     watch_load_request_to_proto,
 )
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.status import error_from_rpc
 from pagedserve.services.rpc.tls import internal_aio_channel
 from pagedserve.services.rpc.tracing import aio_client_interceptors
-from pagedserve.services.rpc.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class SchedulerClient:
             options = (*options, ("grpc.ssl_target_name_override", server_name))
         self._channel = internal_aio_channel(address, tls, options,
                                              interceptors=aio_client_interceptors(address))
-        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -84,7 +84,7 @@ class SchedulerClient:
             call.cancel()
         raise Unavailable(f"{PEER} at {self.address} ended its health stream before serving")
 
-    async def get_served_model(self) -> scheduler_pb2.ServedModel:
+    async def get_served_model(self) -> scheduler_pb2.GetServedModelResponse:
         try:
             return await self._stub.GetServedModel(scheduler_pb2.GetServedModelRequest(),
                                                    timeout=self._rpc_timeout_s)

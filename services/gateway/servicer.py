@@ -24,7 +24,7 @@ from pagedserve.services.gateway.ownership import grpc_caller
 from pagedserve.services.gateway.validation import ModelInfo
 from pagedserve.services.rpc.status import map_errors, status_of
 from pagedserve.services.rpc.tracing import set_request_model
-from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pagedserve.services.rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 async def _end_stalled_call(context: grpc.aio.ServicerContext, error: PagedServeError) -> None:
@@ -42,7 +42,7 @@ def _ignore_abort_error(ending: asyncio.Future[None]) -> None:
         ending.exception()  # grpc.aio's abort always raises; the call has ended either way
 
 
-class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
+class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     def __init__(self, frontend: Frontend) -> None:
         self._frontend = frontend
 
@@ -51,7 +51,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         return contextlib.nullcontext() if metrics is None else metrics.track(method)
 
     @map_errors
-    async def GenerateStream(self, request: gateway_pb2.GenerateRequest,
+    async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest,
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         arrival_s = time.monotonic()
@@ -83,17 +83,17 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         return tokenize_response_to_proto(token_ids, self._frontend.info.max_model_len)
 
     @map_errors
-    async def Abort(self, request: common_pb2.AbortRequest,
-                    context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
+    async def Abort(self, request: gateway_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> gateway_pb2.AbortResponse:
         await self._frontend.abort(request.request_id, grpc_caller(context))
-        return common_pb2.AbortResponse()
+        return gateway_pb2.AbortResponse()
 
 
-class ModelsServicer(gateway_pb2_grpc.ModelsServicer):
+class ModelServicer(gateway_pb2_grpc.ModelServiceServicer):
     def __init__(self, model_info: ModelInfo) -> None:
         self._info = model_info
 
     @map_errors
     async def GetModelInfo(self, request: gateway_pb2.GetModelInfoRequest,
-                           context: grpc.aio.ServicerContext) -> gateway_pb2.ModelInfo:
+                           context: grpc.aio.ServicerContext) -> gateway_pb2.GetModelInfoResponse:
         return model_info_to_proto(self._info)

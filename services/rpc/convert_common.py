@@ -1,5 +1,6 @@
-"""Converters for the messages of common.proto that several services share; the cores never see
-protobuf."""
+"""Converters for the internal contract's common.proto (pagedserve.internal.v1), which the
+scheduler and the worker share; the cores never see protobuf. convert_public.py is the public
+API's twin and reuses the field lists and readers here, which work on either SamplingParams."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from collections.abc import Iterable, Sequence
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from google.protobuf.message import Message
 from pagedserve.services.common.errors import InvalidRequest
-from pagedserve.services.common.outputs import FinishReason, Usage
+from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import TokenLogprob
-from pagedserve.services.rpc.v1 import common_pb2
+from pagedserve.services.rpc.internal.v1 import common_pb2
 
 # `optional` in the proto: unset means "vLLM's default", which differs from the zero value.
 _OPTIONAL_FIELDS = ("n", "best_of", "length_penalty", "temperature", "top_p", "repetition_penalty",
@@ -33,8 +34,14 @@ def _set(msg: Message, name: str, value: object) -> None:
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    """Fields left None stay unset, so the receiver applies the same defaults."""
     msg = common_pb2.SamplingParams()
+    fill_sampling_params(msg, params)
+    return msg
+
+
+def fill_sampling_params(msg: Message, params: SamplingParams) -> None:
+    """Into a SamplingParams message of either contract. Fields left None stay unset, so the
+    receiver applies the same defaults."""
     for name in _OPTIONAL_FIELDS + _PLAIN_FIELDS:
         value = getattr(params, name)
         if value is not None:
@@ -45,17 +52,17 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
     except (TypeError, ValueError) as e:
         raise InvalidRequest(
             f"stop_token_ids is out of range, got {list(params.stop_token_ids)}") from e
-    return msg
 
 
-def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+def sampling_params_from_proto(msg: Message) -> SamplingParams:
+    """From a SamplingParams message of either contract (the same fields)."""
     kwargs = {name: getattr(msg, name) for name in _PLAIN_FIELDS}
     kwargs.update({name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)})
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
 
 
-def token_logprob_to_proto(logprob: TokenLogprob, text: str = "") -> common_pb2.TokenLogprob:
-    return common_pb2.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob, text=text)
+def token_logprob_to_proto(logprob: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob)
 
 
 def token_logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
@@ -102,14 +109,3 @@ def finish_reason_from_proto(value: int) -> FinishReason | None:
         return _FINISH_REASONS_FROM_PROTO[value]
     except KeyError:
         raise ValueError(f"unknown FinishReason value {value}") from None
-
-
-def usage_to_proto(usage: Usage) -> common_pb2.Usage:
-    return common_pb2.Usage(prompt_tokens=usage.prompt_tokens,
-                            completion_tokens=usage.completion_tokens,
-                            cached_tokens=usage.cached_tokens)
-
-
-def usage_from_proto(msg: common_pb2.Usage) -> Usage:
-    return Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
-                 cached_tokens=msg.cached_tokens)

@@ -19,7 +19,7 @@ from pagedserve.services.rpc.convert_common import (
     sampling_params_from_proto,
     sampling_params_to_proto,
 )
-from pagedserve.services.rpc.v1 import scheduler_pb2
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2
 
 
 def submit_request_to_proto(request: SubmitRequest) -> scheduler_pb2.SubmitRequest:
@@ -61,9 +61,9 @@ def completion_output_from_proto(msg: scheduler_pb2.SequenceDelta) -> Completion
         finish_reason=finish_reason_from_proto(msg.finish_reason), error=msg.error or None)
 
 
-def token_event_to_proto(output: RequestOutput) -> scheduler_pb2.TokenEvent:
+def token_event_to_proto(output: RequestOutput) -> scheduler_pb2.SubmitResponse:
     """A position whose KV came from the prefix cache (None) travels as an empty TokenLogprobs."""
-    msg = scheduler_pb2.TokenEvent(
+    msg = scheduler_pb2.SubmitResponse(
         outputs=[completion_output_to_proto(o) for o in output.outputs],
         num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens)
     if output.prompt_logprobs is not None:
@@ -71,7 +71,7 @@ def token_event_to_proto(output: RequestOutput) -> scheduler_pb2.TokenEvent:
     return msg
 
 
-def token_event_from_proto(msg: scheduler_pb2.TokenEvent, request_id: str,
+def token_event_from_proto(msg: scheduler_pb2.SubmitResponse, request_id: str,
                            has_prompt_logprobs: bool = False) -> RequestOutput:
     """`finished` is true when every output of the event carries a finish reason; the stream's
     end is the authoritative signal. `has_prompt_logprobs`: the request asked for them and this
@@ -87,17 +87,21 @@ def token_event_from_proto(msg: scheduler_pb2.TokenEvent, request_id: str,
         prompt_logprobs=prompt_logprobs)
 
 
-def abort_request_to_proto(request: AbortRequest) -> scheduler_pb2.OwnedAbortRequest:
-    return scheduler_pb2.OwnedAbortRequest(request_id=request.request_id, owner=request.owner,
-                                           is_admin=request.is_admin)
+def abort_request_to_proto(request: AbortRequest) -> scheduler_pb2.AbortRequest:
+    return scheduler_pb2.AbortRequest(request_id=request.request_id, owner=request.owner,
+                                      is_admin=request.is_admin)
 
 
-def abort_request_from_proto(msg: scheduler_pb2.OwnedAbortRequest) -> AbortRequest:
+def abort_request_from_proto(msg: scheduler_pb2.AbortRequest) -> AbortRequest:
     return AbortRequest(request_id=msg.request_id, owner=msg.owner, is_admin=msg.is_admin)
 
 
-def load_to_proto(load: EngineLoad) -> scheduler_pb2.Load:
-    return scheduler_pb2.Load(
+# GetLoad and WatchLoad answer the same fields, each in its own response message.
+LoadResponse = scheduler_pb2.GetLoadResponse | scheduler_pb2.WatchLoadResponse
+
+
+def load_to_proto(load: EngineLoad, message_type: type[LoadResponse]) -> LoadResponse:
+    return message_type(
         num_running_requests=load.num_running, num_waiting_requests=load.num_waiting,
         num_swapped_requests=load.num_swapped, num_gpu_blocks_used=load.num_gpu_blocks_used,
         num_gpu_blocks=load.num_gpu_blocks, num_cpu_blocks_used=load.num_cpu_blocks_used,
@@ -105,7 +109,7 @@ def load_to_proto(load: EngineLoad) -> scheduler_pb2.Load:
         num_preemptions=load.num_preemptions, num_worker_rebuilds=load.num_worker_rebuilds)
 
 
-def load_from_proto(msg: scheduler_pb2.Load) -> EngineLoad:
+def load_from_proto(msg: LoadResponse) -> EngineLoad:
     return EngineLoad(
         num_running=msg.num_running_requests, num_waiting=msg.num_waiting_requests,
         num_swapped=msg.num_swapped_requests, num_gpu_blocks_used=msg.num_gpu_blocks_used,
@@ -130,8 +134,8 @@ def watch_load_request_from_proto(msg: scheduler_pb2.WatchLoadRequest) -> float:
 
 def served_model_to_proto(model: str, info: WorkerInfo, max_model_len: int, vocab_size: int,
                           eos_token_ids: list[int], block_size: int = 0, num_gpu_blocks: int = 0,
-                          max_num_seqs: int = 0) -> scheduler_pb2.ServedModel:
-    return scheduler_pb2.ServedModel(
+                          max_num_seqs: int = 0) -> scheduler_pb2.GetServedModelResponse:
+    return scheduler_pb2.GetServedModelResponse(
         model=model, architecture=info.architecture, max_model_len=max_model_len,
         vocab_size=vocab_size, eos_token_ids=eos_token_ids, block_size=block_size,
         num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs)

@@ -22,7 +22,7 @@ from pagedserve.services.rpc.convert_common import (
     sampling_params_from_proto,
     sampling_params_to_proto,
 )
-from pagedserve.services.rpc.v1 import worker_pb2
+from pagedserve.services.rpc.internal.v1 import worker_pb2
 
 
 def block_pairs_to_proto(pairs: Sequence[tuple[int, int]], msg: worker_pb2.BlockPairs) -> None:
@@ -72,8 +72,8 @@ def running_sequence_from_proto(msg: worker_pb2.RunningSequence) -> RunningSeque
         num_scheduled_tokens=msg.num_scheduled_tokens, num_samples=msg.num_samples)
 
 
-def step_plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
-    msg = worker_pb2.StepRequest(
+def step_plan_to_proto(plan: StepPlan) -> worker_pb2.ExecuteStepRequest:
+    msg = worker_pb2.ExecuteStepRequest(
         scheduler_epoch=plan.scheduler_epoch, step_id=plan.step_id,
         previous_step_id=plan.previous_step_id,
         new_seqs=[new_sequence_to_proto(s) for s in plan.new_seqs],
@@ -85,7 +85,7 @@ def step_plan_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
     return msg
 
 
-def step_plan_from_proto(msg: worker_pb2.StepRequest) -> StepPlan:
+def step_plan_from_proto(msg: worker_pb2.ExecuteStepRequest) -> StepPlan:
     return StepPlan(
         scheduler_epoch=msg.scheduler_epoch, step_id=msg.step_id,
         previous_step_id=msg.previous_step_id,
@@ -123,13 +123,13 @@ def step_timings_from_proto(msg: worker_pb2.StepTimings) -> StepTimings:
                        forward_ns=msg.forward_ns, sample_ns=msg.sample_ns)
 
 
-def step_output_to_proto(output: StepOutput) -> worker_pb2.StepResult:
-    return worker_pb2.StepResult(
+def step_output_to_proto(output: StepOutput) -> worker_pb2.ExecuteStepResponse:
+    return worker_pb2.ExecuteStepResponse(
         step_id=output.step_id, outputs=[sampled_sequence_to_proto(s) for s in output.outputs],
         timings=step_timings_to_proto(output.timings))
 
 
-def step_output_from_proto(msg: worker_pb2.StepResult) -> StepOutput:
+def step_output_from_proto(msg: worker_pb2.ExecuteStepResponse) -> StepOutput:
     return StepOutput(step_id=msg.step_id,
                       outputs=[sampled_sequence_from_proto(s) for s in msg.outputs],
                       timings=step_timings_from_proto(msg.timings))

@@ -34,8 +34,8 @@ DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
 @dataclass(frozen=True, slots=True)
 class ServiceBinding:
     servicer: object
-    add_to_server: Callable[[Any, grpc.aio.Server], None]  # add_GenerationServicer_to_server
-    name: str  # "pagedserve.v1.Generation"
+    add_to_server: Callable[[Any, grpc.aio.Server], None]  # add_GenerationServiceServicer_to_server
+    name: str  # "pagedserve.v1.GenerationService"
 
 
 class ServiceServer:

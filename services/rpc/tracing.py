@@ -421,11 +421,11 @@ def _abort_request(msg: Any) -> dict[str, Any]:
 
 
 _RPC_ATTRIBUTES: dict[str, _Recorded] = {
-    "pagedserve.v1.Generation/GenerateStream": _Recorded(_generate_request,
+    "pagedserve.v1.GenerationService/GenerateStream": _Recorded(_generate_request,
                                                          _generate_stream_response),
-    "pagedserve.v1.Generation/Generate": _Recorded(_generate_request, _generate_response),
-    "pagedserve.v1.Generation/Abort": _Recorded(_abort_request),
-    "pagedserve.v1.Scheduler/Submit": _Recorded(_submit_request, _token_event),
-    "pagedserve.v1.Scheduler/Abort": _Recorded(_abort_request),
-    "pagedserve.v1.Worker/ExecuteStep": _Recorded(_step_request, _step_result),
+    "pagedserve.v1.GenerationService/Generate": _Recorded(_generate_request, _generate_response),
+    "pagedserve.v1.GenerationService/Abort": _Recorded(_abort_request),
+    "pagedserve.internal.v1.SchedulerService/Submit": _Recorded(_submit_request, _token_event),
+    "pagedserve.internal.v1.SchedulerService/Abort": _Recorded(_abort_request),
+    "pagedserve.internal.v1.WorkerService/ExecuteStep": _Recorded(_step_request, _step_result),
 }

@@ -16,8 +16,8 @@ from pagedserve.services.common.config import (
     WorkerServiceConfig,
 )
 from pagedserve.services.gateway.app import Gateway, start_gateway
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.server import ServiceServer
-from pagedserve.services.rpc.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.worker_svc.servicer import WorkerServicer, start_worker
 
 from tests.e2e.background import BackgroundLoop
@@ -35,9 +35,9 @@ class Replica:
     def address(self) -> str:
         return f"127.0.0.1:{self.scheduler[0].port}"
 
-    def load(self) -> scheduler_pb2.Load:
+    def load(self) -> scheduler_pb2.GetLoadResponse:
         with grpc.insecure_channel(self.address) as channel:
-            return scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(
+            return scheduler_pb2_grpc.SchedulerServiceStub(channel).GetLoad(
                 scheduler_pb2.GetLoadRequest(), timeout=10)
 
 

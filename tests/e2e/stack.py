@@ -20,9 +20,9 @@ from pagedserve.services.common.config import (
     WorkerServiceConfig,
 )
 from pagedserve.services.gateway.app import Gateway, start_gateway
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.server import ServiceServer
 from pagedserve.services.rpc.tls import internal_channel
-from pagedserve.services.rpc.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.worker_svc.servicer import WorkerServicer, start_worker
 
 from pagedserve.certificates import ThrowAwayCertificates
@@ -60,9 +60,9 @@ class Stack:
     def worker_address(self) -> str:
         return f"127.0.0.1:{self.worker[0].port}"
 
-    def load(self) -> scheduler_pb2.Load:
+    def load(self) -> scheduler_pb2.GetLoadResponse:
         with internal_channel(self.scheduler_address, self.client_tls) as channel:
-            return scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(
+            return scheduler_pb2_grpc.SchedulerServiceStub(channel).GetLoad(
                 scheduler_pb2.GetLoadRequest(), timeout=10)
 
     def close(self) -> None:
@@ -117,7 +117,7 @@ def tiny_config(model_dir) -> EngineConfig:
                         device=DeviceConfig(device="cpu"))
 
 
-def assert_idle(stack, timeout_s: float = 2.0) -> scheduler_pb2.Load:
+def assert_idle(stack, timeout_s: float = 2.0) -> scheduler_pb2.GetLoadResponse:
     """Every block free and no request left; the abort of a cancelled call runs before the
     next engine step, so this holds within a step or two."""
     deadline = time.monotonic() + timeout_s

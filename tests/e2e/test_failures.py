@@ -6,13 +6,8 @@ and gateway keep answering."""
 import grpc
 import pytest
 from pagedserve.services.common.config import WorkerServiceConfig
-from pagedserve.services.rpc.v1 import (
-    common_pb2,
-    gateway_pb2,
-    gateway_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-)
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pagedserve.worker_svc.servicer import start_worker
 
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
@@ -23,8 +18,8 @@ PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11], [4, 5]]
 
 
 def _stream(stub, token_ids, sampling=GREEDY):
-    return stub.GenerateStream(gateway_pb2.GenerateRequest(
-        token_ids=gateway_pb2.TokenIds(token_ids=token_ids), sampling=sampling), timeout=120)
+    return stub.GenerateStream(gateway_pb2.GenerateStreamRequest(
+        token_ids=common_pb2.TokenIds(token_ids=token_ids), sampling=sampling), timeout=120)
 
 
 def _tokens(responses) -> list[int]:
@@ -37,7 +32,7 @@ def test_a_restarted_worker_is_rebuilt_and_every_stream_completes_unchanged(
     stack = start_stack(config)
     try:
         with grpc.insecure_channel(stack.gateway_address) as channel:
-            stub = gateway_pb2_grpc.GenerationStub(channel)
+            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
             expected = [_tokens(_stream(stub, ids)) for ids in PROMPTS]
             calls = [_stream(stub, ids) for ids in PROMPTS]
             firsts = [next(call) for call in calls]  # every request is running
@@ -60,7 +55,7 @@ def test_a_worker_that_stays_gone_fails_its_requests_with_internal_and_the_servi
                         startup_timeout_s=2.0)
     try:
         with grpc.insecure_channel(stack.gateway_address) as channel:
-            stub = gateway_pb2_grpc.GenerationStub(channel)
+            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
             call = _stream(stub, [1, 2, 3], common_pb2.SamplingParams(
                 temperature=0.0, max_tokens=480, ignore_eos=True))
             next(call)
@@ -74,7 +69,7 @@ def test_a_worker_that_stays_gone_fails_its_requests_with_internal_and_the_servi
         assert_idle(stack)
         # the scheduler still answers: a new request fails alone, with the reason
         with grpc.insecure_channel(stack.scheduler_address) as channel:
-            scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+            scheduler = scheduler_pb2_grpc.SchedulerServiceStub(channel)
             with pytest.raises(grpc.RpcError) as info:
                 list(scheduler.Submit(scheduler_pb2.SubmitRequest(
                     request_id="after", prompt_token_ids=[1, 2],

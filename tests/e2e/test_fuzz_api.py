@@ -17,13 +17,8 @@ import grpc
 import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
-from pagedserve.services.rpc.v1 import (
-    common_pb2,
-    gateway_pb2,
-    gateway_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-)
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
 
@@ -116,8 +111,8 @@ def _wild_sampling_params(draw) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(**{k: v for k, v in fields.items() if v is not None})
 
 
-CHAT = st.builds(lambda messages: gateway_pb2.ChatMessages(messages=messages), st.lists(
-    st.builds(gateway_pb2.ChatMessage, role=st.sampled_from(["user", "system", "assistant", ""]),
+CHAT = st.builds(lambda messages: common_pb2.ChatMessages(messages=messages), st.lists(
+    st.builds(common_pb2.ChatMessage, role=st.sampled_from(["user", "system", "assistant", ""]),
               content=TEXT), max_size=3))
 
 
@@ -128,7 +123,7 @@ def generate_requests(draw) -> gateway_pb2.GenerateRequest:
     if prompt == "text":
         kw["text"] = draw(TEXT)
     elif prompt == "token_ids":
-        kw["token_ids"] = gateway_pb2.TokenIds(token_ids=draw(TOKEN_IDS))
+        kw["token_ids"] = common_pb2.TokenIds(token_ids=draw(TOKEN_IDS))
     elif prompt == "messages":
         kw["messages"] = draw(CHAT)
     return gateway_pb2.GenerateRequest(
@@ -159,8 +154,8 @@ def stack(tiny_served_model_dir):
 def stubs(stack):
     with grpc.insecure_channel(stack.gateway_address) as gateway, \
             grpc.insecure_channel(stack.scheduler_address) as scheduler:
-        yield (gateway_pb2_grpc.GenerationStub(gateway),
-               scheduler_pb2_grpc.SchedulerStub(scheduler))
+        yield (gateway_pb2_grpc.GenerationServiceStub(gateway),
+               scheduler_pb2_grpc.SchedulerServiceStub(scheduler))
 
 
 def _call(name: str, fn) -> None:
@@ -191,7 +186,7 @@ def test_public_api_answers_every_request_with_an_allowed_status(stack, stubs, r
         _call(method, lambda: generation.Tokenize(tokenize, timeout=CALL_TIMEOUT_S))
     else:
         _call(method, lambda: generation.Abort(
-            common_pb2.AbortRequest(request_id=request.request_id), timeout=CALL_TIMEOUT_S))
+            gateway_pb2.AbortRequest(request_id=request.request_id), timeout=CALL_TIMEOUT_S))
 
 
 @FUZZ_SETTINGS
@@ -200,11 +195,11 @@ def test_internal_submit_answers_every_request_with_an_allowed_status(
         stack, stubs, request, is_abort, is_admin):
     _, scheduler = stubs
     if is_abort:
-        _call("Scheduler.Abort", lambda: scheduler.Abort(scheduler_pb2.OwnedAbortRequest(
+        _call("SchedulerService.Abort", lambda: scheduler.Abort(scheduler_pb2.AbortRequest(
             request_id=request.request_id, owner=request.owner, is_admin=is_admin),
             timeout=CALL_TIMEOUT_S))
     else:
-        _call("Scheduler.Submit", lambda: list(scheduler.Submit(request,
+        _call("SchedulerService.Submit", lambda: list(scheduler.Submit(request,
                                                                 timeout=CALL_TIMEOUT_S)))
 
 
@@ -212,7 +207,7 @@ def test_after_the_fuzz_the_stack_serves_and_every_block_is_free(stack, stubs):
     """Runs after the fuzz tests (file order): no service died, nothing leaked."""
     generation, _ = stubs
     response = generation.Generate(gateway_pb2.GenerateRequest(
-        token_ids=gateway_pb2.TokenIds(token_ids=[5, 6, 7]),
+        token_ids=common_pb2.TokenIds(token_ids=[5, 6, 7]),
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)),
         timeout=CALL_TIMEOUT_S)
     assert len(response.outputs[0].token_ids) == 4

@@ -9,15 +9,13 @@ import time
 import grpc
 import pytest
 from pagedserve.services.common.config import AdminConfig
-from pagedserve.services.rpc.v1 import (
-    common_pb2,
-    gateway_pb2,
-    gateway_pb2_grpc,
+from pagedserve.services.rpc.internal.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
 
@@ -39,13 +37,13 @@ def stack(tiny_served_model_dir):
 @pytest.fixture()
 def scheduler(stack):
     with grpc.insecure_channel(stack.scheduler_address) as channel:
-        yield scheduler_pb2_grpc.SchedulerStub(channel)
+        yield scheduler_pb2_grpc.SchedulerServiceStub(channel)
 
 
 @pytest.fixture()
 def generation(stack):
     with grpc.insecure_channel(stack.gateway_address) as channel:
-        yield gateway_pb2_grpc.GenerationStub(channel)
+        yield gateway_pb2_grpc.GenerationServiceStub(channel)
 
 
 def submit(request_id="r", prompt=(1, 2, 3), **sampling) -> scheduler_pb2.SubmitRequest:
@@ -113,29 +111,29 @@ def _auth(token: str) -> list[tuple[str, str]]:
 
 
 def test_only_the_owner_or_an_admin_aborts_a_request(stack, generation):
-    call = generation.GenerateStream(gateway_pb2.GenerateRequest(
-        request_id="alices", token_ids=gateway_pb2.TokenIds(token_ids=[5, 6, 7]),
+    call = generation.GenerateStream(gateway_pb2.GenerateStreamRequest(
+        request_id="alices", token_ids=common_pb2.TokenIds(token_ids=[5, 6, 7]),
         sampling=common_pb2.SamplingParams(**LONG)), timeout=60, metadata=_auth("alice"))
     next(call)
     for metadata in (_auth("bob"), None, _auth("let-me-in-not")):  # another key, none, near miss
         with pytest.raises(grpc.RpcError) as error:
-            generation.Abort(common_pb2.AbortRequest(request_id="alices"), timeout=10,
+            generation.Abort(gateway_pb2.AbortRequest(request_id="alices"), timeout=10,
                              metadata=metadata)
         assert error.value.code() == grpc.StatusCode.NOT_FOUND
         assert error.value.details().endswith("request_id 'alices' is not running")
     next(call)  # still generating
-    generation.Abort(common_pb2.AbortRequest(request_id="alices"), timeout=10,
+    generation.Abort(gateway_pb2.AbortRequest(request_id="alices"), timeout=10,
                      metadata=_auth(ADMIN_TOKEN))
     assert list(call)[-1].finish_reason == ABORT
     assert_idle(stack)
 
 
 def test_the_owner_aborts_its_own_request(stack, generation):
-    call = generation.GenerateStream(gateway_pb2.GenerateRequest(
-        request_id="mine", token_ids=gateway_pb2.TokenIds(token_ids=[5, 6, 7]),
+    call = generation.GenerateStream(gateway_pb2.GenerateStreamRequest(
+        request_id="mine", token_ids=common_pb2.TokenIds(token_ids=[5, 6, 7]),
         sampling=common_pb2.SamplingParams(**LONG)), timeout=60, metadata=_auth("carol"))
     next(call)
-    generation.Abort(common_pb2.AbortRequest(request_id="mine"), timeout=10,
+    generation.Abort(gateway_pb2.AbortRequest(request_id="mine"), timeout=10,
                      metadata=_auth("carol"))
     assert list(call)[-1].finish_reason == ABORT
     assert_idle(stack)
@@ -148,14 +146,14 @@ def test_a_foreign_clear_state_is_refused_while_the_stack_serves(stack, generati
     running meanwhile ends normally."""
     own = stack.scheduler[1].service.engine.scheduler_epoch
     value = {"huge": (1 << 64) - 1, "next": own + 1, "previous": own - 1}[epoch]
-    call = generation.GenerateStream(gateway_pb2.GenerateRequest(
-        token_ids=gateway_pb2.TokenIds(token_ids=[5, 6, 7]),
+    call = generation.GenerateStream(gateway_pb2.GenerateStreamRequest(
+        token_ids=common_pb2.TokenIds(token_ids=[5, 6, 7]),
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)),
         timeout=60)
     next(call)
     with grpc.insecure_channel(stack.worker_address) as channel:
         with pytest.raises(grpc.RpcError) as error:
-            worker_pb2_grpc.WorkerStub(channel).ClearState(
+            worker_pb2_grpc.WorkerServiceStub(channel).ClearState(
                 worker_pb2.ClearStateRequest(scheduler_epoch=value), timeout=10)
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert str(own) not in error.value.details()

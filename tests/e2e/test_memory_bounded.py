@@ -15,13 +15,8 @@ import grpc
 import httpx
 import psutil
 import pytest
-from pagedserve.services.rpc.v1 import (
-    common_pb2,
-    gateway_pb2,
-    gateway_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-)
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from pagedserve.supervisor import free_port
 from tests.e2e.test_processes import SMALL_CACHE, pagedserve, stop, wait_serving
@@ -94,7 +89,7 @@ def stack(tiny_served_model_dir):
         address = f"127.0.0.1:{gateway_port}"
         wait_serving(address, timeout_s=180)
         channel = grpc.insecure_channel(address)
-        generation = gateway_pb2_grpc.GenerationStub(channel)
+        generation = gateway_pb2_grpc.GenerationServiceStub(channel)
         _assert_served(generation)  # warm: the first request's one-off allocations
         peaks = RssPeaks({role: p.pid for role, p in processes.items()})
         yield dict(generation=generation, address=address, peaks=peaks,
@@ -132,9 +127,9 @@ def _assert_bounded(stack) -> None:
         assert process.poll() is None, f"the {role} exited ({process.returncode})"
 
 
-def _wait_scheduler_idle(address: str, timeout_s: float = 60) -> scheduler_pb2.Load:
+def _wait_scheduler_idle(address: str, timeout_s: float = 60) -> scheduler_pb2.GetLoadResponse:
     with grpc.insecure_channel(address) as channel:
-        scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+        scheduler = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         deadline = time.monotonic() + timeout_s
         while True:
             load = scheduler.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=10)
@@ -158,7 +153,7 @@ def test_hostile_requests_leave_every_service_bounded_and_serving(stack):
 
     text = gateway_pb2.GenerateRequest(text="the fox ")
     text.text *= (MAX_REQUEST_BYTES - 64) // len(text.text)
-    ids = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(
+    ids = gateway_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(
         token_ids=[300] * ((MAX_REQUEST_BYTES - 64) // 4)))  # the gateway counts 4 bytes an id
     for request in (text, ids):
         error = _refused(generation, request)
@@ -183,8 +178,8 @@ def test_streams_that_never_read_end_and_leave_the_gateway_bounded(stack):
     async def body() -> list[grpc.aio.AioRpcError]:
         small_window = grpc.aio.insecure_channel(stack["address"], options=[
             ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
-        stub = gateway_pb2_grpc.GenerationStub(small_window)
-        stalled = [stub.GenerateStream(gateway_pb2.GenerateRequest(
+        stub = gateway_pb2_grpc.GenerationServiceStub(small_window)
+        stalled = [stub.GenerateStream(gateway_pb2.GenerateStreamRequest(
             request_id=f"stalled-{i}", text="the fox", sampling=common_pb2.SamplingParams(
                 temperature=1.0, seed=i, max_tokens=480, ignore_eos=True, n=2, logprobs=20)),
             timeout=180) for i in range(NUM_STALLED)]  # ~500 KB of output each

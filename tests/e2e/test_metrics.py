@@ -34,7 +34,7 @@ def stack(tiny_served_model_dir):
 @pytest.fixture()
 def generation(stack):
     with grpc.insecure_channel(stack.gateway_address) as channel:
-        yield gateway_pb2_grpc.GenerationStub(channel)
+        yield gateway_pb2_grpc.GenerationServiceStub(channel)
 
 
 def scrape(stack, service: str) -> list:
@@ -53,7 +53,7 @@ def value(samples, name: str, **labels) -> float:
 
 def request(prompt: list[int], max_tokens: int) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(
-        token_ids=gateway_pb2.TokenIds(token_ids=prompt),
+        token_ids=common_pb2.TokenIds(token_ids=prompt),
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                            ignore_eos=True))
 

@@ -31,7 +31,7 @@ def client(stack):
 
 def grpc_text(stack, **prompt) -> str:
     with grpc.insecure_channel(stack.gateway_address) as channel:
-        response = gateway_pb2_grpc.GenerationStub(channel).Generate(gateway_pb2.GenerateRequest(
+        response = gateway_pb2_grpc.GenerationServiceStub(channel).Generate(gateway_pb2.GenerateRequest(
             sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
             **prompt), timeout=60)
     return response.outputs[0].text
@@ -57,7 +57,7 @@ def test_greedy_completion_equals_the_grpc_api(stack, client):
 
 def test_greedy_chat_equals_the_grpc_api(stack, client):
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
-    messages = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(**m) for m in MESSAGES])
+    messages = common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(**m) for m in MESSAGES])
     assert chat.choices[0].message.content == grpc_text(stack, messages=messages)
     assert chat.choices[0].message.role == "assistant"
     assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")

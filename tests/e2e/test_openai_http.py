@@ -206,7 +206,7 @@ def test_api_key_guards_grpc(guarded):
     request = gateway_pb2.GenerateRequest(
         text="x", sampling=common_pb2.SamplingParams(max_tokens=2))
     with grpc.insecure_channel(guarded.gateway_address) as channel:
-        generation = gateway_pb2_grpc.GenerationStub(channel)
+        generation = gateway_pb2_grpc.GenerationServiceStub(channel)
         with pytest.raises(grpc.RpcError) as exc:
             generation.Generate(request, timeout=30)
         assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -215,7 +215,7 @@ def test_api_key_guards_grpc(guarded):
                                            metadata=[("authorization", "Bearer wrong")]))
         assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as exc:
-            gateway_pb2_grpc.ModelsStub(channel).GetModelInfo(gateway_pb2.GetModelInfoRequest(),
+            gateway_pb2_grpc.ModelServiceStub(channel).GetModelInfo(gateway_pb2.GetModelInfoRequest(),
                                                               timeout=30)
         assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
         response = generation.Generate(request, timeout=30,
@@ -233,8 +233,8 @@ def test_grpc_abort_by_the_same_caller_ends_an_http_stream(guarded):
         lines = (line for line in r.iter_lines() if line.startswith("data: "))
         request_id = json.loads(next(lines)[6:])["id"]
         with grpc.insecure_channel(guarded.gateway_address) as channel:
-            gateway_pb2_grpc.GenerationStub(channel).Abort(
-                common_pb2.AbortRequest(request_id=request_id), timeout=30,
+            gateway_pb2_grpc.GenerationServiceStub(channel).Abort(
+                gateway_pb2.AbortRequest(request_id=request_id), timeout=30,
                 metadata=[("authorization", f"Bearer {KEY}")])
         events = _events(lines)
     assert events[-1] == "[DONE]"

@@ -18,15 +18,13 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.rpc.v1 import (
-    common_pb2,
-    gateway_pb2,
-    gateway_pb2_grpc,
+from pagedserve.services.rpc.internal.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pagedserve.worker_svc.parallel import GROUP_BROKEN_EXIT_CODE
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -106,9 +104,9 @@ def test_serve_runs_the_stack_and_ctrl_c_stops_it(tiny_served_model_dir):
         tls_dir = Path(worker_argv[worker_argv.index("--internal-tls-dir") + 1])
         assert tls_dir.parent.stat().st_mode & 0o777 == 0o700
         assert (tls_dir / "tls.key").stat().st_mode & 0o777 == 0o600
-        for port, call in ((scheduler_port, lambda channel: scheduler_pb2_grpc.SchedulerStub(
+        for port, call in ((scheduler_port, lambda channel: scheduler_pb2_grpc.SchedulerServiceStub(
                 channel).GetLoad(scheduler_pb2.GetLoadRequest(), timeout=10)),
-                           (worker_port, lambda channel: worker_pb2_grpc.WorkerStub(
+                           (worker_port, lambda channel: worker_pb2_grpc.WorkerServiceStub(
                 channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=10))):
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 with pytest.raises(grpc.RpcError) as refused:
@@ -128,7 +126,7 @@ def test_serve_runs_the_stack_and_ctrl_c_stops_it(tiny_served_model_dir):
         assert generate.returncode == 0, generate.stderr
         assert "finish: length; prompt" in generate.stderr
         with grpc.insecure_channel(address) as channel:
-            response = gateway_pb2_grpc.GenerationStub(channel).Generate(
+            response = gateway_pb2_grpc.GenerationServiceStub(channel).Generate(
                 gateway_pb2.GenerateRequest(text="the quick brown fox", sampling=common_pb2.SamplingParams(
                     temperature=0.0, max_tokens=8, ignore_eos=True)), timeout=30)
         assert generate.stdout == response.outputs[0].text + "\n"
@@ -136,7 +134,7 @@ def test_serve_runs_the_stack_and_ctrl_c_stops_it(tiny_served_model_dir):
             families = {f.name: f for f in text_string_to_metric_families(scraped.read().decode())}
         assert families["vllm:generation_tokens"].samples[0].value == 16  # two requests
         with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as info:
-            gateway_pb2_grpc.GenerationStub(channel).Generate(gateway_pb2.GenerateRequest(
+            gateway_pb2_grpc.GenerationServiceStub(channel).Generate(gateway_pb2.GenerateRequest(
                 text="hi", sampling=common_pb2.SamplingParams(n=4, temperature=1.0)), timeout=30)
         assert "max_num_seqs_per_request=3" in info.value.details()  # the gateway got the flag
 
@@ -168,19 +166,19 @@ def test_serve_passes_the_admin_token_to_its_gateway_outside_its_command_line(
         for child in psutil.Process(serve.pid).children(recursive=True):
             assert "0p3n-s3same" not in " ".join(child.cmdline())
         with grpc.insecure_channel(address) as channel:
-            stub = gateway_pb2_grpc.GenerationStub(channel)
-            call = stub.GenerateStream(gateway_pb2.GenerateRequest(
-                request_id="alices", token_ids=gateway_pb2.TokenIds(token_ids=[1, 2, 3]),
+            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+            call = stub.GenerateStream(gateway_pb2.GenerateStreamRequest(
+                request_id="alices", token_ids=common_pb2.TokenIds(token_ids=[1, 2, 3]),
                 sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=480,
                                                    ignore_eos=True)),
                 timeout=120, metadata=[("authorization", "Bearer alice")])
             next(call)
             for token in ("bob", "0p3n-s3sam"):
                 with pytest.raises(grpc.RpcError) as refused:
-                    stub.Abort(common_pb2.AbortRequest(request_id="alices"), timeout=30,
+                    stub.Abort(gateway_pb2.AbortRequest(request_id="alices"), timeout=30,
                                metadata=[("authorization", f"Bearer {token}")])
                 assert refused.value.code() == grpc.StatusCode.NOT_FOUND, refused.value
-            stub.Abort(common_pb2.AbortRequest(request_id="alices"), timeout=30,
+            stub.Abort(gateway_pb2.AbortRequest(request_id="alices"), timeout=30,
                        metadata=[("authorization", "Bearer 0p3n-s3same")])
             assert list(call)[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
         assert stop(serve, signal.SIGINT) == 0
@@ -205,11 +203,11 @@ def test_serve_starts_a_killed_worker_again_and_the_streams_complete_unchanged(
         sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
         prompts = [[1, 2, 3], [7, 8, 9, 10], [4, 5]]
         with grpc.insecure_channel(address) as channel:
-            stub = gateway_pb2_grpc.GenerationStub(channel)
+            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
 
             def stream(ids):
-                return stub.GenerateStream(gateway_pb2.GenerateRequest(
-                    token_ids=gateway_pb2.TokenIds(token_ids=ids), sampling=sampling),
+                return stub.GenerateStream(gateway_pb2.GenerateStreamRequest(
+                    token_ids=common_pb2.TokenIds(token_ids=ids), sampling=sampling),
                     timeout=180)
 
             expected = [[t for r in stream(ids) for t in r.token_ids] for ids in prompts]
@@ -222,7 +220,7 @@ def test_serve_starts_a_killed_worker_again_and_the_streams_complete_unchanged(
         assert "the worker exited on its own (code -9); started it again" in wait_for_line(
             err, "started it again", 5)
         with grpc.insecure_channel(f"127.0.0.1:{scheduler_port}") as channel:
-            scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+            scheduler = scheduler_pb2_grpc.SchedulerServiceStub(channel)
             deadline = time.monotonic() + 5  # the load is a snapshot taken between steps
             while (load := scheduler.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=10)
                    ).num_gpu_blocks_used and time.monotonic() < deadline:
@@ -250,9 +248,9 @@ def test_a_killed_scheduler_fails_open_calls_with_unavailable_within_5s(tiny_ser
     try:
         wait_serving(address, timeout_s=180)
         with grpc.insecure_channel(address) as channel:
-            stub = gateway_pb2_grpc.GenerationStub(channel)
-            call = stub.GenerateStream(gateway_pb2.GenerateRequest(
-                token_ids=gateway_pb2.TokenIds(token_ids=[1, 2, 3]),
+            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+            call = stub.GenerateStream(gateway_pb2.GenerateStreamRequest(
+                token_ids=common_pb2.TokenIds(token_ids=[1, 2, 3]),
                 sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=500,
                                                    ignore_eos=True)), timeout=120)
             next(call)
@@ -339,14 +337,14 @@ def test_serve_with_two_tensor_parallel_ranks_generates_what_one_worker_does(
                     .split(")")[0]) for _ in range(2)]  # rank 0, then rank 1
         address = wait_for_line(out, "pagedserve is serving", 180).split(" on ")[-1].strip()
         with grpc.insecure_channel(address) as channel:
-            stub = gateway_pb2_grpc.GenerationStub(channel)
+            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
             calls = [stub.Generate.future(gateway_pb2.GenerateRequest(
-                token_ids=gateway_pb2.TokenIds(token_ids=ids),
+                token_ids=common_pb2.TokenIds(token_ids=ids),
                 sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=24,
                                                    ignore_eos=True)), timeout=60)
                 for ids in prompts]  # batched: the ranks run the same steps together
             forked = [stub.Generate.future(gateway_pb2.GenerateRequest(  # several samples
-                token_ids=gateway_pb2.TokenIds(token_ids=[1, 2, 3]), sampling=sampling),
+                token_ids=common_pb2.TokenIds(token_ids=[1, 2, 3]), sampling=sampling),
                 timeout=60) for sampling in (
                     common_pb2.SamplingParams(n=2, best_of=3, temperature=1.0, seed=7,
                                               max_tokens=12, ignore_eos=True),
@@ -358,8 +356,8 @@ def test_serve_with_two_tensor_parallel_ranks_generates_what_one_worker_does(
             assert outputs == expected
             # rank 1 dies mid-generation: rank 0 leaves the broken group, serve restarts both,
             # the scheduler rebuilds them and the streams go on
-            streams = [stub.GenerateStream(gateway_pb2.GenerateRequest(
-                token_ids=gateway_pb2.TokenIds(token_ids=ids), sampling=common_pb2.SamplingParams(
+            streams = [stub.GenerateStream(gateway_pb2.GenerateStreamRequest(
+                token_ids=common_pb2.TokenIds(token_ids=ids), sampling=common_pb2.SamplingParams(
                     temperature=0.0, max_tokens=400, ignore_eos=True)), timeout=180)
                 for ids in prompts]
             firsts = [next(stream) for stream in streams]

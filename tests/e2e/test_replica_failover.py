@@ -12,7 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from pagedserve.services.rpc.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from pagedserve.supervisor import free_port
 from tests.e2e.test_processes import SMALL_CACHE, pagedserve, stop
@@ -20,9 +20,9 @@ from tests.e2e.test_replicas import MAX_TOKENS, NUM_STREAMS, requests, stream
 from tests.e2e.test_scheduler_takeover import Log, started_pids
 
 
-def load(address: str) -> scheduler_pb2.Load:
+def load(address: str) -> scheduler_pb2.GetLoadResponse:
     with grpc.insecure_channel(address) as channel:
-        return scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(
+        return scheduler_pb2_grpc.SchedulerServiceStub(channel).GetLoad(
             scheduler_pb2.GetLoadRequest(), timeout=10)
 
 

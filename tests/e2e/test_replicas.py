@@ -11,13 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from pagedserve.services.common.config import RoutingConfig
-from pagedserve.services.rpc.v1 import (
-    common_pb2,
-    gateway_pb2,
-    gateway_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-)
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from tests.e2e.replica_stack import Replica, ReplicaStack, start_replica_stack
 from tests.e2e.stack import tiny_config
@@ -49,7 +44,7 @@ def stream(address: str, request: gateway_pb2.GenerateRequest,
            first: threading.Semaphore | None = None) -> dict[int, list[int]]:
     outputs: dict[int, list[int]] = {}
     with grpc.insecure_channel(address) as channel:
-        for delta in gateway_pb2_grpc.GenerationStub(channel).GenerateStream(request,
+        for delta in gateway_pb2_grpc.GenerationServiceStub(channel).GenerateStream(request,
                                                                              timeout=300):
             if first is not None and not outputs:
                 first.release()
@@ -59,7 +54,7 @@ def stream(address: str, request: gateway_pb2.GenerateRequest,
 
 def requests(tag: str) -> list[gateway_pb2.GenerateRequest]:
     return [gateway_pb2.GenerateRequest(request_id=f"{tag}-{i}", sampling=sampling(i),
-                                        token_ids=gateway_pb2.TokenIds(token_ids=prompt(i)))
+                                        token_ids=common_pb2.TokenIds(token_ids=prompt(i)))
             for i in range(NUM_STREAMS)]
 
 
@@ -136,10 +131,10 @@ def test_requests_sharing_a_long_prefix_meet_their_cached_blocks(stack: ReplicaS
     shared = [(31 * j) % 300 + 3 for j in range(80)]  # 5 full blocks of 16
     cached = []
     with grpc.insecure_channel(stack.gateway_address) as channel:
-        stub = gateway_pb2_grpc.GenerationStub(channel)
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         for i in range(6):
             response = stub.Generate(gateway_pb2.GenerateRequest(
-                token_ids=gateway_pb2.TokenIds(token_ids=prompt(i, shared)),
+                token_ids=common_pb2.TokenIds(token_ids=prompt(i, shared)),
                 sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=4)), timeout=120)
             cached.append(response.usage.cached_tokens)
     assert cached[0] == 0
@@ -153,7 +148,7 @@ def test_watch_load_pushes_each_change(stack: ReplicaStack):
     stack.unlist(other)
     stack.refresh()
     with grpc.insecure_channel(replica.address) as channel:
-        loads = scheduler_pb2_grpc.SchedulerStub(channel).WatchLoad(
+        loads = scheduler_pb2_grpc.SchedulerServiceStub(channel).WatchLoad(
             scheduler_pb2.WatchLoadRequest(min_interval_ms=10), timeout=120)
         assert next(loads).num_running_requests == 0
         with ThreadPoolExecutor(1) as pool:

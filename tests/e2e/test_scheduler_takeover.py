@@ -12,14 +12,9 @@ from pathlib import Path
 import grpc
 import pytest
 from pagedserve.services.common.config import TlsConfig
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.tls import internal_channel
-from pagedserve.services.rpc.v1 import (
-    common_pb2,
-    gateway_pb2,
-    gateway_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-)
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from pagedserve.supervisor import free_port
 from tests.e2e.test_processes import SMALL_CACHE, pagedserve, read_lines, stop, wait_serving
@@ -70,8 +65,8 @@ def started_pids(log: Log, role: str, count: int, timeout_s: float = 60) -> list
 
 
 def generate(stub, ids: list[int], sampling, timeout_s: float = 60) -> list[int]:
-    return [t for r in stub.GenerateStream(gateway_pb2.GenerateRequest(
-        token_ids=gateway_pb2.TokenIds(token_ids=ids), sampling=sampling), timeout=timeout_s)
+    return [t for r in stub.GenerateStream(gateway_pb2.GenerateStreamRequest(
+        token_ids=common_pb2.TokenIds(token_ids=ids), sampling=sampling), timeout=timeout_s)
         for t in r.token_ids]
 
 
@@ -101,11 +96,11 @@ def test_a_killed_scheduler_is_restarted_and_takes_the_live_worker_over(tiny_ser
         prompts = [([1, 2, 3], GREEDY), ([7, 8, 9, 10], SEEDED), ([4, 5], GREEDY)]
         long = common_pb2.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
         with grpc.insecure_channel(address) as channel:
-            stub = gateway_pb2_grpc.GenerationStub(channel)
+            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
             expected = [generate(stub, ids, sampling) for ids, sampling in prompts]
             expected_long = generate(stub, [3, 1, 4], long, timeout_s=180)
-            call = stub.GenerateStream(gateway_pb2.GenerateRequest(
-                token_ids=gateway_pb2.TokenIds(token_ids=[3, 1, 4]), sampling=long), timeout=180)
+            call = stub.GenerateStream(gateway_pb2.GenerateStreamRequest(
+                token_ids=common_pb2.TokenIds(token_ids=[3, 1, 4]), sampling=long), timeout=180)
             received = list(next(call).token_ids)
             os.kill(scheduler_pid, signal.SIGKILL)  # mid-generation
             received += [t for r in call for t in r.token_ids]
@@ -124,7 +119,7 @@ def test_a_killed_scheduler_is_restarted_and_takes_the_live_worker_over(tiny_ser
         os.kill(worker_pid, 0)  # the same worker process still runs
         assert err.count("loaded LlamaForCausalLM from") == 1, "".join(err.lines)
         with grpc.insecure_channel(f"127.0.0.1:{scheduler_port}") as channel:
-            load = scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(
+            load = scheduler_pb2_grpc.SchedulerServiceStub(channel).GetLoad(
                 scheduler_pb2.GetLoadRequest(), timeout=10)
         assert load.num_worker_rebuilds == 0 and load.num_gpu_blocks_used == 0, load
         assert stop(serve, signal.SIGINT) == 0
@@ -150,7 +145,7 @@ def _tls_dir(pid: int) -> str:
 
 
 def _submit(channel: grpc.Channel, request_id: str, ids: list[int]) -> list[int]:
-    events = scheduler_pb2_grpc.SchedulerStub(channel).Submit(scheduler_pb2.SubmitRequest(
+    events = scheduler_pb2_grpc.SchedulerServiceStub(channel).Submit(scheduler_pb2.SubmitRequest(
         request_id=request_id, prompt_token_ids=ids, sampling=GREEDY), timeout=60)
     return [t for event in events for delta in event.outputs for t in delta.token_ids]
 
@@ -198,7 +193,7 @@ def test_serve_with_two_data_parallel_replicas_runs_two_schedulers_that_each_ser
         address = out.wait_for("pagedserve is serving", 180).split(" on ")[-1].strip()
         assert "(2 replicas)" in out.wait_for("pagedserve is serving", 1)
         with grpc.insecure_channel(address) as channel:
-            stub = gateway_pb2_grpc.GenerationStub(channel)
+            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
             assert all(generate(stub, [1, 2, 3], GREEDY) == outputs[0] for _ in range(4))
         assert stop(serve, signal.SIGINT) == 0
         assert not [line for line in err.rest() if "Traceback" in line], "".join(err.lines)

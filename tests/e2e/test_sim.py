@@ -34,7 +34,7 @@ def stack(tiny_served_model_dir):
 
 
 def _request(ids: list[int], **sampling) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(token_ids=ids),
+    return gateway_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(token_ids=ids),
                                        sampling=common_pb2.SamplingParams(**sampling))
 
 
@@ -42,7 +42,7 @@ def test_outputs_are_predictable_through_the_stack(stack):
     prompts = [[130 + i for i in range(n)] for n in (3, 17, 30, 8, 12, 25)]
     greedy = dict(temperature=0.0, max_tokens=40, ignore_eos=True)
     with grpc.insecure_channel(stack.gateway_address) as channel:
-        stub = gateway_pb2_grpc.GenerationStub(channel)
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
 
         def stream(ids):
             deltas = list(stub.GenerateStream(_request(ids, **greedy), timeout=60))
@@ -62,7 +62,7 @@ def test_outputs_are_predictable_through_the_stack(stack):
 def test_stop_strings_and_eos_end_sim_outputs(stack):
     ids = [140, 141, 142]
     with grpc.insecure_channel(stack.gateway_address) as channel:
-        stub = gateway_pb2_grpc.GenerationStub(channel)
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         full = stub.Generate(_request(ids, temperature=0.0, max_tokens=30, ignore_eos=True),
                              timeout=60).outputs[0]
         stop_at = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
@@ -87,7 +87,7 @@ def test_serve_device_sim_survives_a_worker_kill(tiny_served_model_dir):
         prompts = [[150, 151, 152], [160, 161, 162, 163]]
         greedy = dict(temperature=0.0, max_tokens=200, ignore_eos=True)
         with grpc.insecure_channel(address) as channel:
-            stub = gateway_pb2_grpc.GenerationStub(channel)
+            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
             calls = [stub.GenerateStream(_request(ids, **greedy), timeout=120)
                      for ids in prompts]
             firsts = [next(call) for call in calls]

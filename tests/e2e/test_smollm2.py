@@ -39,7 +39,7 @@ def generation(smollm2_dir):
                           device=DeviceConfig(device="cpu"))
     stack = start_stack(config)
     with grpc.insecure_channel(stack.gateway_address) as channel:
-        yield gateway_pb2_grpc.GenerationStub(channel)
+        yield gateway_pb2_grpc.GenerationServiceStub(channel)
     stack.close()
 
 
@@ -64,8 +64,8 @@ def test_chat_answer_equals_hugging_face_and_llm(generation, hf, llm):
                                                 add_generation_prompt=True, tokenize=False)
     prompt_ids, expected_ids, expected_text = hf_greedy(hf, prompt_text)
     response = generation.Generate(gateway_pb2.GenerateRequest(
-        messages=gateway_pb2.ChatMessages(messages=[
-            gateway_pb2.ChatMessage(role="user", content=QUESTION)]),
+        messages=common_pb2.ChatMessages(messages=[
+            common_pb2.ChatMessage(role="user", content=QUESTION)]),
         sampling=greedy()), timeout=120)
     (output,) = response.outputs
     assert response.usage.prompt_tokens == len(prompt_ids)
@@ -81,7 +81,7 @@ def test_chat_answer_equals_hugging_face_and_llm(generation, hf, llm):
 
 def test_text_completion_stream_equals_hugging_face_and_llm(generation, hf, llm):
     _, expected_ids, expected_text = hf_greedy(hf, PROMPT)
-    deltas = list(generation.GenerateStream(gateway_pb2.GenerateRequest(
+    deltas = list(generation.GenerateStream(gateway_pb2.GenerateStreamRequest(
         text=PROMPT, sampling=greedy()), timeout=120))
     assert [t for d in deltas for t in d.token_ids] == expected_ids
     assert "".join(d.text for d in deltas) == expected_text

@@ -7,13 +7,8 @@ import grpc
 import pytest
 import torch
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.rpc.v1 import (
-    common_pb2,
-    gateway_pb2,
-    gateway_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-)
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from pagedserve.llm import LLM
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
@@ -34,12 +29,12 @@ def stack(tiny_served_model_dir):
 @pytest.fixture()
 def generation(stack):
     with grpc.insecure_channel(stack.gateway_address) as channel:
-        yield gateway_pb2_grpc.GenerationStub(channel)
+        yield gateway_pb2_grpc.GenerationServiceStub(channel)
 
 
 def request(prompt, **sampling) -> gateway_pb2.GenerateRequest:
     prompt_field = ({"text": prompt} if isinstance(prompt, str)
-                    else {"token_ids": gateway_pb2.TokenIds(token_ids=prompt)})
+                    else {"token_ids": common_pb2.TokenIds(token_ids=prompt)})
     return gateway_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(**sampling),
                                        **prompt_field)
 
@@ -127,7 +122,7 @@ def test_32_concurrent_streams_complete_and_free_every_block(stack, generation):
 
     async def stream_all():
         async with grpc.aio.insecure_channel(stack.gateway_address) as channel:
-            stub = gateway_pb2_grpc.GenerationStub(channel)
+            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
 
             async def one(r):
                 return [d async for d in stub.GenerateStream(r, timeout=120)]
@@ -172,16 +167,16 @@ def test_cancelling_a_stream_frees_its_blocks(stack, generation):
 
 
 def test_abort_by_request_id_ends_the_stream_with_abort(stack, generation):
-    call = generation.GenerateStream(gateway_pb2.GenerateRequest(
-        request_id="abort-me", token_ids=gateway_pb2.TokenIds(token_ids=[5, 6, 7]),
+    call = generation.GenerateStream(gateway_pb2.GenerateStreamRequest(
+        request_id="abort-me", token_ids=common_pb2.TokenIds(token_ids=[5, 6, 7]),
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)),
         timeout=60)
     next(call)
-    generation.Abort(common_pb2.AbortRequest(request_id="abort-me"), timeout=10)
+    generation.Abort(gateway_pb2.AbortRequest(request_id="abort-me"), timeout=10)
     rest = list(call)
     assert rest[-1].finish_reason == ABORT
     with pytest.raises(grpc.RpcError) as again:  # finished now: unknown to the scheduler
-        generation.Abort(common_pb2.AbortRequest(request_id="abort-me"), timeout=10)
+        generation.Abort(gateway_pb2.AbortRequest(request_id="abort-me"), timeout=10)
     assert again.value.code() == grpc.StatusCode.NOT_FOUND
     assert "abort-me" in again.value.details()
     assert_idle(stack)
@@ -221,7 +216,7 @@ def test_bad_input_is_invalid_argument_and_the_service_keeps_serving(generation,
 ], ids=["empty", "out-of-vocab", "too-long", "top_p", "stop-token-id"])
 def test_scheduler_refuses_bad_submits_with_invalid_argument(stack, prompt, sampling, field):
     with grpc.insecure_channel(stack.scheduler_address) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Submit(scheduler_pb2.SubmitRequest(
                 request_id="bad", prompt_token_ids=prompt,
@@ -238,7 +233,7 @@ def test_scheduler_refuses_bad_submits_with_invalid_argument(stack, prompt, samp
 
 def test_requests_the_replica_could_never_run_are_refused_by_the_gateway(stack, generation):
     with grpc.insecure_channel(stack.scheduler_address) as channel:
-        served = scheduler_pb2_grpc.SchedulerStub(channel).GetServedModel(
+        served = scheduler_pb2_grpc.SchedulerServiceStub(channel).GetServedModel(
             scheduler_pb2.GetServedModelRequest(), timeout=10)
     assert served.block_size > 0 and served.num_gpu_blocks > 0 and served.max_num_seqs > 0
     max_tokens = served.max_model_len - 8  # each sequence then holds max_model_len tokens
@@ -258,9 +253,9 @@ def test_requests_the_replica_could_never_run_are_refused_by_the_gateway(stack, 
 
 def test_malformed_protobuf_is_invalid_argument_on_every_service(stack, generation):
     worker_address = f"127.0.0.1:{stack.worker[0].port}"
-    for address, method in ((stack.gateway_address, "/pagedserve.v1.Generation/Generate"),
-                            (stack.scheduler_address, "/pagedserve.v1.Scheduler/GetLoad"),
-                            (worker_address, "/pagedserve.v1.Worker/ExecuteStep")):
+    for address, method in ((stack.gateway_address, "/pagedserve.v1.GenerationService/Generate"),
+                            (stack.scheduler_address, "/pagedserve.internal.v1.SchedulerService/GetLoad"),
+                            (worker_address, "/pagedserve.internal.v1.WorkerService/ExecuteStep")):
         with grpc.insecure_channel(address) as channel:
             with pytest.raises(grpc.RpcError) as info:
                 channel.unary_unary(method)(b"\xff\xff\xff\xff", timeout=10)

@@ -7,16 +7,14 @@ import httpx
 import pytest
 from pagedserve.services.common.config import GatewayConfig, HttpConfig, PublicTlsConfig
 from pagedserve.services.gateway.app import start_gateway
-from pagedserve.services.rpc.tls import internal_channel
-from pagedserve.services.rpc.v1 import (
-    common_pb2,
-    gateway_pb2,
-    gateway_pb2_grpc,
+from pagedserve.services.rpc.internal.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
+from pagedserve.services.rpc.tls import internal_channel
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from pagedserve.certificates import ThrowAwayCertificates
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
@@ -40,19 +38,19 @@ def stack(tiny_served_model_dir, certificates):
 
 def generate(stack) -> list[int]:
     with grpc.insecure_channel(stack.gateway_address) as channel:
-        response = gateway_pb2_grpc.GenerationStub(channel).Generate(gateway_pb2.GenerateRequest(
-            token_ids=gateway_pb2.TokenIds(token_ids=[1, 2, 3, 4]), sampling=GREEDY), timeout=60)
+        response = gateway_pb2_grpc.GenerationServiceStub(channel).Generate(gateway_pb2.GenerateRequest(
+            token_ids=common_pb2.TokenIds(token_ids=[1, 2, 3, 4]), sampling=GREEDY), timeout=60)
     return list(response.outputs[0].token_ids)
 
 
 def worker_call(channel: grpc.Channel) -> None:
     """The call issue 16 found fatal from any process: a ClearState with the largest epoch."""
-    worker_pb2_grpc.WorkerStub(channel).ClearState(
+    worker_pb2_grpc.WorkerServiceStub(channel).ClearState(
         worker_pb2.ClearStateRequest(scheduler_epoch=2**64 - 1), timeout=10)
 
 
 def scheduler_call(channel: grpc.Channel) -> None:
-    scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(scheduler_pb2.GetLoadRequest(), timeout=10)
+    scheduler_pb2_grpc.SchedulerServiceStub(channel).GetLoad(scheduler_pb2.GetLoadRequest(), timeout=10)
 
 
 def internal_targets(stack):

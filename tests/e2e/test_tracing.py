@@ -19,9 +19,9 @@ from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from tests.e2e.stack import start_stack, tiny_config
 
-GENERATE_STREAM = "pagedserve.v1.Generation/GenerateStream"
-SUBMIT = "pagedserve.v1.Scheduler/Submit"
-EXECUTE_STEP = "pagedserve.v1.Worker/ExecuteStep"
+GENERATE_STREAM = "pagedserve.v1.GenerationService/GenerateStream"
+SUBMIT = "pagedserve.internal.v1.SchedulerService/Submit"
+EXECUTE_STEP = "pagedserve.internal.v1.WorkerService/ExecuteStep"
 CALLER = TracerProvider().get_tracer("caller")  # the client's own tracing, apart from ours
 
 
@@ -50,12 +50,12 @@ def stack(exporter, tiny_served_model_dir):
 def generation(stack, exporter):
     exporter.clear()  # startup's handshake spans, earlier tests' spans
     with grpc.insecure_channel(stack.gateway_address) as channel:
-        yield gateway_pb2_grpc.GenerationStub(channel)
+        yield gateway_pb2_grpc.GenerationServiceStub(channel)
 
 
 def request(prompt: list[int], request_id: str = "", **sampling) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(request_id=request_id,
-                                       token_ids=gateway_pb2.TokenIds(token_ids=prompt),
+                                       token_ids=common_pb2.TokenIds(token_ids=prompt),
                                        sampling=common_pb2.SamplingParams(**sampling))
 
 

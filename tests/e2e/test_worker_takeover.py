@@ -15,7 +15,7 @@ from pagedserve.services.common.config import (
     WorkerServiceConfig,
 )
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.rpc.v1 import worker_pb2, worker_pb2_grpc
+from pagedserve.services.rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from pagedserve.worker_svc.servicer import create_worker_server
 
 from tests.e2e.background import BackgroundLoop
@@ -73,7 +73,7 @@ def test_a_later_scheduler_takes_the_served_worker_over_without_reloading(served
     assert servicer.worker is worker and worker.cache_engine is cache
     assert len(worker.runner.mirrors) == 0
     with grpc.insecure_channel(client().address) as channel:
-        stub = worker_pb2_grpc.WorkerStub(channel)
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
         assert stub.LoadModel(worker_pb2.LoadModelRequest(), timeout=30).kept_loaded_model
         assert stub.InitCache(worker_pb2.InitCacheRequest(
             num_gpu_blocks=new.num_gpu_blocks, num_cpu_blocks=new.num_cpu_blocks,

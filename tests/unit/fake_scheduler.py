@@ -11,13 +11,13 @@ import asyncio
 import grpc
 from pagedserve.services.gateway.validation import ModelInfo
 from pagedserve.services.rpc.convert_common import sampling_params_from_proto
+from pagedserve.services.rpc.internal.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
-from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 
-class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, model_dir: str, info: ModelInfo, reply_ids: list[int]) -> None:
-        self.served_model = scheduler_pb2.ServedModel(
+        self.served_model = scheduler_pb2.GetServedModelResponse(
             model=model_dir, architecture=info.architecture, max_model_len=info.max_model_len,
             vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
             block_size=info.block_size, num_gpu_blocks=info.num_gpu_blocks,
@@ -58,7 +58,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                               else common_pb2.FINISH_REASON_STOP)
                 if is_last and self.error:
                     finish = common_pb2.FINISH_REASON_ERROR
-                event = scheduler_pb2.TokenEvent(num_prompt_tokens=prompt_len, num_cached_tokens=1)
+                event = scheduler_pb2.SubmitResponse(num_prompt_tokens=prompt_len, num_cached_tokens=1)
                 num_done = step + len(token_ids)
                 for index in range(sampling.n):
                     delta = event.outputs.add(index=index, token_ids=token_ids,
@@ -75,7 +75,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             if hang or abort.is_set():
                 await abort.wait()
                 self.aborted.add(request_id)
-                event = scheduler_pb2.TokenEvent(num_prompt_tokens=prompt_len)
+                event = scheduler_pb2.SubmitResponse(num_prompt_tokens=prompt_len)
                 for index in range(sampling.n):
                     event.outputs.add(index=index, finish_reason=common_pb2.FINISH_REASON_ABORT)
                 yield event
@@ -93,13 +93,13 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"request_id {request.request_id!r} is not running")
         event.set()
-        return common_pb2.AbortResponse()
+        return scheduler_pb2.AbortResponse()
 
     async def GetLoad(self, request, context):
-        return scheduler_pb2.Load()
+        return scheduler_pb2.GetLoadResponse()
 
     async def WatchLoad(self, request, context):
-        yield scheduler_pb2.Load(num_running_requests=len(self._abort_events))
+        yield scheduler_pb2.WatchLoadResponse(num_running_requests=len(self._abort_events))
         await asyncio.Event().wait()  # a constant load: nothing more to push
 
     async def GetServedModel(self, request, context):
@@ -108,7 +108,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
 async def start_fake_scheduler(fake: FakeScheduler) -> ServiceServer:
     server, _ = create_server([ServiceBinding(
-        fake, scheduler_pb2_grpc.add_SchedulerServicer_to_server, "pagedserve.v1.Scheduler")])
+        fake, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, "pagedserve.internal.v1.SchedulerService")])
     await server.start()
     await server.set_serving(True)
     return server

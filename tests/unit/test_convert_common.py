@@ -1,4 +1,5 @@
-"""common.proto converters: every field survives the wire, unset fields take vLLM's defaults."""
+"""common.proto converters of both contracts (convert_common: internal, convert_public: public):
+every field survives the wire, unset fields take vLLM's defaults."""
 
 import dataclasses
 
@@ -7,21 +8,23 @@ from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.outputs import FinishReason, Usage
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.rpc import convert_common, convert_public
 from pagedserve.services.rpc.convert_common import (
     add_logprob_lists,
-    finish_reason_from_proto,
-    finish_reason_to_proto,
     logprob_lists_from_proto,
-    sampling_params_from_proto,
-    sampling_params_to_proto,
     token_logprob_from_proto,
     token_logprob_to_proto,
     token_logprobs_from_proto,
     token_logprobs_to_proto,
-    usage_from_proto,
-    usage_to_proto,
 )
-from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2
+from pagedserve.services.rpc.convert_public import usage_from_proto, usage_to_proto
+from pagedserve.services.rpc.internal.v1 import common_pb2 as internal_common_pb2
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2
+from pagedserve.services.rpc.v1 import common_pb2 as public_common_pb2
+
+both_contracts = pytest.mark.parametrize(
+    "convert, common_pb2", [(convert_common, internal_common_pb2),
+                            (convert_public, public_common_pb2)], ids=["internal", "public"])
 
 
 def _wire(msg):
@@ -39,7 +42,8 @@ RANDOM = dataclasses.replace(BEAM, use_beam_search=False, temperature=0.12345678
                              seed=2**62, prompt_logprobs=20)
 
 
-def test_every_sampling_field_is_in_the_proto():
+@both_contracts
+def test_every_sampling_field_is_in_the_proto(convert, common_pb2):
     proto_fields = set(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
     assert {f.name for f in dataclasses.fields(SamplingParams)} == proto_fields
 
@@ -50,62 +54,70 @@ def test_the_beam_case_sets_every_field():
         assert getattr(BEAM, f.name) != getattr(defaults, f.name), f.name
 
 
-@pytest.mark.parametrize("params", [BEAM, RANDOM], ids=["beam", "random"])
-def test_sampling_params_round_trip_keeps_every_field(params):
-    assert sampling_params_from_proto(_wire(sampling_params_to_proto(params))) == params
+@both_contracts
+@pytest.mark.parametrize("params", [BEAM, RANDOM, SamplingParams()], ids=["beam", "random", "default"])
+def test_sampling_params_round_trip_keeps_every_field(convert, common_pb2, params):
+    msg = _wire(convert.sampling_params_to_proto(params))
+    assert isinstance(msg, common_pb2.SamplingParams)
+    assert convert.sampling_params_from_proto(msg) == params
 
 
-def test_default_sampling_params_round_trip():
-    assert sampling_params_from_proto(_wire(sampling_params_to_proto(SamplingParams()))) == SamplingParams()
-
-
-def test_unset_fields_take_vllm_defaults():
-    params = sampling_params_from_proto(common_pb2.SamplingParams())
+@both_contracts
+def test_unset_fields_take_vllm_defaults(convert, common_pb2):
+    params = convert.sampling_params_from_proto(common_pb2.SamplingParams())
     assert params == SamplingParams()
     assert (params.n, params.temperature, params.max_tokens, params.best_of) == (1, 1.0, 16, None)
     assert params.skip_special_tokens is True
 
 
-def test_explicit_zero_temperature_is_greedy_not_default():
-    params = sampling_params_from_proto(common_pb2.SamplingParams(temperature=0.0))
+@both_contracts
+def test_explicit_zero_temperature_is_greedy_not_default(convert, common_pb2):
+    params = convert.sampling_params_from_proto(common_pb2.SamplingParams(temperature=0.0))
     assert params.temperature == 0.0 and params.is_greedy
 
 
 @pytest.mark.parametrize("field, value", [("top_p", 0.0), ("max_tokens", 0), ("n", -1),
                                           ("logprobs", 21), ("presence_penalty", 2.5)])
-def test_invalid_proto_values_name_the_field(field, value):
+@both_contracts
+def test_invalid_proto_values_name_the_field(convert, common_pb2, field, value):
     with pytest.raises(InvalidRequest, match=field):
-        sampling_params_from_proto(common_pb2.SamplingParams(**{field: value}))
+        convert.sampling_params_from_proto(common_pb2.SamplingParams(**{field: value}))
 
 
-def test_values_outside_the_wire_range_name_the_field():
+@both_contracts
+def test_values_outside_the_wire_range_name_the_field(convert, common_pb2):
     with pytest.raises(InvalidRequest, match="max_tokens"):
-        sampling_params_to_proto(SamplingParams(max_tokens=2**40))
+        convert.sampling_params_to_proto(SamplingParams(max_tokens=2**40))
     with pytest.raises(InvalidRequest, match="stop_token_ids"):
-        sampling_params_to_proto(SamplingParams(stop_token_ids=(2**33,)))
+        convert.sampling_params_to_proto(SamplingParams(stop_token_ids=(2**33,)))
 
 
 def test_token_logprobs_round_trip():
     candidates = [TokenLogprob(17, -0.123456789012345), TokenLogprob(4_000_000_000, -42.5)]
     assert token_logprobs_from_proto(_wire(token_logprobs_to_proto(candidates))) == candidates
-    msg = _wire(token_logprob_to_proto(candidates[0], text=" Paris"))
-    assert msg.text == " Paris"
-    assert token_logprob_from_proto(msg) == candidates[0]
+    assert token_logprob_from_proto(_wire(token_logprob_to_proto(candidates[0]))) == candidates[0]
 
 
 def test_logprob_lists_round_trip():
     positions = [[TokenLogprob(1, -0.5), TokenLogprob(2, -1.25)], [], [TokenLogprob(3, -3e-9)]]
-    event = scheduler_pb2.TokenEvent()  # any message with a repeated TokenLogprobs field
+    event = scheduler_pb2.SubmitResponse()  # any message with a repeated TokenLogprobs field
     add_logprob_lists(event.prompt_logprobs, positions)
     assert logprob_lists_from_proto(_wire(event).prompt_logprobs) == positions
 
 
+@both_contracts
 @pytest.mark.parametrize("reason", [*FinishReason, None])
-def test_finish_reason_round_trip(reason):
-    value = finish_reason_to_proto(reason)
+def test_finish_reason_round_trip(convert, common_pb2, reason):
+    value = convert.finish_reason_to_proto(reason)
     assert common_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_") == (
         reason or "unspecified").upper()
-    assert finish_reason_from_proto(value) is reason
+    assert convert.finish_reason_from_proto(value) is reason
+
+
+def test_both_contracts_number_finish_reasons_alike():
+    """Tracing reads either contract's finish_reason with one converter."""
+    assert (internal_common_pb2.FinishReason.items()
+            == public_common_pb2.FinishReason.items())
 
 
 def test_finish_reasons_read_as_vllm_words():
@@ -113,11 +125,12 @@ def test_finish_reasons_read_as_vllm_words():
     assert f"{FinishReason.STOP}" == "stop" and FinishReason("length") is FinishReason.LENGTH
 
 
-def test_unknown_finish_reasons_are_refused():
+@both_contracts
+def test_unknown_finish_reasons_are_refused(convert, common_pb2):
     with pytest.raises(ValueError, match="'eos'"):
-        finish_reason_to_proto("eos")
+        convert.finish_reason_to_proto("eos")
     with pytest.raises(ValueError, match="99"):
-        finish_reason_from_proto(99)
+        convert.finish_reason_from_proto(99)
 
 
 def test_usage_round_trip():

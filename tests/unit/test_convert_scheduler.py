@@ -27,7 +27,7 @@ from pagedserve.services.rpc.convert_scheduler import (
     watch_load_request_from_proto,
     watch_load_request_to_proto,
 )
-from pagedserve.services.rpc.v1 import common_pb2, scheduler_pb2
+from pagedserve.services.rpc.internal.v1 import common_pb2, scheduler_pb2
 
 
 def _wire(msg):
@@ -42,7 +42,13 @@ def test_every_proto_field_is_converted():
         f.name for f in dataclasses.fields(SubmitRequest)}
     assert set(scheduler_pb2.SequenceDelta.DESCRIPTOR.fields_by_name) == {
         f.name for f in dataclasses.fields(CompletionOutput)}
-    assert len(scheduler_pb2.Load.DESCRIPTOR.fields) == len(dataclasses.fields(EngineLoad))
+    assert len(scheduler_pb2.GetLoadResponse.DESCRIPTOR.fields) == len(dataclasses.fields(EngineLoad))
+
+
+def test_both_load_responses_carry_the_same_fields():
+    def fields(message_type):
+        return [(f.name, f.number, f.type) for f in message_type.DESCRIPTOR.fields]
+    assert fields(scheduler_pb2.GetLoadResponse) == fields(scheduler_pb2.WatchLoadResponse)
 
 
 def test_submit_request_round_trip():
@@ -127,20 +133,15 @@ def test_abort_request_round_trip(abort):
 
 
 def test_every_abort_field_is_converted():
-    assert set(scheduler_pb2.OwnedAbortRequest.DESCRIPTOR.fields_by_name) == {
+    assert set(scheduler_pb2.AbortRequest.DESCRIPTOR.fields_by_name) == {
         f.name for f in dataclasses.fields(AbortRequest)}
 
 
-def test_a_public_abort_request_reads_as_an_anonymous_owned_one():
-    """Same field 1: an older gateway's AbortRequest is an abort with no owner, no admin."""
-    msg = scheduler_pb2.OwnedAbortRequest.FromString(
-        common_pb2.AbortRequest(request_id="r").SerializeToString())
-    assert abort_request_from_proto(msg) == AbortRequest("r")
-
-
-def test_load_round_trip():
+@pytest.mark.parametrize("message_type", [scheduler_pb2.GetLoadResponse,
+                                          scheduler_pb2.WatchLoadResponse])
+def test_load_round_trip(message_type):
     load = EngineLoad(num_running=3, num_waiting=2, num_swapped=1, num_gpu_blocks_used=17,
                       num_gpu_blocks=512, num_cpu_blocks_used=4, num_cpu_blocks=256,
                       prefix_cache_hit_rate=0.375, num_preemptions=2**40,
                       num_worker_rebuilds=3)
-    assert load_from_proto(_wire(load_to_proto(load))) == load
+    assert load_from_proto(_wire(load_to_proto(load, message_type))) == load

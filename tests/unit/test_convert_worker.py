@@ -26,7 +26,7 @@ from pagedserve.services.rpc.convert_worker import (
     worker_info_from_proto,
     worker_info_to_proto,
 )
-from pagedserve.services.rpc.v1 import worker_pb2
+from pagedserve.services.rpc.internal.v1 import worker_pb2
 
 BIG = 2**40  # ids and counters beyond 32 bits must survive
 
@@ -91,8 +91,8 @@ def _field_names(cls) -> set[str]:
 
 
 @pytest.mark.parametrize("cls, message", [
-    (StepPlan, worker_pb2.StepRequest), (NewSequence, worker_pb2.NewSequence),
-    (RunningSequence, worker_pb2.RunningSequence), (StepOutput, worker_pb2.StepResult),
+    (StepPlan, worker_pb2.ExecuteStepRequest), (NewSequence, worker_pb2.NewSequence),
+    (RunningSequence, worker_pb2.RunningSequence), (StepOutput, worker_pb2.ExecuteStepResponse),
     (SampledSequence, worker_pb2.SampledSequence), (StepTimings, worker_pb2.StepTimings),
     (WorkerInfo, worker_pb2.WorkerInfo), (MemoryProfile, worker_pb2.ProfileMemoryResponse),
 ])

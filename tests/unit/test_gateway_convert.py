@@ -16,7 +16,8 @@ from pagedserve.services.gateway.convert import (
 )
 from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
 from pagedserve.services.rpc.convert_scheduler import served_model_to_proto
-from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, scheduler_pb2
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
 from pagedserve.services.text.text_stream import DecodedLogprob, StreamDelta
 
 SAMPLING = SamplingParams(n=2, temperature=0.7, top_k=5, stop=("\n",), stop_token_ids=(7,),
@@ -80,7 +81,7 @@ def test_generate_response_folds_deltas_per_index():
 def test_model_info_round_trip_and_from_served_model():
     info = ModelInfo("SmolLM2-135M-Instruct", "LlamaForCausalLM", 8192, 49152, (2,), True)
     assert model_info_from_proto(model_info_to_proto(info)) == info
-    served = scheduler_pb2.ServedModel(model="/models/SmolLM2-135M-Instruct/",
+    served = scheduler_pb2.GetServedModelResponse(model="/models/SmolLM2-135M-Instruct/",
                                        architecture="LlamaForCausalLM", max_model_len=8192,
                                        vocab_size=49152, eos_token_ids=[2])
     assert model_info_from_served_model(served, has_chat_template=True) == info
@@ -90,7 +91,7 @@ def test_served_model_carries_the_replicas_capacity_to_the_gateway():
     worker = WorkerInfo(rank=0, device="cpu", dtype="float32", architecture="LlamaForCausalLM",
                         vocab_size=49152, max_model_len=8192, eos_token_ids=[2], num_layers=30,
                         num_kv_heads=3, head_size=64, attention_backend="torch")
-    served = scheduler_pb2.ServedModel.FromString(served_model_to_proto(
+    served = scheduler_pb2.GetServedModelResponse.FromString(served_model_to_proto(
         "/models/m", worker, 4096, 49152, [2], block_size=16, num_gpu_blocks=1000,
         max_num_seqs=256).SerializeToString())
     info = model_info_from_served_model(served, has_chat_template=False)
@@ -102,8 +103,16 @@ def test_served_model_carries_the_replicas_capacity_to_the_gateway():
 
 def test_tokenize_request():
     assert tokenize_request_from_proto(gateway_pb2.TokenizeRequest(text="hi")).text == "hi"
-    messages = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="q")])
+    messages = common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="user", content="q")])
     converted = tokenize_request_from_proto(gateway_pb2.TokenizeRequest(messages=messages))
     assert converted.messages == (ChatMessage("user", "q"),)
     with pytest.raises(InvalidRequest, match="prompt must be set"):
         tokenize_request_from_proto(gateway_pb2.TokenizeRequest())
+
+
+def test_a_stream_request_has_every_field_of_a_unary_one():
+    """generate_request_from_proto reads both; the contract promises the same fields, numbers."""
+    def fields(message_type):
+        return [(f.name, f.number, f.type, f.containing_oneof and f.containing_oneof.name)
+                for f in message_type.DESCRIPTOR.fields]
+    assert fields(gateway_pb2.GenerateRequest) == fields(gateway_pb2.GenerateStreamRequest)

@@ -71,7 +71,7 @@ def test_a_million_stop_strings_are_refused_at_the_gateway(model_dir, max_reques
 
 def test_a_request_over_max_request_bytes_is_refused_by_grpc(model_dir):
     async def body(h):
-        big = gateway_pb2.GenerateRequest(text="x" * 300_000)
+        big = gateway_pb2.GenerateStreamRequest(text="x" * 300_000)
         return await refused(h.generation.GenerateStream(big, timeout=10)), h.fake.submits
 
     err, submits = run(model_dir, body, limits=RequestLimitsConfig(max_request_bytes=100_000))
@@ -104,12 +104,12 @@ def test_text_that_cannot_fit_max_model_len_is_refused_before_tokenizing(model_d
     monkeypatch.setattr(Tokenizer, "encode", lambda self, text, *a, **k: encoded.append(text))
     monkeypatch.setattr(Tokenizer, "apply_chat_template", lambda self, m, *a, **k: encoded.append(m))
     text = "the fox " * 400_000
-    prompt = {"text": text} if field == "text" else {"messages": gateway_pb2.ChatMessages(
-        messages=[gateway_pb2.ChatMessage(role="user", content=text)])}
+    prompt = {"text": text} if field == "text" else {"messages": common_pb2.ChatMessages(
+        messages=[common_pb2.ChatMessage(role="user", content=text)])}
 
     async def body(h):
         return await refused(h.generation.GenerateStream(
-            gateway_pb2.GenerateRequest(**prompt), timeout=10))
+            gateway_pb2.GenerateStreamRequest(**prompt), timeout=10))
 
     err = run(model_dir, body)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -127,8 +127,8 @@ GARBAGE = [b"\xff\xff\xff\xff", b"\x12\x05ab",  # not protobuf; a string cut sho
 def test_malformed_protobuf_is_invalid_argument_without_a_logged_traceback(model_dir, payload,
                                                                           caplog):
     async def body(h):
-        unary = h.channel.unary_unary("/pagedserve.v1.Generation/Generate")
-        streaming = h.channel.unary_stream("/pagedserve.v1.Generation/GenerateStream")
+        unary = h.channel.unary_unary("/pagedserve.v1.GenerationService/Generate")
+        streaming = h.channel.unary_stream("/pagedserve.v1.GenerationService/GenerateStream")
         errors = []
         for call in (unary(payload, timeout=5), streaming(payload, timeout=5)):
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -137,7 +137,7 @@ def test_malformed_protobuf_is_invalid_argument_without_a_logged_traceback(model
         scheduler = grpc.aio.insecure_channel(h.fake_address)
         try:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await collect(scheduler.unary_stream("/pagedserve.v1.Scheduler/Submit")(
+                await collect(scheduler.unary_stream("/pagedserve.internal.v1.SchedulerService/Submit")(
                     payload, timeout=5))
             errors.append(err.value)
         finally:
@@ -172,7 +172,7 @@ def test_a_small_request_is_served_while_a_large_prompt_tokenizes(model_dir, mon
 
     async def body(h):
         large = asyncio.ensure_future(collect(h.generation.GenerateStream(
-            gateway_pb2.GenerateRequest(request_id="large", text="the fox " * 50_000,
+            gateway_pb2.GenerateStreamRequest(request_id="large", text="the fox " * 50_000,
                                         sampling=common_pb2.SamplingParams(max_tokens=4)),
             timeout=30)))
         await asyncio.sleep(0.2)
@@ -203,8 +203,8 @@ def test_stalled_streams_are_aborted_and_do_not_hold_back_other_clients(model_di
         # a receive window of ~1 KB: the first responses fill it (gRPC's default grows to MBs)
         small_window = grpc.aio.insecure_channel(f"127.0.0.1:{h.gateway.port}", options=[
             ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
-        stalled = [gateway_pb2_grpc.GenerationStub(small_window).GenerateStream(
-            gateway_pb2.GenerateRequest(request_id=f"stalled-{i}", text="the fox",
+        stalled = [gateway_pb2_grpc.GenerationServiceStub(small_window).GenerateStream(
+            gateway_pb2.GenerateStreamRequest(request_id=f"stalled-{i}", text="the fox",
                                         sampling=common_pb2.SamplingParams(max_tokens=50_000)),
             timeout=60) for i in range(num_stalled)]
         while len(h.fake.submits) < num_stalled:

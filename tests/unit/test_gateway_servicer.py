@@ -36,8 +36,8 @@ def model_dir(tmp_path_factory):
 @dataclass
 class Harness:
     fake: FakeScheduler
-    generation: gateway_pb2_grpc.GenerationStub
-    models: gateway_pb2_grpc.ModelsStub
+    generation: gateway_pb2_grpc.GenerationServiceStub
+    models: gateway_pb2_grpc.ModelServiceStub
     channel: grpc.aio.Channel
     stop_scheduler: object
     gateway: Gateway
@@ -64,8 +64,8 @@ async def harness(model_dir, max_concurrent_requests=8, max_model_len=MAX_MODEL_
         routing=routing or RoutingConfig()))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
     try:
-        yield Harness(fake, gateway_pb2_grpc.GenerationStub(channel),
-                      gateway_pb2_grpc.ModelsStub(channel), channel,
+        yield Harness(fake, gateway_pb2_grpc.GenerationServiceStub(channel),
+                      gateway_pb2_grpc.ModelServiceStub(channel), channel,
                       lambda: scheduler_server.shutdown(grace_s=0), gateway,
                       f"127.0.0.1:{scheduler_server.port}")
     finally:
@@ -83,8 +83,8 @@ def run(model_dir, body, **kw):
 
 
 def request(**sampling):
-    return gateway_pb2.GenerateRequest(request_id="r1", text="the quick brown fox",
-                                       sampling=common_pb2.SamplingParams(**sampling))
+    return gateway_pb2.GenerateStreamRequest(request_id="r1", text="the quick brown fox",
+                                             sampling=common_pb2.SamplingParams(**sampling))
 
 
 async def collect(call):
@@ -142,7 +142,9 @@ def test_stop_string_ends_the_stream_and_cancels_the_scheduler_call(model_dir, i
 
 def test_generate_unary_aggregates_n_outputs_with_logprobs(model_dir):
     async def body(h):
-        return await h.generation.Generate(request(max_tokens=40, n=2, logprobs=1), timeout=10)
+        return await h.generation.Generate(gateway_pb2.GenerateRequest(
+            request_id="r1", text="the quick brown fox",
+            sampling=common_pb2.SamplingParams(max_tokens=40, n=2, logprobs=1)), timeout=10)
 
     response = run(model_dir, body)
     assert [o.index for o in response.outputs] == [0, 1]
@@ -171,10 +173,10 @@ def test_abort_forwards_to_the_scheduler_and_ends_the_stream(model_dir):
         h.fake.hang = True
         call = h.generation.GenerateStream(request(max_tokens=40), timeout=10)
         first = await call.read()
-        await h.generation.Abort(common_pb2.AbortRequest(request_id="r1"), timeout=5)
+        await h.generation.Abort(gateway_pb2.AbortRequest(request_id="r1"), timeout=5)
         rest = await read_rest(call)
         with pytest.raises(grpc.aio.AioRpcError) as unknown:
-            await h.generation.Abort(common_pb2.AbortRequest(request_id="nope"), timeout=5)
+            await h.generation.Abort(gateway_pb2.AbortRequest(request_id="nope"), timeout=5)
         return first, rest, unknown.value
 
     first, rest, unknown = run(model_dir, body)
@@ -185,10 +187,10 @@ def test_abort_forwards_to_the_scheduler_and_ends_the_stream(model_dir):
 
 
 @pytest.mark.parametrize("req, words", [
-    (gateway_pb2.GenerateRequest(text=""), ["text", "''"]),
-    (gateway_pb2.GenerateRequest(), ["prompt must be set"]),
-    (gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds()), ["token_ids", "[]"]),
-    (gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(token_ids=[1, 99999])),
+    (gateway_pb2.GenerateStreamRequest(text=""), ["text", "''"]),
+    (gateway_pb2.GenerateStreamRequest(), ["prompt must be set"]),
+    (gateway_pb2.GenerateStreamRequest(token_ids=common_pb2.TokenIds()), ["token_ids", "[]"]),
+    (gateway_pb2.GenerateStreamRequest(token_ids=common_pb2.TokenIds(token_ids=[1, 99999])),
      ["token_ids", "99999"]),
     (request(temperature=-1.0), ["temperature", "-1.0"]),
     (request(max_tokens=0), ["max_tokens", "0"]),
@@ -197,9 +199,9 @@ def test_abort_forwards_to_the_scheduler_and_ends_the_stream(model_dir):
     (request(stop_token_ids=[99999]), ["stop_token_ids", "99999"]),
     (request(stop=["ok", ""]), ["stop", "''"]),
     (request(max_tokens=MAX_MODEL_LEN), ["max_model_len", str(MAX_MODEL_LEN)]),
-    (gateway_pb2.GenerateRequest(messages=gateway_pb2.ChatMessages(messages=[
-        gateway_pb2.ChatMessage(role="robot", content="hi")])), ["role", "robot"]),
-    (gateway_pb2.GenerateRequest(messages=gateway_pb2.ChatMessages()), ["messages", "empty"]),
+    (gateway_pb2.GenerateStreamRequest(messages=common_pb2.ChatMessages(messages=[
+        common_pb2.ChatMessage(role="robot", content="hi")])), ["role", "robot"]),
+    (gateway_pb2.GenerateStreamRequest(messages=common_pb2.ChatMessages()), ["messages", "empty"]),
 ])
 def test_invalid_requests_name_the_field_and_value(model_dir, req, words):
     async def body(h):
@@ -216,10 +218,10 @@ def test_invalid_requests_name_the_field_and_value(model_dir, req, words):
 
 def test_chat_messages_go_through_the_template(model_dir):
     async def body(h):
-        messages = gateway_pb2.ChatMessages(messages=[
-            gateway_pb2.ChatMessage(role="user", content="hello")])
+        messages = common_pb2.ChatMessages(messages=[
+            common_pb2.ChatMessage(role="user", content="hello")])
         await collect(h.generation.GenerateStream(
-            gateway_pb2.GenerateRequest(messages=messages), timeout=5))
+            gateway_pb2.GenerateStreamRequest(messages=messages), timeout=5))
         tokenized = await h.generation.Tokenize(gateway_pb2.TokenizeRequest(messages=messages))
         return list(h.fake.submits[0].prompt_token_ids), tokenized
 
@@ -234,7 +236,7 @@ def test_model_info_and_health(model_dir):
     async def body(h):
         info = await h.models.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5)
         health = await health_pb2_grpc.HealthStub(h.channel).Check(
-            health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation"), timeout=5)
+            health_pb2.HealthCheckRequest(service="pagedserve.v1.GenerationService"), timeout=5)
         return info, health.status
 
     info, status = run(model_dir, body)
@@ -269,7 +271,7 @@ def test_overloaded_when_too_many_requests_are_live(model_dir):
         await first.read()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(h.generation.GenerateStream(
-                gateway_pb2.GenerateRequest(request_id="r2", text="x"), timeout=5))
+                gateway_pb2.GenerateStreamRequest(request_id="r2", text="x"), timeout=5))
         first.cancel()
         return err.value
 

@@ -10,7 +10,7 @@ import torch
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.rpc.convert_common import sampling_params_from_proto
-from pagedserve.services.rpc.v1 import common_pb2
+from pagedserve.services.rpc.internal.v1 import common_pb2
 from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState
 
 

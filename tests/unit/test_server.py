@@ -12,7 +12,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class SlowTokenize(gateway_pb2_grpc.GenerationServicer):
+class SlowTokenize(gateway_pb2_grpc.GenerationServiceServicer):
     def __init__(self):
         self.started = asyncio.Event()
         self.release = asyncio.Event()
@@ -24,8 +24,8 @@ class SlowTokenize(gateway_pb2_grpc.GenerationServicer):
 
 
 def make_server(servicer):
-    return create_server([ServiceBinding(servicer, gateway_pb2_grpc.add_GenerationServicer_to_server,
-                                         "pagedserve.v1.Generation")], port=0)
+    return create_server([ServiceBinding(servicer, gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
+                                         "pagedserve.v1.GenerationService")], port=0)
 
 
 async def check(channel, service=""):
@@ -40,9 +40,9 @@ def test_health_not_serving_until_marked_and_reflection_lists_services():
         assert port > 0 and server.port == port
         await server.start()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            before = (await check(channel), await check(channel, "pagedserve.v1.Generation"))
+            before = (await check(channel), await check(channel, "pagedserve.v1.GenerationService"))
             await server.set_serving(True)
-            after = (await check(channel), await check(channel, "pagedserve.v1.Generation"))
+            after = (await check(channel), await check(channel, "pagedserve.v1.GenerationService"))
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
             call = stub.ServerReflectionInfo(timeout=5)
             await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
@@ -54,7 +54,7 @@ def test_health_not_serving_until_marked_and_reflection_lists_services():
     before, after, services = asyncio.run(main())
     assert before == (NOT_SERVING, NOT_SERVING)
     assert after == (SERVING, SERVING)
-    assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= services
+    assert {"pagedserve.v1.GenerationService", "grpc.health.v1.Health"} <= services
 
 
 def test_sigterm_drains_then_stops_letting_calls_in_flight_finish():
@@ -72,7 +72,7 @@ def test_sigterm_drains_then_stops_letting_calls_in_flight_finish():
 
         serving = asyncio.create_task(server.serve_until_signal(grace_s=5, drain=drain))
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = gateway_pb2_grpc.GenerationStub(channel)
+            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
             in_flight = asyncio.ensure_future(stub.Tokenize(gateway_pb2.TokenizeRequest(), timeout=10))
             await servicer.started.wait()
             os.kill(os.getpid(), signal.SIGTERM)
@@ -81,7 +81,7 @@ def test_sigterm_drains_then_stops_letting_calls_in_flight_finish():
             events.append(("response", list(response.token_ids)))
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             try:
-                await gateway_pb2_grpc.GenerationStub(channel).Tokenize(
+                await gateway_pb2_grpc.GenerationServiceStub(channel).Tokenize(
                     gateway_pb2.TokenizeRequest(), timeout=1)
             except grpc.aio.AioRpcError as err:
                 events.append(("after", err.code()))

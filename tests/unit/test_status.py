@@ -49,7 +49,7 @@ def test_peer_gone_and_unknown_codes():
     assert "scheduler" in str(internal) and "boom" in str(internal)
 
 
-class FailingGeneration(gateway_pb2_grpc.GenerationServicer):
+class FailingGeneration(gateway_pb2_grpc.GenerationServiceServicer):
     """Raises whatever the request's text names, after one streamed response."""
 
     errors = {type(e).__name__: e for e, _ in CASES}
@@ -68,16 +68,16 @@ class FailingGeneration(gateway_pb2_grpc.GenerationServicer):
 def test_servicer_errors_reach_the_client_with_their_code(exc, code):
     async def main():
         server, port = create_server([ServiceBinding(
-            FailingGeneration(), gateway_pb2_grpc.add_GenerationServicer_to_server,
-            "pagedserve.v1.Generation")], port=0)
+            FailingGeneration(), gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
+            "pagedserve.v1.GenerationService")], port=0)
         await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = gateway_pb2_grpc.GenerationStub(channel)
+                stub = gateway_pb2_grpc.GenerationServiceStub(channel)
                 name = type(exc).__name__
                 with pytest.raises(grpc.aio.AioRpcError) as unary:
                     await stub.Tokenize(gateway_pb2.TokenizeRequest(text=name), timeout=5)
-                call = stub.GenerateStream(gateway_pb2.GenerateRequest(text=name), timeout=5)
+                call = stub.GenerateStream(gateway_pb2.GenerateStreamRequest(text=name), timeout=5)
                 first = await call.read()
                 with pytest.raises(grpc.aio.AioRpcError) as streaming:
                     await call.read()

@@ -32,7 +32,7 @@ from pagedserve.cli import build_parser
 from pagedserve.supervisor import free_port
 
 
-class Tokenize(gateway_pb2_grpc.GenerationServicer):
+class Tokenize(gateway_pb2_grpc.GenerationServiceServicer):
     async def Tokenize(self, request, context):
         return gateway_pb2.TokenizeResponse(token_ids=[1, 2, 3])
 
@@ -50,13 +50,13 @@ def pem(certificates, role: str, name: str) -> str:
 
 def serve(credentials, health_port: int = 0):
     """A started Generation server (run inside a loop)."""
-    return create_server([ServiceBinding(Tokenize(), gateway_pb2_grpc.add_GenerationServicer_to_server,
-                                         "pagedserve.v1.Generation")], port=0,
+    return create_server([ServiceBinding(Tokenize(), gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
+                                         "pagedserve.v1.GenerationService")], port=0,
                          credentials=credentials, health_port=health_port)
 
 
 def tokenize(channel: grpc.aio.Channel):
-    return gateway_pb2_grpc.GenerationStub(channel).Tokenize(
+    return gateway_pb2_grpc.GenerationServiceStub(channel).Tokenize(
         gateway_pb2.TokenizeRequest(text="x"), timeout=10)
 
 
@@ -169,7 +169,7 @@ def test_the_health_port_answers_probes_in_plaintext_and_nothing_else(certificat
         await server.set_serving(True)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as channel:
             status = (await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation"),
+                health_pb2.HealthCheckRequest(service="pagedserve.v1.GenerationService"),
                 timeout=10)).status
             with pytest.raises(grpc.aio.AioRpcError) as other:
                 await tokenize(channel)

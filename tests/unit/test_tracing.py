@@ -18,6 +18,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from pagedserve.services.common.config import GatewayConfig, TracingConfig, from_args
 from pagedserve.services.common.errors import ConfigError, InvalidRequest
+from pagedserve.services.rpc.internal.v1 import (
+    common_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from pagedserve.services.rpc.status import map_errors
 from pagedserve.services.rpc.tracing import (
     ClientTracingInterceptor,
@@ -31,17 +38,10 @@ from pagedserve.services.rpc.tracing_setup import (
     build_tracer_provider,
     tracing_settings,
 )
-from pagedserve.services.rpc.v1 import (
-    common_pb2,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-    worker_pb2,
-    worker_pb2_grpc,
-)
 
 from pagedserve.cli import build_parser
 
-SUBMIT = "pagedserve.v1.Scheduler/Submit"
+SUBMIT = "pagedserve.internal.v1.SchedulerService/Submit"
 LENGTH = common_pb2.FINISH_REASON_LENGTH
 
 
@@ -71,7 +71,7 @@ def test_without_a_current_span_nothing_is_sent_and_nothing_is_found():
         extract_context([("traceparent", "garbage")])).get_span_context().is_valid
 
 
-class Scheduler(scheduler_pb2_grpc.SchedulerServicer):
+class Scheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
     """Submit streams three one-token events (or hangs after the first for request "hang")."""
 
     def __init__(self):
@@ -85,7 +85,7 @@ class Scheduler(scheduler_pb2_grpc.SchedulerServicer):
         try:
             for i in range(3):
                 self.current_spans.append(trace.get_current_span())
-                yield scheduler_pb2.TokenEvent(
+                yield scheduler_pb2.SubmitResponse(
                     num_prompt_tokens=len(request.prompt_token_ids), num_cached_tokens=2,
                     outputs=[scheduler_pb2.SequenceDelta(
                         index=0, token_ids=[i], finish_reason=LENGTH if i == 2 else 0)])
@@ -106,17 +106,17 @@ class Scheduler(scheduler_pb2_grpc.SchedulerServicer):
         raise KeyError("model")
 
 
-class Worker(worker_pb2_grpc.WorkerServicer):
+class Worker(worker_pb2_grpc.WorkerServiceServicer):
     async def ExecuteStep(self, request, context):
-        return worker_pb2.StepResult(step_id=request.step_id, timings=worker_pb2.StepTimings(
+        return worker_pb2.ExecuteStepResponse(step_id=request.step_id, timings=worker_pb2.StepTimings(
             cache_ops_ns=1, prepare_ns=2, forward_ns=3, sample_ns=4))
 
 
 async def start_server(provider) -> tuple[grpc.aio.Server, str, Scheduler]:
     server = grpc.aio.server(interceptors=[ServerTracingInterceptor(provider)])
     scheduler = Scheduler()
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, server)
-    worker_pb2_grpc.add_WorkerServicer_to_server(Worker(), server)
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(scheduler, server)
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(Worker(), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_aio.HealthServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -149,7 +149,7 @@ def test_a_stream_is_a_client_span_and_a_server_span_of_the_caller_trace():
         server, address, scheduler = await start_server(provider)
         async with grpc.aio.insecure_channel(
                 address, interceptors=aio_client_interceptors(address, provider)) as channel:
-            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
             with provider.get_tracer("test").start_as_current_span("caller") as caller:
                 events = [event async for event in stub.Submit(submit_request("r-1"))]
             spans = await finished(exporter, 3)
@@ -171,7 +171,7 @@ def test_a_stream_is_a_client_span_and_a_server_span_of_the_caller_trace():
 
     for span in (client, served):
         assert span.attributes["rpc.system.name"] == "grpc"
-        assert span.attributes["rpc.method"] == "pagedserve.v1.Scheduler/Submit"
+        assert span.attributes["rpc.method"] == "pagedserve.internal.v1.SchedulerService/Submit"
         assert span.attributes["rpc.response.status_code"] == "OK"
         assert "rpc.service" not in span.attributes and "rpc.system" not in span.attributes
         assert span.attributes["gen_ai.operation.name"] == "text_completion"
@@ -191,7 +191,7 @@ def test_a_stream_is_a_client_span_and_a_server_span_of_the_caller_trace():
 
 
 @pytest.mark.parametrize(("method", "request_msg", "code", "server_status", "has_exception"), [
-    ("Abort", common_pb2.AbortRequest(), grpc.StatusCode.INVALID_ARGUMENT, StatusCode.UNSET,
+    ("Abort", scheduler_pb2.AbortRequest(), grpc.StatusCode.INVALID_ARGUMENT, StatusCode.UNSET,
      False),
     ("GetLoad", scheduler_pb2.GetLoadRequest(), grpc.StatusCode.INTERNAL, StatusCode.ERROR,
      False),
@@ -209,7 +209,7 @@ def test_a_failed_call_records_its_status(method, request_msg, code, server_stat
         async with grpc.aio.insecure_channel(
                 address, interceptors=aio_client_interceptors(address, provider)) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as failure:
-                await getattr(scheduler_pb2_grpc.SchedulerStub(channel), method)(request_msg)
+                await getattr(scheduler_pb2_grpc.SchedulerServiceStub(channel), method)(request_msg)
             spans = await finished(exporter, 2)
         await server.stop(0)
         return failure.value, spans
@@ -233,7 +233,7 @@ def test_a_stream_the_client_cancels_ends_both_spans_cancelled_not_failed():
         server, address, scheduler = await start_server(provider)
         async with grpc.aio.insecure_channel(
                 address, interceptors=aio_client_interceptors(address, provider)) as channel:
-            call = scheduler_pb2_grpc.SchedulerStub(channel).Submit(submit_request("hang"))
+            call = scheduler_pb2_grpc.SchedulerServiceStub(channel).Submit(submit_request("hang"))
             await call.read()
             call.cancel()
             await asyncio.wait_for(scheduler.closed.wait(), 5)  # the handler was closed
@@ -265,14 +265,14 @@ def test_the_sync_client_continues_the_trace_of_its_thread():
     """The scheduler's worker clients are synchronous and called on the engine thread, where
     the engine step span is current."""
     provider, exporter = recording_provider()
-    step = worker_pb2.StepRequest(step_id=7, new_seqs=[
+    step = worker_pb2.ExecuteStepRequest(step_id=7, new_seqs=[
         worker_pb2.NewSequence(seq_id=1, request_id="r", num_scheduled_tokens=5)],
         running_seqs=[worker_pb2.RunningSequence(seq_id=2, num_scheduled_tokens=1)])
 
-    def execute_step(address: str) -> worker_pb2.StepResult:
+    def execute_step(address: str) -> worker_pb2.ExecuteStepResponse:
         interceptor = ClientTracingInterceptor(address, provider)
         with grpc.intercept_channel(grpc.insecure_channel(address), interceptor) as channel:
-            return worker_pb2_grpc.WorkerStub(channel).ExecuteStep(step, timeout=5,
+            return worker_pb2_grpc.WorkerServiceStub(channel).ExecuteStep(step, timeout=5,
                                                                    wait_for_ready=True)
 
     async def main():
@@ -289,7 +289,7 @@ def test_the_sync_client_continues_the_trace_of_its_thread():
     assert client.parent.span_id == step_span.get_span_context().span_id
     assert served.parent.span_id == client.context.span_id
     for span in (client, served):
-        assert span.name == "pagedserve.v1.Worker/ExecuteStep"
+        assert span.name == "pagedserve.internal.v1.WorkerService/ExecuteStep"
         assert (span.attributes["pagedserve.step_id"], span.attributes["pagedserve.num_seqs"],
                 span.attributes["pagedserve.num_scheduled_tokens"]) == (7, 2, 6)
     assert [served.attributes[f"pagedserve.{name}"]
@@ -303,7 +303,7 @@ def test_tracing_off_sends_no_context_and_records_nothing():
         server, address, scheduler = await start_server(off)
         async with grpc.aio.insecure_channel(
                 address, interceptors=aio_client_interceptors(address, off)) as channel:
-            events = [e async for e in scheduler_pb2_grpc.SchedulerStub(channel).Submit(
+            events = [e async for e in scheduler_pb2_grpc.SchedulerServiceStub(channel).Submit(
                 submit_request("r-off"))]
         await server.stop(0)
         return events, scheduler
