@@ -5,8 +5,9 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
-PROTOS  := $(wildcard protos/pagedserve/v1/*.proto)
+PROTOS  := $(wildcard protos/pagedserve/v1/*.proto protos/pagedserve/internal/v1/*.proto)
 GEN     := services/rpc/v1/.stamp
+BUF     := tools/node_modules/.bin/buf
 MODEL_DIR ?= $(HOME)/.cache/pagedserve/models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
@@ -29,8 +30,14 @@ $(STAMP): pyproject.toml
 
 proto: $(GEN)
 
+# both contracts: services/rpc/v1 (public) and services/rpc/internal/v1
 $(GEN): $(PROTOS) $(STAMP)
 	$(VPY) protos/generate.py services/rpc/v1
+	touch $@
+
+# the buf CLI, pinned in tools/package-lock.json (README: Contracts)
+$(BUF): tools/package.json tools/package-lock.json
+	cd tools && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
 model: $(STAMP)
@@ -39,7 +46,7 @@ model: $(STAMP)
 run: install proto model
 	$(VPY) -m pagedserve.cli serve --model $(MODEL_DIR)
 
-test: install proto model
+test: install proto model $(BUF)
 	PAGEDSERVE_TEST_MODEL=$(MODEL_DIR) TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" $(PYTEST_ARGS) tests
 
 # The public and internal gRPC APIs of a tiny stack under 10,000 random requests per API
@@ -53,11 +60,16 @@ fuzz: install proto
 test-gpu:
 	$(PY) -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/gpu
 
-# style, and the architecture contract (tests/architecture.py: imports point down the layers)
-lint: install
+# style, the architecture contract (tests/architecture.py: imports point down the layers), and
+# the gRPC contracts: buf lint, then buf breaking against the last release tag (else HEAD~1).
+# BUF_BREAKING_AGAINST=<git revision> compares against another; =none skips it, for a deliberate
+# break only: the #19 renames, after which the integrator tags v0.2.0 on their merge commit.
+lint: install $(BUF)
 	$(VPY) -m ruff check pagedserve services scheduler_svc worker_svc kernels protos tests bench setup.py
 	$(VPY) -m tests.architecture
 	$(VENV)/bin/hadolint Dockerfile Dockerfile.cpu
+	$(BUF) lint protos
+	$(VPY) protos/breaking.py $(BUF)
 
 # CPU benchmarks against HF transformers and the in-process engine (~13 min on 2 cores);
 # JSON records with machine info go to bench/results/.
@@ -88,4 +100,4 @@ image:
 	$(ENGINE) build -f Dockerfile.cpu -t $(IMAGE):$(VERSION)-cpu .
 
 clean:
-	rm -rf $(VENV) services/rpc/v1 build *.egg-info
+	rm -rf $(VENV) services/rpc/v1 services/rpc/internal tools/node_modules build *.egg-info
