@@ -16,7 +16,7 @@ class BuildPyWithStubs(build_py):
         if self.editable_mode:  # a checkout has its own stubs (make proto)
             return
         generate = runpy.run_path(str(Path(__file__).parent / "protos" / "generate.py"))["generate"]
-        generate(Path(self.build_lib) / "pagedserve" / "services" / "rpc" / "v1")
+        generate(Path(self.build_lib) / "pagedserve" / "services" / "rpc" / "v1")  # + internal/v1
 
 
 packages = ["pagedserve"]

@@ -49,13 +49,16 @@ def test_the_wheel_claims_only_the_pagedserve_import_root(venv):
     record = next(site.glob("pagedserve-*.dist-info")) / "RECORD"
     roots = {row[0].split("/")[0] for row in csv.reader(record.read_text().splitlines())}  # ".." = bin/
     assert {r for r in roots if not r.endswith(".dist-info") and r != ".."} == {"pagedserve"}
-    assert (site / "pagedserve" / "services" / "rpc" / "v1" / "gateway_pb2_grpc.py").is_file()
+    rpc = site / "pagedserve" / "services" / "rpc"
+    assert (rpc / "v1" / "gateway_pb2_grpc.py").is_file()
+    assert (rpc / "internal" / "v1" / "scheduler_pb2_grpc.py").is_file()
 
 
 def test_a_user_imports_llm_and_sampling_params_and_runs_the_command(venv, tmp_path):
     env_dir, site = venv
     code = ("import pagedserve; from pagedserve import LLM, SamplingParams; "
             "from pagedserve.services.rpc.v1 import gateway_pb2_grpc; "
+            "from pagedserve.services.rpc.internal.v1 import scheduler_pb2_grpc, worker_pb2_grpc; "
             "print(pagedserve.__file__, SamplingParams(max_tokens=3).max_tokens)")
     out = _run(str(env_dir / "bin" / "python"), "-c", code, cwd=tmp_path)
     assert out.split() == [str(site / "pagedserve" / "__init__.py"), "3"]
