@@ -6,6 +6,7 @@ and gateway keep answering."""
 import grpc
 import pytest
 from pagedserve.services.common.config import WorkerServiceConfig
+from pagedserve.services.rpc.internal.v1 import common_pb2 as internal_common_pb2
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pagedserve.worker_svc.servicer import start_worker
@@ -73,7 +74,7 @@ def test_a_worker_that_stays_gone_fails_its_requests_with_internal_and_the_servi
             with pytest.raises(grpc.RpcError) as info:
                 list(scheduler.Submit(scheduler_pb2.SubmitRequest(
                     request_id="after", prompt_token_ids=[1, 2],
-                    sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=30))
+                    sampling=internal_common_pb2.SamplingParams(max_tokens=2)), timeout=30))
             assert info.value.code() == grpc.StatusCode.INTERNAL
             assert scheduler.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5).num_gpu_blocks > 0
     finally:

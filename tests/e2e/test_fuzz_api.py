@@ -17,6 +17,7 @@ import grpc
 import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
+from pagedserve.services.rpc.internal.v1 import common_pb2 as internal_common_pb2
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -133,9 +134,12 @@ def generate_requests(draw) -> gateway_pb2.GenerateRequest:
 
 @st.composite
 def submit_requests(draw) -> scheduler_pb2.SubmitRequest:
+    # the internal SamplingParams has the public one's fields and numbers: the same bytes parse
+    sampling = internal_common_pb2.SamplingParams.FromString(
+        draw(sampling_params()).SerializeToString())
     return scheduler_pb2.SubmitRequest(
         request_id=draw(REQUEST_IDS),
-        prompt_token_ids=draw(TOKEN_IDS), sampling=draw(sampling_params()),
+        prompt_token_ids=draw(TOKEN_IDS), sampling=sampling,
         priority=draw(st.integers(*INT32)), owner=draw(TEXT))
 
 

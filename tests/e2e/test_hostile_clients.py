@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 from pagedserve.services.common.config import AdminConfig
+from pagedserve.services.rpc.internal.v1 import common_pb2 as internal_common_pb2
 from pagedserve.services.rpc.internal.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
@@ -48,7 +49,7 @@ def generation(stack):
 
 def submit(request_id="r", prompt=(1, 2, 3), **sampling) -> scheduler_pb2.SubmitRequest:
     return scheduler_pb2.SubmitRequest(request_id=request_id, prompt_token_ids=list(prompt),
-                                       sampling=common_pb2.SamplingParams(**sampling))
+                                       sampling=internal_common_pb2.SamplingParams(**sampling))
 
 
 @pytest.mark.parametrize("msg, field", [

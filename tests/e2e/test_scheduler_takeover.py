@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 from pagedserve.services.common.config import TlsConfig
+from pagedserve.services.rpc.internal.v1 import common_pb2 as internal_common_pb2
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.tls import internal_channel
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -146,7 +147,9 @@ def _tls_dir(pid: int) -> str:
 
 def _submit(channel: grpc.Channel, request_id: str, ids: list[int]) -> list[int]:
     events = scheduler_pb2_grpc.SchedulerServiceStub(channel).Submit(scheduler_pb2.SubmitRequest(
-        request_id=request_id, prompt_token_ids=ids, sampling=GREEDY), timeout=60)
+        request_id=request_id, prompt_token_ids=ids,
+        sampling=internal_common_pb2.SamplingParams.FromString(GREEDY.SerializeToString())),
+        timeout=60)
     return [t for event in events for delta in event.outputs for t in delta.token_ids]
 
 

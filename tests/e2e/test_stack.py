@@ -7,6 +7,7 @@ import grpc
 import pytest
 import torch
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.rpc.internal.v1 import common_pb2 as internal_common_pb2
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -220,12 +221,13 @@ def test_scheduler_refuses_bad_submits_with_invalid_argument(stack, prompt, samp
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Submit(scheduler_pb2.SubmitRequest(
                 request_id="bad", prompt_token_ids=prompt,
-                sampling=common_pb2.SamplingParams(**sampling)), timeout=30))
+                sampling=internal_common_pb2.SamplingParams(**sampling)), timeout=30))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert field in info.value.details()
         events = list(stub.Submit(scheduler_pb2.SubmitRequest(
             request_id="good", prompt_token_ids=[1, 2],
-            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)),
+            sampling=internal_common_pb2.SamplingParams(temperature=0.0, max_tokens=2,
+                                                        ignore_eos=True)),
             timeout=30))
         assert [t for e in events for o in e.outputs for t in o.token_ids].__len__() == 2
         assert events[-1].outputs[-1].finish_reason == LENGTH
