@@ -76,7 +76,8 @@ async def normal_client(stub, wl: Workload) -> RunResult:
 
 
 def _side_streams(channel, wl: Workload, max_tokens: int) -> list:
-    return [gateway_pb2_grpc.GenerationServiceStub(channel).GenerateStream(gateway_pb2.GenerateStreamRequest(
+    stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+    return [stub.GenerateStream(gateway_pb2.GenerateStreamRequest(
         token_ids=common_pb2.TokenIds(token_ids=wl.prompts[i % len(wl.prompts)]),
         sampling=common_pb2.SamplingParams(temperature=1.0, seed=i, logprobs=20,
                                            max_tokens=max_tokens, ignore_eos=True)),

@@ -3,9 +3,9 @@ in-process engine on the same workload, same run.
 
 The stack is `python -m pagedserve.cli serve` (worker, scheduler and gateway as processes, gRPC
 over loopback). Each of N clients sends its requests one after another (closed loop) through
-GenerationService.GenerateStream with token-id prompts, greedy and ignore_eos; the in-process baseline
-drives LLMEngine the same way, keeping N requests in flight. For each N: time to first token and
-inter-token latency percentiles (ms), output tokens/s, and stack ÷ in-process throughput
+GenerationService.GenerateStream with token-id prompts, greedy and ignore_eos; the in-process
+baseline drives LLMEngine the same way, keeping N requests in flight. For each N: time to first
+token and inter-token latency percentiles (ms), output tokens/s, and stack ÷ in-process throughput
 (target >= 0.9). The record goes to bench/results/serving-<tag>.json.
 
 `--api openai` also runs the same closed-loop workload through the gateway's OpenAI-compatible

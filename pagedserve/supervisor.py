@@ -232,7 +232,8 @@ def example_commands(address: str, http_url: str | None = None) -> list[str]:
     commands = [
         f'pagedserve generate --address {address} "{prompt}" --max-tokens 32 --temperature 0',
         f'pagedserve chat --address {address} "What is the capital of France?" --temperature 0',
-        f"grpcurl -plaintext -d '{request}' {address} pagedserve.v1.GenerationService/GenerateStream",
+        f"grpcurl -plaintext -d '{request}' {address} "
+        "pagedserve.v1.GenerationService/GenerateStream",
     ]
     if http_url is not None:
         chat = json.dumps({"messages": [{"role": "user", "content": "What is the capital of "

@@ -39,7 +39,8 @@ def generate(out_dir: Path) -> None:
         target.mkdir(parents=True)
         dotted = re.escape(package.replace("/", "."))
         for path in (tmp / package).iterdir():
-            text = re.sub(rf"^from {dotted} import ", "from . import ", path.read_text(), flags=re.M)
+            text = re.sub(rf"^from {dotted} import ", "from . import ", path.read_text(),
+                          flags=re.M)
             (target / path.name).write_text(text)
         (target / "__init__.py").write_text(f'"""Generated from protos/{package}; never edit."""\n')
     (out_dir.parent / "internal" / "__init__.py").write_text(

@@ -53,7 +53,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     @map_errors
     async def Submit(self, request: scheduler_pb2.SubmitRequest,
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
+                     context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
         service = self._service()
         set_request_model(served_model_name(self.model))
         # leaving the block early (client gone, deadline, cancel) aborts the request

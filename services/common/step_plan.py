@@ -1,5 +1,5 @@
-"""The scheduler → worker contract as plain dataclasses: the twin of worker.proto's ExecuteStepRequest
-and ExecuteStepResponse.
+"""The scheduler → worker contract as plain dataclasses: the twin of worker.proto's
+ExecuteStepRequest and ExecuteStepResponse.
 
 The worker keeps a mirror of every sequence it was told about. A sequence is sent whole
 (`NewSequence`) when first scheduled, after a preemption, or when forked; afterwards only its

@@ -1,5 +1,5 @@
-"""gateway.proto (and scheduler.proto's GetServedModelResponse) ↔ the gateway's dataclasses: the only
-place they meet. Free functions, one pair per message."""
+"""gateway.proto (and scheduler.proto's GetServedModelResponse) ↔ the gateway's dataclasses: the
+only place they meet. Free functions, one pair per message."""
 
 from __future__ import annotations
 

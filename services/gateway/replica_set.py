@@ -62,7 +62,8 @@ class ReplicaSet:
         self.config = config
         self.router = Router(config.routing_policy, config.routing_max_imbalance,
                              config.routing_prefix_blocks)
-        self.served: scheduler_pb2.GetServedModelResponse | None = None  # the first replica's: the model
+        # the first replica's: the model
+        self.served: scheduler_pb2.GetServedModelResponse | None = None
         self.replicas: dict[str, Replica] = {}
         self._rpc_timeout_s = rpc_timeout_s
         self._tls = tls

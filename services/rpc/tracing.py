@@ -422,7 +422,7 @@ def _abort_request(msg: Any) -> dict[str, Any]:
 
 _RPC_ATTRIBUTES: dict[str, _Recorded] = {
     "pagedserve.v1.GenerationService/GenerateStream": _Recorded(_generate_request,
-                                                         _generate_stream_response),
+                                                                _generate_stream_response),
     "pagedserve.v1.GenerationService/Generate": _Recorded(_generate_request, _generate_response),
     "pagedserve.v1.GenerationService/Abort": _Recorded(_abort_request),
     "pagedserve.internal.v1.SchedulerService/Submit": _Recorded(_submit_request, _token_event),

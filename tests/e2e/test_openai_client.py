@@ -31,7 +31,8 @@ def client(stack):
 
 def grpc_text(stack, **prompt) -> str:
     with grpc.insecure_channel(stack.gateway_address) as channel:
-        response = gateway_pb2_grpc.GenerationServiceStub(channel).Generate(gateway_pb2.GenerateRequest(
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+        response = stub.Generate(gateway_pb2.GenerateRequest(
             sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
             **prompt), timeout=60)
     return response.outputs[0].text

@@ -215,8 +215,8 @@ def test_api_key_guards_grpc(guarded):
                                            metadata=[("authorization", "Bearer wrong")]))
         assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as exc:
-            gateway_pb2_grpc.ModelServiceStub(channel).GetModelInfo(gateway_pb2.GetModelInfoRequest(),
-                                                              timeout=30)
+            gateway_pb2_grpc.ModelServiceStub(channel).GetModelInfo(
+                gateway_pb2.GetModelInfoRequest(), timeout=30)
         assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
         response = generation.Generate(request, timeout=30,
                                        metadata=[("authorization", f"Bearer {KEY}")])

@@ -256,7 +256,8 @@ def test_requests_the_replica_could_never_run_are_refused_by_the_gateway(stack, 
 def test_malformed_protobuf_is_invalid_argument_on_every_service(stack, generation):
     worker_address = f"127.0.0.1:{stack.worker[0].port}"
     for address, method in ((stack.gateway_address, "/pagedserve.v1.GenerationService/Generate"),
-                            (stack.scheduler_address, "/pagedserve.internal.v1.SchedulerService/GetLoad"),
+                            (stack.scheduler_address,
+                             "/pagedserve.internal.v1.SchedulerService/GetLoad"),
                             (worker_address, "/pagedserve.internal.v1.WorkerService/ExecuteStep")):
         with grpc.insecure_channel(address) as channel:
             with pytest.raises(grpc.RpcError) as info:

@@ -38,7 +38,8 @@ def stack(tiny_served_model_dir, certificates):
 
 def generate(stack) -> list[int]:
     with grpc.insecure_channel(stack.gateway_address) as channel:
-        response = gateway_pb2_grpc.GenerationServiceStub(channel).Generate(gateway_pb2.GenerateRequest(
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+        response = stub.Generate(gateway_pb2.GenerateRequest(
             token_ids=common_pb2.TokenIds(token_ids=[1, 2, 3, 4]), sampling=GREEDY), timeout=60)
     return list(response.outputs[0].token_ids)
 
@@ -50,7 +51,8 @@ def worker_call(channel: grpc.Channel) -> None:
 
 
 def scheduler_call(channel: grpc.Channel) -> None:
-    scheduler_pb2_grpc.SchedulerServiceStub(channel).GetLoad(scheduler_pb2.GetLoadRequest(), timeout=10)
+    scheduler_pb2_grpc.SchedulerServiceStub(channel).GetLoad(scheduler_pb2.GetLoadRequest(),
+                                                             timeout=10)
 
 
 def internal_targets(stack):

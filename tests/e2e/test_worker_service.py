@@ -38,7 +38,8 @@ def _config(model_dir) -> EngineConfig:
 def _health(port: int) -> int:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         return health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="pagedserve.internal.v1.WorkerService"), timeout=5).status
+            health_pb2.HealthCheckRequest(service="pagedserve.internal.v1.WorkerService"),
+            timeout=5).status
 
 
 def _without_timings(output: StepOutput) -> StepOutput:

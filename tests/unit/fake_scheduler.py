@@ -58,7 +58,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                               else common_pb2.FINISH_REASON_STOP)
                 if is_last and self.error:
                     finish = common_pb2.FINISH_REASON_ERROR
-                event = scheduler_pb2.SubmitResponse(num_prompt_tokens=prompt_len, num_cached_tokens=1)
+                event = scheduler_pb2.SubmitResponse(num_prompt_tokens=prompt_len,
+                                                     num_cached_tokens=1)
                 num_done = step + len(token_ids)
                 for index in range(sampling.n):
                     delta = event.outputs.add(index=index, token_ids=token_ids,
@@ -108,7 +109,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
 
 async def start_fake_scheduler(fake: FakeScheduler) -> ServiceServer:
     server, _ = create_server([ServiceBinding(
-        fake, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, "pagedserve.internal.v1.SchedulerService")])
+        fake, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
+        "pagedserve.internal.v1.SchedulerService")])
     await server.start()
     await server.set_serving(True)
     return server

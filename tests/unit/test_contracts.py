@@ -13,13 +13,24 @@ BUF = ROOT / "tools" / "node_modules" / ".bin" / "buf"
 GATEWAY = Path("protos/pagedserve/v1/gateway.proto")
 PRIORITY = "  int32 priority = 6;\n}\n\n// A streamed request"
 
-pytestmark = pytest.mark.skipif(not BUF.exists(), reason="no buf: make lint and make test install it")
+pytestmark = pytest.mark.skipif(not BUF.exists(),
+                                reason="no buf: make lint and make test install it")
 check = runpy.run_path(str(ROOT / "protos" / "breaking.py"))["check"]
 
 
 def test_the_protos_pass_buf_lint():
     lint = subprocess.run([BUF, "lint", "protos"], cwd=ROOT, capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def test_a_field_without_a_leading_comment_fails_buf_lint(tmp_path):
+    shutil.copytree(ROOT / "protos", tmp_path / "protos")
+    path = tmp_path / GATEWAY
+    text = path.read_text()
+    assert "  // Token counts.\n" in text
+    path.write_text(text.replace("  // Token counts.\n", "", 1))
+    lint = subprocess.run([BUF, "lint", "protos"], cwd=tmp_path, capture_output=True, text=True)
+    assert lint.returncode != 0 and '"usage"' in lint.stdout
 
 
 def _git(repo: Path, *args: str) -> None:

@@ -55,7 +55,8 @@ def test_the_beam_case_sets_every_field():
 
 
 @both_contracts
-@pytest.mark.parametrize("params", [BEAM, RANDOM, SamplingParams()], ids=["beam", "random", "default"])
+@pytest.mark.parametrize("params", [BEAM, RANDOM, SamplingParams()],
+                         ids=["beam", "random", "default"])
 def test_sampling_params_round_trip_keeps_every_field(convert, common_pb2, params):
     msg = _wire(convert.sampling_params_to_proto(params))
     assert isinstance(msg, common_pb2.SamplingParams)

@@ -42,7 +42,8 @@ def test_every_proto_field_is_converted():
         f.name for f in dataclasses.fields(SubmitRequest)}
     assert set(scheduler_pb2.SequenceDelta.DESCRIPTOR.fields_by_name) == {
         f.name for f in dataclasses.fields(CompletionOutput)}
-    assert len(scheduler_pb2.GetLoadResponse.DESCRIPTOR.fields) == len(dataclasses.fields(EngineLoad))
+    assert (len(scheduler_pb2.GetLoadResponse.DESCRIPTOR.fields)
+            == len(dataclasses.fields(EngineLoad)))
 
 
 def test_both_load_responses_carry_the_same_fields():

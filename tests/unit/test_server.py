@@ -24,8 +24,9 @@ class SlowTokenize(gateway_pb2_grpc.GenerationServiceServicer):
 
 
 def make_server(servicer):
-    return create_server([ServiceBinding(servicer, gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
-                                         "pagedserve.v1.GenerationService")], port=0)
+    return create_server([ServiceBinding(
+        servicer, gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
+        "pagedserve.v1.GenerationService")], port=0)
 
 
 async def check(channel, service=""):

@@ -50,8 +50,9 @@ def pem(certificates, role: str, name: str) -> str:
 
 def serve(credentials, health_port: int = 0):
     """A started Generation server (run inside a loop)."""
-    return create_server([ServiceBinding(Tokenize(), gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
-                                         "pagedserve.v1.GenerationService")], port=0,
+    return create_server([ServiceBinding(
+        Tokenize(), gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
+        "pagedserve.v1.GenerationService")], port=0,
                          credentials=credentials, health_port=health_port)
 
 

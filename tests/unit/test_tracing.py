@@ -108,8 +108,9 @@ class Scheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
 
 class Worker(worker_pb2_grpc.WorkerServiceServicer):
     async def ExecuteStep(self, request, context):
-        return worker_pb2.ExecuteStepResponse(step_id=request.step_id, timings=worker_pb2.StepTimings(
-            cache_ops_ns=1, prepare_ns=2, forward_ns=3, sample_ns=4))
+        return worker_pb2.ExecuteStepResponse(
+            step_id=request.step_id,
+            timings=worker_pb2.StepTimings(cache_ops_ns=1, prepare_ns=2, forward_ns=3, sample_ns=4))
 
 
 async def start_server(provider) -> tuple[grpc.aio.Server, str, Scheduler]:
