@@ -25,7 +25,7 @@ from pagedserve.scheduler_svc.engine_core import EngineCore
 from pagedserve.scheduler_svc.scheduler import ScheduledStep
 from pagedserve.scheduler_svc.stats import LoggingStatLogger, StatLogger
 from pagedserve.services.common.engine_api import AbortRequest, EngineLoad, SubmitRequest
-from pagedserve.services.common.errors import NotFound, Unavailable
+from pagedserve.services.common.errors import NotFound, Reason, Unavailable
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -149,7 +149,8 @@ class EngineService:
         arrival (the FCFS key) is now. Iterate the stream for its outputs; closing it before the
         request finished aborts the request."""
         if not self._is_accepting:
-            raise Unavailable("the scheduler is draining and accepts no new requests")
+            raise Unavailable("the scheduler is draining and accepts no new requests",
+                              reason=Reason.SCHEDULER_DRAINING, retry_after_s=0.0)
         request_id = request.request_id
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         span_context = trace.get_current_span().get_span_context()
@@ -202,7 +203,9 @@ class EngineService:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         for request_id in list(self._streams):
-            self._end(request_id, Unavailable("the scheduler is shutting down"))
+            self._end(request_id, Unavailable("the scheduler is shutting down",
+                                              reason=Reason.SCHEDULER_DRAINING,
+                                              retry_after_s=0.0))
         self._executor.shutdown(wait=False, cancel_futures=True)
         call = self._engine_call
         if call is None or call.done():

@@ -29,8 +29,9 @@ from pagedserve.scheduler_svc.scheduler import ScheduledStep, Scheduler
 from pagedserve.scheduler_svc.sequence import SequenceGroup
 from pagedserve.scheduler_svc.stats import FinishedRequestStats, StatLogger, StepStats, StepTotals
 from pagedserve.services.common.config import EngineConfig
+from pagedserve.services.common.drain_rate import DrainRate
 from pagedserve.services.common.engine_api import EngineLoad
-from pagedserve.services.common.errors import ConfigError, InvalidRequest, NotFound
+from pagedserve.services.common.errors import ConfigError, InvalidRequest, NotFound, Reason
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
@@ -150,6 +151,7 @@ class EngineCore:
         self.last_scheduled: ScheduledStep | None = None
         self.stat_loggers: list[StatLogger] = []
         self._totals = StepTotals()
+        self._drain_rate = DrainRate()  # finished requests: a full queue's Retry-After
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,
@@ -157,7 +159,8 @@ class EngineCore:
         """`resumed`: output index → the tokens it already produced elsewhere (a gateway's
         failover); only those indices run, each continuing where it stopped."""
         if request_id in self._groups:
-            raise InvalidRequest(f"request_id {request_id!r} is already in use")
+            raise InvalidRequest(f"request_id {request_id!r} is already in use",
+                                 reason=Reason.REQUEST_ID_IN_USE, field="request_id")
         check_request(request_id, prompt_token_ids, sampling, priority, self._limits)
         if resumed:
             check_resumed_outputs(len(prompt_token_ids), sampling, resumed, self._limits)
@@ -171,14 +174,16 @@ class EngineCore:
         self.scheduler.add_group(group)
 
     def check_admission(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        check_admission(prompt_token_ids, sampling, self._limits, len(self.scheduler.waiting))
+        check_admission(prompt_token_ids, sampling, self._limits, len(self.scheduler.waiting),
+                        self._drain_rate.wait_s)
 
     def abort_request(self, request_id: str, owner: str | None = None) -> RequestOutput:
         """A request of another `owner` (None: an admin's abort) raises the same NotFound as an
         unknown one, so request ids leak nothing."""
         group = self._groups.get(request_id)
         if group is None or (owner is not None and owner != group.owner):
-            raise NotFound(f"request_id {request_id!r} is not running")
+            raise NotFound(f"request_id {request_id!r} is not running",
+                           reason=Reason.REQUEST_NOT_FOUND, field="request_id")
         del self._groups[request_id]
         self.scheduler.finish_group(group, FinishReason.ABORT)
         self._record_finished(group)
@@ -276,6 +281,7 @@ class EngineCore:
             stat_logger.record_step(stats)
 
     def _record_finished(self, group: SequenceGroup) -> None:
+        self._drain_rate.record()
         if not self.stat_loggers:
             return
         stats = FinishedRequestStats.of(

@@ -18,7 +18,7 @@ from pagedserve.services.common.config import (
     SchedulerServiceConfig,
     served_model_name,
 )
-from pagedserve.services.common.errors import ConfigError, Unavailable
+from pagedserve.services.common.errors import ConfigError, PagedServeError, Reason, Unavailable
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.rpc.convert_scheduler import (
     abort_request_from_proto,
@@ -31,7 +31,7 @@ from pagedserve.services.rpc.convert_scheduler import (
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
-from pagedserve.services.rpc.status import map_errors
+from pagedserve.services.rpc.status import abort_with, map_errors
 from pagedserve.services.rpc.tls import internal_server_credentials
 from pagedserve.services.rpc.tracing import set_request_model
 from prometheus_client import CollectorRegistry
@@ -48,7 +48,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     def _service(self) -> EngineService:
         if self.service is None:
-            raise Unavailable("the scheduler is starting (worker handshake in progress)")
+            raise Unavailable("the scheduler is starting (worker handshake in progress)",
+                              reason=Reason.SCHEDULER_STARTING)
         return self.service
 
     @map_errors
@@ -63,8 +64,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 yield token_event_to_proto(output)
                 errors = [o.error for o in output.outputs if o.finish_reason == FinishReason.ERROR]
                 if output.finished and errors:
-                    await context.abort(grpc.StatusCode.INTERNAL,
-                                        errors[0] or "the request failed inside the engine")
+                    await abort_with(context, PagedServeError(
+                        errors[0] or "the request failed inside the engine",
+                        reason=Reason.GENERATION_FAILED))
 
     @map_errors
     async def Abort(self, request: scheduler_pb2.AbortRequest,

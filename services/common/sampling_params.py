@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.errors import FieldViolation, InvalidRequest, Reason
 
 GREEDY_EPSILON = 1e-5  # temperature below this means greedy
 MAX_LOGPROBS = 20
@@ -18,9 +18,21 @@ _FLOAT_FIELDS = ("length_penalty", "temperature", "top_p", "min_p", "presence_pe
                  "frequency_penalty", "repetition_penalty")
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise InvalidRequest(message)
+class _Violations:
+    """Every rule a value breaks, raised at once: one field violation each, the first one's
+    message as the error's."""
+
+    def __init__(self) -> None:
+        self.found: list[FieldViolation] = []
+
+    def require(self, ok: bool, field: str, message: str) -> None:
+        if not ok:
+            self.found.append(FieldViolation(field, message))
+
+    def raise_any(self, reason: Reason = Reason.INVALID_SAMPLING_PARAMS) -> None:
+        if self.found:
+            raise InvalidRequest(self.found[0].description, reason=reason,
+                                 violations=self.found)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,47 +74,68 @@ class SamplingParams:
         return self.temperature < GREEDY_EPSILON
 
     def _verify(self) -> None:
+        check = _Violations()
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
-            _require(isinstance(value, (int, float)) and math.isfinite(value),
-                     f"{name} must be a finite number, got {value!r}")
-        _require(self.n >= 1, f"n must be at least 1, got {self.n}")
-        _require(self.best_of is None or self.best_of >= self.n,
-                 f"best_of must be >= n, got best_of={self.best_of} and n={self.n}")
-        _require(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _require(self.top_k == -1 or self.top_k >= 0,
-                 f"top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
-        _require(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _require(-2.0 <= self.presence_penalty <= 2.0,
-                 f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        _require(-2.0 <= self.frequency_penalty <= 2.0,
-                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _require(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
-                 f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
-                 f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
-        _require(abs(self.length_penalty) <= MAX_ABS_LENGTH_PENALTY,
-                 f"length_penalty must be in [-{MAX_ABS_LENGTH_PENALTY}, "
-                 f"{MAX_ABS_LENGTH_PENALTY}], got {self.length_penalty}")
-        _require(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
-        _require(0 <= self.min_tokens <= self.max_tokens,
-                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        _require(all(s for s in self.stop), f"stop must not contain an empty string, got {list(self.stop)}")
-        _require(all(t >= 0 for t in self.stop_token_ids),
-                 f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+            check.require(isinstance(value, (int, float)) and math.isfinite(value), name,
+                          f"{name} must be a finite number, got {value!r}")
+        check.raise_any()  # the rules below compare these numbers
+        check.require(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
+        check.require(self.best_of is None or self.best_of >= self.n, "best_of",
+                      f"best_of must be >= n, got best_of={self.best_of} and n={self.n}")
+        check.require(self.temperature >= 0.0, "temperature",
+                      f"temperature must be >= 0, got {self.temperature}")
+        check.require(0.0 < self.top_p <= 1.0, "top_p",
+                      f"top_p must be in (0, 1], got {self.top_p}")
+        check.require(self.top_k == -1 or self.top_k >= 0, "top_k",
+                      f"top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
+        check.require(0.0 <= self.min_p <= 1.0, "min_p",
+                      f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check.require(-2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value}")
+        check.require(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                      "repetition_penalty",
+                      f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                      f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
+        check.require(abs(self.length_penalty) <= MAX_ABS_LENGTH_PENALTY, "length_penalty",
+                      f"length_penalty must be in [-{MAX_ABS_LENGTH_PENALTY}, "
+                      f"{MAX_ABS_LENGTH_PENALTY}], got {self.length_penalty}")
+        check.require(self.max_tokens >= 1, "max_tokens",
+                      f"max_tokens must be at least 1, got {self.max_tokens}")
+        check.require(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+                      f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                      f"got {self.min_tokens}")
+        empty = [i for i, s in enumerate(self.stop) if not s]
+        check.require(not empty, f"stop[{empty[0] if empty else 0}]",
+                      f"stop must not contain an empty string, got {list(self.stop)}")
+        negative = [i for i, t in enumerate(self.stop_token_ids) if t < 0]
+        check.require(not negative, f"stop_token_ids[{negative[0] if negative else 0}]",
+                      f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _require(value is None or 0 <= value <= MAX_LOGPROBS,
-                     f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+            check.require(value is None or 0 <= value <= MAX_LOGPROBS, name,
+                          f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        width = "n" if self.best_of is None else "best_of"
         if self.use_beam_search:
-            _require(self.num_candidates >= 2,
-                     f"best_of (the beam width) must be >= 2 for beam search, got {self.num_candidates}")
-            _require(self.is_greedy,
-                     f"temperature must be 0 for beam search, got {self.temperature}")
+            check.require(self.num_candidates >= 2, width,
+                          f"best_of (the beam width) must be >= 2 for beam search, "
+                          f"got {self.num_candidates}")
+            check.require(self.is_greedy, "temperature",
+                          f"temperature must be 0 for beam search, got {self.temperature}")
         elif self.is_greedy:
-            _require(self.num_candidates == 1,
-                     f"best_of must be 1 when sampling greedily (temperature=0), got {self.num_candidates}")
+            check.require(self.num_candidates == 1, width,
+                          f"best_of must be 1 when sampling greedily (temperature=0), "
+                          f"got {self.num_candidates}")
+        check.raise_any()
 
     def verify_for_model(self, vocab_size: int) -> None:
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        _require(not bad, f"stop_token_ids must be < vocab_size={vocab_size}, got {bad}")
+        """One violation per unknown id."""
+        bad = [(i, t) for i, t in enumerate(self.stop_token_ids) if t >= vocab_size]
+        if bad:
+            raise InvalidRequest(
+                f"stop_token_ids must be < vocab_size={vocab_size}, got {[t for _, t in bad]}",
+                reason=Reason.UNKNOWN_TOKEN_ID,
+                violations=[FieldViolation(f"stop_token_ids[{i}]",
+                                           f"{t} is not below vocab_size={vocab_size}")
+                            for i, t in bad[:8]])

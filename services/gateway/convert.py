@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedserve.services.common.config import served_model_name
-from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.errors import InvalidRequest, Reason
 from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
 from pagedserve.services.rpc.convert_public import (
     finish_reason_from_proto,
@@ -25,16 +25,33 @@ def _messages_from_proto(msg: common_pb2.ChatMessages) -> tuple[ChatMessage, ...
     return tuple(ChatMessage(role=m.role, content=m.content) for m in msg.messages)
 
 
+# GenerateInput's fields that sit one message deeper in the proto (TokenIds, ChatMessages)
+_WRAPPED_FIELDS = {"token_ids": "token_ids.token_ids", "messages": "messages.messages"}
+
+
+def proto_field_path(path: str) -> str:
+    """A GenerateInput field path ("token_ids[3]", "messages[0].role") as the path of the same
+    field in GenerateRequest / TokenizeRequest ("token_ids.token_ids[3]")."""
+    for name, proto_path in _WRAPPED_FIELDS.items():
+        if path == name or path.startswith((f"{name}[", f"{name}.")):
+            return proto_path + path[len(name):]
+    return path
+
+
 def generate_request_from_proto(msg: gateway_pb2.GenerateRequest | gateway_pb2.GenerateStreamRequest
                                 ) -> GenerateInput:
     """Either request: GenerateStreamRequest has GenerateRequest's fields, same numbers."""
     prompt = msg.WhichOneof("prompt")
+    try:
+        sampling = sampling_params_from_proto(msg.sampling)
+    except InvalidRequest as exc:
+        raise exc.nested("sampling") from None
     return GenerateInput(
         request_id=msg.request_id,
         text=msg.text if prompt == "text" else None,
         token_ids=tuple(msg.token_ids.token_ids) if prompt == "token_ids" else None,
         messages=_messages_from_proto(msg.messages) if prompt == "messages" else None,
-        sampling=sampling_params_from_proto(msg.sampling), priority=msg.priority)
+        sampling=sampling, priority=msg.priority)
 
 
 def generate_request_to_proto(request: GenerateInput) -> gateway_pb2.GenerateRequest:
@@ -121,7 +138,8 @@ def generate_response_to_proto(request_id: str, deltas: Sequence[StreamDelta], n
 def tokenize_request_from_proto(msg: gateway_pb2.TokenizeRequest) -> GenerateInput:
     prompt = msg.WhichOneof("prompt")
     if prompt is None:
-        raise InvalidRequest("prompt must be set: one of text or messages")
+        raise InvalidRequest("prompt must be set: one of text or messages",
+                             reason=Reason.PROMPT_MISSING, field="prompt")
     return GenerateInput(text=msg.text if prompt == "text" else None,
                          messages=_messages_from_proto(msg.messages) if prompt == "messages"
                          else None)

@@ -18,10 +18,11 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from pagedserve.services.common.engine_api import ResumedOutput
-from pagedserve.services.common.errors import Unavailable
+from pagedserve.services.common.errors import Reason, Unavailable
 from pagedserve.services.common.outputs import RequestOutput
 from pagedserve.services.gateway.metrics import GatewayMetrics
 from pagedserve.services.gateway.replica_set import ReplicaSet
+from pagedserve.services.gateway.scheduler_client import SCHEDULER_RETRY_AFTER_S
 from pagedserve.services.gateway.validation import PreparedRequest
 from pagedserve.services.rpc.tracing import set_routing_decision
 
@@ -75,7 +76,8 @@ class ResumableSubmission:
             if self.num_failovers > MAX_FAILOVERS:
                 raise Unavailable(f"request {self._request.request_id!r} failed over "
                                   f"{MAX_FAILOVERS} times; the last replica, {replica.address}, "
-                                  f"failed with: {error}") from error
+                                  f"failed with: {error}", reason=Reason.SCHEDULER_UNAVAILABLE,
+                                  retry_after_s=SCHEDULER_RETRY_AFTER_S) from error
             logger.warning("request %s: replica %s failed (%s); failing over (%d of %d)",
                            self._request.request_id, replica.address, error,
                            self.num_failovers, MAX_FAILOVERS)
@@ -105,11 +107,14 @@ class ResumableSubmission:
             raise Unavailable(
                 f"request {self._request.request_id!r} lost its replica after its outputs "
                 "were sent; beam search and best_of > n outputs are final only at the end, so "
-                "they cannot be resumed")
+                "they cannot be resumed", reason=Reason.SCHEDULER_UNAVAILABLE,
+                retry_after_s=SCHEDULER_RETRY_AFTER_S)
         unfinished = [i for i in range(sampling.n)
                       if not self._is_finished[i] and not self._is_stopped(i)]
         if not unfinished or any(not self._token_ids[i] for i in unfinished):
             raise Unavailable(f"request {self._request.request_id!r} lost its replica before "
-                              "every output had a token; it cannot be resumed")
+                              "every output had a token; it cannot be resumed",
+                              reason=Reason.SCHEDULER_UNAVAILABLE,
+                              retry_after_s=SCHEDULER_RETRY_AFTER_S)
         self._logprob_base = list(self._cumulative_logprob)
         return [ResumedOutput(i, list(self._token_ids[i])) for i in unfinished]

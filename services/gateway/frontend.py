@@ -20,11 +20,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 
 from pagedserve.services.common.config import RequestLimitsConfig
+from pagedserve.services.common.drain_rate import DrainRate
 from pagedserve.services.common.engine_api import AbortRequest
 from pagedserve.services.common.errors import (
     InvalidRequest,
     Overloaded,
     PagedServeError,
+    Reason,
     Unavailable,
 )
 from pagedserve.services.gateway.delta_buffer import DeltaBuffer
@@ -49,7 +51,8 @@ logger = logging.getLogger(__name__)
 
 class Admission:
     """Live requests of this gateway: refuses over the limit (RESOURCE_EXHAUSTED) and while
-    draining (UNAVAILABLE); `wait_idle` is what a drain waits on."""
+    draining (UNAVAILABLE); `wait_idle` is what a drain waits on. A refused client is told to
+    come back when, at the rate requests have been finishing, one has left."""
 
     def __init__(self, max_concurrent_requests: int) -> None:
         self._max_live = max_concurrent_requests
@@ -57,20 +60,28 @@ class Admission:
         self._is_draining = False
         self._idle = asyncio.Event()
         self._idle.set()
+        self._drain_rate = DrainRate()
 
     @contextlib.contextmanager
     def admit(self) -> Iterator[None]:
         if self._is_draining:
-            raise Unavailable("the gateway is shutting down; retry on another replica")
+            raise Unavailable("the gateway is shutting down; retry on another replica",
+                              reason=Reason.GATEWAY_DRAINING, retry_after_s=0.0)
         if self._num_live >= self._max_live:
             raise Overloaded(f"{self._num_live} requests in flight, the limit "
-                             f"(max_concurrent_requests) is {self._max_live}")
+                             f"(max_concurrent_requests) is {self._max_live}",
+                             reason=Reason.RATE_LIMITED,
+                             retry_after_s=self._drain_rate.wait_s(
+                                 self._num_live - self._max_live + 1),
+                             metadata={"limit": str(self._max_live),
+                                       "limit_name": "max_concurrent_requests"})
         self._num_live += 1
         self._idle.clear()
         try:
             yield
         finally:
             self._num_live -= 1
+            self._drain_rate.record()
             if self._num_live == 0:
                 self._idle.set()
 
@@ -131,7 +142,8 @@ class Frontend:
         same caller (or any request, for an admin: see ownership); the request's own stream
         then ends with finish_reason "abort"."""
         if not request_id:
-            raise InvalidRequest("request_id must not be empty, got ''")
+            raise InvalidRequest("request_id must not be empty, got ''",
+                                 reason=Reason.INVALID_REQUEST_ID, field="request_id")
         await self.replicas.abort(AbortRequest(request_id, caller.owner,
                                                is_admin(caller, self._admin_token)))
 
@@ -161,7 +173,8 @@ class Frontend:
             watchdog.cancel()
             pump.cancel()
         if errors:
-            raise PagedServeError(f"request {request.request_id!r} failed: {'; '.join(errors)}")
+            raise PagedServeError(f"request {request.request_id!r} failed: {'; '.join(errors)}",
+                                  reason=Reason.GENERATION_FAILED)
 
     async def _pump(self, request: PreparedRequest, buffer: DeltaBuffer,
                     timer: RequestTimer | None, owner: str) -> None:
@@ -185,7 +198,8 @@ class Frontend:
             return
         if not text_stream.is_finished:
             buffer.close(Unavailable(f"the scheduler ended request {request.request_id!r} "
-                                     "before every output finished"))
+                                     "before every output finished",
+                                     reason=Reason.SCHEDULER_UNAVAILABLE))
             return
         buffer.close()
         if timer is not None:
@@ -198,7 +212,8 @@ class Frontend:
         await buffer.wait_stalled(timeout_s)
         pump.cancel()
         error = Overloaded(f"request {request_id!r} aborted: its client stopped reading its "
-                           f"stream for stalled_stream_timeout_s={timeout_s:g}")
+                           f"stream for stalled_stream_timeout_s={timeout_s:g}",
+                           reason=Reason.STREAM_STALLED)
         logger.warning("%s (%d deltas pending)", error, len(buffer))
         buffer.close(error)
         try:

@@ -4,16 +4,23 @@ request cannot make the gateway, or the replica behind it, do unbounded work."""
 from __future__ import annotations
 
 from pagedserve.services.common.config import RequestLimitsConfig
-from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.errors import FieldViolation, InvalidRequest, Reason
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.gateway.validation import GenerateInput, ModelInfo
+from pagedserve.services.gateway.validation import (
+    GenerateInput,
+    ModelInfo,
+    check_context_length,
+)
 
 _BYTES_PER_TOKEN_ID = 4  # the size of a token id on every wire we take them from, at most
 
 
-def _require_at_most(name: str, value: int, limit: int, limit_name: str) -> None:
+def _require_at_most(name: str, value: int, limit: int, limit_name: str, field: str) -> None:
     if value > limit:
-        raise InvalidRequest(f"{name} must be at most {limit_name}={limit}, got {value}")
+        raise InvalidRequest(f"{name} must be at most {limit_name}={limit}, got {value}",
+                             reason=Reason.LIMIT_EXCEEDED, field=field,
+                             metadata={"value": str(value), "limit": str(limit),
+                                       "limit_name": limit_name})
 
 
 def max_num_seqs(limits: RequestLimitsConfig, info: ModelInfo) -> tuple[int, str]:
@@ -22,17 +29,27 @@ def max_num_seqs(limits: RequestLimitsConfig, info: ModelInfo) -> tuple[int, str
     return limits.max_num_seqs_per_request, "max_num_seqs_per_request"
 
 
-def request_bytes(request: GenerateInput) -> int:
-    strings: list[str] = list(request.sampling.stop)
+def _num_bytes(strings: list[str]) -> int:
+    return sum(len(s) if s.isascii() else len(s.encode("utf-8", "surrogatepass"))
+               for s in strings)
+
+
+def bytes_by_field(request: GenerateInput) -> dict[str, int]:
+    """The request's size in bytes, by the field that holds them."""
+    sizes = {"sampling.stop": _num_bytes(list(request.sampling.stop)),
+             "sampling.stop_token_ids":
+                 len(request.sampling.stop_token_ids) * _BYTES_PER_TOKEN_ID}
     if request.text is not None:
-        strings.append(request.text)
-    for message in request.messages or ():
-        strings += (message.role, message.content)
-    num_token_ids = len(request.token_ids or ()) + len(request.sampling.stop_token_ids)
-    size = num_token_ids * _BYTES_PER_TOKEN_ID
-    for s in strings:
-        size += len(s) if s.isascii() else len(s.encode("utf-8", "surrogatepass"))
-    return size
+        sizes["text"] = _num_bytes([request.text])
+    if request.messages is not None:
+        sizes["messages"] = _num_bytes([s for m in request.messages for s in (m.role, m.content)])
+    if request.token_ids is not None:
+        sizes["token_ids"] = len(request.token_ids) * _BYTES_PER_TOKEN_ID
+    return sizes
+
+
+def request_bytes(request: GenerateInput) -> int:
+    return sum(bytes_by_field(request).values())
 
 
 def check_request_cost(request: GenerateInput, limits: RequestLimitsConfig,
@@ -40,32 +57,33 @@ def check_request_cost(request: GenerateInput, limits: RequestLimitsConfig,
     """Before tokenization; cheap whatever the request asks."""
     sampling = request.sampling
     seq_limit, seq_limit_name = max_num_seqs(limits, info)
-    _require_at_most("n", sampling.n, seq_limit, seq_limit_name)
+    _require_at_most("n", sampling.n, seq_limit, seq_limit_name, "sampling.n")
     if sampling.best_of is not None:
-        _require_at_most("best_of", sampling.best_of, seq_limit, seq_limit_name)
+        _require_at_most("best_of", sampling.best_of, seq_limit, seq_limit_name,
+                         "sampling.best_of")
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(sampling, name)
         if value is not None:
-            _require_at_most(name, value, limits.max_logprobs, "max_logprobs")
+            _require_at_most(name, value, limits.max_logprobs, "max_logprobs", f"sampling.{name}")
     _require_at_most("the number of stop strings", len(sampling.stop), limits.max_stop_strings,
-                     "max_stop_strings")
+                     "max_stop_strings", "sampling.stop")
     for i, stop in enumerate(sampling.stop):
         _require_at_most(f"the length of stop[{i}]", len(stop), limits.max_stop_string_chars,
-                         "max_stop_string_chars")
+                         "max_stop_string_chars", f"sampling.stop[{i}]")
     if request.messages is not None:
         _require_at_most("the number of messages", len(request.messages),
-                         limits.max_chat_messages, "max_chat_messages")
-    _require_at_most("the request's size in bytes", request_bytes(request),
-                     limits.max_request_bytes, "max_request_bytes")
+                         limits.max_chat_messages, "max_chat_messages", "messages")
+    sizes = bytes_by_field(request)
+    _require_at_most("the request's size in bytes", sum(sizes.values()),
+                     limits.max_request_bytes, "max_request_bytes", max(sizes, key=sizes.get))
     if sampling.max_tokens >= info.max_model_len:
         raise InvalidRequest(f"max_tokens must be below max_model_len={info.max_model_len} (the "
-                             f"prompt needs at least one token), got {sampling.max_tokens}")
+                             f"prompt needs at least one token), got {sampling.max_tokens}",
+                             reason=Reason.MAX_TOKENS_TOO_LARGE, field="sampling.max_tokens",
+                             metadata={"value": str(sampling.max_tokens),
+                                       "limit": str(info.max_model_len - 1)})
     if request.token_ids is not None:
-        num_tokens = len(request.token_ids) + sampling.max_tokens
-        if num_tokens > info.max_model_len:
-            raise InvalidRequest(
-                f"prompt ({len(request.token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
-                f"must be at most max_model_len={info.max_model_len}, got {num_tokens}")
+        check_context_length(request, len(request.token_ids), info.max_model_len)
 
 
 def num_blocks_at_most(num_prompt_tokens: int, sampling: SamplingParams, block_size: int) -> int:
@@ -83,8 +101,15 @@ def check_fits_replica(num_prompt_tokens: int, sampling: SamplingParams, info: M
         return
     num_blocks = num_blocks_at_most(num_prompt_tokens, sampling, info.block_size)
     if num_blocks > info.num_gpu_blocks:
-        raise InvalidRequest(
+        message = (
             f"best_of={sampling.num_candidates} sequences of prompt ({num_prompt_tokens} tokens) "
             f"+ max_tokens ({sampling.max_tokens}) need {num_blocks} KV-cache blocks of "
             f"{info.block_size} tokens; the replica has num_gpu_blocks={info.num_gpu_blocks}: "
             "lower n, best_of or max_tokens")
+        fields = ["sampling.max_tokens"]
+        if sampling.num_candidates > 1:
+            fields.append("sampling.n" if sampling.best_of is None else "sampling.best_of")
+        raise InvalidRequest(message, reason=Reason.KV_CACHE_TOO_SMALL,
+                             violations=[FieldViolation(f, message) for f in fields],
+                             metadata={"value": str(num_blocks),
+                                       "limit": str(info.num_gpu_blocks)})

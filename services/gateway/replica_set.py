@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from pagedserve.services.common.config import RoutingConfig, TlsConfig, scheduler_targets
 from pagedserve.services.common.engine_api import AbortRequest, EngineLoad
-from pagedserve.services.common.errors import NotFound, PagedServeError, Unavailable
+from pagedserve.services.common.errors import NotFound, PagedServeError, Reason, Unavailable
 from pagedserve.services.gateway.routing import Candidate, Decision, Router
-from pagedserve.services.gateway.scheduler_client import SchedulerClient
+from pagedserve.services.gateway.scheduler_client import SCHEDULER_RETRY_AFTER_S, SchedulerClient
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,9 @@ class ReplicaSet:
                     await self._changed.wait()
         except TimeoutError:
             raise Unavailable(f"no scheduler replica of {', '.join(self.targets)} served within "
-                              f"failover_timeout_s={timeout_s:g}") from None
+                              f"failover_timeout_s={timeout_s:g}",
+                              reason=Reason.SCHEDULER_UNAVAILABLE,
+                              retry_after_s=SCHEDULER_RETRY_AFTER_S) from None
         candidates = [r for r in serving if r.address not in avoid] or serving
         decision = self.router.choose(
             [Candidate(r.address, r.num_requests) for r in candidates], prompt_token_ids,
@@ -150,7 +152,8 @@ class ReplicaSet:
         for error in results:
             if not isinstance(error, NotFound):
                 raise error
-        raise NotFound(f"request_id {request.request_id!r} is not running")
+        raise NotFound(f"request_id {request.request_id!r} is not running",
+                       reason=Reason.REQUEST_NOT_FOUND, field="request_id")
 
     async def close(self) -> None:
         if self._refresher is not None:

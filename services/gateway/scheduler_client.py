@@ -21,7 +21,7 @@ from pagedserve.services.common.engine_api import (
     ResumedOutput,
     SubmitRequest,
 )
-from pagedserve.services.common.errors import Unavailable
+from pagedserve.services.common.errors import Reason, Unavailable
 from pagedserve.services.common.outputs import RequestOutput
 from pagedserve.services.gateway.validation import PreparedRequest
 from pagedserve.services.rpc.convert_scheduler import (
@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 PEER = "scheduler"
 MAX_RECONNECT_BACKOFF_MS = 2_000  # a restarted scheduler is used again within this
+# what a client is told to wait when no scheduler serves its request: a restart is seen by then
+SCHEDULER_RETRY_AFTER_S = MAX_RECONNECT_BACKOFF_MS / 1000
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
@@ -51,6 +53,16 @@ CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", 64 << 20),
 )
 _FAILED_STATES = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
+
+
+def _request_field(path: str) -> str:
+    """A SubmitRequest field path as the client's request names it: the prompt's ids are its
+    token_ids (a text prompt's ids come from the tokenizer and are always valid)."""
+    if path == "prompt_token_ids":
+        return "prompt"
+    if path.startswith("prompt_token_ids["):
+        return path.removeprefix("prompt_")
+    return path
 
 
 class SchedulerClient:
@@ -82,7 +94,9 @@ class SchedulerClient:
             raise error_from_rpc(exc, PEER) from exc
         finally:
             call.cancel()
-        raise Unavailable(f"{PEER} at {self.address} ended its health stream before serving")
+        raise Unavailable(f"{PEER} at {self.address} ended its health stream before serving",
+                          reason=Reason.SCHEDULER_UNAVAILABLE,
+                          retry_after_s=SCHEDULER_RETRY_AFTER_S)
 
     async def get_served_model(self) -> scheduler_pb2.GetServedModelResponse:
         try:
@@ -108,7 +122,9 @@ class SchedulerClient:
             raise error_from_rpc(exc, PEER) from exc
         finally:
             call.cancel()
-        raise Unavailable(f"{PEER} at {self.address} ended its load stream")
+        raise Unavailable(f"{PEER} at {self.address} ended its load stream",
+                          reason=Reason.SCHEDULER_UNAVAILABLE,
+                          retry_after_s=SCHEDULER_RETRY_AFTER_S)
 
     async def submit(self, request: PreparedRequest, owner: str = "",
                      resumed_outputs: list[ResumedOutput] | None = None
@@ -125,7 +141,7 @@ class SchedulerClient:
                 yield token_event_from_proto(event, request.request_id, wants_prompt_logprobs)
                 wants_prompt_logprobs = False
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc, PEER) from exc
+            raise error_from_rpc(exc, PEER).with_fields(_request_field) from exc
         finally:
             call.cancel()  # no-op once the stream ended; otherwise it aborts the request
 
@@ -138,7 +154,9 @@ class SchedulerClient:
         while state != grpc.ChannelConnectivity.READY:
             remaining = deadline - loop.time()
             if state in _FAILED_STATES or remaining <= 0:
-                raise Unavailable(f"{PEER} at {self.address} is unreachable ({state.name})")
+                raise Unavailable(f"{PEER} at {self.address} is unreachable ({state.name})",
+                                  reason=Reason.SCHEDULER_UNAVAILABLE,
+                                  retry_after_s=SCHEDULER_RETRY_AFTER_S)
             try:
                 await asyncio.wait_for(self._channel.wait_for_state_change(state), remaining)
             except TimeoutError:

@@ -15,6 +15,7 @@ from pagedserve.services.gateway.convert import (
     generate_request_from_proto,
     generate_response_to_proto,
     model_info_to_proto,
+    proto_field_path,
     stream_delta_to_proto,
     tokenize_request_from_proto,
     tokenize_response_to_proto,
@@ -22,7 +23,7 @@ from pagedserve.services.gateway.convert import (
 from pagedserve.services.gateway.frontend import Frontend
 from pagedserve.services.gateway.ownership import grpc_caller
 from pagedserve.services.gateway.validation import ModelInfo
-from pagedserve.services.rpc.status import map_errors, status_of
+from pagedserve.services.rpc.status import grpc_status_of, map_errors
 from pagedserve.services.rpc.tracing import set_request_model
 from pagedserve.services.rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -31,8 +32,8 @@ async def _end_stalled_call(context: grpc.aio.ServicerContext, error: PagedServe
     """Queue the call's status behind the output its client has not read, so a client that
     reads again learns why; the Frontend then cancels the handler, which frees the call at once
     instead of waiting for the client."""
-    code, message = status_of(error)
-    ending = asyncio.ensure_future(context.abort(code, message))
+    ending = asyncio.ensure_future(context.abort_with_status(
+        grpc_status_of(error.with_fields(proto_field_path))))
     ending.add_done_callback(_ignore_abort_error)
     await asyncio.sleep(0)  # let the abort hand its status to gRPC before the handler is cancelled
 
@@ -50,7 +51,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         metrics = self._frontend.metrics
         return contextlib.nullcontext() if metrics is None else metrics.track(method)
 
-    @map_errors
+    @map_errors(field_path=proto_field_path)
     async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest,
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
@@ -64,7 +65,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                     prepared, on_stalled, grpc_caller(context)):
                 yield stream_delta_to_proto(delta, prepared.request_id)
 
-    @map_errors
+    @map_errors(field_path=proto_field_path)
     async def Generate(self, request: gateway_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateResponse:
         arrival_s = time.monotonic()
@@ -76,13 +77,13 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 prepared, caller=grpc_caller(context))]
         return generate_response_to_proto(prepared.request_id, deltas, prepared.sampling.n)
 
-    @map_errors
+    @map_errors(field_path=proto_field_path)
     async def Tokenize(self, request: gateway_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> gateway_pb2.TokenizeResponse:
         token_ids = await self._frontend.tokenize(tokenize_request_from_proto(request))
         return tokenize_response_to_proto(token_ids, self._frontend.info.max_model_len)
 
-    @map_errors
+    @map_errors(field_path=proto_field_path)
     async def Abort(self, request: gateway_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> gateway_pb2.AbortResponse:
         await self._frontend.abort(request.request_id, grpc_caller(context))
@@ -93,7 +94,7 @@ class ModelServicer(gateway_pb2_grpc.ModelServiceServicer):
     def __init__(self, model_info: ModelInfo) -> None:
         self._info = model_info
 
-    @map_errors
+    @map_errors(field_path=proto_field_path)
     async def GetModelInfo(self, request: gateway_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> gateway_pb2.GetModelInfoResponse:
         return model_info_to_proto(self._info)

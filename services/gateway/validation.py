@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.errors import FieldViolation, InvalidRequest, Reason
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.text.tokenizer import Tokenizer
 
@@ -58,30 +58,42 @@ class PreparedRequest:
 def prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo) -> list[int]:
     if request.text is not None:
         if not request.text:
-            raise InvalidRequest("prompt text must not be empty, got ''")
-        _check_prompt_chars("prompt text", len(request.text), tokenizer, info)
+            raise InvalidRequest("prompt text must not be empty, got ''",
+                                 reason=Reason.PROMPT_EMPTY, field="text")
+        _check_prompt_chars("prompt text", "text", len(request.text), tokenizer, info)
         return tokenizer.encode(request.text, add_special_tokens=True)
     if request.messages is not None:
         if not info.has_chat_template:
             raise InvalidRequest(f"prompt messages need a chat template, but model "
-                                 f"{info.model!r} has none; send text or token_ids")
+                                 f"{info.model!r} has none; send text or token_ids",
+                                 reason=Reason.NO_CHAT_TEMPLATE, field="messages")
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        _check_prompt_chars("the messages' content", sum(len(m["content"]) for m in messages),
-                            tokenizer, info)
+        _check_prompt_chars("the messages' content", "messages",
+                            sum(len(m["content"]) for m in messages), tokenizer, info)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     if request.token_ids is not None:
         token_ids = list(request.token_ids)
         if not token_ids:
-            raise InvalidRequest("prompt token_ids must not be empty, got []")
-        bad = [t for t in token_ids if not 0 <= t < info.vocab_size][:8]
-        if bad:
-            raise InvalidRequest(
-                f"prompt token_ids must be in [0, vocab_size={info.vocab_size}), got {bad}")
+            raise InvalidRequest("prompt token_ids must not be empty, got []",
+                                 reason=Reason.PROMPT_EMPTY, field="token_ids")
+        check_token_ids("token_ids", token_ids, info.vocab_size, "prompt token_ids")
         return token_ids
-    raise InvalidRequest("prompt must be set: one of text, token_ids or messages")
+    raise InvalidRequest("prompt must be set: one of text, token_ids or messages",
+                         reason=Reason.PROMPT_MISSING, field="prompt")
 
 
-def _check_prompt_chars(what: str, num_chars: int, tokenizer: Tokenizer,
+def check_token_ids(field: str, token_ids: list[int], vocab_size: int, what: str) -> None:
+    """UNKNOWN_TOKEN_ID with one violation per bad id (the first 8): `field[i]`."""
+    bad = [(i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size][:8]
+    if bad:
+        raise InvalidRequest(
+            f"{what} must be in [0, vocab_size={vocab_size}), got {[t for _, t in bad]}",
+            reason=Reason.UNKNOWN_TOKEN_ID,
+            violations=[FieldViolation(f"{field}[{i}]", f"{t} is not in [0, {vocab_size})")
+                        for i, t in bad])
+
+
+def _check_prompt_chars(what: str, field: str, num_chars: int, tokenizer: Tokenizer,
                         info: ModelInfo) -> None:
     """Refuses, before tokenizing it (hundreds of bytes of memory a token), text that cannot
     encode to max_model_len tokens or fewer: no token spans more than max_token_chars characters
@@ -90,7 +102,9 @@ def _check_prompt_chars(what: str, num_chars: int, tokenizer: Tokenizer,
     if num_chars > limit:
         raise InvalidRequest(
             f"{what} must be at most {limit} characters (max_model_len={info.max_model_len} "
-            f"tokens of at most {tokenizer.max_token_chars} characters, twice), got {num_chars}")
+            f"tokens of at most {tokenizer.max_token_chars} characters, twice), got {num_chars}",
+            reason=Reason.PROMPT_TOO_LONG, field=field,
+            metadata={"value": str(num_chars), "limit": str(limit)})
 
 
 def check_request(request: GenerateInput, info: ModelInfo) -> str:
@@ -98,22 +112,49 @@ def check_request(request: GenerateInput, info: ModelInfo) -> str:
     request_id = request.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, "
-                             f"got {len(request_id)}")
-    request.sampling.verify_for_model(info.vocab_size)
+                             f"got {len(request_id)}", reason=Reason.INVALID_REQUEST_ID,
+                             field="request_id",
+                             metadata={"value": str(len(request_id)),
+                                       "limit": str(MAX_REQUEST_ID_CHARS)})
+    try:
+        request.sampling.verify_for_model(info.vocab_size)
+    except InvalidRequest as exc:
+        raise exc.nested("sampling") from None
     return request_id
 
 
 def prepared_request(request: GenerateInput, request_id: str, token_ids: list[int],
                      info: ModelInfo, arrival_s: float | None = None) -> PreparedRequest:
-    sampling = request.sampling
-    num_tokens = len(token_ids) + sampling.max_tokens
-    if num_tokens > info.max_model_len:
-        raise InvalidRequest(
-            f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) must be at "
-            f"most max_model_len={info.max_model_len}, got {num_tokens}")
-    return PreparedRequest(request_id=request_id, prompt_token_ids=token_ids, sampling=sampling,
+    check_context_length(request, len(token_ids), info.max_model_len)
+    return PreparedRequest(request_id=request_id, prompt_token_ids=token_ids,
+                           sampling=request.sampling,
                            priority=request.priority,
                            arrival_s=time.monotonic() if arrival_s is None else arrival_s)
+
+
+def prompt_field(request: GenerateInput) -> str:
+    if request.text is not None:
+        return "text"
+    return "token_ids" if request.token_ids is not None else "messages"
+
+
+def check_context_length(request: GenerateInput, num_prompt_tokens: int,
+                         max_model_len: int) -> None:
+    """prompt + max_tokens must fit max_model_len: PROMPT_TOO_LONG when the prompt leaves no
+    room for a single token, else MAX_TOKENS_TOO_LARGE (the client lowers max_tokens)."""
+    max_tokens = request.sampling.max_tokens
+    num_tokens = num_prompt_tokens + max_tokens
+    if num_tokens <= max_model_len:
+        return
+    message = (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) must be at "
+               f"most max_model_len={max_model_len}, got {num_tokens}")
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequest(message, reason=Reason.PROMPT_TOO_LONG, field=prompt_field(request),
+                             metadata={"value": str(num_prompt_tokens),
+                                       "limit": str(max_model_len - 1)})
+    raise InvalidRequest(message, reason=Reason.MAX_TOKENS_TOO_LARGE, field="sampling.max_tokens",
+                         metadata={"value": str(max_tokens),
+                                   "limit": str(max_model_len - num_prompt_tokens)})
 
 
 def prepare_request(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo

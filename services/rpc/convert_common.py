@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from google.protobuf.message import Message
-from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.errors import InvalidRequest, Reason
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import TokenLogprob
@@ -30,7 +30,8 @@ def _set(msg: Message, name: str, value: object) -> None:
     try:
         setattr(msg, name, value)
     except (TypeError, ValueError) as e:  # out of the proto field's range (int32, int64, ...)
-        raise InvalidRequest(f"{name} is out of range, got {value!r}") from e
+        raise InvalidRequest(f"{name} is out of range, got {value!r}",
+                             reason=Reason.INVALID_SAMPLING_PARAMS, field=name) from e
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -51,7 +52,8 @@ def fill_sampling_params(msg: Message, params: SamplingParams) -> None:
         msg.stop_token_ids.extend(params.stop_token_ids)
     except (TypeError, ValueError) as e:
         raise InvalidRequest(
-            f"stop_token_ids is out of range, got {list(params.stop_token_ids)}") from e
+            f"stop_token_ids is out of range, got {list(params.stop_token_ids)}",
+            reason=Reason.INVALID_SAMPLING_PARAMS, field="stop_token_ids") from e
 
 
 def sampling_params_from_proto(msg: Message) -> SamplingParams:

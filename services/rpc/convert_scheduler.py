@@ -10,6 +10,7 @@ from pagedserve.services.common.engine_api import (
 )
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.outputs import CompletionOutput, RequestOutput
+from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import TokenLogprob, WorkerInfo
 from pagedserve.services.rpc.convert_common import (
     add_logprob_lists,
@@ -22,10 +23,21 @@ from pagedserve.services.rpc.convert_common import (
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2
 
 
+def _sampling_from_proto(msg: scheduler_pb2.SubmitRequest) -> SamplingParams:
+    try:
+        return sampling_params_from_proto(msg.sampling)
+    except InvalidRequest as exc:
+        raise exc.nested("sampling") from None
+
+
 def submit_request_to_proto(request: SubmitRequest) -> scheduler_pb2.SubmitRequest:
+    try:
+        sampling = sampling_params_to_proto(request.sampling)
+    except InvalidRequest as exc:
+        raise exc.nested("sampling") from None
     return scheduler_pb2.SubmitRequest(
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-        sampling=sampling_params_to_proto(request.sampling), priority=request.priority,
+        sampling=sampling, priority=request.priority,
         owner=request.owner,
         resumed_outputs=[scheduler_pb2.ResumedOutput(index=o.index, token_ids=o.token_ids)
                          for o in request.resumed_outputs])
@@ -37,10 +49,11 @@ def submit_request_from_proto(msg: scheduler_pb2.SubmitRequest) -> SubmitRequest
     resumed = [ResumedOutput(o.index, list(o.token_ids)) for o in msg.resumed_outputs]
     indices = [o.index for o in resumed]
     if len(set(indices)) != len(indices):
-        raise InvalidRequest(f"resumed_outputs must name each index once, got {indices}")
+        raise InvalidRequest(f"resumed_outputs must name each index once, got {indices}",
+                             field="resumed_outputs")
     return SubmitRequest(
         request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
-        sampling=sampling_params_from_proto(msg.sampling), priority=msg.priority,
+        sampling=_sampling_from_proto(msg), priority=msg.priority,
         owner=msg.owner, resumed_outputs=resumed)
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+from pagedserve.services.common.errors import InvalidRequest, Reason
+from pagedserve.services.rpc.status import abort_with
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,9 +37,10 @@ def _safe(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 
 
 async def _refuse(request: MalformedRequest, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"the request is not a valid protobuf message of this method's request "
-                        f"type ({request.reason})")
+    """No field to name: the bytes did not parse into fields."""
+    await abort_with(context, InvalidRequest(
+        f"the request is not a valid protobuf message of this method's request type "
+        f"({request.reason})", reason=Reason.MALFORMED_REQUEST))
 
 
 def _guard(behavior: Callable[..., Any]) -> Callable[..., Any]:

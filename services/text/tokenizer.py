@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jinja2
 import transformers
-from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.errors import InvalidRequest, Reason
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +65,16 @@ class Tokenizer:
                     add_generation_prompt: bool = True) -> str:
         if not self.has_chat_template:
             raise InvalidRequest("messages need a chat template, but the model has none; "
-                                 "send a text prompt or token_ids instead")
+                                 "send a text prompt or token_ids instead",
+                                 reason=Reason.NO_CHAT_TEMPLATE, field="messages")
         _check_messages(messages)
         try:
             return self.hf_tokenizer.apply_chat_template(
                 [dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
                 tokenize=False)
         except jinja2.TemplateError as exc:  # e.g. a template's raise_exception("roles must alternate")
-            raise InvalidRequest(f"messages rejected by the chat template: {exc}") from exc
+            raise InvalidRequest(f"messages rejected by the chat template: {exc}",
+                                 reason=Reason.INVALID_CHAT_MESSAGE, field="messages") from exc
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
                             add_generation_prompt: bool = True) -> list[int]:
@@ -83,15 +85,19 @@ class Tokenizer:
 
 def _check_messages(messages: Sequence[Mapping[str, str]]) -> None:
     if not messages:
-        raise InvalidRequest("messages must not be empty")
+        raise InvalidRequest("messages must not be empty", reason=Reason.PROMPT_EMPTY,
+                             field="messages")
     for i, message in enumerate(messages):
         role = message.get("role", "")
         if role not in CHAT_ROLES:
             raise InvalidRequest(
-                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                reason=Reason.INVALID_CHAT_MESSAGE, field=f"messages[{i}].role")
         content = message.get("content", "")
         if not isinstance(content, str) or not content:
-            raise InvalidRequest(f"messages[{i}].content must be a non-empty string, got {content!r}")
+            raise InvalidRequest(f"messages[{i}].content must be a non-empty string, got "
+                                 f"{content!r}", reason=Reason.INVALID_CHAT_MESSAGE,
+                                 field=f"messages[{i}].content")
 
 
 def _generation_eos_ids(path: Path) -> list[int]:

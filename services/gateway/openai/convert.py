@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.errors import InvalidRequest, Reason
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.gateway.openai.protocol import (
     ChatCompletionRequest,
@@ -28,15 +28,20 @@ def _brief(value: Any, max_chars: int = 80) -> str:
 
 def _reject_unsupported(request: GenerationRequest) -> None:
     if request.logit_bias:
-        raise InvalidRequest(f"logit_bias is not supported, got {_brief(request.logit_bias)}")
+        raise InvalidRequest(f"logit_bias is not supported, got {_brief(request.logit_bias)}",
+                             reason=Reason.UNSUPPORTED_PARAMETER, field="logit_bias")
     if isinstance(request, ChatCompletionRequest):
         if request.tools:
-            raise InvalidRequest(f"tools are not supported, got {len(request.tools)} tools")
+            raise InvalidRequest(f"tools are not supported, got {len(request.tools)} tools",
+                                 reason=Reason.UNSUPPORTED_PARAMETER, field="tools")
         kind = (request.response_format or {}).get("type", "text")
         if kind != "text":
-            raise InvalidRequest(f"response_format type must be 'text', got {kind!r}")
+            raise InvalidRequest(f"response_format type must be 'text', got {kind!r}",
+                                 reason=Reason.UNSUPPORTED_PARAMETER,
+                                 field="response_format.type")
     if isinstance(request, CompletionRequest) and request.suffix:
-        raise InvalidRequest(f"suffix is not supported, got {_brief(request.suffix)}")
+        raise InvalidRequest(f"suffix is not supported, got {_brief(request.suffix)}",
+                             reason=Reason.UNSUPPORTED_PARAMETER, field="suffix")
 
 
 def sampling_params(request: GenerationRequest, max_tokens: int | None,
@@ -64,14 +69,16 @@ def completion_prompts(prompt: str | list[Any]) -> list[GenerateInput]:
     if isinstance(prompt, str):
         return [GenerateInput(text=prompt)]
     if not prompt:
-        raise InvalidRequest("prompt must not be empty, got []")
+        raise InvalidRequest("prompt must not be empty, got []", reason=Reason.PROMPT_EMPTY,
+                             field="prompt")
     if all(isinstance(p, str) for p in prompt):
         return [GenerateInput(text=p) for p in prompt]
     if all(_is_token_id(t) for t in prompt):
         return [GenerateInput(token_ids=tuple(prompt))]
     if all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
         return [GenerateInput(token_ids=tuple(p)) for p in prompt]
-    raise InvalidRequest(f"prompt must be {_PROMPT_SHAPES}, got {_brief(prompt)}")
+    raise InvalidRequest(f"prompt must be {_PROMPT_SHAPES}, got {_brief(prompt)}",
+                         reason=Reason.INVALID_PROMPT, field="prompt")
 
 
 def _is_token_id(value: Any) -> bool:
@@ -94,11 +101,14 @@ def _message_text(content: str | list[dict[str, Any]] | None, index: int) -> str
         kind = part.get("type")
         if kind != "text":
             raise InvalidRequest(f"messages[{index}].content[{j}].type must be 'text' (the only "
-                                 f"content part served), got {_brief(kind)}")
+                                 f"content part served), got {_brief(kind)}",
+                                 reason=Reason.INVALID_CHAT_MESSAGE,
+                                 field=f"messages[{index}].content[{j}].type")
         text = part.get("text")
         if not isinstance(text, str):
             raise InvalidRequest(f"messages[{index}].content[{j}].text must be a string, got "
-                                 f"{_brief(text)}")
+                                 f"{_brief(text)}", reason=Reason.INVALID_CHAT_MESSAGE,
+                                 field=f"messages[{index}].content[{j}].text")
         texts.append(text)
     return "\n".join(texts)
 
@@ -107,7 +117,8 @@ def chat_top_logprobs(request: ChatCompletionRequest) -> int | None:
     """SamplingParams.logprobs for a chat request: top_logprobs needs logprobs=true."""
     if request.top_logprobs and not request.logprobs:
         raise InvalidRequest(f"top_logprobs needs logprobs=true, got top_logprobs="
-                             f"{request.top_logprobs} with logprobs=false")
+                             f"{request.top_logprobs} with logprobs=false",
+                             reason=Reason.INVALID_SAMPLING_PARAMS, field="top_logprobs")
     return (request.top_logprobs or 0) if request.logprobs else None
 
 
@@ -119,7 +130,9 @@ def chat_max_tokens(request: ChatCompletionRequest, num_prompt_tokens: int,
     if request.max_completion_tokens is not None:
         if request.max_completion_tokens < 1:
             raise InvalidRequest(f"max_completion_tokens must be at least 1, got "
-                                 f"{request.max_completion_tokens}")
+                                 f"{request.max_completion_tokens}",
+                                 reason=Reason.INVALID_SAMPLING_PARAMS,
+                                 field="max_completion_tokens")
         return request.max_completion_tokens
     if request.max_tokens is not None:
         return request.max_tokens

@@ -1,11 +1,13 @@
 """OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`, and the one mapping from
-the error taxonomy (and FastAPI's own failures) to HTTP status codes."""
+the error taxonomy (and FastAPI's own failures) to HTTP status codes. `code` is the error's
+reason, the same string gRPC clients read in ErrorInfo; `param` its first field, by the OpenAI
+body's names; a status worth retrying carries a Retry-After header."""
 
 from __future__ import annotations
 
 import json
 import logging
-import re
+import math
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -16,6 +18,7 @@ from pagedserve.services.common.errors import (
     NotFound,
     Overloaded,
     PagedServeError,
+    Reason,
     Unavailable,
 )
 from pagedserve.services.gateway.openai.protocol import ErrorInfo, ErrorResponse
@@ -35,18 +38,35 @@ _TYPE_BY_STATUS = {
     HTTPStatus.METHOD_NOT_ALLOWED: "invalid_request_error",
     **{status: kind for _, status, kind in _TO_STATUS},
 }
-# "temperature must be ...", "messages[0].content[1].type must ...": the field a message is about
-_FIELD_FIRST = re.compile(r"^([A-Za-z_][\w.\[\]]*) (?:must|is|are|needs)\b")
+_REASON_BY_STATUS = {
+    HTTPStatus.UNAUTHORIZED: Reason.UNAUTHENTICATED,
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: Reason.LIMIT_EXCEEDED,
+    HTTPStatus.METHOD_NOT_ALLOWED: Reason.INVALID_REQUEST,
+    HTTPStatus.NOT_FOUND: Reason.NOT_FOUND,
+}
+# the gateway's GenerateInput fields that an OpenAI body names otherwise
+_PROMPT_FIELDS = ("text", "token_ids")
 
 
 class ModelNotFound(NotFound):
-    pass
+    default_reason = Reason.MODEL_NOT_FOUND
+
+
+def openai_param(path: str) -> str:
+    """A GenerateInput field path as the OpenAI body names it: sampling parameters sit at the
+    top level, and text or token ids are the `prompt`."""
+    path = path.removeprefix("sampling.")
+    for name in _PROMPT_FIELDS:
+        if path == name or path.startswith(f"{name}["):
+            return "prompt" + path[len(name):]
+    return path
 
 
 def error_body(status: HTTPStatus, message: str, param: str | None = None,
                code: str | None = None) -> ErrorResponse:
     kind = _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param,
+                                         code=None if code is None else str(code)))
 
 
 def error_response(status: HTTPStatus, message: str, param: str | None = None,
@@ -64,14 +84,18 @@ def status_of(exc: BaseException) -> tuple[HTTPStatus, str]:
 
 def error_for(exc: BaseException) -> ErrorResponse:
     status, message = status_of(exc)
-    match = _FIELD_FIRST.match(message) if status == HTTPStatus.BAD_REQUEST else None
-    code = "model_not_found" if isinstance(exc, ModelNotFound) else None
-    param = "model" if code else (match.group(1) if match else None)
-    return error_body(status, message, param, code)
+    if not isinstance(exc, PagedServeError):
+        return error_body(status, message, code=Reason.INTERNAL)
+    param = openai_param(exc.violations[0].field) if exc.violations else None
+    return error_body(status, message, param, exc.reason)
 
 
 def response_for(exc: BaseException) -> JSONResponse:
-    return JSONResponse(error_for(exc).model_dump(), status_code=status_of(exc)[0])
+    response = JSONResponse(error_for(exc).model_dump(), status_code=status_of(exc)[0])
+    retry_after_s = exc.retry_after_s if isinstance(exc, (Overloaded, Unavailable)) else None
+    if retry_after_s is not None:
+        response.headers["Retry-After"] = str(math.ceil(retry_after_s))
+    return response
 
 
 def _param_of(loc: tuple[int | str, ...]) -> str:
@@ -103,14 +127,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         param, message = _validation_message(exc)
-        return error_response(HTTPStatus.BAD_REQUEST, message, param)
+        return error_response(HTTPStatus.BAD_REQUEST, message, param, Reason.INVALID_BODY)
 
     async def on_http(request: Request, exc: HTTPException) -> JSONResponse:
         status = HTTPStatus(exc.status_code)
         message = exc.detail if isinstance(exc.detail, str) else status.phrase
         if status == HTTPStatus.NOT_FOUND:
             message = f"no route {request.method} {request.url.path}"
-        return error_response(status, message)
+        return error_response(status, message, code=_REASON_BY_STATUS.get(status, Reason.INTERNAL))
 
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         return response_for(exc)

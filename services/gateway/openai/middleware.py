@@ -8,6 +8,7 @@ from collections.abc import Collection
 from http import HTTPStatus
 
 from pagedserve.services.common.api_key import is_authorized
+from pagedserve.services.common.errors import Reason
 from pagedserve.services.gateway.openai.errors import error_response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -40,7 +41,7 @@ class ApiKeyGuard:
                 and not is_authorized(self._api_key, Headers(scope=scope).get("authorization"))):
             response = error_response(
                 HTTPStatus.UNAUTHORIZED, "a valid API key is required: header "
-                "'Authorization: Bearer <key>'", code="invalid_api_key")
+                "'Authorization: Bearer <key>'", code=Reason.UNAUTHENTICATED)
             response.headers["WWW-Authenticate"] = "Bearer"
             await response(scope, receive, send)
             return
@@ -64,7 +65,8 @@ class BodyLimit:
         length = Headers(scope=scope).get("content-length", "")
         if length.isdigit() and int(length) > self._max_bytes:
             await error_response(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                                 self._too_large(int(length)))(scope, receive, send)
+                                 self._too_large(int(length)), code=Reason.LIMIT_EXCEEDED
+                                 )(scope, receive, send)
             return
         num_received = 0
 

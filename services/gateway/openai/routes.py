@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import FastAPI, Request
-from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.errors import InvalidRequest, Reason
 from pagedserve.services.gateway.openai.chat import create_chat_completion
 from pagedserve.services.gateway.openai.completions import create_completion
 from pagedserve.services.gateway.openai.convert import chat_messages
@@ -59,7 +59,8 @@ def build_app(serving: OpenAIServing, api_key: str = "",
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
-            raise InvalidRequest("prompt or messages must be set, not both nor neither")
+            raise InvalidRequest("prompt or messages must be set, not both nor neither",
+                                 reason=Reason.PROMPT_MISSING, field="prompt")
         if body.messages is not None:
             token_ids = await frontend.tokenize(
                 GenerateInput(messages=chat_messages(body.messages)))
@@ -77,7 +78,8 @@ def build_app(serving: OpenAIServing, api_key: str = "",
         vocab_size = frontend.info.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab_size][:8]
         if bad:
-            raise InvalidRequest(f"tokens must be in [0, vocab_size={vocab_size}), got {bad}")
+            raise InvalidRequest(f"tokens must be in [0, vocab_size={vocab_size}), got {bad}",
+                                 reason=Reason.UNKNOWN_TOKEN_ID, field="tokens")
         return DetokenizeResponse(prompt=await asyncio.to_thread(frontend.tokenizer.decode,
                                                                  body.tokens))
 

@@ -36,7 +36,7 @@ class OpenAIServing:
         """A request's `model` must be the served name (or absent)."""
         if model is not None and model != self.model_name:
             raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
-                                f"{self.model_name!r}")
+                                f"{self.model_name!r}", field="model")
 
 
 def usage_info(usages: Iterable[Usage]) -> UsageInfo:
