@@ -116,15 +116,14 @@ class SamplingParams:
             value = getattr(self, name)
             check.require(value is None or 0 <= value <= MAX_LOGPROBS, name,
                           f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
-        width = "n" if self.best_of is None else "best_of"
         if self.use_beam_search:
-            check.require(self.num_candidates >= 2, width,
+            check.require(self.num_candidates >= 2, "best_of",
                           f"best_of (the beam width) must be >= 2 for beam search, "
                           f"got {self.num_candidates}")
             check.require(self.is_greedy, "temperature",
                           f"temperature must be 0 for beam search, got {self.temperature}")
         elif self.is_greedy:
-            check.require(self.num_candidates == 1, width,
+            check.require(self.num_candidates == 1, "n" if self.best_of is None else "best_of",
                           f"best_of must be 1 when sampling greedily (temperature=0), "
                           f"got {self.num_candidates}")
         check.raise_any()

@@ -8,13 +8,17 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 import grpc
+from grpc_status import rpc_status
 from pagedserve.services.common.api_key import is_authorized
+from pagedserve.services.common.errors import Reason
+from pagedserve.services.rpc.status import status_with_reason
 
 _MESSAGE = "a valid API key is required: metadata 'authorization: Bearer <key>'"
 
 
 async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
+    await context.abort_with_status(rpc_status.to_status(status_with_reason(
+        grpc.StatusCode.UNAUTHENTICATED, _MESSAGE, Reason.UNAUTHENTICATED)))
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

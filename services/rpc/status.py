@@ -88,13 +88,19 @@ def details_of(exc: BaseException) -> ErrorDetails:
                         exc.retry_after_s if retried else None)
 
 
+def status_with_reason(code: grpc.StatusCode, message: str, reason: Reason,
+                       metadata: Mapping[str, str] | None = None) -> status_pb2.Status:
+    status = status_pb2.Status(code=code.value[0], message=message)
+    status.details.add().Pack(error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN,
+                                                          metadata=metadata))
+    return status
+
+
 def rich_status(exc: BaseException) -> status_pb2.Status:
     """The google.rpc.Status a handler ends with for `exc`: code, message, details."""
     code, message = status_of(exc)
     details = details_of(exc)
-    status = status_pb2.Status(code=code.value[0], message=message)
-    status.details.add().Pack(error_details_pb2.ErrorInfo(
-        reason=details.reason, domain=details.domain, metadata=details.metadata))
+    status = status_with_reason(code, message, Reason(details.reason), details.metadata)
     if details.violations and code == grpc.StatusCode.INVALID_ARGUMENT:
         status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[
             error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)

@@ -2,17 +2,24 @@
 with a scripted reply (`tokens_per_event` tokens per event, the reply cycled up to
 `num_reply_tokens` if set), for each of the n outputs, then ends with EOS ("stop") or "length" at
 max_tokens. With `hang=True` it keeps the stream open after the reply until the
-request is aborted or the call cancelled, and records which happened."""
+request is aborted or the call cancelled, and records which happened. With `limits` set it
+first runs the scheduler's own request and admission checks (its live calls are its queue) and
+refuses as the scheduler does, details included."""
 
 from __future__ import annotations
 
 import asyncio
 
 import grpc
+from pagedserve.scheduler_svc.request_checks import RequestLimits, check_admission, check_request
+from pagedserve.services.common.drain_rate import DrainRate
+from pagedserve.services.common.errors import PagedServeError
 from pagedserve.services.gateway.validation import ModelInfo
 from pagedserve.services.rpc.convert_common import sampling_params_from_proto
+from pagedserve.services.rpc.convert_scheduler import submit_request_from_proto
 from pagedserve.services.rpc.internal.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
+from pagedserve.services.rpc.status import abort_with
 
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -33,8 +40,22 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.aborted: set[str] = set()
         self._abort_events: dict[str, asyncio.Event] = {}
         self.any_cancelled = asyncio.Event()
+        self.limits: RequestLimits | None = None
+        self.drain_rate = DrainRate()
+
+    def _check(self, request) -> None:
+        submit = submit_request_from_proto(request)
+        check_request(submit.request_id, submit.prompt_token_ids, submit.sampling,
+                      submit.priority, self.limits)
+        check_admission(submit.prompt_token_ids, submit.sampling, self.limits,
+                        len(self._abort_events), self.drain_rate.wait_s)
 
     async def Submit(self, request, context):
+        if self.limits is not None:
+            try:
+                self._check(request)
+            except PagedServeError as exc:
+                await abort_with(context, exc)
         self.submits.append(request)
         request_id = request.request_id
         sampling = sampling_params_from_proto(request.sampling)
@@ -87,6 +108,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                 self.cancelled.add(request_id)
                 self.any_cancelled.set()
             self._abort_events.pop(request_id, None)
+            self.drain_rate.record()
 
     async def Abort(self, request, context):
         event = self._abort_events.get(request.request_id)

@@ -46,9 +46,9 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def harness(model_dir, max_concurrent_requests=8, max_model_len=MAX_MODEL_LEN,
-                  limits=None, capacity=None, routing=None):
+                  limits=None, capacity=None, routing=None, http=None):
     """`capacity`: the replica's (block_size, num_gpu_blocks, max_num_seqs); none reported
-    by default."""
+    by default. `http`: the HTTP API's config (off by default)."""
     tokenizer = byte_level_bpe()
     block_size, num_gpu_blocks, max_num_seqs = capacity or (0, 0, 0)
     info = ModelInfo(model="tiny", architecture="LlamaForCausalLM", max_model_len=max_model_len,
@@ -60,7 +60,7 @@ async def harness(model_dir, max_concurrent_requests=8, max_model_len=MAX_MODEL_
     gateway = await start_gateway(GatewayConfig(
         port=0, scheduler_address=f"127.0.0.1:{scheduler_server.port}", rpc_timeout_s=2.0,
         max_concurrent_requests=max_concurrent_requests,
-        limits=limits or RequestLimitsConfig(), http=HttpConfig(http_port=0),
+        limits=limits or RequestLimitsConfig(), http=http or HttpConfig(http_port=0),
         routing=routing or RoutingConfig()))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
     try:

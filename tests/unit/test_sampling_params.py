@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.errors import InvalidRequest, Reason
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.rpc.convert_common import sampling_params_from_proto
 from pagedserve.services.rpc.internal.v1 import common_pb2
@@ -53,3 +53,16 @@ def test_the_extreme_repetition_penalties_keep_logprobs_finite(penalty):
     (out,) = sampler(logits, [state])
     assert all(math.isfinite(x) for x in out.logprobs)
     assert all(math.isfinite(c.logprob) for c in out.top_logprobs[0])
+
+
+def test_every_bad_field_is_a_violation_and_the_first_one_is_the_message():
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams(temperature=-1.0, top_p=0.0, stop=["ok", ""], max_tokens=0)
+    error = info.value
+    assert error.reason == Reason.INVALID_SAMPLING_PARAMS
+    assert [v.field for v in error.violations] == ["temperature", "top_p", "max_tokens", "stop[1]"]
+    assert str(error) == "temperature must be >= 0, got -1.0" == error.violations[0].description
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams(stop_token_ids=[3, 900, 5, 901]).verify_for_model(512)
+    assert info.value.reason == Reason.UNKNOWN_TOKEN_ID
+    assert [v.field for v in info.value.violations] == ["stop_token_ids[1]", "stop_token_ids[3]"]

@@ -2,17 +2,32 @@ import asyncio
 
 import grpc
 import pytest
+from pagedserve.services.common.drain_rate import MAX_RETRY_AFTER_S, DrainRate
 from pagedserve.services.common.errors import (
+    DEFAULT_RETRY_AFTER_S,
+    DOMAIN,
     ConfigError,
+    FieldViolation,
     InvalidRequest,
     NotFound,
     Overloaded,
     PagedServeError,
+    Reason,
     StaleEpoch,
     Unavailable,
 )
 from pagedserve.services.rpc.server import ServiceBinding, create_server
-from pagedserve.services.rpc.status import error_from_rpc, error_from_status, map_errors, status_of
+from pagedserve.services.rpc.status import (
+    ErrorDetails,
+    details_of,
+    error_details,
+    error_from_rpc,
+    error_from_status,
+    map_errors,
+    parse_status,
+    rich_status,
+    status_of,
+)
 from pagedserve.services.rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
 CASES = [
@@ -92,3 +107,72 @@ def test_servicer_errors_reach_the_client_with_their_code(exc, code):
         assert str(exc) in err.details()
         if code != grpc.StatusCode.INTERNAL:
             assert type(error_from_rpc(err)) is type(exc) or isinstance(exc, ConfigError)
+
+
+def test_rich_status_round_trips_every_detail():
+    """What a scheduler sends is what the gateway forwards: reason, fields, metadata, retry."""
+    sent = Overloaded("3 requests are waiting", reason=Reason.QUEUE_FULL, retry_after_s=1.25,
+                      metadata={"limit": "3"})
+    status = rich_status(sent)
+    details = parse_status(status)
+    assert (details.reason, details.domain, details.retry_after_s) == ("QUEUE_FULL", DOMAIN, 1.25)
+    back = error_from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, status.message, "scheduler",
+                             details)
+    assert isinstance(back, Overloaded) and str(back) == str(sent)
+    assert (back.reason, back.retry_after_s, back.metadata) == (Reason.QUEUE_FULL, 1.25,
+                                                                {"limit": "3"})
+
+    bad = InvalidRequest("temperature must be >= 0, got -1.0", reason=Reason.INVALID_SAMPLING_PARAMS,
+                         violations=[FieldViolation("temperature", "t"),
+                                     FieldViolation("top_p", "p")]).nested("sampling")
+    details = parse_status(rich_status(bad))
+    assert [v.field for v in details.violations] == ["sampling.temperature", "sampling.top_p"]
+    assert details.metadata["field"] == "sampling.temperature"
+    assert details.retry_after_s is None  # INVALID_ARGUMENT: retrying as is cannot help
+    back = error_from_status(grpc.StatusCode.INVALID_ARGUMENT, str(bad), rich=details)
+    assert back.violations == bad.violations and back.reason == Reason.INVALID_SAMPLING_PARAMS
+
+
+def test_details_without_a_known_reason_keep_the_type_default():
+    assert details_of(ZeroDivisionError("x")).reason == Reason.INTERNAL
+    assert Unavailable("gone").retry_after_s == DEFAULT_RETRY_AFTER_S
+    unknown = ErrorDetails(reason="FROM_A_NEWER_VERSION", domain=DOMAIN)
+    assert error_from_status(grpc.StatusCode.NOT_FOUND, "x", rich=unknown).reason == \
+        Reason.NOT_FOUND
+
+
+def test_error_details_reads_the_trailers_of_a_failed_call():
+    async def main():
+        server, port = create_server([ServiceBinding(
+            FailingGeneration(), gateway_pb2_grpc.add_GenerationServicer_to_server,
+            "pagedserve.v1.Generation")], port=0)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = gateway_pb2_grpc.GenerationStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Tokenize(gateway_pb2.TokenizeRequest(text="Unavailable"),
+                                        timeout=5)
+        finally:
+            await server.shutdown(grace_s=0)
+        return err.value
+
+    err = asyncio.run(main())
+    details = error_details(err)
+    assert details.reason == Reason.PEER_UNAVAILABLE
+    assert details.retry_after_s == DEFAULT_RETRY_AFTER_S
+    assert error_from_rpc(err).retry_after_s == DEFAULT_RETRY_AFTER_S
+
+
+def test_drain_rate_waits_the_mean_interval_between_completions_per_place():
+    times = iter([10.0, 10.2, 10.4, 10.6])
+    rate = DrainRate(clock=lambda: next(times))
+    assert rate.wait_s() == DEFAULT_RETRY_AFTER_S  # nothing finished yet: nothing to go by
+    for _ in range(4):
+        rate.record()
+    assert rate.wait_s() == pytest.approx(0.2)
+    assert rate.wait_s(3) == pytest.approx(0.6)
+    stalled = DrainRate(clock=iter([0.0, 1000.0]).__next__)
+    stalled.record()
+    stalled.record()
+    assert stalled.wait_s() == MAX_RETRY_AFTER_S
