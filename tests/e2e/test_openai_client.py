@@ -139,5 +139,5 @@ def test_bad_request_and_unknown_model_raise_the_openai_errors(stack, client):
         client.completions.create(model=MODEL, prompt="x", temperature=-1)
     with pytest.raises(openai.NotFoundError) as exc:
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
-    assert exc.value.code == "model_not_found"
+    assert exc.value.code == "MODEL_NOT_FOUND"
     assert_idle(stack)
