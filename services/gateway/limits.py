@@ -48,10 +48,6 @@ def bytes_by_field(request: GenerateInput) -> dict[str, int]:
     return sizes
 
 
-def request_bytes(request: GenerateInput) -> int:
-    return sum(bytes_by_field(request).values())
-
-
 def check_request_cost(request: GenerateInput, limits: RequestLimitsConfig,
                        info: ModelInfo) -> None:
     """Before tokenization; cheap whatever the request asks."""

@@ -11,7 +11,7 @@ from pagedserve.services.common.outputs import Usage
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.gateway.delta_buffer import DeltaBuffer
 from pagedserve.services.gateway.frontend import Admission, Frontend
-from pagedserve.services.gateway.limits import num_blocks_at_most, request_bytes
+from pagedserve.services.gateway.limits import bytes_by_field, num_blocks_at_most
 from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
 from pagedserve.services.text.text_stream import StreamDelta
 
@@ -86,10 +86,11 @@ def test_num_blocks_at_most_shares_the_prompts_full_blocks():
 
 
 def test_request_bytes_counts_utf8_prompt_messages_stop_strings_and_token_ids():
-    assert request_bytes(GenerateInput(text="a€")) == 4
-    assert request_bytes(GenerateInput(messages=(ChatMessage("user", "hi"),))) == 6
-    assert request_bytes(GenerateInput(token_ids=(1, 2), sampling=SamplingParams(
-        stop=("ab",), stop_token_ids=(7,)))) == 14
+    assert bytes_by_field(GenerateInput(text="a€"))["text"] == 4
+    assert bytes_by_field(GenerateInput(messages=(ChatMessage("user", "hi"),)))["messages"] == 6
+    assert bytes_by_field(GenerateInput(token_ids=(1, 2), sampling=SamplingParams(
+        stop=("ab",), stop_token_ids=(7,)))) == {"token_ids": 8, "sampling.stop": 2,
+                                                 "sampling.stop_token_ids": 4}
 
 
 def test_a_limit_config_out_of_range_is_refused():
