@@ -41,7 +41,6 @@ _TYPE_BY_STATUS = {
 _REASON_BY_STATUS = {
     HTTPStatus.UNAUTHORIZED: Reason.UNAUTHENTICATED,
     HTTPStatus.REQUEST_ENTITY_TOO_LARGE: Reason.LIMIT_EXCEEDED,
-    HTTPStatus.METHOD_NOT_ALLOWED: Reason.INVALID_REQUEST,
     HTTPStatus.NOT_FOUND: Reason.NOT_FOUND,
 }
 # the gateway's GenerateInput fields that an OpenAI body names otherwise
@@ -134,7 +133,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else status.phrase
         if status == HTTPStatus.NOT_FOUND:
             message = f"no route {request.method} {request.url.path}"
-        return error_response(status, message, code=_REASON_BY_STATUS.get(status, Reason.INTERNAL))
+        fallback = Reason.INTERNAL if status >= 500 else Reason.INVALID_REQUEST
+        return error_response(status, message, code=_REASON_BY_STATUS.get(status, fallback))
 
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         return response_for(exc)
