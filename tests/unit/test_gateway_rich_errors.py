@@ -321,3 +321,16 @@ def test_openai_error_bodies_carry_the_reason(model_dirs, path, body, status, co
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert (error["code"], error["param"]) == (code, param)
+
+
+def test_a_failed_generation_is_internal_with_its_reason(model_dirs):
+    async def body(h):
+        h.fake.error = "worker 0 crashed"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.generation.Generate(text(max_tokens=4), timeout=10)
+        return err.value
+
+    err = run_with(model_dirs, {}, body)
+    assert err.code() == grpc.StatusCode.INTERNAL
+    info, bad_request, retry = rich(err)
+    assert (info.reason, bad_request, retry) == (Reason.GENERATION_FAILED, None, None)
