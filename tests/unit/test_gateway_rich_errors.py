@@ -151,9 +151,11 @@ def run_with(model_dirs, options, body):
     options = dict(options)
     model_dir = model_dirs[options.pop("dir", "chat")]
     max_best_of = options.pop("scheduler_max_best_of", None)
+    if options.pop("with_http", False):
+        options["http"] = HttpConfig(http_port=-1)
 
     async def main():
-        async with harness(model_dir, http=HttpConfig(http_port=-1), **options) as h:
+        async with harness(model_dir, **options) as h:
             if max_best_of is not None:
                 h.fake.limits = scheduler_limits(max_best_of)
             return await asyncio.wait_for(body(h), 20)
@@ -243,7 +245,7 @@ def test_rate_limited_carries_retry_info_on_grpc_and_http(model_dirs):
         first.cancel()
         return err.value, response
 
-    err, response = run_with(model_dirs, {"max_concurrent_requests": 1}, body)
+    err, response = run_with(model_dirs, {"max_concurrent_requests": 1, "with_http": True}, body)
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     info, _, retry = rich(err)
     assert info.reason == Reason.RATE_LIMITED
@@ -317,7 +319,7 @@ def test_openai_error_bodies_carry_the_reason(model_dirs, path, body, status, co
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{h.gateway.http_port}") as http:
             return await http.post(path, json=body, timeout=10)
 
-    response = run_with(model_dirs, {}, main)
+    response = run_with(model_dirs, {"with_http": True}, main)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert (error["code"], error["param"]) == (code, param)
