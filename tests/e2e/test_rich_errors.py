@@ -52,11 +52,11 @@ def wait_for(stack, num_running: int, num_waiting: int, timeout_s: float = 30.0)
 
 def test_a_full_queue_says_queue_full_and_when_to_retry(stack):
     with grpc.insecure_channel(stack.gateway_address) as channel:
-        generation = gateway_pb2_grpc.GenerationStub(channel)
-        running = generation.GenerateStream(gateway_pb2.GenerateRequest(
+        generation = gateway_pb2_grpc.GenerationServiceStub(channel)
+        running = generation.GenerateStream(gateway_pb2.GenerateStreamRequest(
             request_id="running", text="the quick brown fox", sampling=LONG), timeout=60)
         next(running)
-        waiting = generation.GenerateStream(gateway_pb2.GenerateRequest(
+        waiting = generation.GenerateStream(gateway_pb2.GenerateStreamRequest(
             request_id="waiting", text="hello", sampling=LONG), timeout=60)
         wait_for(stack, num_running=1, num_waiting=1)
         with pytest.raises(grpc.RpcError) as full:
@@ -66,7 +66,7 @@ def test_a_full_queue_says_queue_full_and_when_to_retry(stack):
         waiting.cancel()
         wait_for(stack, num_running=1, num_waiting=0)
         with pytest.raises(grpc.RpcError) as duplicate:
-            next(generation.GenerateStream(gateway_pb2.GenerateRequest(
+            next(generation.GenerateStream(gateway_pb2.GenerateStreamRequest(
                 request_id="running", text="hello"), timeout=30))
         running.cancel()
     assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

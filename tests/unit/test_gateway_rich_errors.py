@@ -41,20 +41,25 @@ def model_dirs(tmp_path_factory):
     return dirs
 
 
+def streamed(request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateStreamRequest:
+    """The same request for GenerateStream (the same fields, the same numbers)."""
+    return gateway_pb2.GenerateStreamRequest.FromString(request.SerializeToString())
+
+
 def text(prompt="the quick brown fox", **sampling):
     return gateway_pb2.GenerateRequest(text=prompt,
                                        sampling=common_pb2.SamplingParams(**sampling))
 
 
 def ids(token_ids, **sampling):
-    return gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(token_ids=token_ids),
+    return gateway_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(token_ids=token_ids),
                                        sampling=common_pb2.SamplingParams(**sampling))
 
 
 def chat(*messages, **sampling):
     return gateway_pb2.GenerateRequest(
-        messages=gateway_pb2.ChatMessages(messages=[
-            gateway_pb2.ChatMessage(role=role, content=content) for role, content in messages]),
+        messages=common_pb2.ChatMessages(messages=[
+            common_pb2.ChatMessage(role=role, content=content) for role, content in messages]),
         sampling=common_pb2.SamplingParams(**sampling))
 
 
@@ -120,8 +125,8 @@ GENERATE_CASES = [
 TOKENIZE_CASES = [
     (gateway_pb2.TokenizeRequest(), [("prompt", Reason.PROMPT_MISSING)]),
     (gateway_pb2.TokenizeRequest(text=""), [("text", Reason.PROMPT_EMPTY)]),
-    (gateway_pb2.TokenizeRequest(messages=gateway_pb2.ChatMessages(messages=[
-        gateway_pb2.ChatMessage(role="robot", content="hi")])),
+    (gateway_pb2.TokenizeRequest(messages=common_pb2.ChatMessages(messages=[
+        common_pb2.ChatMessage(role="robot", content="hi")])),
      [("messages.messages[0].role", Reason.INVALID_CHAT_MESSAGE)]),
 ]
 
@@ -181,7 +186,7 @@ def test_every_invalid_generate_request_names_its_fields_and_reason(model_dirs, 
                                                                      options):
     async def body(h):
         with pytest.raises(grpc.aio.AioRpcError) as streaming:
-            await collect(h.generation.GenerateStream(req, timeout=10))
+            await collect(h.generation.GenerateStream(streamed(req), timeout=10))
         with pytest.raises(grpc.aio.AioRpcError) as unary:
             await h.generation.Generate(req, timeout=10)
         return streaming.value, unary.value, h.fake.submits
@@ -198,7 +203,7 @@ def test_invalid_tokenize_and_abort_requests_name_their_fields(model_dirs, req, 
         with pytest.raises(grpc.aio.AioRpcError) as tokenize:
             await h.generation.Tokenize(req, timeout=10)
         with pytest.raises(grpc.aio.AioRpcError) as abort:
-            await h.generation.Abort(common_pb2.AbortRequest(request_id=""), timeout=10)
+            await h.generation.Abort(gateway_pb2.AbortRequest(request_id=""), timeout=10)
         return tokenize.value, abort.value
 
     tokenize, abort = run_with(model_dirs, {}, body)
@@ -208,7 +213,7 @@ def test_invalid_tokenize_and_abort_requests_name_their_fields(model_dirs, req, 
 
 def test_malformed_request_has_a_reason_and_no_field(model_dirs):
     async def body(h):
-        call = h.channel.unary_stream("/pagedserve.v1.Generation/GenerateStream")
+        call = h.channel.unary_stream("/pagedserve.v1.GenerationService/GenerateStream")
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(call(b"\x12\x05\xff\xfe\xfd\xfc\xfb", timeout=10))
         return err.value
@@ -222,7 +227,7 @@ def test_malformed_request_has_a_reason_and_no_field(model_dirs):
 def test_unknown_request_id_is_not_found_with_its_reason(model_dirs):
     async def body(h):
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await h.generation.Abort(common_pb2.AbortRequest(request_id="nope"), timeout=10)
+            await h.generation.Abort(gateway_pb2.AbortRequest(request_id="nope"), timeout=10)
         return err.value
 
     err = run_with(model_dirs, {}, body)
@@ -236,10 +241,10 @@ def test_rate_limited_carries_retry_info_on_grpc_and_http(model_dirs):
     it should wait (a default before any request finished)."""
     async def body(h):
         h.fake.hang = True
-        first = h.generation.GenerateStream(text(max_tokens=40), timeout=10)
+        first = h.generation.GenerateStream(streamed(text(max_tokens=40)), timeout=10)
         await first.read()
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await collect(h.generation.GenerateStream(text(), timeout=10))
+            await collect(h.generation.GenerateStream(streamed(text()), timeout=10))
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{h.gateway.http_port}") as http:
             response = await http.post("/v1/completions", json={"prompt": "x"}, timeout=10)
         first.cancel()
@@ -267,10 +272,10 @@ def test_queue_full_from_the_scheduler_passes_through_with_retry_info(model_dirs
         for _ in range(3):  # requests finished every 0.5 s
             h.fake.drain_rate.record()
         h.fake.hang = True
-        first = h.generation.GenerateStream(text(max_tokens=40), timeout=10)
+        first = h.generation.GenerateStream(streamed(text(max_tokens=40)), timeout=10)
         await first.read()
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await collect(h.generation.GenerateStream(text(), timeout=10))
+            await collect(h.generation.GenerateStream(streamed(text()), timeout=10))
         first.cancel()
         return err.value
 
@@ -287,7 +292,7 @@ def test_no_scheduler_is_unavailable_with_retry_info(model_dirs):
     async def body(h):
         await h.stop_scheduler()
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await collect(h.generation.GenerateStream(text(max_tokens=4), timeout=10))
+            await collect(h.generation.GenerateStream(streamed(text(max_tokens=4)), timeout=10))
         return err.value
 
     err = run_with(model_dirs, {"routing": RoutingConfig(failover_timeout_s=0.2)}, body)

@@ -144,12 +144,12 @@ def test_details_without_a_known_reason_keep_the_type_default():
 def test_error_details_reads_the_trailers_of_a_failed_call():
     async def main():
         server, port = create_server([ServiceBinding(
-            FailingGeneration(), gateway_pb2_grpc.add_GenerationServicer_to_server,
-            "pagedserve.v1.Generation")], port=0)
+            FailingGeneration(), gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
+            "pagedserve.v1.GenerationService")], port=0)
         await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = gateway_pb2_grpc.GenerationStub(channel)
+                stub = gateway_pb2_grpc.GenerationServiceStub(channel)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await stub.Tokenize(gateway_pb2.TokenizeRequest(text="Unavailable"),
                                         timeout=5)
