@@ -1,6 +1,7 @@
 """pagedserve.Client against a real stack (worker, scheduler, gateway over loopback, a tiny
 random-weight Llama): every call, deadlines, cancellation, abort and the rich error details."""
 
+import asyncio
 import threading
 
 import grpc
@@ -8,7 +9,7 @@ import pytest
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.sampling_params import SamplingParams
 
-from pagedserve import Client, ClientError, RetryPolicy
+from pagedserve import AsyncClient, Client, ClientError, RetryPolicy
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
 
 LONG = {"temperature": 0.0, "max_tokens": 480, "ignore_eos": True}  # runs for many steps
@@ -148,3 +149,78 @@ def test_a_stream_that_returned_tokens_is_never_retried(tiny_served_model_dir):
         assert info.value.num_attempts == 1
     finally:
         stack.close()
+
+
+def test_async_client_generate_stream_chat_tokenize_and_model_info(stack):
+    async def main():
+        async with AsyncClient(stack.gateway_address, timeout_s=60) as client:
+            done = await client.generate([9, 8, 7], temperature=0.0, max_tokens=5,
+                                         ignore_eos=True)
+            deltas = [d async for d in client.stream([9, 8, 7], temperature=0.0, max_tokens=5,
+                                                     ignore_eos=True)]
+            messages = [{"role": "user", "content": "Hi"}]
+            chat = await client.chat(messages, temperature=0.0, max_tokens=4, ignore_eos=True)
+            chat_deltas = [d async for d in await client.chat(
+                messages, stream=True, temperature=0.0, max_tokens=4, ignore_eos=True)]
+            return (done, deltas, chat, chat_deltas, await client.tokenize("hello"),
+                    await client.model_info())
+
+    done, deltas, chat, chat_deltas, tokenized, info = asyncio.run(main())
+    assert [t for d in deltas for t in d.token_ids] == done.outputs[0].token_ids
+    assert len(done.outputs[0].token_ids) == 5
+    assert "".join(d.text for d in chat_deltas) == chat.text
+    assert chat.outputs[0].finish_reason == FinishReason.LENGTH
+    assert tokenized.token_ids and tokenized.max_model_len == info.max_model_len
+
+
+def test_async_cancelling_the_reading_task_aborts_the_request(stack):
+    async def main():
+        async with AsyncClient(stack.gateway_address, timeout_s=60) as client:
+            started = asyncio.Event()
+
+            async def read():
+                async for _ in client.stream([1, 2, 3], **LONG):
+                    started.set()
+
+            task = asyncio.create_task(read())
+            await started.wait()
+            assert stack.load().num_running_requests == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+    assert_idle(stack)
+
+
+def test_async_abort_deadline_and_errors(stack):
+    async def main():
+        async with AsyncClient(stack.gateway_address, timeout_s=60) as client:
+            stream = client.stream([5, 6], request_id="async-abort", **LONG)
+            await anext(stream)
+            await client.abort("async-abort")
+            rest = [d async for d in stream]
+            with pytest.raises(ClientError) as late:
+                await client.generate([1, 2], timeout_s=0.5, **LONG)
+            return rest, late.value
+
+    rest, late = asyncio.run(main())
+    assert rest[-1].finish_reason == FinishReason.ABORT
+    assert late.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_idle(stack, timeout_s=10)
+
+
+def test_the_cli_generates_and_chats_through_the_client(stack, client, capsys):
+    from pagedserve.cli import main
+
+    flags = ["--address", stack.gateway_address, "--max-tokens", "4", "--temperature", "0",
+             "--ignore-eos"]
+    assert main(["generate", "hello", *flags]) == 0
+    out, err = capsys.readouterr()
+    assert out == client.generate("hello", temperature=0.0, max_tokens=4,
+                                  ignore_eos=True).text + "\n"
+    assert "finish: length; prompt" in err
+    assert main(["chat", "Hi", "--system", "Be brief.", *flags]) == 0
+    assert "finish: length" in capsys.readouterr().err
+    assert main(["generate", "x" * 3000, *flags]) == 1
+    assert "error: INVALID_ARGUMENT: " in capsys.readouterr().err
