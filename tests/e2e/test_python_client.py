@@ -6,8 +6,10 @@ import threading
 
 import grpc
 import pytest
+from pagedserve.services.common.config import GatewayConfig, HttpConfig
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.gateway.app import start_gateway
 
 from pagedserve import AsyncClient, Client, ClientError, RetryPolicy
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
@@ -224,3 +226,21 @@ def test_the_cli_generates_and_chats_through_the_client(stack, client, capsys):
     assert "finish: length" in capsys.readouterr().err
     assert main(["generate", "x" * 3000, *flags]) == 1
     assert "error: INVALID_ARGUMENT: " in capsys.readouterr().err
+
+
+def test_the_api_key_goes_in_the_authorization_metadata(stack):
+    gateway = stack.loop.run(start_gateway(GatewayConfig(
+        port=0, scheduler_address=stack.scheduler_address,
+        http=HttpConfig(http_port=-1, api_key="sesame"))))
+    try:
+        address = f"127.0.0.1:{gateway.port}"
+        with Client(address, timeout_s=30) as anonymous, pytest.raises(ClientError) as info:
+            anonymous.model_info()
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert info.value.num_attempts == 1
+        with Client(address, api_key="sesame", timeout_s=30) as client:
+            assert client.model_info().vocab_size == 512
+            assert len(client.generate("hi", max_tokens=2, ignore_eos=True)
+                       .outputs[0].token_ids) == 2
+    finally:
+        stack.loop.run(gateway.stop(grace_s=0))

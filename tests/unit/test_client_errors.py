@@ -2,6 +2,7 @@
 gRPC server that answers with scripted statuses (the gateway's own are in
 tests/e2e/test_python_client.py)."""
 
+import asyncio
 import time
 from concurrent import futures
 
@@ -12,7 +13,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from pagedserve.services.rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
-from pagedserve.client import Client, ClientError, RetryPolicy
+from pagedserve.client import AsyncClient, Client, ClientError, RetryPolicy
 
 RETRY_DELAY_S = 0.3
 
@@ -107,3 +108,19 @@ def test_no_retry_whose_delay_would_pass_the_deadline(scripted):
         client.generate("hi", timeout_s=RETRY_DELAY_S / 2)
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert len(servicer.call_times) == 1
+
+
+def test_the_async_client_reads_the_details_and_honours_the_retry_delay(scripted):
+    servicer, address = scripted
+
+    async def main():
+        async with AsyncClient(address, timeout_s=10) as client:
+            with pytest.raises(ClientError) as info:
+                await client.tokenize("")
+            await client.generate("hi")
+            return info.value
+
+    error = asyncio.run(main())
+    assert (error.reason, [v.field for v in error.field_violations]) == ("EMPTY_PROMPT", ["text"])
+    gaps = [b - a for a, b in zip(servicer.call_times, servicer.call_times[1:], strict=False)]
+    assert len(gaps) == 2 and all(gap >= RETRY_DELAY_S * 0.95 for gap in gaps)
