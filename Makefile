@@ -46,17 +46,15 @@ model: $(STAMP)
 run: install proto model
 	$(VPY) -m pagedserve.cli serve --model $(MODEL_DIR)
 
-# The Node.js example client's pinned packages (tests/e2e/test_node_client.py runs it); without
-# npm the test is skipped where node is absent too.
+# the Node.js example client's packages, pinned in examples/node/package-lock.json (README: Clients)
 NODE_EXAMPLE := examples/node/node_modules/.package-lock.json
-node-example:
-	@if command -v npm >/dev/null; then $(MAKE) --no-print-directory $(NODE_EXAMPLE); \
-	else echo "no npm: the Node.js example client is not installed"; fi
+node-example: $(NODE_EXAMPLE)
 
 $(NODE_EXAMPLE): examples/node/package.json examples/node/package-lock.json
-	cd examples/node && npm ci --no-audit --no-fund
+	cd examples/node && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
 
-test: install proto model node-example
+test: install proto model $(NODE_EXAMPLE)
 	PAGEDSERVE_TEST_MODEL=$(MODEL_DIR) TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" $(PYTEST_ARGS) tests
 
 # The public and internal gRPC APIs of a tiny stack under 10,000 random requests per API

@@ -10,8 +10,6 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from pagedserve.services.common.errors import PagedServeError
-
 
 @dataclass(frozen=True, slots=True)
 class FieldViolation:
@@ -19,8 +17,9 @@ class FieldViolation:
     description: str
 
 
-class ClientError(PagedServeError):
-    """A call that failed: `code` (grpc.StatusCode), `message`, and the rich details."""
+class ClientError(Exception):
+    """A call that failed: `code` (grpc.StatusCode), `message`, and the rich details;
+    `num_attempts` counts the retries too."""
 
     def __init__(self, code: grpc.StatusCode, message: str, *, reason: str | None = None,
                  domain: str | None = None, metadata: dict[str, str] | None = None,
