@@ -4,7 +4,7 @@ gateway's --api-key checks)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -18,7 +18,7 @@ class Connection:
     address: str  # the gateway's host:port
     credentials: grpc.ChannelCredentials | None  # None = plaintext
     metadata: tuple[tuple[str, str], ...] = ()
-    options: tuple[tuple[str, object], ...] = field(default=())
+    options: tuple[tuple[str, object], ...] = ()
 
 
 def connection(address: str, *, api_key: str | None, tls: bool, tls_ca: str | Path | None,
