@@ -123,7 +123,8 @@ def generate_request(prompt: Prompt | None, messages: Messages | None,
         _set_messages(request, messages)
     elif isinstance(prompt, str):
         request.text = prompt
-    elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+    elif (isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray)
+          and all(isinstance(t, int) for t in prompt)):
         request.token_ids.SetInParent()
         request.token_ids.token_ids.extend(prompt)
     else:
