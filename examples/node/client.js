@@ -21,7 +21,7 @@ const protobuf = require('protobufjs');
 const PROTO_ROOT = path.resolve(__dirname, '..', '..', 'protos');
 const GOOGLE_PROTOS = path.dirname(require.resolve('google-proto-files/package.json'));
 const PUBLIC_PROTO = 'pagedserve/v1/gateway.proto';
-const INTERNAL_PROTO = 'pagedserve/v1/scheduler.proto';
+const INTERNAL_PROTO = 'pagedserve/internal/v1/scheduler.proto';
 const LOAD_TIMEOUT_MS = 10000;
 
 function parseArgs(argv) {
@@ -44,7 +44,7 @@ function loadServices() {
     includeDirs: [PROTO_ROOT], keepCase: true, longs: String, enums: String, defaults: true,
     oneofs: true,
   });
-  return grpc.loadPackageDefinition(definition).pagedserve.v1;
+  return grpc.loadPackageDefinition(definition).pagedserve;
 }
 
 // google.rpc.Status and its detail messages, for decoding the trailer.
@@ -180,12 +180,13 @@ async function showFieldViolation(generation, metadata, statusTypes) {
 
 async function main() {
   const args = parseArgs(process.argv.slice(2));
-  const v1 = loadServices();
+  const services = loadServices();
   const statusTypes = loadStatusTypes();
   const credentials = grpc.credentials.createInsecure();
-  const generation = new v1.Generation(args.gateway, credentials);
-  const models = new v1.Models(args.gateway, credentials);
-  const scheduler = args.scheduler ? new v1.Scheduler(args.scheduler, credentials) : null;
+  const generation = new services.v1.GenerationService(args.gateway, credentials);
+  const models = new services.v1.ModelService(args.gateway, credentials);
+  const scheduler = (args.scheduler ?
+    new services.internal.v1.SchedulerService(args.scheduler, credentials) : null);
   const metadata = new grpc.Metadata();
   if (args.apiKey) {
     metadata.set('authorization', `Bearer ${args.apiKey}`);

@@ -93,8 +93,8 @@ class AsyncClient:
         self._conn = connection(address, api_key=api_key, tls=tls, tls_ca=tls_ca,
                                 tls_cert=tls_cert, tls_key=tls_key, options=options)
         self._channel = aio_channel(self._conn)
-        self._generation = gateway_pb2_grpc.GenerationStub(self._channel)
-        self._models = gateway_pb2_grpc.ModelsStub(self._channel)
+        self._generation = gateway_pb2_grpc.GenerationServiceStub(self._channel)
+        self._models = gateway_pb2_grpc.ModelServiceStub(self._channel)
         self._timeout_s = timeout_s
         self._retry = retry
 

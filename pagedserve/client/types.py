@@ -11,11 +11,11 @@ from typing import Any
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.rpc.convert_common import (
+from pagedserve.services.rpc.convert_public import (
     finish_reason_from_proto,
     sampling_params_to_proto,
 )
-from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
+from pagedserve.services.rpc.v1 import gateway_pb2
 
 Prompt = str | Sequence[int]  # text, or token ids
 Messages = Sequence[Mapping[str, str]]  # [{"role": "user", "content": "..."}, ...]
@@ -132,12 +132,13 @@ def generate_request(prompt: Prompt | None, messages: Messages | None,
     return request
 
 
-def stream_request(request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest:
-    return request
+def stream_request(request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateStreamRequest:
+    """GenerateStreamRequest has GenerateRequest's fields under the same numbers."""
+    return gateway_pb2.GenerateStreamRequest.FromString(request.SerializeToString())
 
 
-def abort_request(request_id: str) -> common_pb2.AbortRequest:
-    return common_pb2.AbortRequest(request_id=request_id)
+def abort_request(request_id: str) -> gateway_pb2.AbortRequest:
+    return gateway_pb2.AbortRequest(request_id=request_id)
 
 
 def model_info_request() -> gateway_pb2.GetModelInfoRequest:
@@ -191,6 +192,6 @@ def tokenized_from_proto(msg: gateway_pb2.TokenizeResponse) -> Tokenized:
     return Tokenized(list(msg.token_ids), msg.max_model_len)
 
 
-def model_info_from_proto(msg: Any) -> ModelInfo:
+def model_info_from_proto(msg: gateway_pb2.GetModelInfoResponse) -> ModelInfo:
     return ModelInfo(msg.model, msg.architecture, msg.max_model_len, msg.vocab_size,
                      list(msg.eos_token_ids), msg.has_chat_template)

@@ -29,7 +29,7 @@ def _status(code: int, message: str, *details) -> grpc.Status:
         code=code, message=message, details=[_any(d) for d in details]))
 
 
-class ScriptedGeneration(gateway_pb2_grpc.GenerationServicer):
+class ScriptedGeneration(gateway_pb2_grpc.GenerationServiceServicer):
     """Generate: RESOURCE_EXHAUSTED with RetryInfo for the first `num_refusals` calls, then an
     answer. Tokenize: INVALID_ARGUMENT with BadRequest and ErrorInfo."""
 
@@ -61,7 +61,7 @@ class ScriptedGeneration(gateway_pb2_grpc.GenerationServicer):
 def scripted():
     servicer = ScriptedGeneration(num_refusals=2)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    gateway_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    gateway_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield servicer, f"127.0.0.1:{port}"
