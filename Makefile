@@ -54,7 +54,7 @@ $(NODE_EXAMPLE): examples/node/package.json examples/node/package-lock.json
 	cd examples/node && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-test: install proto model $(NODE_EXAMPLE)
+test: install proto model $(BUF) $(NODE_EXAMPLE)
 	PAGEDSERVE_TEST_MODEL=$(MODEL_DIR) TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" $(PYTEST_ARGS) tests
 
 # The public and internal gRPC APIs of a tiny stack under 10,000 random requests per API

@@ -44,3 +44,13 @@ def test_sampling_is_keywords_or_a_sampling_params_not_both():
     with pytest.raises(InvalidRequest, match="max_token"):
         types.sampling_params(None, {"max_token": 3})
     assert types.sampling_params(None, {"n": 2}) == SamplingParams(n=2)
+
+
+def test_a_stream_request_keeps_every_field_of_the_request():
+    request = _request(messages=[{"role": "user", "content": "hi"}], n=2, temperature=0.5,
+                       seed=3)
+    request.priority = 7
+    streamed = types.stream_request(request)
+    assert streamed.SerializeToString() == request.SerializeToString()
+    assert (streamed.request_id, streamed.priority, streamed.sampling.n) == (
+        request.request_id, 7, 2)
