@@ -11,7 +11,7 @@ BUF     := tools/node_modules/.bin/buf
 MODEL_DIR ?= $(HOME)/.cache/pagedserve/models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: install proto model run test test-gpu lint bench bench-gpu helm-test image clean fuzz
+.PHONY: install proto model run test test-gpu lint bench bench-gpu helm-test image clean fuzz node-example
 
 install: $(STAMP)
 
@@ -46,7 +46,15 @@ model: $(STAMP)
 run: install proto model
 	$(VPY) -m pagedserve.cli serve --model $(MODEL_DIR)
 
-test: install proto model $(BUF)
+# the Node.js example client's packages, pinned in examples/node/package-lock.json (README: Clients)
+NODE_EXAMPLE := examples/node/node_modules/.package-lock.json
+node-example: $(NODE_EXAMPLE)
+
+$(NODE_EXAMPLE): examples/node/package.json examples/node/package-lock.json
+	cd examples/node && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+test: install proto model $(BUF) $(NODE_EXAMPLE)
 	PAGEDSERVE_TEST_MODEL=$(MODEL_DIR) TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" $(PYTEST_ARGS) tests
 
 # The public and internal gRPC APIs of a tiny stack under 10,000 random requests per API
@@ -100,4 +108,4 @@ image:
 	$(ENGINE) build -f Dockerfile.cpu -t $(IMAGE):$(VERSION)-cpu .
 
 clean:
-	rm -rf $(VENV) services/rpc/v1 services/rpc/internal tools/node_modules build *.egg-info
+	rm -rf $(VENV) services/rpc/v1 build *.egg-info examples/node/node_modules

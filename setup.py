@@ -19,7 +19,7 @@ class BuildPyWithStubs(build_py):
         generate(Path(self.build_lib) / "pagedserve" / "services" / "rpc" / "v1")  # + internal/v1
 
 
-packages = ["pagedserve"]
+packages = ["pagedserve", *(f"pagedserve.{p}" for p in find_packages(where="pagedserve"))]
 package_dir = {"pagedserve": "pagedserve"}
 for layer in LAYERS:
     for package in [layer, *find_packages(include=[f"{layer}.*"])]:

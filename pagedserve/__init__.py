@@ -1,6 +1,7 @@
 """pagedserve: LLM serving with a paged KV cache, as gRPC microservices.
 
-    from pagedserve import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams          # offline, in this process
+    from pagedserve import Client, AsyncClient          # a client of a running gateway
 
 A wheel installs the layers (services, scheduler_svc, worker_svc, kernels) inside this package;
 in a source checkout they are the folders beside it, found through __path__.
@@ -16,10 +17,12 @@ if (_checkout / "pyproject.toml").is_file() and (_checkout / "services").is_dir(
     __path__.append(str(_checkout))
 
 if TYPE_CHECKING:
+    from pagedserve.client import AsyncClient, Client, ClientError, RetryPolicy
     from pagedserve.llm import LLM
     from pagedserve.services.common.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+_CLIENT_NAMES = ("AsyncClient", "Client", "ClientError", "RetryPolicy")
+__all__ = ["LLM", "SamplingParams", "AsyncClient", "Client", "ClientError", "RetryPolicy"]
 
 
 def __getattr__(name: str) -> object:
@@ -30,4 +33,8 @@ def __getattr__(name: str) -> object:
     if name == "SamplingParams":
         from pagedserve.services.common.sampling_params import SamplingParams
         return SamplingParams
+    if name in _CLIENT_NAMES:
+        import pagedserve.client
+
+        return getattr(pagedserve.client, name)
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

@@ -20,9 +20,11 @@ import os
 import sys
 import typing
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagedserve.log_format import configure_logging
 from pagedserve.services.common.config import (
+    API_KEY_ENV,
     AdminConfig,
     EngineConfig,
     GatewayConfig,
@@ -39,6 +41,9 @@ from pagedserve.services.common.config import (
 from pagedserve.services.common.errors import InvalidRequest, PagedServeError
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.client import Client, Stream
 
 logger = logging.getLogger(__name__)
 
@@ -99,22 +104,18 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pagedserve.services.rpc.v1 import gateway_pb2
-
     prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
     sampling = _sampling(args)
-    with _Client(args) as client:
-        return client.stream(gateway_pb2.GenerateStreamRequest(text=prompt), sampling)[0]
+    with _client(args) as client:
+        return _print_stream(client.stream(prompt, sampling=sampling), sampling.n)[0]
 
 
 def _chat(args: argparse.Namespace) -> int:
     """One message and its answer, or (no message) a conversation until EOF or 'exit'."""
-    from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
-
     sampling = _sampling(args)
-    messages = [common_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
+    messages = [{"role": "system", "content": args.system}] if args.system else []
     is_interactive = args.message is None
-    with _Client(args) as client:
+    with _client(args) as client:
         while True:
             if is_interactive:
                 try:
@@ -126,80 +127,56 @@ def _chat(args: argparse.Namespace) -> int:
                     return 0
             else:
                 content = args.message
-            messages.append(common_pb2.ChatMessage(role="user", content=content))
-            code, reply = client.stream(gateway_pb2.GenerateStreamRequest(
-                messages=common_pb2.ChatMessages(messages=messages)), sampling)
+            messages.append({"role": "user", "content": content})
+            code, reply = _print_stream(client.chat(messages, stream=True, sampling=sampling),
+                                        sampling.n)
             if code or not is_interactive:
                 return code
-            messages.append(common_pb2.ChatMessage(role="assistant", content=reply))
+            messages.append({"role": "assistant", "content": reply})
 
 
-class _Client:
-    """A Generation stub on one channel (TLS with --tls-ca); `stream` prints a request's text
-    as it arrives."""
+def _client(args: argparse.Namespace) -> Client:
+    """TLS with --tls-ca; the API key from --api-key, else $PAGEDSERVE_API_KEY."""
+    from pagedserve.client import Client
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        import grpc
+    if (args.tls_cert or args.tls_key) and not args.tls_ca:
+        raise InvalidRequest("--tls-cert and --tls-key need --tls-ca (TLS to the gateway)")
+    return Client(args.address, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                  tls_ca=args.tls_ca or None, tls_cert=args.tls_cert or None,
+                  tls_key=args.tls_key or None, timeout_s=args.timeout_s)
 
-        from pagedserve.services.rpc.v1 import gateway_pb2_grpc
 
-        if (args.tls_cert or args.tls_key) and not args.tls_ca:
-            raise InvalidRequest("--tls-cert and --tls-key need --tls-ca (TLS to the gateway)")
-        if args.tls_ca:
-            from pagedserve.services.rpc.tls import read_pem
+def _print_stream(stream: Stream, n: int) -> tuple[int, str]:
+    """Prints a request's text as it arrives (n > 1: each output whole at the end); (exit code,
+    text of output 0)."""
+    from pagedserve.client import ClientError
 
-            if bool(args.tls_cert) != bool(args.tls_key):
-                raise InvalidRequest(f"--tls-cert and --tls-key go together, got --tls-cert="
-                                     f"{args.tls_cert!r}, --tls-key={args.tls_key!r}")
-            client_pair = ((read_pem("tls_key", args.tls_key), read_pem("tls_cert", args.tls_cert))
-                           if args.tls_cert else (None, None))
-            self._channel = grpc.secure_channel(args.address, grpc.ssl_channel_credentials(
-                read_pem("tls_ca", args.tls_ca), *client_pair))
-        else:
-            self._channel = grpc.insecure_channel(args.address)
-        self._stub = gateway_pb2_grpc.GenerationServiceStub(self._channel)
-        self._timeout_s = args.timeout_s
-
-    def __enter__(self) -> _Client:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._channel.close()
-
-    def stream(self, request, sampling: SamplingParams) -> tuple[int, str]:
-        """(exit code, text of output 0); n > 1 prints each output whole at the end."""
-        import grpc
-
-        from pagedserve.services.rpc.convert_public import (
-            finish_reason_from_proto,
-            sampling_params_to_proto,
-        )
-
-        request.sampling.CopyFrom(sampling_params_to_proto(sampling))
-        texts: dict[int, list[str]] = {i: [] for i in range(sampling.n)}
-        finish: dict[int, FinishReason] = {}
-        try:
-            for delta in self._stub.GenerateStream(request, timeout=self._timeout_s):
-                texts[delta.index].append(delta.text)
-                if sampling.n == 1:
-                    sys.stdout.write(delta.text)
-                    sys.stdout.flush()
-                if delta.finish_reason:
-                    finish[delta.index] = finish_reason_from_proto(delta.finish_reason)
-                if delta.HasField("usage"):
-                    usage = delta.usage
-                    print(f"[finish: {', '.join(finish[i] for i in sorted(finish))}; prompt "
-                          f"{usage.prompt_tokens} tokens, completion {usage.completion_tokens}, "
-                          f"cached {usage.cached_tokens}]", file=sys.stderr)
-        except grpc.RpcError as e:
-            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1, ""
-        if sampling.n == 1:
-            print()
-        else:
-            for i, parts in texts.items():
-                print(f"--- output {i} ---\n{''.join(parts)}")
-        return 0, "".join(texts[0])
+    texts: dict[int, list[str]] = {i: [] for i in range(n)}
+    finish: dict[int, FinishReason] = {}
+    try:
+        for delta in stream:
+            texts[delta.index].append(delta.text)
+            if n == 1:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+            if delta.finish_reason is not None:
+                finish[delta.index] = delta.finish_reason
+            if delta.usage is not None:
+                usage = delta.usage
+                print(f"[finish: {', '.join(finish[i] for i in sorted(finish))}; prompt "
+                      f"{usage.prompt_tokens} tokens, completion {usage.completion_tokens}, "
+                      f"cached {usage.cached_tokens}]", file=sys.stderr)
+    except ClientError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        for violation in e.field_violations:
+            print(f"  {violation.field}: {violation.description}", file=sys.stderr)
+        return 1, ""
+    if n == 1:
+        print()
+    else:
+        for i, parts in texts.items():
+            print(f"--- output {i} ---\n{''.join(parts)}")
+    return 0, "".join(texts[0])
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -305,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--tls-cert", default="", help="with --tls-ca: a client "
                              "certificate (PEM), for a gateway that asks for one")
         command.add_argument("--tls-key", default="", help="the private key of --tls-cert")
+        command.add_argument("--api-key", default="", help="for a gateway started with an API "
+                             f"key; empty = ${API_KEY_ENV}, else none")
         _add_sampling_arguments(command)
     return parser
 

@@ -110,3 +110,11 @@ def test_the_images_install_of_the_wheel_with_its_extras_resolves(venv, tmp_path
     result = subprocess.run([str(env_dir / "bin" / "python"), "-c", code], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_a_user_imports_the_client(venv, tmp_path):
+    env_dir, site = venv
+    code = ("from pagedserve import AsyncClient, Client, ClientError, RetryPolicy; "
+            "import pagedserve.client.sync as m; print(m.__file__, RetryPolicy().max_attempts)")
+    out = _run(str(env_dir / "bin" / "python"), "-c", code, cwd=tmp_path)
+    assert out.split() == [str(site / "pagedserve" / "client" / "sync.py"), "4"]
