@@ -32,6 +32,7 @@ from pagedserve.services.rpc.tracing import set_routing_decision
 logger = logging.getLogger(__name__)
 
 MAX_FAILOVERS = 3
+PAUSE_RETRY_S = 0.05  # doubled up to 1 s while the replica is unavailable
 
 
 class ResumableSubmission:
@@ -79,6 +80,7 @@ class ResumableSubmission:
                 return
             except Unavailable as exc:
                 error = exc
+            self._replica = None
             self._replicas.mark_failed(replica)
             if self._metrics is not None:
                 self._metrics.on_failover(replica.address)
@@ -98,17 +100,24 @@ class ResumableSubmission:
         await self._sync_paused()
 
     async def _sync_paused(self) -> None:
+        """A replica that is unavailable for a moment is asked again (a resume that never
+        arrived would leave the request stuck), while the request runs there."""
         async with self._pausing:
             replica = self._replica
-            if replica is None or self._is_paused_there == self.is_paused:
-                return
-            self._is_paused_there = self.is_paused
-            try:
-                await replica.client.set_paused(PauseRequest(
-                    self._request.request_id, self._owner, self.is_paused))
-            except PagedServeError as exc:
-                logger.debug("request %s: %s on %s failed: %s", self._request.request_id,
-                             "pause" if self.is_paused else "resume", replica.address, exc)
+            delay_s = PAUSE_RETRY_S
+            while replica is self._replica and self._is_paused_there != self.is_paused:
+                is_paused = self.is_paused
+                try:
+                    await replica.client.set_paused(PauseRequest(
+                        self._request.request_id, self._owner, is_paused))
+                except Unavailable:
+                    await asyncio.sleep(delay_s)
+                    delay_s = min(2 * delay_s, 1.0)
+                    continue
+                except PagedServeError as exc:  # it ended there, or an older scheduler
+                    logger.debug("request %s: %s on %s failed: %s", self._request.request_id,
+                                 "pause" if is_paused else "resume", replica.address, exc)
+                self._is_paused_there = is_paused
 
     def _observed(self, output: RequestOutput) -> RequestOutput:
         outputs = []

@@ -4,9 +4,18 @@ unread, and resumed when it reads again, losing or repeating no token; a client 
 never paused."""
 
 import asyncio
+import contextlib
+from types import SimpleNamespace
 
 import grpc
 from pagedserve.services.common.config import RequestLimitsConfig
+from pagedserve.services.common.engine_api import PauseRequest
+from pagedserve.services.common.errors import Unavailable
+from pagedserve.services.common.outputs import CompletionOutput, RequestOutput
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.gateway.failover import ResumableSubmission
+from pagedserve.services.gateway.replica_set import Replica
+from pagedserve.services.gateway.routing import Decision
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from tests.unit.test_gateway_hostile_clients import model_dir, run  # noqa: F401 (fixture)
@@ -56,3 +65,66 @@ def test_an_unread_stream_is_paused_and_resumes_without_losing_a_token(model_dir
     assert paused == at_pause and paused < NUM_TOKENS // 4
     assert [t for r in responses for t in r.token_ids] == expected
     assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+class ScriptedClient:
+    """A replica's scheduler client: `num_events` one-token events, then UNAVAILABLE (a replica
+    that dies) or the end; records Pause/Resume, refusing the first `num_unavailable`."""
+
+    def __init__(self, num_events: int, dies: bool, num_unavailable: int = 0) -> None:
+        self.num_events = num_events
+        self.dies = dies
+        self.num_unavailable = num_unavailable
+        self.pauses: list[bool] = []
+
+    async def submit(self, request, owner, resumed):
+        for i in range(self.num_events):
+            yield RequestOutput(request.request_id, [CompletionOutput(0, [i])], finished=False,
+                                num_prompt_tokens=3, num_cached_tokens=0)
+            await asyncio.sleep(0)
+        if self.dies:
+            raise Unavailable("connection reset")
+
+    async def set_paused(self, request: PauseRequest) -> None:
+        if self.num_unavailable:
+            self.num_unavailable -= 1
+            raise Unavailable("deadline exceeded")
+        self.pauses.append(request.is_paused)
+
+
+class TwoReplicas:
+    """The part of a ReplicaSet a submission uses: `first` until it fails, then `second`."""
+
+    def __init__(self, first: ScriptedClient, second: ScriptedClient) -> None:
+        self.replicas = [Replica("a", first), Replica("b", second)]
+
+    async def choose(self, prompt_token_ids, avoid, timeout_s):
+        replica = self.replicas[1] if "a" in avoid else self.replicas[0]
+        return replica, Decision(replica.address, "test")
+
+    @contextlib.contextmanager
+    def holding(self, replica):
+        yield
+
+    def mark_failed(self, replica) -> None:
+        pass
+
+
+def test_a_paused_request_is_paused_again_on_the_replica_it_fails_over_to():
+    async def body():
+        first = ScriptedClient(num_events=3, dies=True, num_unavailable=2)
+        second = ScriptedClient(num_events=2, dies=False)
+        request = SimpleNamespace(request_id="r", prompt_token_ids=[1, 2, 3],
+                                  sampling=SamplingParams(max_tokens=10))
+        submission = ResumableSubmission(TwoReplicas(first, second), request, "o", 5.0,
+                                         lambda index: False)
+        tokens = []
+        async for output in submission.outputs():
+            tokens += output.outputs[0].token_ids
+            if len(tokens) == 1:
+                await submission.set_paused(True)  # asked again past 2 UNAVAILABLE answers
+        return first.pauses, second.pauses, tokens
+
+    first, second, tokens = asyncio.run(body())
+    assert first == [True] and second == [True]
+    assert tokens == [0, 1, 2, 0, 1]
