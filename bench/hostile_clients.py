@@ -6,8 +6,9 @@ another (closed loop, GenerateStream, token-id prompts, greedy, ignore_eos). The
 alone, beside-reading, beside-stalled, beside-hostile, alone: the baseline is the mean of the
 two alone runs, so drift of the machine hits both sides. Beside-stalled: 20 streams on a channel
 with a ~1 KB receive window that nobody reads (each asks for long outputs with logprobs, so its
-window fills and the gateway must buffer, coalesce and, after --stalled-stream-timeout-s, abort
-it). Beside-reading, the control: the same 20 streams, read; stalled ÷ reading is what not
+window fills and the gateway must buffer, pause the request in the scheduler once more than
+--max-unread-stream-tokens are unread (0: never, the control for backpressure), and, after
+--stalled-stream-timeout-s, abort it). Beside-reading, the control: the same 20 streams, read; stalled ÷ reading is what not
 reading costs the others, beyond the engine's work for 20 more requests (which on a CPU slows
 every step).
 Beside-hostile: another process sends, over and over, n = 2^31 - 1, a million stop strings, a
@@ -54,6 +55,7 @@ def serve_args(args: argparse.Namespace, port: int) -> list[str]:
             "--kv-cache-memory-gib", str(args.kv_cache_memory_gib), "--swap-space-gib", "0.25",
             "--max-request-bytes", str(MAX_REQUEST_BYTES),
             "--stalled-stream-timeout-s", str(args.stalled_stream_timeout_s),
+            "--max-unread-stream-tokens", str(args.max_unread_stream_tokens),
             "--log-level", "ERROR"]
 
 
@@ -222,6 +224,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stalled-max-tokens", type=int, default=1024)
     parser.add_argument("--stalled-stream-timeout-s", type=float, default=30.0,
                         help="the gateway's flag: how long an unread stream lives")
+    parser.add_argument("--max-unread-stream-tokens", type=int, default=64,
+                        help="the gateway's flag: backpressure threshold (0: off)")
     parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("--quick", action="store_true",
