@@ -141,11 +141,10 @@ class Scheduler:
 
         When a running group cannot get a block for its next token, a paused running group, else
         the lowest-ranked running group not yet scheduled this step, is preempted (possibly
-        itself): by recompute for
-        single-sequence groups, by swap for multi-sequence ones, unless `preemption_mode` says
-        otherwise or there is no CPU room. A group that can never run (too long, more blocks
-        than the device has) finishes with finish_reason "error" in `rejected`; the groups
-        behind it proceed.
+        itself): by recompute for single-sequence groups, by swap for multi-sequence ones,
+        unless `preemption_mode` says otherwise or there is no CPU room. A group that can never
+        run (too long, more blocks than the device has) finishes with finish_reason "error" in
+        `rejected`; the groups behind it proceed.
 
         The plan holds NewSequence for a sequence the workers do not know and RunningSequence
         deltas otherwise. A step with nothing to do yields `plan=None` and keeps the pending
