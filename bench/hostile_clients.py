@@ -224,7 +224,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stalled-max-tokens", type=int, default=1024)
     parser.add_argument("--stalled-stream-timeout-s", type=float, default=30.0,
                         help="the gateway's flag: how long an unread stream lives")
-    parser.add_argument("--max-unread-stream-tokens", type=int, default=64,
+    parser.add_argument("--max-unread-stream-tokens", type=int, default=16,
                         help="the gateway's flag: backpressure threshold (0: off)")
     parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)

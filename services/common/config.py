@@ -412,9 +412,10 @@ class RequestLimitsConfig:
         30.0, "a stream whose client stops reading for this long (one response cannot be "
               "written) is aborted with RESOURCE_EXHAUSTED, its request's KV blocks freed")
     max_unread_stream_tokens: int = opt(
-        64, "backpressure: a stream whose client has more generated tokens than this unread "
-            "(held by the gateway) is paused in its scheduler, costing the engine nothing, and "
-            "resumed once half of them are read; 0 = never pause")
+        16, "backpressure: a stream whose client has more generated tokens than this unread "
+            "(held by the gateway, past what the connection itself buffers) is paused in its "
+            "scheduler, costing the engine nothing, and resumed once half of them are read; "
+            "0 = never pause")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs_per_request", "max_stop_string_chars", "max_chat_messages",
