@@ -19,16 +19,16 @@ PROMPT = [5, 9, 17, 33, 65, 129]
 SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
 
 
-def seeded(max_tokens: int) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(
-        token_ids=gateway_pb2.TokenIds(token_ids=PROMPT),
+def seeded(max_tokens: int) -> gateway_pb2.GenerateStreamRequest:
+    return gateway_pb2.GenerateStreamRequest(
+        token_ids=common_pb2.TokenIds(token_ids=PROMPT),
         sampling=common_pb2.SamplingParams(temperature=1.0, seed=11, max_tokens=max_tokens,
                                            logprobs=5, ignore_eos=True))
 
 
-def greedy(max_tokens: int) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(
-        token_ids=gateway_pb2.TokenIds(token_ids=PROMPT[::-1]),
+def greedy(max_tokens: int) -> gateway_pb2.GenerateStreamRequest:
+    return gateway_pb2.GenerateStreamRequest(
+        token_ids=common_pb2.TokenIds(token_ids=PROMPT[::-1]),
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                            ignore_eos=True))
 
@@ -55,10 +55,10 @@ def test_an_unread_stream_takes_no_steps_and_resumes_with_the_same_tokens(
     try:
         with grpc.insecure_channel(stack.gateway_address) as channel, \
                 grpc.insecure_channel(stack.gateway_address, options=SMALL_WINDOW) as small:
-            generation = gateway_pb2_grpc.GenerationStub(channel)
+            generation = gateway_pb2_grpc.GenerationServiceStub(channel)
             unpaused = token_ids(generation.GenerateStream(seeded(100), timeout=60))
             assert len(unpaused) == 100
-            stalled = gateway_pb2_grpc.GenerationStub(small).GenerateStream(
+            stalled = gateway_pb2_grpc.GenerationServiceStub(small).GenerateStream(
                 seeded(100), timeout=120)
             wait_until(lambda: stack.load().num_paused_requests == 1, timeout_s=30)
             assert value(scrape(stack, "scheduler"), "pagedserve:num_requests_paused") == 1
@@ -78,7 +78,7 @@ def test_a_paused_stream_that_is_never_read_is_still_aborted(tiny_served_model_d
     stack = serve(tiny_served_model_dir, stalled_stream_timeout_s=5.0)
     try:
         with grpc.insecure_channel(stack.gateway_address, options=SMALL_WINDOW) as small:
-            stalled = gateway_pb2_grpc.GenerationStub(small).GenerateStream(
+            stalled = gateway_pb2_grpc.GenerationServiceStub(small).GenerateStream(
                 seeded(100), timeout=120)
             wait_until(lambda: stack.load().num_paused_requests == 1, timeout_s=30)
             assert_idle(stack, timeout_s=30)  # aborted after the timeout: every block free

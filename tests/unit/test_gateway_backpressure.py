@@ -25,9 +25,9 @@ NUM_TOKENS = 3_000
 MAX_UNREAD = 32
 
 
-def stalled_request(request_id: str) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(
-        request_id=request_id, token_ids=gateway_pb2.TokenIds(token_ids=[5, 6, 7]),
+def stalled_request(request_id: str) -> gateway_pb2.GenerateStreamRequest:
+    return gateway_pb2.GenerateStreamRequest(
+        request_id=request_id, token_ids=common_pb2.TokenIds(token_ids=[5, 6, 7]),
         sampling=common_pb2.SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5))
 
 
@@ -43,7 +43,7 @@ def test_an_unread_stream_is_paused_and_resumes_without_losing_a_token(model_dir
         # a receive window of ~1 KB: the first responses fill it, the rest wait in the gateway
         small_window = grpc.aio.insecure_channel(f"127.0.0.1:{h.gateway.port}", options=[
             ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
-        stalled = gateway_pb2_grpc.GenerationStub(small_window).GenerateStream(
+        stalled = gateway_pb2_grpc.GenerationServiceStub(small_window).GenerateStream(
             stalled_request("stalled"), timeout=60)
         await wait_until(lambda: ("stalled", True) in h.fake.pauses)
         num_sent_at_pause = h.fake.num_tokens_sent["stalled"]
