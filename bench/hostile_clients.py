@@ -6,8 +6,9 @@ another (closed loop, GenerateStream, token-id prompts, greedy, ignore_eos). The
 alone, beside-reading, beside-stalled, beside-hostile, alone: the baseline is the mean of the
 two alone runs, so drift of the machine hits both sides. Beside-stalled: 20 streams on a channel
 with a ~1 KB receive window that nobody reads (each asks for long outputs with logprobs, so its
-window fills and the gateway must buffer, coalesce and, after --stalled-stream-timeout-s, abort
-it). Beside-reading, the control: the same 20 streams, read; stalled ÷ reading is what not
+window fills and the gateway must buffer, pause the request in the scheduler once more than
+--max-unread-stream-tokens are unread (0: never, the control for backpressure), and, after
+--stalled-stream-timeout-s, abort it). Beside-reading, the control: the same 20 streams, read; stalled ÷ reading is what not
 reading costs the others, beyond the engine's work for 20 more requests (which on a CPU slows
 every step).
 Beside-hostile: another process sends, over and over, n = 2^31 - 1, a million stop strings, a
@@ -54,6 +55,7 @@ def serve_args(args: argparse.Namespace, port: int) -> list[str]:
             "--kv-cache-memory-gib", str(args.kv_cache_memory_gib), "--swap-space-gib", "0.25",
             "--max-request-bytes", str(MAX_REQUEST_BYTES),
             "--stalled-stream-timeout-s", str(args.stalled_stream_timeout_s),
+            "--max-unread-stream-tokens", str(args.max_unread_stream_tokens),
             "--log-level", "ERROR"]
 
 
@@ -187,24 +189,29 @@ async def run_phases(args: argparse.Namespace, address: str, vocab_size: int) ->
                        (args.output_len, args.output_len), vocab_size, seed=args.seed)
     warm = make_workload("warmup", 2, (args.prompt_len, args.prompt_len), (8, 8), vocab_size,
                          seed=args.seed + 1)
+    besides = []
     async with grpc.aio.insecure_channel(address) as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         await normal_client(stub, warm)
         alone_first = await normal_client(stub, wl)
-        reading = await beside_reading(address, stub, wl, args.stalled_max_tokens)
+        if not args.stalled_only:
+            reading = await beside_reading(address, stub, wl, args.stalled_max_tokens)
         stalled, stalled_ends = await beside_stalled(address, stub, wl, args.stalled_max_tokens)
-        with HostileLoop(address, vocab_size) as loop:
-            beside_hostile = await normal_client(stub, wl)
+        besides.append(("stalled", stalled, {"stalled_stream_ends": stalled_ends}))
+        if not args.stalled_only:
+            with HostileLoop(address, vocab_size) as loop:
+                beside_hostile = await normal_client(stub, wl)
+            besides.append(("hostile", beside_hostile, {"hostile_status_codes": loop.codes}))
         alone_last = await normal_client(stub, wl)
     alone_tok_s = (alone_first.summary()["output_tok_s"]
                    + alone_last.summary()["output_tok_s"]) / 2
     out = {**wl.describe(), "alone_tok_s": alone_tok_s,
            "alone_runs": [alone_first.summary(), alone_last.summary()]}
-    out["beside_reading"] = reading.summary()
-    out["stalled_vs_reading"] = (stalled.summary()["output_tok_s"]
-                                 / out["beside_reading"]["output_tok_s"])
-    for name, run, extra in (("stalled", stalled, {"stalled_stream_ends": stalled_ends}),
-                             ("hostile", beside_hostile, {"hostile_status_codes": loop.codes})):
+    if not args.stalled_only:
+        out["beside_reading"] = reading.summary()
+        out["stalled_vs_reading"] = (stalled.summary()["output_tok_s"]
+                                     / out["beside_reading"]["output_tok_s"])
+    for name, run, extra in besides:
         summary = run.summary()
         ratio = summary["output_tok_s"] / alone_tok_s
         out[f"beside_{name}"] = {**summary, **extra, "ratio_vs_alone": ratio,
@@ -222,8 +229,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stalled-max-tokens", type=int, default=1024)
     parser.add_argument("--stalled-stream-timeout-s", type=float, default=30.0,
                         help="the gateway's flag: how long an unread stream lives")
+    parser.add_argument("--max-unread-stream-tokens", type=int, default=16,
+                        help="the gateway's flag: backpressure threshold (0: off)")
     parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
+    parser.add_argument("--stalled-only", action="store_true",
+                        help="only alone, beside the unread streams, alone (no control, no "
+                             "hostile requests): the backpressure figure on a busy machine")
     parser.add_argument("--quick", action="store_true",
                         help="4 short requests a phase, short stalled streams (a smoke run)")
     parser.add_argument("--seed", type=int, default=0)
@@ -245,7 +257,15 @@ def main(argv: list[str] | None = None) -> dict:
         wait_serving(address, stack, args.startup_timeout_s)
         vocab_size = Tokenizer.from_pretrained(args.model).vocab_size
         result = asyncio.run(run_phases(args, address, vocab_size))
-    stalled, hostile = result["beside_stalled"], result["beside_hostile"]
+    stalled = result["beside_stalled"]
+    if args.stalled_only:
+        runs = " and ".join(f"{r['output_tok_s']:.1f}" for r in result["alone_runs"])
+        line = (f"hostile_clients: alone {result['alone_tok_s']:.1f} tok/s (runs {runs}); "
+                f"beside {NUM_STALLED} unread streams {stalled['output_tok_s']:.1f} tok/s = "
+                f"{stalled['ratio_vs_alone']:.2f}x (target >= {TARGET_RATIO}x: "
+                f"{'met' if stalled['target']['met'] else 'MISSED'})")
+        return finish("hostile_clients", args, line, result, model=args.model, dtype="float32")
+    hostile = result["beside_hostile"]
     line = (f"hostile_clients: alone {result['alone_tok_s']:.1f} tok/s; beside {NUM_STALLED} "
             f"unread streams {stalled['output_tok_s']:.1f} tok/s = "
             f"{stalled['ratio_vs_alone']:.2f}x ({result['stalled_vs_reading']:.2f}x beside the "

@@ -24,7 +24,12 @@ from opentelemetry.trace import SpanContext, Status, StatusCode
 from pagedserve.scheduler_svc.engine_core import EngineCore
 from pagedserve.scheduler_svc.scheduler import ScheduledStep
 from pagedserve.scheduler_svc.stats import LoggingStatLogger, StatLogger
-from pagedserve.services.common.engine_api import AbortRequest, EngineLoad, SubmitRequest
+from pagedserve.services.common.engine_api import (
+    AbortRequest,
+    EngineLoad,
+    PauseRequest,
+    SubmitRequest,
+)
 from pagedserve.services.common.errors import NotFound, Reason, Unavailable
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
 
@@ -183,6 +188,15 @@ class EngineService:
 
         return await self._call(abort)
 
+    async def set_paused(self, request: PauseRequest) -> None:
+        """Pause or resume the request before the next step (backpressure from its consumer);
+        NotFound as for abort, with no admin override."""
+        if request.is_paused:
+            pause = self.engine.pause_request
+        else:
+            pause = self.engine.resume_request
+        return await self._call(lambda: pause(request.request_id, request.owner))
+
     def get_load(self) -> EngineLoad:
         """Live when the engine is between steps; during a step, as of just before it."""
         return self._load if self._is_stepping else self.engine.get_load()
@@ -239,7 +253,7 @@ class EngineService:
         while True:
             self._apply_pending()
             self._set_load(self.engine.get_load())  # what GetLoad answers during the next step
-            if not self.engine.has_unfinished_requests():
+            if not self.engine.has_runnable_requests():  # none, or every one paused
                 if self.engine.has_step_in_flight:
                     await self._step(self.engine.drain)
                     continue

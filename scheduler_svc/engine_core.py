@@ -180,16 +180,30 @@ class EngineCore:
     def abort_request(self, request_id: str, owner: str | None = None) -> RequestOutput:
         """A request of another `owner` (None: an admin's abort) raises the same NotFound as an
         unknown one, so request ids leak nothing."""
-        group = self._groups.get(request_id)
-        if group is None or (owner is not None and owner != group.owner):
-            raise NotFound(f"request_id {request_id!r} is not running",
-                           reason=Reason.REQUEST_NOT_FOUND, field="request_id")
+        group = self._owned_group(request_id, owner)
         del self._groups[request_id]
         self.scheduler.finish_group(group, FinishReason.ABORT)
         self._record_finished(group)
         report = make_request_output(group)
         assert report is not None, "a newly finished group always reports"
         return report
+
+    def pause_request(self, request_id: str, owner: str | None = None) -> None:
+        """The request's consumer is behind: it is not scheduled until resume_request, keeping its
+        place, tokens and (unless preempted, as paused groups are first) its KV blocks. NotFound
+        as abort_request."""
+        self._owned_group(request_id, owner).is_paused = True
+
+    def resume_request(self, request_id: str, owner: str | None = None) -> None:
+        """Runnable again, continuing exactly where it stopped."""
+        self._owned_group(request_id, owner).is_paused = False
+
+    def _owned_group(self, request_id: str, owner: str | None) -> SequenceGroup:
+        group = self._groups.get(request_id)
+        if group is None or (owner is not None and owner != group.owner):
+            raise NotFound(f"request_id {request_id!r} is not running",
+                           reason=Reason.REQUEST_NOT_FOUND, field="request_id")
+        return group
 
     def stop_sequence(self, request_id: str, index: int) -> RequestOutput | None:
         """The caller matched a stop string in output `index`'s text. Returns the report if that
@@ -214,6 +228,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
+    def has_runnable_requests(self) -> bool:
+        """Unfinished and not every one paused."""
+        return self.scheduler.has_runnable()
+
     def get_load(self) -> EngineLoad:
         bm = self.block_manager
         return EngineLoad(
@@ -224,7 +242,8 @@ class EngineCore:
             num_cpu_blocks_used=bm.num_cpu_blocks - bm.num_free_cpu_blocks,
             num_cpu_blocks=bm.num_cpu_blocks, prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
             num_preemptions=self.scheduler.num_preemptions,
-            num_worker_rebuilds=self._num_worker_rebuilds)
+            num_worker_rebuilds=self._num_worker_rebuilds,
+            num_paused=self.scheduler.num_paused)
 
     def step(self) -> list[RequestOutput]:
         """A failed step finishes the requests it touched, and those of the step sent after it,

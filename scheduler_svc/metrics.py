@@ -107,6 +107,8 @@ class _LoadCollector:
                  load.num_waiting),
                 ("vllm:num_requests_swapped", "Number of requests swapped to CPU.",
                  load.num_swapped),
+                ("pagedserve:num_requests_paused", "Number of requests not scheduled because "
+                 "their client is behind reading their stream.", load.num_paused),
                 ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)):
             gauge = GaugeMetricFamily(name, documentation, labels=MODEL)
             gauge.add_metric(labels, value)

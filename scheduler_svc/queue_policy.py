@@ -1,5 +1,6 @@
 """The order of the queues: FCFS (arrival time) or priority (lower `priority` first, then
-arrival), and, under the priority policy, the running groups a waiting group displaces."""
+arrival); which group a preemption picks (a paused one first); and, under the priority policy,
+the running groups a waiting group displaces."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ def rank(group: SequenceGroup, policy: str) -> tuple[float, ...]:
     return (group.arrival_time,)
 
 
+def preemption_key(group: SequenceGroup, policy: str) -> tuple[float, ...]:
+    """Higher is preempted first: a paused group (its consumer is behind, so its KV blocks idle),
+    then the lowest-ranked."""
+    return (float(group.is_paused), *rank(group, policy))
+
+
 def sort_queue(queue: deque[SequenceGroup], policy: str) -> None:
     ordered = sorted(queue, key=lambda g: rank(g, policy))
     queue.clear()
@@ -24,9 +31,10 @@ def sort_queue(queue: deque[SequenceGroup], policy: str) -> None:
 
 
 def outranks_swapped(group: SequenceGroup, swapped: deque[SequenceGroup], policy: str) -> bool:
-    """A waiting group may take room only ahead of every swapped group (they hold KV on the CPU
-    and would starve otherwise); under FCFS they are older than any new prompt."""
-    return not swapped or rank(group, policy) < min(rank(g, policy) for g in swapped)
+    """A waiting group may take room only ahead of every swapped group that could run (they hold
+    KV on the CPU and would starve otherwise); under FCFS they are older than any new prompt."""
+    ranks = [rank(g, policy) for g in swapped if not g.is_paused]
+    return not ranks or rank(group, policy) < min(ranks)
 
 
 def preempt_for_priority(waiting: deque[SequenceGroup], running: deque[SequenceGroup],
@@ -47,6 +55,8 @@ def preempt_for_priority(waiting: deque[SequenceGroup], running: deque[SequenceG
         if not outranks_swapped(group, swapped, "priority"):
             break
         live = group.live_seqs()
+        if group.is_paused:
+            continue  # not admitted until its consumer catches up
         if any(bm.can_allocate(s.token_ids) is AllocStatus.NEVER for s in live):
             continue  # rejected at admission; no one makes room for it
         num_blocks = sum(bm.num_blocks_taken(s.token_ids) for s in live)

@@ -18,6 +18,7 @@ from pagedserve.scheduler_svc.prefill_fairness import (
 from pagedserve.scheduler_svc.queue_policy import (
     outranks_swapped,
     preempt_for_priority,
+    preemption_key,
     rank,
     sort_queue,
 )
@@ -53,6 +54,16 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    def has_runnable(self) -> bool:
+        """Some unfinished group is not paused: schedule() may have work."""
+        return any(not g.is_paused for queue in (self.waiting, self.running, self.swapped)
+                   for g in queue)
+
+    @property
+    def num_paused(self) -> int:
+        return sum(g.is_paused for queue in (self.waiting, self.running, self.swapped)
+                   for g in queue)
 
     def finish_group(self, group: SequenceGroup, reason: FinishReason,
                      error: str | None = None) -> None:
@@ -124,12 +135,16 @@ class Scheduler:
         (prefill_fairness); under the priority policy a waiting group short of room first
         preempts lower-ranked running groups (queue_policy).
 
-        When a running group cannot get a block for its next token, the lowest-ranked running
-        group not yet scheduled this step is preempted (possibly itself): by recompute for
-        single-sequence groups, by swap for multi-sequence ones, unless `preemption_mode` says
-        otherwise or there is no CPU room. A group that can never run (too long, more blocks
-        than the device has) finishes with finish_reason "error" in `rejected`; the groups
-        behind it proceed.
+        A paused group (its consumer is behind) is skipped wherever it sits and keeps its blocks,
+        but is the first preempted: when a running group cannot grow, and when a waiting or
+        swapped group finds no room while a paused group holds blocks on the device.
+
+        When a running group cannot get a block for its next token, a paused running group, else
+        the lowest-ranked running group not yet scheduled this step, is preempted (possibly
+        itself): by recompute for single-sequence groups, by swap for multi-sequence ones,
+        unless `preemption_mode` says otherwise or there is no CPU room. A group that can never
+        run (too long, more blocks than the device has) finishes with finish_reason "error" in
+        `rejected`; the groups behind it proceed.
 
         The plan holds NewSequence for a sequence the workers do not know and RunningSequence
         deltas otherwise. A step with nothing to do yields `plan=None` and keeps the pending
@@ -172,6 +187,9 @@ class Scheduler:
         kept: list[SequenceGroup] = []
         while pending:
             group = pending.pop(0)
+            if group.is_paused:
+                skipped.append(group)
+                continue
             cap = self._long_prefill_cap(group)
             if self._is_deferred(cap, step):
                 skipped.append(group)
@@ -182,7 +200,7 @@ class Scheduler:
                 continue
             while not self._can_append(assignment):
                 candidates = pending + skipped
-                victim = max(candidates, key=self._key) if candidates else group
+                victim = max(candidates, key=self._preemption_key) if candidates else group
                 if victim is group and not kept:  # alone on the device, it still cannot grow
                     self._fail(group, step, "its sequences need more KV-cache blocks than the "
                                f"device has (num_gpu_blocks={self.block_manager.num_gpu_blocks})")
@@ -198,13 +216,15 @@ class Scheduler:
         self.running = deque(kept + skipped)
 
     def _schedule_swapped(self, budget: TokenBudget, step: StepDraft) -> None:
-        while self.swapped:
-            group = self.swapped[0]
+        for group in [g for g in self.swapped if not g.is_paused]:
             seq_ids = [s.seq_id for s in group.live_seqs()]
             assignment = assign_tokens(group, budget, self.config.enable_chunked_prefill)
-            if assignment is None or not self._can_swap_in(seq_ids):
+            if assignment is None:
                 return
-            self.swapped.popleft()
+            while not self._can_swap_in(seq_ids):
+                if not self._preempt_paused(step):
+                    return
+            self.swapped.remove(group)
             step.blocks_to_swap_in += self.block_manager.swap_in(seq_ids)
             for seq in group.live_seqs():
                 seq.status = SequenceStatus.RUNNING
@@ -225,6 +245,9 @@ class Scheduler:
     def _admit_waiting(self, budget: TokenBudget, step: StepDraft, passed: list[SequenceGroup]) -> None:
         while self.waiting and budget.remaining_tokens > 0:
             group = self.waiting[0]
+            if group.is_paused:
+                passed.append(self.waiting.popleft())
+                continue
             if not outranks_swapped(group, self.swapped, self.config.policy):
                 return
             live = group.live_seqs()
@@ -239,6 +262,8 @@ class Scheduler:
             if budget.remaining_seqs < len(live):
                 return
             status = self._allocate(live)
+            while status is AllocStatus.LATER and self._preempt_paused(step):
+                status = self._allocate(live)
             if status is AllocStatus.LATER and not self.running and self._is_pool_idle():
                 status = AllocStatus.NEVER  # several sequences that do not fit side by side
             if status is AllocStatus.NEVER:
@@ -278,12 +303,27 @@ class Scheduler:
         step.is_long_limit_lifted = True
         scheduled = {id(item.group) for item in step.scheduled}
         for group in self.running:
-            if id(group) in scheduled or group.is_decode_phase():
+            if id(group) in scheduled or group.is_paused or group.is_decode_phase():
                 continue
             assignment = assign_tokens(group, budget, self.config.enable_chunked_prefill)
             if assignment is not None and self._can_append(assignment):
                 self._add(group, assignment, budget, step)
         self._schedule_waiting(budget, step)
+
+    def _preempt_paused(self, step: StepDraft) -> bool:
+        """Frees the device blocks of the paused running group preempted first, if any."""
+        paused = [g for g in self.running if g.is_paused]
+        if not paused:
+            return False
+        victim = max(paused, key=self._preemption_key)
+        self.running.remove(victim)
+        self._preempt(victim, step)
+        if self.waiting and self.waiting[0] is victim:  # keep the group being admitted first
+            self.waiting.rotate(-1)
+        return True
+
+    def _preemption_key(self, group: SequenceGroup) -> tuple[float, ...]:
+        return preemption_key(group, self.config.policy)
 
     def _is_pool_idle(self) -> bool:
         bm = self.block_manager

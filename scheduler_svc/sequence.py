@@ -156,6 +156,7 @@ class SequenceGroup:
     error: str | None = None
     num_reports: int = 0
     owner: str = ""  # who may abort it, besides an admin (the gateway's tag of its caller)
+    is_paused: bool = False  # its consumer is behind: not scheduled, first preempted
 
     @classmethod
     def from_prompt(cls, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,

@@ -23,6 +23,7 @@ from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.rpc.convert_scheduler import (
     abort_request_from_proto,
     load_to_proto,
+    pause_request_from_proto,
     served_model_to_proto,
     submit_request_from_proto,
     token_event_to_proto,
@@ -73,6 +74,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
         await self._service().abort(abort_request_from_proto(request))
         return scheduler_pb2.AbortResponse()
+
+    @map_errors
+    async def Pause(self, request: scheduler_pb2.PauseRequest,
+                    context: grpc.aio.ServicerContext) -> scheduler_pb2.PauseResponse:
+        await self._service().set_paused(pause_request_from_proto(request))
+        return scheduler_pb2.PauseResponse()
+
+    @map_errors
+    async def Resume(self, request: scheduler_pb2.ResumeRequest,
+                     context: grpc.aio.ServicerContext) -> scheduler_pb2.ResumeResponse:
+        await self._service().set_paused(pause_request_from_proto(request))
+        return scheduler_pb2.ResumeResponse()
 
     @map_errors
     async def GetLoad(self, request: scheduler_pb2.GetLoadRequest,

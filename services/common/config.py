@@ -411,6 +411,11 @@ class RequestLimitsConfig:
     stalled_stream_timeout_s: float = opt(
         30.0, "a stream whose client stops reading for this long (one response cannot be "
               "written) is aborted with RESOURCE_EXHAUSTED, its request's KV blocks freed")
+    max_unread_stream_tokens: int = opt(
+        16, "backpressure: a stream whose client has more generated tokens than this unread "
+            "(held by the gateway, past what the connection itself buffers) is paused in its "
+            "scheduler, costing the engine nothing, and resumed once half of them are read; "
+            "0 = never pause")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs_per_request", "max_stop_string_chars", "max_chat_messages",
@@ -421,6 +426,8 @@ class RequestLimitsConfig:
                f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
         _check(self.max_stop_strings >= 0,
                f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
+        _check(self.max_unread_stream_tokens >= 0,
+               f"max_unread_stream_tokens must be >= 0, got {self.max_unread_stream_tokens}")
         _check(self.stalled_stream_timeout_s > 0,
                f"stalled_stream_timeout_s must be > 0, got {self.stalled_stream_timeout_s}")
 

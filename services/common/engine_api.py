@@ -40,6 +40,15 @@ class AbortRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class PauseRequest:
+    """Pause (or resume) a request whose consumer is behind; only its owner's gateway may."""
+
+    request_id: str
+    owner: str = ""
+    is_paused: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class EngineLoad:
     num_running: int  # requests
     num_waiting: int
@@ -51,3 +60,4 @@ class EngineLoad:
     prefix_cache_hit_rate: float  # in prompt tokens, since start
     num_preemptions: int
     num_worker_rebuilds: int  # workers rebuilt after losing their KV cache, since start
+    num_paused: int = 0  # requests whose consumer is behind, not scheduled until it catches up

@@ -1,12 +1,14 @@
 """One request's text deltas between the scheduler's stream and a client that reads at its own
 pace, so a slow client never holds back the engine. Past its bound the pending deltas are
 coalesced into one per output index: a slow reader gets the same text in fewer, larger pieces.
+It counts the tokens it holds, so the request can be paused while its reader is behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 from pagedserve.services.text.text_stream import StreamDelta
 
@@ -39,6 +41,8 @@ class DeltaBuffer:
         self._is_consumer_back = asyncio.Event()
         self._is_closed = False
         self._error: BaseException | None = None
+        self.num_unread_tokens = 0
+        self._unread_changed = asyncio.Event()
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -49,6 +53,7 @@ class DeltaBuffer:
             self._coalesce()
         self._pending.append(delta)
         self._has_pending.set()
+        self._count(len(delta.token_ids))
 
     def close(self, error: BaseException | None = None) -> None:
         """`get` raises `error` once the pending ones are taken."""
@@ -62,6 +67,7 @@ class DeltaBuffer:
         await self._has_pending.wait()
         if self._pending:
             delta = self._pending.popleft()
+            self._count(-len(delta.token_ids))
             if not self._pending and not self._is_closed:
                 self._has_pending.clear()
             self._is_consumer_back.clear()
@@ -70,6 +76,17 @@ class DeltaBuffer:
         if self._error is not None:
             raise self._error
         return None
+
+    async def wait_unread(self, predicate: Callable[[int], bool]) -> None:
+        """Returns once `predicate(num_unread_tokens)` holds."""
+        while not predicate(self.num_unread_tokens):
+            self._unread_changed.clear()
+            await self._unread_changed.wait()
+
+    def _count(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.num_unread_tokens += num_tokens
+            self._unread_changed.set()
 
     async def wait_stalled(self, timeout_s: float) -> None:
         """Returns once the consumer has stayed away `timeout_s` after taking a delta: a front

@@ -8,20 +8,24 @@ and max_tokens), so the events after a failover carry only new tokens.
 Beam search and best_of > n report their outputs only when they end: one that broke before is
 submitted again from its prompt; after (only a partial final event could be lost) it fails. A
 request is resubmitted at most MAX_FAILOVERS times.
+
+Backpressure follows the request: `set_paused` pauses or resumes it on the replica that runs it
+now, and a request paused when it moves is paused again on its new replica at its first event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from pagedserve.services.common.engine_api import ResumedOutput
-from pagedserve.services.common.errors import Reason, Unavailable
+from pagedserve.services.common.engine_api import PauseRequest, ResumedOutput
+from pagedserve.services.common.errors import PagedServeError, Reason, Unavailable
 from pagedserve.services.common.outputs import RequestOutput
 from pagedserve.services.gateway.metrics import GatewayMetrics
-from pagedserve.services.gateway.replica_set import ReplicaSet
+from pagedserve.services.gateway.replica_set import Replica, ReplicaSet
 from pagedserve.services.gateway.scheduler_client import SCHEDULER_RETRY_AFTER_S
 from pagedserve.services.gateway.validation import PreparedRequest
 from pagedserve.services.rpc.tracing import set_routing_decision
@@ -29,6 +33,7 @@ from pagedserve.services.rpc.tracing import set_routing_decision
 logger = logging.getLogger(__name__)
 
 MAX_FAILOVERS = 3
+PAUSE_RETRY_S = 0.05  # doubled up to 1 s while the replica is unavailable
 
 
 class ResumableSubmission:
@@ -50,6 +55,10 @@ class ResumableSubmission:
         self._logprob_base = [0.0] * n  # a resumed output's cumulative logprob restarts at 0
         self._cumulative_logprob = [0.0] * n
         self.num_failovers = 0
+        self.is_paused = False  # what its consumer wants
+        self._replica: Replica | None = None  # the one known to hold the request now
+        self._is_paused_there = False
+        self._pausing = asyncio.Lock()  # one Pause/Resume at a time, so they arrive in order
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         avoid: set[str] = set()
@@ -65,10 +74,14 @@ class ResumableSubmission:
                     async with contextlib.aclosing(replica.client.submit(
                             self._request, self._owner, resumed)) as events:
                         async for output in events:
+                            if self._replica is not replica:
+                                self._replica, self._is_paused_there = replica, False
+                                await self._sync_paused()
                             yield self._observed(output)
                 return
             except Unavailable as exc:
                 error = exc
+            self._replica = None
             self._replicas.mark_failed(replica)
             if self._metrics is not None:
                 self._metrics.on_failover(replica.address)
@@ -82,6 +95,31 @@ class ResumableSubmission:
                            self._request.request_id, replica.address, error,
                            self.num_failovers, MAX_FAILOVERS)
             avoid = {replica.address}
+
+    async def set_paused(self, is_paused: bool) -> None:
+        """Best effort: a request that ended (or failed over) meanwhile stays as it is."""
+        self.is_paused = is_paused
+        await self._sync_paused()
+
+    async def _sync_paused(self) -> None:
+        """A replica that is unavailable for a moment is asked again (a resume that never
+        arrived would leave the request stuck), while the request runs there."""
+        async with self._pausing:
+            replica = self._replica
+            delay_s = PAUSE_RETRY_S
+            while replica is self._replica and self._is_paused_there != self.is_paused:
+                is_paused = self.is_paused
+                try:
+                    await replica.client.set_paused(PauseRequest(
+                        self._request.request_id, self._owner, is_paused))
+                except Unavailable:
+                    await asyncio.sleep(delay_s)
+                    delay_s = min(2 * delay_s, 1.0)
+                    continue
+                except PagedServeError as exc:  # it ended there, or an older scheduler
+                    logger.debug("request %s: %s on %s failed: %s", self._request.request_id,
+                                 "pause" if is_paused else "resume", replica.address, exc)
+                self._is_paused_there = is_paused
 
     def _observed(self, output: RequestOutput) -> RequestOutput:
         outputs = []

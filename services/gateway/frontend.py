@@ -153,16 +153,25 @@ class Frontend:
         ends early raises Unavailable; outputs that failed raise PagedServeError at the end.
 
         The scheduler's stream is drained into a bounded DeltaBuffer by a task of its own, so a
-        slow consumer never holds back the engine. A consumer that does not come back for the
-        next delta within stalled_stream_timeout_s (a front door stuck writing to a client that
+        slow consumer never holds back the engine; while the consumer leaves more than
+        max_unread_stream_tokens tokens unread the request is paused in its scheduler (it costs
+        the engine no steps), and resumed once half are read. A consumer that does not come
+        back for the next delta within stalled_stream_timeout_s (a front door stuck writing to a client that
         stopped reading) loses its request: the scheduler call is cancelled (its blocks freed),
         `on_stalled` is awaited with the error (a front door ends its call with it), and the
         task iterating this generator is cancelled."""
         buffer = DeltaBuffer(request.sampling.n)
         timer = None if self.metrics is None else self.metrics.start_request(request.arrival_s)
-        pump = asyncio.create_task(self._pump(request, buffer, timer, caller.owner))
+        text_stream = TextStream(request.prompt_token_ids, request.sampling, self.tokenizer)
+        submission = ResumableSubmission(self.replicas, request, caller.owner,
+                                         self.replicas.config.failover_timeout_s,
+                                         text_stream.is_output_finished, self.metrics)
+        pump = asyncio.create_task(self._pump(request, text_stream, submission, buffer, timer))
         watchdog = asyncio.create_task(self._watch(request.request_id, buffer, pump,
                                                    asyncio.current_task(), on_stalled))
+        tasks = [watchdog, pump]
+        if self.limits.max_unread_stream_tokens > 0:
+            tasks.append(asyncio.create_task(self._regulate(buffer, submission)))
         errors: list[str] = []
         try:
             while (delta := await buffer.get()) is not None:
@@ -170,20 +179,17 @@ class Frontend:
                     errors.append(f"output {delta.index}: {delta.error}")
                 yield delta
         finally:
-            watchdog.cancel()
-            pump.cancel()
+            for task in tasks:
+                task.cancel()
         if errors:
             raise PagedServeError(f"request {request.request_id!r} failed: {'; '.join(errors)}",
                                   reason=Reason.GENERATION_FAILED)
 
-    async def _pump(self, request: PreparedRequest, buffer: DeltaBuffer,
-                    timer: RequestTimer | None, owner: str) -> None:
+    async def _pump(self, request: PreparedRequest, text_stream: TextStream,
+                    submission: ResumableSubmission, buffer: DeltaBuffer,
+                    timer: RequestTimer | None) -> None:
         """Scheduler events → text deltas → buffer, until every output has ended (a stop string
         ended the last one: leaving the call aborts the rest) or the stream fails."""
-        text_stream = TextStream(request.prompt_token_ids, request.sampling, self.tokenizer)
-        submission = ResumableSubmission(self.replicas, request, owner,
-                                         self.replicas.config.failover_timeout_s,
-                                         text_stream.is_output_finished, self.metrics)
         try:
             async with contextlib.aclosing(submission.outputs()) as outputs:
                 async for output in outputs:
@@ -204,6 +210,16 @@ class Frontend:
         buffer.close()
         if timer is not None:
             timer.finished(text_stream.usage)
+
+    async def _regulate(self, buffer: DeltaBuffer, submission: ResumableSubmission) -> None:
+        """Backpressure: pause the request while its consumer is behind; hysteresis (resume at
+        half) keeps a reader that takes bursts from pausing it every step."""
+        max_unread = self.limits.max_unread_stream_tokens
+        while True:
+            await buffer.wait_unread(lambda n: n > max_unread)
+            await submission.set_paused(True)
+            await buffer.wait_unread(lambda n: n <= max_unread // 2)
+            await submission.set_paused(False)
 
     async def _watch(self, request_id: str, buffer: DeltaBuffer, pump: asyncio.Task[None],
                      consumer: asyncio.Task[object] | None, on_stalled: StallHandler | None

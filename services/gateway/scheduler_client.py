@@ -18,6 +18,7 @@ from pagedserve.services.common.config import TlsConfig
 from pagedserve.services.common.engine_api import (
     AbortRequest,
     EngineLoad,
+    PauseRequest,
     ResumedOutput,
     SubmitRequest,
 )
@@ -27,6 +28,7 @@ from pagedserve.services.gateway.validation import PreparedRequest
 from pagedserve.services.rpc.convert_scheduler import (
     abort_request_to_proto,
     load_from_proto,
+    pause_request_to_proto,
     submit_request_to_proto,
     token_event_from_proto,
     watch_load_request_to_proto,
@@ -109,6 +111,14 @@ class SchedulerClient:
         """NotFound when the scheduler has no live request with that id of that owner."""
         try:
             await self._stub.Abort(abort_request_to_proto(request), timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, PEER) from exc
+
+    async def set_paused(self, request: PauseRequest) -> None:
+        """Pause or Resume; NotFound when the request is no longer live there."""
+        call = self._stub.Pause if request.is_paused else self._stub.Resume
+        try:
+            await call(pause_request_to_proto(request), timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, PEER) from exc
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pagedserve.services.common.engine_api import (
     AbortRequest,
     EngineLoad,
+    PauseRequest,
     ResumedOutput,
     SubmitRequest,
 )
@@ -109,6 +110,19 @@ def abort_request_from_proto(msg: scheduler_pb2.AbortRequest) -> AbortRequest:
     return AbortRequest(request_id=msg.request_id, owner=msg.owner, is_admin=msg.is_admin)
 
 
+def pause_request_to_proto(request: PauseRequest
+                           ) -> scheduler_pb2.PauseRequest | scheduler_pb2.ResumeRequest:
+    """Pause or Resume, as `request.is_paused` says."""
+    message = scheduler_pb2.PauseRequest if request.is_paused else scheduler_pb2.ResumeRequest
+    return message(request_id=request.request_id, owner=request.owner)
+
+
+def pause_request_from_proto(msg: scheduler_pb2.PauseRequest | scheduler_pb2.ResumeRequest
+                             ) -> PauseRequest:
+    return PauseRequest(request_id=msg.request_id, owner=msg.owner,
+                        is_paused=isinstance(msg, scheduler_pb2.PauseRequest))
+
+
 # GetLoad and WatchLoad answer the same fields, each in its own response message.
 LoadResponse = scheduler_pb2.GetLoadResponse | scheduler_pb2.WatchLoadResponse
 
@@ -119,7 +133,8 @@ def load_to_proto(load: EngineLoad, message_type: type[LoadResponse]) -> LoadRes
         num_swapped_requests=load.num_swapped, num_gpu_blocks_used=load.num_gpu_blocks_used,
         num_gpu_blocks=load.num_gpu_blocks, num_cpu_blocks_used=load.num_cpu_blocks_used,
         num_cpu_blocks=load.num_cpu_blocks, prefix_cache_hit_rate=load.prefix_cache_hit_rate,
-        num_preemptions=load.num_preemptions, num_worker_rebuilds=load.num_worker_rebuilds)
+        num_preemptions=load.num_preemptions, num_worker_rebuilds=load.num_worker_rebuilds,
+        num_paused_requests=load.num_paused)
 
 
 def load_from_proto(msg: LoadResponse) -> EngineLoad:
@@ -128,7 +143,8 @@ def load_from_proto(msg: LoadResponse) -> EngineLoad:
         num_swapped=msg.num_swapped_requests, num_gpu_blocks_used=msg.num_gpu_blocks_used,
         num_gpu_blocks=msg.num_gpu_blocks, num_cpu_blocks_used=msg.num_cpu_blocks_used,
         num_cpu_blocks=msg.num_cpu_blocks, prefix_cache_hit_rate=msg.prefix_cache_hit_rate,
-        num_preemptions=msg.num_preemptions, num_worker_rebuilds=msg.num_worker_rebuilds)
+        num_preemptions=msg.num_preemptions, num_worker_rebuilds=msg.num_worker_rebuilds,
+        num_paused=msg.num_paused_requests)
 
 
 DEFAULT_WATCH_LOAD_INTERVAL_MS = 100

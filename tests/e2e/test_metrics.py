@@ -70,7 +70,8 @@ def test_every_service_serves_its_metrics_with_vllm_names(stack):
              for service in ("worker", "scheduler", "gateway")}
     assert {"vllm:num_requests_running", "vllm:num_requests_waiting",
             "vllm:num_requests_swapped", "vllm:kv_cache_usage_perc",
-            "pagedserve:worker_rebuilds_total"} <= names["scheduler"]
+            "pagedserve:worker_rebuilds_total", "pagedserve:num_requests_paused"
+            } <= names["scheduler"]
     assert {"vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_bucket",
             "vllm:request_prompt_tokens_sum"} <= names["gateway"]
     assert "pagedserve:worker_step_time_seconds_count" in names["worker"]
@@ -119,7 +120,8 @@ def test_counters_equal_the_requests_usage_and_gauges_return_to_zero(stack, gene
     assert_idle(stack)
     idle = scrape(stack, "scheduler")
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:num_requests_swapped", "vllm:kv_cache_usage_perc"):
+                 "vllm:num_requests_swapped", "vllm:kv_cache_usage_perc",
+                 "pagedserve:num_requests_paused"):
         assert value(idle, name) == 0, name
 
 

@@ -4,7 +4,8 @@ with a scripted reply (`tokens_per_event` tokens per event, the reply cycled up 
 max_tokens. With `hang=True` it keeps the stream open after the reply until the
 request is aborted or the call cancelled, and records which happened. With `limits` set it
 first runs the scheduler's own request and admission checks (its live calls are its queue) and
-refuses as the scheduler does, details included."""
+refuses as the scheduler does, details included. Pause holds a request's events until Resume;
+`pauses` records both in order."""
 
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.submits: list[scheduler_pb2.SubmitRequest] = []
         self.cancelled: set[str] = set()
         self.aborted: set[str] = set()
+        self.pauses: list[tuple[str, bool]] = []  # (request_id, is_paused)
+        self.num_tokens_sent: dict[str, int] = {}
         self._abort_events: dict[str, asyncio.Event] = {}
+        self._is_runnable: dict[str, asyncio.Event] = {}  # cleared while paused
         self.any_cancelled = asyncio.Event()
         self.limits: RequestLimits | None = None
         self.drain_rate = DrainRate()
@@ -60,6 +64,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         request_id = request.request_id
         sampling = sampling_params_from_proto(request.sampling)
         abort = self._abort_events[request_id] = asyncio.Event()
+        runnable = self._is_runnable[request_id] = asyncio.Event()
+        runnable.set()
         prompt_len = len(request.prompt_token_ids)
         # this call's script is fixed when it starts; a test may change it for later calls
         num_tokens = min(sampling.max_tokens, self.num_reply_tokens or len(self.reply_ids))
@@ -68,6 +74,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         is_complete = False
         try:
             for step in range(0, num_tokens, per_event):
+                await runnable.wait()
                 if abort.is_set():
                     break
                 token_ids = [self.reply_ids[i % len(self.reply_ids)]
@@ -91,6 +98,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                             delta.logprobs.append(-0.5)
                             delta.top_logprobs.add().candidates.add(token_id=token_id, logprob=-0.5)
                 yield event
+                self.num_tokens_sent[request_id] = num_done
                 if self.break_after is not None and step // per_event + 1 >= self.break_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")
                 await asyncio.sleep(0)
@@ -109,6 +117,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                 self.any_cancelled.set()
             self._abort_events.pop(request_id, None)
             self.drain_rate.record()
+            self._is_runnable.pop(request_id, None)
 
     async def Abort(self, request, context):
         event = self._abort_events.get(request.request_id)
@@ -117,6 +126,24 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                                 f"request_id {request.request_id!r} is not running")
         event.set()
         return scheduler_pb2.AbortResponse()
+
+    async def Pause(self, request, context):
+        return await self._set_paused(request, context, True, scheduler_pb2.PauseResponse())
+
+    async def Resume(self, request, context):
+        return await self._set_paused(request, context, False, scheduler_pb2.ResumeResponse())
+
+    async def _set_paused(self, request, context, is_paused, response):
+        runnable = self._is_runnable.get(request.request_id)
+        if runnable is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"request_id {request.request_id!r} is not running")
+        self.pauses.append((request.request_id, is_paused))
+        if is_paused:
+            runnable.clear()
+        else:
+            runnable.set()
+        return response
 
     async def GetLoad(self, request, context):
         return scheduler_pb2.GetLoadResponse()

@@ -6,6 +6,7 @@ import pytest
 from pagedserve.services.common.engine_api import (
     AbortRequest,
     EngineLoad,
+    PauseRequest,
     ResumedOutput,
     SubmitRequest,
 )
@@ -20,6 +21,8 @@ from pagedserve.services.rpc.convert_scheduler import (
     completion_output_to_proto,
     load_from_proto,
     load_to_proto,
+    pause_request_from_proto,
+    pause_request_to_proto,
     submit_request_from_proto,
     submit_request_to_proto,
     token_event_from_proto,
@@ -144,5 +147,15 @@ def test_load_round_trip(message_type):
     load = EngineLoad(num_running=3, num_waiting=2, num_swapped=1, num_gpu_blocks_used=17,
                       num_gpu_blocks=512, num_cpu_blocks_used=4, num_cpu_blocks=256,
                       prefix_cache_hit_rate=0.375, num_preemptions=2**40,
-                      num_worker_rebuilds=3)
+                      num_worker_rebuilds=3, num_paused=5)
     assert load_from_proto(_wire(load_to_proto(load, message_type))) == load
+
+
+@pytest.mark.parametrize("request_", [
+    PauseRequest("req-9", owner="ab12"), PauseRequest("req-9", owner="ab12", is_paused=False)])
+def test_pause_request_round_trip_is_pause_or_resume(request_):
+    msg = pause_request_to_proto(request_)
+    assert isinstance(msg, scheduler_pb2.PauseRequest if request_.is_paused
+                      else scheduler_pb2.ResumeRequest)
+    assert pause_request_from_proto(_wire(msg)) == request_
+    assert set(type(msg).DESCRIPTOR.fields_by_name) == {"request_id", "owner"}

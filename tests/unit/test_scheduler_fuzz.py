@@ -1,8 +1,9 @@
 """The scheduler under random workloads on small pools (hypothesis): whatever the policy,
 preemption mode, budgets, prefix caching, sampling (greedy, n/best_of forks, beam search) and
-async scheduling (the next step scheduled before this one's outputs, as EngineCore does), every
-request ends -- with its tokens, with an error saying it can never fit, or aborted between two
-steps -- within a bounded number of steps, and every block comes back."""
+async scheduling (the next step scheduled before this one's outputs, as EngineCore does) and
+pauses (backpressure: a paused group is never scheduled), every request ends -- with its tokens,
+with an error saying it can never fit, or aborted between two steps -- within a bounded number
+of steps, and every block comes back."""
 
 from __future__ import annotations
 
@@ -36,12 +37,14 @@ REQUESTS = st.lists(st.tuples(st.integers(1, 30),  # prompt length
        max_num_seqs=st.integers(2, 8), max_num_batched_tokens=st.integers(8, 64),
        async_scheduling=st.booleans(), requests=REQUESTS,
        aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 7)), max_size=3),
+       pauses=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 20), st.integers(0, 7)),
+                       max_size=3),
        long_prefill_token_threshold=st.sampled_from([0, 2, 5, 12]),
        max_long_partial_prefills=st.integers(1, 2))
 def test_every_request_ends_and_every_block_comes_back(
         num_gpu_blocks, num_cpu_blocks, block_size, policy, preemption_mode,
         enable_chunked_prefill, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
-        async_scheduling, requests, aborts, long_prefill_token_threshold,
+        async_scheduling, requests, aborts, pauses, long_prefill_token_threshold,
         max_long_partial_prefills):
     assume(max_num_batched_tokens >= max_num_seqs)
     h = Harness(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
@@ -72,6 +75,10 @@ def test_every_request_ends_and_every_block_comes_back(
             if at == step and group is not None and not group.is_finished:
                 h.scheduler.finish_group(group, "abort")
                 finished[group.request_id] = make_request_output(group)
+        for at, num_steps, index in pauses:  # as EngineCore.pause_request / resume_request do
+            group = h.groups.get(f"r{index}")
+            if group is not None and step in (at, at + num_steps):
+                group.is_paused = step == at
         if not arrivals and not h.scheduler.has_unfinished() and in_flight is None:
             break
         reports, in_flight = engine_step(h, in_flight, async_scheduling)
@@ -104,6 +111,7 @@ def engine_step(h: Harness, in_flight: ScheduledStep | None, async_scheduling: b
 
     def schedule() -> ScheduledStep | None:
         out = h.scheduler.schedule()
+        assert not any(item.group.is_paused for item in out.scheduled)
         reports.extend(r for g in out.rejected if (r := make_request_output(g)) is not None)
         return out if out.plan is not None else None
 
