@@ -48,6 +48,7 @@ from pathlib import Path
 
 import grpc
 from pagedserve.services.common.config import DeviceConfig, EngineConfig, WorkerServiceConfig
+from pagedserve.services.common.gc_tuning import tune_gc_after_startup
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -102,6 +103,7 @@ def _worker_main(config: EngineConfig, port: int, conn) -> None:
 
     async def run() -> None:
         server, servicer = await start_worker(config, WorkerServiceConfig(port=port))
+        tune_gc_after_startup()  # as the worker's serve does
         loop = asyncio.get_running_loop()
         while await loop.run_in_executor(None, conn.recv) == "stats":
             worker = servicer.worker

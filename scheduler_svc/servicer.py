@@ -19,6 +19,7 @@ from pagedserve.services.common.config import (
     served_model_name,
 )
 from pagedserve.services.common.errors import ConfigError, Unavailable
+from pagedserve.services.common.gc_tuning import tune_gc_after_startup
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.rpc.convert_scheduler import (
     abort_request_from_proto,
@@ -166,6 +167,7 @@ async def stop_scheduler(server: ServiceServer, servicer: SchedulerServicer,
 
 async def serve(config: EngineConfig, service_config: SchedulerServiceConfig) -> None:
     server, servicer = await start_scheduler(config, service_config)
+    tune_gc_after_startup()
     service = servicer.service
     grace_s = service_config.shutdown.drain_timeout_s
     try:
