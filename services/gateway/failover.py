@@ -13,7 +13,6 @@ request is resubmitted at most MAX_FAILOVERS times.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -82,7 +81,7 @@ class ResumableSubmission:
             avoid = {replica.address}
 
     def _observed(self, output: RequestOutput) -> RequestOutput:
-        outputs = []
+        """In place: the client made `output` for this call alone."""
         for completion in output.outputs:
             i = completion.index
             if 0 <= i < len(self._token_ids):
@@ -90,10 +89,10 @@ class ResumableSubmission:
                 self._is_finished[i] = self._is_finished[i] or completion.finish_reason is not None
                 total = self._logprob_base[i] + completion.cumulative_logprob
                 self._cumulative_logprob[i] = total
-                completion = dataclasses.replace(completion, cumulative_logprob=total)
-            outputs.append(completion)
-        return dataclasses.replace(output, outputs=outputs, num_cached_tokens=min(
-            output.num_cached_tokens, len(self._request.prompt_token_ids)))
+                completion.cumulative_logprob = total
+        output.num_cached_tokens = min(output.num_cached_tokens,
+                                       len(self._request.prompt_token_ids))
+        return output
 
     def _resumed_outputs(self) -> list[ResumedOutput]:
         """What a (re)submission carries: nothing the first time or when nothing was streamed
