@@ -62,8 +62,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         async with await service.submit(submit_request_from_proto(request)) as stream:
             async for output in stream:
                 yield token_event_to_proto(output)
+                if not output.finished:
+                    continue
                 errors = [o.error for o in output.outputs if o.finish_reason == FinishReason.ERROR]
-                if output.finished and errors:
+                if errors:
                     await context.abort(grpc.StatusCode.INTERNAL,
                                         errors[0] or "the request failed inside the engine")
 
