@@ -111,7 +111,6 @@ def _worker_main(config: EngineConfig, port: int, conn) -> None:
 
     async def run() -> None:
         server, servicer = await start_worker(config, WorkerServiceConfig(port=port))
-        tune_gc_after_startup()  # as the worker's serve does
         loop = asyncio.get_running_loop()
         while await loop.run_in_executor(None, conn.recv) == "stats":
             worker = servicer.worker

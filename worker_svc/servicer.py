@@ -27,7 +27,6 @@ from pagedserve.services.common.errors import (
     StepOutOfOrder,
     Unavailable,
 )
-from pagedserve.services.common.gc_tuning import tune_gc_after_startup
 from pagedserve.services.common.step_plan import StepPlan, WorkerInfo
 from pagedserve.services.rpc.convert_worker import (
     memory_profile_to_proto,
@@ -261,7 +260,6 @@ async def start_worker(config: EngineConfig, service: WorkerServiceConfig
 
 async def serve(config: EngineConfig, service: WorkerServiceConfig) -> None:
     server, servicer = await start_worker(config, service)
-    tune_gc_after_startup()
     try:
         await server.serve_until_signal(service.shutdown.drain_timeout_s)
     finally:

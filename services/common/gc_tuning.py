@@ -15,7 +15,9 @@ GEN2_THRESHOLD = 100  # middle collections between full ones (default 10)
 
 
 def tune_gc_after_startup() -> None:
-    """Call once the process has loaded what it keeps for its lifetime."""
+    """Call once the process has loaded what it keeps for its lifetime (the scheduler and the
+    gateway; not the worker, whose LoadModel may replace its model: a frozen model's cycles
+    would never be collected)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(GEN0_THRESHOLD, GEN1_THRESHOLD, GEN2_THRESHOLD)
