@@ -203,7 +203,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self._step_order.notify_all()
         return await running
 
-    def _execute_step(self, worker: Worker, plan: StepPlan) -> worker_pb2.StepResult:
+    def _execute_step(self, worker: Worker, plan: StepPlan) -> worker_pb2.ExecuteStepResponse:
         """On the model thread, the response included: the event loop only hands it to gRPC,
         so the next step, queued behind this one, never waits for the loop's Python."""
         output = worker.execute_step(plan)
