@@ -14,13 +14,16 @@ N streaming clients, closed loop (each sends its next request when one ends).
               (sim_time_scale 0), and tokens per CPU-second of the gateway process -- what one
               gateway core sustains (target >= 17k/s: an H100 replica at batch 256); compared
               with the roofline's token rate at batch 256
-  scheduler   Scheduler.schedule + OutputProcessor.process per decode step with B running
-              sequences (in process, B = 64 .. 1024), and the same B with 8x longer contexts:
-              it should grow with B only, not with tokens or blocks
+  scheduler   Scheduler.schedule + OutputProcessor.process + the scheduler's side of the
+              ExecuteStep conversions (plan to protobuf, response from protobuf) per decode step
+              with B running sequences (in process, B = 64 .. 1024, CPU time of the thread), and
+              the same B with 8x longer contexts: it should grow with B only, not with tokens or
+              blocks
 
 Every figure is a ratio against the simulated GPU measured in the same run; none is a GPU
-measurement. CPU seconds of each process are recorded beside, to show where time goes (this
-host's cores are shared by clients, gateway, scheduler and worker).
+measurement. CPU seconds of each process are recorded beside, and per output token
+(`cpu_us_per_token`): on a shared host the busy fraction and tokens/s move with the neighbours'
+load, CPU time per token much less -- compare runs by it.
 
     python -m bench.control_plane                 # N = 64, 256, 1024
     python -m bench.control_plane --quick         # a smoke size
@@ -48,7 +51,13 @@ from pathlib import Path
 
 import grpc
 from pagedserve.services.common.config import DeviceConfig, EngineConfig, WorkerServiceConfig
+from pagedserve.services.common.gc_tuning import tune_gc_after_startup
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.rpc.convert_worker import (
+    step_output_from_proto,
+    step_output_to_proto,
+    step_plan_to_proto,
+)
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from bench.common import DEFAULT_MODEL, finish, percentiles, quiet_logging
@@ -213,6 +222,9 @@ def measure(stack: Stack, wl: Workload, concurrency: int) -> dict:
             "ttft_ms": percentiles([(t.times_s[0] - t.submit_s) * 1e3 for t in traces
                                     if t.times_s]),
             "itl_ms": percentiles(itl_ms), "cpu_s": cpu,
+            "cpu_us_per_token": {name: 1e6 * s / num_tokens if num_tokens else None
+                                 for name, s in cpu.items()},
+            "num_client_messages": sum(len(t.times_s) for t in traces),
             "gateway_tok_per_cpu_s": num_tokens / cpu["gateway"] if cpu["gateway"] else None}
 
 
@@ -225,11 +237,14 @@ def _is_full_decode(scheduled, batch_size: int) -> bool:
 
 
 def scheduler_cost(args: argparse.Namespace, batch_size: int, prompt_len: int) -> dict:
-    """Median Scheduler.schedule and OutputProcessor.process times over the decode-only steps
-    that run exactly batch_size sequences (in process; the simulated GPU takes no time)."""
+    """Median CPU times (of the engine thread) of Scheduler.schedule, OutputProcessor.process and
+    the scheduler's ExecuteStep conversions over the decode-only steps that run exactly
+    batch_size sequences (in process; the simulated GPU takes no time; the collector tuned as in
+    the service)."""
     token_budget = max(8192, prompt_len)
     engine = LLMEngine(engine_config(args, max_num_seqs=batch_size, sim_time_scale=0.0,
                                      max_num_batched_tokens=token_budget))
+    tune_gc_after_startup()
     vocab = engine.core.vocab_size
     rng = random.Random(args.seed)
     # the first sequences decode while the last prompts prefill: they must outlast those steps
@@ -242,32 +257,42 @@ def scheduler_cost(args: argparse.Namespace, batch_size: int, prompt_len: int) -
     core = engine.core
     schedule_s: list[float] = []
     process_s: list[float] = []
+    rpc_s: list[float] = []
     schedule, process = core.scheduler.schedule, core.output_processor.process
 
     def timed_schedule():
-        start = time.perf_counter()
+        start = time.thread_time()
         scheduled = schedule()
+        if scheduled.plan is not None:
+            step_plan_to_proto(scheduled.plan)
         if _is_full_decode(scheduled, batch_size):
-            schedule_s.append(time.perf_counter() - start)
+            schedule_s.append(time.thread_time() - start)
         return scheduled
 
-    def timed_process(scheduled, *rest):
-        start = time.perf_counter()
-        outputs = process(scheduled, *rest)
+    def timed_process(scheduled, step_output, *rest):
+        response = step_output_to_proto(step_output)  # the worker's side: not counted
+        start = time.thread_time()
+        step_output = step_output_from_proto(response)
+        rpc_end = time.thread_time()
+        outputs = process(scheduled, step_output, *rest)
         if _is_full_decode(scheduled, batch_size):
-            process_s.append(time.perf_counter() - start)
+            process_s.append(time.thread_time() - rpc_end)
+            rpc_s.append(rpc_end - start)
         return outputs
 
     core.scheduler.schedule, core.output_processor.process = timed_schedule, timed_process
     while engine.has_unfinished_requests():
         engine.step()
     engine.close()
-    schedule_ms = statistics.median(schedule_s[2:]) * 1e3  # the first decode steps settle
+    # the first decode steps settle; schedule_ms includes the plan's conversion to protobuf
+    schedule_ms = statistics.median(schedule_s[2:]) * 1e3
     process_ms = statistics.median(process_s[2:]) * 1e3
+    response_ms = statistics.median(rpc_s[2:]) * 1e3
+    per_step_ms = schedule_ms + process_ms + response_ms
     return {"batch_size": batch_size, "prompt_len": prompt_len, "num_steps": len(process_s),
             "schedule_ms": schedule_ms, "process_ms": process_ms,
-            "per_step_ms": schedule_ms + process_ms,
-            "per_seq_us": (schedule_ms + process_ms) * 1e3 / batch_size}
+            "response_from_proto_ms": response_ms, "per_step_ms": per_step_ms,
+            "per_seq_us": per_step_ms * 1e3 / batch_size}
 
 
 # --- main -------------------------------------------------------------------------------------
@@ -359,7 +384,10 @@ def main(argv: list[str] | None = None) -> dict:
             + ", ".join(f"N={r['concurrency']} GPU busy {r['busy_fraction']:.1%} "
                         f"({r['output_tok_s']:.0f} tok/s)" for r in streams)
             + f" (target >= {TARGET_BUSY:.0%} at N={busy_target_n}"
-            + f"{'' if busy >= TARGET_BUSY else ' MISSED'}); gateway "
+            + f"{'' if busy >= TARGET_BUSY else ' MISSED'}); CPU us per token at "
+            + f"N={busy_target_n}: " + ", ".join(
+                f"{name} {us:.0f}" for name, us in by_n[busy_target_n]["cpu_us_per_token"].items())
+            + "; gateway "
             + f"{capacity['output_tok_s']:.0f} tok/s delivered, {gw:.0f} tok per gateway "
             + f"CPU-s = {gw / decode_256:.2f}x the roofline's batch-256 rate "
             + f"{decode_256:.0f} tok/s (target >= {TARGET_GATEWAY_TOK_S}"

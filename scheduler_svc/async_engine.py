@@ -22,6 +22,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext, Status, StatusCode
 from pagedserve.scheduler_svc.engine_core import EngineCore
+from pagedserve.scheduler_svc.outputs import merge_request_outputs
 from pagedserve.scheduler_svc.scheduler import ScheduledStep
 from pagedserve.scheduler_svc.stats import LoggingStatLogger, StatLogger
 from pagedserve.services.common.engine_api import (
@@ -53,14 +54,23 @@ class RequestStream:
         self._queue = queue
         self._on_abandon = on_abandon
         self._is_finished = False
+        self._held: _Item | None = None  # an error queued behind the reports merged last
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self
 
     async def __anext__(self) -> RequestOutput:
+        """The reports queued since the last call, merged into one: a consumer behind the engine
+        sends one event per call, not one per step."""
         if self._is_finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        item, self._held = self._held or await self._queue.get(), None
+        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
+            later = self._queue.get_nowait()
+            if isinstance(later, BaseException):
+                self._held = later
+                break
+            item = merge_request_outputs(item, later)
         if isinstance(item, BaseException):
             self._is_finished = True
             raise item

@@ -37,6 +37,9 @@ def sequence_deltas(
 
 
 def _first_difference(old: list[int], new: list[int]) -> int:
+    """Appends (the usual change) and no change are found by C-level list compares."""
+    if new[:len(old)] == old:
+        return len(old)
     for i, (a, b) in enumerate(zip(old, new, strict=False)):
         if a != b:
             return i

@@ -1,4 +1,5 @@
-"""Reports of a sequence group's progress (RequestOutput), streamed or final."""
+"""Reports of a sequence group's progress (RequestOutput), streamed or final, and the merge of
+consecutive reports that a stream behind its engine sends as one."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def make_request_output(group: SequenceGroup) -> RequestOutput | None:
 
 def _stream_delta(seq: Sequence) -> CompletionOutput | None:
     start = seq.num_emitted_tokens
-    new_token_ids = seq.output_token_ids[start:]
+    new_token_ids = seq.token_ids[seq.prompt_len + start:]
     reports_finish = seq.is_finished and not seq.is_finish_reported
     if not new_token_ids and not reports_finish:
         return None
@@ -59,3 +60,26 @@ def _final_outputs(group: SequenceGroup) -> list[CompletionOutput]:
                              cumulative_logprob=s.cumulative_logprob,
                              finish_reason=s.finish_reason, error=s.error)
             for i, s in enumerate(best)]
+
+
+def merge_request_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """`first` extended in place by the report made after it: per output index the tokens
+    concatenate and the latest cumulative logprob and finish win, as if one step had made both."""
+    by_index = {o.index: o for o in first.outputs}
+    for output in later.outputs:
+        earlier = by_index.get(output.index)
+        if earlier is None:
+            first.outputs.append(output)
+            by_index[output.index] = output
+            continue
+        earlier.token_ids += output.token_ids
+        earlier.logprobs += output.logprobs
+        earlier.top_logprobs += output.top_logprobs
+        earlier.cumulative_logprob = output.cumulative_logprob
+        earlier.finish_reason = output.finish_reason or earlier.finish_reason
+        earlier.error = output.error or earlier.error
+    first.finished = later.finished
+    first.num_cached_tokens = later.num_cached_tokens
+    if first.prompt_logprobs is None:
+        first.prompt_logprobs = later.prompt_logprobs
+    return first

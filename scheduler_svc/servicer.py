@@ -19,6 +19,7 @@ from pagedserve.services.common.config import (
     served_model_name,
 )
 from pagedserve.services.common.errors import ConfigError, PagedServeError, Reason, Unavailable
+from pagedserve.services.common.gc_tuning import tune_gc_after_startup
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.rpc.convert_scheduler import (
     abort_request_from_proto,
@@ -63,8 +64,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         async with await service.submit(submit_request_from_proto(request)) as stream:
             async for output in stream:
                 yield token_event_to_proto(output)
+                if not output.finished:
+                    continue
                 errors = [o.error for o in output.outputs if o.finish_reason == FinishReason.ERROR]
-                if output.finished and errors:
+                if errors:
                     await abort_with(context, PagedServeError(
                         errors[0] or "the request failed inside the engine",
                         reason=Reason.GENERATION_FAILED))
@@ -181,6 +184,7 @@ async def stop_scheduler(server: ServiceServer, servicer: SchedulerServicer,
 
 async def serve(config: EngineConfig, service_config: SchedulerServiceConfig) -> None:
     server, servicer = await start_scheduler(config, service_config)
+    tune_gc_after_startup()
     service = servicer.service
     grace_s = service_config.shutdown.drain_timeout_s
     try:

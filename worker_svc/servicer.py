@@ -27,7 +27,7 @@ from pagedserve.services.common.errors import (
     StepOutOfOrder,
     Unavailable,
 )
-from pagedserve.services.common.step_plan import WorkerInfo
+from pagedserve.services.common.step_plan import StepPlan, WorkerInfo
 from pagedserve.services.rpc.convert_worker import (
     memory_profile_to_proto,
     step_output_to_proto,
@@ -198,10 +198,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     f"step {plan.step_id} waited {STEP_ORDER_WAIT_S:.0f} s for step "
                     f"{plan.previous_step_id}, which never came") from None
             running = asyncio.get_running_loop().run_in_executor(  # queued on the model thread now
-                self._executor, worker.execute_step, plan)
+                self._executor, self._execute_step, worker, plan)
             self._submitted_step_id = plan.step_id
             self._step_order.notify_all()
-        output = await running
+        return await running
+
+    def _execute_step(self, worker: Worker, plan: StepPlan) -> worker_pb2.ExecuteStepResponse:
+        """On the model thread, the response included: the event loop only hands it to gRPC,
+        so the next step, queued behind this one, never waits for the loop's Python."""
+        output = worker.execute_step(plan)
         if self.metrics is not None:
             self.metrics.record_step(plan, output.timings)
         return step_output_to_proto(output)

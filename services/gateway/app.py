@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.services.common.config import GatewayConfig
+from pagedserve.services.common.gc_tuning import tune_gc_after_startup
 from pagedserve.services.gateway.convert import model_info_from_served_model
 from pagedserve.services.gateway.frontend import Admission, Frontend
 from pagedserve.services.gateway.metrics import GatewayMetrics
@@ -149,6 +150,7 @@ def server_options(max_request_bytes: int) -> list[tuple[str, Any]]:
 async def serve(config: GatewayConfig) -> None:
     """Run until SIGTERM/SIGINT: NOT_SERVING, refuse new requests, let live ones finish."""
     gateway = await start_gateway(config)
+    tune_gc_after_startup()
     grace_s = config.shutdown.drain_timeout_s
     try:
         await gateway.server.serve_until_signal(grace_s, drain=lambda: gateway.drain(grace_s))

@@ -2,11 +2,13 @@
 pace, so a slow client never holds back the engine. Past its bound the pending deltas are
 coalesced into one per output index: a slow reader gets the same text in fewer, larger pieces.
 It counts the tokens it holds, so the request can be paused while its reader is behind.
+A reader that is merely behind gets what has piled up in one piece per index each time it reads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -38,7 +40,7 @@ class DeltaBuffer:
         self.max_pending = max(MIN_PENDING_DELTAS, 2 * num_outputs)
         self._has_pending = asyncio.Event()
         self._is_consumer_away = asyncio.Event()  # it took a delta and has not asked again
-        self._is_consumer_back = asyncio.Event()
+        self._away_since: float | None = None  # time.monotonic() of that take
         self._is_closed = False
         self._error: BaseException | None = None
         self.num_unread_tokens = 0
@@ -62,15 +64,14 @@ class DeltaBuffer:
         self._has_pending.set()
 
     async def get(self) -> StreamDelta | None:
-        self._is_consumer_away.clear()
-        self._is_consumer_back.set()
+        self._away_since = None
         await self._has_pending.wait()
         if self._pending:
-            delta = self._pending.popleft()
+            delta = self._take()
             self._count(-len(delta.token_ids))
             if not self._pending and not self._is_closed:
                 self._has_pending.clear()
-            self._is_consumer_back.clear()
+            self._away_since = time.monotonic()
             self._is_consumer_away.set()
             return delta
         if self._error is not None:
@@ -91,14 +92,23 @@ class DeltaBuffer:
     async def wait_stalled(self, timeout_s: float) -> None:
         """Returns once the consumer has stayed away `timeout_s` after taking a delta: a front
         door is away while it writes the delta, and a write that long means the client stopped
-        reading."""
+        reading. It wakes about once per `timeout_s`, not once per delta."""
         while True:
-            await self._is_consumer_away.wait()
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await self._is_consumer_back.wait()
-            except TimeoutError:
+            if self._away_since is None:
+                self._is_consumer_away.clear()
+                await self._is_consumer_away.wait()
+                continue
+            remaining_s = self._away_since + timeout_s - time.monotonic()
+            if remaining_s <= 0:
                 return
+            await asyncio.sleep(remaining_s)
+
+    def _take(self) -> StreamDelta:
+        """The first pending delta with the ones of the same index right behind it."""
+        delta = self._pending.popleft()
+        while self._pending and self._pending[0].index == delta.index:
+            merge_into(delta, self._pending.popleft())
+        return delta
 
     def _coalesce(self) -> None:
         merged: dict[int, StreamDelta] = {}

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -122,7 +121,7 @@ class ResumableSubmission:
                 self._is_paused_there = is_paused
 
     def _observed(self, output: RequestOutput) -> RequestOutput:
-        outputs = []
+        """In place: the client made `output` for this call alone."""
         for completion in output.outputs:
             i = completion.index
             if 0 <= i < len(self._token_ids):
@@ -130,10 +129,10 @@ class ResumableSubmission:
                 self._is_finished[i] = self._is_finished[i] or completion.finish_reason is not None
                 total = self._logprob_base[i] + completion.cumulative_logprob
                 self._cumulative_logprob[i] = total
-                completion = dataclasses.replace(completion, cumulative_logprob=total)
-            outputs.append(completion)
-        return dataclasses.replace(output, outputs=outputs, num_cached_tokens=min(
-            output.num_cached_tokens, len(self._request.prompt_token_ids)))
+                completion.cumulative_logprob = total
+        output.num_cached_tokens = min(output.num_cached_tokens,
+                                       len(self._request.prompt_token_ids))
+        return output
 
     def _resumed_outputs(self) -> list[ResumedOutput]:
         """What a (re)submission carries: nothing the first time or when nothing was streamed

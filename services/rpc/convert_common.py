@@ -91,6 +91,8 @@ def add_logprob_lists(container: RepeatedCompositeFieldContainer[common_pb2.Toke
 
 
 def logprob_lists_from_proto(container: Iterable[common_pb2.TokenLogprobs]) -> list[list[TokenLogprob]]:
+    if not container:
+        return []
     return [token_logprobs_from_proto(position) for position in container]
 
 

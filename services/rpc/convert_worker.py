@@ -1,5 +1,6 @@
 """worker.proto ↔ services/common/step_plan.py: the only place they meet. ExecuteStep runs these
-once per engine step, so they copy repeated fields wholesale rather than element by element."""
+once per engine step, so they copy repeated fields wholesale rather than element by element, and
+plain decodes and single samples (most of a large batch) travel packed, not one message each."""
 
 from __future__ import annotations
 
@@ -72,13 +73,24 @@ def running_sequence_from_proto(msg: worker_pb2.RunningSequence) -> RunningSeque
         num_scheduled_tokens=msg.num_scheduled_tokens, num_samples=msg.num_samples)
 
 
+def _is_plain_decode(seq: RunningSequence) -> bool:
+    return (seq.num_scheduled_tokens == 1 and seq.num_samples == 1 and not seq.new_token_ids
+            and not seq.block_ids)
+
+
 def step_plan_to_proto(plan: StepPlan) -> worker_pb2.ExecuteStepRequest:
+    """Plain decodes go packed, after the other running sequences."""
+    plain = [s for s in plan.running_seqs if _is_plain_decode(s)]
+    others = plan.running_seqs if not plain else [
+        s for s in plan.running_seqs if not _is_plain_decode(s)]
     msg = worker_pb2.ExecuteStepRequest(
         scheduler_epoch=plan.scheduler_epoch, step_id=plan.step_id,
         previous_step_id=plan.previous_step_id,
         new_seqs=[new_sequence_to_proto(s) for s in plan.new_seqs],
-        running_seqs=[running_sequence_to_proto(s) for s in plan.running_seqs],
-        finished_seq_ids=plan.finished_seq_ids, preempted_seq_ids=plan.preempted_seq_ids)
+        running_seqs=[running_sequence_to_proto(s) for s in others],
+        finished_seq_ids=plan.finished_seq_ids, preempted_seq_ids=plan.preempted_seq_ids,
+        decode_seq_ids=[s.seq_id for s in plain],
+        decode_block_ids_start=[s.block_ids_start for s in plain])
     block_pairs_to_proto(plan.blocks_to_swap_out, msg.blocks_to_swap_out)
     block_pairs_to_proto(plan.blocks_to_swap_in, msg.blocks_to_swap_in)
     block_pairs_to_proto(plan.blocks_to_copy, msg.blocks_to_copy)
@@ -86,11 +98,18 @@ def step_plan_to_proto(plan: StepPlan) -> worker_pb2.ExecuteStepRequest:
 
 
 def step_plan_from_proto(msg: worker_pb2.ExecuteStepRequest) -> StepPlan:
+    if len(msg.decode_seq_ids) != len(msg.decode_block_ids_start):
+        raise InvalidRequest(
+            f"decode_block_ids_start must have one entry per decode_seq_ids entry, got "
+            f"{len(msg.decode_block_ids_start)} for {len(msg.decode_seq_ids)}")
+    running = [running_sequence_from_proto(s) for s in msg.running_seqs]
+    running += [RunningSequence(seq_id, [], start, [], 1) for seq_id, start in zip(
+        msg.decode_seq_ids, msg.decode_block_ids_start, strict=True)]
     return StepPlan(
         scheduler_epoch=msg.scheduler_epoch, step_id=msg.step_id,
         previous_step_id=msg.previous_step_id,
         new_seqs=[new_sequence_from_proto(s) for s in msg.new_seqs],
-        running_seqs=[running_sequence_from_proto(s) for s in msg.running_seqs],
+        running_seqs=running,
         finished_seq_ids=list(msg.finished_seq_ids),
         preempted_seq_ids=list(msg.preempted_seq_ids),
         blocks_to_swap_out=block_pairs_from_proto(msg.blocks_to_swap_out, "blocks_to_swap_out"),
@@ -123,15 +142,34 @@ def step_timings_from_proto(msg: worker_pb2.StepTimings) -> StepTimings:
                        forward_ns=msg.forward_ns, sample_ns=msg.sample_ns)
 
 
+def _is_single_sample(seq: SampledSequence) -> bool:
+    return (len(seq.token_ids) == 1 and len(seq.logprobs) == 1 and not seq.top_logprobs
+            and not seq.prompt_logprobs)
+
+
 def step_output_to_proto(output: StepOutput) -> worker_pb2.ExecuteStepResponse:
+    """Single samples go packed, after the other outputs."""
+    single = [s for s in output.outputs if _is_single_sample(s)]
+    others = output.outputs if not single else [
+        s for s in output.outputs if not _is_single_sample(s)]
     return worker_pb2.ExecuteStepResponse(
-        step_id=output.step_id, outputs=[sampled_sequence_to_proto(s) for s in output.outputs],
-        timings=step_timings_to_proto(output.timings))
+        step_id=output.step_id, outputs=[sampled_sequence_to_proto(s) for s in others],
+        timings=step_timings_to_proto(output.timings),
+        sampled_seq_ids=[s.seq_id for s in single],
+        sampled_token_ids=[s.token_ids[0] for s in single],
+        sampled_logprobs=[s.logprobs[0] for s in single])
 
 
 def step_output_from_proto(msg: worker_pb2.ExecuteStepResponse) -> StepOutput:
-    return StepOutput(step_id=msg.step_id,
-                      outputs=[sampled_sequence_from_proto(s) for s in msg.outputs],
+    seq_ids, token_ids, logprobs = msg.sampled_seq_ids, msg.sampled_token_ids, msg.sampled_logprobs
+    if not len(seq_ids) == len(token_ids) == len(logprobs):
+        raise InvalidRequest(
+            f"sampled_seq_ids, sampled_token_ids and sampled_logprobs must have equal lengths, "
+            f"got {len(seq_ids)}, {len(token_ids)} and {len(logprobs)}")
+    outputs = [sampled_sequence_from_proto(s) for s in msg.outputs]
+    outputs += [SampledSequence(seq_id, [token_id], [logprob]) for seq_id, token_id, logprob
+                in zip(seq_ids, token_ids, logprobs, strict=True)]
+    return StepOutput(step_id=msg.step_id, outputs=outputs,
                       timings=step_timings_from_proto(msg.timings))
 
 

@@ -407,8 +407,9 @@ def _token_event(msg: Any, attributes: dict[str, Any]) -> None:
 
 def _step_request(msg: Any) -> dict[str, Any]:
     seqs = [*msg.new_seqs, *msg.running_seqs]
-    return {STEP_ID: msg.step_id, NUM_SEQS: len(seqs),
-            NUM_SCHEDULED_TOKENS: sum(s.num_scheduled_tokens for s in seqs)}
+    num_decodes = len(msg.decode_seq_ids)  # one token each
+    return {STEP_ID: msg.step_id, NUM_SEQS: len(seqs) + num_decodes,
+            NUM_SCHEDULED_TOKENS: sum(s.num_scheduled_tokens for s in seqs) + num_decodes}
 
 
 def _step_result(msg: Any, attributes: dict[str, Any]) -> None:

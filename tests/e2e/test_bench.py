@@ -71,11 +71,14 @@ def test_control_plane(tiny_served_model_dir, results_dir):
     for r in streams:
         assert r["num_requests"] >= 4 and r["num_output_tokens"] > 0
         assert 0 < r["busy_fraction"] <= 1.0 and r["simulated_gpu_s"] > 0
+        assert set(r["cpu_us_per_token"]) == {"worker", "scheduler", "gateway", "clients"}
+        assert 0 < r["num_client_messages"] <= r["num_output_tokens"]
     assert capacity["simulated_gpu_s"] == 0 and capacity["output_tok_s"] > 0
     scheduler = record["results"]["scheduler"]
     assert [(r["batch_size"], r["prompt_len"]) for r in scheduler] == [(8, 16), (32, 16),
                                                                        (32, 128)]
     assert all(r["num_steps"] >= 3 and r["per_step_ms"] > 0 for r in scheduler)
+    assert all(r["per_step_ms"] >= r["response_from_proto_ms"] > 0 for r in scheduler)
     assert set(record["targets"]) == {"busy_fraction", "gateway_tok_per_cpu_s"}
 
 

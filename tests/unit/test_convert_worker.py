@@ -69,6 +69,7 @@ OUTPUT = StepOutput(
             prompt_logprobs=[[TokenLogprob(2, -3.25), TokenLogprob(8, -0.5)]]),
         SampledSequence(seq_id=8, token_ids=[], logprobs=[],
                         prompt_logprobs=[[TokenLogprob(1, -9.75)]]),
+        SampledSequence(seq_id=BIG + 2, token_ids=[4_000_000_001], logprobs=[-0.987654321]),
     ],
     timings=StepTimings(cache_ops_ns=11, prepare_ns=BIG, forward_ns=3_000_000_000, sample_ns=7),
 )
@@ -90,6 +91,11 @@ def _field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
+# the packed wire form of running_seqs and outputs, not fields of their own
+PACKED = {"decode_seq_ids", "decode_block_ids_start", "sampled_seq_ids", "sampled_token_ids",
+          "sampled_logprobs"}
+
+
 @pytest.mark.parametrize("cls, message", [
     (StepPlan, worker_pb2.ExecuteStepRequest), (NewSequence, worker_pb2.NewSequence),
     (RunningSequence, worker_pb2.RunningSequence), (StepOutput, worker_pb2.ExecuteStepResponse),
@@ -97,7 +103,38 @@ def _field_names(cls) -> set[str]:
     (WorkerInfo, worker_pb2.WorkerInfo), (MemoryProfile, worker_pb2.ProfileMemoryResponse),
 ])
 def test_proto_mirrors_the_dataclass(cls, message):
-    assert _field_names(cls) == set(message.DESCRIPTOR.fields_by_name)
+    assert _field_names(cls) == set(message.DESCRIPTOR.fields_by_name) - PACKED
+
+
+def test_plain_decodes_travel_packed_after_the_other_running_sequences():
+    plain = [RunningSequence(seq_id=BIG + i, new_token_ids=[], block_ids_start=i,
+                             block_ids=[], num_scheduled_tokens=1) for i in range(3)]
+    delta = PLAN.running_seqs[0]
+    plan = dataclasses.replace(PLAN, running_seqs=[plain[0], delta, *plain[1:]])
+    msg = _wire(step_plan_to_proto(plan))
+    assert [s.seq_id for s in msg.running_seqs] == [delta.seq_id]
+    assert list(msg.decode_seq_ids) == [BIG, BIG + 1, BIG + 2]
+    assert list(msg.decode_block_ids_start) == [0, 1, 2]
+    assert step_plan_from_proto(msg).running_seqs == [delta, *plain]
+
+
+def test_single_samples_travel_packed():
+    msg = _wire(step_output_to_proto(OUTPUT))
+    assert [s.seq_id for s in msg.outputs] == [BIG + 1, 8]
+    assert list(msg.sampled_seq_ids) == [BIG + 2]
+    assert list(msg.sampled_token_ids) == [4_000_000_001]
+
+
+@pytest.mark.parametrize("convert, field, match", [
+    (step_plan_to_proto, "decode_block_ids_start", "one entry per decode_seq_ids entry"),
+    (step_output_to_proto, "sampled_logprobs", "equal lengths, got 1, 1 and 0"),
+])
+def test_packed_lists_of_unequal_lengths_are_refused(convert, field, match):
+    msg = convert(PLAN if convert is step_plan_to_proto else OUTPUT)
+    getattr(msg, field).pop()
+    parse = step_plan_from_proto if convert is step_plan_to_proto else step_output_from_proto
+    with pytest.raises(InvalidRequest, match=match):
+        parse(msg)
 
 
 def test_step_plan_round_trip_keeps_every_field():

@@ -139,6 +139,19 @@ async def _drain(buffer):
         yield delta
 
 
+def test_a_reader_behind_gets_what_piled_up_for_an_index_in_one_delta():
+    async def main():
+        buffer = DeltaBuffer(num_outputs=2)
+        for index, text in ((0, "a"), (0, "b"), (1, "x"), (0, "c"), (0, "d")):
+            buffer.put(StreamDelta(index=index, text=text, token_ids=[ord(text)]))
+        buffer.close()
+        return [d async for d in _drain(buffer)]
+
+    deltas = asyncio.run(main())
+    assert [(d.index, d.text, d.token_ids) for d in deltas] == [
+        (0, "ab", [97, 98]), (1, "x", [120]), (0, "cd", [99, 100])]
+
+
 def test_a_buffer_raises_the_streams_error_after_the_pending_deltas():
     async def main():
         buffer = DeltaBuffer(num_outputs=1)

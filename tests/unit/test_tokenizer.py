@@ -78,3 +78,15 @@ def test_smollm2_chat_template(smollm2_dir):
     assert tokenizer.vocab_size == 49152
     no_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
     assert ids[:len(no_prompt)] == no_prompt and len(ids) > len(no_prompt)
+
+
+@pytest.mark.parametrize("make", [byte_level_bpe, sentencepiece_bpe])
+def test_decode_through_the_backend_equals_the_python_decode(make):
+    tokenizer = make()
+    hf = tokenizer.hf_tokenizer
+    ids = tokenizer.encode("hello 你好 😀 <|im_end|> world", add_special_tokens=False)
+    ids += sorted(tokenizer.special_token_ids)
+    for skip in (True, False):
+        for window in (ids, ids[3:], ids[:1], [ids[2], ids[2]]):
+            assert tokenizer.decode(window, skip_special_tokens=skip) == hf.decode(
+                window, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
