@@ -6,17 +6,21 @@ both, one per policy, all in this process over loopback. The workload is chat tr
 deployment that needs a second replica sees it:
 
 - many distinct system prompts (apps, personas, agents), each shared by a few conversations;
-- many conversations open at once, each several turns long, every turn's prompt the previous one
-  plus the answer it got and a new user message. Users think between turns, so one
-  conversation's next turn comes after the turns of all the other open ones: the N clients take
-  the open conversations in turn (a queue), one turn at a time, not one conversation to its end;
-- each replica's KV cache holds `--cache-fraction` (0.6) of the workload's prefix footprint
-  (every system prompt plus every conversation's full history, in blocks): one replica cannot
-  hold it all, two can. That is when a second replica's cache is worth routing for; with caches
-  big enough to hold everything, every policy would end up hitting (earlier runs of this bench,
-  with 4 system prompts, conversations run to their end one after another and caches holding it
-  all, measured 1.18-1.36x: round robin met each chat's previous turn on the other replica two
-  turns later, still cached).
+- `--num-open` conversations open at any time, each `--num-turns` turns long, every turn's prompt
+  the previous one plus the answer it got and a new user message; when one ends the next one
+  starts, so the open ones are at all depths (a steady state, not all starting together). Users
+  think between turns, so one conversation's next turn comes after turns of the other open ones:
+  each of the N clients runs the next turn of an open conversation picked at random (seeded),
+  one turn at a time. At random, not in a fixed cycle: with a cycle of an even number of
+  conversations, round robin would send each one to the same replica every time;
+- each replica's KV cache holds `--cache-fraction` (0.7) of the steady state's prefix footprint
+  (every system prompt, plus the open conversations' histories at their mean length): one
+  replica cannot hold it, two can. That is when a second replica's cache is worth routing for;
+  with caches that hold everything, every policy ends up hitting. (Earlier runs of this bench
+  measured 1.18-1.36x with 4 system prompts, conversations run to their end one after another
+  and caches holding it all: round robin met each chat's turn before last on the other replica,
+  still cached. With all conversations starting at once, the footprint is small for the first
+  half of the run, and it measured 1.19x.)
 
 Affinity keys a request by its first `--routing-prefix-blocks` full blocks (the system prompt,
 or the first user message when the system prompt is shorter), so each replica holds its share of
@@ -108,20 +112,23 @@ def make_conversations(args: argparse.Namespace, salt: int) -> list[Conversation
 
 
 def footprint_blocks(args: argparse.Namespace, block_size: int) -> int:
-    """The KV blocks it takes to cache every system prompt and every conversation's history at
-    its end (the last turn's prompt and answer)."""
-    history = args.num_turns * (args.user_len + args.output_len)
+    """The KV blocks it takes to cache every system prompt and the open conversations' histories
+    at their mean length (a conversation's history grows by a turn's user message and answer)."""
+    mean_history = (args.num_turns + 1) / 2 * (args.user_len + args.output_len)
     return (args.num_system_prompts * (args.system_len // block_size)
-            + args.num_conversations * ((args.system_len + history) // block_size
-                                        - args.system_len // block_size))
+            + round(num_open(args) * mean_history / block_size))
 
 
-async def _client(stub, open_chats: deque[Conversation], max_tokens: int,
-                  result: PolicyResult) -> None:
-    """Takes the open conversation whose user has waited longest, runs its next turn, and puts
-    it back at the end of the queue unless it is over."""
+def num_open(args: argparse.Namespace) -> int:
+    return min(args.num_open, args.num_conversations)
+
+
+async def _client(stub, open_chats: list[Conversation], waiting: deque[Conversation],
+                  rng: random.Random, max_tokens: int, result: PolicyResult) -> None:
+    """Runs the next turn of an open conversation picked at random (its user is the next one
+    back) and puts it back among the open ones; one that is over makes room for a waiting one."""
     while open_chats:
-        conversation = open_chats.popleft()
+        conversation = open_chats.pop(rng.randrange(len(open_chats)))
         if not conversation.history:
             conversation.history = list(conversation.system)
         conversation.history += conversation.user_turns[conversation.num_turns_done]
@@ -137,6 +144,8 @@ async def _client(stub, open_chats: deque[Conversation], max_tokens: int,
         conversation.num_turns_done += 1
         if conversation.num_turns_done < len(conversation.user_turns):
             open_chats.append(conversation)
+        elif waiting:
+            open_chats.append(waiting.popleft())
 
 
 def count_decisions(gateway: Gateway) -> tuple[Counter[str], Counter[str], list[list[int]]]:
@@ -166,12 +175,14 @@ def stop_counting(gateway: Gateway) -> None:
 async def run_policy(gateway: Gateway, conversations: list[Conversation], args: argparse.Namespace,
                      policy: str) -> PolicyResult:
     result = PolicyResult(policy)
-    open_chats = deque(conversations)
+    open_chats = conversations[:num_open(args)]
+    waiting = deque(conversations[num_open(args):])
+    rng = random.Random(args.seed)
     reasons, replicas, prompts = count_decisions(gateway)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         start = time.perf_counter()
-        await asyncio.gather(*(_client(stub, open_chats, args.output_len, result)
+        await asyncio.gather(*(_client(stub, open_chats, waiting, rng, args.output_len, result)
                                for _ in range(args.concurrency)))
         result.elapsed_s = time.perf_counter() - start
     stop_counting(gateway)
@@ -241,13 +252,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a small run (minutes on a CPU)")
     parser.add_argument("--num-system-prompts", type=int, default=12)
     parser.add_argument("--system-len", type=int, default=128)
-    parser.add_argument("--num-conversations", type=int, default=24,
+    parser.add_argument("--num-conversations", type=int, default=32)
+    parser.add_argument("--num-open", type=int, default=16,
                         help="conversations open at once (taken in turn, a turn at a time)")
     parser.add_argument("--num-turns", type=int, default=6)
     parser.add_argument("--user-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--cache-fraction", type=float, default=0.6,
+    parser.add_argument("--cache-fraction", type=float, default=0.7,
                         help="each replica's KV cache, as a fraction of the workload's footprint")
     parser.add_argument("--kv-cache-memory-gib", type=float, default=0.0,
                         help="each replica's KV cache in GiB instead; 0 = by --cache-fraction")
@@ -258,9 +270,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default="")
     if parser.parse_args(argv).quick:  # smaller defaults; flags given still win
-        parser.set_defaults(num_system_prompts=4, system_len=96, num_conversations=8,
+        parser.set_defaults(num_system_prompts=4, system_len=96, num_conversations=8, num_open=6,
                             num_turns=3, output_len=8, concurrency=4)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if num_open(args) < args.concurrency:
+        parser.error(f"--num-open ({num_open(args)} with --num-conversations) must be at least "
+                     f"--concurrency ({args.concurrency}): a client takes an open conversation")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:
