@@ -20,7 +20,13 @@ deployment that needs a second replica sees it:
   measured 1.18-1.36x with 4 system prompts, conversations run to their end one after another
   and caches holding it all: round robin met each chat's turn before last on the other replica,
   still cached. With all conversations starting at once, the footprint is small for the first
-  half of the run, and it measured 1.19x.)
+  half of the run, and it measured 1.19x; with the open ones taken in a fixed cycle, 1.30x.)
+
+Measured on a shared 2-core CPU (bench/results/routing-cpu.json): 1.51x hit tokens, 1.28x
+throughput at these defaults; 1.48x with 16 system prompts; 1.60x with 16 and a cache fraction of
+0.55. Below the 1.8x target: round robin still finds a chat's earlier turns on the replica that
+ran them (a chat's history is a prefix of every later turn), so it loses only the turns run
+elsewhere since, unless the cache evicts them.
 
 Affinity keys a request by its first `--routing-prefix-blocks` full blocks (the system prompt,
 or the first user message when the system prompt is shorter), so each replica holds its share of
