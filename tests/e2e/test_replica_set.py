@@ -10,14 +10,9 @@ import time
 import grpc
 import pytest
 from pagedserve.services.common.config import RoutingConfig, TlsConfig
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.tls import internal_channel
-from pagedserve.services.rpc.v1 import (
-    common_pb2,
-    gateway_pb2,
-    gateway_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-)
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from pagedserve.certificates import write_certificates
 from tests.e2e.replica_stack import Replica, start_replica_stack
@@ -28,8 +23,8 @@ SERVER_NAME = "replicas.test"
 
 def generate(address: str, i: int) -> list[int]:
     with grpc.insecure_channel(address) as channel:
-        response = gateway_pb2_grpc.GenerationStub(channel).Generate(gateway_pb2.GenerateRequest(
-            token_ids=gateway_pb2.TokenIds(token_ids=[3 + i, 5, 7, 11]),
+        response = gateway_pb2_grpc.GenerationServiceStub(channel).Generate(gateway_pb2.GenerateRequest(
+            token_ids=common_pb2.TokenIds(token_ids=[3 + i, 5, 7, 11]),
             sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)),
             timeout=120)
     return list(response.outputs[0].token_ids)
@@ -93,7 +88,7 @@ def test_replicas_resolved_to_ips_are_verified_by_the_name(tiny_served_model_dir
         gateway_tls = name_only_certificates["gateway"]
         with internal_channel(stack.replicas[0].address, gateway_tls) as channel, \
                 pytest.raises(grpc.RpcError) as info:
-            scheduler_pb2_grpc.SchedulerStub(channel).GetLoad(scheduler_pb2.GetLoadRequest(),
+            scheduler_pb2_grpc.SchedulerServiceStub(channel).GetLoad(scheduler_pb2.GetLoadRequest(),
                                                               timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
