@@ -2,16 +2,44 @@
 round robin, same run.
 
 Two replicas (a worker and its scheduler each, prefix caching on) and two gateways in front of
-both, one per policy, all in this process over loopback. The workload: a few long system prompts
-shared by many conversations, each conversation several turns, every turn's prompt the previous
-one plus the answer it got and a new user message (so a turn's prompt extends the one before it
-and its generated tokens, whose blocks the replica that ran it has cached). Each of N clients plays one conversation at a time, turn after turn. The two policies get
-workloads of the same shape with different tokens, so neither finds the other's blocks cached.
+both, one per policy, all in this process over loopback. The workload is chat traffic as a
+deployment that needs a second replica sees it:
+
+- many distinct system prompts (apps, personas, agents), each shared by a few conversations;
+- `--num-open` conversations open at any time, each `--num-turns` turns long, every turn's prompt
+  the previous one plus the answer it got and a new user message; when one ends the next one
+  starts, so the open ones are at all depths (a steady state, not all starting together). Users
+  think between turns, so one conversation's next turn comes after turns of the other open ones:
+  each of the N clients runs the next turn of an open conversation picked at random (seeded),
+  one turn at a time. At random, not in a fixed cycle: with a cycle of an even number of
+  conversations, round robin would send each one to the same replica every time;
+- each replica's KV cache holds `--cache-fraction` (0.7) of the steady state's prefix footprint
+  (every system prompt, plus the open conversations' histories at their mean length): one
+  replica cannot hold it, two can. That is when a second replica's cache is worth routing for;
+  with caches that hold everything, every policy ends up hitting. (Earlier runs of this bench
+  measured 1.18-1.36x with 4 system prompts, conversations run to their end one after another
+  and caches holding it all: round robin met each chat's turn before last on the other replica,
+  still cached. With all conversations starting at once, the footprint is small for the first
+  half of the run, and it measured 1.19x; with the open ones taken in a fixed cycle, 1.30x.)
+
+Measured on a shared 2-core CPU (bench/results/routing-cpu.json): 1.51x hit tokens, 1.28x
+throughput at these defaults; 1.48x with 16 system prompts; 1.60x with 16 and a cache fraction of
+0.55. Below the 1.8x target: round robin still finds a chat's earlier turns on the replica that
+ran them (a chat's history is a prefix of every later turn), so it loses only the turns run
+elsewhere since, unless the cache evicts them.
+
+Affinity keys a request by its first `--routing-prefix-blocks` full blocks (the system prompt,
+or the first user message when the system prompt is shorter), so each replica holds its share of
+the system prompts and the histories of their chats; round robin sends every other turn of a chat
+to the other replica, so each replica holds every chat's history at two turns' lag and evicts it
+under the pressure of the others. The two policies get workloads of the same shape with
+different tokens, so neither finds the other's blocks cached.
 
 Reported per policy: prefix-cache hit tokens (the prompt tokens the schedulers served from their
-cache, as the gateways' usage reports them), output tokens/s, and the gateway's routing decision
-time per request (p50, p99: choosing a replica from the live set); then affinity ÷ round robin
-(targets: >= 1.8x hit tokens, throughput not lower; routing p50 <= 1 ms).
+cache, as the gateways' usage reports them), output tokens/s, the routing decisions by reason
+(affinity; overloaded = the bounded-load fallback) and by replica, and the gateway's routing
+decision time per request (p50, p99: choosing a replica from the live set); then affinity ÷ round
+robin (targets: >= 1.8x hit tokens, throughput not lower; routing p50 <= 1 ms).
 
     python -m bench.routing                     # SmolLM2, 8 clients
     python -m bench.routing --quick --tag quick
@@ -22,9 +50,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -48,12 +77,15 @@ from pagedserve.worker_svc.servicer import start_worker
 from bench.common import DEFAULT_MODEL, finish, percentiles, quiet_logging
 
 POLICIES = ("affinity", "round-robin")
+BLOCK_SIZE = 16
 
 
 @dataclass(slots=True)
 class Conversation:
     system: list[int]
     user_turns: list[list[int]]  # token ids of each user message
+    history: list[int] = field(default_factory=list)  # the prompt so far, answers included
+    num_turns_done: int = 0
 
 
 @dataclass(slots=True)
@@ -65,6 +97,8 @@ class PolicyResult:
     num_output_tokens: int = 0
     elapsed_s: float = 0.0
     routing_us: dict[str, float] = field(default_factory=dict)
+    decisions: dict[str, int] = field(default_factory=dict)  # by reason
+    replica_share: list[int] = field(default_factory=list)  # decisions per replica
 
     @property
     def output_tok_s(self) -> float:
@@ -78,40 +112,88 @@ def make_conversations(args: argparse.Namespace, salt: int) -> list[Conversation
         return [rng.randrange(args.min_token_id, args.max_token_id) for _ in range(n)]
 
     systems = [tokens(args.system_len) for _ in range(args.num_system_prompts)]
-    return [Conversation(rng.choice(systems), [tokens(args.user_len) for _ in range(args.num_turns)])
-            for _ in range(args.num_conversations)]
+    return [Conversation(systems[i % len(systems)],
+                         [tokens(args.user_len) for _ in range(args.num_turns)])
+            for i in range(args.num_conversations)]
 
 
-async def _client(stub, queue: deque[Conversation], max_tokens: int, result: PolicyResult,
-                  prompts: list[list[int]]) -> None:
-    while queue:
-        conversation = queue.popleft()
-        history = list(conversation.system)
-        for user in conversation.user_turns:
-            history += user
-            prompts.append(list(history))
-            response = await stub.Generate(gateway_pb2.GenerateRequest(
-                token_ids=common_pb2.TokenIds(token_ids=history),
-                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                   ignore_eos=True)), timeout=600)
-            result.num_requests += 1
-            result.num_prompt_tokens += response.usage.prompt_tokens
-            result.num_cached_tokens += response.usage.cached_tokens
-            result.num_output_tokens += response.usage.completion_tokens
-            history += response.outputs[0].token_ids
+def footprint_blocks(args: argparse.Namespace, block_size: int) -> int:
+    """The KV blocks it takes to cache every system prompt and the open conversations' histories
+    at their mean length (a conversation's history grows by a turn's user message and answer)."""
+    mean_history = (args.num_turns + 1) / 2 * (args.user_len + args.output_len)
+    return (args.num_system_prompts * (args.system_len // block_size)
+            + round(num_open(args) * mean_history / block_size))
+
+
+def num_open(args: argparse.Namespace) -> int:
+    return min(args.num_open, args.num_conversations)
+
+
+async def _client(stub, open_chats: list[Conversation], waiting: deque[Conversation],
+                  rng: random.Random, max_tokens: int, result: PolicyResult) -> None:
+    """Runs the next turn of an open conversation picked at random (its user is the next one
+    back) and puts it back among the open ones; one that is over makes room for a waiting one."""
+    while open_chats:
+        conversation = open_chats.pop(rng.randrange(len(open_chats)))
+        if not conversation.history:
+            conversation.history = list(conversation.system)
+        conversation.history += conversation.user_turns[conversation.num_turns_done]
+        response = await stub.Generate(gateway_pb2.GenerateRequest(
+            token_ids=common_pb2.TokenIds(token_ids=conversation.history),
+            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                               ignore_eos=True)), timeout=600)
+        result.num_requests += 1
+        result.num_prompt_tokens += response.usage.prompt_tokens
+        result.num_cached_tokens += response.usage.cached_tokens
+        result.num_output_tokens += response.usage.completion_tokens
+        conversation.history += response.outputs[0].token_ids
+        conversation.num_turns_done += 1
+        if conversation.num_turns_done < len(conversation.user_turns):
+            open_chats.append(conversation)
+        elif waiting:
+            open_chats.append(waiting.popleft())
+
+
+def count_decisions(gateway: Gateway) -> tuple[Counter[str], Counter[str], list[list[int]]]:
+    """Counters of the gateway's routing decisions (by reason, by replica) and the prompts they
+    were made for, until `stop_counting`."""
+    router = gateway.replicas.router
+    choose = router.choose
+    reasons: Counter[str] = Counter()
+    replicas: Counter[str] = Counter()
+    prompts: list[list[int]] = []
+
+    def counted(candidates, prompt_token_ids, block_size):
+        decision = choose(candidates, prompt_token_ids, block_size)
+        reasons[decision.reason] += 1
+        replicas[decision.address] += 1
+        prompts.append(list(prompt_token_ids))
+        return decision
+
+    router.choose = counted  # type: ignore[method-assign]
+    return reasons, replicas, prompts
+
+
+def stop_counting(gateway: Gateway) -> None:
+    del gateway.replicas.router.choose  # the class's method again
 
 
 async def run_policy(gateway: Gateway, conversations: list[Conversation], args: argparse.Namespace,
                      policy: str) -> PolicyResult:
     result = PolicyResult(policy)
-    queue = deque(conversations)
-    prompts: list[list[int]] = []
+    open_chats = conversations[:num_open(args)]
+    waiting = deque(conversations[num_open(args):])
+    rng = random.Random(args.seed)
+    reasons, replicas, prompts = count_decisions(gateway)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         start = time.perf_counter()
-        await asyncio.gather(*(_client(stub, queue, args.output_len, result, prompts)
+        await asyncio.gather(*(_client(stub, open_chats, waiting, rng, args.output_len, result)
                                for _ in range(args.concurrency)))
         result.elapsed_s = time.perf_counter() - start
+    stop_counting(gateway)
+    result.decisions = dict(reasons)
+    result.replica_share = sorted(replicas.values(), reverse=True)
     result.routing_us = await routing_time_us(gateway, prompts)
     return result
 
@@ -128,8 +210,14 @@ async def routing_time_us(gateway: Gateway, prompts: list[list[int]]) -> dict[st
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """Each replica's cache: --kv-cache-memory-gib when given, else --cache-fraction of the
+    workload's footprint."""
+    num_blocks = 0 if args.kv_cache_memory_gib else math.ceil(
+        args.cache_fraction * footprint_blocks(args, BLOCK_SIZE))
     return EngineConfig(model=ModelConfig(model=args.model, dtype="float32"),
-                        cache=CacheConfig(kv_cache_memory_gib=args.kv_cache_memory_gib,
+                        cache=CacheConfig(block_size=BLOCK_SIZE,
+                                          kv_cache_memory_gib=args.kv_cache_memory_gib or 1.0,
+                                          num_gpu_blocks_override=num_blocks,
                                           swap_space_gib=0.01, enable_prefix_caching=True),
                         scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency, 1)),
                         device=DeviceConfig(device="cpu"))
@@ -149,7 +237,8 @@ async def run(args: argparse.Namespace) -> list[PolicyResult]:
         for policy in POLICIES:
             gateways.append(await start_gateway(GatewayConfig(
                 port=0, scheduler_address=addresses, http=HttpConfig(http_port=-1),
-                routing=RoutingConfig(routing_policy=policy))))
+                routing=RoutingConfig(routing_policy=policy,
+                                      routing_prefix_blocks=args.routing_prefix_blocks))))
             while len(gateways[-1].replicas.serving()) < 2:
                 await asyncio.sleep(0.05)
         return [await run_policy(gateway, make_conversations(args, salt), args, policy)
@@ -167,22 +256,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--quick", action="store_true", help="a small run (minutes on a CPU)")
-    parser.add_argument("--num-system-prompts", type=int, default=4)
+    parser.add_argument("--num-system-prompts", type=int, default=12)
     parser.add_argument("--system-len", type=int, default=128)
-    parser.add_argument("--num-conversations", type=int, default=24)
+    parser.add_argument("--num-conversations", type=int, default=32)
+    parser.add_argument("--num-open", type=int, default=16,
+                        help="conversations open at once (taken in turn, a turn at a time)")
     parser.add_argument("--num-turns", type=int, default=6)
-    parser.add_argument("--user-len", type=int, default=48)
+    parser.add_argument("--user-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--kv-cache-memory-gib", type=float, default=0.12)
+    parser.add_argument("--cache-fraction", type=float, default=0.7,
+                        help="each replica's KV cache, as a fraction of the workload's footprint")
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=0.0,
+                        help="each replica's KV cache in GiB instead; 0 = by --cache-fraction")
+    parser.add_argument("--routing-prefix-blocks", type=int,
+                        default=RoutingConfig().routing_prefix_blocks)
     parser.add_argument("--min-token-id", type=int, default=3)
     parser.add_argument("--max-token-id", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default="")
     if parser.parse_args(argv).quick:  # smaller defaults; flags given still win
-        parser.set_defaults(system_len=96, num_conversations=8, num_turns=3, output_len=8,
-                            concurrency=4)
-    return parser.parse_args(argv)
+        parser.set_defaults(num_system_prompts=4, system_len=96, num_conversations=8, num_open=6,
+                            num_turns=3, output_len=8, concurrency=4)
+    args = parser.parse_args(argv)
+    if num_open(args) < args.concurrency:
+        parser.error(f"--num-open ({num_open(args)} with --num-conversations) must be at least "
+                     f"--concurrency ({args.concurrency}): a client takes an open conversation")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -196,8 +296,10 @@ def main(argv: list[str] | None = None) -> dict:
             f"{affinity.output_tok_s:.1f} tok/s; round-robin {round_robin.num_cached_tokens} "
             f"hit tokens, {round_robin.output_tok_s:.1f} tok/s; hit tokens x{hit_ratio:.2f} "
             f"(target >= 1.8), throughput x{throughput_ratio:.2f} (target >= 1.0), routing "
-            f"p50 {affinity.routing_us['p50']:.1f} us (target <= 1000)")
+            f"p50 {affinity.routing_us['p50']:.1f} us (target <= 1000); affinity decisions "
+            f"{affinity.decisions}, per replica {affinity.replica_share}")
     return finish("routing", args, line, [affinity, round_robin],
+                  footprint_blocks=footprint_blocks(args, BLOCK_SIZE),
                   hit_token_ratio=hit_ratio, throughput_ratio=throughput_ratio,
                   targets={"hit_token_ratio": 1.8, "throughput_ratio": 1.0,
                            "routing_p50_us": 1000})

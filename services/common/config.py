@@ -460,8 +460,9 @@ class GatewayConfig:
     host: str = opt("127.0.0.1", "address the gateway listens on")
     port: int = opt(50051, "gateway port; 0 = any free port")
     scheduler_address: str = opt(
-        "127.0.0.1:50052", "host:port of the scheduler replicas, comma-separated; a host name "
-        "that resolves to several addresses (a headless Service) is one replica per address")
+        "127.0.0.1:50052", "host:port of the scheduler replicas, comma-separated or the flag "
+        "repeated; a host name that resolves to several addresses (a headless Service) is one "
+        "replica per address", repeatable=True)
     tokenizer: str = opt("", "folder with the tokenizer and chat template; empty = the model "
                              "folder the scheduler reports serving")
     rpc_timeout_s: float = opt(10.0, "deadline of unary calls to the scheduler")
@@ -566,9 +567,21 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         elif typing.get_origin(tp) is list:
             parser.add_argument(_flag(f.name), nargs="+", type=typing.get_args(tp)[0],
                                 help=f"{help_text} (default: {' '.join(map(str, default))})", **kw)
+        elif f.metadata.get("repeatable"):
+            parser.add_argument(_flag(f.name), type=tp, action=_JoinRepeated,
+                                help=f"{help_text} (default: {default!r})", **kw)
         else:
             parser.add_argument(_flag(f.name), type=tp,
                                 help=f"{help_text} (default: {default!r})", **kw)
+
+
+class _JoinRepeated(argparse.Action):
+    """A comma-list flag given several times: its values joined with commas, not the last."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        previous = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, values if previous is None else f"{previous},{values}")
 
 
 def from_args(cls: type, args: argparse.Namespace) -> Any:

@@ -1,5 +1,6 @@
 """The scheduler replicas one gateway routes to: found from --scheduler-address (several targets,
-and host names resolved to every address they have, again every replica_refresh_s), each with
+and host names resolved to every address they have, IPv4 and IPv6, again every
+replica_refresh_s), each with
 one SchedulerClient, its health and its load (a WatchLoad stream).
 
 A replica serves (takes new requests) from its first pushed load until that stream breaks or a
@@ -233,8 +234,8 @@ class ReplicaSet:
 
 
 async def resolve_target(target: str) -> dict[str, str]:
-    """address -> server name: the target itself when its host is an IP or resolves to one
-    address; otherwise one replica per address (IPv4 ones if any), named by the host."""
+    """address -> server name: the target itself when its host is an IP, else what
+    replica_addresses makes of the addresses it resolves to."""
     host, _, port = target.rpartition(":")
     bare = host.strip("[]")
     with contextlib.suppress(ValueError):
@@ -242,8 +243,17 @@ async def resolve_target(target: str) -> dict[str, str]:
         return {target: ""}
     infos = await asyncio.get_running_loop().getaddrinfo(bare, int(port),
                                                          type=socket.SOCK_STREAM)
-    ips = list(dict.fromkeys(str(info[4][0]) for info in infos))
-    ips = [ip for ip in ips if ":" not in ip] or ips
-    if len(ips) <= 1:
+    return replica_addresses(target, [str(info[4][0]) for info in infos])
+
+
+def replica_addresses(target: str, ips: list[str]) -> dict[str, str]:
+    """One replica per address, IPv4 and IPv6 alike (`[v6]:port`), named by the host for TLS.
+    The target stays as it is when it names one host: one address, or one of each family (a
+    dual-stack host such as localhost, which gRPC reaches by either)."""
+    host, _, port = target.rpartition(":")
+    ips = list(dict.fromkeys(ips))
+    num_v6 = sum(":" in ip for ip in ips)
+    if len(ips) <= 1 or (len(ips) == 2 and num_v6 == 1):
         return {target: ""}
+    bare = host.strip("[]")
     return {(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"): bare for ip in ips}

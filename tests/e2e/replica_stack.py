@@ -13,6 +13,7 @@ from pagedserve.services.common.config import (
     GatewayConfig,
     HttpConfig,
     SchedulerServiceConfig,
+    TlsConfig,
     WorkerServiceConfig,
 )
 from pagedserve.services.gateway.app import Gateway, start_gateway
@@ -48,13 +49,17 @@ class ReplicaStack:
     replicas: list[Replica]
     gateway: Gateway | None = None
     resolved: list[str] = field(default_factory=list)  # what TARGET resolves to now
+    tls: dict[str, TlsConfig] = field(default_factory=dict)  # by role; none = plaintext
+    server_name: str = ""  # the name the resolved addresses' certificates carry
 
     @property
     def gateway_address(self) -> str:
         return f"127.0.0.1:{self.gateway.port}"
 
-    def add_replica(self) -> Replica:
-        replica = self.loop.run(_start_replica(self.config))
+    def add_replica(self, config: EngineConfig | None = None) -> Replica:
+        """`config`: another engine config than the stack's (another model)."""
+        replica = self.loop.run(_start_replica(config or self.config, self.tls.get("worker"),
+                                               self.tls.get("scheduler")))
         self.replicas.append(replica)
         self.resolved.append(replica.address)
         return replica
@@ -85,25 +90,31 @@ class ReplicaStack:
         self.loop.close()
 
 
-async def _start_replica(config: EngineConfig) -> Replica:
-    worker = await start_worker(config, WorkerServiceConfig(port=0))
+async def _start_replica(config: EngineConfig, worker_tls: TlsConfig | None,
+                         scheduler_tls: TlsConfig | None) -> Replica:
+    worker = await start_worker(config, WorkerServiceConfig(port=0, tls=worker_tls or TlsConfig()))
     scheduler = await start_scheduler(config, SchedulerServiceConfig(
-        port=0, worker_addresses=[f"127.0.0.1:{worker[0].port}"], stats_interval_s=0))
+        port=0, worker_addresses=[f"127.0.0.1:{worker[0].port}"], stats_interval_s=0,
+        tls=scheduler_tls or TlsConfig()))
     return Replica(worker, scheduler)
 
 
-def start_replica_stack(config: EngineConfig, num_replicas: int, **gateway_kw) -> ReplicaStack:
-    """`gateway_kw`: more GatewayConfig fields (the HTTP API is off by default)."""
-    stack = ReplicaStack(BackgroundLoop(), config, [])
+def start_replica_stack(config: EngineConfig, num_replicas: int,
+                        tls: dict[str, TlsConfig] | None = None, server_name: str = "",
+                        **gateway_kw) -> ReplicaStack:
+    """`tls`: the TlsConfig of each role (worker, scheduler, gateway); `server_name`: what the
+    gateway's resolution names each address by (the name certificates carry). `gateway_kw`:
+    more GatewayConfig fields (the HTTP API is off by default)."""
+    stack = ReplicaStack(BackgroundLoop(), config, [], tls=tls or {}, server_name=server_name)
     try:
         for _ in range(num_replicas):
             stack.add_replica()
 
         async def resolve(target: str) -> dict[str, str]:
-            return dict.fromkeys(stack.resolved, "")
+            return dict.fromkeys(stack.resolved, stack.server_name)
 
         stack.gateway = stack.loop.run(start_gateway(GatewayConfig(
-            port=0, scheduler_address=TARGET,
+            port=0, scheduler_address=TARGET, tls=stack.tls.get("gateway", TlsConfig()),
             **{"http": HttpConfig(http_port=-1), **gateway_kw}), resolve))
     except BaseException:
         stack.close()

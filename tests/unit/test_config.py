@@ -15,6 +15,7 @@ from pagedserve.services.common.config import (
     WorkerServiceConfig,
     add_arguments,
     from_args,
+    scheduler_targets,
 )
 from pagedserve.services.common.errors import ConfigError, InvalidRequest
 
@@ -81,3 +82,15 @@ def test_list_flags():
     add_arguments(parser, SchedulerServiceConfig)
     args = parser.parse_args(["--worker-addresses", "w0:1", "w1:2"])
     assert from_args(SchedulerServiceConfig, args).worker_addresses == ["w0:1", "w1:2"]
+
+
+def test_scheduler_address_flag_repeated_accumulates():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, GatewayConfig)
+    args = parser.parse_args(["--scheduler-address", "a:1,b:2", "--port", "0",
+                              "--scheduler-address", "c:3", "--scheduler-address", "[::1]:4"])
+    config = from_args(GatewayConfig, args)
+    assert scheduler_targets(config.scheduler_address) == ["a:1", "b:2", "c:3", "[::1]:4"]
+    once = from_args(GatewayConfig, parser.parse_args(["--scheduler-address", "d:5"]))
+    assert once.scheduler_address == "d:5"
+    assert from_args(GatewayConfig, parser.parse_args([])).scheduler_address == "127.0.0.1:50052"

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 from pagedserve.services.common.config import GatewayConfig, scheduler_targets
 from pagedserve.services.common.errors import ConfigError
-from pagedserve.services.gateway.replica_set import resolve_target
+from pagedserve.services.gateway.replica_set import replica_addresses, resolve_target
 from pagedserve.services.gateway.routing import (
     Candidate,
     Decision,
@@ -89,3 +89,13 @@ def test_resolution_keeps_ips_and_single_addresses_as_they_are():
     ip, ipv6, name = asyncio.run(main())
     assert ip == {"127.0.0.1:50052": ""} and ipv6 == {"[::1]:7": ""}
     assert name == {"localhost:9": ""}
+
+
+def test_a_name_with_several_addresses_is_a_replica_per_address_of_both_families():
+    both = replica_addresses("engine.svc:50052", ["10.0.0.1", "fd00::2", "10.0.0.3", "fd00::2"])
+    assert both == {"10.0.0.1:50052": "engine.svc", "[fd00::2]:50052": "engine.svc",
+                    "10.0.0.3:50052": "engine.svc"}
+    assert replica_addresses("engine:1", ["fd00::1", "fd00::2"]) == {
+        "[fd00::1]:1": "engine", "[fd00::2]:1": "engine"}
+    assert replica_addresses("localhost:9", ["127.0.0.1", "::1"]) == {"localhost:9": ""}
+    assert replica_addresses("one:9", ["10.0.0.1"]) == {"one:9": ""}

@@ -17,9 +17,13 @@ logger = logging.getLogger(__name__)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port; port 0 = any free port."""
+    """A listening socket on host:port; port 0 = any free port. Its `proto` must say TCP:
+    asyncio sets TCP_NODELAY only on accepted sockets whose proto is IPPROTO_TCP, and
+    `socket.create_server` leaves it 0, so each SSE event written after the response headers
+    waited for the client's delayed ACK (~40 ms on Linux) under Nagle's algorithm."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=2048)
+    sock = socket.create_server((host, port), family=family, backlog=2048)
+    return socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fileno=sock.detach())
 
 
 class HttpServer:
