@@ -4,7 +4,8 @@ is the torch backend's: no single kernel can address both GPU and host memory po
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import triton
@@ -16,14 +17,28 @@ from pagedserve.kernels.triton.attention_kernels import (
     unified_attention_kernel,
 )
 from pagedserve.kernels.triton.cache_kernels import copy_blocks_kernel, write_kv_kernel
+from pagedserve.kernels.triton_config import device_arch, launch_config
 
 __all__ = ["write_kv", "paged_attention", "swap_blocks", "copy_blocks"]
 
 _DERIVED_KEY = "triton"
-TILE_N = 32  # key positions per inner-loop step; tl.dot needs at least 16
 # Decodes whose context is longer than one partition use the split-KV path: a short batch of long
 # sequences otherwise leaves most of the GPU idle, one program per (sequence, KV head).
 DECODE_PARTITION_SIZE = 512
+
+
+@dataclass(slots=True)
+class Launch:
+    """One kernel launch, built apart from running it so that `kernels.triton_aot` compiles
+    exactly what the ops launch."""
+
+    kernel: Any  # a @triton.jit function
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict[str, Any] = field(default_factory=dict)  # constexprs, num_warps, num_stages
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.kwargs)
 
 
 @dataclass(slots=True)
@@ -61,26 +76,36 @@ def _check_rows(name: str, x: torch.Tensor, num_heads: int, head_size: int) -> N
                          f"last dim, got shape {tuple(x.shape)} strides {x.stride()}")
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_launch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> Launch | None:
     check_cache_pair(k_cache, v_cache)
     num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
     _check_rows("key", key, num_kv_heads, head_size)
     _check_rows("value", value, num_kv_heads, head_size)
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
-        return
-    write_kv_kernel[(num_tokens,)](
+        return None
+    return Launch(write_kv_kernel, (num_tokens,), (
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
-        HEADS_P2=triton.next_power_of_2(num_kv_heads), HEAD_P2=triton.next_power_of_2(head_size),
-    )
+    ), dict(NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
+            HEADS_P2=triton.next_power_of_2(num_kv_heads),
+            HEAD_P2=triton.next_power_of_2(head_size)))
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    launch = write_kv_launch(key, value, k_cache, v_cache, slot_mapping)
+    if launch is not None:
+        launch()
+
+
+def attention_launches(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                       arch: int | None) -> list[Launch]:
+    """The launches of one paged_attention call into `out`, tuned for compute capability major
+    `arch` (None: the interpreter)."""
     check_cache_pair(k_cache, v_cache)
     block_size, num_kv_heads, head_size = k_cache.shape[1:]
     num_heads = query.shape[1]
@@ -90,27 +115,32 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if query.dtype != k_cache.dtype:
         raise ValueError(f"query dtype {query.dtype} differs from the cache's {k_cache.dtype}")
     plan = _launch_plan(meta)
-    out = torch.empty_like(query)
+    config = launch_config(arch, head_size)
     group = num_heads // num_kv_heads
     head_p2 = max(16, triton.next_power_of_2(head_size))  # tl.dot needs K >= 16
     # fp32 would otherwise round through TF32 on NVIDIA GPUs; fp16/bf16 ignore the setting.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-    common = dict(HEAD_SIZE=head_size, HEAD_P2=head_p2, BLOCK_SIZE=block_size, TILE_N=TILE_N,
+    common = dict(HEAD_SIZE=head_size, HEAD_P2=head_p2, BLOCK_SIZE=block_size,
                   DOT_PRECISION=precision)
+    launches = []
 
     if plan.num_unified_seqs:
         group_p2 = triton.next_power_of_2(group)
-        # Rows per program: 64 for long prompts, 16 (the tl.dot minimum) for short queries.
-        block_m = 64 if plan.max_unified_query_len * group_p2 >= 64 else 16
+        # Rows per program: many for long prompts, 16 (the tl.dot minimum) for short queries.
+        is_prefill = plan.max_unified_query_len * group_p2 >= config.prefill_block_m
+        block_m = config.prefill_block_m if is_prefill else 16
+        tuning = config.prefill if is_prefill else config.decode
+        tile_n = config.prefill_tile_n if is_prefill else config.decode_tile_n
         block_q = max(1, block_m // group_p2)
         grid = (plan.num_unified_seqs, triton.cdiv(plan.max_unified_query_len, block_q),
                 num_kv_heads)
-        unified_attention_kernel[grid](
+        launches.append(Launch(unified_attention_kernel, grid, (
             out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             *cache_strides, meta.block_tables.stride(0),
-            NUM_QUERIES_PER_KV=group, GROUP_P2=group_p2, BLOCK_Q=block_q, **common)
+        ), dict(NUM_QUERIES_PER_KV=group, GROUP_P2=group_p2, BLOCK_Q=block_q, TILE_N=tile_n,
+                **common, num_warps=tuning.num_warps, num_stages=tuning.num_stages)))
 
     if plan.num_split_decodes:
         num_decodes, max_parts = plan.num_split_decodes, plan.max_num_partitions
@@ -119,24 +149,37 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         partial_out = torch.empty(num_decodes, num_heads, max_parts, head_p2,
                                   dtype=torch.float32, device=query.device)
         first_seq, first_token = meta.num_prefills, meta.num_prefill_tokens
-        decode_partition_kernel[(num_decodes, num_kv_heads, max_parts)](
+        launches.append(Launch(decode_partition_kernel, (num_decodes, num_kv_heads, max_parts), (
             partial_out, stats[0], stats[1], query, k_cache, v_cache, meta.block_tables,
             meta.seq_lens, scale, first_seq, first_token, query.stride(0), query.stride(1),
             *cache_strides, meta.block_tables.stride(0),
-            NUM_QUERIES_PER_KV=group, BLOCK_M=max(16, triton.next_power_of_2(group)),
-            MAX_NUM_PARTITIONS=max_parts, PARTITION_SIZE=DECODE_PARTITION_SIZE, **common)
-        decode_reduce_kernel[(num_decodes, num_heads)](
+        ), dict(NUM_QUERIES_PER_KV=group, BLOCK_M=max(16, triton.next_power_of_2(group)),
+                MAX_NUM_PARTITIONS=max_parts, PARTITION_SIZE=DECODE_PARTITION_SIZE,
+                TILE_N=config.decode_tile_n, **common,
+                num_warps=config.decode.num_warps, num_stages=config.decode.num_stages)))
+        launches.append(Launch(decode_reduce_kernel, (num_decodes, num_heads), (
             out, partial_out, stats[0], stats[1], meta.seq_lens, first_seq, first_token,
-            out.stride(0), out.stride(1), MAX_NUM_PARTITIONS=max_parts,
-            PARTITIONS_P2=triton.next_power_of_2(max_parts), HEAD_SIZE=head_size, HEAD_P2=head_p2,
-            PARTITION_SIZE=DECODE_PARTITION_SIZE)
+            out.stride(0), out.stride(1),
+        ), dict(MAX_NUM_PARTITIONS=max_parts, PARTITIONS_P2=triton.next_power_of_2(max_parts),
+                HEAD_SIZE=head_size, HEAD_P2=head_p2, PARTITION_SIZE=DECODE_PARTITION_SIZE,
+                num_warps=config.reduce.num_warps, num_stages=config.reduce.num_stages)))
+    return launches
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    out = torch.empty_like(query)
+    for launch in attention_launches(out, query, k_cache, v_cache, meta, scale,
+                                     device_arch(query.device)):
+        launch()
     return out
 
 
-def copy_blocks(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+def copy_blocks_launch(kv_caches: list[torch.Tensor],
+                       block_mapping: torch.Tensor) -> Launch | None:
     """One launch for all layers: programs (pair, layer, K or V)."""
     if block_mapping.numel() == 0 or not kv_caches:
-        return
+        return None
     first = kv_caches[0]
     if not first.is_contiguous():
         raise ValueError("kv_cache of layer 0 must be contiguous")
@@ -151,6 +194,12 @@ def copy_blocks(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> N
         dtype=torch.int64, device=first.device)
     mapping = block_mapping.to(first.device, torch.int64).contiguous()  # [num_pairs, 2]
     block_numel = first[0, 0].numel()
-    copy_blocks_kernel[(mapping.shape[0], len(kv_caches), 2)](
+    return Launch(copy_blocks_kernel, (mapping.shape[0], len(kv_caches), 2), (
         first, layer_offsets, mapping, first.stride(0), first.stride(1),
-        BLOCK_NUMEL=block_numel, TILE=min(1024, triton.next_power_of_2(block_numel)))
+    ), dict(BLOCK_NUMEL=block_numel, TILE=min(1024, triton.next_power_of_2(block_numel))))
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    launch = copy_blocks_launch(kv_caches, block_mapping)
+    if launch is not None:
+        launch()
