@@ -54,15 +54,12 @@ def load() -> ModuleType | None:
         return None
 
 
-def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """query: [num_seqs, num_heads, head_size], one token per sequence at position
-    seq_lens[i] - 1 (its K/V already written); block_tables: [num_seqs, >= blocks] int32;
-    seq_lens: [num_seqs] int32. Returns [num_seqs, num_heads, head_size]."""
-    kernel = load()
-    if kernel is None:
-        raise RuntimeError("the CPU decode kernel is not built here")
+def paged_decode_attention(kernel: ModuleType, query: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """kernel: what `load()` returned. query: [num_seqs, num_heads, head_size], one token per
+    sequence at position seq_lens[i] - 1 (its K/V already written); block_tables:
+    [num_seqs, >= blocks] int32; seq_lens: [num_seqs] int32. Returns the query's shape."""
     query = query.contiguous()
     out = torch.empty_like(query)
     kernel.paged_decode_attention(out, query, k_cache, v_cache, block_tables, seq_lens, scale)

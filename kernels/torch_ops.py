@@ -7,6 +7,7 @@ way as prefills."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -55,10 +56,11 @@ class PrefillPlan:
 
 @dataclass(slots=True)
 class DecodePlan:
-    kv: KVGather | None  # None: the CPU kernel reads the blocks in place
+    kv: KVGather | None  # None: `kernel` reads the blocks in place
     attn_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_seq_len]; None when lengths are equal
     block_tables: torch.Tensor  # [num_decodes, max_num_blocks] int32
     seq_lens: torch.Tensor  # [num_decodes] int32
+    kernel: ModuleType | None = None  # the compiled CPU decode kernel
 
 
 @dataclass(slots=True)
@@ -159,8 +161,9 @@ def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> DecodePlan:
     seq_lens_cpu = meta.seq_lens_cpu[first:]
     seq_lens = meta.seq_lens[first:].to(torch.int32)  # [num_decodes]
     block_tables = meta.block_tables[first:].to(torch.int32)
-    if k_cache.device.type == "cpu" and cpu_decode.load() is not None:
-        return DecodePlan(None, None, block_tables, seq_lens)
+    kernel = cpu_decode.load() if k_cache.device.type == "cpu" else None
+    if kernel is not None:
+        return DecodePlan(None, None, block_tables, seq_lens, kernel)
     kv = _kv_gather(block_tables, seq_lens_cpu, k_cache)
     if kv.pad_rows is None:  # one length: every gathered key is attended
         return DecodePlan(kv, None, block_tables, seq_lens)
@@ -200,8 +203,8 @@ def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       plan: DecodePlan, scale: float) -> torch.Tensor:
     if plan.kv is None:
-        return cpu_decode.paged_decode_attention(query, k_cache, v_cache, plan.block_tables,
-                                                 plan.seq_lens, scale)
+        return cpu_decode.paged_decode_attention(plan.kernel, query, k_cache, v_cache,
+                                                 plan.block_tables, plan.seq_lens, scale)
     num_decodes, num_heads, head_size = query.shape
     k, v = plan.kv.gather(k_cache, v_cache)  # [num_decodes, kv_heads, max_seq_len, head]
     # A GQA group's heads become the "query length" of their KV head: no KV expansion.
