@@ -5,8 +5,10 @@ Baselines, on the same prompts and output lengths (greedy, ignore_eos, fp32):
   - HF padded: static left-padded batches of --batch-size requests (pagedserve runs at most
     that many at once too), each generating as many tokens as its longest request -- what a
     static batcher must do -- with only the requested tokens counted.
-Two workloads, 32 prompts each by default: "mixed" (prompts of 32-256 tokens, 32-128 output
-tokens) and "uniform" (128 -> 64); both within ~10 minutes on 2 cores, most of it HF sequential.
+Three workloads, 32 prompts each by default: "mixed" (prompts of 32-256 tokens, 32-128 output
+tokens) and "uniform" (128 -> 64), both within ~10 minutes on 2 cores, most of it HF sequential;
+and "long" (prompts of 32-512 tokens, 32-256 output tokens, static batches of --long-batch-size),
+where decode attention reads long contexts: ~15 more minutes, run it with `--workloads long`.
 Reports output tokens/s and each ratio against its target; the record goes to
 bench/results/offline-<tag>.json.
 
@@ -36,7 +38,9 @@ from pagedserve.llm import LLM
 log = logging.getLogger("bench.offline")
 
 TARGETS = {"mixed": {"ratio_vs_hf_sequential": 5.0, "ratio_vs_hf_padded": 1.3},
-           "uniform": {"ratio_vs_hf_padded": 0.9}}
+           "uniform": {"ratio_vs_hf_padded": 0.9},
+           "long": {"ratio_vs_hf_sequential": 6.0, "ratio_vs_hf_padded": 1.8}}
+SEQUENTIAL_WORKLOADS = ("mixed", "long")
 
 
 def run_pagedserve(llm: LLM, wl: Workload) -> tuple[float, list[list[int]]]:
@@ -129,16 +133,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-output-len", type=int, default=128)
     parser.add_argument("--uniform-prompt-len", type=int, default=128)
     parser.add_argument("--uniform-output-len", type=int, default=64)
+    parser.add_argument("--long-min-prompt-len", type=int, default=32)
+    parser.add_argument("--long-max-prompt-len", type=int, default=512)
+    parser.add_argument("--long-min-output-len", type=int, default=32)
+    parser.add_argument("--long-max-output-len", type=int, default=256)
+    parser.add_argument("--long-batch-size", type=int, default=16,
+                        help="max_num_seqs and the HF static batch size of the long workload")
     parser.add_argument("--kv-cache-memory-gib", type=float, default=2.0)
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs of pagedserve and HF padded each (the fastest counts)")
     parser.add_argument("--skip-sequential", action="store_true",
                         help="skip the slow one-at-a-time HF baseline")
     parser.add_argument("--workloads", nargs="+", default=["mixed", "uniform"],
-                        choices=["mixed", "uniform"])
+                        choices=list(TARGETS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default="cpu")
     return parser.parse_args(argv)
+
+
+def start_llm(args: argparse.Namespace, max_num_seqs: int, vocab: int) -> LLM:
+    llm = LLM(model=args.model, dtype="float32", max_num_seqs=max_num_seqs,
+              kv_cache_memory_gib=args.kv_cache_memory_gib, swap_space_gib=0.25, seed=args.seed)
+    run_pagedserve(llm, make_workload("warmup", 4, (16, 64), (8, 8), vocab, seed=args.seed + 1))
+    return llm
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -148,11 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     vocab = hf.config.vocab_size
-    llm = LLM(model=args.model, dtype="float32", max_num_seqs=args.batch_size,
-              kv_cache_memory_gib=args.kv_cache_memory_gib, swap_space_gib=0.25, seed=args.seed)
-    warm = make_workload("warmup", 4, (16, 64), (8, 8), vocab, seed=args.seed + 1)
-    run_pagedserve(llm, warm)
-    run_hf_padded(hf, warm, 4)
+    run_hf_padded(hf, make_workload("warmup", 4, (16, 64), (8, 8), vocab, seed=args.seed + 1), 4)
     run_hf_sequential(hf, make_workload("warmup", 1, (16, 16), (4, 4), vocab, args.seed + 1))
 
     workloads = {
@@ -160,11 +173,25 @@ def main(argv: list[str] | None = None) -> dict:
                                (args.min_output_len, args.max_output_len), vocab, args.seed),
         "uniform": make_workload("uniform", args.num_prompts, (args.uniform_prompt_len,) * 2,
                                  (args.uniform_output_len,) * 2, vocab, args.seed),
+        "long": make_workload("long", args.num_prompts,
+                              (args.long_min_prompt_len, args.long_max_prompt_len),
+                              (args.long_min_output_len, args.long_max_output_len), vocab,
+                              args.seed),
     }
-    results = [bench_workload(llm, hf, workloads[name], args.batch_size,
-                              sequential=name == "mixed" and not args.skip_sequential,
-                              repeats=args.repeats)
-               for name in args.workloads]
+    batch_sizes = {"mixed": args.batch_size, "uniform": args.batch_size,
+                   "long": args.long_batch_size}
+    results, llm, llm_batch_size = [], None, None
+    for name in args.workloads:
+        batch_size = batch_sizes[name]
+        if batch_size != llm_batch_size:  # pagedserve runs at most the HF batch at once
+            if llm is not None:
+                llm.close()
+            llm, llm_batch_size = start_llm(args, batch_size, vocab), batch_size
+        results.append(bench_workload(
+            llm, hf, workloads[name], batch_size,
+            sequential=name in SEQUENTIAL_WORKLOADS and not args.skip_sequential,
+            repeats=args.repeats))
+    llm.close()
     line = summary(results)
     return finish("offline", args, line, results, model=args.model, dtype="float32")
 

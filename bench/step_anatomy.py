@@ -10,6 +10,9 @@ Per decode-only step with exactly B sequences, medians in ms of:
   sample       the sampler
   schedule     Scheduler.schedule() (the plan, block tables, deltas)
   output       OutputProcessor.process (append tokens, stop checks, free blocks, reports)
+  cpu          CPU time of the benchmark's process during the step, all threads: in process it
+               includes the model's, so it stays readable when neighbours stretch wall times;
+               through gRPC it is the scheduler side's alone
   overhead     period - (cache_ops + prepare + forward + sample): the time per step the worker
                is not working on the model -- the scheduler + RPC overhead the workers see.
                One step at a time it is schedule + RPC (protobuf both ways, loopback, the
@@ -57,7 +60,7 @@ log = logging.getLogger("bench.step_anatomy")
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("period", "cache_ops", "prepare", "forward", "sample", "schedule", "output",
-          "overhead")
+          "overhead", "cpu")
 MODES = {"in_process": False, "in_process_metrics": False, "in_process_sync": False,
          "grpc": True, "grpc_sync": True}
 TARGET_OVERHEAD_MS = 0.3
@@ -106,9 +109,10 @@ class StepRecorder:
 
     def step(self) -> dict[str, Any]:
         self.current = {}
-        start = time.perf_counter_ns()
+        cpu_start, start = time.process_time_ns(), time.perf_counter_ns()
         self.core.step()
         self.current["step_ns"] = time.perf_counter_ns() - start
+        self.current["step_cpu_ns"] = time.process_time_ns() - cpu_start
         scheduled = self.core.last_scheduled
         if scheduled is not None and scheduled.plan is not None:
             timings = self._timings.pop(scheduled.plan.step_id, None)
@@ -123,7 +127,7 @@ def phases_ms(record: dict[str, Any]) -> dict[str, float]:
     ns = {"period": record["step_ns"], "cache_ops": t.cache_ops_ns, "prepare": t.prepare_ns,
           "forward": t.forward_ns, "sample": t.sample_ns,
           "schedule": record.get("schedule_ns", 0), "output": record.get("output_ns", 0),
-          "overhead": record["step_ns"] - worker_ns}
+          "overhead": record["step_ns"] - worker_ns, "cpu": record["step_cpu_ns"]}
     return {name: value / 1e6 for name, value in ns.items()}
 
 
@@ -262,7 +266,8 @@ def main(argv: list[str] | None = None) -> dict:
     def describe(r: dict) -> str:
         m = r["median_ms"]
         return (f"{r['mode']} B={r['batch_size']} {m['period']:.1f} ms (forward "
-                f"{m['forward']:.1f}, sample {m['sample']:.2f}, prepare {m['prepare']:.2f}, "
+                f"{m['forward']:.1f}, cpu {m['cpu']:.1f}, sample {m['sample']:.2f}, "
+                f"prepare {m['prepare']:.2f}, "
                 f"schedule {m['schedule']:.2f}, output {m['output']:.2f}, overhead "
                 f"{m['overhead']:.2f})")
     line = "step anatomy: " + "; ".join(map(describe, results))

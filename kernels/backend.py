@@ -44,4 +44,10 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 
 def get_backend(name: str, device: torch.device) -> ModuleType:
-    return importlib.import_module(BACKEND_MODULES[resolve_backend_name(name, device)])
+    """A backend's optional `prepare(device)` runs here, before the first step: one-time work
+    such as compiling a CPU kernel."""
+    module = importlib.import_module(BACKEND_MODULES[resolve_backend_name(name, device)])
+    prepare = getattr(module, "prepare", None)
+    if prepare is not None:
+        prepare(device)
+    return module

@@ -1,13 +1,17 @@
 """Vectorized torch backend: the default on CPU and the baseline for the GPU kernels. Prefills
-and decodes run as two batched SDPA calls over K/V gathered whole blocks at a time; a mask is built
-only where lengths differ, once per step (`meta.derived`)."""
+run as one batched SDPA call over K/V gathered whole blocks at a time; a mask is built only where
+lengths differ, once per step (`meta.derived`). Decodes on CPU go to the compiled kernel that
+reads the blocks in place (`cpu_decode`), elsewhere (or without a compiler) through SDPA the same
+way as prefills."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+from pagedserve.kernels import cpu_decode
 from pagedserve.kernels.cdiv import cdiv
 from pagedserve.kernels.metadata import AttentionMetadata
 
@@ -52,8 +56,11 @@ class PrefillPlan:
 
 @dataclass(slots=True)
 class DecodePlan:
-    kv: KVGather
+    kv: KVGather | None  # None: `kernel` reads the blocks in place
     attn_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_seq_len]; None when lengths are equal
+    block_tables: torch.Tensor  # [num_decodes, max_num_blocks] int32
+    seq_lens: torch.Tensor  # [num_decodes] int32
+    kernel: ModuleType | None = None  # the compiled CPU decode kernel
 
 
 @dataclass(slots=True)
@@ -144,18 +151,27 @@ def _prefill_plan(meta: AttentionMetadata, query: torch.Tensor,
     return PrefillPlan(kv, max_query_len, attn_mask, token_rows, padded_query)
 
 
+def prepare(device: torch.device) -> None:
+    if device.type == "cpu":
+        cpu_decode.load()  # compiles once per machine; later loads reuse the build
+
+
 def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> DecodePlan:
     first = meta.num_prefills
     seq_lens_cpu = meta.seq_lens_cpu[first:]
-    seq_lens = meta.seq_lens[first:]  # [num_decodes]
-    kv = _kv_gather(meta.block_tables[first:], seq_lens_cpu, k_cache)
+    seq_lens = meta.seq_lens[first:].to(torch.int32)  # [num_decodes]
+    block_tables = meta.block_tables[first:].to(torch.int32)
+    kernel = cpu_decode.load() if k_cache.device.type == "cpu" else None
+    if kernel is not None:
+        return DecodePlan(None, None, block_tables, seq_lens, kernel)
+    kv = _kv_gather(block_tables, seq_lens_cpu, k_cache)
     if kv.pad_rows is None:  # one length: every gathered key is attended
-        return DecodePlan(kv, None)
+        return DecodePlan(kv, None, block_tables, seq_lens)
     max_seq_len = kv.max_seq_len
     k_pos = torch.arange(max_seq_len, device=seq_lens.device)
     attn_mask = _additive_mask((k_pos < seq_lens.unsqueeze(1)).view(len(seq_lens), 1, 1, -1),
                                k_cache.dtype)
-    return DecodePlan(kv, attn_mask)
+    return DecodePlan(kv, attn_mask, block_tables, seq_lens)
 
 
 def attention_plan(meta: AttentionMetadata, query: torch.Tensor,
@@ -186,6 +202,9 @@ def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       plan: DecodePlan, scale: float) -> torch.Tensor:
+    if plan.kv is None:
+        return cpu_decode.paged_decode_attention(plan.kernel, query, k_cache, v_cache,
+                                                 plan.block_tables, plan.seq_lens, scale)
     num_decodes, num_heads, head_size = query.shape
     k, v = plan.kv.gather(k_cache, v_cache)  # [num_decodes, kv_heads, max_seq_len, head]
     # A GQA group's heads become the "query length" of their KV head: no KV expansion.

@@ -35,6 +35,19 @@ def test_offline(tiny_served_model_dir, results_dir):
     assert set(uniform["targets"]) == {"ratio_vs_hf_padded"}
 
 
+def test_offline_long(tiny_served_model_dir, results_dir):
+    offline.main(["--model", str(tiny_served_model_dir), "--workloads", "long", "--num-prompts",
+                  "3", "--long-batch-size", "2", "--long-min-prompt-len", "20",
+                  "--long-max-prompt-len", "40", "--long-min-output-len", "2",
+                  "--long-max-output-len", "8", "--kv-cache-memory-gib", "0.01", "--repeats", "1",
+                  "--tag", "smoke"])
+    (long,) = _record(results_dir, "offline")["results"]
+    assert long["workload"] == "long" and long["batch_size"] == 2
+    assert 20 <= long["prompt_lens"][0] <= long["prompt_lens"][1] <= 40
+    assert set(long["targets"]) == {"ratio_vs_hf_sequential", "ratio_vs_hf_padded"}
+    assert long["greedy_agreement_with_hf"]["num_outputs"] == 3
+
+
 def test_step_anatomy(tiny_served_model_dir, results_dir):
     step_anatomy.main(["--model", str(tiny_served_model_dir), "--batch-sizes", "1", "3",
                        "--prompt-len", "8", "--output-len", "6", "--skip-steps", "1",
@@ -47,7 +60,7 @@ def test_step_anatomy(tiny_served_model_dir, results_dir):
     for r in results:
         assert r["num_steps"] >= 1 and len(r["period_ms_per_repeat"]) == 2
         assert r["median_ms"]["period"] == min(r["period_ms_per_repeat"])
-        assert r["median_ms"]["forward"] > 0
+        assert r["median_ms"]["forward"] > 0 and r["median_ms"]["cpu"] > 0
 
 
 def test_serving(tiny_served_model_dir, results_dir):

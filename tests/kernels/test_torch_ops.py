@@ -1,11 +1,12 @@
 """Paths of the torch backend that the shared batch kinds leave out: decodes of one length (no
-mask), uniform prefill chunks, and one step's plan reused by every layer's cache."""
+mask), uniform prefill chunks, one step's plan reused by every layer's cache, and decodes both
+through the compiled CPU kernel and through the gather + SDPA path taken without a compiler."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from pagedserve.kernels import ref, torch_ops
+from pagedserve.kernels import cpu_decode, ref, torch_ops
 
 from tests.kernels.batch import make_batch
 from tests.kernels.conftest import TOLERANCES
@@ -23,10 +24,19 @@ DECODES = {
 }
 
 
+@pytest.fixture(params=["in_place", "gather"])
+def decode_path(request, monkeypatch) -> str:
+    if request.param == "gather":
+        monkeypatch.setattr(cpu_decode, "load", lambda: None)
+    elif cpu_decode.load() is None:
+        pytest.skip("no C++ toolchain here to build the CPU decode kernel")
+    return request.param
+
+
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("decodes", list(DECODES))
 @pytest.mark.parametrize("prefills", list(PREFILLS))
-def test_one_plan_serves_every_layer(prefills, decodes, block_size):
+def test_one_plan_serves_every_layer(prefills, decodes, block_size, decode_path):
     """Two layers' caches (same NaN-filled free slots, different values) through one metadata:
     the second layer reuses the first one's plan and buffers and still matches the reference."""
     if prefills == decodes == "none":
@@ -41,7 +51,9 @@ def test_one_plan_serves_every_layer(prefills, decodes, block_size):
         expected = ref.paged_attention(query, k_cache, v_cache, batch.meta, 0.125)
         torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
     plan = batch.meta.derived["torch"]
-    if decodes == "one_length":
+    if decodes != "none":
+        assert (plan.decode.kv is None) == (decode_path == "in_place")
+    if decodes == "one_length" and decode_path == "gather":
         assert plan.decode.attn_mask is None and plan.decode.kv.pad_rows is None
     if prefills == "fresh_one_length":
         assert plan.prefill.attn_mask is None
