@@ -1,20 +1,16 @@
 """What a failed call tells a client: the status code and message, and the google.rpc.Status
 details the gateway attaches (ErrorInfo's reason, BadRequest's field violations, RetryInfo's
-delay). Details a server did not send are None or empty."""
+delay), read by the same code the services use. Details a server did not send are None or
+empty."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
+from pagedserve.services.common.errors import FieldViolation
+from pagedserve.services.rpc.status import error_details
 
-@dataclass(frozen=True, slots=True)
-class FieldViolation:
-    field: str  # the request field's path, e.g. "sampling.temperature"
-    description: str
+__all__ = ["ClientError", "FieldViolation", "client_error"]
 
 
 class ClientError(Exception):
@@ -36,31 +32,14 @@ class ClientError(Exception):
         self.num_attempts = num_attempts
 
 
-def _status_details(call: grpc.Call) -> list:
-    try:
-        status = rpc_status.from_call(call)
-    except ValueError:  # the details' code disagrees with the call's: trust neither
-        return []
-    return [] if status is None else list(status.details)
-
-
 def client_error(error: grpc.RpcError, num_attempts: int = 1) -> ClientError:
     """From a failed call, sync (grpc.RpcError that is a grpc.Call) or asyncio (AioRpcError)."""
     code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
     message = (error.details() if callable(getattr(error, "details", None)) else None) or ""
-    kw: dict = {}
-    for detail in _status_details(error) if hasattr(error, "trailing_metadata") else ():
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            kw.update(reason=info.reason, domain=info.domain, metadata=dict(info.metadata))
-        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            kw["field_violations"] = tuple(FieldViolation(v.field, v.description)
-                                           for v in bad.field_violations)
-        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-            retry = error_details_pb2.RetryInfo()
-            detail.Unpack(retry)
-            kw["retry_delay_s"] = retry.retry_delay.ToTimedelta().total_seconds()
-    return ClientError(code, message, num_attempts=num_attempts, **kw)
+    details = error_details(error) if hasattr(error, "trailing_metadata") else None
+    if details is None:
+        return ClientError(code, message, num_attempts=num_attempts)
+    return ClientError(code, message, reason=details.reason or None,
+                       domain=details.domain or None, metadata=dict(details.metadata),
+                       field_violations=details.violations,
+                       retry_delay_s=details.retry_after_s, num_attempts=num_attempts)
