@@ -21,9 +21,39 @@ _OPTIONAL_FIELDS = ("n", "best_of", "length_penalty", "temperature", "top_p", "r
 _PLAIN_FIELDS = ("use_beam_search", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "include_stop_str_in_output", "ignore_eos", "min_tokens")
 
-_FINISH_REASONS_TO_PROTO = {reason: common_pb2.FinishReason.Value(f"FINISH_REASON_{reason.name}")
-                            for reason in FinishReason}
-_FINISH_REASONS_FROM_PROTO = {value: reason for reason, value in _FINISH_REASONS_TO_PROTO.items()}
+
+
+class FinishReasonCodec:
+    """FinishReason to and from one contract's proto enum (both contracts name their values
+    FINISH_REASON_<NAME>; None is UNSPECIFIED)."""
+
+    def __init__(self, enum_type) -> None:
+        self._unspecified = enum_type.Value("FINISH_REASON_UNSPECIFIED")
+        self._to_proto = {reason: enum_type.Value(f"FINISH_REASON_{reason.name}")
+                          for reason in FinishReason}
+        self._from_proto = {value: reason for reason, value in self._to_proto.items()}
+
+    def to_proto(self, reason: FinishReason | None) -> int:
+        if reason is None:
+            return self._unspecified
+        try:
+            return self._to_proto[reason]
+        except KeyError:
+            raise ValueError(f"finish reason must be one of {[r.value for r in FinishReason]} "
+                             f"or None, got {reason!r}") from None
+
+    def from_proto(self, value: int) -> FinishReason | None:
+        if value == self._unspecified:
+            return None
+        try:
+            return self._from_proto[value]
+        except KeyError:
+            raise ValueError(f"unknown FinishReason value {value}") from None
+
+
+_FINISH_REASONS = FinishReasonCodec(common_pb2.FinishReason)
+finish_reason_to_proto = _FINISH_REASONS.to_proto
+finish_reason_from_proto = _FINISH_REASONS.from_proto
 
 
 def _set(msg: Message, name: str, value: object) -> None:
@@ -94,22 +124,3 @@ def logprob_lists_from_proto(container: Iterable[common_pb2.TokenLogprobs]) -> l
     if not container:
         return []
     return [token_logprobs_from_proto(position) for position in container]
-
-
-def finish_reason_to_proto(reason: FinishReason | None) -> int:
-    if reason is None:
-        return common_pb2.FINISH_REASON_UNSPECIFIED
-    try:
-        return _FINISH_REASONS_TO_PROTO[reason]
-    except KeyError:
-        raise ValueError(f"finish reason must be one of {[r.value for r in FinishReason]} or None, "
-                         f"got {reason!r}") from None
-
-
-def finish_reason_from_proto(value: int) -> FinishReason | None:
-    if value == common_pb2.FINISH_REASON_UNSPECIFIED:
-        return None
-    try:
-        return _FINISH_REASONS_FROM_PROTO[value]
-    except KeyError:
-        raise ValueError(f"unknown FinishReason value {value}") from None

@@ -4,17 +4,21 @@ one from it (convert_common.py), so the two contracts never exchange messages.""
 
 from __future__ import annotations
 
-from pagedserve.services.common.outputs import FinishReason, Usage
+from pagedserve.services.common.outputs import Usage
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.rpc.convert_common import fill_sampling_params, sampling_params_from_proto
+from pagedserve.services.rpc.convert_common import (
+    FinishReasonCodec,
+    fill_sampling_params,
+    sampling_params_from_proto,
+)
 from pagedserve.services.rpc.v1 import common_pb2
 
 __all__ = ["finish_reason_from_proto", "finish_reason_to_proto", "sampling_params_from_proto",
            "sampling_params_to_proto", "usage_from_proto", "usage_to_proto"]
 
-_FINISH_REASONS_TO_PROTO = {reason: common_pb2.FinishReason.Value(f"FINISH_REASON_{reason.name}")
-                            for reason in FinishReason}
-_FINISH_REASONS_FROM_PROTO = {value: reason for reason, value in _FINISH_REASONS_TO_PROTO.items()}
+_FINISH_REASONS = FinishReasonCodec(common_pb2.FinishReason)
+finish_reason_to_proto = _FINISH_REASONS.to_proto
+finish_reason_from_proto = _FINISH_REASONS.from_proto
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -22,24 +26,6 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
     fill_sampling_params(msg, params)
     return msg
 
-
-def finish_reason_to_proto(reason: FinishReason | None) -> int:
-    if reason is None:
-        return common_pb2.FINISH_REASON_UNSPECIFIED
-    try:
-        return _FINISH_REASONS_TO_PROTO[reason]
-    except KeyError:
-        raise ValueError(f"finish reason must be one of {[r.value for r in FinishReason]} or None, "
-                         f"got {reason!r}") from None
-
-
-def finish_reason_from_proto(value: int) -> FinishReason | None:
-    if value == common_pb2.FINISH_REASON_UNSPECIFIED:
-        return None
-    try:
-        return _FINISH_REASONS_FROM_PROTO[value]
-    except KeyError:
-        raise ValueError(f"unknown FinishReason value {value}") from None
 
 
 def usage_to_proto(usage: Usage) -> common_pb2.Usage:
