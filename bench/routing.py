@@ -86,6 +86,8 @@ class Conversation:
     user_turns: list[list[int]]  # token ids of each user message
     history: list[int] = field(default_factory=list)  # the prompt so far, answers included
     num_turns_done: int = 0
+    num_computed: int = 0  # tokens of `history` whose KV a replica computed (the last one's not)
+    replica: str = ""  # the replica of its last turn
 
 
 @dataclass(slots=True)
@@ -99,10 +101,29 @@ class PolicyResult:
     routing_us: dict[str, float] = field(default_factory=dict)
     decisions: dict[str, int] = field(default_factory=dict)  # by reason
     replica_share: list[int] = field(default_factory=list)  # decisions per replica
+    # prompt tokens some replica had computed before (whole blocks): what a cache could serve
+    num_reusable_tokens: int = 0
+    num_shared_reusable_tokens: int = 0  # of them, in the system prompts
+    # reusable tokens not served, by the turn's kind: a chat's first turn (its system prompt), a
+    # later turn on its previous turn's replica (evicted there), or on another replica (moved)
+    missed_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def output_tok_s(self) -> float:
         return self.num_output_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def hit_share(self) -> float:
+        """Of the reusable prompt tokens, those served from a cache."""
+        return self.num_cached_tokens / max(self.num_reusable_tokens, 1)
+
+    @property
+    def max_hit_ratio(self) -> float:
+        """The most hit tokens any policy can have over round robin on two replicas: round robin
+        sends a chat's turn to the replica of its previous turn half the time, where its history
+        is as cached as anywhere, and finds the system prompts everywhere."""
+        shared = self.num_shared_reusable_tokens / max(self.num_reusable_tokens, 1)
+        return 2 / (1 + shared)
 
 
 def make_conversations(args: argparse.Namespace, salt: int) -> list[Conversation]:
@@ -119,10 +140,12 @@ def make_conversations(args: argparse.Namespace, salt: int) -> list[Conversation
 
 def footprint_blocks(args: argparse.Namespace, block_size: int) -> int:
     """The KV blocks it takes to cache every system prompt and the open conversations' histories
-    at their mean length (a conversation's history grows by a turn's user message and answer)."""
+    at their mean length (a conversation's history grows by a turn's user message and answer),
+    plus what the running turns add to them (a user message, an answer, a partial block each)."""
     mean_history = (args.num_turns + 1) / 2 * (args.user_len + args.output_len)
+    running = args.concurrency * (math.ceil((args.user_len + args.output_len) / block_size) + 1)
     return (args.num_system_prompts * (args.system_len // block_size)
-            + round(num_open(args) * mean_history / block_size))
+            + round(num_open(args) * mean_history / block_size) + running)
 
 
 def num_open(args: argparse.Namespace) -> int:
@@ -130,23 +153,40 @@ def num_open(args: argparse.Namespace) -> int:
 
 
 async def _client(stub, open_chats: list[Conversation], waiting: deque[Conversation],
-                  rng: random.Random, max_tokens: int, result: PolicyResult) -> None:
+                  rng: random.Random, max_tokens: int, result: PolicyResult,
+                  routed: dict[int, str], systems_seen: set[int]) -> None:
     """Runs the next turn of an open conversation picked at random (its user is the next one
     back) and puts it back among the open ones; one that is over makes room for a waiting one."""
     while open_chats:
         conversation = open_chats.pop(rng.randrange(len(open_chats)))
         if not conversation.history:
             conversation.history = list(conversation.system)
+            if id(conversation.system) in systems_seen:
+                conversation.num_computed = len(conversation.system)
+            systems_seen.add(id(conversation.system))
         conversation.history += conversation.user_turns[conversation.num_turns_done]
+        prompt = conversation.history
         response = await stub.Generate(gateway_pb2.GenerateRequest(
-            token_ids=common_pb2.TokenIds(token_ids=conversation.history),
+            token_ids=common_pb2.TokenIds(token_ids=prompt),
             sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                ignore_eos=True)), timeout=600)
         result.num_requests += 1
         result.num_prompt_tokens += response.usage.prompt_tokens
         result.num_cached_tokens += response.usage.cached_tokens
         result.num_output_tokens += response.usage.completion_tokens
+        # a hit stops a block short of the whole prompt: the last token's logits are needed
+        reusable = min(conversation.num_computed, len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+        replica = routed.pop(hash(tuple(prompt)), "")
+        kind = ("first" if not conversation.num_turns_done else
+                "same_replica" if replica == conversation.replica else "moved")
+        result.num_reusable_tokens += reusable
+        result.num_shared_reusable_tokens += min(
+            reusable, len(conversation.system) // BLOCK_SIZE * BLOCK_SIZE)
+        result.missed_tokens[kind] = (result.missed_tokens.get(kind, 0)
+                                      + max(reusable - response.usage.cached_tokens, 0))
+        conversation.replica = replica
         conversation.history += response.outputs[0].token_ids
+        conversation.num_computed = len(conversation.history) - 1
         conversation.num_turns_done += 1
         if conversation.num_turns_done < len(conversation.user_turns):
             open_chats.append(conversation)
@@ -154,24 +194,27 @@ async def _client(stub, open_chats: list[Conversation], waiting: deque[Conversat
             open_chats.append(waiting.popleft())
 
 
-def count_decisions(gateway: Gateway) -> tuple[Counter[str], Counter[str], list[list[int]]]:
-    """Counters of the gateway's routing decisions (by reason, by replica) and the prompts they
-    were made for, until `stop_counting`."""
+def count_decisions(gateway: Gateway) -> tuple[Counter[str], Counter[str], list[list[int]],
+                                                dict[int, str]]:
+    """Counters of the gateway's routing decisions (by reason, by replica), the prompts they
+    were made for and the replica of each (by the prompt's hash), until `stop_counting`."""
     router = gateway.replicas.router
     choose = router.choose
     reasons: Counter[str] = Counter()
     replicas: Counter[str] = Counter()
     prompts: list[list[int]] = []
+    routed: dict[int, str] = {}
 
     def counted(candidates, prompt_token_ids, block_size):
         decision = choose(candidates, prompt_token_ids, block_size)
         reasons[decision.reason] += 1
         replicas[decision.address] += 1
         prompts.append(list(prompt_token_ids))
+        routed[hash(tuple(prompt_token_ids))] = decision.address
         return decision
 
     router.choose = counted  # type: ignore[method-assign]
-    return reasons, replicas, prompts
+    return reasons, replicas, prompts, routed
 
 
 def stop_counting(gateway: Gateway) -> None:
@@ -184,11 +227,13 @@ async def run_policy(gateway: Gateway, conversations: list[Conversation], args: 
     open_chats = conversations[:num_open(args)]
     waiting = deque(conversations[num_open(args):])
     rng = random.Random(args.seed)
-    reasons, replicas, prompts = count_decisions(gateway)
+    reasons, replicas, prompts, routed = count_decisions(gateway)
+    systems_seen: set[int] = set()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         start = time.perf_counter()
-        await asyncio.gather(*(_client(stub, open_chats, waiting, rng, args.output_len, result)
+        await asyncio.gather(*(_client(stub, open_chats, waiting, rng, args.output_len, result,
+                                       routed, systems_seen)
                                for _ in range(args.concurrency)))
         result.elapsed_s = time.perf_counter() - start
     stop_counting(gateway)
@@ -297,10 +342,16 @@ def main(argv: list[str] | None = None) -> dict:
             f"hit tokens, {round_robin.output_tok_s:.1f} tok/s; hit tokens x{hit_ratio:.2f} "
             f"(target >= 1.8), throughput x{throughput_ratio:.2f} (target >= 1.0), routing "
             f"p50 {affinity.routing_us['p50']:.1f} us (target <= 1000); affinity decisions "
-            f"{affinity.decisions}, per replica {affinity.replica_share}")
+            f"{affinity.decisions}, per replica {affinity.replica_share}; of the reusable prompt "
+            f"tokens ({round_robin.num_reusable_tokens}, "
+            f"{round_robin.num_shared_reusable_tokens} in system prompts) affinity hit "
+            f"{affinity.hit_share:.0%}, round robin {round_robin.hit_share:.0%}: at most "
+            f"x{round_robin.max_hit_ratio:.2f} for any policy; missed by kind of turn: affinity "
+            f"{affinity.missed_tokens}, round robin {round_robin.missed_tokens}")
     return finish("routing", args, line, [affinity, round_robin],
                   footprint_blocks=footprint_blocks(args, BLOCK_SIZE),
                   hit_token_ratio=hit_ratio, throughput_ratio=throughput_ratio,
+                  max_hit_token_ratio=round_robin.max_hit_ratio,
                   targets={"hit_token_ratio": 1.8, "throughput_ratio": 1.0,
                            "routing_p50_us": 1000})
 

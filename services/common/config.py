@@ -372,7 +372,12 @@ class RoutingConfig:
         1.5, "affinity yields to the least loaded replica when the preferred one would carry "
         "more than this factor times the mean load of the serving replicas")
     routing_prefix_blocks: int = opt(
-        4, "full KV blocks at the start of the prompt that make its affinity key")
+        4, "full KV blocks at the start of the prompt that make its affinity key when it has no "
+        "branch point known to the gateway (see --routing-index-blocks)")
+    routing_index_blocks: int = opt(
+        65536, "prompt prefixes (in KV blocks) a gateway remembers the replica of: a chat's next "
+        "turn follows its history, and the chats of a shared system prompt spread over the "
+        "replicas by their first blocks of their own")
     replica_refresh_s: float = opt(
         10.0, "seconds between two resolutions of --scheduler-address (a DNS name may resolve "
         "to several replicas: replicas come and go without a restart)")
@@ -386,6 +391,8 @@ class RoutingConfig:
                f"routing_max_imbalance must be >= 1, got {self.routing_max_imbalance}")
         _check(self.routing_prefix_blocks >= 1,
                f"routing_prefix_blocks must be >= 1, got {self.routing_prefix_blocks}")
+        _check(self.routing_index_blocks >= 1,
+               f"routing_index_blocks must be >= 1, got {self.routing_index_blocks}")
         _check(self.replica_refresh_s > 0,
                f"replica_refresh_s must be > 0, got {self.replica_refresh_s}")
         _check(self.failover_timeout_s >= 0,

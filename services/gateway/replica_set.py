@@ -62,7 +62,7 @@ class ReplicaSet:
         self.targets = scheduler_targets(scheduler_address)
         self.config = config
         self.router = Router(config.routing_policy, config.routing_max_imbalance,
-                             config.routing_prefix_blocks)
+                             config.routing_prefix_blocks, config.routing_index_blocks)
         # the first replica's: the model
         self.served: scheduler_pb2.GetServedModelResponse | None = None
         self.replicas: dict[str, Replica] = {}

@@ -2,9 +2,15 @@
 least loaded, or round robin. Pure decisions over a snapshot of the replicas; the replica set
 owns the snapshot.
 
-Affinity keys a prompt by its first full KV blocks, so requests sharing a system prompt or the
-earlier turns of a chat meet the blocks that replica's prefix cache already holds. A replica
-joining or leaving moves only the keys of its own arcs of the ring. The load bound is that of
+Affinity sends a prompt where its earlier blocks went: a prompt that goes on past every branch
+point of what this gateway routed before (a chat's next turn: its history) follows the replica
+that got the deepest of its blocks. A prompt that branches off a known prefix (a new chat of a
+shared system prompt) goes to the replica that last got that prefix, unless it got clearly more
+blocks from this gateway than another: then to the one that got the fewest. So the chats of one
+system prompt spread over the replicas while their caches fill unevenly, each chat then staying
+on its own. A prompt with no known branch point is placed on the ring by its first
+`prefix_blocks` full blocks, which every gateway agrees on; a replica joining or leaving moves
+only the keys of its own arcs of the ring. The load bound is that of
 consistent hashing with bounded loads: the preferred replica is taken while it would carry at
 most ceil(`max_imbalance` times the mean load), else the least loaded one.
 """
@@ -15,11 +21,16 @@ import bisect
 import hashlib
 import itertools
 import math
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedserve.services.gateway.prefix_index import PrefixIndex, chained_block_hashes
+
 NUM_VIRTUAL_NODES = 64  # ring points per replica: evens out the arcs of a few replicas
+MAX_INDEXED_BLOCKS = 256  # a prompt's blocks that routing hashes: deeper ones tell no chats apart
+# a new chat joins the replica that last got its shared prefix (no prefill of it) while that one
+# got at most this factor of the blocks the emptiest got
+SHARED_PREFIX_SLACK = 1.1
 
 
 class Reason:
@@ -51,10 +62,8 @@ def _hash64(data: bytes) -> int:
 def prefix_key(prompt_token_ids: Sequence[int], block_size: int, max_blocks: int) -> int | None:
     """A hash of the prompt's first full blocks (at most max_blocks); None when the prompt
     has no full block (nothing a prefix cache could share)."""
-    num_blocks = min(len(prompt_token_ids) // block_size, max_blocks)
-    if num_blocks == 0:
-        return None
-    return _hash64(array("I", prompt_token_ids[:num_blocks * block_size]).tobytes())
+    hashes = chained_block_hashes(prompt_token_ids, block_size, max_blocks)
+    return hashes[-1] if hashes else None
 
 
 class HashRing:
@@ -75,10 +84,12 @@ class HashRing:
 class Router:
     """Not thread-safe (the gateway's event loop only)."""
 
-    def __init__(self, policy: str, max_imbalance: float, prefix_blocks: int) -> None:
+    def __init__(self, policy: str, max_imbalance: float, prefix_blocks: int,
+                 index_blocks: int = 65536) -> None:
         self.policy = policy
         self.max_imbalance = max_imbalance
         self.prefix_blocks = prefix_blocks
+        self.index = PrefixIndex(index_blocks)
         self._ring = HashRing()
         self._turn = itertools.count()
 
@@ -91,13 +102,33 @@ class Router:
             return Decision(ordered[next(self._turn) % len(ordered)].address, Reason.ROUND_ROBIN)
         if self.policy == "least-loaded":
             return Decision(self._least_loaded(candidates).address, Reason.LEAST_LOADED)
-        key = prefix_key(prompt_token_ids, max(block_size, 1), self.prefix_blocks)
-        if key is None:
+        hashes = chained_block_hashes(prompt_token_ids, max(block_size, 1), MAX_INDEXED_BLOCKS)
+        if not hashes:
             return Decision(self._least_loaded(candidates).address, Reason.SHORT_PROMPT)
+        decision = self._bounded(candidates, self._preferred(candidates, hashes))
+        self.index.record(hashes, decision.address)
+        return decision
+
+    def _preferred(self, candidates: Sequence[Candidate], hashes: list[int]) -> str:
         addresses = frozenset(c.address for c in candidates)
+        match = self.index.match(hashes, addresses)
+        if match.address is not None and match.num_blocks > match.num_shared_blocks:
+            return match.address
+        if match.num_shared_blocks:
+            num_blocks = self.index.num_blocks_by_address
+            emptiest = min(sorted(addresses), key=lambda a: num_blocks[a])
+            holder = match.address
+            if holder is not None and num_blocks[holder] <= SHARED_PREFIX_SLACK * num_blocks[emptiest]:
+                return holder
+            return emptiest
         if addresses != self._ring.members:
             self._ring = HashRing(sorted(addresses))
-        preferred = next(c for c in candidates if c.address == self._ring.lookup(key))
+        address = self._ring.lookup(hashes[min(self.prefix_blocks, len(hashes)) - 1])
+        assert address is not None
+        return address
+
+    def _bounded(self, candidates: Sequence[Candidate], address: str) -> Decision:
+        preferred = next(c for c in candidates if c.address == address)
         total = sum(c.num_requests for c in candidates) + 1
         if preferred.num_requests + 1 <= math.ceil(self.max_imbalance * total / len(candidates)):
             return Decision(preferred.address, Reason.AFFINITY)
