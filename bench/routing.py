@@ -14,32 +14,56 @@ deployment that needs a second replica sees it:
   one turn at a time. At random, not in a fixed cycle: with a cycle of an even number of
   conversations, round robin would send each one to the same replica every time;
 - each replica's KV cache holds `--cache-fraction` (0.7) of the steady state's prefix footprint
-  (every system prompt, plus the open conversations' histories at their mean length): one
-  replica cannot hold it, two can. That is when a second replica's cache is worth routing for;
-  with caches that hold everything, every policy ends up hitting. (Earlier runs of this bench
-  measured 1.18-1.36x with 4 system prompts, conversations run to their end one after another
-  and caches holding it all: round robin met each chat's turn before last on the other replica,
-  still cached. With all conversations starting at once, the footprint is small for the first
-  half of the run, and it measured 1.19x; with the open ones taken in a fixed cycle, 1.30x.)
+  (every system prompt, the open conversations' histories at their mean length, and what the
+  running turns add: a user message, an answer and a partial block each): one replica cannot
+  hold it, two can. That is when a second replica's cache is worth routing for; with caches that
+  hold everything, every policy ends up hitting. (Earlier runs left the running turns out, so
+  the caches were 11% smaller than this claims. Earlier still: 1.18-1.36x with conversations run
+  to their end one after another and caches holding it all; 1.19x with all conversations
+  starting at once; 1.30x with the open ones taken in a fixed cycle, where round robin sends a
+  chat to the same replica every time.)
 
-Measured on a shared 2-core CPU (bench/results/routing-cpu.json): 1.51x hit tokens, 1.28x
-throughput at these defaults; 1.48x with 16 system prompts; 1.60x with 16 and a cache fraction of
-0.55. Below the 1.8x target: round robin still finds a chat's earlier turns on the replica that
-ran them (a chat's history is a prefix of every later turn), so it loses only the turns run
-elsewhere since, unless the cache evicts them.
+What any policy can reach. A turn can hit the blocks some replica computed before: its system
+prompt (if seen before) and its chat's history up to the previous answer's last full block (the
+"reusable" tokens, counted by the bench). With two replicas, round robin sends a turn to the
+replica of the chat's previous turn half the time, and there the history is as cached as under
+affinity: the LRU distance between two turns of a chat on one replica is the other chats' turns
+in between, the same under both policies. Every replica soon holds every system prompt under
+both. So round robin hits at least shared + (reusable - shared) / 2, and no policy beats it by
+more than 2 / (1 + s), s = the system prompts' share of the reusable tokens (printed as "at
+most"). Here s is 0.35: at most 1.49x. 1.8x takes s <= 0.11 and affinity hitting everything:
+chats much longer than their system prompts (long agent sessions), not this mix.
 
-Affinity keys a request by its first `--routing-prefix-blocks` full blocks (the system prompt,
-or the first user message when the system prompt is shorter), so each replica holds its share of
-the system prompts and the histories of their chats; round robin sends every other turn of a chat
-to the other replica, so each replica holds every chat's history at two turns' lag and evicts it
-under the pressure of the others. The two policies get workloads of the same shape with
-different tokens, so neither finds the other's blocks cached.
+Measured (2-core shared CPU, load average 5-9, full defaults, the caches still 11% smaller), with
+affinity keyed by the first `--routing-prefix-blocks` blocks: affinity hit 95% of the reusable
+tokens, round robin 65%: 1.46x (the record before, 1.51x), at the ceiling. Affinity's 5%: 10
+bounded-load fallbacks moved chats to the other replica and their next turn went back, so both
+turns missed what ran elsewhere (2800 tokens), and each system prompt's first turn (512). Round
+robin's 35%: turns on another replica than the previous (20752 tokens), evictions on the same one
+(1632). The prefix cache evicts least recently released first and, within one release, a chain's
+tail before its head (tests/unit/test_prefix_cache.py): not a cause. The key was the system prompt
+alone, so every chat of a system prompt went to one replica: the 12 split 106:86 turns, and fewer
+system prompts split worse (below).
+
+Affinity now follows a gateway-side index of the prefixes it routed (services/gateway/
+prefix_index.py): a chat's next turn goes where its history went (after a fallback too); a new
+chat of a known system prompt goes where that prompt last went while the replicas got about as
+many blocks, else to the replica that got fewer, so the chats of a system prompt spread.
+Measured the same way (bench/results/routing-cpu.json): affinity 98% of the reusable tokens
+(65088), 96:96 turns, round robin 67% (44480): 1.46x hit tokens of an at most 1.49x, 1.09x
+throughput, routing p50 52 us. With --num-system-prompts 4: S4_RESULT.
+
+Round robin sends every other turn of a chat to the other replica, so each replica holds every
+chat's history at two turns' lag and evicts it under the pressure of the others. The two policies
+get workloads of the same shape with different tokens, so neither finds the other's blocks cached.
 
 Reported per policy: prefix-cache hit tokens (the prompt tokens the schedulers served from their
-cache, as the gateways' usage reports them), output tokens/s, the routing decisions by reason
-(affinity; overloaded = the bounded-load fallback) and by replica, and the gateway's routing
-decision time per request (p50, p99: choosing a replica from the live set); then affinity ÷ round
-robin (targets: >= 1.8x hit tokens, throughput not lower; routing p50 <= 1 ms).
+cache, as the gateways' usage reports them), their share of the reusable tokens and the misses by
+kind of turn (a chat's first; later, on its previous turn's replica or moved), output tokens/s,
+the routing decisions by reason (affinity; overloaded = the bounded-load fallback) and by
+replica, and the gateway's routing decision time per request (p50, p99: choosing a replica from
+the live set); then affinity ÷ round robin (targets: >= 1.8x hit tokens, throughput not lower;
+routing p50 <= 1 ms) and the most any policy could reach.
 
     python -m bench.routing                     # SmolLM2, 8 clients
     python -m bench.routing --quick --tag quick

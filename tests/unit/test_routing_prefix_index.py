@@ -6,6 +6,9 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
+from pagedserve.services.common.config import RoutingConfig
+from pagedserve.services.common.errors import ConfigError
 from pagedserve.services.gateway.prefix_index import PrefixIndex, chained_block_hashes
 from pagedserve.services.gateway.routing import Candidate, Reason, Router
 
@@ -121,3 +124,8 @@ def test_a_new_chat_joins_the_holder_of_its_shared_prompt_while_caches_are_even(
     assert second != home  # 12 blocks went to home, none elsewhere
     third = router.choose(replicas, [*system, *tokens(rng, 4 * BLOCK)], BLOCK).address
     assert third == second  # 8 blocks each: the system prompt's holder
+
+
+def test_the_index_needs_room():
+    with pytest.raises(ConfigError, match="routing_index_blocks must be >= 1, got 0"):
+        RoutingConfig(routing_index_blocks=0)
