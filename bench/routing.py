@@ -45,13 +45,16 @@ tail before its head (tests/unit/test_prefix_cache.py): not a cause. The key was
 alone, so every chat of a system prompt went to one replica: the 12 split 106:86 turns, and fewer
 system prompts split worse (below).
 
-Affinity now follows a gateway-side index of the prefixes it routed (services/gateway/
-prefix_index.py): a chat's next turn goes where its history went (after a fallback too); a new
-chat of a known system prompt goes where that prompt last went while the replicas got about as
-many blocks, else to the replica that got fewer, so the chats of a system prompt spread.
-Measured the same way (bench/results/routing-cpu.json): affinity 98% of the reusable tokens
-(65088), 96:96 turns, round robin 67% (44480): 1.46x hit tokens of an at most 1.49x, 1.09x
-throughput, routing p50 52 us. With --num-system-prompts 4: S4_RESULT.
+Affinity now follows a gateway-side index of the prefixes it routed
+(services/gateway/prefix_index.py): a chat's next turn goes where its history went (after a
+fallback too); a new chat of a known system prompt goes where that prompt last went while the
+replicas got about as many blocks, else to the replica that got fewer, so the chats of a system
+prompt spread. Measured the same way (bench/results/routing-cpu.json): affinity 98% of the reusable
+tokens (65088), 96:96 turns, round robin 67% (44480): 1.46x hit tokens of an at most 1.49x, 1.09x
+throughput, routing p50 52 us. With --num-system-prompts 4 (same run conditions, load average
+8-16), keyed by the first blocks: 125:67 turns, 67 bounded-load fallbacks, affinity 77% of the
+reusable tokens, round robin 73%, 1.06x; with the index: 96:96 turns, 1 fallback, affinity 99%,
+round robin 77%, 1.29x of an at most 1.47x.
 
 Round robin sends every other turn of a chat to the other replica, so each replica holds every
 chat's history at two turns' lag and evicts it under the pressure of the others. The two policies
