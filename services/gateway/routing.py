@@ -1,18 +1,18 @@
-"""Which replica serves a request: prefix affinity on a consistent-hash ring bounded by load,
-least loaded, or round robin. Pure decisions over a snapshot of the replicas; the replica set
-owns the snapshot.
+"""Which replica serves a request: prefix affinity (by the prompts routed before, else on a
+consistent-hash ring) bounded by load, least loaded, or round robin. Pure decisions over a snapshot
+of the replicas; the replica set owns the snapshot.
 
 Affinity sends a prompt where its earlier blocks went: a prompt that goes on past every branch
-point of what this gateway routed before (a chat's next turn: its history) follows the replica
-that got the deepest of its blocks. A prompt that branches off a known prefix (a new chat of a
-shared system prompt) goes to the replica that last got that prefix, unless it got clearly more
-blocks from this gateway than another: then to the one that got the fewest. So the chats of one
-system prompt spread over the replicas while their caches fill unevenly, each chat then staying
-on its own. A prompt with no known branch point is placed on the ring by its first
-`prefix_blocks` full blocks, which every gateway agrees on; a replica joining or leaving moves
-only the keys of its own arcs of the ring. The load bound is that of
-consistent hashing with bounded loads: the preferred replica is taken while it would carry at
-most ceil(`max_imbalance` times the mean load), else the least loaded one.
+point of what this gateway routed before (a chat's next turn: its history) follows the replica that
+got the deepest of its blocks. A prompt that branches off a known prefix (a new chat of a shared
+system prompt) goes to the replica that last got that prefix, unless it got clearly more blocks
+from this gateway than another: then to the one that got the fewest. So the chats of one system
+prompt spread over the replicas and keep their caches about even, each chat then staying on its
+own. A prompt with no known branch point is placed on the ring by its first `prefix_blocks` full
+blocks, which every gateway agrees on; a replica joining or leaving moves only the keys of its own
+arcs of the ring. The load bound is that of consistent hashing with bounded loads: the preferred
+replica is taken while it would carry at most ceil(`max_imbalance` times the mean load), else the
+least loaded one.
 """
 
 from __future__ import annotations
