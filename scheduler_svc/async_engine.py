@@ -16,7 +16,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -37,6 +37,12 @@ from pagedserve.services.common.outputs import FinishReason, RequestOutput
 logger = logging.getLogger(__name__)
 
 _Item = RequestOutput | BaseException  # what a Submit queue carries; an exception ends it
+
+
+class OutputSink(Protocol):
+    """Where a request's outputs go as each step ends (an asyncio.Queue is one)."""
+
+    def put_nowait(self, item: _Item) -> None: ...
 
 STEP_SPAN = "engine_step"
 STEP_ID = "pagedserve.step_id"
@@ -96,7 +102,7 @@ class EngineService:
         self._executor = executor
         self._stop_timeout_s = stop_timeout_s
         self._engine_call: Future | None = None
-        self._streams: dict[str, asyncio.Queue[_Item]] = {}
+        self._streams: dict[str, OutputSink] = {}
         self._pending: list[tuple[Callable[[], Any], asyncio.Future | None]] = []
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()  # set while no request is live (drain waits on it)
@@ -159,15 +165,18 @@ class EngineService:
             await asyncio.sleep(interval_s)
             stat_line.log(self._load)
 
-    async def submit(self, request: SubmitRequest) -> RequestStream:
+    async def submit(self, request: SubmitRequest, sink: OutputSink | None = None
+                     ) -> RequestStream:
         """Queue the request; bad input raises InvalidRequest, a full queue Overloaded. Its
-        arrival (the FCFS key) is now. Iterate the stream for its outputs; closing it before the
-        request finished aborts the request."""
+        arrival (the FCFS key) is now. Iterate the stream for its outputs, or, with `sink`, each
+        step's output (or the exception that ends it) goes there instead; closing the stream
+        before the request finished aborts the request."""
         if not self._is_accepting:
             raise Unavailable("the scheduler is draining and accepts no new requests",
                               reason=Reason.SCHEDULER_DRAINING, retry_after_s=0.0)
         request_id = request.request_id
         queue: asyncio.Queue[_Item] = asyncio.Queue()
+        outputs = queue if sink is None else sink
         span_context = trace.get_current_span().get_span_context()
 
         def add() -> None:
@@ -176,7 +185,7 @@ class EngineService:
                                     request.priority, owner=request.owner,
                                     resumed={o.index: o.token_ids
                                              for o in request.resumed_outputs})
-            self._streams[request_id] = queue
+            self._streams[request_id] = outputs
             if span_context.is_valid:
                 self._span_contexts[request_id] = span_context
             self._idle.clear()

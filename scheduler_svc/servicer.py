@@ -12,6 +12,7 @@ from pagedserve.scheduler_svc.async_engine import EngineService
 from pagedserve.scheduler_svc.engine_core import EngineCore
 from pagedserve.scheduler_svc.metrics import SchedulerMetrics
 from pagedserve.scheduler_svc.stats import StatLogger
+from pagedserve.scheduler_svc.submit_stream import serve_submit_stream
 from pagedserve.scheduler_svc.worker_client import WorkerClient
 from pagedserve.services.common.config import (
     EngineConfig,
@@ -71,6 +72,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     await abort_with(context, PagedServeError(
                         errors[0] or "the request failed inside the engine",
                         reason=Reason.GENERATION_FAILED))
+
+    @map_errors
+    async def SubmitStream(self, requests: AsyncIterator[scheduler_pb2.SubmitStreamRequest],
+                           context: grpc.aio.ServicerContext
+                           ) -> AsyncIterator[scheduler_pb2.SubmitStreamResponse]:
+        service = self._service()
+        async for response in serve_submit_stream(service, requests):
+            yield response
 
     @map_errors
     async def Abort(self, request: scheduler_pb2.AbortRequest,

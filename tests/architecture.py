@@ -35,7 +35,8 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
 }
 # the modules of scheduler_svc/ and worker_svc/ that speak gRPC; the rest is core
-EDGE_MODULES = {"scheduler_svc.servicer", "scheduler_svc.worker_client", "scheduler_svc.metrics",
+EDGE_MODULES = {"scheduler_svc.servicer", "scheduler_svc.submit_stream",
+                "scheduler_svc.worker_client", "scheduler_svc.metrics",
                 "worker_svc.servicer", "worker_svc.metrics"}
 WIRE_PACKAGES = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "prometheus_client",
                  "pagedserve.services.rpc")

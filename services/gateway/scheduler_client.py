@@ -1,4 +1,6 @@
-"""The gateway's side of scheduler.proto: one channel, Submit streams, unary calls with deadlines.
+"""The gateway's side of scheduler.proto: one channel, requests multiplexed over one SubmitStream
+call (a Submit call each when traced, or when the scheduler predates SubmitStream), unary calls
+with deadlines.
 
 A Submit call has no deadline (a request lives as long as it generates), so a dead scheduler is
 found otherwise: the call opens only on a connected channel, and keepalive pings end a stream
@@ -9,6 +11,7 @@ request in the scheduler.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -22,8 +25,9 @@ from pagedserve.services.common.engine_api import (
     ResumedOutput,
     SubmitRequest,
 )
-from pagedserve.services.common.errors import Reason, Unavailable
+from pagedserve.services.common.errors import PagedServeError, Reason, Unavailable
 from pagedserve.services.common.outputs import RequestOutput
+from pagedserve.services.gateway.submit_stream import SubmitStreamClient, SubmitStreamUnsupported
 from pagedserve.services.gateway.validation import PreparedRequest
 from pagedserve.services.rpc.convert_scheduler import (
     abort_request_to_proto,
@@ -36,7 +40,7 @@ from pagedserve.services.rpc.convert_scheduler import (
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.status import error_from_rpc
 from pagedserve.services.rpc.tls import internal_aio_channel
-from pagedserve.services.rpc.tracing import aio_client_interceptors
+from pagedserve.services.rpc.tracing import aio_client_interceptors, is_tracing_on
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +84,10 @@ class SchedulerClient:
         self._channel = internal_aio_channel(address, tls, options,
                                              interceptors=aio_client_interceptors(address))
         self._stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
+        self._submit_stream = SubmitStreamClient(self._stub, PEER, SCHEDULER_RETRY_AFTER_S)
 
     async def close(self) -> None:
+        await self._submit_stream.close()
         await self._channel.close()
 
     async def wait_until_serving(self) -> None:
@@ -144,8 +150,23 @@ class SchedulerClient:
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling=request.sampling, priority=request.priority, owner=owner,
             resumed_outputs=resumed_outputs or []))
-        call = self._stub.Submit(msg)
         wants_prompt_logprobs = request.sampling.prompt_logprobs is not None
+        multiplexed = self._submit_stream
+        # a traced request keeps a Submit call (and span) of its own
+        if not multiplexed.is_unsupported and not is_tracing_on():
+            try:
+                async with contextlib.aclosing(multiplexed.events(msg)) as events:
+                    async for event in events:
+                        yield token_event_from_proto(event, request.request_id,
+                                                     wants_prompt_logprobs)
+                        wants_prompt_logprobs = False
+                return
+            except SubmitStreamUnsupported:
+                logger.info("%s at %s has no SubmitStream; a Submit call per request",
+                            PEER, self.address)
+            except PagedServeError as exc:
+                raise exc.with_fields(_request_field) from None
+        call = self._stub.Submit(msg)
         try:
             async for event in call:
                 yield token_event_from_proto(event, request.request_id, wants_prompt_logprobs)

@@ -75,11 +75,15 @@ def completion_output_from_proto(msg: scheduler_pb2.SequenceDelta) -> Completion
         finish_reason=finish_reason_from_proto(msg.finish_reason), error=msg.error or None)
 
 
-def token_event_to_proto(output: RequestOutput) -> scheduler_pb2.SubmitResponse:
-    """A position whose KV came from the prefix cache (None) travels as an empty TokenLogprobs."""
-    msg = scheduler_pb2.SubmitResponse(
-        outputs=[completion_output_to_proto(o) for o in output.outputs],
-        num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens)
+def token_event_to_proto(output: RequestOutput, msg: scheduler_pb2.SubmitResponse | None = None
+                         ) -> scheduler_pb2.SubmitResponse:
+    """A position whose KV came from the prefix cache (None) travels as an empty TokenLogprobs.
+    `msg`: filled in place (a field of a larger message) instead of a new one."""
+    if msg is None:
+        msg = scheduler_pb2.SubmitResponse()
+    msg.outputs.extend(completion_output_to_proto(o) for o in output.outputs)
+    msg.num_prompt_tokens = output.num_prompt_tokens
+    msg.num_cached_tokens = output.num_cached_tokens
     if output.prompt_logprobs is not None:
         add_logprob_lists(msg.prompt_logprobs, [p or [] for p in output.prompt_logprobs])
     return msg

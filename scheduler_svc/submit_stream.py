@@ -1,0 +1,163 @@
+"""One SubmitStream call: many requests over one gRPC stream, each step's events in one message.
+
+Each request's outputs go straight from the engine loop into this call's pending map (no task per
+request); a single writer turns whatever accumulated since its last message into the next one, so
+a caller that keeps up gets one message per step and a slow one gets steps merged. A request ends
+in-band (done, or the google.rpc.Status its Submit call would have ended with); the call's end
+aborts every request still live in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from pagedserve.scheduler_svc.async_engine import EngineService, RequestStream
+from pagedserve.scheduler_svc.outputs import merge_request_outputs
+from pagedserve.services.common.errors import InvalidRequest, PagedServeError, Reason
+from pagedserve.services.common.outputs import FinishReason, RequestOutput
+from pagedserve.services.rpc.convert_scheduler import (
+    submit_request_from_proto,
+    token_event_to_proto,
+)
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2
+from pagedserve.services.rpc.status import details_of, rich_status
+
+logger = logging.getLogger(__name__)
+
+_Item = RequestOutput | BaseException
+
+
+class _Sink:
+    """One request's outputs, into its call's pending map."""
+
+    __slots__ = ("_call", "_request_id")
+
+    def __init__(self, call: SubmitStreamCall, request_id: str) -> None:
+        self._call = call
+        self._request_id = request_id
+
+    def put_nowait(self, item: _Item) -> None:
+        self._call.put(self._request_id, item)
+
+
+class SubmitStreamCall:
+    def __init__(self, service: EngineService) -> None:
+        self._service = service
+        self._pending: dict[str, list[_Item]] = {}
+        self._ready = asyncio.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._adding: dict[str, asyncio.Task[None]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    def put(self, request_id: str, item: _Item) -> None:
+        items = self._pending.get(request_id)
+        if items is None:
+            self._pending[request_id] = [item]
+        else:
+            items.append(item)
+        self._ready.set()
+
+    async def run(self, requests: AsyncIterator[scheduler_pb2.SubmitStreamRequest]
+                  ) -> AsyncIterator[scheduler_pb2.SubmitStreamResponse]:
+        """The call's responses until the caller half-closes with nothing live, or leaves."""
+        self._reader = asyncio.create_task(self._read(requests))
+        self._reader.add_done_callback(lambda _: self._ready.set())
+        try:
+            while True:
+                await self._ready.wait()
+                self._ready.clear()
+                if self._pending:
+                    pending, self._pending = self._pending, {}
+                    yield scheduler_pb2.SubmitStreamResponse(
+                        events=[self._event(request_id, items)
+                                for request_id, items in pending.items()])
+                    continue
+                if self._reader.done():
+                    self._reader.result()  # a protocol error fails the call
+                    if not self._streams and not self._adding:
+                        return
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """The caller left: abort whatever is still live."""
+        if self._reader is not None:
+            self._reader.cancel()
+        for task in self._adding.values():
+            task.cancel()
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
+
+    async def _read(self, requests: AsyncIterator[scheduler_pb2.SubmitStreamRequest]) -> None:
+        async for msg in requests:
+            if msg.HasField("submit"):
+                request_id = msg.submit.request_id
+                if request_id in self._streams or request_id in self._adding:
+                    raise InvalidRequest(f"request_id {request_id!r} is already live in this "
+                                         "SubmitStream call", reason=Reason.REQUEST_ID_IN_USE,
+                                         field="submit.request_id")
+                self._adding[request_id] = asyncio.create_task(self._add(msg.submit))
+            elif msg.HasField("cancel_request_id"):
+                self._cancel(msg.cancel_request_id)
+
+    async def _add(self, msg: scheduler_pb2.SubmitRequest) -> None:
+        request_id = msg.request_id
+        try:
+            stream = await self._service.submit(submit_request_from_proto(msg),
+                                                _Sink(self, request_id))
+        except Exception as exc:
+            self.put(request_id, exc)
+        else:
+            self._streams[request_id] = stream
+        finally:
+            del self._adding[request_id]
+
+    def _cancel(self, request_id: str) -> None:
+        task = self._adding.get(request_id)
+        if task is not None:
+            task.cancel()
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.close()
+        self._pending.pop(request_id, None)
+
+    def _event(self, request_id: str, items: list[_Item]) -> scheduler_pb2.RequestEvent:
+        """The request's outputs since the last message, merged; its end if they end it."""
+        output: RequestOutput | None = None
+        error: BaseException | None = None
+        for item in items:
+            if isinstance(item, BaseException):
+                error = item
+                break
+            output = item if output is None else merge_request_outputs(output, item)
+            if output.finished:
+                failed = [o.error for o in output.outputs if o.finish_reason == FinishReason.ERROR]
+                if failed:
+                    error = PagedServeError(failed[0] or "the request failed inside the engine",
+                                            reason=Reason.GENERATION_FAILED)
+                break
+        event = scheduler_pb2.RequestEvent(request_id=request_id)
+        if output is not None:
+            token_event_to_proto(output, event.response)
+        if error is not None:
+            if details_of(error).reason == Reason.INTERNAL:
+                logger.error("request %s failed", request_id, exc_info=error)
+            event.error_status = rich_status(error).SerializeToString()
+        elif output is not None and output.finished:
+            event.done = True
+        if error is not None or event.done:
+            self._streams.pop(request_id, None)
+        return event
+
+
+async def serve_submit_stream(service: EngineService,
+                              requests: AsyncIterator[scheduler_pb2.SubmitStreamRequest]
+                              ) -> AsyncIterator[scheduler_pb2.SubmitStreamResponse]:
+    call = SubmitStreamCall(service)
+    async with contextlib.aclosing(call.run(requests)) as responses:
+        async for response in responses:
+            yield response

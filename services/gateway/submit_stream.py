@@ -1,0 +1,136 @@
+"""The gateway's SubmitStream call to one scheduler: every request it sends there shares one
+gRPC stream, so a decode step of B requests costs one message, not B.
+
+One task reads the call and hands each request's events to that request's queue; a request's
+`events` iterator ends at its in-band end (done) or raises the error its own Submit call would
+have; leaving it early cancels the request in the scheduler. When the call breaks (the scheduler
+died, restarted, or the channel failed) every live request gets that error, as each Submit call
+would have, and the next request opens a new call. A scheduler that does not know SubmitStream
+(UNIMPLEMENTED: an older version) is remembered, and its caller falls back to Submit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+from google.rpc import status_pb2
+from pagedserve.services.common.errors import InvalidRequest, PagedServeError, Reason, Unavailable
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.services.rpc.status import error_from_rpc, error_from_status, parse_status
+
+_Item = scheduler_pb2.RequestEvent | BaseException
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class SubmitStreamUnsupported(Exception):
+    """The scheduler answered SubmitStream with UNIMPLEMENTED: use Submit."""
+
+
+class SubmitStreamClient:
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerServiceStub, peer: str,
+                 retry_after_s: float) -> None:
+        self._stub = stub
+        self._peer = peer
+        self._retry_after_s = retry_after_s
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._reader: asyncio.Task[None] | None = None
+        # request_id -> the call it was sent on and its queue
+        self._live: dict[str, tuple[grpc.aio.StreamStreamCall, asyncio.Queue[_Item]]] = {}
+        self._write_lock = asyncio.Lock()
+        self._cancels: set[asyncio.Task[None]] = set()
+        self.is_unsupported = False
+
+    async def events(self, msg: scheduler_pb2.SubmitRequest
+                     ) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
+        """The request's events; raises its error (a PagedServeError), or
+        SubmitStreamUnsupported before any event."""
+        request_id = msg.request_id
+        if request_id in self._live:
+            # the scheduler's own answer: one call cannot carry two requests of one id
+            raise InvalidRequest(f"request_id {request_id!r} is already in use",
+                                 reason=Reason.REQUEST_ID_IN_USE, field="request_id")
+        call = self._open()
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        entry = self._live[request_id] = (call, queue)
+        is_live = True
+        try:
+            await self._write(call, scheduler_pb2.SubmitStreamRequest(submit=msg))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    is_live = False
+                    raise item
+                if item.HasField("response"):
+                    yield item.response
+                if item.error_status:
+                    is_live = False
+                    raise self._error(status_pb2.Status.FromString(item.error_status))
+                if item.done:
+                    is_live = False
+                    return
+        finally:
+            if self._live.get(request_id) is entry:
+                del self._live[request_id]
+            if is_live and self._call is call:
+                self._cancel(call, request_id)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+
+    def _open(self) -> grpc.aio.StreamStreamCall:
+        if self._call is None or self._call.done():
+            self._call = self._stub.SubmitStream()
+            self._reader = asyncio.create_task(self._read(self._call),
+                                               name=f"submit-stream-{self._peer}")
+        return self._call
+
+    async def _write(self, call: grpc.aio.StreamStreamCall,
+                     msg: scheduler_pb2.SubmitStreamRequest) -> None:
+        """grpc.aio allows one write in flight per call."""
+        async with self._write_lock:
+            if call.done():
+                return  # the reader hands every live request the call's error
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
+                await call.write(msg)
+
+    def _cancel(self, call: grpc.aio.StreamStreamCall, request_id: str) -> None:
+        """Fire and forget: a request may be left from a task being cancelled."""
+        task = asyncio.create_task(self._write(call, scheduler_pb2.SubmitStreamRequest(
+            cancel_request_id=request_id)))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        error: BaseException
+        try:
+            async for response in call:
+                for event in response.events:
+                    entry = self._live.get(event.request_id)
+                    if entry is not None and entry[0] is call:
+                        entry[1].put_nowait(event)
+            error = Unavailable(f"{self._peer} ended the SubmitStream call",
+                                reason=Reason.SCHEDULER_UNAVAILABLE,
+                                retry_after_s=self._retry_after_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.is_unsupported = True
+                error = SubmitStreamUnsupported(exc.details())
+            else:
+                error = error_from_rpc(exc, self._peer)
+        except asyncio.CancelledError:
+            error = Unavailable(f"the gateway closed its SubmitStream call to {self._peer}",
+                                reason=Reason.SCHEDULER_UNAVAILABLE,
+                                retry_after_s=self._retry_after_s)
+        if self._call is call:
+            self._call = None
+        call.cancel()
+        for request_id in [r for r, (c, _) in self._live.items() if c is call]:
+            self._live.pop(request_id)[1].put_nowait(error)
+
+    def _error(self, status: status_pb2.Status) -> PagedServeError:
+        code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+        return error_from_status(code, status.message, self._peer, parse_status(status))
