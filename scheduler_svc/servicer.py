@@ -116,11 +116,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                              context: grpc.aio.ServicerContext
                              ) -> scheduler_pb2.GetServedModelResponse:
         engine = self._service().engine
-        return served_model_to_proto(self.model, engine.worker_info, engine.max_model_len,
-                                     engine.vocab_size, engine.eos_token_ids,
-                                     block_size=engine.block_manager.block_size,
-                                     num_gpu_blocks=engine.num_gpu_blocks,
-                                     max_num_seqs=engine.config.scheduler.max_num_seqs)
+        response = served_model_to_proto(self.model, engine.worker_info, engine.max_model_len,
+                                         engine.vocab_size, engine.eos_token_ids,
+                                         block_size=engine.block_manager.block_size,
+                                         num_gpu_blocks=engine.num_gpu_blocks,
+                                         max_num_seqs=engine.config.scheduler.max_num_seqs)
+        response.has_submit_stream = True
+        return response
 
 
 def create_scheduler_server(config: EngineConfig, service_config: SchedulerServiceConfig

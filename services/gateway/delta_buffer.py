@@ -44,7 +44,8 @@ class DeltaBuffer:
         self._is_closed = False
         self._error: BaseException | None = None
         self.num_unread_tokens = 0
-        self._unread_changed = asyncio.Event()
+        # what wait_unread waits for: checked on every count, so its task wakes only once it holds
+        self._unread_waiter: tuple[Callable[[int], bool], asyncio.Future[None]] | None = None
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -79,15 +80,24 @@ class DeltaBuffer:
         return None
 
     async def wait_unread(self, predicate: Callable[[int], bool]) -> None:
-        """Returns once `predicate(num_unread_tokens)` holds."""
-        while not predicate(self.num_unread_tokens):
-            self._unread_changed.clear()
-            await self._unread_changed.wait()
+        """Returns once `predicate(num_unread_tokens)` holds; one waiter at a time."""
+        if predicate(self.num_unread_tokens):
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._unread_waiter = (predicate, waiter)
+        try:
+            await waiter
+        finally:
+            self._unread_waiter = None
 
     def _count(self, num_tokens: int) -> None:
         if num_tokens:
             self.num_unread_tokens += num_tokens
-            self._unread_changed.set()
+            unread_waiter = self._unread_waiter
+            if unread_waiter is not None and unread_waiter[0](self.num_unread_tokens):
+                waiter = unread_waiter[1]
+                if not waiter.done():
+                    waiter.set_result(None)
 
     async def wait_stalled(self, timeout_s: float) -> None:
         """Returns once the consumer has stayed away `timeout_s` after taking a delta: a front

@@ -1,6 +1,6 @@
 """The gateway's side of scheduler.proto: one channel, requests multiplexed over one SubmitStream
-call (a Submit call each when traced, or when the scheduler predates SubmitStream), unary calls
-with deadlines.
+call (a Submit call each when traced, or when GetServedModel says the scheduler predates
+SubmitStream), unary calls with deadlines.
 
 A Submit call has no deadline (a request lives as long as it generates), so a dead scheduler is
 found otherwise: the call opens only on a connected channel, and keepalive pings end a stream
@@ -85,6 +85,7 @@ class SchedulerClient:
                                              interceptors=aio_client_interceptors(address))
         self._stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
         self._submit_stream = SubmitStreamClient(self._stub, PEER, SCHEDULER_RETRY_AFTER_S)
+        self._has_submit_stream = False  # as GetServedModel last said
 
     async def close(self) -> None:
         await self._submit_stream.close()
@@ -107,11 +108,14 @@ class SchedulerClient:
                           retry_after_s=SCHEDULER_RETRY_AFTER_S)
 
     async def get_served_model(self) -> scheduler_pb2.GetServedModelResponse:
+        """Also tells whether requests go over SubmitStream (when the scheduler has it)."""
         try:
-            return await self._stub.GetServedModel(scheduler_pb2.GetServedModelRequest(),
-                                                   timeout=self._rpc_timeout_s)
+            served = await self._stub.GetServedModel(scheduler_pb2.GetServedModelRequest(),
+                                                     timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, PEER) from exc
+        self._has_submit_stream = served.has_submit_stream
+        return served
 
     async def abort(self, request: AbortRequest) -> None:
         """NotFound when the scheduler has no live request with that id of that owner."""
@@ -153,7 +157,7 @@ class SchedulerClient:
         wants_prompt_logprobs = request.sampling.prompt_logprobs is not None
         multiplexed = self._submit_stream
         # a traced request keeps a Submit call (and span) of its own
-        if not multiplexed.is_unsupported and not is_tracing_on():
+        if self._has_submit_stream and not multiplexed.is_unsupported and not is_tracing_on():
             try:
                 async with contextlib.aclosing(multiplexed.events(msg)) as events:
                     async for event in events:

@@ -1,7 +1,7 @@
 """The gateway's SubmitStream call to one scheduler: every request it sends there shares one
 gRPC stream, so a decode step of B requests costs one message, not B.
 
-One task reads the call and hands each request's events to that request's queue; a request's
+One task reads the call and hands each request's events to that request's mailbox; a request's
 `events` iterator ends at its in-band end (done) or raises the error its own Submit call would
 have; leaving it early cancels the request in the scheduler. When the call breaks (the scheduler
 died, restarted, or the channel failed) every live request gets that error, as each Submit call
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import AsyncIterator
 
 import grpc
@@ -23,6 +24,28 @@ from pagedserve.services.rpc.status import error_from_rpc, error_from_status, pa
 
 _Item = scheduler_pb2.RequestEvent | BaseException
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class _Mailbox:
+    """One request's items: lighter than an asyncio.Queue (one future per wait, none per put)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[_Item] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: _Item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> _Item:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._items.popleft()
 
 
 class SubmitStreamUnsupported(Exception):
@@ -37,8 +60,8 @@ class SubmitStreamClient:
         self._retry_after_s = retry_after_s
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None
-        # request_id -> the call it was sent on and its queue
-        self._live: dict[str, tuple[grpc.aio.StreamStreamCall, asyncio.Queue[_Item]]] = {}
+        # request_id -> the call it was sent on and its mailbox
+        self._live: dict[str, tuple[grpc.aio.StreamStreamCall, _Mailbox]] = {}
         self._write_lock = asyncio.Lock()
         self._cancels: set[asyncio.Task[None]] = set()
         self.is_unsupported = False
@@ -53,13 +76,13 @@ class SubmitStreamClient:
             raise InvalidRequest(f"request_id {request_id!r} is already in use",
                                  reason=Reason.REQUEST_ID_IN_USE, field="request_id")
         call = self._open()
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
-        entry = self._live[request_id] = (call, queue)
+        mailbox = _Mailbox()
+        entry = self._live[request_id] = (call, mailbox)
         is_live = True
         try:
             await self._write(call, scheduler_pb2.SubmitStreamRequest(submit=msg))
             while True:
-                item = await queue.get()
+                item = await mailbox.get()
                 if isinstance(item, BaseException):
                     is_live = False
                     raise item
@@ -111,7 +134,7 @@ class SubmitStreamClient:
                 for event in response.events:
                     entry = self._live.get(event.request_id)
                     if entry is not None and entry[0] is call:
-                        entry[1].put_nowait(event)
+                        entry[1].put(event)
             error = Unavailable(f"{self._peer} ended the SubmitStream call",
                                 reason=Reason.SCHEDULER_UNAVAILABLE,
                                 retry_after_s=self._retry_after_s)
@@ -129,7 +152,7 @@ class SubmitStreamClient:
             self._call = None
         call.cancel()
         for request_id in [r for r, (c, _) in self._live.items() if c is call]:
-            self._live.pop(request_id)[1].put_nowait(error)
+            self._live.pop(request_id)[1].put(error)
 
     def _error(self, status: status_pb2.Status) -> PagedServeError:
         code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)

@@ -16,6 +16,8 @@ class StopStringMatcher:
         self._stop = tuple(dict.fromkeys(stop))
         self._include_stop_str = include_stop_str_in_output
         self._max_hold = max((len(s) for s in self._stop), default=1) - 1
+        # what may be held: the proper prefixes of the stop strings (a set lookup per length)
+        self._prefixes = frozenset(s[:n] for s in self._stop for n in range(1, len(s)))
         self._held = ""
         self._is_stopped = False
 
@@ -61,8 +63,8 @@ class StopStringMatcher:
         return best
 
     def _num_held(self, buffer: str) -> int:
+        prefixes = self._prefixes
         for length in range(min(len(buffer), self._max_hold), 0, -1):
-            suffix = buffer[len(buffer) - length:]
-            if any(stop.startswith(suffix) for stop in self._stop):
+            if buffer[len(buffer) - length:] in prefixes:
                 return length
         return 0

@@ -121,3 +121,8 @@ def test_a_request_id_live_in_the_call_again_fails_the_call(stack, stub):
     assert "mux-twice" in failure.value.details()
     outbox.put(None)
     assert_idle(stack)
+
+
+def test_the_scheduler_says_it_serves_submit_stream(stub):
+    served = stub.GetServedModel(scheduler_pb2.GetServedModelRequest(), timeout=10)
+    assert served.has_submit_stream

@@ -5,7 +5,9 @@ max_tokens. With `hang=True` it keeps the stream open after the reply until the
 request is aborted or the call cancelled, and records which happened. With `limits` set it
 first runs the scheduler's own request and admission checks (its live calls are its queue) and
 refuses as the scheduler does, details included. Pause holds a request's events until Resume;
-`pauses` records both in order."""
+`pauses` records both in order. Like a scheduler that predates SubmitStream it does not say it has
+one (GetServedModelResponse.has_submit_stream), so the gateway under test sends a Submit call per
+request."""
 
 from __future__ import annotations
 
