@@ -28,6 +28,7 @@ from pagedserve.services.rpc.status import details_of, rich_status
 logger = logging.getLogger(__name__)
 
 _Item = RequestOutput | BaseException
+MAX_MESSAGE_BYTES = 4 << 20
 
 
 class _Sink:
@@ -40,7 +41,7 @@ class _Sink:
         self._request_id = request_id
 
     def put_nowait(self, item: _Item) -> None:
-        self._call.put(self._request_id, item)
+        self._call.put(self._request_id, item, self)
 
 
 class SubmitStreamCall:
@@ -50,9 +51,14 @@ class SubmitStreamCall:
         self._ready = asyncio.Event()
         self._streams: dict[str, RequestStream] = {}
         self._adding: dict[str, asyncio.Task[None]] = {}
+        # the live request of each id: what a request cancelled, or ended, still reports is
+        # dropped (its id may be live again already)
+        self._sinks: dict[str, _Sink] = {}
         self._reader: asyncio.Task[None] | None = None
 
-    def put(self, request_id: str, item: _Item) -> None:
+    def put(self, request_id: str, item: _Item, sink: _Sink) -> None:
+        if self._sinks.get(request_id) is not sink:
+            return
         items = self._pending.get(request_id)
         if items is None:
             self._pending[request_id] = [item]
@@ -71,9 +77,9 @@ class SubmitStreamCall:
                 self._ready.clear()
                 if self._pending:
                     pending, self._pending = self._pending, {}
-                    yield scheduler_pb2.SubmitStreamResponse(
-                        events=[self._event(request_id, items)
-                                for request_id, items in pending.items()])
+                    for response in _messages([self._event(request_id, items)
+                                               for request_id, items in pending.items()]):
+                        yield response
                     continue
                 if self._reader.done():
                     self._reader.result()  # a protocol error fails the call
@@ -100,24 +106,31 @@ class SubmitStreamCall:
                     raise InvalidRequest(f"request_id {request_id!r} is already live in this "
                                          "SubmitStream call", reason=Reason.REQUEST_ID_IN_USE,
                                          field="submit.request_id")
-                self._adding[request_id] = asyncio.create_task(self._add(msg.submit))
+                sink = self._sinks[request_id] = _Sink(self, request_id)
+                self._adding[request_id] = asyncio.create_task(self._add(msg.submit, sink))
             elif msg.HasField("cancel_request_id"):
                 self._cancel(msg.cancel_request_id)
 
-    async def _add(self, msg: scheduler_pb2.SubmitRequest) -> None:
+    async def _add(self, msg: scheduler_pb2.SubmitRequest, sink: _Sink) -> None:
+        """A cancel while it is being added takes it out of _adding at once (the same id may
+        come again right behind the cancel) and cancels this task."""
         request_id = msg.request_id
         try:
-            stream = await self._service.submit(submit_request_from_proto(msg),
-                                                _Sink(self, request_id))
+            stream = await self._service.submit(submit_request_from_proto(msg), sink)
         except Exception as exc:
-            self.put(request_id, exc)
+            self.put(request_id, exc, sink)
         else:
-            self._streams[request_id] = stream
+            if self._sinks.get(request_id) is sink:
+                self._streams[request_id] = stream
+            else:
+                stream.close()  # cancelled as it was added
         finally:
-            del self._adding[request_id]
+            if self._adding.get(request_id) is asyncio.current_task():
+                del self._adding[request_id]
 
     def _cancel(self, request_id: str) -> None:
-        task = self._adding.get(request_id)
+        self._sinks.pop(request_id, None)
+        task = self._adding.pop(request_id, None)
         if task is not None:
             task.cancel()
         stream = self._streams.pop(request_id, None)
@@ -151,7 +164,26 @@ class SubmitStreamCall:
             event.done = True
         if error is not None or event.done:
             self._streams.pop(request_id, None)
+            self._sinks.pop(request_id, None)
         return event
+
+
+def _messages(events: list[scheduler_pb2.RequestEvent]
+              ) -> list[scheduler_pb2.SubmitStreamResponse]:
+    """One message, or several where many big events (prompt logprobs) would pass
+    MAX_MESSAGE_BYTES: each Submit message had its own limit."""
+    if len(events) == 1:
+        return [scheduler_pb2.SubmitStreamResponse(events=events)]
+    messages, batch, num_bytes = [], [], 0
+    for event in events:
+        size = event.ByteSize()
+        if batch and num_bytes + size > MAX_MESSAGE_BYTES:
+            messages.append(scheduler_pb2.SubmitStreamResponse(events=batch))
+            batch, num_bytes = [], 0
+        batch.append(event)
+        num_bytes += size
+    messages.append(scheduler_pb2.SubmitStreamResponse(events=batch))
+    return messages
 
 
 async def serve_submit_stream(service: EngineService,

@@ -62,8 +62,11 @@ class SubmitStreamClient:
         self._reader: asyncio.Task[None] | None = None
         # request_id -> the call it was sent on and its mailbox
         self._live: dict[str, tuple[grpc.aio.StreamStreamCall, _Mailbox]] = {}
-        self._write_lock = asyncio.Lock()
-        self._cancels: set[asyncio.Task[None]] = set()
+        # what to write, in order: a cancel reaches the scheduler before a later submit of the
+        # same id (grpc.aio allows one write in flight per call)
+        self._outbox: deque[tuple[grpc.aio.StreamStreamCall,
+                                  scheduler_pb2.SubmitStreamRequest]] = deque()
+        self._writer: asyncio.Task[None] | None = None
         self.is_unsupported = False
 
     async def events(self, msg: scheduler_pb2.SubmitRequest
@@ -80,7 +83,7 @@ class SubmitStreamClient:
         entry = self._live[request_id] = (call, mailbox)
         is_live = True
         try:
-            await self._write(call, scheduler_pb2.SubmitStreamRequest(submit=msg))
+            self._send(call, scheduler_pb2.SubmitStreamRequest(submit=msg))
             while True:
                 item = await mailbox.get()
                 if isinstance(item, BaseException):
@@ -98,7 +101,7 @@ class SubmitStreamClient:
             if self._live.get(request_id) is entry:
                 del self._live[request_id]
             if is_live and self._call is call:
-                self._cancel(call, request_id)
+                self._send(call, scheduler_pb2.SubmitStreamRequest(cancel_request_id=request_id))
 
     async def close(self) -> None:
         if self._call is not None:
@@ -111,21 +114,21 @@ class SubmitStreamClient:
                                                name=f"submit-stream-{self._peer}")
         return self._call
 
-    async def _write(self, call: grpc.aio.StreamStreamCall,
-                     msg: scheduler_pb2.SubmitStreamRequest) -> None:
-        """grpc.aio allows one write in flight per call."""
-        async with self._write_lock:
+    def _send(self, call: grpc.aio.StreamStreamCall,
+              msg: scheduler_pb2.SubmitStreamRequest) -> None:
+        """Without waiting (a request may be leaving from a task being cancelled); a failed
+        write is the call's failure, which the reader hands every live request."""
+        self._outbox.append((call, msg))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_outbox())
+
+    async def _write_outbox(self) -> None:
+        while self._outbox:
+            call, msg = self._outbox.popleft()
             if call.done():
-                return  # the reader hands every live request the call's error
+                continue
             with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
                 await call.write(msg)
-
-    def _cancel(self, call: grpc.aio.StreamStreamCall, request_id: str) -> None:
-        """Fire and forget: a request may be left from a task being cancelled."""
-        task = asyncio.create_task(self._write(call, scheduler_pb2.SubmitStreamRequest(
-            cancel_request_id=request_id)))
-        self._cancels.add(task)
-        task.add_done_callback(self._cancels.discard)
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         error: BaseException

@@ -126,3 +126,19 @@ def test_a_request_id_live_in_the_call_again_fails_the_call(stack, stub):
 def test_the_scheduler_says_it_serves_submit_stream(stub):
     served = stub.GetServedModel(scheduler_pb2.GetServedModelRequest(), timeout=10)
     assert served.has_submit_stream
+
+
+def test_a_cancelled_id_may_come_again_right_behind_its_cancel(stack, stub):
+    outbox, responses = open_call(stub)
+    outbox.put(submit("mux-again", 200))
+    next(responses)
+    outbox.put(scheduler_pb2.SubmitStreamRequest(cancel_request_id="mux-again"))
+    outbox.put(submit("mux-again", 3))
+    for response in responses:
+        (event,) = response.events
+        assert not event.error_status
+        if event.done:
+            break
+    assert event.response.outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    outbox.put(None)
+    assert_idle(stack)
