@@ -54,6 +54,7 @@ class SubmitStreamCall:
         # the live request of each id: what a request cancelled, or ended, still reports is
         # dropped (its id may be live again already)
         self._sinks: dict[str, _Sink] = {}
+        self._cancelled: list[str] = []  # to acknowledge: nothing more comes for them
         self._reader: asyncio.Task[None] | None = None
 
     def put(self, request_id: str, item: _Item, sink: _Sink) -> None:
@@ -75,15 +76,19 @@ class SubmitStreamCall:
             while True:
                 await self._ready.wait()
                 self._ready.clear()
-                if self._pending:
+                if self._pending or self._cancelled:
                     pending, self._pending = self._pending, {}
-                    for response in _messages([self._event(request_id, items)
-                                               for request_id, items in pending.items()]):
+                    cancelled, self._cancelled = self._cancelled, []
+                    events = [scheduler_pb2.RequestEvent(request_id=request_id, done=True)
+                              for request_id in cancelled]
+                    events += [self._event(request_id, items)
+                               for request_id, items in pending.items()]
+                    for response in _messages(events):
                         yield response
                     continue
                 if self._reader.done():
                     self._reader.result()  # a protocol error fails the call
-                    if not self._streams and not self._adding:
+                    if not self._sinks:
                         return
         finally:
             self.close()
@@ -102,7 +107,7 @@ class SubmitStreamCall:
         async for msg in requests:
             if msg.HasField("submit"):
                 request_id = msg.submit.request_id
-                if request_id in self._streams or request_id in self._adding:
+                if request_id in self._sinks:
                     raise InvalidRequest(f"request_id {request_id!r} is already live in this "
                                          "SubmitStream call", reason=Reason.REQUEST_ID_IN_USE,
                                          field="submit.request_id")
@@ -129,7 +134,9 @@ class SubmitStreamCall:
                 del self._adding[request_id]
 
     def _cancel(self, request_id: str) -> None:
-        self._sinks.pop(request_id, None)
+        if self._sinks.pop(request_id, None) is not None:
+            self._cancelled.append(request_id)
+            self._ready.set()
         task = self._adding.pop(request_id, None)
         if task is not None:
             task.cancel()

@@ -60,8 +60,9 @@ class SubmitStreamClient:
         self._retry_after_s = retry_after_s
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None
-        # request_id -> the call it was sent on and its mailbox
-        self._live: dict[str, tuple[grpc.aio.StreamStreamCall, _Mailbox]] = {}
+        # request_id -> the call it was sent on and its mailbox; None once cancelled, until the
+        # scheduler acknowledges (events of the id before that are the cancelled request's)
+        self._live: dict[str, tuple[grpc.aio.StreamStreamCall, _Mailbox | None]] = {}
         # what to write, in order: a cancel reaches the scheduler before a later submit of the
         # same id (grpc.aio allows one write in flight per call)
         self._outbox: deque[tuple[grpc.aio.StreamStreamCall,
@@ -100,8 +101,10 @@ class SubmitStreamClient:
         finally:
             if self._live.get(request_id) is entry:
                 del self._live[request_id]
-            if is_live and self._call is call:
-                self._send(call, scheduler_pb2.SubmitStreamRequest(cancel_request_id=request_id))
+                if is_live and self._call is call:
+                    self._live[request_id] = (call, None)
+                    self._send(call, scheduler_pb2.SubmitStreamRequest(
+                        cancel_request_id=request_id))
 
     async def close(self) -> None:
         if self._call is not None:
@@ -136,8 +139,12 @@ class SubmitStreamClient:
             async for response in call:
                 for event in response.events:
                     entry = self._live.get(event.request_id)
-                    if entry is not None and entry[0] is call:
+                    if entry is None or entry[0] is not call:
+                        continue
+                    if entry[1] is not None:
                         entry[1].put(event)
+                    elif event.done or event.error_status:
+                        del self._live[event.request_id]
             error = Unavailable(f"{self._peer} ended the SubmitStream call",
                                 reason=Reason.SCHEDULER_UNAVAILABLE,
                                 retry_after_s=self._retry_after_s)
@@ -155,7 +162,9 @@ class SubmitStreamClient:
             self._call = None
         call.cancel()
         for request_id in [r for r, (c, _) in self._live.items() if c is call]:
-            self._live.pop(request_id)[1].put(error)
+            mailbox = self._live.pop(request_id)[1]
+            if mailbox is not None:
+                mailbox.put(error)
 
     def _error(self, status: status_pb2.Status) -> PagedServeError:
         code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
