@@ -2,11 +2,14 @@
 over one call, each step's events in one message, requests ending and failing in-band."""
 
 import queue
+import time
 
 import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 from pagedserve.services.rpc.internal.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.services.rpc.v1 import common_pb2 as public_common_pb2
+from pagedserve.services.rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
 
@@ -151,4 +154,32 @@ def test_a_cancelled_id_may_come_again_right_behind_its_cancel(stack, stub):
     assert not ends[0].HasField("response")
     assert ends[1].response.outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     outbox.put(None)
+    assert_idle(stack)
+
+
+def test_through_the_gateway_a_cancelled_id_runs_again_with_none_of_the_old_tokens(stack):
+    def generate(request_id: str, max_tokens: int) -> gateway_pb2.GenerateRequest:
+        return gateway_pb2.GenerateRequest(
+            request_id=request_id, token_ids=public_common_pb2.TokenIds(token_ids=PROMPT),
+            sampling=public_common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                      ignore_eos=True))
+
+    with grpc.insecure_channel(stack.gateway_address) as channel:
+        generation = gateway_pb2_grpc.GenerationServiceStub(channel)
+        first = generation.GenerateStream(gateway_pb2.GenerateStreamRequest(
+            request_id="gw-again", token_ids=public_common_pb2.TokenIds(token_ids=PROMPT),
+            sampling=public_common_pb2.SamplingParams(temperature=0.0, max_tokens=200,
+                                                      ignore_eos=True)), timeout=60)
+        next(first)
+        first.cancel()
+        for _ in range(200):  # until the scheduler has answered the cancel
+            try:
+                again = generation.Generate(generate("gw-again", 4), timeout=60)
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
+                assert "already in use" in exc.details()
+                time.sleep(0.05)
+        reference = generation.Generate(generate("gw-reference", 4), timeout=60)
+    assert list(again.outputs[0].token_ids) == list(reference.outputs[0].token_ids)
     assert_idle(stack)
