@@ -102,19 +102,20 @@ from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pagedserve.worker_svc.servicer import start_worker
 
 from bench.common import DEFAULT_MODEL, finish, percentiles, quiet_logging
+from bench.routing_workload import (
+    BLOCK_SIZE,
+    PRESETS,
+    WORKLOAD_FLAGS,
+    Conversation,
+    footprint_blocks,
+    live_blocks,
+    make_conversations,
+    max_prompt_len,
+    num_open,
+    preset_args,
+)
 
 POLICIES = ("affinity", "round-robin")
-BLOCK_SIZE = 16
-
-
-@dataclass(slots=True)
-class Conversation:
-    system: list[int]
-    user_turns: list[list[int]]  # token ids of each user message
-    history: list[int] = field(default_factory=list)  # the prompt so far, answers included
-    num_turns_done: int = 0
-    num_computed: int = 0  # tokens of `history` whose KV a replica computed (the last one's not)
-    replica: str = ""  # the replica of its last turn
 
 
 @dataclass(slots=True)
@@ -134,6 +135,9 @@ class PolicyResult:
     # reusable tokens not served, by the turn's kind: a chat's first turn (its system prompt), a
     # later turn on its previous turn's replica (evicted there), or on another replica (moved)
     missed_tokens: dict[str, int] = field(default_factory=dict)
+    # the blocks the open conversations' histories took, mean over the turns after the first
+    # `num_open` while conversations still wait (the steady state): footprint_blocks, measured
+    live_blocks_mean: float = 0.0
 
     @property
     def output_tok_s(self) -> float:
@@ -153,35 +157,10 @@ class PolicyResult:
         return 2 / (1 + shared)
 
 
-def make_conversations(args: argparse.Namespace, salt: int) -> list[Conversation]:
-    rng = random.Random(1000 * args.seed + salt)
-
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(args.min_token_id, args.max_token_id) for _ in range(n)]
-
-    systems = [tokens(args.system_len) for _ in range(args.num_system_prompts)]
-    return [Conversation(systems[i % len(systems)],
-                         [tokens(args.user_len) for _ in range(args.num_turns)])
-            for i in range(args.num_conversations)]
-
-
-def footprint_blocks(args: argparse.Namespace, block_size: int) -> int:
-    """The KV blocks it takes to cache every system prompt and the open conversations' histories
-    at their mean length (a conversation's history grows by a turn's user message and answer),
-    plus what the running turns add to them (a user message, an answer, a partial block each)."""
-    mean_history = (args.num_turns + 1) / 2 * (args.user_len + args.output_len)
-    running = args.concurrency * (math.ceil((args.user_len + args.output_len) / block_size) + 1)
-    return (args.num_system_prompts * (args.system_len // block_size)
-            + round(num_open(args) * mean_history / block_size) + running)
-
-
-def num_open(args: argparse.Namespace) -> int:
-    return min(args.num_open, args.num_conversations)
-
-
 async def _client(stub, open_chats: list[Conversation], waiting: deque[Conversation],
-                  rng: random.Random, max_tokens: int, result: PolicyResult,
-                  routed: dict[int, str], systems_seen: set[int]) -> None:
+                  rng: random.Random, args: argparse.Namespace, result: PolicyResult,
+                  routed: dict[int, str], systems_seen: set[int],
+                  live: dict[int, Conversation], live_samples: list[int]) -> None:
     """Runs the next turn of an open conversation picked at random (its user is the next one
     back) and puts it back among the open ones; one that is over makes room for a waiting one."""
     while open_chats:
@@ -191,11 +170,12 @@ async def _client(stub, open_chats: list[Conversation], waiting: deque[Conversat
             if id(conversation.system) in systems_seen:
                 conversation.num_computed = len(conversation.system)
             systems_seen.add(id(conversation.system))
+            live[id(conversation)] = conversation
         conversation.history += conversation.user_turns[conversation.num_turns_done]
         prompt = conversation.history
         response = await stub.Generate(gateway_pb2.GenerateRequest(
             token_ids=common_pb2.TokenIds(token_ids=prompt),
-            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
+            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=args.output_len,
                                                ignore_eos=True)), timeout=600)
         result.num_requests += 1
         result.num_prompt_tokens += response.usage.prompt_tokens
@@ -217,8 +197,13 @@ async def _client(stub, open_chats: list[Conversation], waiting: deque[Conversat
         conversation.num_turns_done += 1
         if conversation.num_turns_done < len(conversation.user_turns):
             open_chats.append(conversation)
-        elif waiting:
-            open_chats.append(waiting.popleft())
+        else:
+            del live[id(conversation)]
+            if waiting:
+                open_chats.append(waiting.popleft())
+        if waiting and result.num_requests > num_open(args):
+            live_samples.append(live_blocks(list(live.values()), args.num_system_prompts,
+                                            args.system_len))
 
 
 def count_decisions(gateway: Gateway) -> tuple[Counter[str], Counter[str], list[list[int]],
@@ -256,13 +241,16 @@ async def run_policy(gateway: Gateway, conversations: list[Conversation], args: 
     rng = random.Random(args.seed)
     reasons, replicas, prompts, routed = count_decisions(gateway)
     systems_seen: set[int] = set()
+    live: dict[int, Conversation] = {}
+    live_samples: list[int] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         start = time.perf_counter()
-        await asyncio.gather(*(_client(stub, open_chats, waiting, rng, args.output_len, result,
-                                       routed, systems_seen)
+        await asyncio.gather(*(_client(stub, open_chats, waiting, rng, args, result, routed,
+                                       systems_seen, live, live_samples)
                                for _ in range(args.concurrency)))
         result.elapsed_s = time.perf_counter() - start
+    result.live_blocks_mean = sum(live_samples) / max(len(live_samples), 1)
     stop_counting(gateway)
     result.decisions = dict(reasons)
     result.replica_share = sorted(replicas.values(), reverse=True)
@@ -281,15 +269,19 @@ async def routing_time_us(gateway: Gateway, prompts: list[list[int]]) -> dict[st
     return percentiles(times_us)
 
 
+def cache_blocks(args: argparse.Namespace) -> int:
+    """Each replica's KV blocks: --cache-fraction of the footprint (0: by --kv-cache-memory-gib)."""
+    return 0 if args.kv_cache_memory_gib else math.ceil(args.cache_fraction
+                                                        * footprint_blocks(args))
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """Each replica's cache: --kv-cache-memory-gib when given, else --cache-fraction of the
     workload's footprint."""
-    num_blocks = 0 if args.kv_cache_memory_gib else math.ceil(
-        args.cache_fraction * footprint_blocks(args, BLOCK_SIZE))
     return EngineConfig(model=ModelConfig(model=args.model, dtype="float32"),
                         cache=CacheConfig(block_size=BLOCK_SIZE,
                                           kv_cache_memory_gib=args.kv_cache_memory_gib or 1.0,
-                                          num_gpu_blocks_override=num_blocks,
+                                          num_gpu_blocks_override=cache_blocks(args),
                                           swap_space_gib=0.01, enable_prefix_caching=True),
                         scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency, 1)),
                         device=DeviceConfig(device="cpu"))
@@ -327,16 +319,20 @@ async def run(args: argparse.Namespace) -> list[PolicyResult]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--quick", action="store_true", help="a small run (minutes on a CPU)")
-    parser.add_argument("--num-system-prompts", type=int, default=12)
-    parser.add_argument("--system-len", type=int, default=128)
-    parser.add_argument("--num-conversations", type=int, default=32)
-    parser.add_argument("--num-open", type=int, default=16,
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller presets (minutes on a CPU); flags given still win")
+    parser.add_argument("--workload", nargs="+", choices=sorted(PRESETS), default=list(PRESETS),
+                        help="the presets to run, one after another (default: all)")
+    parser.add_argument("--num-system-prompts", type=int,
+                        help="the workload flags below override every preset run")
+    parser.add_argument("--system-len", type=int)
+    parser.add_argument("--num-conversations", type=int)
+    parser.add_argument("--num-open", type=int,
                         help="conversations open at once (taken in turn, a turn at a time)")
-    parser.add_argument("--num-turns", type=int, default=6)
-    parser.add_argument("--user-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--num-turns", type=int)
+    parser.add_argument("--user-len", type=int, help="a user message's (tool result's) tokens")
+    parser.add_argument("--output-len", type=int, help="an answer's (action's) tokens")
+    parser.add_argument("--concurrency", type=int)
     parser.add_argument("--cache-fraction", type=float, default=0.7,
                         help="each replica's KV cache, as a fraction of the workload's footprint")
     parser.add_argument("--kv-cache-memory-gib", type=float, default=0.0,
@@ -347,24 +343,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-token-id", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default="")
-    if parser.parse_args(argv).quick:  # smaller defaults; flags given still win
-        parser.set_defaults(num_system_prompts=4, system_len=96, num_conversations=8, num_open=6,
-                            num_turns=3, output_len=8, concurrency=4)
     args = parser.parse_args(argv)
-    if num_open(args) < args.concurrency:
-        parser.error(f"--num-open ({num_open(args)} with --num-conversations) must be at least "
-                     f"--concurrency ({args.concurrency}): a client takes an open conversation")
+    for preset in args.workload:
+        run_args = preset_args(args, preset)
+        if num_open(run_args) < run_args.concurrency:
+            parser.error(f"--num-open ({num_open(run_args)} with --num-conversations, preset "
+                         f"{preset}) must be at least --concurrency ({run_args.concurrency}): a "
+                         f"client takes an open conversation")
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    quiet_logging()
-    logging.getLogger("pagedserve").setLevel(logging.WARNING)
-    affinity, round_robin = asyncio.run(run(args))
+def summarize(args: argparse.Namespace, affinity: PolicyResult,
+              round_robin: PolicyResult) -> tuple[str, dict]:
+    """One preset's result line and record: affinity over round robin and what bounds it."""
     hit_ratio = affinity.num_cached_tokens / max(round_robin.num_cached_tokens, 1)
     throughput_ratio = affinity.output_tok_s / max(round_robin.output_tok_s, 1e-9)
-    line = (f"routing: affinity {affinity.num_cached_tokens} hit tokens, "
+    line = (f"routing {args.workload}: affinity {affinity.num_cached_tokens} hit tokens, "
             f"{affinity.output_tok_s:.1f} tok/s; round-robin {round_robin.num_cached_tokens} "
             f"hit tokens, {round_robin.output_tok_s:.1f} tok/s; hit tokens x{hit_ratio:.2f} "
             f"(target >= 1.8), throughput x{throughput_ratio:.2f} (target >= 1.0), routing "
@@ -374,11 +368,31 @@ def main(argv: list[str] | None = None) -> dict:
             f"{round_robin.num_shared_reusable_tokens} in system prompts) affinity hit "
             f"{affinity.hit_share:.0%}, round robin {round_robin.hit_share:.0%}: at most "
             f"x{round_robin.max_hit_ratio:.2f} for any policy; missed by kind of turn: affinity "
-            f"{affinity.missed_tokens}, round robin {round_robin.missed_tokens}")
-    return finish("routing", args, line, [affinity, round_robin],
-                  footprint_blocks=footprint_blocks(args, BLOCK_SIZE),
-                  hit_token_ratio=hit_ratio, throughput_ratio=throughput_ratio,
-                  max_hit_token_ratio=round_robin.max_hit_ratio,
+            f"{affinity.missed_tokens}, round robin {round_robin.missed_tokens}; footprint "
+            f"{footprint_blocks(args)} blocks estimated, {round_robin.live_blocks_mean:.0f} "
+            f"measured, cache {cache_blocks(args)} blocks per replica")
+    record = {"workload": args.workload,
+              "workload_args": {name: getattr(args, name) for name in WORKLOAD_FLAGS},
+              "max_prompt_len": max_prompt_len(args), "footprint_blocks": footprint_blocks(args),
+              "cache_blocks": cache_blocks(args), "hit_token_ratio": hit_ratio,
+              "throughput_ratio": throughput_ratio,
+              "max_hit_token_ratio": round_robin.max_hit_ratio,
+              "summary": line, "policies": [affinity, round_robin]}
+    return line, record
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    quiet_logging()
+    logging.getLogger("pagedserve").setLevel(logging.WARNING)
+    lines, records = [], []
+    for preset in args.workload:
+        run_args = preset_args(args, preset)
+        line, record = summarize(run_args, *asyncio.run(run(run_args)))
+        logging.getLogger("bench.routing").info("%s", line)
+        lines.append(line)
+        records.append(record)
+    return finish("routing", args, "\n".join(lines), records,
                   targets={"hit_token_ratio": 1.8, "throughput_ratio": 1.0,
                            "routing_p50_us": 1000})
 
