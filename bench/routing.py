@@ -1,75 +1,70 @@
-"""Routing: a prefix-heavy chat workload over two engine replicas, with affinity routing and with
-round robin, same run.
+"""Routing: prefix-heavy workloads over two engine replicas, with affinity routing and with round
+robin, same run.
 
 Two replicas (a worker and its scheduler each, prefix caching on) and two gateways in front of
-both, one per policy, all in this process over loopback. The workload is chat traffic as a
-deployment that needs a second replica sees it:
+both, one per policy, all in this process over loopback. Conversations share system prompts and
+grow a turn at a time: `--num-open` of them open at any time, each `--num-turns` turns long,
+every turn's prompt the previous one plus the answer it got and a new message; when one ends the
+next one starts, so the open ones are at all depths. Each of the `--concurrency` clients runs the
+next turn of an open conversation picked at random (seeded; a fixed cycle of an even number would
+send each one to the same replica every time under round robin). Two presets (`--workload`, both
+by default, one record; bench/routing_workload.py):
 
-- many distinct system prompts (apps, personas, agents), each shared by a few conversations;
-- `--num-open` conversations open at any time, each `--num-turns` turns long, every turn's prompt
-  the previous one plus the answer it got and a new user message; when one ends the next one
-  starts, so the open ones are at all depths (a steady state, not all starting together). Users
-  think between turns, so one conversation's next turn comes after turns of the other open ones:
-  each of the N clients runs the next turn of an open conversation picked at random (seeded),
-  one turn at a time. At random, not in a fixed cycle: with a cycle of an even number of
-  conversations, round robin would send each one to the same replica every time;
-- each replica's KV cache holds `--cache-fraction` (0.7) of the steady state's prefix footprint
-  (every system prompt, the open conversations' histories at their mean length, and what the
-  running turns add: a user message, an answer and a partial block each): one replica cannot
-  hold it, two can. That is when a second replica's cache is worth routing for; with caches that
-  hold everything, every policy ends up hitting. (Earlier runs left the running turns out, so
-  the caches were 11% smaller than this claims. Earlier still: 1.18-1.36x with conversations run
-  to their end one after another and caches holding it all; 1.19x with all conversations
-  starting at once; 1.30x with the open ones taken in a fixed cycle, where round robin sends a
-  chat to the same replica every time.)
+- `chat`: 12 system prompts (apps, personas) of 128 tokens, 32 chats of 6 turns, 64-token user
+  messages and 32-token answers, 16 open.
+- `agent`: agent loops, where a session's history dwarfs its system prompt: each turn appends a
+  tool result (a file excerpt, a command's output, search hits: a few hundred tokens, 256) and
+  the model's next action (a tool call, short: 16 tokens, which also keeps CPU decode in budget),
+  10 turns (real agents take tens of steps; 10 keeps a run near 10 minutes on a CPU, the longest
+  prompt 2832 tokens, within SmolLM2's 8192), 4 system prompts of 128 tokens (few agent types,
+  each shared by 5 of the 20 sessions), 10 open (tools answer in seconds: little think time).
+  At the mean turn the history is about 10x the system prompt; agents with long tool schemas in
+  their system prompt have a larger s below, a lower bound.
 
-What any policy can reach. A turn can hit the blocks some replica computed before: its system
-prompt (if seen before) and its chat's history up to the previous answer's last full block (the
-"reusable" tokens, counted by the bench). With two replicas, round robin sends a turn to the
-replica of the chat's previous turn half the time, and there the history is as cached as under
-affinity: the LRU distance between two turns of a chat on one replica is the other chats' turns
-in between, the same under both policies. Every replica soon holds every system prompt under
-both. So round robin hits at least shared + (reusable - shared) / 2, and no policy beats it by
-more than 2 / (1 + s), s = the system prompts' share of the reusable tokens (printed as "at
-most"). Here s is 0.35: at most 1.49x. 1.8x takes s <= 0.11 and affinity hitting everything:
-chats much longer than their system prompts (long agent sessions), not this mix.
+Each replica's KV cache holds `--cache-fraction` (0.7) of the steady state's footprint (every
+system prompt, the open conversations' histories between turns at their mean length, what the
+running turns add): one replica cannot hold it, two can. The estimate counted one turn too many
+per open conversation before, so the chat caches held 0.87 of the real footprint (342 blocks for
+392) and round robin lost little to evictions; the run now measures the footprint beside it.
 
-Measured (2-core shared CPU, load average 5-9, full defaults, the caches still 11% smaller), with
-affinity keyed by the first `--routing-prefix-blocks` blocks: affinity hit 95% of the reusable
-tokens, round robin 65%: 1.46x (the record before, 1.51x), at the ceiling. Affinity's 5%: 10
-bounded-load fallbacks moved chats to the other replica and their next turn went back, so both
-turns missed what ran elsewhere (2800 tokens), and each system prompt's first turn (512). Round
-robin's 35%: turns on another replica than the previous (20752 tokens), evictions on the same one
-(1632). The prefix cache evicts least recently released first and, within one release, a chain's
-tail before its head (tests/unit/test_prefix_cache.py): not a cause. The key was the system prompt
-alone, so every chat of a system prompt went to one replica: the 12 split 106:86 turns, and fewer
-system prompts split worse (below).
+What a policy can reach. A turn can hit the blocks some replica computed before: its system
+prompt (if seen before) and its history up to the previous answer's last full block (the
+"reusable" tokens). Round robin sends a turn to its previous turn's replica half the time. While
+its caches keep what it reuses (its history there, every system prompt on both replicas), it hits
+shared + (reusable - shared) / 2, and no policy beats it by more than 2 / (1 + s), s = the system
+prompts' share of the reusable tokens ("at most" below; 1.49 for chat, 1.8 takes s <= 0.11).
+Under pressure it loses more: a replica under affinity serves half the conversations, whose
+footprint fits, so nothing it reuses is evicted; under round robin a replica serves all of them,
+so over a long enough stretch its working set is the whole footprint, which does not fit, and
+what is reused after long gaps is evicted first: system prompts whose conversations come rarely
+(missed on first and moved turns) and stale copies of histories whose previous turn went to the
+other replica. Its same-replica turns lose little: their history is the most recently used copy.
 
-Affinity now follows a gateway-side index of the prefixes it routed
-(services/gateway/prefix_index.py): a chat's next turn goes where its history went (after a
-fallback too); a new chat of a known system prompt goes where that prompt last went while the
-replicas got about as many blocks, else to the replica that got fewer, so the chats of a system
-prompt spread. Measured the same way (bench/results/routing-cpu.json): affinity 98% of the reusable
-tokens (65088), 96:96 turns, round robin 67% (44480): 1.46x hit tokens of an at most 1.49x, 1.09x
-throughput, routing p50 52 us. With --num-system-prompts 4 (same run conditions, load average
-8-16), keyed by the first blocks: 125:67 turns, 67 bounded-load fallbacks, affinity 77% of the
-reusable tokens, round robin 73%, 1.06x; with the index: 96:96 turns, 1 fallback, affinity 99%,
-round robin 77%, 1.29x of an at most 1.47x.
+Measured (2-core shared CPU, load average 5-6, full defaults; bench/results/routing-cpu.json):
+- chat: affinity 96% of the reusable tokens (63888), round robin 60% (39760): 1.61x hit tokens
+  (the bound, 1.49x, assumes round robin keeps its system prompts: it missed 1280 first-turn
+  tokens, affinity 640, and its moved turns 2128 more than half the histories), throughput
+  1.16x, routing p50 52 us; same-replica misses 1632 under both; footprint 392 blocks estimated,
+  359 measured, cache 275 a replica.
+- agent: affinity 90% (239584), round robin 52% (137824): 1.74x hit tokens of an at most 1.83x
+  (s = 0.09), throughput 1.91x (round robin recomputes long histories), routing p50 151 us;
+  same-replica misses 23008 under affinity, 33328 under round robin (not analysed yet: the running
+  turns' long prompts hold many blocks; the replicas got 104:96 turns); footprint 941 blocks estimated, 871
+  measured, cache 659 a replica. Neither preset reaches the issue's 1.8x: chat cannot while round
+  robin keeps its system prompts (s = 0.35); agent comes within 4% of it, held back mostly by what
+  affinity loses to evictions on its own replica.
+With the caches at 0.87 of the footprint, chat measured 1.46x (affinity 98%, round robin 67%).
 
-Round robin sends every other turn of a chat to the other replica, so each replica holds every
-chat's history at two turns' lag and evicts it under the pressure of the others. The two policies
-get workloads of the same shape with different tokens, so neither finds the other's blocks cached.
+Reported per preset and policy: prefix-cache hit tokens (as the gateways' usage reports them),
+their share of the reusable tokens and the misses by kind of turn (a conversation's first; later,
+on its previous turn's replica or moved), output tokens/s, the routing decisions by reason
+(affinity; overloaded = the bounded-load fallback) and by replica, the gateway's routing decision
+time per request (p50, p99), the footprint; then affinity / round robin (targets: >= 1.8x hit
+tokens, throughput not lower; routing p50 <= 1 ms) and the bound above.
 
-Reported per policy: prefix-cache hit tokens (the prompt tokens the schedulers served from their
-cache, as the gateways' usage reports them), their share of the reusable tokens and the misses by
-kind of turn (a chat's first; later, on its previous turn's replica or moved), output tokens/s,
-the routing decisions by reason (affinity; overloaded = the bounded-load fallback) and by
-replica, and the gateway's routing decision time per request (p50, p99: choosing a replica from
-the live set); then affinity ÷ round robin (targets: >= 1.8x hit tokens, throughput not lower;
-routing p50 <= 1 ms) and the most any policy could reach.
-
-    python -m bench.routing                     # SmolLM2, 8 clients
-    python -m bench.routing --quick --tag quick
+    python -m bench.routing --tag cpu            # both presets, SmolLM2, 8 clients
+    python -m bench.routing --quick --tag quick  # both, small
+    python -m bench.routing --workload agent
 """
 
 from __future__ import annotations
@@ -150,9 +145,10 @@ class PolicyResult:
 
     @property
     def max_hit_ratio(self) -> float:
-        """The most hit tokens any policy can have over round robin on two replicas: round robin
-        sends a chat's turn to the replica of its previous turn half the time, where its history
-        is as cached as anywhere, and finds the system prompts everywhere."""
+        """The most hit tokens any policy can have over round robin on two replicas while round
+        robin's caches keep what it reuses: it sends a chat's turn to the replica of its previous
+        turn half the time, where its history is as cached as anywhere, and finds the system
+        prompts everywhere. Cache pressure can take more from it (the module's docstring)."""
         shared = self.num_shared_reusable_tokens / max(self.num_reusable_tokens, 1)
         return 2 / (1 + shared)
 
@@ -367,7 +363,7 @@ def summarize(args: argparse.Namespace, affinity: PolicyResult,
             f"tokens ({round_robin.num_reusable_tokens}, "
             f"{round_robin.num_shared_reusable_tokens} in system prompts) affinity hit "
             f"{affinity.hit_share:.0%}, round robin {round_robin.hit_share:.0%}: at most "
-            f"x{round_robin.max_hit_ratio:.2f} for any policy; missed by kind of turn: affinity "
+            f"x{round_robin.max_hit_ratio:.2f} while round robin's caches keep what it reuses; missed by kind of turn: affinity "
             f"{affinity.missed_tokens}, round robin {round_robin.missed_tokens}; footprint "
             f"{footprint_blocks(args)} blocks estimated, {round_robin.live_blocks_mean:.0f} "
             f"measured, cache {cache_blocks(args)} blocks per replica")
