@@ -67,7 +67,8 @@ def test_serving(tiny_served_model_dir, results_dir):
     serving.main(["--model", str(tiny_served_model_dir), "--concurrency", "1", "2",
                   "--requests-per-client", "1", "--min-requests", "2", "--min-prompt-len", "4",
                   "--max-prompt-len", "12", "--min-output-len", "2", "--max-output-len", "6",
-                  "--kv-cache-memory-gib", "0.01", "--api", "openai", "--tag", "smoke"])
+                  "--kv-cache-memory-gib", "0.01", "--settle-s", "0.05", "--api", "openai",
+                  "--tag", "smoke"])
     results = _record(results_dir, "serving")["results"]
     assert [r["concurrency"] for r in results] == [1, 2]
     for r in results:
