@@ -1,10 +1,16 @@
+from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 import transformers
+from pagedserve.services.common.config import EngineConfig
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2_grpc
+from pagedserve.services.rpc.v1 import gateway_pb2_grpc
 
-from tests.tiny_models import tiny_config
+from tests import tiny_models
+from tests.e2e.stack import Stack, start_stack, tiny_config
 from tests.unit.tiny_tokenizers import byte_level_bpe
 
 
@@ -23,7 +29,7 @@ def tiny_odd_vocab_model_dir(tmp_path_factory) -> Path:
 
 
 def _served_model(path: Path, vocab_size: int) -> Path:
-    config = tiny_config("llama")
+    config = tiny_models.tiny_config("llama")
     config.vocab_size = vocab_size
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -34,3 +40,36 @@ def _served_model(path: Path, vocab_size: int) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     byte_level_bpe().hf_tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def stack_config(tiny_served_model_dir) -> EngineConfig:
+    """The engine config of the module's `stack`; a test module overrides this fixture (asking
+    for `stack_config` to start from this one) to serve with other limits."""
+    return tiny_config(tiny_served_model_dir)
+
+
+@pytest.fixture(scope="module")
+def stack_options() -> dict:
+    """More `start_stack` arguments for the module's `stack` (gateway fields, metrics, TLS); a
+    test module overrides this fixture, which may ask for fixtures that must be set up first."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def stack(stack_config, stack_options) -> Iterator[Stack]:
+    """Worker, scheduler and gateway over loopback, shared by the tests of one module."""
+    with start_stack(stack_config, **stack_options) as stack:
+        yield stack
+
+
+@pytest.fixture()
+def generation(stack):
+    with grpc.insecure_channel(stack.gateway_address) as channel:
+        yield gateway_pb2_grpc.GenerationServiceStub(channel)
+
+
+@pytest.fixture()
+def scheduler(stack):
+    with grpc.insecure_channel(stack.scheduler_address) as channel:
+        yield scheduler_pb2_grpc.SchedulerServiceStub(channel)

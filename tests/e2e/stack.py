@@ -65,6 +65,12 @@ class Stack:
             return scheduler_pb2_grpc.SchedulerServiceStub(channel).GetLoad(
                 scheduler_pb2.GetLoadRequest(), timeout=10)
 
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def close(self) -> None:
         async def stop() -> None:
             await self.gateway.stop(grace_s=0)

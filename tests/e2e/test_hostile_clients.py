@@ -12,13 +12,12 @@ from pagedserve.services.common.config import AdminConfig
 from pagedserve.services.rpc.internal.v1 import common_pb2 as internal_common_pb2
 from pagedserve.services.rpc.internal.v1 import (
     scheduler_pb2,
-    scheduler_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
-from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
 
-from tests.e2e.stack import assert_idle, start_stack, tiny_config
+from tests.e2e.stack import assert_idle
 
 ADMIN_TOKEN = "let-me-in"
 ABORT = common_pb2.FINISH_REASON_ABORT
@@ -26,25 +25,14 @@ LONG = dict(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_served_model_dir):
-    config = tiny_config(tiny_served_model_dir)
-    config = dataclasses.replace(config, scheduler=dataclasses.replace(
-        config.scheduler, max_num_seqs=2, max_best_of=2, max_waiting_requests=3))
-    stack = start_stack(config, admin=AdminConfig(admin_token=ADMIN_TOKEN))
-    yield stack
-    stack.close()
+def stack_config(stack_config):
+    return dataclasses.replace(stack_config, scheduler=dataclasses.replace(
+        stack_config.scheduler, max_num_seqs=2, max_best_of=2, max_waiting_requests=3))
 
 
-@pytest.fixture()
-def scheduler(stack):
-    with grpc.insecure_channel(stack.scheduler_address) as channel:
-        yield scheduler_pb2_grpc.SchedulerServiceStub(channel)
-
-
-@pytest.fixture()
-def generation(stack):
-    with grpc.insecure_channel(stack.gateway_address) as channel:
-        yield gateway_pb2_grpc.GenerationServiceStub(channel)
+@pytest.fixture(scope="module")
+def stack_options():
+    return {"admin": AdminConfig(admin_token=ADMIN_TOKEN)}
 
 
 def submit(request_id="r", prompt=(1, 2, 3), **sampling) -> scheduler_pb2.SubmitRequest:

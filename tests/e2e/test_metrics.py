@@ -8,33 +8,27 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import httpx
 import pytest
 from pagedserve.services.common.config import CacheConfig, served_model_name
-from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
 from pagedserve.services.text.tokenizer import Tokenizer
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.stack import assert_idle, start_stack, tiny_config
+from tests.e2e.stack import assert_idle
 
 NUM_GPU_BLOCKS = 16  # of 16 tokens: four 80-token requests do not fit side by side
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_served_model_dir):
-    config = tiny_config(tiny_served_model_dir)
-    config = dataclasses.replace(config, cache=CacheConfig(
+def stack_config(stack_config):
+    return dataclasses.replace(stack_config, cache=CacheConfig(
         kv_cache_memory_gib=0.01, swap_space_gib=0.01, num_gpu_blocks_override=NUM_GPU_BLOCKS))
-    stack = start_stack(config, metrics_port=0, stats_interval_s=0.2)
-    yield stack
-    stack.close()
 
 
-@pytest.fixture()
-def generation(stack):
-    with grpc.insecure_channel(stack.gateway_address) as channel:
-        yield gateway_pb2_grpc.GenerationServiceStub(channel)
+@pytest.fixture(scope="module")
+def stack_options():
+    return {"metrics_port": 0, "stats_interval_s": 0.2}
 
 
 def scrape(stack, service: str) -> list:

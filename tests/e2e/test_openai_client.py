@@ -8,18 +8,11 @@ import openai
 import pytest
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-from tests.e2e.stack import assert_idle, start_stack, tiny_config
+from tests.e2e.stack import assert_idle
 
 MODEL = "tiny-llama"  # the model folder's name
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_served_model_dir):
-    stack = start_stack(tiny_config(tiny_served_model_dir))
-    yield stack
-    stack.close()
 
 
 @pytest.fixture(scope="module")

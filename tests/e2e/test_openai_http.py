@@ -23,13 +23,6 @@ LONG = {"max_tokens": 480, "ignore_eos": True, "temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_served_model_dir):
-    stack = start_stack(tiny_config(tiny_served_model_dir))
-    yield stack
-    stack.close()
-
-
-@pytest.fixture(scope="module")
 def http(stack):
     with httpx.Client(base_url=stack.http_url, timeout=60) as client:
         yield client

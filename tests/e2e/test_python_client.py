@@ -17,13 +17,6 @@ from tests.e2e.stack import assert_idle, start_stack, tiny_config
 LONG = {"temperature": 0.0, "max_tokens": 480, "ignore_eos": True}  # runs for many steps
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_served_model_dir):
-    stack = start_stack(tiny_config(tiny_served_model_dir))
-    yield stack
-    stack.close()
-
-
 @pytest.fixture()
 def client(stack):
     with Client(stack.gateway_address, timeout_s=60) as client:

@@ -10,22 +10,19 @@ import httpx
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from pagedserve.services.common.config import HttpConfig, SchedulerConfig
+from pagedserve.services.common.config import SchedulerConfig
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-from tests.e2e.stack import assert_idle, start_stack, tiny_config
+from tests.e2e.stack import assert_idle
 
 LONG = common_pb2.SamplingParams(max_tokens=480, ignore_eos=True, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_served_model_dir):
+def stack_config(stack_config):
     """One sequence runs at a time and one request may wait."""
-    config = dataclasses.replace(tiny_config(tiny_served_model_dir),
-                                 scheduler=SchedulerConfig(max_num_seqs=1, max_waiting_requests=1))
-    stack = start_stack(config, http=HttpConfig(http_port=-1))
-    yield stack
-    stack.close()
+    return dataclasses.replace(stack_config,
+                               scheduler=SchedulerConfig(max_num_seqs=1, max_waiting_requests=1))
 
 
 def details(err: grpc.RpcError) -> dict:

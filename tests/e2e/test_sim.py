@@ -15,7 +15,7 @@ import pytest
 from pagedserve.services.common.config import CacheConfig, DeviceConfig
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-from tests.e2e.stack import assert_idle, start_stack, tiny_config
+from tests.e2e.stack import assert_idle
 from tests.e2e.test_processes import pagedserve, read_lines, stop, wait_for_line
 from tests.sim_tokens import expected_greedy
 
@@ -24,13 +24,10 @@ SIM = DeviceConfig(device="sim", sim_model="Llama-3-8B", sim_time_scale=0.02)
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_served_model_dir):
-    config = dataclasses.replace(tiny_config(tiny_served_model_dir), device=SIM,
-                                 cache=CacheConfig(block_size=8, num_gpu_blocks_override=24,
-                                                   num_cpu_blocks_override=16))
-    stack = start_stack(config)
-    yield stack
-    stack.close()
+def stack_config(stack_config):
+    return dataclasses.replace(stack_config, device=SIM,
+                               cache=CacheConfig(block_size=8, num_gpu_blocks_override=24,
+                                                 num_cpu_blocks_override=16))
 
 
 def _request(ids: list[int], **sampling) -> gateway_pb2.GenerateRequest:

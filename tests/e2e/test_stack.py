@@ -12,25 +12,12 @@ from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grp
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from pagedserve.llm import LLM
-from tests.e2e.stack import assert_idle, start_stack, tiny_config
+from tests.e2e.stack import assert_idle
 from tests.tiny_models import load_hf
 
 STOP = common_pb2.FINISH_REASON_STOP
 LENGTH = common_pb2.FINISH_REASON_LENGTH
 ABORT = common_pb2.FINISH_REASON_ABORT
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_served_model_dir):
-    stack = start_stack(tiny_config(tiny_served_model_dir))
-    yield stack
-    stack.close()
-
-
-@pytest.fixture()
-def generation(stack):
-    with grpc.insecure_channel(stack.gateway_address) as channel:
-        yield gateway_pb2_grpc.GenerationServiceStub(channel)
 
 
 def request(prompt, **sampling) -> gateway_pb2.GenerateRequest:

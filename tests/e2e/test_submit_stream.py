@@ -7,26 +7,13 @@ import time
 import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
-from pagedserve.services.rpc.internal.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.services.rpc.internal.v1 import common_pb2, scheduler_pb2
 from pagedserve.services.rpc.v1 import common_pb2 as public_common_pb2
-from pagedserve.services.rpc.v1 import gateway_pb2, gateway_pb2_grpc
+from pagedserve.services.rpc.v1 import gateway_pb2
 
-from tests.e2e.stack import assert_idle, start_stack, tiny_config
+from tests.e2e.stack import assert_idle
 
 PROMPT = [1, 57, 300, 12, 99, 401, 7]
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_served_model_dir):
-    stack = start_stack(tiny_config(tiny_served_model_dir))
-    yield stack
-    stack.close()
-
-
-@pytest.fixture()
-def stub(stack):
-    with grpc.insecure_channel(stack.scheduler_address) as channel:
-        yield scheduler_pb2_grpc.SchedulerServiceStub(channel)
 
 
 def submit_request(request_id: str, max_tokens: int, **sampling) -> scheduler_pb2.SubmitRequest:
@@ -41,13 +28,13 @@ def submit(request_id: str, max_tokens: int, **sampling) -> scheduler_pb2.Submit
         submit=submit_request(request_id, max_tokens, **sampling))
 
 
-def open_call(stub):
+def open_call(scheduler):
     outbox: queue.Queue = queue.Queue()
-    return outbox, stub.SubmitStream(iter(outbox.get, None), timeout=60)
+    return outbox, scheduler.SubmitStream(iter(outbox.get, None), timeout=60)
 
 
-def test_requests_share_the_call_and_match_submit(stack, stub):
-    outbox, responses = open_call(stub)
+def test_requests_share_the_call_and_match_submit(stack, scheduler):
+    outbox, responses = open_call(scheduler)
     outbox.put(submit("mux-a", 8))
     outbox.put(submit("mux-b", 12))
     tokens: dict[str, list[int]] = {"mux-a": [], "mux-b": []}
@@ -65,14 +52,14 @@ def test_requests_share_the_call_and_match_submit(stack, stub):
     assert done == {"mux-a", "mux-b"}
     assert num_shared > 0, "the two requests never shared a message"
     for request_id, num_tokens in (("mux-a", 8), ("mux-b", 12)):
-        alone = [t for r in stub.Submit(submit_request(f"{request_id}-alone", num_tokens),
-                                        timeout=60) for o in r.outputs for t in o.token_ids]
+        alone = [t for r in scheduler.Submit(submit_request(f"{request_id}-alone", num_tokens),
+                                             timeout=60) for o in r.outputs for t in o.token_ids]
         assert tokens[request_id] == alone
     assert_idle(stack)
 
 
-def test_a_bad_request_fails_in_band_and_the_call_goes_on(stack, stub):
-    outbox, responses = open_call(stub)
+def test_a_bad_request_fails_in_band_and_the_call_goes_on(stack, scheduler):
+    outbox, responses = open_call(scheduler)
     outbox.put(submit("mux-bad", 4, temperature=-1.0))
     outbox.put(submit("mux-good", 4))
     ends = {}
@@ -92,8 +79,8 @@ def test_a_bad_request_fails_in_band_and_the_call_goes_on(stack, stub):
     assert [v.field for v in bad_request.field_violations] == ["sampling.temperature"]
 
 
-def test_cancel_aborts_one_request_and_leaving_the_call_aborts_the_rest(stack, stub):
-    outbox, responses = open_call(stub)
+def test_cancel_aborts_one_request_and_leaving_the_call_aborts_the_rest(stack, scheduler):
+    outbox, responses = open_call(scheduler)
     outbox.put(submit("mux-cancel", 200))
     outbox.put(submit("mux-left", 200))
     is_cancelled, acknowledged = False, []
@@ -118,8 +105,8 @@ def test_cancel_aborts_one_request_and_leaving_the_call_aborts_the_rest(stack, s
     assert_idle(stack)
 
 
-def test_a_request_id_live_in_the_call_again_fails_the_call(stack, stub):
-    outbox, responses = open_call(stub)
+def test_a_request_id_live_in_the_call_again_fails_the_call(stack, scheduler):
+    outbox, responses = open_call(scheduler)
     outbox.put(submit("mux-twice", 200))
     outbox.put(submit("mux-twice", 200))
     with pytest.raises(grpc.RpcError) as failure:
@@ -131,13 +118,13 @@ def test_a_request_id_live_in_the_call_again_fails_the_call(stack, stub):
     assert_idle(stack)
 
 
-def test_the_scheduler_says_it_serves_submit_stream(stub):
-    served = stub.GetServedModel(scheduler_pb2.GetServedModelRequest(), timeout=10)
+def test_the_scheduler_says_it_serves_submit_stream(scheduler):
+    served = scheduler.GetServedModel(scheduler_pb2.GetServedModelRequest(), timeout=10)
     assert served.has_submit_stream
 
 
-def test_a_cancelled_id_may_come_again_right_behind_its_cancel(stack, stub):
-    outbox, responses = open_call(stub)
+def test_a_cancelled_id_may_come_again_right_behind_its_cancel(stack, scheduler):
+    outbox, responses = open_call(scheduler)
     outbox.put(submit("mux-again", 200))
     next(responses)
     outbox.put(scheduler_pb2.SubmitStreamRequest(cancel_request_id="mux-again"))
@@ -157,29 +144,28 @@ def test_a_cancelled_id_may_come_again_right_behind_its_cancel(stack, stub):
     assert_idle(stack)
 
 
-def test_through_the_gateway_a_cancelled_id_runs_again_with_none_of_the_old_tokens(stack):
+def test_through_the_gateway_a_cancelled_id_runs_again_with_none_of_the_old_tokens(
+        stack, generation):
     def generate(request_id: str, max_tokens: int) -> gateway_pb2.GenerateRequest:
         return gateway_pb2.GenerateRequest(
             request_id=request_id, token_ids=public_common_pb2.TokenIds(token_ids=PROMPT),
             sampling=public_common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                       ignore_eos=True))
 
-    with grpc.insecure_channel(stack.gateway_address) as channel:
-        generation = gateway_pb2_grpc.GenerationServiceStub(channel)
-        first = generation.GenerateStream(gateway_pb2.GenerateStreamRequest(
-            request_id="gw-again", token_ids=public_common_pb2.TokenIds(token_ids=PROMPT),
-            sampling=public_common_pb2.SamplingParams(temperature=0.0, max_tokens=200,
-                                                      ignore_eos=True)), timeout=60)
-        next(first)
-        first.cancel()
-        for _ in range(200):  # until the scheduler has answered the cancel
-            try:
-                again = generation.Generate(generate("gw-again", 4), timeout=60)
-                break
-            except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
-                assert "already in use" in exc.details()
-                time.sleep(0.05)
-        reference = generation.Generate(generate("gw-reference", 4), timeout=60)
+    first = generation.GenerateStream(gateway_pb2.GenerateStreamRequest(
+        request_id="gw-again", token_ids=public_common_pb2.TokenIds(token_ids=PROMPT),
+        sampling=public_common_pb2.SamplingParams(temperature=0.0, max_tokens=200,
+                                                  ignore_eos=True)), timeout=60)
+    next(first)
+    first.cancel()
+    for _ in range(200):  # until the scheduler has answered the cancel
+        try:
+            again = generation.Generate(generate("gw-again", 4), timeout=60)
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
+            assert "already in use" in exc.details()
+            time.sleep(0.05)
+    reference = generation.Generate(generate("gw-reference", 4), timeout=60)
     assert list(again.outputs[0].token_ids) == list(reference.outputs[0].token_ids)
     assert_idle(stack)

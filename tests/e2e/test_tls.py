@@ -17,7 +17,7 @@ from pagedserve.services.rpc.tls import internal_channel
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from pagedserve.certificates import ThrowAwayCertificates
-from tests.e2e.stack import assert_idle, start_stack, tiny_config
+from tests.e2e.stack import assert_idle
 
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -30,10 +30,8 @@ def certificates():
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_served_model_dir, certificates):
-    stack = start_stack(tiny_config(tiny_served_model_dir), certificates=certificates)
-    yield stack
-    stack.close()
+def stack_options(certificates):
+    return {"certificates": certificates}
 
 
 def generate(stack) -> list[int]:

@@ -17,8 +17,6 @@ from pagedserve.services.common.config import served_model_name
 from pagedserve.services.rpc.tracing import inject_metadata
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-from tests.e2e.stack import start_stack, tiny_config
-
 GENERATE_STREAM = "pagedserve.v1.GenerationService/GenerateStream"
 SUBMIT = "pagedserve.internal.v1.SchedulerService/Submit"
 EXECUTE_STEP = "pagedserve.internal.v1.WorkerService/ExecuteStep"
@@ -40,10 +38,9 @@ def exporter():
 
 
 @pytest.fixture(scope="module")
-def stack(exporter, tiny_served_model_dir):
-    stack = start_stack(tiny_config(tiny_served_model_dir))
-    yield stack
-    stack.close()
+def stack_options(exporter):
+    """The stack starts after the exporter is installed."""
+    return {}
 
 
 @pytest.fixture()
