@@ -21,7 +21,7 @@ from pagedserve.services.rpc.internal.v1 import common_pb2 as internal_common_pb
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-from tests.e2e.stack import assert_idle, start_stack, tiny_config
+from tests.e2e.stack import assert_idle
 
 NUM_EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "150"))
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
@@ -146,11 +146,10 @@ def submit_requests(draw) -> scheduler_pb2.SubmitRequest:
 STATUS_COUNTS: collections.Counter[str] = collections.Counter()
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_served_model_dir):
-    stack = start_stack(tiny_config(tiny_served_model_dir))
-    yield stack
-    stack.close()
+@pytest.fixture(scope="module", autouse=True)
+def status_counts_report():
+    """Set up before the module's stack, so it prints once the stack has closed."""
+    yield
     print(f"\nfuzz status codes: {dict(sorted(STATUS_COUNTS.items()))}")
 
 
