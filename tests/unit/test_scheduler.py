@@ -21,6 +21,7 @@ from pagedserve.services.common.step_plan import (
 
 EOS = 2
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+GREEDY_LONG = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 class Harness:
@@ -75,6 +76,19 @@ class Harness:
                 return reports
             reports += self.step()[1]
         raise AssertionError("did not finish")
+
+    def swap_out_pair(self) -> SequenceGroup:
+        """A greedy request, then a pair of samples that outgrows an 8-block device beside it:
+        steps until the pair is swapped out, and returns it."""
+        self.add("first", 4, GREEDY_LONG)
+        group = self.add("pair", 4, SamplingParams(n=2, temperature=1.0, max_tokens=12,
+                                                   ignore_eos=True))
+        for _ in range(12):
+            self.step()
+            if self.scheduler.swapped:
+                break
+        assert list(self.scheduler.swapped) == [group]
+        return group
 
     def all_free(self) -> bool:
         return (self.bm.num_free_gpu_blocks == self.bm.num_gpu_blocks
@@ -220,9 +234,6 @@ def test_swap_preemption_moves_blocks_and_resends_with_computed_tokens():
     h.run_to_end()
     assert all(s.num_output_tokens == 8 for s in group.seqs)
     assert h.all_free()
-
-
-GREEDY_LONG = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def test_never_fitting_prompts_fail_alone():
@@ -376,16 +387,9 @@ def test_a_group_that_needs_nearly_or_more_than_the_whole_device_never_stalls(
 
 
 def test_a_swapped_group_holds_back_later_arrivals_unless_they_outrank_it():
-    pair = SamplingParams(n=2, temperature=1.0, max_tokens=12, ignore_eos=True)
     for policy, priority, admitted in (("fcfs", 0, False), ("priority", -1, True)):
         h = Harness(num_gpu_blocks=8, num_cpu_blocks=8, block_size=4, policy=policy)
-        h.add("first", 4, GREEDY_LONG)
-        group = h.add("pair", 4, pair)
-        for _ in range(12):
-            h.step()
-            if h.scheduler.swapped:
-                break
-        assert list(h.scheduler.swapped) == [group]
+        h.swap_out_pair()
         h.add("late", 2, GREEDY, priority=priority)
         out, _ = h.step()
         assert ("late" in scheduled_ids(out)) is admitted, policy

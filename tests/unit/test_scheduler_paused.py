@@ -88,15 +88,8 @@ def test_a_waiting_prompt_with_no_room_preempts_a_paused_group():
 
 
 def test_a_paused_swapped_group_neither_comes_back_nor_holds_back_later_arrivals():
-    pair = SamplingParams(n=2, temperature=1.0, max_tokens=12, ignore_eos=True)
     h = Harness(num_gpu_blocks=8, num_cpu_blocks=8, block_size=4)
-    h.add("first", 4, GREEDY_LONG)
-    group = h.add("pair", 4, pair)
-    for _ in range(12):
-        h.step()
-        if h.scheduler.swapped:
-            break
-    assert list(h.scheduler.swapped) == [group]
+    group = h.swap_out_pair()
     group.is_paused = True
     h.add("late", 2, FOUR)
     out, _ = h.step()

@@ -1,4 +1,5 @@
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -79,25 +80,31 @@ class FailingGeneration(gateway_pb2_grpc.GenerationServiceServicer):
         raise self.errors[request.text]
 
 
+@contextlib.asynccontextmanager
+async def failing_generation():
+    """A FailingGeneration server on a free port, and a stub that calls it."""
+    server, port = create_server([ServiceBinding(
+        FailingGeneration(), gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
+        "pagedserve.v1.GenerationService")], port=0)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield gateway_pb2_grpc.GenerationServiceStub(channel)
+    finally:
+        await server.shutdown(grace_s=0)
+
+
 @pytest.mark.parametrize("exc, code", CASES)
 def test_servicer_errors_reach_the_client_with_their_code(exc, code):
     async def main():
-        server, port = create_server([ServiceBinding(
-            FailingGeneration(), gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
-            "pagedserve.v1.GenerationService")], port=0)
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-                name = type(exc).__name__
-                with pytest.raises(grpc.aio.AioRpcError) as unary:
-                    await stub.Tokenize(gateway_pb2.TokenizeRequest(text=name), timeout=5)
-                call = stub.GenerateStream(gateway_pb2.GenerateStreamRequest(text=name), timeout=5)
-                first = await call.read()
-                with pytest.raises(grpc.aio.AioRpcError) as streaming:
-                    await call.read()
-        finally:
-            await server.shutdown(grace_s=0)
+        async with failing_generation() as stub:
+            name = type(exc).__name__
+            with pytest.raises(grpc.aio.AioRpcError) as unary:
+                await stub.Tokenize(gateway_pb2.TokenizeRequest(text=name), timeout=5)
+            call = stub.GenerateStream(gateway_pb2.GenerateStreamRequest(text=name), timeout=5)
+            first = await call.read()
+            with pytest.raises(grpc.aio.AioRpcError) as streaming:
+                await call.read()
         return first, unary.value, streaming.value
 
     first, unary, streaming = asyncio.run(main())
@@ -143,18 +150,9 @@ def test_details_without_a_known_reason_keep_the_type_default():
 
 def test_error_details_reads_the_trailers_of_a_failed_call():
     async def main():
-        server, port = create_server([ServiceBinding(
-            FailingGeneration(), gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
-            "pagedserve.v1.GenerationService")], port=0)
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await stub.Tokenize(gateway_pb2.TokenizeRequest(text="Unavailable"),
-                                        timeout=5)
-        finally:
-            await server.shutdown(grace_s=0)
+        async with failing_generation() as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Tokenize(gateway_pb2.TokenizeRequest(text="Unavailable"), timeout=5)
         return err.value
 
     err = asyncio.run(main())
