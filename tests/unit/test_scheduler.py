@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 from pagedserve.scheduler_svc.block_manager import BlockManager
@@ -70,12 +71,16 @@ class Harness:
         return StepOutput(out.plan.step_id if out.plan else 0, samples)
 
     def run_to_end(self, max_steps: int = 200) -> list:
+        return self.run_while(self.scheduler.has_unfinished, max_steps)
+
+    def run_while(self, has_work: Callable[[], bool], max_steps: int = 200) -> list:
+        """Steps while `has_work()`; the reports of those steps."""
         reports = []
         for _ in range(max_steps):
-            if not self.scheduler.has_unfinished():
+            if not has_work():
                 return reports
             reports += self.step()[1]
-        raise AssertionError("did not finish")
+        raise AssertionError(f"{has_work.__name__}() still holds after {max_steps} steps")
 
     def swap_out_pair(self) -> SequenceGroup:
         """A greedy request, then a pair of samples that outgrows an 8-block device beside it:

@@ -11,14 +11,9 @@ SIX = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 FOUR = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
-def run_runnable(h: Harness, max_steps: int = 200) -> list:
+def run_runnable(h: Harness) -> list:
     """Steps until only paused groups (or none) are left; their reports."""
-    reports = []
-    for _ in range(max_steps):
-        if not h.scheduler.has_runnable():
-            return reports
-        reports += h.step()[1]
-    raise AssertionError("the runnable groups did not finish")
+    return h.run_while(h.scheduler.has_runnable)
 
 
 def test_a_paused_group_is_not_scheduled_keeps_its_blocks_and_resumes_where_it_stopped():
