@@ -117,9 +117,12 @@ def start_stack(config: EngineConfig, step_timeout_s: float = 30.0,
         raise
 
 
-def tiny_config(model_dir) -> EngineConfig:
+def tiny_config(model_dir, kv_cache_memory_gib: float = 0.01,
+                swap_space_gib: float = 0.01) -> EngineConfig:
+    """The model on the CPU with a small KV cache (room for the tiny model's tests)."""
     return EngineConfig(model=ModelConfig(model=str(model_dir)),
-                        cache=CacheConfig(kv_cache_memory_gib=0.01, swap_space_gib=0.01),
+                        cache=CacheConfig(kv_cache_memory_gib=kv_cache_memory_gib,
+                                          swap_space_gib=swap_space_gib),
                         device=DeviceConfig(device="cpu"))
 
 

@@ -2,25 +2,22 @@
 
 import openai
 import pytest
-from pagedserve.services.common.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 
-from tests.e2e.stack import start_stack
+from tests.e2e.stack import tiny_config
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def client(smollm2_dir):
-    config = EngineConfig(model=ModelConfig(model=str(smollm2_dir)),
-                          cache=CacheConfig(kv_cache_memory_gib=0.1, swap_space_gib=0.05),
-                          device=DeviceConfig(device="cpu"))
-    stack = start_stack(config)
-    try:
-        with openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0,
-                           timeout=300) as client:
-            yield client
-    finally:
-        stack.close()
+def stack_config(smollm2_dir):
+    return tiny_config(smollm2_dir, kv_cache_memory_gib=0.1, swap_space_gib=0.05)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as client:
+        yield client
 
 
 def test_chat_answers_paris(client, smollm2_dir):

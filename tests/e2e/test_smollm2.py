@@ -1,16 +1,14 @@
 """The real default model through all three services: greedy answers equal Hugging Face's and
 the in-process LLM's (the gRPC split adds transport, never logic)."""
 
-import grpc
 import pytest
 import torch
-from pagedserve.services.common.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedserve.llm import LLM
-from tests.e2e.stack import start_stack
+from tests.e2e.stack import tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -33,14 +31,8 @@ def llm(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def generation(smollm2_dir):
-    config = EngineConfig(model=ModelConfig(model=str(smollm2_dir)),
-                          cache=CacheConfig(kv_cache_memory_gib=0.1, swap_space_gib=0.05),
-                          device=DeviceConfig(device="cpu"))
-    stack = start_stack(config)
-    with grpc.insecure_channel(stack.gateway_address) as channel:
-        yield gateway_pb2_grpc.GenerationServiceStub(channel)
-    stack.close()
+def stack_config(smollm2_dir):
+    return tiny_config(smollm2_dir, kv_cache_memory_gib=0.1, swap_space_gib=0.05)
 
 
 def hf_greedy(hf, prompt_text: str) -> tuple[list[int], list[int], str]:
