@@ -48,15 +48,26 @@ def preset_args(args: argparse.Namespace, preset: str) -> argparse.Namespace:
     return out
 
 
+def turn_counts(args: argparse.Namespace) -> range:
+    """A conversation's number of turns, drawn uniformly from this range: `num_turns` on average.
+    Equal lengths would keep the conversations that start together in step, so that the open ones
+    all grow and end at once instead of being at all depths."""
+    low = max(1, (args.num_turns + 1) // 2)
+    return range(low, 2 * args.num_turns - low + 1)
+
+
 def make_conversations(args: argparse.Namespace, salt: int) -> list[Conversation]:
+    """Every salt draws its own tokens into the same shape (turns per conversation, order)."""
+    shape_rng = random.Random(args.seed)
     rng = random.Random(1000 * args.seed + salt)
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(args.min_token_id, args.max_token_id) for _ in range(n)]
 
     systems = [tokens(args.system_len) for _ in range(args.num_system_prompts)]
+    counts = turn_counts(args)
     return [Conversation(systems[i % len(systems)],
-                         [tokens(args.user_len) for _ in range(args.num_turns)])
+                         [tokens(args.user_len) for _ in range(shape_rng.choice(counts))])
             for i in range(args.num_conversations)]
 
 
@@ -66,10 +77,13 @@ def num_open(args: argparse.Namespace) -> int:
 
 def footprint_blocks(args: argparse.Namespace, block_size: int = BLOCK_SIZE) -> int:
     """The KV blocks it takes to cache every system prompt and the open conversations' histories
-    at their mean length between turns (k turns done, k = 0 .. num_turns - 1: (num_turns - 1) / 2
-    turns of a user message and an answer), plus what the running turns add to theirs (a user
-    message, an answer, a partial block each)."""
-    mean_history = (args.num_turns - 1) / 2 * (args.user_len + args.output_len)
+    at their mean length between turns, plus what the running turns add to theirs (a user
+    message, an answer, a partial block each). A conversation of T turns is open for T turns
+    with k = 0 .. T - 1 turns done, so the open ones are the long ones more often: E[T (T - 1) / 2]
+    / E[T] turns of a user message and an answer on average."""
+    counts = turn_counts(args)
+    mean_turns_done = sum(t * (t - 1) / 2 for t in counts) / sum(counts)
+    mean_history = mean_turns_done * (args.user_len + args.output_len)
     running = args.concurrency * (math.ceil((args.user_len + args.output_len) / block_size) + 1)
     return (args.num_system_prompts * (args.system_len // block_size)
             + round(num_open(args) * mean_history / block_size) + running)
@@ -85,5 +99,6 @@ def live_blocks(conversations: list[Conversation], num_system_prompts: int, syst
 
 
 def max_prompt_len(args: argparse.Namespace) -> int:
-    """The longest prompt of the workload: a conversation's last turn."""
-    return args.system_len + args.num_turns * args.user_len + (args.num_turns - 1) * args.output_len
+    """The longest prompt of the workload: the longest conversation's last turn."""
+    num_turns = turn_counts(args)[-1]
+    return args.system_len + num_turns * args.user_len + (num_turns - 1) * args.output_len

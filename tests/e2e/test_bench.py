@@ -114,15 +114,16 @@ def test_hostile_clients(tiny_served_model_dir, results_dir):
 
 def test_routing(tiny_served_model_dir, results_dir):
     routing.main(["--model", str(tiny_served_model_dir), "--quick", "--num-conversations", "6",
-                  "--num-open", "4", "--num-turns", "2", "--system-len", "40", "--user-len", "24",
+                  "--num-open", "4", "--num-turns", "3", "--system-len", "40", "--user-len", "24",
                   "--kv-cache-memory-gib", "0.01", "--tag", "smoke"])
     record = _record(results_dir, "routing")
     assert [preset["workload"] for preset in record["results"]] == ["chat", "agent"]
     for preset in record["results"]:
         affinity, round_robin = preset["policies"]
         assert (affinity["policy"], round_robin["policy"]) == ("affinity", "round-robin")
+        assert affinity["num_requests"] == round_robin["num_requests"] >= 12  # same shapes
         for result in (affinity, round_robin):
-            assert result["num_requests"] == 12 and result["num_output_tokens"] == 12 * 8
+            assert result["num_output_tokens"] == result["num_requests"] * 8
             assert result["routing_us"]["p50"] > 0 and result["live_blocks_mean"] > 0
         assert affinity["num_cached_tokens"] > 0
-        assert preset["max_prompt_len"] == 40 + 2 * 24 + 8
+        assert preset["max_prompt_len"] == 40 + 4 * 24 + 3 * 8  # 2 to 4 turns: 3 on average

@@ -13,6 +13,7 @@ from bench.routing_workload import (
     make_conversations,
     max_prompt_len,
     preset_args,
+    turn_counts,
 )
 
 
@@ -37,20 +38,30 @@ def test_conversations_share_system_prompts_and_the_seed_fixes_them():
     conversations = make_conversations(args, salt=0)
     assert len(conversations) == args.num_conversations
     assert len({id(c.system) for c in conversations}) == args.num_system_prompts
-    assert all(len(c.user_turns) == args.num_turns and len(c.user_turns[0]) == args.user_len
+    assert all(len(c.user_turns) in turn_counts(args) and len(c.user_turns[0]) == args.user_len
                for c in conversations)
+    assert len({len(c.user_turns) for c in conversations}) > 1  # not in step
     again = make_conversations(args, salt=0)
     assert [c.user_turns for c in again] == [c.user_turns for c in conversations]
-    assert make_conversations(args, salt=1)[0].user_turns != conversations[0].user_turns
+    other = make_conversations(args, salt=1)  # the other policy's: same shape, other tokens
+    assert [len(c.user_turns) for c in other] == [len(c.user_turns) for c in conversations]
+    assert other[0].user_turns != conversations[0].user_turns
+
+
+def test_turn_counts_average_num_turns():
+    for num_turns in (1, 2, 3, 6, 10):
+        counts = turn_counts(_args(num_turns=num_turns))
+        assert min(counts) >= 1 and sum(counts) / len(counts) == num_turns
 
 
 def test_footprint_counts_systems_once_histories_at_mean_length_and_running_turns():
     args = _args(num_system_prompts=2, system_len=32, num_conversations=8, num_open=4,
                  num_turns=3, user_len=24, output_len=8, concurrency=2)
-    # 2 x 2 system blocks + 4 open x (3-1)/2 turns x 32 tokens / 16 + 2 running x (2 + 1)
-    assert footprint_blocks(args) == 4 + 8 + 6
-    # the longest prompt: the system prompt, 3 user messages and the 2 answers between them
-    assert max_prompt_len(args) == 32 + 3 * 24 + 2 * 8
+    # conversations of 2, 3 or 4 turns: an open one has (0+1 + 0+1+2 + 0+1+2+3) / 9 = 10/9 turns
+    # done; 2 x 2 system blocks + 4 open x 10/9 turns x 32 tokens / 16 + 2 running x (2 + 1)
+    assert footprint_blocks(args) == 4 + round(4 * 10 / 9 * 2) + 6
+    # the longest prompt: the system prompt, 4 user messages and the 3 answers between them
+    assert max_prompt_len(args) == 32 + 4 * 24 + 3 * 8
 
 
 def test_live_blocks_counts_each_system_prompt_once():
