@@ -423,6 +423,10 @@ class RequestLimitsConfig:
             "(held by the gateway, past what the connection itself buffers) is paused in its "
             "scheduler, costing the engine nothing, and resumed once half of them are read; "
             "0 = never pause")
+    stream_interval: int = opt(
+        1, "output tokens per streamed message: a stream's text is held until it carries this "
+           "many tokens (an output's first token, its end and errors go at once); larger values "
+           "cut the gateway's and the clients' CPU per token, 1 = every token as it comes")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs_per_request", "max_stop_string_chars", "max_chat_messages",
@@ -437,6 +441,13 @@ class RequestLimitsConfig:
                f"max_unread_stream_tokens must be >= 0, got {self.max_unread_stream_tokens}")
         _check(self.stalled_stream_timeout_s > 0,
                f"stalled_stream_timeout_s must be > 0, got {self.stalled_stream_timeout_s}")
+        _check(self.stream_interval >= 1,
+               f"stream_interval must be >= 1, got {self.stream_interval}")
+        max_unread = self.max_unread_stream_tokens
+        _check(not max_unread or self.stream_interval <= max_unread,
+               f"stream_interval must be at most max_unread_stream_tokens ({max_unread}) while "
+               f"backpressure is on, got {self.stream_interval}: a paused stream would hold its "
+               f"last tokens back")
 
 
 ADMIN_TOKEN_ENV = "PAGEDSERVE_ADMIN_TOKEN"

@@ -160,7 +160,7 @@ class Frontend:
         stopped reading) loses its request: the scheduler call is cancelled (its blocks freed),
         `on_stalled` is awaited with the error (a front door ends its call with it), and the
         task iterating this generator is cancelled."""
-        buffer = DeltaBuffer(request.sampling.n)
+        buffer = DeltaBuffer(request.sampling.n, self.limits.stream_interval)
         timer = None if self.metrics is None else self.metrics.start_request(request.arrival_s)
         text_stream = TextStream(request.prompt_token_ids, request.sampling, self.tokenizer)
         submission = ResumableSubmission(self.replicas, request, caller.owner,

@@ -185,3 +185,54 @@ def test_wait_stalled_fires_only_when_the_consumer_stays_away_after_a_delta():
         await asyncio.wait_for(stalled, 10)
 
     asyncio.run(main())
+
+
+def test_a_stream_interval_holds_deltas_until_they_carry_that_many_tokens():
+    async def main():
+        buffer = DeltaBuffer(num_outputs=1, stream_interval=3)
+        taken = []
+
+        async def consume():
+            async for delta in _drain(buffer):
+                taken.append((delta.text, delta.finish_reason))
+
+        consumer = asyncio.create_task(consume())
+        for i, text in enumerate("abcdefgh"):
+            buffer.put(StreamDelta(0, text, token_ids=[i]))
+            await asyncio.sleep(0)  # the consumer takes whatever it was woken for
+        buffer.put(StreamDelta(0, "", finish_reason="stop"))
+        buffer.close()
+        await consumer
+        return taken
+
+    # the first token at once, then a message per 3 tokens, the end at once with what is left
+    assert asyncio.run(main()) == [("a", None), ("bcd", None), ("efg", None), ("h", "stop")]
+
+
+def test_a_stream_interval_sends_each_outputs_first_token_and_errors_at_once():
+    async def main():
+        buffer = DeltaBuffer(num_outputs=2, stream_interval=8)
+        buffer.put(StreamDelta(0, "a", token_ids=[1]))
+        first = await asyncio.wait_for(buffer.get(), 1)
+        buffer.put(StreamDelta(1, "x", token_ids=[2]))
+        second = await asyncio.wait_for(buffer.get(), 1)
+        buffer.put(StreamDelta(0, "b", token_ids=[3]))
+        held = asyncio.create_task(buffer.get())
+        await asyncio.sleep(0.05)
+        assert not held.done()
+        buffer.put(StreamDelta(0, "", error="worker lost"))
+        return first, second, await asyncio.wait_for(held, 1)
+
+    first, second, third = asyncio.run(main())
+    assert (first.index, first.text, second.index, second.text) == (0, "a", 1, "x")
+    assert (third.text, third.error) == ("b", "worker lost")
+
+
+def test_stream_interval_is_checked_against_backpressure():
+    assert RequestLimitsConfig(stream_interval=16).stream_interval == 16
+    assert RequestLimitsConfig(stream_interval=64, max_unread_stream_tokens=0).stream_interval == 64
+    with pytest.raises(ConfigError, match="stream_interval must be at most "
+                                          "max_unread_stream_tokens \\(16\\).*got 17"):
+        RequestLimitsConfig(stream_interval=17)
+    with pytest.raises(ConfigError, match="stream_interval must be >= 1, got 0"):
+        RequestLimitsConfig(stream_interval=0)
