@@ -4,8 +4,10 @@ affinity router's guess of where a prompt's earlier blocks are cached.
 A prefix is named, like in the prefix cache, by a hash chained over its full blocks. Each entry
 remembers the replica that last got a prompt through it and whether prompts went on from it in
 more than one way (a branch point: a system prompt shared by several chats). Bounded: the least
-recently routed entries are forgotten first. A guess only: the replicas evict on their own, and
-each gateway knows only the prompts it routed.
+recently routed entries are forgotten first, past a capacity the router sets to what the serving
+replicas' KV caches hold together, so that the blocks it remembers per replica follow what the
+replicas still keep (a chat that ended is forgotten about when its blocks would be evicted).
+A guess only: the replicas evict on their own, and each gateway knows only the prompts it routed.
 """
 
 from __future__ import annotations
@@ -74,8 +76,9 @@ class PrefixIndex:
                 num_shared = depth
         return Match(num_blocks, address, num_shared)
 
-    def record(self, hashes: Sequence[int], address: str) -> None:
-        """`address` got a prompt with these blocks."""
+    def record(self, hashes: Sequence[int], address: str, capacity: int | None = None) -> None:
+        """`address` got a prompt with these blocks; `capacity` bounds the entries below the
+        index's own capacity."""
         entries = self._entries
         for depth, block_hash in enumerate(hashes):
             entry = entries.get(block_hash)
@@ -92,5 +95,6 @@ class PrefixIndex:
                     entry.next_hash = following
                 elif entry.next_hash != following:
                     entry.is_branch = True
-        while len(entries) > self.capacity:
+        limit = self.capacity if capacity is None else min(self.capacity, capacity)
+        while len(entries) > limit:
             self.num_blocks_by_address[entries.popitem(last=False)[1].address] -= 1

@@ -119,7 +119,9 @@ class ReplicaSet:
                               retry_after_s=SCHEDULER_RETRY_AFTER_S) from None
         candidates = [r for r in serving if r.address not in avoid] or serving
         decision = self.router.choose(
-            [Candidate(r.address, r.num_requests) for r in candidates], prompt_token_ids,
+            [Candidate(r.address, r.num_requests,
+                       r.served.num_gpu_blocks if r.served is not None else 0)
+             for r in candidates], prompt_token_ids,
             self.block_size)
         return self.replicas[decision.address], decision
 

@@ -47,6 +47,7 @@ class Reason:
 class Candidate:
     address: str
     num_requests: int  # running + waiting, as the gateway last knew it
+    num_gpu_blocks: int = 0  # its KV cache, 0 = not known
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +107,8 @@ class Router:
         if not hashes:
             return Decision(self._least_loaded(candidates).address, Reason.SHORT_PROMPT)
         decision = self._bounded(candidates, self._preferred(candidates, hashes))
-        self.index.record(hashes, decision.address)
+        cache_blocks = [c.num_gpu_blocks for c in candidates]
+        self.index.record(hashes, decision.address, sum(cache_blocks) if all(cache_blocks) else None)
         return decision
 
     def _preferred(self, candidates: Sequence[Candidate], hashes: list[int]) -> str:

@@ -56,6 +56,24 @@ def test_the_index_forgets_the_least_recently_routed_first():
     assert index.match([1, 2], frozenset({"a", "b"})).num_blocks == 2
 
 
+def test_the_index_remembers_no_more_than_the_replicas_caches_hold():
+    rng = random.Random(1)
+    router = Router("affinity", 1.5, 4, index_blocks=1000)
+    replicas = [Candidate("a:1", 0, num_gpu_blocks=20), Candidate("b:1", 0, num_gpu_blocks=30)]
+    ended = [*tokens(rng, 8 * BLOCK), *tokens(rng, 30 * BLOCK)]
+    router.choose(replicas, ended, BLOCK)
+    for _ in range(6):  # other chats take the caches since: the ended one is evicted there too
+        router.choose(replicas, tokens(rng, 10 * BLOCK), BLOCK)
+    assert len(router.index) == 50
+    assert router.index.match(chained_block_hashes(ended, BLOCK, 64),
+                              frozenset({"a:1", "b:1"})).num_blocks == 0
+    assert sum(router.index.num_blocks_by_address.values()) == 50
+    unknown = [Candidate("a:1", 0, num_gpu_blocks=20), Candidate("b:1", 0)]
+    for _ in range(6):  # a replica's cache not known yet: only the index's own bound
+        router.choose(unknown, tokens(rng, 10 * BLOCK), BLOCK)
+    assert len(router.index) == 110
+
+
 def test_chats_of_one_system_prompt_spread_and_each_stays_on_its_replica():
     rng = random.Random(0)
     router = Router("affinity", 1.5, 4)
