@@ -20,6 +20,8 @@ N streaming clients, closed loop (each sends its next request when one ends).
               the same B with 8x longer contexts: it should grow with B only, not with tokens or
               blocks
 
+--stream-interval sets the gateway's: clients then read a message per that many tokens.
+
 Every figure is a ratio against the simulated GPU measured in the same run; none is a GPU
 measurement. CPU seconds of each process are recorded beside, and per output token
 (`cpu_us_per_token`): on a shared host the busy fraction and tokens/s move with the neighbours'
@@ -149,7 +151,8 @@ class Stack:
         self.worker.join(30)
 
 
-def start_stack(config: EngineConfig, log_file, startup_timeout_s: float) -> Stack:
+def start_stack(config: EngineConfig, log_file, startup_timeout_s: float,
+                stream_interval: int = 1) -> Stack:
     worker_port, scheduler_port, gateway_port = free_port(), free_port(), free_port()
     parent, child = multiprocessing.get_context("spawn").Pipe()
     worker = multiprocessing.get_context("spawn").Process(
@@ -164,6 +167,7 @@ def start_stack(config: EngineConfig, log_file, startup_timeout_s: float) -> Sta
     gateway = subprocess.Popen(
         [*cli, "gateway", "--port", str(gateway_port), "--scheduler-address",
          f"127.0.0.1:{scheduler_port}", "--max-concurrent-requests", "4096", "--http-port", "0",
+         "--stream-interval", str(stream_interval),
          "--log-level", "WARNING"], cwd=ROOT, stdout=log_file, stderr=log_file, env=env)
     stack = Stack(worker, parent, scheduler, gateway, f"127.0.0.1:{gateway_port}")
     try:
@@ -307,7 +311,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
 
 def run_stack(args: argparse.Namespace, config: EngineConfig, levels: list[int],
               stack_log) -> list[dict]:
-    stack = start_stack(config, stack_log, args.startup_timeout_s)
+    stack = start_stack(config, stack_log, args.startup_timeout_s, args.stream_interval)
     try:
         vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
         warm = sharegpt_like(8, vocab, args.seed + 1, args.max_prompt_len, args.max_output_len)
@@ -341,6 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="scheduler cost: each sequence's prompt")
     parser.add_argument("--long-prompt-len", type=int, default=1024,
                         help="scheduler cost: the same batch again with prompts this long")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the gateway's --stream-interval: output tokens per message")
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("--quick", action="store_true",
                         help="smoke sizes: N = 4 and 16, short requests, batch 8 and 32")
@@ -380,7 +386,8 @@ def main(argv: list[str] | None = None) -> dict:
     busy = by_n[busy_target_n]["busy_fraction"]
     decode_256 = _roofline_decode_tok_s(args)
     gw = capacity["gateway_tok_per_cpu_s"]
-    line = ("control plane (sim " + f"{args.sim_model} on {args.gpu}, models not measurements): "
+    line = ("control plane (sim " + f"{args.sim_model} on {args.gpu}, models not measurements; "
+            + f"stream interval {args.stream_interval}): "
             + ", ".join(f"N={r['concurrency']} GPU busy {r['busy_fraction']:.1%} "
                         f"({r['output_tok_s']:.0f} tok/s)" for r in streams)
             + f" (target >= {TARGET_BUSY:.0%} at N={busy_target_n}"
@@ -402,7 +409,8 @@ def main(argv: list[str] | None = None) -> dict:
                            "gateway_tok_per_cpu_s": {"min": TARGET_GATEWAY_TOK_S, "got": gw,
                                                      "met": gw >= TARGET_GATEWAY_TOK_S}},
                   roofline_decode_tok_s_at_256=decode_256, scheduler_growth_vs_linear=growth,
-                  load_average_before=load_before, sim_model=args.sim_model, gpu=args.gpu)
+                  load_average_before=load_before, stream_interval=args.stream_interval,
+                  sim_model=args.sim_model, gpu=args.gpu)
 
 
 def _roofline_decode_tok_s(args: argparse.Namespace) -> float:
