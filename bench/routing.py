@@ -3,68 +3,41 @@ robin, same run.
 
 Two replicas (a worker and its scheduler each, prefix caching on) and two gateways in front of
 both, one per policy, all in this process over loopback. Conversations share system prompts and
-grow a turn at a time: `--num-open` of them open at any time, each `--num-turns` turns long,
-every turn's prompt the previous one plus the answer it got and a new message; when one ends the
-next one starts, so the open ones are at all depths. Each of the `--concurrency` clients runs the
-next turn of an open conversation picked at random (seeded; a fixed cycle of an even number would
-send each one to the same replica every time under round robin). Two presets (`--workload`, both
-by default, one record; bench/routing_workload.py):
+grow a turn at a time, each turn's prompt the previous one plus the answer it got and a new
+message; `--num-open` of them are open at any time, and when one ends the next one starts. Each of
+the `--concurrency` clients runs the next turn of an open conversation picked at random (seeded).
+A conversation takes half to 1.5x `--num-turns` turns, so the open ones are at all depths. Both
+policies get conversations of the same shapes (their own tokens, so that neither finds the
+other's blocks). Presets (`--workload`, both by default, one record; bench/routing_workload.py):
 
-- `chat`: 12 system prompts (apps, personas) of 128 tokens, 32 chats of 6 turns, 64-token user
-  messages and 32-token answers, 16 open.
-- `agent`: agent loops, where a session's history dwarfs its system prompt: each turn appends a
-  tool result (a file excerpt, a command's output, search hits: a few hundred tokens, 256) and
-  the model's next action (a tool call, short: 16 tokens, which also keeps CPU decode in budget),
-  10 turns (real agents take tens of steps; 10 keeps a run near 10 minutes on a CPU, the longest
-  prompt 2832 tokens, within SmolLM2's 8192), 4 system prompts of 128 tokens (few agent types,
-  each shared by 5 of the 20 sessions), 10 open (tools answer in seconds: little think time).
-  At the mean turn the history is about 10x the system prompt; agents with long tool schemas in
-  their system prompt have a larger s below, a lower bound.
+- `chat`: 12 system prompts (apps, personas) of 128 tokens, 32 chats of 6 turns on average,
+  64-token user messages and 32-token answers, 16 open.
+- `agent`: agent loops, whose history dwarfs the system prompt: each turn appends a tool result
+  (256 tokens: a file excerpt, a command's output) and the model's next action (a tool call: 16
+  tokens, which also keeps CPU decode in budget), 10 turns on average, 4 system prompts of 128
+  tokens each shared by 5 of the 20 sessions, 10 open (tools answer in seconds).
 
-Each replica's KV cache holds `--cache-fraction` (0.7) of the steady state's footprint (every
-system prompt, the open conversations' histories between turns at their mean length, what the
-running turns add): one replica cannot hold it, two can. The estimate counted one turn too many
-per open conversation before, so the chat caches held 0.87 of the real footprint (342 blocks for
-392) and round robin lost little to evictions; the run now measures the footprint beside it.
-
-What a policy can reach. A turn can hit the blocks some replica computed before: its system
-prompt (if seen before) and its history up to the previous answer's last full block (the
-"reusable" tokens). Round robin sends a turn to its previous turn's replica half the time. While
-its caches keep what it reuses (its history there, every system prompt on both replicas), it hits
-shared + (reusable - shared) / 2, and no policy beats it by more than 2 / (1 + s), s = the system
-prompts' share of the reusable tokens ("at most" below; 1.49 for chat, 1.8 takes s <= 0.11).
-Under pressure it loses more: a replica under affinity serves half the conversations, whose
-footprint fits, so nothing it reuses is evicted; under round robin a replica serves all of them,
-so over a long enough stretch its working set is the whole footprint, which does not fit, and
-what is reused after long gaps is evicted first: system prompts whose conversations come rarely
-(missed on first and moved turns) and stale copies of histories whose previous turn went to the
-other replica. Its same-replica turns lose little: their history is the most recently used copy.
-
-Measured (2-core shared CPU, load average 5-6, full defaults; bench/results/routing-cpu.json):
-- chat: affinity 96% of the reusable tokens (63888), round robin 60% (39760): 1.61x hit tokens
-  (the bound, 1.49x, assumes round robin keeps its system prompts: it missed 1280 first-turn
-  tokens, affinity 640, and its moved turns 2128 more than half the histories), throughput
-  1.16x, routing p50 52 us; same-replica misses 1632 under both; footprint 392 blocks estimated,
-  359 measured, cache 275 a replica.
-- agent: affinity 90% (239584), round robin 52% (137824): 1.74x hit tokens of an at most 1.83x
-  (s = 0.09), throughput 1.91x (round robin recomputes long histories), routing p50 151 us;
-  same-replica misses 23008 under affinity, 33328 under round robin (not analysed yet: the running
-  turns' long prompts hold many blocks; the replicas got 104:96 turns); footprint 941 blocks estimated, 871
-  measured, cache 659 a replica. Neither preset reaches the issue's 1.8x: chat cannot while round
-  robin keeps its system prompts (s = 0.35); agent comes within 4% of it, held back mostly by what
-  affinity loses to evictions on its own replica.
-With the caches at 0.87 of the footprint, chat measured 1.46x (affinity 98%, round robin 67%).
+Each replica's KV cache holds `--cache-fraction` of the steady state's footprint (every system
+prompt, the open conversations' histories between turns, what the running turns add), which the
+run also measures. What separates the policies is that pressure. Affinity keeps a conversation on
+one replica, so the caches must hold the footprint once between them; round robin sends a turn to
+its previous turn's replica about half the time, so to hit, each replica must hold a copy of every
+conversation: twice the footprint. Where the caches hold it twice, round robin hits nearly as much
+(a moved turn finds its history up to its last visit to that replica). Where they hold it once
+but not twice, round robin loses its moved turns' histories, keeping their system prompts, and
+affinity keeps everything: the ratio is then 2 / (1 + s), s = the system prompts' share of the
+reusable tokens ("when moves miss" below).
 
 Reported per preset and policy: prefix-cache hit tokens (as the gateways' usage reports them),
-their share of the reusable tokens and the misses by kind of turn (a conversation's first; later,
-on its previous turn's replica or moved), output tokens/s, the routing decisions by reason
-(affinity; overloaded = the bounded-load fallback) and by replica, the gateway's routing decision
-time per request (p50, p99), the footprint; then affinity / round robin (targets: >= 1.8x hit
-tokens, throughput not lower; routing p50 <= 1 ms) and the bound above.
+their share of the reusable tokens (a turn's system prompt once seen, and its history up to the
+previous answer's last full block) and the misses by kind of turn (a conversation's first; later,
+on its previous turn's replica or moved), output tokens/s, the routing decisions by reason and by
+replica, the gateway's routing decision time (p50, p99), the footprint; then affinity / round
+robin (targets: >= 1.8x hit tokens, throughput not lower, routing p50 <= 1 ms).
 
     python -m bench.routing --tag cpu            # both presets, SmolLM2, 8 clients
     python -m bench.routing --quick --tag quick  # both, small
-    python -m bench.routing --workload agent
+    python -m bench.routing --workload agent --cache-fraction 0.7
 """
 
 from __future__ import annotations
@@ -72,11 +45,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import random
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 import grpc
 from pagedserve.scheduler_svc.servicer import start_scheduler, stop_scheduler
@@ -97,60 +68,19 @@ from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pagedserve.worker_svc.servicer import start_worker
 
 from bench.common import DEFAULT_MODEL, finish, percentiles, quiet_logging
+from bench.routing_report import PolicyResult, summarize
 from bench.routing_workload import (
     BLOCK_SIZE,
     PRESETS,
-    WORKLOAD_FLAGS,
     Conversation,
-    footprint_blocks,
+    cache_blocks,
     live_blocks,
     make_conversations,
-    max_prompt_len,
     num_open,
     preset_args,
 )
 
 POLICIES = ("affinity", "round-robin")
-
-
-@dataclass(slots=True)
-class PolicyResult:
-    policy: str
-    num_requests: int = 0
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    elapsed_s: float = 0.0
-    routing_us: dict[str, float] = field(default_factory=dict)
-    decisions: dict[str, int] = field(default_factory=dict)  # by reason
-    replica_share: list[int] = field(default_factory=list)  # decisions per replica
-    # prompt tokens some replica had computed before (whole blocks): what a cache could serve
-    num_reusable_tokens: int = 0
-    num_shared_reusable_tokens: int = 0  # of them, in the system prompts
-    # reusable tokens not served, by the turn's kind: a chat's first turn (its system prompt), a
-    # later turn on its previous turn's replica (evicted there), or on another replica (moved)
-    missed_tokens: dict[str, int] = field(default_factory=dict)
-    # the blocks the open conversations' histories took, mean over the turns after the first
-    # `num_open` while conversations still wait (the steady state): footprint_blocks, measured
-    live_blocks_mean: float = 0.0
-
-    @property
-    def output_tok_s(self) -> float:
-        return self.num_output_tokens / self.elapsed_s if self.elapsed_s else 0.0
-
-    @property
-    def hit_share(self) -> float:
-        """Of the reusable prompt tokens, those served from a cache."""
-        return self.num_cached_tokens / max(self.num_reusable_tokens, 1)
-
-    @property
-    def max_hit_ratio(self) -> float:
-        """The most hit tokens any policy can have over round robin on two replicas while round
-        robin's caches keep what it reuses: it sends a chat's turn to the replica of its previous
-        turn half the time, where its history is as cached as anywhere, and finds the system
-        prompts everywhere. Cache pressure can take more from it (the module's docstring)."""
-        shared = self.num_shared_reusable_tokens / max(self.num_reusable_tokens, 1)
-        return 2 / (1 + shared)
 
 
 async def _client(stub, open_chats: list[Conversation], waiting: deque[Conversation],
@@ -265,12 +195,6 @@ async def routing_time_us(gateway: Gateway, prompts: list[list[int]]) -> dict[st
     return percentiles(times_us)
 
 
-def cache_blocks(args: argparse.Namespace) -> int:
-    """Each replica's KV blocks: --cache-fraction of the footprint (0: by --kv-cache-memory-gib)."""
-    return 0 if args.kv_cache_memory_gib else math.ceil(args.cache_fraction
-                                                        * footprint_blocks(args))
-
-
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """Each replica's cache: --kv-cache-memory-gib when given, else --cache-fraction of the
     workload's footprint."""
@@ -347,34 +271,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          f"{preset}) must be at least --concurrency ({run_args.concurrency}): a "
                          f"client takes an open conversation")
     return args
-
-
-def summarize(args: argparse.Namespace, affinity: PolicyResult,
-              round_robin: PolicyResult) -> tuple[str, dict]:
-    """One preset's result line and record: affinity over round robin and what bounds it."""
-    hit_ratio = affinity.num_cached_tokens / max(round_robin.num_cached_tokens, 1)
-    throughput_ratio = affinity.output_tok_s / max(round_robin.output_tok_s, 1e-9)
-    line = (f"routing {args.workload}: affinity {affinity.num_cached_tokens} hit tokens, "
-            f"{affinity.output_tok_s:.1f} tok/s; round-robin {round_robin.num_cached_tokens} "
-            f"hit tokens, {round_robin.output_tok_s:.1f} tok/s; hit tokens x{hit_ratio:.2f} "
-            f"(target >= 1.8), throughput x{throughput_ratio:.2f} (target >= 1.0), routing "
-            f"p50 {affinity.routing_us['p50']:.1f} us (target <= 1000); affinity decisions "
-            f"{affinity.decisions}, per replica {affinity.replica_share}; of the reusable prompt "
-            f"tokens ({round_robin.num_reusable_tokens}, "
-            f"{round_robin.num_shared_reusable_tokens} in system prompts) affinity hit "
-            f"{affinity.hit_share:.0%}, round robin {round_robin.hit_share:.0%}: at most "
-            f"x{round_robin.max_hit_ratio:.2f} while round robin's caches keep what it reuses; missed by kind of turn: affinity "
-            f"{affinity.missed_tokens}, round robin {round_robin.missed_tokens}; footprint "
-            f"{footprint_blocks(args)} blocks estimated, {round_robin.live_blocks_mean:.0f} "
-            f"measured, cache {cache_blocks(args)} blocks per replica")
-    record = {"workload": args.workload,
-              "workload_args": {name: getattr(args, name) for name in WORKLOAD_FLAGS},
-              "max_prompt_len": max_prompt_len(args), "footprint_blocks": footprint_blocks(args),
-              "cache_blocks": cache_blocks(args), "hit_token_ratio": hit_ratio,
-              "throughput_ratio": throughput_ratio,
-              "max_hit_token_ratio": round_robin.max_hit_ratio,
-              "summary": line, "policies": [affinity, round_robin]}
-    return line, record
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -89,6 +89,12 @@ def footprint_blocks(args: argparse.Namespace, block_size: int = BLOCK_SIZE) -> 
             + round(num_open(args) * mean_history / block_size) + running)
 
 
+def cache_blocks(args: argparse.Namespace) -> int:
+    """Each replica's KV blocks: --cache-fraction of the footprint (0: by --kv-cache-memory-gib)."""
+    return 0 if args.kv_cache_memory_gib else math.ceil(args.cache_fraction
+                                                        * footprint_blocks(args))
+
+
 def live_blocks(conversations: list[Conversation], num_system_prompts: int, system_len: int,
                 block_size: int = BLOCK_SIZE) -> int:
     """The KV blocks the started, unfinished conversations' histories take now, each system

@@ -1,0 +1,77 @@
+"""The routing bench's results: one policy's counts and a preset's affinity / round robin line
+and record."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from bench.routing_workload import WORKLOAD_FLAGS, cache_blocks, footprint_blocks, max_prompt_len
+
+
+@dataclass(slots=True)
+class PolicyResult:
+    policy: str
+    num_requests: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    elapsed_s: float = 0.0
+    routing_us: dict[str, float] = field(default_factory=dict)
+    decisions: dict[str, int] = field(default_factory=dict)  # by reason
+    replica_share: list[int] = field(default_factory=list)  # decisions per replica
+    # prompt tokens some replica had computed before (whole blocks): what a cache could serve
+    num_reusable_tokens: int = 0
+    num_shared_reusable_tokens: int = 0  # of them, in the system prompts
+    # reusable tokens not served, by the turn's kind: a chat's first turn (its system prompt), a
+    # later turn on its previous turn's replica (evicted there), or on another replica (moved)
+    missed_tokens: dict[str, int] = field(default_factory=dict)
+    # the blocks the open conversations' histories took, mean over the turns after the first
+    # `num_open` while conversations still wait (the steady state): footprint_blocks, measured
+    live_blocks_mean: float = 0.0
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.num_output_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def hit_share(self) -> float:
+        """Of the reusable prompt tokens, those served from a cache."""
+        return self.num_cached_tokens / max(self.num_reusable_tokens, 1)
+
+    @property
+    def ratio_when_moves_miss(self) -> float:
+        """Affinity's hit tokens over round robin's when affinity hits every reusable token and
+        round robin those of the turns on their previous turn's replica (half) and only the
+        system prompts of the others: 2 / (1 + s), s = the system prompts' share."""
+        shared = self.num_shared_reusable_tokens / max(self.num_reusable_tokens, 1)
+        return 2 / (1 + shared)
+
+
+def summarize(args: argparse.Namespace, affinity: PolicyResult,
+              round_robin: PolicyResult) -> tuple[str, dict]:
+    """One preset's result line and record: affinity over round robin and what bounds it."""
+    hit_ratio = affinity.num_cached_tokens / max(round_robin.num_cached_tokens, 1)
+    throughput_ratio = affinity.output_tok_s / max(round_robin.output_tok_s, 1e-9)
+    line = (f"routing {args.workload}: affinity {affinity.num_cached_tokens} hit tokens, "
+            f"{affinity.output_tok_s:.1f} tok/s; round-robin {round_robin.num_cached_tokens} "
+            f"hit tokens, {round_robin.output_tok_s:.1f} tok/s; hit tokens x{hit_ratio:.2f} "
+            f"(target >= 1.8), throughput x{throughput_ratio:.2f} (target >= 1.0), routing "
+            f"p50 {affinity.routing_us['p50']:.1f} us (target <= 1000); affinity decisions "
+            f"{affinity.decisions}, per replica {affinity.replica_share}; of the reusable prompt "
+            f"tokens ({round_robin.num_reusable_tokens}, "
+            f"{round_robin.num_shared_reusable_tokens} in system prompts) affinity hit "
+            f"{affinity.hit_share:.0%}, round robin {round_robin.hit_share:.0%} (x"
+            f"{round_robin.ratio_when_moves_miss:.2f} when moves miss); missed by kind of turn: "
+            f"affinity "
+            f"{affinity.missed_tokens}, round robin {round_robin.missed_tokens}; footprint "
+            f"{footprint_blocks(args)} blocks estimated, {round_robin.live_blocks_mean:.0f} "
+            f"measured, cache {cache_blocks(args)} blocks per replica")
+    record = {"workload": args.workload,
+              "workload_args": {name: getattr(args, name) for name in WORKLOAD_FLAGS},
+              "max_prompt_len": max_prompt_len(args), "footprint_blocks": footprint_blocks(args),
+              "cache_blocks": cache_blocks(args), "hit_token_ratio": hit_ratio,
+              "throughput_ratio": throughput_ratio,
+              "ratio_when_moves_miss": round_robin.ratio_when_moves_miss,
+              "summary": line, "policies": [affinity, round_robin]}
+    return line, record
