@@ -39,11 +39,13 @@ def load() -> ModuleType | None:
         logger.info("no %s or ninja: CPU decode attention gathers K/V for SDPA", compiler)
         return None
     # -march=native doubles the kernel's speed; the build is named by the CPU's flags, so a
-    # cache shared with another kind of CPU never loads a binary built for this one.
+    # cache shared with another kind of CPU never loads a binary built for this one, and by the
+    # source, so checkouts of different versions sharing the cache do not rebuild in turn.
     features = _cpu_features()
-    name, cflags = EXTENSION_NAME, ["-O3", "-fopenmp"]
+    source_digest = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10]
+    name, cflags = f"{EXTENSION_NAME}_{source_digest}", ["-O3", "-fopenmp"]
     if features is not None:
-        name, cflags = f"{EXTENSION_NAME}_{features}", [*cflags, "-march=native"]
+        name, cflags = f"{name}_{features}", [*cflags, "-march=native"]
     from torch.utils import cpp_extension
     try:
         return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=cflags,

@@ -1,6 +1,7 @@
-"""The compiled CPU decode kernel against the reference: contexts over many blocks, every GQA
-ratio the models use, head sizes off its 8-lane stride, the CPU cache dtypes. Skipped where no
-compiler can build it (the torch backend then takes the gather path, tested in test_torch_ops)."""
+"""The compiled CPU decode kernel against the reference: contexts over many blocks and split into
+chunks, every GQA ratio the models use, the head sizes with a vector path (64, 128) and one off
+its 16-lane stride, the CPU cache dtypes. Skipped where no compiler can build it (the torch
+backend then takes the gather path, tested in test_torch_ops)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ DECODES = [(300, 1), (0, 1), (15, 1), (16, 1), (129, 1)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_size", [64, 36])
+@pytest.mark.parametrize("head_size", [64, 128, 36])
 @pytest.mark.parametrize("gqa", [1, 3, 8])
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_decode_matches_reference(block_size, gqa, head_size, dtype):
