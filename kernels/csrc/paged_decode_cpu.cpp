@@ -100,6 +100,24 @@ inline __m512 exp512(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~is_tiny), y);
 }
 
+// 16 vectors -> one whose lane t is the sum of x[t]'s lanes: a transpose-and-add tree, about a
+// third of the instructions of 16 horizontal sums.
+inline __m512 sum_lanes16(__m512* x) {
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]),
+                         _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // fp32, block_size <= 16, head_size a multiple of 16 up to 256 (kVecs 16-lane vectors).
 template <int64_t kVecs>
 void block_avx512(const State& st, const float* q, const float* k, const float* v, int64_t n,
@@ -112,27 +130,33 @@ void block_avx512(const State& st, const float* q, const float* k, const float* 
       const int64_t h = kv * s.group + g;
       __m512 qv[kVecs];
       for (int64_t i = 0; i < kVecs; ++i) qv[i] = _mm512_loadu_ps(q + h * hs + 16 * i);
-      alignas(64) float scores[16];
-      for (int64_t t = 0; t < n; ++t) {
+      __m512 prod[16];
+      for (int64_t t = 0; t < 16; ++t) {
         const float* kt = k + t * ts + kv * hs;
-        __m512 a0 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
-        __m512 a1 = _mm512_setzero_ps();
-        for (int64_t i = 1; i < kVecs; i += 2) {
-          a1 = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kt + 16 * i), a1);
-          if (i + 1 < kVecs) a0 = _mm512_fmadd_ps(qv[i + 1], _mm512_loadu_ps(kt + 16 * i + 16), a0);
-        }
-        scores[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+        prod[t] = _mm512_setzero_ps();
+        if (t < n)
+          for (int64_t i = 0; i < kVecs; ++i)
+            prod[t] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kt + 16 * i), prod[t]);
       }
-      const __m512 sv = _mm512_mask_load_ps(
-          _mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, scores);
-      const float m = raise_max(st, h, _mm512_reduce_max_ps(sv), hs);
-      const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m))));
-      st.sum[h] += _mm512_reduce_add_ps(p);
+      const __m512 scores = _mm512_mask_blend_ps(
+          valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), sum_lanes16(prod));
+      const float old_max = st.max[h];
+      const float m = std::max(old_max, _mm512_reduce_max_ps(scores));
+      const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(scores, _mm512_set1_ps(m))));
       alignas(64) float pw[16];
       _mm512_store_ps(pw, p);
       float* acc = st.acc + h * hs;
       __m512 av[kVecs];
-      for (int64_t i = 0; i < kVecs; ++i) av[i] = _mm512_loadu_ps(acc + 16 * i);
+      if (m != old_max) {
+        const float alpha = std::exp(old_max - m);  // exp(-inf) = 0 for the first block
+        st.sum[h] *= alpha;
+        st.max[h] = m;
+        for (int64_t i = 0; i < kVecs; ++i)
+          av[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), _mm512_set1_ps(alpha));
+      } else {
+        for (int64_t i = 0; i < kVecs; ++i) av[i] = _mm512_loadu_ps(acc + 16 * i);
+      }
+      st.sum[h] += _mm512_reduce_add_ps(p);
       for (int64_t t = 0; t < n; ++t) {
         const float* vt = v + t * ts + kv * hs;
         const __m512 pt = _mm512_set1_ps(pw[t]);
@@ -160,9 +184,9 @@ void run_chunk(const State& st, const float* q, const scalar_t* k_cache, const s
     const scalar_t* v = v_cache + block_table[b] * stride;
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<scalar_t, float>) {
-      if (b + 1 < last_block) {
-        prefetch_block(k_cache + block_table[b + 1] * stride, stride);
-        prefetch_block(v_cache + block_table[b + 1] * stride, stride);
+      if (b + 2 < last_block) {
+        prefetch_block(k_cache + block_table[b + 2] * stride, stride);
+        prefetch_block(v_cache + block_table[b + 2] * stride, stride);
       }
       if (bs <= 16) {
         switch (s.head_size) {
