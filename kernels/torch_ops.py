@@ -11,7 +11,7 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
-from pagedserve.kernels import cpu_decode
+from pagedserve.kernels import cpu_decode, cpu_linear
 from pagedserve.kernels.cdiv import cdiv
 from pagedserve.kernels.metadata import AttentionMetadata
 
@@ -154,6 +154,7 @@ def _prefill_plan(meta: AttentionMetadata, query: torch.Tensor,
 def prepare(device: torch.device) -> None:
     if device.type == "cpu":
         cpu_decode.load()  # compiles once per machine; later loads reuse the build
+        cpu_linear.load()
 
 
 def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> DecodePlan:

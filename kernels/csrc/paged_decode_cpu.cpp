@@ -6,9 +6,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "avx512_lanes.h"
 
 #include <algorithm>
 #include <cmath>
@@ -98,24 +96,6 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   const __m512 y = _mm512_scalef_ps(p, n);
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~is_tiny), y);
-}
-
-// 16 vectors -> one whose lane t is the sum of x[t]'s lanes: a transpose-and-add tree, about a
-// third of the instructions of 16 horizontal sums.
-inline __m512 sum_lanes16(__m512* x) {
-  for (int i = 0; i < 8; ++i)
-    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]),
-                         _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
-    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int i = 0; i < 2; ++i)
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // fp32, block_size <= 16, head_size a multiple of 16 up to 256 (kVecs 16-lane vectors).

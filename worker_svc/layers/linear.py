@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pagedserve.kernels import cpu_linear
 from pagedserve.kernels.cdiv import cdiv
 from pagedserve.services.common.errors import ConfigError
 from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
@@ -28,7 +29,7 @@ class Linear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_linear.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(Linear):
@@ -125,7 +126,7 @@ class RowParallelLinear(Linear):
         default_weight_loader(param, _rank_slice(loaded_weight, 1, param.shape[1], self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(cpu_linear.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -171,7 +172,7 @@ class VocabEmbedding(nn.Module):
 
     def lm_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """[num_rows, dim] → float32 [num_rows, num_embeddings] on rank 0, None on the others."""
-        logits = F.linear(hidden_states, self.weight).float()
+        logits = cpu_linear.linear(hidden_states, self.weight).float()
         if self.tp.size == 1:
             return logits
         logits = self.tp.gather(logits)

@@ -1,0 +1,49 @@
+"""Builds a C++ kernel for CPU with torch's cpp_extension, cached per machine
+(TORCH_EXTENSIONS_DIR); None where nothing can build it, so callers keep a torch fallback."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+
+def _cpu_features() -> str | None:
+    """A digest of the host's CPU flags, or None where they cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), None)
+    return hashlib.sha1(flags.encode()).hexdigest()[:10] if flags else None
+
+
+def build(name: str, source: Path) -> ModuleType | None:
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None or shutil.which("ninja") is None:
+        logger.info("no %s or ninja: %s is not built, torch ops stand in", compiler, name)
+        return None
+    # -march=native doubles the kernels' speed; the build is named by the CPU's flags, so a
+    # cache shared with another kind of CPU never loads a binary built for this one, and by the
+    # source, so checkouts of different versions sharing the cache do not rebuild in turn.
+    features = _cpu_features()
+    digest = hashlib.sha1(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):  # the sources' shared helpers
+        digest.update(header.read_bytes())
+    name = f"{name}_{digest.hexdigest()[:10]}"
+    cflags = ["-O3", "-fopenmp"]
+    if features is not None:
+        name, cflags = f"{name}_{features}", [*cflags, "-march=native"]
+    from torch.utils import cpp_extension
+    try:
+        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,
+                                  extra_ldflags=["-fopenmp"])
+    except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as exc:
+        logger.warning("building %s failed (%s): torch ops stand in", name, exc)
+        return None

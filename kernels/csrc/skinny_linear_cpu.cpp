@@ -1,0 +1,98 @@
+// out = x @ weight^T for few rows of x (decode steps) on CPU, fp32. BLAS packs the weight on every
+// call, an extra pass over memory that costs as much as the product at a handful of rows; here
+// each weight row is read in place, 4 rows at a time against 4 rows of x, and the next 4 weight
+// rows are prefetched while the first rows of x pass.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+
+#include "avx512_lanes.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kTile = 4;
+
+// out[m0:m0+C, n0:n0+R] from x[M, K] and w[N, K]
+template <int R, int C>
+inline void tile(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t m0,
+                 int64_t n0) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, w + (n0 + r) * K + k);
+    if (m0 == 0)
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + kTile + r) * K + k), _MM_HINT_T0);
+    for (int c = 0; c < C; ++c) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + (m0 + c) * K + k);
+      for (int r = 0; r < R; ++r) acc[c * R + r] = _mm512_fmadd_ps(xv, wv[r], acc[c * R + r]);
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, sum_lanes16(acc));
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) out[(m0 + c) * N + n0 + r] = sums[c * R + r];
+}
+
+template <int R>
+inline void weight_rows(const float* x, const float* w, float* out, int64_t M, int64_t K,
+                        int64_t N, int64_t n0) {
+  int64_t m = 0;
+  for (; m + kTile <= M; m += kTile) tile<R, kTile>(x, w, out, K, N, m, n0);
+  switch (M - m) {
+    case 3: tile<R, 3>(x, w, out, K, N, m, n0); break;
+    case 2: tile<R, 2>(x, w, out, K, N, m, n0); break;
+    case 1: tile<R, 1>(x, w, out, K, N, m, n0); break;
+    default: break;
+  }
+}
+#endif
+
+bool has_vector_path() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void skinny_linear(torch::Tensor out, torch::Tensor x, torch::Tensor weight) {
+  // out: [M, N]; x: [M, K]; weight: [N, K]; all fp32 and contiguous.
+  TORCH_CHECK(has_vector_path(), "skinny_linear needs AVX-512; use torch.nn.functional.linear");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32 &&
+                  out.scalar_type() == torch::kFloat32,
+              "x, weight and out must be float32");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(),
+              "x, weight and out must be contiguous");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1) &&
+                  out.size(0) == x.size(0) && out.size(1) == weight.size(0),
+              "shapes must be x [M, K], weight [N, K], out [M, N]");
+#if defined(__AVX512F__)
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (N + kTile - 1) / kTile, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTile;
+      switch (std::min(kTile, N - n0)) {
+        case 4: weight_rows<4>(xp, wp, op, M, K, N, n0); break;
+        case 3: weight_rows<3>(xp, wp, op, M, K, N, n0); break;
+        case 2: weight_rows<2>(xp, wp, op, M, K, N, n0); break;
+        default: weight_rows<1>(xp, wp, op, M, K, N, n0); break;
+      }
+    }
+  });
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("has_vector_path", &has_vector_path, "whether this build has the AVX-512 kernel");
+  m.def("skinny_linear", &skinny_linear, "x @ weight^T for few rows of x (CPU, fp32)");
+}
