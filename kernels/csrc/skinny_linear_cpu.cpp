@@ -20,13 +20,23 @@ inline void tile(const float* x, const float* w, float* out, int64_t K, int64_t 
                  int64_t n0) {
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 mask = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
+  int64_t k = 0;
+  // The tail stays a separate loop: one masked loop keeps `acc` in memory (GCC 12).
+  for (; k + 16 <= K; k += 16) {
     __m512 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, w + (n0 + r) * K + k);
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(w + (n0 + r) * K + k);
     if (m0 == 0)
       for (int r = 0; r < R; ++r)
         _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + kTile + r) * K + k), _MM_HINT_T0);
+    for (int c = 0; c < C; ++c) {
+      const __m512 xv = _mm512_loadu_ps(x + (m0 + c) * K + k);
+      for (int r = 0; r < R; ++r) acc[c * R + r] = _mm512_fmadd_ps(xv, wv[r], acc[c * R + r]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, w + (n0 + r) * K + k);
     for (int c = 0; c < C; ++c) {
       const __m512 xv = _mm512_maskz_loadu_ps(mask, x + (m0 + c) * K + k);
       for (int r = 0; r < R; ++r) acc[c * R + r] = _mm512_fmadd_ps(xv, wv[r], acc[c * R + r]);
