@@ -15,7 +15,7 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C++ toolchain or AV
 
 
 @needs_kernel
-@pytest.mark.parametrize("num_rows", [1, 3, 4, 7, 16, cpu_linear.MAX_ROWS])
+@pytest.mark.parametrize("num_rows", [2, 3, 4, 7, 16, cpu_linear.MAX_ROWS])
 @pytest.mark.parametrize(("out_features", "in_features"), [(576, 1536), (13, 40), (3, 576)])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_matches_f_linear(num_rows, out_features, in_features, has_bias):
@@ -44,9 +44,9 @@ def test_kernel_rejects_bad_shapes():
         KERNEL.skinny_linear(torch.empty(2, 3), torch.randn(2, 5), torch.randn(3, 4))
 
 
-@pytest.mark.parametrize("case", ["many_rows", "bf16", "grad", "no_kernel"])
+@pytest.mark.parametrize("case", ["one_row", "many_rows", "bf16", "grad", "no_kernel"])
 def test_other_inputs_take_f_linear(case, monkeypatch):
-    num_rows = cpu_linear.MAX_ROWS + 1 if case == "many_rows" else 4
+    num_rows = {"one_row": 1, "many_rows": cpu_linear.MAX_ROWS + 1}.get(case, 4)
     dtype = torch.bfloat16 if case == "bf16" else torch.float32
     x = torch.randn(num_rows, 48, dtype=dtype)
     weight = torch.randn(10, 48, dtype=dtype)
