@@ -1,7 +1,7 @@
 // out = x @ weight^T for few rows of x (decode steps) on CPU, fp32. BLAS packs the weight on every
 // call, an extra pass over memory that costs as much as the product at a handful of rows; here
-// each weight row is read in place, 4 rows at a time against 4 rows of x, and the next 4 weight
-// rows are prefetched while the first rows of x pass.
+// each weight row is read in place, 4 rows at a time against 4 rows of x, while the 4 rows two
+// tiles ahead are prefetched into L2, a share of them by each pass over x.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -14,10 +14,10 @@ namespace {
 #if defined(__AVX512F__)
 constexpr int64_t kTile = 4;
 
-// out[m0:m0+C, n0:n0+R] from x[M, K] and w[N, K]
+// out[m0:m0+C, n0:n0+R] from x[M, K] and w[N, K]; this is pass j of nj over the weight rows
 template <int R, int C>
 inline void tile(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t m0,
-                 int64_t n0) {
+                 int64_t n0, int64_t j, int64_t nj) {
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   int64_t k = 0;
@@ -25,9 +25,8 @@ inline void tile(const float* x, const float* w, float* out, int64_t K, int64_t 
   for (; k + 16 <= K; k += 16) {
     __m512 wv[R];
     for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(w + (n0 + r) * K + k);
-    if (m0 == 0)
-      for (int r = 0; r < R; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + kTile + r) * K + k), _MM_HINT_T0);
+    for (int64_t r = j; r < kTile; r += nj)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + 2 * kTile + r) * K + k), _MM_HINT_T1);
     for (int c = 0; c < C; ++c) {
       const __m512 xv = _mm512_loadu_ps(x + (m0 + c) * K + k);
       for (int r = 0; r < R; ++r) acc[c * R + r] = _mm512_fmadd_ps(xv, wv[r], acc[c * R + r]);
@@ -52,11 +51,12 @@ template <int R>
 inline void weight_rows(const float* x, const float* w, float* out, int64_t M, int64_t K,
                         int64_t N, int64_t n0) {
   int64_t m = 0;
-  for (; m + kTile <= M; m += kTile) tile<R, kTile>(x, w, out, K, N, m, n0);
+  const int64_t nj = (M + kTile - 1) / kTile;
+  for (; m + kTile <= M; m += kTile) tile<R, kTile>(x, w, out, K, N, m, n0, m / kTile, nj);
   switch (M - m) {
-    case 3: tile<R, 3>(x, w, out, K, N, m, n0); break;
-    case 2: tile<R, 2>(x, w, out, K, N, m, n0); break;
-    case 1: tile<R, 1>(x, w, out, K, N, m, n0); break;
+    case 3: tile<R, 3>(x, w, out, K, N, m, n0, m / kTile, nj); break;
+    case 2: tile<R, 2>(x, w, out, K, N, m, n0, m / kTile, nj); break;
+    case 1: tile<R, 1>(x, w, out, K, N, m, n0, m / kTile, nj); break;
     default: break;
   }
 }
