@@ -253,7 +253,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--user-len", type=int, help="a user message's (tool result's) tokens")
     parser.add_argument("--output-len", type=int, help="an answer's (action's) tokens")
     parser.add_argument("--concurrency", type=int)
-    parser.add_argument("--cache-fraction", type=float, default=0.7,
+    parser.add_argument("--cache-fraction", type=float, default=0.6,
                         help="each replica's KV cache, as a fraction of the workload's footprint")
     parser.add_argument("--kv-cache-memory-gib", type=float, default=0.0,
                         help="each replica's KV cache in GiB instead; 0 = by --cache-fraction")
