@@ -50,7 +50,8 @@ class PolicyResult:
 
 def summarize(args: argparse.Namespace, affinity: PolicyResult,
               round_robin: PolicyResult) -> tuple[str, dict]:
-    """One preset's result line and record: affinity over round robin and what bounds it."""
+    """One preset's result line and record: affinity over round robin, and the ratio when round
+    robin's moved turns miss."""
     hit_ratio = affinity.num_cached_tokens / max(round_robin.num_cached_tokens, 1)
     throughput_ratio = affinity.output_tok_s / max(round_robin.output_tok_s, 1e-9)
     line = (f"routing {args.workload}: affinity {affinity.num_cached_tokens} hit tokens, "
@@ -63,8 +64,7 @@ def summarize(args: argparse.Namespace, affinity: PolicyResult,
             f"{round_robin.num_shared_reusable_tokens} in system prompts) affinity hit "
             f"{affinity.hit_share:.0%}, round robin {round_robin.hit_share:.0%} (x"
             f"{round_robin.ratio_when_moves_miss:.2f} when moves miss); missed by kind of turn: "
-            f"affinity "
-            f"{affinity.missed_tokens}, round robin {round_robin.missed_tokens}; footprint "
+            f"affinity {affinity.missed_tokens}, round robin {round_robin.missed_tokens}; footprint "
             f"{footprint_blocks(args)} blocks estimated, {round_robin.live_blocks_mean:.0f} "
             f"measured, cache {cache_blocks(args)} blocks per replica")
     record = {"workload": args.workload,

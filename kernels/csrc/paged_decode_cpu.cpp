@@ -34,6 +34,14 @@ struct State {
   float* acc;  // [num_heads, head_size]
 };
 
+// A state at its start (no keys yet) laid over `base`: [num_heads] max, [num_heads] sum, then acc.
+inline State fresh_state(float* base, int64_t num_heads, int64_t head_size) {
+  const State st{base, base + num_heads, base + 2 * num_heads};
+  std::fill(st.max, st.max + num_heads, -std::numeric_limits<float>::infinity());
+  std::fill(st.sum, st.acc + num_heads * head_size, 0.f);
+  return st;
+}
+
 // Rescales head h's state to a new maximum; the block's weights p must already use it.
 inline float raise_max(const State& st, int64_t h, float block_max, int64_t head_size) {
   const float new_max = std::max(st.max[h], block_max);
@@ -250,9 +258,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
       for (int64_t c = bounds[begin]; c < bounds[end]; ++c) {
         const Chunk& ch = chunks[c];
         float* base = ch.slot < 0 ? local.data() : partials.data() + ch.slot * state_numel;
-        const State st{base, base + num_heads, base + 2 * num_heads};
-        std::fill(st.max, st.max + num_heads, -std::numeric_limits<float>::infinity());
-        std::fill(st.sum, st.acc + num_heads * head_size, 0.f);
+        const State st = fresh_state(base, num_heads, head_size);
         run_chunk(st, q_scaled.data() + ch.seq * num_heads * head_size, k_ptr, v_ptr,
                   tables + ch.seq * table_stride, ch.first_block, ch.last_block, lens[ch.seq], s,
                   scores.data());
@@ -265,9 +271,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
       size_t e = c + 1;
       while (e < chunks.size() && chunks[e].seq == chunks[c].seq) ++e;
       if (chunks[c].slot >= 0) {
-        const State m{merged.data(), merged.data() + num_heads, merged.data() + 2 * num_heads};
-        std::fill(m.max, m.max + num_heads, -std::numeric_limits<float>::infinity());
-        std::fill(m.sum, m.acc + num_heads * head_size, 0.f);
+        const State m = fresh_state(merged.data(), num_heads, head_size);
         for (size_t p = c; p < e; ++p) {
           const float* part = partials.data() + chunks[p].slot * state_numel;
           const float* acc = part + 2 * num_heads;
