@@ -7,6 +7,10 @@ more than one way (a branch point: a system prompt shared by several chats). Bou
 recently routed entries are forgotten first, past a capacity the router sets to what the serving
 replicas' KV caches hold together, so that the blocks it remembers per replica follow what the
 replicas still keep (a chat that ended is forgotten about when its blocks would be evicted).
+Of one prompt, the deepest blocks are forgotten first, as a replica evicts them (a finished
+sequence releases its blocks last to first): a chat whose history lost its tail to pressure is
+still known by its head, which its replica still holds, instead of looking new and moving off
+it (forgetting its first own block would break the chain at that block, the rest unreachable).
 A guess only: the replicas evict on their own, and each gateway knows only the prompts it routed.
 """
 
@@ -87,7 +91,6 @@ class PrefixIndex:
             else:
                 self.num_blocks_by_address[entry.address] -= 1
                 entry.address = address
-                entries.move_to_end(block_hash)
             self.num_blocks_by_address[address] += 1
             if depth + 1 < len(hashes):
                 following = hashes[depth + 1]
@@ -95,6 +98,8 @@ class PrefixIndex:
                     entry.next_hash = following
                 elif entry.next_hash != following:
                     entry.is_branch = True
+        for block_hash in reversed(hashes):  # deepest least recent: forgotten first
+            entries.move_to_end(block_hash)
         limit = self.capacity if capacity is None else min(self.capacity, capacity)
         while len(entries) > limit:
             self.num_blocks_by_address[entries.popitem(last=False)[1].address] -= 1

@@ -10,7 +10,7 @@ import pytest
 from pagedserve.services.common.config import RoutingConfig
 from pagedserve.services.common.errors import ConfigError
 from pagedserve.services.gateway.prefix_index import PrefixIndex, chained_block_hashes
-from pagedserve.services.gateway.routing import Candidate, Reason, Router
+from pagedserve.services.gateway.routing import Candidate, Decision, Reason, Router
 
 BLOCK = 16
 
@@ -51,9 +51,35 @@ def test_the_index_forgets_the_least_recently_routed_first():
     index.record([3, 4], "b")
     index.record([1, 2], "a")
     index.record([5], "a")
-    assert len(index) == 4
-    assert index.match([3, 4], frozenset({"a", "b"})).num_blocks == 0
+    assert len(index) == 4  # of [3, 4], routed longest ago, its deepest block went
+    assert index.match([3, 4], frozenset({"a", "b"})).num_blocks == 1
     assert index.match([1, 2], frozenset({"a", "b"})).num_blocks == 2
+
+
+def test_the_index_forgets_a_prompts_deepest_blocks_first_as_replicas_evict():
+    index = PrefixIndex(8)
+    index.record([1, 2, 3, 4, 5, 6], "a")
+    index.record([7, 8, 9], "b")  # 9 entries: the chat's last block goes, its head stays
+    assert index.match([1, 2, 3, 4, 5, 6, 10], frozenset({"a", "b"})).num_blocks == 5
+    index.record([11, 12, 13], "b")
+    chat = index.match([1, 2, 3, 4, 5, 6, 10], frozenset({"a", "b"}))
+    assert (chat.num_blocks, chat.address) == (2, "a") and len(index) == 8
+    assert dict(index.num_blocks_by_address) == {"a": 2, "b": 6}
+
+
+def test_a_chat_that_lost_its_tail_stays_on_its_replica():
+    rng = random.Random(4)
+    router = Router("affinity", 1.5, 4)
+    replicas = [Candidate("a:1", 0, num_gpu_blocks=20), Candidate("b:1", 0, num_gpu_blocks=20)]
+    system = tokens(rng, 4 * BLOCK)
+    chat = [*system, *tokens(rng, 12 * BLOCK)]
+    home = router.choose(replicas, chat, BLOCK).address
+    for _ in range(3):  # other chats of the prompt: 46 blocks, past the caches' 40
+        router.choose(replicas, [*system, *tokens(rng, 10 * BLOCK)], BLOCK)
+    chat += tokens(rng, 3 * BLOCK)
+    match = router.index.match(chained_block_hashes(chat, BLOCK, 64), frozenset({"a:1", "b:1"}))
+    assert (match.address, match.num_shared_blocks) == (home, 4) and 4 < match.num_blocks < 16
+    assert router.choose(replicas, chat, BLOCK) == Decision(home, Reason.AFFINITY)
 
 
 def test_the_index_remembers_no_more_than_the_replicas_caches_hold():
@@ -117,9 +143,9 @@ def test_the_index_counts_the_blocks_each_replica_last_got():
     index.record([1, 2, 3], "a")
     index.record([1, 2, 4], "b")
     assert dict(index.num_blocks_by_address) == {"a": 1, "b": 3}
-    index.record([7, 8, 9], "a")  # 7 entries: 3 and 1, routed longest ago, are forgotten
+    index.record([7, 8, 9], "a")  # 7 entries: 3 and 4, the deepest routed longest ago, go
     assert len(index) == 5 and dict(index.num_blocks_by_address) == {"a": 3, "b": 2}
-    assert index.match([1, 2, 4], frozenset({"a", "b"})).num_blocks == 0
+    assert index.match([1, 2, 4], frozenset({"a", "b"})).num_blocks == 2
 
 
 def test_new_chats_of_a_shared_prompt_go_where_fewer_blocks_went():
