@@ -35,6 +35,9 @@ on its previous turn's replica or moved), output tokens/s, the routing decisions
 replica, the gateway's routing decision time (p50, p99), the footprint; then affinity / round
 robin (targets: >= 1.8x hit tokens, throughput not lower, routing p50 <= 1 ms).
 
+One run is one draw of which conversations grow long on which replica; bench/routing_replay.py
+replays the same workload over a model of the caches for many seeds, to compare routing changes.
+
     python -m bench.routing --tag cpu            # both presets, SmolLM2, 8 clients
     python -m bench.routing --quick --tag quick  # both, small
     python -m bench.routing --workload agent --cache-fraction 0.7
@@ -68,14 +71,16 @@ from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pagedserve.worker_svc.servicer import start_worker
 
 from bench.common import DEFAULT_MODEL, finish, percentiles, quiet_logging
-from bench.routing_report import PolicyResult, summarize
+from bench.routing_report import PolicyResult, count_turn, summarize
 from bench.routing_workload import (
     BLOCK_SIZE,
     PRESETS,
     Conversation,
     cache_blocks,
+    end_turn,
     live_blocks,
     make_conversations,
+    next_prompt,
     num_open,
     preset_args,
 )
@@ -91,14 +96,8 @@ async def _client(stub, open_chats: list[Conversation], waiting: deque[Conversat
     back) and puts it back among the open ones; one that is over makes room for a waiting one."""
     while open_chats:
         conversation = open_chats.pop(rng.randrange(len(open_chats)))
-        if not conversation.history:
-            conversation.history = list(conversation.system)
-            if id(conversation.system) in systems_seen:
-                conversation.num_computed = len(conversation.system)
-            systems_seen.add(id(conversation.system))
-            live[id(conversation)] = conversation
-        conversation.history += conversation.user_turns[conversation.num_turns_done]
-        prompt = conversation.history
+        live[id(conversation)] = conversation
+        prompt = next_prompt(conversation, systems_seen)
         response = await stub.Generate(gateway_pb2.GenerateRequest(
             token_ids=common_pb2.TokenIds(token_ids=prompt),
             sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=args.output_len,
@@ -107,21 +106,9 @@ async def _client(stub, open_chats: list[Conversation], waiting: deque[Conversat
         result.num_prompt_tokens += response.usage.prompt_tokens
         result.num_cached_tokens += response.usage.cached_tokens
         result.num_output_tokens += response.usage.completion_tokens
-        # a hit stops a block short of the whole prompt: the last token's logits are needed
-        reusable = min(conversation.num_computed, len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
         replica = routed.pop(hash(tuple(prompt)), "")
-        kind = ("first" if not conversation.num_turns_done else
-                "same_replica" if replica == conversation.replica else "moved")
-        result.num_reusable_tokens += reusable
-        result.num_shared_reusable_tokens += min(
-            reusable, len(conversation.system) // BLOCK_SIZE * BLOCK_SIZE)
-        result.missed_tokens[kind] = (result.missed_tokens.get(kind, 0)
-                                      + max(reusable - response.usage.cached_tokens, 0))
-        conversation.replica = replica
-        conversation.history += response.outputs[0].token_ids
-        conversation.num_computed = len(conversation.history) - 1
-        conversation.num_turns_done += 1
-        if conversation.num_turns_done < len(conversation.user_turns):
+        count_turn(result, conversation, prompt, response.usage.cached_tokens, replica)
+        if end_turn(conversation, response.outputs[0].token_ids, replica):
             open_chats.append(conversation)
         else:
             del live[id(conversation)]

@@ -6,7 +6,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from bench.routing_workload import WORKLOAD_FLAGS, cache_blocks, footprint_blocks, max_prompt_len
+from bench.routing_workload import (
+    BLOCK_SIZE,
+    WORKLOAD_FLAGS,
+    Conversation,
+    cache_blocks,
+    footprint_blocks,
+    max_prompt_len,
+)
 
 
 @dataclass(slots=True)
@@ -46,6 +53,20 @@ class PolicyResult:
         system prompts of the others: 2 / (1 + s), s = the system prompts' share."""
         shared = self.num_shared_reusable_tokens / max(self.num_reusable_tokens, 1)
         return 2 / (1 + shared)
+
+
+def count_turn(result: PolicyResult, conversation: Conversation, prompt: list[int],
+               num_cached_tokens: int, replica: str) -> None:
+    """A turn's reusable tokens and what it missed of them, by kind (before end_turn)."""
+    # a hit stops a block short of the whole prompt: the last token's logits are needed
+    reusable = min(conversation.num_computed, len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    kind = ("first" if not conversation.num_turns_done else
+            "same_replica" if replica == conversation.replica else "moved")
+    result.num_reusable_tokens += reusable
+    result.num_shared_reusable_tokens += min(
+        reusable, len(conversation.system) // BLOCK_SIZE * BLOCK_SIZE)
+    result.missed_tokens[kind] = (result.missed_tokens.get(kind, 0)
+                                  + max(reusable - num_cached_tokens, 0))
 
 
 def summarize(args: argparse.Namespace, affinity: PolicyResult,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 BLOCK_SIZE = 16
@@ -35,6 +36,27 @@ class Conversation:
     num_turns_done: int = 0
     num_computed: int = 0  # tokens of `history` whose KV a replica computed (the last one's not)
     replica: str = ""  # the replica of its last turn
+
+
+def next_prompt(conversation: Conversation, systems_seen: set[int]) -> list[int]:
+    """The conversation's next turn: its history and a new user message. A first turn's system
+    prompt counts as computed once a conversation of it ran before (`systems_seen`)."""
+    if not conversation.history:
+        conversation.history = list(conversation.system)
+        if id(conversation.system) in systems_seen:
+            conversation.num_computed = len(conversation.system)
+        systems_seen.add(id(conversation.system))
+    conversation.history += conversation.user_turns[conversation.num_turns_done]
+    return list(conversation.history)
+
+
+def end_turn(conversation: Conversation, answer: Sequence[int], replica: str) -> bool:
+    """The turn's answer joins the history; whether the conversation has another turn."""
+    conversation.replica = replica
+    conversation.history += answer
+    conversation.num_computed = len(conversation.history) - 1
+    conversation.num_turns_done += 1
+    return conversation.num_turns_done < len(conversation.user_turns)
 
 
 def preset_args(args: argparse.Namespace, preset: str) -> argparse.Namespace:

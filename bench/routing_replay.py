@@ -1,0 +1,191 @@
+"""Routing replayed offline: bench.routing's workload through the gateway's Router, with each
+replica's prefix cache modelled, over many seeds in seconds.
+
+bench.routing measures one seed on real replicas in minutes, and a seed's ratio swings by tenths
+(which conversations grow long on which replica is chance): too few to tell a routing change from
+luck. The replay runs the same conversations, turn picks and accounting (bench.routing_workload,
+count_turn) through the real Router, and models what decides hits: each replica's KV cache as the
+scheduler keeps it (a prompt hits its longest cached prefix, a block short of the whole prompt; a
+finished turn's full blocks of computed KV stay cached, released last to first into an LRU evictor, reclaimed
+when a turn needs room) and the order turns finish in (`--concurrency` clients; a replica shares
+its time among its running turns, a turn costing its uncached prompt tokens and DECODE_COST per
+output token). Not modelled: waiting for free blocks, preemption, the gateway's load lag.
+
+Per preset: affinity's and round robin's mean share of the reusable tokens, the mean and worst
+ratio of their hit tokens, and `pooled`: one replica with both caches (round robin over it), what
+affinity would hit if where a conversation runs did not matter.
+
+    python -m bench.routing_replay --workload agent --seeds 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+from collections import OrderedDict
+
+from pagedserve.services.common.config import RoutingConfig
+from pagedserve.services.gateway.prefix_index import chained_block_hashes
+from pagedserve.services.gateway.routing import Candidate, Router
+
+from bench.routing_report import PolicyResult, count_turn
+from bench.routing_workload import (
+    BLOCK_SIZE,
+    PRESETS,
+    WORKLOAD_FLAGS,
+    cache_blocks,
+    end_turn,
+    make_conversations,
+    next_prompt,
+    num_open,
+    preset_args,
+)
+
+DECODE_COST = 20.0  # an output token's time in prompt tokens' (a decode step is batched)
+ALL_BLOCKS = 1 << 20
+
+
+class CacheModel:
+    """One replica's KV blocks by prefix hash: those of running turns (referenced), cached ones no
+    turn holds (LRU), and running turns' blocks not yet full or not yet named."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._refs: dict[int, int] = {}
+        self._evictor: OrderedDict[int, None] = OrderedDict()
+        self._num_unnamed = 0
+
+    def admit(self, hashes: list[int], num_blocks: int, max_hit_blocks: int) -> int:
+        """A turn of `num_blocks` (prompt and answer) starts: its cached blocks, the rest taken."""
+        num_hit = 0
+        for block_hash in hashes[:max_hit_blocks]:
+            if block_hash not in self._refs and block_hash not in self._evictor:
+                break
+            num_hit += 1
+        for block_hash in hashes[:num_hit]:
+            self._hold(block_hash)
+        self._num_unnamed += num_blocks - num_hit
+        self._make_room()
+        return num_hit
+
+    def finish(self, hashes: list[int], num_hit: int, num_blocks: int) -> None:
+        """The turn ends: its full blocks (`hashes`, prompt and answer) stay cached."""
+        self._num_unnamed -= num_blocks - num_hit
+        for block_hash in hashes[num_hit:]:
+            self._hold(block_hash)
+        for block_hash in reversed(hashes):
+            self._refs[block_hash] -= 1
+            if not self._refs[block_hash]:
+                del self._refs[block_hash]
+                self._evictor[block_hash] = None
+        self._make_room()
+
+    def _hold(self, block_hash: int) -> None:
+        self._evictor.pop(block_hash, 0)
+        self._refs[block_hash] = self._refs.get(block_hash, 0) + 1
+
+    def _make_room(self) -> None:
+        while self._evictor and (len(self._refs) + len(self._evictor) + self._num_unnamed
+                                 > self.num_blocks):
+            self._evictor.popitem(last=False)
+
+
+def replay(policy: str, args: argparse.Namespace, salt: int, num_replicas: int = 2,
+           cache_scale: int = 1) -> PolicyResult:
+    result = PolicyResult(policy)
+    conversations = make_conversations(args, salt)
+    open_chats, waiting = conversations[:num_open(args)], conversations[num_open(args):]
+    rng = random.Random(args.seed)
+    num_blocks = cache_scale * cache_blocks(args)
+    caches = {f"r{i}": CacheModel(num_blocks) for i in range(num_replicas)}
+    work: dict[str, dict[int, float]] = {address: {} for address in caches}
+    router = Router(policy, args.routing_max_imbalance, args.routing_prefix_blocks)
+    turns: dict[int, tuple] = {}
+    systems_seen: set[int] = set()
+
+    def start_turn(turn_id: int) -> None:
+        conversation = open_chats.pop(rng.randrange(len(open_chats)))
+        prompt = next_prompt(conversation, systems_seen)
+        decision = router.choose([Candidate(a, len(work[a]), num_blocks) for a in caches],
+                                 prompt, BLOCK_SIZE)
+        result.decisions[decision.reason] = result.decisions.get(decision.reason, 0) + 1
+        hashes = chained_block_hashes(prompt, BLOCK_SIZE, ALL_BLOCKS)
+        turn_blocks = math.ceil((len(prompt) + args.output_len) / BLOCK_SIZE)
+        num_hit = caches[decision.address].admit(hashes, turn_blocks,
+                                                 (len(prompt) - 1) // BLOCK_SIZE)
+        result.num_requests += 1
+        result.num_cached_tokens += num_hit * BLOCK_SIZE
+        count_turn(result, conversation, prompt, num_hit * BLOCK_SIZE, decision.address)
+        work[decision.address][turn_id] = (len(prompt) - num_hit * BLOCK_SIZE
+                                           + DECODE_COST * args.output_len)
+        turns[turn_id] = (conversation, decision.address, prompt, num_hit, turn_blocks)
+
+    for turn_id in range(min(args.concurrency, len(open_chats))):
+        start_turn(turn_id)
+    next_id = len(turns)
+    while turns:
+        _, address, done = min((w * len(work[a]), a, t) for a, running in work.items()
+                               for t, w in running.items())
+        elapsed = work[address][done] * len(work[address])
+        for running in work.values():
+            for turn_id in running:
+                running[turn_id] -= elapsed / len(running)
+        del work[address][done]
+        conversation, address, prompt, num_hit, turn_blocks = turns.pop(done)
+        answer = [rng.randrange(args.min_token_id, args.max_token_id)
+                  for _ in range(args.output_len)]
+        # the last answer token was sampled, never fed back: no KV
+        full = chained_block_hashes((prompt + answer)[:-1], BLOCK_SIZE, ALL_BLOCKS)
+        caches[address].finish(full, num_hit, turn_blocks)
+        if end_turn(conversation, answer, address):
+            open_chats.append(conversation)
+        elif waiting:
+            open_chats.append(waiting.pop(0))
+        if open_chats:
+            start_turn(next_id)
+            next_id += 1
+    return result
+
+
+def compare(args: argparse.Namespace, num_seeds: int) -> str:
+    """One preset over seeds 0 .. num_seeds - 1: the line of means."""
+    shares: dict[str, list[float]] = {"affinity": [], "round-robin": [], "pooled": []}
+    ratios = []
+    for seed in range(num_seeds):
+        run_args = argparse.Namespace(**{**vars(args), "seed": seed})
+        affinity = replay("affinity", run_args, 0)
+        round_robin = replay("round-robin", run_args, 1)
+        pooled = replay("round-robin", run_args, 0, num_replicas=1, cache_scale=2)
+        for name, result in zip(shares, (affinity, round_robin, pooled), strict=True):
+            shares[name].append(result.hit_share)
+        ratios.append(affinity.num_cached_tokens / max(round_robin.num_cached_tokens, 1))
+    means = ", ".join(f"{name} {statistics.mean(values):.1%}" for name, values in shares.items())
+    return (f"replay {args.workload} ({num_seeds} seeds, cache {cache_blocks(args)} blocks per "
+            f"replica): mean share of the reusable tokens hit: {means}; hit tokens affinity / "
+            f"round robin: mean x{statistics.mean(ratios):.2f}, worst x{min(ratios):.2f}, "
+            f"seed 0 x{ratios[0]:.2f}")
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", nargs="+", choices=sorted(PRESETS), default=list(PRESETS))
+    parser.add_argument("--seeds", type=int, default=20, help="seeds 0 .. N-1, each a run")
+    parser.add_argument("--quick", action="store_true", help="bench.routing's smaller presets")
+    parser.add_argument("--cache-fraction", type=float, default=0.6,
+                        help="each replica's KV cache, as a fraction of the workload's footprint")
+    parser.add_argument("--routing-prefix-blocks", type=int,
+                        default=RoutingConfig().routing_prefix_blocks)
+    parser.add_argument("--routing-max-imbalance", type=float,
+                        default=RoutingConfig().routing_max_imbalance)
+    args = parser.parse_args(argv)
+    base = argparse.Namespace(**vars(args), seed=0, kv_cache_memory_gib=0.0, min_token_id=3,
+                              max_token_id=300, **dict.fromkeys(WORKLOAD_FLAGS))
+    lines = [compare(preset_args(base, preset), args.seeds) for preset in args.workload]
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+if __name__ == "__main__":
+    main()
