@@ -29,6 +29,8 @@ class ModelInput:
     logits_indices: torch.Tensor  # [num_logits_rows] int64
     sample_seqs: list[CachedSequence]  # logits row i ↔ sample_seqs[i]
     prompt_logprob_spans: list[PromptLogprobSpan]
+    # (input row, index into the step in flight's draws): tokens the host has not read yet
+    drawn_rows: list[tuple[int, int]]
 
     @property
     def num_tokens(self) -> int:
@@ -43,9 +45,10 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch.device
-                      ) -> ModelInput:
-    """seqs: prefills first."""
+def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch.device,
+                      drawn: dict[int, int] | None = None) -> ModelInput:
+    """seqs: prefills first. drawn: seq_id → index into the draws of the step in flight, for
+    sequences whose last token is still being drawn there (the row is left 0 for the caller)."""
     num_seqs = len(seqs)
     query_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int64, num_seqs)
     context_lens = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
@@ -55,10 +58,19 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
     num_tokens = int(query_start_loc[-1])
 
     input_ids = np.empty(num_tokens, np.int64)
+    drawn_rows = []
     for seq, start, end in zip(seqs, query_start_loc[:-1].tolist(),
                                query_start_loc[1:].tolist(), strict=True):
         nc = seq.num_computed_tokens
-        input_ids[start:end] = seq.token_ids[nc:nc + end - start]
+        known = seq.token_ids[nc:nc + end - start]
+        if len(known) < end - start:
+            if len(known) + 1 < end - start or drawn is None or seq.seq_id not in drawn:
+                raise ValueError(f"seq {seq.seq_id}: its token {nc + len(known)} is neither "
+                                 "known nor being drawn")
+            drawn_rows.append((end - 1, drawn[seq.seq_id]))
+            end -= 1
+            input_ids[end] = 0
+        input_ids[start:end] = known
 
     seq_index = np.repeat(np.arange(num_seqs), query_lens)  # [num_tokens]
     positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - context_lens, query_lens)
@@ -107,4 +119,5 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
         logits_indices=_to_device(np.asarray(logits_indices, np.int64), device),
         sample_seqs=[seqs[i] for i in sample_rows],
         prompt_logprob_spans=spans,
+        drawn_rows=drawn_rows,
     )

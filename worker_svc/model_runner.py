@@ -1,11 +1,12 @@
-"""Runs one engine step: cache ops, mirror deltas, the flattened forward, sampling."""
+"""Runs one engine step: cache ops, mirror deltas, the flattened forward, sampling, in three
+calls (launch, sample, finish) so that a step can be launched while the one before is in flight
+(worker_svc/in_flight.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
-from itertools import pairwise
+from collections.abc import Callable
 
 import torch
 from pagedserve.kernels.cdiv import cdiv
@@ -13,6 +14,7 @@ from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import SampledSequence, StepOutput, StepPlan, StepTimings
 from pagedserve.worker_svc.cache_engine import CacheEngine
 from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
+from pagedserve.worker_svc.in_flight import Fence, InFlightStep, PhaseClock, device_fence
 from pagedserve.worker_svc.model_input import ModelInput, build_model_input
 from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
 from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState, prompt_logprobs
@@ -24,7 +26,9 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: nn.Module, sampler: Sampler, vocab_size: int, block_size: int,
-                 max_model_len: int, device: torch.device, tp: TensorParallel = SINGLE) -> None:
+                 max_model_len: int, device: torch.device, tp: TensorParallel = SINGLE,
+                 new_fence: Callable[[], Fence] | None = None) -> None:
+        """new_fence: the work queued on the device so far (default: device_fence)."""
         self.model = model
         self.tp = tp
         self.sampler = sampler
@@ -33,32 +37,83 @@ class ModelRunner:
         self.device = device
         self.mirrors = SequenceMirrors(block_size, max_model_len)
         self.decode_graphs: DecodeGraphs | None = None
+        self._new_fence = new_fence
+
+    def execute_step(self, plan: StepPlan, cache_engine: CacheEngine) -> StepOutput:
+        step = self.launch(plan, cache_engine)
+        self.sample(step)
+        return self.finish(step)
 
     @torch.inference_mode()
-    def execute_step(self, plan: StepPlan, cache_engine: CacheEngine) -> StepOutput:
-        clock = _PhaseClock(self.device)
+    def launch(self, plan: StepPlan, cache_engine: CacheEngine,
+               ahead_of: InFlightStep | None = None) -> InFlightStep:
+        """Cache ops, the mirror's deltas, the inputs and the forward, queued on the device.
+        `ahead_of`: the step still in flight, whose draws are the last tokens of this step's
+        sequences that it sampled; they reach the inputs on the device (the host has not read
+        them yet). Then sample(), then finish()."""
+        clock = PhaseClock(self.device)
         cache_engine.swap_out(plan.blocks_to_swap_out)
         cache_engine.swap_in(plan.blocks_to_swap_in)
         cache_engine.copy(plan.blocks_to_copy)
         clock.mark()
-        scheduled = self.mirrors.apply(plan)
+        scheduled = self.mirrors.apply(plan, is_checked=True)
         if not scheduled:
             clock.mark()
-            # no result comes to the host, so no sync to read events after: host times
-            cache_ops_ns, prepare_ns = clock.host_phases_ns()
-            return StepOutput(step_id=plan.step_id, timings=StepTimings(
-                cache_ops_ns=cache_ops_ns, prepare_ns=prepare_ns))
-        model_input = build_model_input(scheduled, self.block_size, self.device)
+            return InFlightStep(plan.step_id, clock, scheduled)
+        drawn = ahead_of.draws_by_seq() if ahead_of is not None else {}
+        model_input = build_model_input(scheduled, self.block_size, self.device, drawn)
+        if model_input.drawn_rows:
+            rows, sources = (torch.tensor(x, dtype=torch.long) for x in zip(
+                *model_input.drawn_rows, strict=True))
+            model_input.input_ids[rows.to(self.device)] = ahead_of.samples.token_ids[
+                sources.to(self.device)]
+        self.mirrors.mark_computed(scheduled)
         clock.mark()
         logits = self._forward(model_input, cache_engine.gpu_cache)
         clock.mark()
-        outputs = self._sample(model_input, logits)  # the sampled ids on the host: synced
-        self.mirrors.advance(scheduled, outputs)
-        clock.mark()
-        cache_ops_ns, prepare_ns, forward_ns, sample_ns = clock.phases_ns()
-        return StepOutput(step_id=plan.step_id, outputs=outputs, timings=StepTimings(
-            cache_ops_ns=cache_ops_ns, prepare_ns=prepare_ns, forward_ns=forward_ns,
+        return InFlightStep(plan.step_id, clock, scheduled, model_input=model_input, logits=logits)
+
+    @torch.inference_mode()
+    def sample(self, step: InFlightStep) -> None:
+        """Queues the draws; the sequences' histories must hold every earlier step's tokens."""
+        if step.model_input is None:
+            return
+        if step.logits is not None:  # tensor-parallel rank 0
+            sample_seqs = step.model_input.sample_seqs
+            states = [SeqSamplingState(seq_id=s.seq_id, sampling=s.sampling,
+                                       token_ids=s.token_ids, prompt_len=s.prompt_len,
+                                       seed=s.seed, num_samples=s.num_samples)
+                      for s in sample_seqs]
+            step.samples = self.sampler.launch(step.logits[:len(sample_seqs)], states)
+        step.clock.mark()
+        step.fence = self.new_fence()
+
+    @torch.inference_mode()
+    def finish(self, step: InFlightStep) -> StepOutput:
+        """Waits for the step's draws and appends them to the mirror."""
+        if step.model_input is None:
+            # no result comes to the host, so no sync to read events after: host times
+            cache_ops_ns, prepare_ns = step.clock.host_phases_ns()
+            return StepOutput(step_id=step.step_id, timings=StepTimings(
+                cache_ops_ns=cache_ops_ns, prepare_ns=prepare_ns))
+        step.fence.wait()
+        outputs = self._sampled(step)
+        self.mirrors.append_drawn(step.scheduled, outputs)
+        step.clock.mark(on_device=False)
+        cache_ops_ns, prepare_ns, launch_ns, sample_ns, wait_ns = step.clock.phases_ns()
+        return StepOutput(step_id=step.step_id, outputs=outputs, timings=StepTimings(
+            cache_ops_ns=cache_ops_ns, prepare_ns=prepare_ns, forward_ns=launch_ns + wait_ns,
             sample_ns=sample_ns))
+
+    def new_fence(self) -> Fence:
+        return self._new_fence() if self._new_fence is not None else device_fence(self.device)
+
+    @property
+    def runs_apart(self) -> bool:
+        """Whether the device works while the host goes on: then launching a step before the
+        one in flight finishes overlaps the two (one tensor-parallel rank: the others wait for
+        rank 0's draws in a collective)."""
+        return (self._new_fence is not None or self.device.type == "cuda") and self.tp.size == 1
 
     def _forward(self, model_input: ModelInput,
                  kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
@@ -73,21 +128,17 @@ class ModelRunner:
             hidden_states = graphs.replay(model_input, batch_size)  # [num_tokens, hidden]
         return self.model.compute_logits(hidden_states[model_input.logits_indices])
 
-    def _sample(self, model_input: ModelInput,
-                logits: torch.Tensor | None) -> list[SampledSequence]:
-        sample_seqs = model_input.sample_seqs
-        if logits is None:  # a tensor-parallel rank > 0: rank 0's tokens
-            return self.tp.broadcast_samples([], [s.seq_id for s in sample_seqs], self.device)
-        states = [SeqSamplingState(seq_id=s.seq_id, sampling=s.sampling, token_ids=s.token_ids,
-                                   prompt_len=s.prompt_len, seed=s.seed,
-                                   num_samples=s.num_samples) for s in sample_seqs]
-        sampled = self.tp.broadcast_samples(self.sampler(logits[:len(sample_seqs)], states),
-                                            [s.seq_id for s in sample_seqs], self.device)
+    def _sampled(self, step: InFlightStep) -> list[SampledSequence]:
+        model_input = step.model_input
+        seq_ids = [s.seq_id for s in model_input.sample_seqs]
+        if step.samples is None:  # a tensor-parallel rank > 0: rank 0's tokens
+            return self.tp.broadcast_samples([], seq_ids, self.device)
+        sampled = self.tp.broadcast_samples(step.samples.result(), seq_ids, self.device)
         if not model_input.prompt_logprob_spans:
             return sampled
         by_seq = {s.seq_id: s for s in sampled}
         for span in model_input.prompt_logprob_spans:
-            rows = logits[span.start:span.start + len(span.target_ids)]
+            rows = step.logits[span.start:span.start + len(span.target_ids)]
             entries = prompt_logprobs(rows, span.target_ids, span.seq.sampling.prompt_logprobs,
                                       self.vocab_size)
             seq_id = span.seq.seq_id
@@ -114,33 +165,6 @@ class ModelRunner:
         self._forward(build_model_input(seqs, self.block_size, self.device), kv_caches)
         if self.device.type == "cuda":  # the profile and the warm-up measure the finished work
             torch.cuda.synchronize(self.device)
-
-
-class _PhaseClock:
-    """On CUDA the phase boundaries are stream events, read once the sampled ids are on the host
-    (that copy waited for them all), so timing adds no sync. Host clocks serve CPU devices and
-    steps that never wait for the device."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._host_ns: list[int] = []
-        self._events: list[torch.cuda.Event] | None = [] if device.type == "cuda" else None
-        self.mark()
-
-    def mark(self) -> None:
-        self._host_ns.append(time.perf_counter_ns())
-        if self._events is not None:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._events.append(event)
-
-    def host_phases_ns(self) -> list[int]:
-        return [end - start for start, end in pairwise(self._host_ns)]
-
-    def phases_ns(self) -> list[int]:
-        if self._events is None:
-            return self.host_phases_ns()
-        self._events[-1].synchronize()  # recorded after that copy: the stream is idle already
-        return [round(start.elapsed_time(end) * 1e6) for start, end in pairwise(self._events)]
 
 
 def dummy_num_blocks(query_lens: list[int], block_size: int) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from pagedserve.services.common.sampling_params import SamplingParams
@@ -21,6 +22,16 @@ from pagedserve.worker_svc.penalties import apply_penalties
 
 _MASK_64 = (1 << 64) - 1
 _PROMPT_LOGPROBS_CHUNK = 1024  # rows per log_softmax, bounds the extra memory of long prompts
+
+
+class PendingSamples(Protocol):
+    """A step's draws once launched: `token_ids` stays on the device, where the next step's
+    inputs read it; result() waits for the draws and brings them to the host."""
+
+    token_ids: torch.Tensor  # [num_samples_total] int64; seq i's draws at offsets[i]:offsets[i+1]
+    offsets: list[int]
+
+    def result(self) -> list[SampledSequence]: ...
 
 
 @dataclass(slots=True)
@@ -72,14 +83,20 @@ class Sampler:
         # re-seeded before every use, so it carries no state from one step to the next
         self._generator = torch.Generator(device=self.device)
 
-    def __call__(
+    def __call__(self, logits: torch.Tensor, seqs: list[SeqSamplingState]
+                 ) -> list[SampledSequence]:
+        return self.launch(logits, seqs).result()
+
+    def launch(
         self,
         logits: torch.Tensor,  # [num_seqs, >= vocab_size] float32; row i ↔ seqs[i]
         seqs: list[SeqSamplingState],
-    ) -> list[SampledSequence]:
+    ) -> PendingSamples:
+        """Queues the draws on the device; nothing waits for them."""
         self._verify(logits, seqs)
         if not seqs:
-            return []
+            none = torch.empty(0, dtype=torch.long, device=self.device)
+            return _DeviceSamples([], [0], none, none.float(), [], None, None)
         processed = self._process(logits[:, :self.vocab_size], seqs)  # [num_seqs, vocab_size]
 
         num_samples = [s.num_samples for s in seqs]
@@ -111,7 +128,8 @@ class Sampler:
             max_top = min(max(seqs[i].sampling.logprobs for i in top_rows), self.vocab_size)
             # [num_top_rows, max_top], descending
             top_values, top_ids = logprobs[self._tensor(top_rows, torch.long)].topk(max_top)
-        return self._build(seqs, offsets, sampled, sampled_logprobs, top_rows, top_values, top_ids)
+        return _DeviceSamples(seqs, offsets, sampled, sampled_logprobs, top_rows, top_values,
+                              top_ids)
 
     def _verify(self, logits: torch.Tensor, seqs: list[SeqSamplingState]) -> None:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
@@ -218,16 +236,43 @@ class Sampler:
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
         self._put(sampled, positions, probs.div_(noise).argmax(dim=-1))
 
-    def _build(
-        self,
-        seqs: list[SeqSamplingState],
-        offsets: list[int],
-        sampled: torch.Tensor,  # [num_samples_total]
-        sampled_logprobs: torch.Tensor,  # [num_samples_total]
-        top_rows: list[int],
-        top_values: torch.Tensor | None,  # [num_top_rows, max_top]
-        top_ids: torch.Tensor | None,  # [num_top_rows, max_top]
-    ) -> list[SampledSequence]:
+    def _put(self, sampled: torch.Tensor, positions: list[int], values: torch.Tensor) -> None:
+        sampled[self._tensor(positions, torch.long)] = values
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _column(self, values: list[float]) -> torch.Tensor:  # [num_rows, 1]
+        return self._tensor(values, torch.float32).unsqueeze(1)
+
+
+class _DeviceSamples:
+    """The draws' host copies are queued behind them (pinned, non-blocking on CUDA), so result()
+    waits for the device once, for everything."""
+
+    def __init__(self, seqs: list[SeqSamplingState], offsets: list[int],
+                 sampled: torch.Tensor,  # [num_samples_total]
+                 sampled_logprobs: torch.Tensor,  # [num_samples_total]
+                 top_rows: list[int],
+                 top_values: torch.Tensor | None,  # [num_top_rows, max_top]
+                 top_ids: torch.Tensor | None) -> None:  # [num_top_rows, max_top]
+        self.token_ids = sampled
+        self.offsets = offsets
+        self._seqs = seqs
+        self._top_rows = top_rows
+        self._event: torch.cuda.Event | None = None
+        self._host = [sampled, sampled_logprobs, top_values, top_ids]
+        if sampled.device.type == "cuda":
+            self._host = [None if t is None else t.to("cpu", non_blocking=True)
+                          for t in self._host]
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> list[SampledSequence]:
+        if self._event is not None:
+            self._event.synchronize()
+        seqs, offsets, top_rows = self._seqs, self.offsets, self._top_rows
+        sampled, sampled_logprobs, top_values, top_ids = self._host
         token_ids = sampled.tolist()
         logprobs = sampled_logprobs.tolist()
         tops: dict[int, list[TokenLogprob]] = {}
@@ -244,15 +289,6 @@ class Sampler:
                                            logprobs=logprobs[start:end],
                                            top_logprobs=top_logprobs))
         return outputs
-
-    def _put(self, sampled: torch.Tensor, positions: list[int], values: torch.Tensor) -> None:
-        sampled[self._tensor(positions, torch.long)] = values
-
-    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
-
-    def _column(self, values: list[float]) -> torch.Tensor:  # [num_rows, 1]
-        return self._tensor(values, torch.float32).unsqueeze(1)
 
 
 def prompt_logprobs(

@@ -3,6 +3,7 @@ V1's persistent batch). The scheduler is the truth."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from pagedserve.services.common.errors import InvalidRequest, NotFound
@@ -47,20 +48,25 @@ class SequenceMirrors:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.seqs: dict[int, CachedSequence] = {}
+        # seq_id → its tokens drawn on the device but not appended yet (1, or 2 while a step
+        # is launched ahead of the one before, whose draw it reads there)
+        self.drawing: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     def clear(self) -> None:
         self.seqs.clear()
+        self.drawing.clear()
 
-    def apply(self, plan: StepPlan) -> list[CachedSequence]:
-        """All or none. Returns this step's sequences, prefills first."""
-        self.check(plan)
-        for seq_id in plan.finished_seq_ids:
+    def apply(self, plan: StepPlan, is_checked: bool = False) -> list[CachedSequence]:
+        """All or none (is_checked: check() passed already). Returns this step's sequences,
+        prefills first."""
+        if not is_checked:
+            self.check(plan)
+        for seq_id in itertools.chain(plan.finished_seq_ids, plan.preempted_seq_ids):
             self.seqs.pop(seq_id, None)
-        for seq_id in plan.preempted_seq_ids:
-            self.seqs.pop(seq_id, None)
+            self.drawing.pop(seq_id, None)
         scheduled = [self._add(new) for new in plan.new_seqs]
         scheduled += [self._update(delta) for delta in plan.running_seqs]
         return ([s for s in scheduled if s.is_prefill]
@@ -90,24 +96,47 @@ class SequenceMirrors:
                                      f"{delta.block_ids_start} outside [0, {len(seq.block_table)}]")
             _check_ids("block_ids", delta.seq_id, delta.block_ids, num_gpu_blocks)
             _check_ids("new_token_ids", delta.seq_id, delta.new_token_ids, vocab_size)
-            self._check_lengths(delta.seq_id, len(seq.token_ids) + len(delta.new_token_ids),
+            num_drawing = self.drawing.get(delta.seq_id, 0)
+            if num_drawing and delta.new_token_ids:
+                raise InvalidRequest(f"seq {delta.seq_id}: new_token_ids={delta.new_token_ids} "
+                                     "would follow a token the worker has not drawn yet")
+            self._check_lengths(delta.seq_id,
+                                len(seq.token_ids) + num_drawing + len(delta.new_token_ids),
                                 delta.block_ids_start + len(delta.block_ids),
                                 seq.num_computed_tokens, delta.num_scheduled_tokens,
                                 seq.prompt_len, delta.num_samples)
 
     def advance(self, scheduled: list[CachedSequence], sampled: list[SampledSequence]) -> None:
-        """A sequence that sampled exactly one token has it appended: the scheduler counts on
-        it. Several samples (forks, beams) wait for the scheduler's choice."""
+        self.mark_computed(scheduled)
+        self.append_drawn(scheduled, sampled)
+
+    def mark_computed(self, scheduled: list[CachedSequence]) -> None:
+        """The step is launched: its tokens' KV is (in device order) in the cache, and the
+        sequences that sample one token are drawing it."""
         for seq in scheduled:
+            if seq.num_samples == 1 and seq.is_sampling:
+                self.drawing[seq.seq_id] = self.drawing.get(seq.seq_id, 0) + 1
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
+
+    def append_drawn(self, scheduled: list[CachedSequence],
+                     sampled: list[SampledSequence]) -> None:
+        """A sequence that sampled exactly one token has it appended: the scheduler counts on
+        it. Several samples (forks, beams) wait for the scheduler's choice. A sequence dropped
+        or sent whole again since the step was launched keeps what the scheduler sent."""
+        launched = {seq.seq_id: seq for seq in scheduled}
         for out in sampled:
-            seq = self.seqs[out.seq_id]
-            if seq.num_samples == 1 and len(out.token_ids) == 1:
-                seq.token_ids.append(out.token_ids[0])
+            seq_id = out.seq_id
+            if (len(out.token_ids) == 1 and self.drawing.get(seq_id)
+                    and self.seqs.get(seq_id) is launched.get(seq_id)):
+                self.drawing[seq_id] -= 1
+                if not self.drawing[seq_id]:
+                    del self.drawing[seq_id]
+                self.seqs[seq_id].token_ids.append(out.token_ids[0])
 
     def _add(self, new: NewSequence) -> CachedSequence:
         # a sequence sent whole replaces whatever the worker knew of it
+        self.drawing.pop(new.seq_id, None)
         seq = CachedSequence(
             seq_id=new.seq_id, request_id=new.request_id, token_ids=list(new.token_ids),
             prompt_len=new.prompt_len, block_table=list(new.block_ids),

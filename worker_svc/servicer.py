@@ -1,8 +1,9 @@
 """The Worker gRPC service over the worker core: convert in, call, convert out.
 
-Every model call runs on ONE dedicated thread, in order: the model and its KV cache are not
-thread-safe, and the event loop stays free to answer health checks while a step runs. ExecuteStep
-hands steps to that thread in previous_step_id order, whichever RPC arrived first. The model is
+Every model call runs on ONE dedicated thread, in order (worker_svc/model_thread.py): the model
+and its KV cache are not thread-safe, and the event loop stays free to answer health checks while
+a step runs. ExecuteStep hands steps to that thread in previous_step_id order, whichever RPC
+arrived first. The model is
 loaded at startup from the worker's own flags, so the scheduler's LoadModel is instant unless it
 asks for something else.
 """
@@ -13,7 +14,6 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -27,7 +27,7 @@ from pagedserve.services.common.errors import (
     StepOutOfOrder,
     Unavailable,
 )
-from pagedserve.services.common.step_plan import StepPlan, WorkerInfo
+from pagedserve.services.common.step_plan import StepOutput, StepPlan, WorkerInfo
 from pagedserve.services.rpc.convert_worker import (
     memory_profile_to_proto,
     step_output_to_proto,
@@ -40,6 +40,7 @@ from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create
 from pagedserve.services.rpc.status import map_errors
 from pagedserve.services.rpc.tls import internal_server_credentials
 from pagedserve.worker_svc.metrics import WorkerMetrics
+from pagedserve.worker_svc.model_thread import ModelThread
 from pagedserve.worker_svc.parallel import leave_tensor_parallel
 from pagedserve.worker_svc.worker import Worker, create_worker
 from prometheus_client import CollectorRegistry
@@ -76,7 +77,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.config = config
         self.rank = rank
         self.on_ready = on_ready
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="worker-model")
+        self._model_thread = ModelThread("worker-model")
         self._worker: Worker | None = None
         self._load_lock = asyncio.Lock()  # LoadModel during the startup load waits for it
         self._step_order = asyncio.Condition()
@@ -85,7 +86,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.metrics_server: MetricsServer | None = None
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.wrap_future(self._model_thread.submit(fn, *args))
 
     async def _set_ready(self, is_ready: bool) -> None:
         if self.on_ready is not None:
@@ -119,7 +120,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def close(self) -> None:
         if self.metrics_server is not None:
             self.metrics_server.stop()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._model_thread.shutdown()
         leave_tensor_parallel()
 
     @map_errors
@@ -197,16 +198,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 raise StepOutOfOrder(
                     f"step {plan.step_id} waited {STEP_ORDER_WAIT_S:.0f} s for step "
                     f"{plan.previous_step_id}, which never came") from None
-            running = asyncio.get_running_loop().run_in_executor(  # queued on the model thread now
-                self._executor, self._execute_step, worker, plan)
+            running = self._model_thread.submit_step(  # queued on the model thread now
+                worker, plan, then=lambda output: self._respond(plan, output))
             self._submitted_step_id = plan.step_id
             self._step_order.notify_all()
-        return await running
+        return await asyncio.wrap_future(running)
 
-    def _execute_step(self, worker: Worker, plan: StepPlan) -> worker_pb2.ExecuteStepResponse:
+    def _respond(self, plan: StepPlan, output: StepOutput) -> worker_pb2.ExecuteStepResponse:
         """On the model thread, the response included: the event loop only hands it to gRPC,
         so the next step, queued behind this one, never waits for the loop's Python."""
-        output = worker.execute_step(plan)
         if self.metrics is not None:
             self.metrics.record_step(plan, output.timings)
         return step_output_to_proto(output)

@@ -8,9 +8,11 @@ the one taken before the first cache, and a cache of the same sizes is kept (ini
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future
 from types import ModuleType
 
 import torch
@@ -36,10 +38,12 @@ from pagedserve.worker_svc.cuda_graphs import (
     DecodeGraphs,
     capture_batch_sizes,
 )
+from pagedserve.worker_svc.in_flight import InFlightStep
 from pagedserve.worker_svc.layers.attention import Attention
 from pagedserve.worker_svc.loader import eos_token_ids, load_hf_config, load_model
 from pagedserve.worker_svc.memory import profile_memory
 from pagedserve.worker_svc.model_runner import ModelRunner, dummy_num_blocks
+from pagedserve.worker_svc.model_thread import ModelThread
 from pagedserve.worker_svc.models.registry import resolve_architecture
 from pagedserve.worker_svc.parallel import SINGLE, init_tensor_parallel
 from pagedserve.worker_svc.sampler import Sampler
@@ -84,7 +88,7 @@ class Worker:
         self.scheduler_epoch = 0
         self.last_step_id = 0  # the step that ran last in this epoch (0: none yet)
         self.last_step_failed = False
-        self._step_thread: ThreadPoolExecutor | None = None
+        self.model_thread: ModelThread | None = None  # submit_step's
         self.info: WorkerInfo | None = None
         self.runner: ModelRunner | None = None
         self.cache_engine: CacheEngine | None = None
@@ -205,6 +209,12 @@ class Worker:
         or the mirror. A step that raises later may leave the mirror half-updated, so the steps
         after it are refused until clear_state (the KV blocks stay valid).
         """
+        step = self.launch_step(plan)
+        self.sample_step(step)
+        return self.finish_step(step)
+
+    def launch_step(self, plan: StepPlan, ahead_of: InFlightStep | None = None) -> InFlightStep:
+        """execute_step in three calls; `ahead_of`: the step in flight (can_launch_ahead)."""
         self.check_step(plan)
         if plan.previous_step_id != self.last_step_id:
             raise StepOutOfOrder(f"step {plan.step_id} must follow step {plan.previous_step_id}, "
@@ -217,23 +227,45 @@ class Worker:
                         cache_engine.num_gpu_blocks, cache_engine.num_cpu_blocks)
         runner.mirrors.check(plan, cache_engine.num_gpu_blocks, runner.vocab_size)
         self.last_step_id = plan.step_id
-        try:
-            return runner.execute_step(plan, cache_engine)
-        except BaseException:
-            self.last_step_failed = True
-            raise
+        with self._failing_steps():
+            return runner.launch(plan, cache_engine, ahead_of)
+
+    def sample_step(self, step: InFlightStep) -> None:
+        with self._failing_steps():
+            self._runner().sample(step)
+
+    def finish_step(self, step: InFlightStep) -> StepOutput:
+        with self._failing_steps():
+            return self._runner().finish(step)
 
     def check_step(self, plan: StepPlan) -> None:
         self._runner()
         self._cache_engine()
         self.check_epoch(plan.scheduler_epoch, f"step {plan.step_id}")
 
+    def can_launch_ahead(self, in_flight: InFlightStep, plan: StepPlan) -> bool:
+        """Whether `plan` may be launched before `in_flight` is finished: the device runs apart
+        from the host, and the plan follows it and adds no token after one still being drawn
+        (the scheduler sends those only once it has read the draws)."""
+        runner = self._runner()
+        drawing = runner.mirrors.drawing
+        return (runner.runs_apart and plan.previous_step_id == in_flight.step_id
+                and not self.last_step_failed
+                and not any(s.new_token_ids and s.seq_id in drawing for s in plan.running_seqs))
+
+    @contextlib.contextmanager
+    def _failing_steps(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            self.last_step_failed = True
+            raise
+
     def submit_step(self, plan: StepPlan) -> Future[StepOutput]:
         """Steps submitted in order run in order, while the caller schedules the next."""
-        if self._step_thread is None:
-            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="worker-step",
-                                                   initializer=self._init_step_thread)
-        return self._step_thread.submit(self.execute_step, plan)
+        if self.model_thread is None:
+            self.model_thread = ModelThread("worker-step", self._init_step_thread)
+        return self.model_thread.submit_step(self, plan)
 
     def _init_step_thread(self) -> None:
         if self.config.device.num_threads > 0:

@@ -24,10 +24,10 @@ class RecordingSampler(Sampler):
         super().__init__(inner.vocab_size, inner.eos_token_ids, inner.device)
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
 
-    def __call__(self, logits: torch.Tensor, seqs: list[SeqSamplingState]):
+    def launch(self, logits: torch.Tensor, seqs: list[SeqSamplingState]):
         for row, seq in zip(logits, seqs, strict=True):
             self.logits[(seq.seq_id, len(seq.token_ids) - 1)] = row.detach().cpu().clone()
-        return super().__call__(logits, seqs)
+        return super().launch(logits, seqs)
 
 
 def make_worker(model_dir: Path, num_gpu_blocks: int = 96, num_cpu_blocks: int = 32,

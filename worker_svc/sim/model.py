@@ -1,5 +1,5 @@
 """The simulated model: in place of the nn.Module, so ModelRunner's bookkeeping runs unchanged;
-the forward is the roofline's time for the step, waited for on the GpuTimeline."""
+the forward is the roofline's time for the step, queued on the GpuTimeline."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ class SimModel(nn.Module):
         return input_ids.new_empty((input_ids.shape[0], 0), dtype=torch.float32)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Waits for the whole step; the logits [num_rows, vocab] are a view of one row."""
+        """Queues the whole step's time, like a launch: the sampler's result waits for it. The
+        logits [num_rows, vocab] are a view of one row."""
         num_rows = hidden_states.shape[0]
         cost = self.roofline.step(self._query_lens, self._context_lens, num_rows)
         self.timeline.enqueue(cost.time_s)
-        self.timeline.synchronize()
         return self._logits_row.expand(num_rows, self.vocab_size)

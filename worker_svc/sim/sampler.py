@@ -7,6 +7,11 @@ special tokens.
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
 from pagedserve.services.common.step_plan import SampledSequence, TokenLogprob
 from pagedserve.worker_svc.sampler import SeqSamplingState
 
@@ -36,6 +41,18 @@ def sim_token(seed: int, position: int, context: list[int], sample: int, token_r
     return token_range[(x >> 16) % len(token_range)], logprob
 
 
+@dataclass(slots=True)
+class _DrawnSamples:
+    """Drawn on the host at launch; the runner's fence stands for the device's time."""
+
+    token_ids: torch.Tensor  # [num_samples_total] int64
+    offsets: list[int]
+    sampled: list[SampledSequence]
+
+    def result(self) -> list[SampledSequence]:
+        return self.sampled
+
+
 class SimSampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int], eos_probability: float,
                  seed: int = 0) -> None:
@@ -47,17 +64,68 @@ class SimSampler:
         self.token_range = range(low, max(vocab_size - 1000, vocab_size * 3 // 4, low + 1))
 
     def __call__(self, logits: object, seqs: list[SeqSamplingState]) -> list[SampledSequence]:
-        return [self._sample(s) for s in seqs]
+        """sim_token for every draw, the hash of a whole step at once in numpy."""
+        seeds, positions, num_samples, contexts, eos_ok = [], [], [], [], []
+        for s in seqs:
+            sampling = s.sampling
+            is_greedy = sampling.is_greedy and not sampling.use_beam_search
+            seeds.append((self.seed if is_greedy or s.seed is None else s.seed) & _MASK_64)
+            positions.append(len(s.token_ids))
+            num_samples.append(s.num_samples)
+            contexts.append(s.token_ids[-_CONTEXT_WINDOW:])
+            eos_ok.append(self.eos_token_id is not None and not sampling.ignore_eos
+                          and s.num_output_tokens >= sampling.min_tokens)
+        tokens, logprobs = self._draw(seeds, positions, num_samples, contexts, eos_ok)
+        out, row = [], 0
+        for s, n in zip(seqs, num_samples, strict=True):
+            if n == 1 and s.sampling.logprobs is None:
+                out.append(SampledSequence(s.seq_id, tokens[row:row + 1], logprobs[row:row + 1]))
+            else:
+                out.append(self._sampled(s, list(zip(tokens[row:row + n], logprobs[row:row + n],
+                                                     strict=True))))
+            row += n
+        return out
 
-    def _sample(self, s: SeqSamplingState) -> SampledSequence:
+    def launch(self, logits: object, seqs: list[SeqSamplingState]) -> _DrawnSamples:
+        sampled = self(logits, seqs)
+        offsets = list(itertools.accumulate((len(s.token_ids) for s in sampled), initial=0))
+        token_ids = torch.tensor([t for s in sampled for t in s.token_ids], dtype=torch.long)
+        return _DrawnSamples(token_ids, offsets, sampled)
+
+    def _draw(self, seeds: list[int], positions: list[int], num_samples: list[int],
+              contexts: list[list[int]], eos_ok: list[bool]) -> tuple[list[int], list[float]]:
+        """_mix and sim_token for each sequence's draws; uint64 arithmetic wraps as & _MASK_64
+        does there."""
+        counts = np.array(num_samples, dtype=np.int64)
+        starts = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=starts[1:])
+        sample = np.arange(starts[-1], dtype=np.int64) - np.repeat(starts[:-1], counts)
+        x = (np.repeat(np.array(seeds, dtype=np.uint64), counts) * np.uint64(_MUL)
+             + np.repeat(np.array(positions, dtype=np.uint64), counts)
+             * np.uint64(0xBF58476D1CE4E5B9) + sample.astype(np.uint64))
+        window = np.zeros((len(counts), _CONTEXT_WINDOW), dtype=np.uint64)
+        for i, context in enumerate(contexts):
+            if context:
+                window[i, _CONTEXT_WINDOW - len(context):] = context
+        lengths = np.repeat(np.fromiter(map(len, contexts), np.int64, len(contexts)), counts)
+        window = np.repeat(window, counts, axis=0)
+        mul = np.uint64(_MUL)
+        for k in range(_CONTEXT_WINDOW):  # oldest first; a short context starts later
+            x = np.where(lengths >= _CONTEXT_WINDOW - k, (x ^ window[:, k]) * mul, x)
+        x ^= x >> np.uint64(31)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(29)
+        u = (x >> np.uint64(11)).astype(np.float64) / (1 << 53)
+        logprobs = -1.0 - 4.0 * ((x & np.uint64(0xFFFF)).astype(np.float64) / 0x10000)
+        span = np.uint64(len(self.token_range))
+        tokens = ((x >> np.uint64(16)) % span).astype(np.int64) + self.token_range.start
+        if self.eos_token_id is not None:
+            is_eos = np.repeat(np.array(eos_ok, dtype=bool), counts) & (u < self.eos_probability)
+            tokens[is_eos] = self.eos_token_id
+        return tokens.tolist(), logprobs.tolist()
+
+    def _sampled(self, s: SeqSamplingState, draws: list[tuple[int, float]]) -> SampledSequence:
         sampling = s.sampling
-        is_greedy = sampling.is_greedy and not sampling.use_beam_search
-        seed = self.seed if is_greedy or s.seed is None else s.seed
-        may_end = not sampling.ignore_eos and s.num_output_tokens >= sampling.min_tokens
-        eos = self.eos_token_id if may_end else None
-        position = len(s.token_ids)
-        draws = [sim_token(seed, position, s.token_ids, j, self.token_range, eos,
-                           self.eos_probability) for j in range(s.num_samples)]
         if sampling.use_beam_search:
             draws.sort(key=lambda d: -d[1])
         top_logprobs = []

@@ -44,17 +44,31 @@ class GpuTimeline:
         self._local = threading.local()
         self._last_log = (time.perf_counter(), 0.0)
 
-    def enqueue(self, seconds: float) -> None:
+    def enqueue(self, seconds: float) -> float:
+        """Returns the perf_counter time at which this work is done."""
         seconds *= self.time_scale
         start = max(time.perf_counter(), self._busy_until)
         self._busy_until = start + seconds
         self._busy_s += seconds
+        return self._busy_until
+
+    @property
+    def busy_until(self) -> float:
+        return self._busy_until
 
     def synchronize(self) -> None:
+        self.wait_until(self._busy_until)
+
+    def fence(self) -> TimelineFence:
+        """The work queued so far."""
+        return TimelineFence(self, self._busy_until)
+
+    def wait_until(self, done_at: float) -> None:
+        """Waits for the work queued up to a time enqueue returned."""
         if not getattr(self._local, "is_slack_set", False):
             _tighten_timer_slack()
             self._local.is_slack_set = True
-        while (remaining := self._busy_until - time.perf_counter()) > 0:
+        while (remaining := done_at - time.perf_counter()) > 0:
             time.sleep(remaining)
         self._num_syncs += 1
         self._log_stats()
@@ -69,3 +83,15 @@ class GpuTimeline:
             logger.info("simulated GPU busy %.1f%% of the last %.0f s",
                         100 * (self._busy_s - busy_then) / (now - since), now - since)
             self._last_log = (now, self._busy_s)
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineFence:
+    timeline: GpuTimeline
+    done_at: float  # perf_counter time
+
+    def seconds_left(self) -> float:
+        return max(0.0, self.done_at - time.perf_counter())
+
+    def wait(self) -> None:
+        self.timeline.wait_until(self.done_at)

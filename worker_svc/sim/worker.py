@@ -65,7 +65,8 @@ class SimWorker(Worker):
         eos_ids = eos_token_ids(model_config.model, hf_config)
         sampler = SimSampler(vocab_size, eos_ids, device.sim_eos_probability, model_config.seed)
         self.runner = ModelRunner(SimModel(self.roofline, self.timeline, vocab_size), sampler,
-                                  vocab_size, self.kv_spec.block_size, max_model_len, self.device)
+                                  vocab_size, self.kv_spec.block_size, max_model_len, self.device,
+                                  new_fence=self.timeline.fence)
         architecture = resolve_architecture(getattr(hf_config, "architectures", None) or [])
         self.info = WorkerInfo(
             rank=self.rank, device=f"sim:{gpu.name}", dtype=str(self.dtype).removeprefix("torch."),

@@ -1,0 +1,104 @@
+"""A step between launch and finish: what the device is computing, the fence the host waits at
+for it, and the clock of its phases. The worker launches the next step before it finishes this
+one where the device runs apart from the host (CUDA, the simulated GPU), so the host's work on a
+step overlaps the device's work on the one before."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Protocol
+
+import torch
+from pagedserve.worker_svc.model_input import ModelInput
+from pagedserve.worker_svc.sampler import PendingSamples
+from pagedserve.worker_svc.sequence_mirrors import CachedSequence
+
+_POLL_S = 1e-4  # between looks at a CUDA event that is not reached yet
+
+
+class Fence(Protocol):
+    def seconds_left(self) -> float:
+        """0 once wait() would return at once; else how long to wait before asking again."""
+
+    def wait(self) -> None: ...
+
+
+class _Passed:
+    def seconds_left(self) -> float:
+        return 0.0
+
+    def wait(self) -> None:
+        pass
+
+
+PASSED = _Passed()  # the host device: its work is done when the call returns
+
+
+class _EventFence:
+    def __init__(self) -> None:
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def seconds_left(self) -> float:
+        return 0.0 if self._event.query() else _POLL_S
+
+    def wait(self) -> None:
+        self._event.synchronize()
+
+
+def device_fence(device: torch.device) -> Fence:
+    """The work queued on `device` so far."""
+    return _EventFence() if device.type == "cuda" else PASSED
+
+
+class PhaseClock:
+    """On CUDA the phase boundaries are stream events, read once the sampled ids are on the host
+    (that copy waited for them all), so timing adds no sync. Host clocks serve CPU devices and
+    steps that never wait for the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._host_ns: list[int] = []
+        self._events: list[torch.cuda.Event] | None = [] if device.type == "cuda" else None
+        self.mark()
+
+    def mark(self, on_device: bool = True) -> None:
+        """on_device=False: a host-only boundary (a wait), which the device phases see as
+        empty: the stream may hold a later step's work by then."""
+        self._host_ns.append(time.perf_counter_ns())
+        if self._events is not None:
+            if on_device or not self._events:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+            else:
+                event = self._events[-1]
+            self._events.append(event)
+
+    def host_phases_ns(self) -> list[int]:
+        return [end - start for start, end in pairwise(self._host_ns)]
+
+    def phases_ns(self) -> list[int]:
+        if self._events is None:
+            return self.host_phases_ns()
+        self._events[-1].synchronize()  # recorded after that copy: the stream is idle already
+        return [round(start.elapsed_time(end) * 1e6) for start, end in pairwise(self._events)]
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    step_id: int
+    clock: PhaseClock
+    scheduled: list[CachedSequence]  # empty: nothing ran (cache ops at most)
+    model_input: ModelInput | None = None
+    logits: torch.Tensor | None = None  # None on tensor-parallel ranks > 0
+    samples: PendingSamples | None = None  # set by ModelRunner.sample
+    fence: Fence = PASSED
+
+    def draws_by_seq(self) -> dict[int, int]:
+        """seq_id → index into samples.token_ids, for the sequences drawing one token."""
+        if self.samples is None:
+            return {}
+        offsets = self.samples.offsets
+        return {s.seq_id: offsets[i] for i, s in enumerate(self.model_input.sample_seqs)
+                if s.num_samples == 1}
