@@ -262,7 +262,8 @@ def scheduler_cost(args: argparse.Namespace, batch_size: int, prompt_len: int) -
     schedule_s: list[float] = []
     process_s: list[float] = []
     rpc_s: list[float] = []
-    schedule, process = core.scheduler.schedule, core.output_processor.process
+    processor = core.output_processor
+    schedule, apply, report = core.scheduler.schedule, processor.apply, processor.report
 
     def timed_schedule():
         start = time.thread_time()
@@ -273,18 +274,29 @@ def scheduler_cost(args: argparse.Namespace, batch_size: int, prompt_len: int) -
             schedule_s.append(time.thread_time() - start)
         return scheduled
 
-    def timed_process(scheduled, step_output, *rest):
+    full_decode: list[bool] = []  # of the step whose report() comes next
+
+    def timed_apply(scheduled, step_output, *rest):
         response = step_output_to_proto(step_output)  # the worker's side: not counted
         start = time.thread_time()
         step_output = step_output_from_proto(response)
         rpc_end = time.thread_time()
-        outputs = process(scheduled, step_output, *rest)
-        if _is_full_decode(scheduled, batch_size):
+        groups = apply(scheduled, step_output, *rest)
+        full_decode.append(_is_full_decode(scheduled, batch_size))
+        if full_decode[-1]:
             process_s.append(time.thread_time() - rpc_end)
             rpc_s.append(rpc_end - start)
+        return groups
+
+    def timed_report(groups):
+        start = time.thread_time()
+        outputs = report(groups)
+        if full_decode.pop():
+            process_s[-1] += time.thread_time() - start
         return outputs
 
-    core.scheduler.schedule, core.output_processor.process = timed_schedule, timed_process
+    core.scheduler.schedule = timed_schedule
+    processor.apply, processor.report = timed_apply, timed_report
     while engine.has_unfinished_requests():
         engine.step()
     engine.close()

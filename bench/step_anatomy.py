@@ -90,7 +90,9 @@ class StepRecorder:
         self.current: dict[str, Any] = {}
         self._timings: dict[int, StepTimings] = {}
         core.scheduler.schedule = self._timed(core.scheduler.schedule, "schedule_ns")
-        core.output_processor.process = self._timed(core.output_processor.process, "output_ns")
+        processor = core.output_processor
+        processor.apply = self._timed(processor.apply, "output_ns")
+        processor.report = self._timed(processor.report, "output_ns")
         worker = core.workers[0]
         submit_step = worker.submit_step
 

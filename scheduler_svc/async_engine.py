@@ -1,8 +1,11 @@
 """The scheduler service's engine loop: EngineCore driven from asyncio.
 
 EngineCore is not thread-safe: the engine thread runs its steps, and the event loop applies the
-queued operations (add, abort) only between two steps. A Submit whose consumer leaves queues an
-abort that runs before the next step, so its blocks are free by then. Each step is a span in the
+queued operations (add, abort, pause) only between two steps. While none is queued the engine
+thread steps on by itself, handing each step's outputs to the event loop without waiting for it:
+the event loop's turn (streaming the outputs, admitting requests) stays off the path from one
+step's result to the next plan. A Submit whose consumer leaves queues an abort that runs before
+the next step, so its blocks are free by then. Each step is a span in the
 trace of the oldest live request, linked to the Submit spans of the others it ran.
 Stats: the engine feeds its stat loggers on the engine thread; every `stats_interval_s` a timer on
 the event loop logs vLLM's stats line (LoggingStatLogger).
@@ -108,6 +111,8 @@ class EngineService:
         self._idle = asyncio.Event()  # set while no request is live (drain waits on it)
         self._idle.set()
         self._is_stepping = False
+        self._has_pending = False  # read by the engine thread between its steps
+        self._is_stopping = False
         self._is_accepting = True
         self._load = engine.get_load()
         self._load_changed = asyncio.Event()  # set, then replaced, when _load changes
@@ -128,6 +133,7 @@ class EngineService:
         engine = await asyncio.get_running_loop().run_in_executor(executor, build_engine)
         engine.stat_loggers.extend(stat_loggers or ())
         service = cls(engine, executor, stop_timeout_s)
+        service._loop = asyncio.get_running_loop()
         service._task = asyncio.create_task(service._run(), name="engine-loop")
         if stats_interval_s > 0:
             stat_line = LoggingStatLogger()
@@ -230,6 +236,7 @@ class EngineService:
         """End the loop (live requests get UNAVAILABLE); True once the engine thread is idle.
         Only then may the worker channels close: grpc can crash closing one under a call."""
         self._is_accepting = False
+        self._is_stopping = True
         for task in (self._task, self._stats_task):
             if task is not None:
                 task.cancel()
@@ -251,6 +258,7 @@ class EngineService:
     def _call(self, fn: Callable[[], Any]) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
         self._pending.append((fn, future))
+        self._has_pending = True
         self._wakeup.set()
         return future
 
@@ -266,6 +274,7 @@ class EngineService:
                 logger.info("request %s aborted: its caller went away", request_id)
 
         self._pending.append((abort, None))
+        self._has_pending = True
         self._wakeup.set()
 
     async def _run(self) -> None:
@@ -280,7 +289,7 @@ class EngineService:
                 if not self._pending:
                     await self._wakeup.wait()
                 continue
-            await self._step(self.engine.step)
+            await self._step(self._steps)
 
     async def _step(self, step: Callable[[], list[RequestOutput]]) -> None:
         self._is_stepping = True
@@ -293,8 +302,24 @@ class EngineService:
             return
         finally:
             self._is_stepping = False
+        self._after_step(outputs)
+
+    def _steps(self) -> list[RequestOutput]:
+        """On the engine thread: steps while nothing is queued for the engine, each step's
+        outputs and load handed to the event loop; the last step's are returned."""
+        loop = self._loop
+        while True:
+            outputs = self.engine.step()
+            if (self._has_pending or self._is_stopping
+                    or not self.engine.has_runnable_requests()):
+                return outputs
+            loop.call_soon_threadsafe(self._after_step, outputs, self.engine.get_load())
+
+    def _after_step(self, outputs: list[RequestOutput], load: EngineLoad | None = None) -> None:
         for output in outputs:
             self._push(output)
+        if load is not None:
+            self._set_load(load)
 
     @contextlib.contextmanager
     def step_sent(self, scheduled: ScheduledStep) -> Iterator[trace.Span]:
@@ -333,6 +358,7 @@ class EngineService:
         return next(iter(self._span_contexts.values()), None)
 
     def _apply_pending(self) -> None:
+        self._has_pending = False
         pending, self._pending = self._pending, []
         for fn, future in pending:
             if future is not None and future.cancelled():

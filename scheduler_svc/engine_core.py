@@ -1,12 +1,16 @@
 """The engine loop shared by the in-process LLMEngine and the scheduler service; not thread-safe.
 
 Async scheduling: while step n runs, step n+1 is scheduled with placeholders for step n's sampled
-tokens and sent, so the workers never wait for the scheduler; step() returns step n's outputs
-with step n+1 in flight. Forks and beam search run one step at a time.
+tokens and sent, so the workers never wait for the scheduler. step() waits for step n, takes in
+its tokens, schedules and sends step n+2 behind n+1, and only then builds step n's reports and
+returns them: between two calls steps n+1 and n+2 are in flight, and what lies between a step's
+result and the next plan is only the part of the scheduler's work the next plan needs. Forks and
+beam search run one step at a time.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import itertools
@@ -144,7 +148,7 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids,
                                                 self.max_model_len, self._seq_ids)
         self._groups: dict[str, SequenceGroup] = {}
-        self._in_flight: _InFlight | None = None
+        self._in_flight: collections.deque[_InFlight] = collections.deque()  # oldest first
         self.step_observer: StepObserver | None = None
         self._num_rebuilds_in_a_row = 0
         self._num_worker_rebuilds = 0
@@ -250,28 +254,41 @@ class EngineCore:
         with finish_reason "error"; every other request keeps running. A worker that lost its
         KV cache is rebuilt instead and every request recomputed."""
         outputs: list[RequestOutput] = []
-        current, self._in_flight = self._in_flight, None
-        if current is None:
-            current = self._schedule(outputs)
-        if current is not None:
-            if self._can_run_ahead(current):
-                self.scheduler.advance_in_flight(current.scheduled)
-                current.is_advanced = True
-                self._in_flight = self._schedule(outputs)
-            outputs += self._finish(current)
+        if not self._in_flight:
+            self._send(outputs)
+        self._send_ahead(outputs)
+        if self._in_flight:
+            outputs += self._finish(self._in_flight.popleft(), send_ahead=True)
         self._forget_finished(outputs)
         return outputs
 
     @property
     def has_step_in_flight(self) -> bool:
-        return self._in_flight is not None
+        return bool(self._in_flight)
 
     def drain(self) -> list[RequestOutput]:
-        """Process the step in flight without sending another: the workers are idle after."""
-        current, self._in_flight = self._in_flight, None
-        outputs = self._finish(current) if current is not None else []
+        """Process the steps in flight without sending another: the workers are idle after."""
+        outputs: list[RequestOutput] = []
+        while self._in_flight:
+            outputs += self._finish(self._in_flight.popleft())
         self._forget_finished(outputs)
         return outputs
+
+    def _send(self, outputs: list[RequestOutput]) -> None:
+        step = self._schedule(outputs)
+        if step is not None:
+            self._in_flight.append(step)
+
+    def _send_ahead(self, outputs: list[RequestOutput]) -> None:
+        """The step behind the one in flight, if it may run ahead of it."""
+        if len(self._in_flight) != 1 or self._in_flight[0].is_advanced:
+            return  # one behind it already, or the last schedule had nothing behind it
+        current = self._in_flight[0]
+        if not self._can_run_ahead(current):
+            return
+        self.scheduler.advance_in_flight(current.scheduled)
+        current.is_advanced = True
+        self._send(outputs)
 
     def _forget_finished(self, outputs: list[RequestOutput]) -> None:
         for report in outputs:
@@ -325,7 +342,8 @@ class EngineCore:
             return _InFlight(scheduled, [_submit(w, plan) for w in self.workers], handle=handle,
                              schedule_time_s=schedule_time_s)
 
-    def _finish(self, step: _InFlight) -> list[RequestOutput]:
+    def _finish(self, step: _InFlight, send_ahead: bool = False) -> list[RequestOutput]:
+        """send_ahead: once the step's tokens are in, send the next step before the reports."""
         try:
             step_output = step.result()
         except Exception as exc:  # any worker failure: the engine keeps serving
@@ -333,8 +351,14 @@ class EngineCore:
         self.last_scheduled = step.scheduled
         self._num_rebuilds_in_a_row = 0
         start = time.perf_counter()
-        outputs = self.output_processor.process(step.scheduled, step_output, step.is_advanced)
-        self._record_step(step, time.perf_counter() - start)
+        groups = self.output_processor.apply(step.scheduled, step_output, step.is_advanced)
+        process_time_s = time.perf_counter() - start
+        outputs: list[RequestOutput] = []
+        if send_ahead:
+            self._send_ahead(outputs)
+        start = time.perf_counter()
+        outputs += self.output_processor.report(groups)
+        self._record_step(step, process_time_s + time.perf_counter() - start)
         self._step_done(step, outputs)
         return outputs
 
@@ -350,11 +374,10 @@ class EngineCore:
     def _fail_steps(self, failed: _InFlight, exc: Exception) -> list[RequestOutput]:
         """clear_state stays in the same epoch (only a handshake moves a worker to another);
         step ids keep growing, so no step sent before can follow one sent after."""
-        steps = [failed]
-        if self._in_flight is not None:  # sent after the failed one: the workers refuse it
-            steps.append(self._in_flight)
-            self._in_flight = None
-            steps[-1].wait()
+        steps = [failed, *self._in_flight]  # those sent after the failed one: the workers refuse them
+        self._in_flight.clear()
+        for step in steps[1:]:
+            step.wait()
         for step in steps:
             for item in step.scheduled.scheduled:
                 item.seq.drop_placeholder()

@@ -32,6 +32,12 @@ class OutputProcessor:
     def process(self, scheduled: ScheduledStep, step_output: StepOutput,
                 is_advanced: bool = False) -> list[RequestOutput]:
         """`is_advanced`: Scheduler.advance_in_flight already counted this step."""
+        return self.report(self.apply(scheduled, step_output, is_advanced))
+
+    def apply(self, scheduled: ScheduledStep, step_output: StepOutput,
+              is_advanced: bool = False) -> list[SequenceGroup]:
+        """The step's tokens into its sequences (stops, forks, freed blocks): what the next
+        schedule needs. Returns the groups the step touched, for report()."""
         by_seq_id = {out.seq_id: out for out in step_output.outputs}
         groups: dict[int, SequenceGroup] = {}
         samples: dict[int, list[tuple[Sequence, SampledSequence]]] = {}
@@ -82,8 +88,10 @@ class OutputProcessor:
                 for seq, sampled in sampled_seqs:
                     self._append(group, seq, sampled, 0)
             self.scheduler.release_finished(group)
+        return list(groups.values())
 
-        return [r for g in groups.values() if (r := make_request_output(g)) is not None]
+    def report(self, groups: list[SequenceGroup]) -> list[RequestOutput]:
+        return [r for g in groups if (r := make_request_output(g)) is not None]
 
     def _append(self, group: SequenceGroup, seq: Sequence, sampled: SampledSequence,
                 i: int) -> None:

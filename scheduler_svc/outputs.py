@@ -30,7 +30,8 @@ def make_request_output(group: SequenceGroup) -> RequestOutput | None:
 
 def _stream_delta(seq: Sequence) -> CompletionOutput | None:
     start = seq.num_emitted_tokens
-    new_token_ids = seq.token_ids[seq.prompt_len + start:]
+    # not the placeholder of a step in flight (the next is scheduled before this report)
+    new_token_ids = seq.token_ids[seq.prompt_len + start:len(seq.token_ids) - seq.has_placeholder]
     reports_finish = seq.is_finished and not seq.is_finish_reported
     if not new_token_ids and not reports_finish:
         return None

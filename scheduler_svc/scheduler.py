@@ -180,9 +180,10 @@ class Scheduler:
         return rank(group, self.config.policy)
 
     def _schedule_running(self, budget: TokenBudget, step: StepDraft) -> None:
-        groups = list(self.running)
-        pending = [g for g in groups if g.is_decode_phase()] + [
-            g for g in groups if not g.is_decode_phase()]
+        decodes, prefills = [], []
+        for group in self.running:
+            (decodes if group.is_decode_phase() else prefills).append(group)
+        pending = decodes + prefills
         skipped: list[SequenceGroup] = []  # running, not scheduled this step, still preemptible
         kept: list[SequenceGroup] = []
         while pending:

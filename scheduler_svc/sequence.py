@@ -115,6 +115,8 @@ class Sequence:
             self.output_top_logprobs.append(top_logprobs)
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        """The token a step in flight draws for it is dropped with its placeholder."""
+        self.drop_placeholder()
         self.status = FINISHED_BY_REASON[reason]
         self.error = error
 
@@ -205,7 +207,10 @@ class SequenceGroup:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # most groups; asked several times per step each
+            return seqs[0].status.is_finished
+        return all(s.status.is_finished for s in seqs)
 
     @property
     def is_streamed(self) -> bool:
@@ -213,10 +218,10 @@ class SequenceGroup:
         return not self.is_beam_search and self.sampling.num_candidates == self.sampling.n
 
     def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]
+        return [s for s in self.seqs if not s.status.is_finished]
 
     def is_decode_phase(self) -> bool:
-        return all(s.num_uncomputed_tokens == 1 for s in self.live_seqs())
+        return all(len(s.token_ids) - s.num_computed_tokens == 1 for s in self.live_seqs())
 
     def num_samples(self) -> int:
         if self.is_beam_search:

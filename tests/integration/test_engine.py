@@ -360,7 +360,7 @@ def test_aborts_and_stops_between_async_steps_drop_the_in_flight_results(llama_d
         for report in engine.step():
             tokens[report.request_id] = tokens.get(report.request_id, []) + (
                 report.outputs[0].token_ids)
-    assert engine.core._in_flight is not None  # r0..r2's next step is running
+    assert engine.core.has_step_in_flight  # r0..r2's next step is running
     aborted = engine.abort_request("r1")
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     stopped = engine.core.stop_sequence("r2", 0)

@@ -1,6 +1,7 @@
 """The scheduler under random workloads on small pools (hypothesis): whatever the policy,
 preemption mode, budgets, prefix caching, sampling (greedy, n/best_of forks, beam search) and
-async scheduling (the next step scheduled before this one's outputs, as EngineCore does) and
+async scheduling (as EngineCore does: two steps in flight between engine steps, the next one
+scheduled once a step's tokens are in and before its reports are built) and
 pauses (backpressure: a paused group is never scheduled), every request ends -- with its tokens,
 with an error saying it can never fit, or aborted between two steps -- within a bounded number
 of steps, and every block comes back."""
@@ -10,7 +11,6 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import assume, given, settings
 from pagedserve.scheduler_svc.outputs import make_request_output
-from pagedserve.scheduler_svc.scheduler import ScheduledStep
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.sampling_params import SamplingParams
 
@@ -66,7 +66,7 @@ def test_every_request_ends_and_every_block_comes_back(
         arrivals.setdefault(at, []).append((f"r{i}", prompt_len, sampling, priority))
     assume(arrivals)
     finished, tokens = {}, {}
-    in_flight = None
+    in_flight: list[list] = []  # [ScheduledStep, is_advanced], oldest first
     for step in range(600):
         for request_id, prompt_len, sampling, priority in arrivals.pop(step, []):
             h.add(request_id, prompt_len, sampling, priority)
@@ -79,9 +79,9 @@ def test_every_request_ends_and_every_block_comes_back(
             group = h.groups.get(f"r{index}")
             if group is not None and step in (at, at + num_steps):
                 group.is_paused = step == at
-        if not arrivals and not h.scheduler.has_unfinished() and in_flight is None:
+        if not arrivals and not h.scheduler.has_unfinished() and not in_flight:
             break
-        reports, in_flight = engine_step(h, in_flight, async_scheduling)
+        reports = engine_step(h, in_flight, async_scheduling)
         for report in reports:
             for output in report.outputs:  # streamed groups report deltas
                 tokens.setdefault((report.request_id, output.index), []).extend(
@@ -105,24 +105,31 @@ def test_every_request_ends_and_every_block_comes_back(
     assert h.all_free()
 
 
-def engine_step(h: Harness, in_flight: ScheduledStep | None, async_scheduling: bool):
-    """EngineCore.step with the harness as the worker: (reports, the step left in flight)."""
+def engine_step(h: Harness, in_flight: list[list], async_scheduling: bool) -> list:
+    """EngineCore.step with the harness as the worker: its reports; `in_flight` is updated."""
     reports = []
 
-    def schedule() -> ScheduledStep | None:
+    def send() -> None:
         out = h.scheduler.schedule()
         assert not any(item.group.is_paused for item in out.scheduled)
         reports.extend(r for g in out.rejected if (r := make_request_output(g)) is not None)
-        return out if out.plan is not None else None
+        if out.plan is not None:
+            in_flight.append([out, False])
 
-    current = in_flight or schedule()
-    if current is None:
-        return reports, None
-    following = None
-    advanced = async_scheduling and all(
-        item.num_samples == 1 for item in current.scheduled if item.is_sampling)
-    if advanced:
-        h.scheduler.advance_in_flight(current)
-        following = schedule()
-    reports += h.processor.process(current, h.sample(current), advanced)
-    return reports, following
+    def send_ahead() -> None:
+        if len(in_flight) != 1 or in_flight[0][1] or not async_scheduling or not all(
+                item.num_samples == 1 for item in in_flight[0][0].scheduled if item.is_sampling):
+            return
+        h.scheduler.advance_in_flight(in_flight[0][0])
+        in_flight[0][1] = True
+        send()
+
+    if not in_flight:
+        send()
+    send_ahead()
+    if in_flight:
+        current, advanced = in_flight.pop(0)
+        groups = h.processor.apply(current, h.sample(current), advanced)
+        send_ahead()
+        reports += h.processor.report(groups)
+    return reports

@@ -1,6 +1,7 @@
 """A step launched while the one before is in flight: its inputs read that step's draws on the
 device, and every output is the one that running the steps one at a time gives (greedy and
-seeded sampling, the real model on CPU and the simulated GPU behind the model thread)."""
+seeded sampling, the real model on CPU and the simulated GPU behind the model thread); and the
+scheduler's side of the pipeline, which keeps two steps in flight."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pagedserve.services.common.step_plan import NewSequence, RunningSequence, S
 from pagedserve.worker_svc.sequence_mirrors import SequenceMirrors
 from pagedserve.worker_svc.sim.worker import SimWorker
 
+from pagedserve.llm_engine import LLMEngine
 from tests.integration.worker_driver import make_worker
 
 BLOCK_SIZE = 8
@@ -147,3 +149,34 @@ def test_a_delta_may_not_add_tokens_after_one_being_drawn():
         mirrors.apply(StepPlan(1, 3, previous_step_id=2, running_seqs=[
             RunningSequence(1, [42], 2, [], 1)]))
 
+
+def test_the_scheduler_sends_the_next_step_before_it_reports_one(tiny_model_dir):
+    """Step n+2 goes out once step n's tokens are in, before step n's reports are built."""
+    engine = LLMEngine.from_kwargs(
+        model=str(tiny_model_dir("llama")), device="sim", sim_model="Llama-3-8B",
+        sim_time_scale=0.01, block_size=BLOCK_SIZE, num_gpu_blocks_override=64,
+        num_cpu_blocks_override=8)
+    core, events = engine.core, []
+    worker, processor = core.workers[0], core.output_processor
+    submit, report = worker.submit_step, processor.report
+
+    def sent(plan):
+        events.append(("sent", plan.step_id))
+        return submit(plan)
+
+    def reported(groups):
+        events.append(("reported", core.last_scheduled.plan.step_id))
+        return report(groups)
+
+    worker.submit_step, processor.report = sent, reported
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, SAMPLINGS[0])
+    while engine.has_unfinished_requests():
+        engine.step()
+    reports = [n for kind, n in events if kind == "reported"]
+    assert len(reports) >= 60
+    for n in reports:
+        if ("sent", n + 2) in events:
+            assert events.index(("sent", n + 2)) < events.index(("reported", n))
+    # the last one sent may still be in flight, its sequences all finished: nothing to report
+    assert reports[-1] >= max(n for kind, n in events if kind == "sent") - 1
