@@ -27,6 +27,7 @@ from pagedserve.services.common.errors import (
     StepOutOfOrder,
     Unavailable,
 )
+from pagedserve.services.common.gc_tuning import tune_gc_after_load
 from pagedserve.services.common.step_plan import StepOutput, StepPlan, WorkerInfo
 from pagedserve.services.rpc.convert_worker import (
     memory_profile_to_proto,
@@ -115,6 +116,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
         worker, info = await self._run(load)
         self._worker = worker
+        tune_gc_after_load()  # the full collections of a process holding a model stall steps
         return info
 
     def close(self) -> None:

@@ -16,8 +16,14 @@ GEN2_THRESHOLD = 100  # middle collections between full ones (default 10)
 
 def tune_gc_after_startup() -> None:
     """Call once the process has loaded what it keeps for its lifetime (the scheduler and the
-    gateway; not the worker, whose LoadModel may replace its model: a frozen model's cycles
-    would never be collected)."""
+    gateway)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(GEN0_THRESHOLD, GEN1_THRESHOLD, GEN2_THRESHOLD)
+
+
+def tune_gc_after_load() -> None:
+    """The worker's, after each model load: a LoadModel may replace the model, so what the last
+    load froze is unfrozen first and the replaced model's cycles are collected."""
+    gc.unfreeze()
+    tune_gc_after_startup()
