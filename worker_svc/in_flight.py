@@ -19,6 +19,10 @@ _POLL_S = 1e-4  # between looks at a CUDA event that is not reached yet
 
 
 class Fence(Protocol):
+    # a modelled device's time for the work queued since the fence before (the simulated GPU);
+    # None where the device's time is measured instead
+    device_s: float | None
+
     def seconds_left(self) -> float:
         """0 once wait() would return at once; else how long to wait before asking again."""
 
@@ -26,6 +30,8 @@ class Fence(Protocol):
 
 
 class _Passed:
+    device_s = None
+
     def seconds_left(self) -> float:
         return 0.0
 
@@ -37,6 +43,8 @@ PASSED = _Passed()  # the host device: its work is done when the call returns
 
 
 class _EventFence:
+    device_s = None
+
     def __init__(self) -> None:
         self._event = torch.cuda.Event()
         self._event.record()

@@ -78,6 +78,7 @@ class ModelRunner:
         """Queues the draws; the sequences' histories must hold every earlier step's tokens."""
         if step.model_input is None:
             return
+        step.clock.mark()  # the step before may have been finished since the launch
         if step.logits is not None:  # tensor-parallel rank 0
             sample_seqs = step.model_input.sample_seqs
             states = [SeqSamplingState(seq_id=s.seq_id, sampling=s.sampling,
@@ -100,9 +101,12 @@ class ModelRunner:
         outputs = self._sampled(step)
         self.mirrors.append_drawn(step.scheduled, outputs)
         step.clock.mark(on_device=False)
-        cache_ops_ns, prepare_ns, launch_ns, sample_ns, wait_ns = step.clock.phases_ns()
+        cache_ops_ns, prepare_ns, launch_ns, _, sample_ns, wait_ns = step.clock.phases_ns()
+        forward_ns = launch_ns + wait_ns
+        if step.fence.device_s is not None:  # a modelled device: its time, not the host's
+            forward_ns = round(step.fence.device_s * 1e9)
         return StepOutput(step_id=step.step_id, outputs=outputs, timings=StepTimings(
-            cache_ops_ns=cache_ops_ns, prepare_ns=prepare_ns, forward_ns=launch_ns + wait_ns,
+            cache_ops_ns=cache_ops_ns, prepare_ns=prepare_ns, forward_ns=forward_ns,
             sample_ns=sample_ns))
 
     def new_fence(self) -> Fence:

@@ -155,9 +155,8 @@ def test_a_step_takes_at_least_its_modelled_time(tiny_model_dir):
         wall = time.perf_counter() - start
         assert modelled > 0.04
         assert modelled <= wall < modelled + 2.0
-        # the sampler's host work runs while the modelled forward does
-        assert output.timings.forward_ns + output.timings.sample_ns >= worker.roofline.step(
-            [query_len], [context_len], 1).time_s * 1e9 * 0.999
+        # the modelled device time of the step, its block copy included
+        assert output.timings.forward_ns == pytest.approx(modelled * 1e9, rel=1e-6)
         assert len(output.outputs) == 1
 
 

@@ -40,6 +40,7 @@ class GpuTimeline:
         self.time_scale = time_scale
         self._busy_until = 0.0  # perf_counter time at which the queued work is done
         self._busy_s = 0.0
+        self._fenced_s = 0.0  # _busy_s at the last fence
         self._num_syncs = 0
         self._local = threading.local()
         self._last_log = (time.perf_counter(), 0.0)
@@ -52,6 +53,8 @@ class GpuTimeline:
         self._busy_s += seconds
         return self._busy_until
 
+
+
     @property
     def busy_until(self) -> float:
         return self._busy_until
@@ -60,8 +63,10 @@ class GpuTimeline:
         self.wait_until(self._busy_until)
 
     def fence(self) -> TimelineFence:
-        """The work queued so far."""
-        return TimelineFence(self, self._busy_until)
+        """The work queued so far; its device_s: the time of what was queued since the fence
+        before."""
+        device_s, self._fenced_s = self._busy_s - self._fenced_s, self._busy_s
+        return TimelineFence(self, self._busy_until, device_s)
 
     def wait_until(self, done_at: float) -> None:
         """Waits for the work queued up to a time enqueue returned."""
@@ -89,6 +94,7 @@ class GpuTimeline:
 class TimelineFence:
     timeline: GpuTimeline
     done_at: float  # perf_counter time
+    device_s: float
 
     def seconds_left(self) -> float:
         return max(0.0, self.done_at - time.perf_counter())
