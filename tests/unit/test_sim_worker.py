@@ -4,6 +4,7 @@ every block comes back, and no step takes less wall time than its model says."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from pagedserve.services.common.errors import ConfigError, InvalidRequest, StepO
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import NewSequence, RunningSequence, StepPlan
 from pagedserve.worker_svc.sampler import SeqSamplingState
-from pagedserve.worker_svc.sim.sampler import SimSampler
+from pagedserve.worker_svc.sim.sampler import SimSampler, sim_token
 from pagedserve.worker_svc.sim.timeline import GpuTimeline
 from pagedserve.worker_svc.sim.worker import SimWorker
 from pagedserve.worker_svc.worker import create_worker
@@ -179,3 +180,27 @@ def test_the_sim_refuses_what_it_does_not_model(tiny_model_dir):
                                device=DeviceConfig(device="sim")))
     with pytest.raises(ConfigError, match="sim_model must be one of"):
         _worker(tiny_model_dir("llama"), sim_model="GPT-5")
+
+
+def test_the_sampler_draws_what_sim_token_says_for_every_kind_of_row():
+    """The sampler hashes a step at once in numpy; sim_token, one draw in Python, is the rule."""
+    rng = random.Random(0)
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, n=2, logprobs=2),
+             SamplingParams(temperature=1.0, ignore_eos=True),
+             SamplingParams(temperature=0.5, min_tokens=3)]
+    for vocab_size, eos_probability in ((49152, 0.3), (1000, 0.0), (50, 1.0)):
+        sampler = SimSampler(vocab_size, [2], eos_probability, seed=rng.randrange(2**63))
+        seqs = [SeqSamplingState(
+            seq_id=i, sampling=rng.choice(kinds),
+            token_ids=[rng.randrange(vocab_size) for _ in range(rng.choice([1, 2, 4, 5, 8]))],
+            prompt_len=1, seed=rng.choice([None, rng.randrange(2**64), -5]),
+            num_samples=rng.choice([1, 2])) for i in range(200)]
+        for s, got in zip(seqs, sampler(None, seqs), strict=True):
+            is_greedy = s.sampling.is_greedy
+            seed = sampler.seed if is_greedy or s.seed is None else s.seed
+            may_end = not s.sampling.ignore_eos and s.num_output_tokens >= s.sampling.min_tokens
+            expected = [sim_token(seed, len(s.token_ids), s.token_ids, j, sampler.token_range,
+                                  2 if may_end else None, eos_probability)
+                        for j in range(s.num_samples)]
+            assert (got.token_ids, got.logprobs) == ([t for t, _ in expected],
+                                                     [lp for _, lp in expected])
