@@ -84,8 +84,7 @@ class ModelThread:
             if job is None:
                 self._finish(in_flight)
                 return
-            if (in_flight is not None and job.plan is not None and job.worker is in_flight.job.worker
-                    and job.worker.can_launch_ahead(in_flight.step, job.plan)):
+            if in_flight is not None and self._can_go_ahead(in_flight, job):
                 ahead = self._launch(job, in_flight.step)
                 self.num_launched_ahead += ahead is not None
                 if not self._finish(in_flight) and ahead is not None:
@@ -102,6 +101,15 @@ class ModelThread:
             if in_flight is not None and not job.worker.runner.runs_apart:
                 self._finish(in_flight)
                 in_flight = None
+
+    def _can_go_ahead(self, in_flight: _Launched, job: _Job) -> bool:
+        if job.plan is None or job.worker is not in_flight.job.worker:
+            return False
+        try:
+            return job.worker.can_launch_ahead(in_flight.step, job.plan)
+        except Exception:  # the step then runs alone and its launch says what is wrong
+            logger.exception("could not tell whether step %d may go ahead", job.plan.step_id)
+            return False
 
     def _run(self, job: _Job) -> None:
         if not job.future.set_running_or_notify_cancel():
