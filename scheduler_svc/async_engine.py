@@ -111,6 +111,7 @@ class EngineService:
         self._idle = asyncio.Event()  # set while no request is live (drain waits on it)
         self._idle.set()
         self._is_stepping = False
+        self._loop = asyncio.get_running_loop()  # the engine thread hands its outputs to it
         self._has_pending = False  # read by the engine thread between its steps
         self._is_stopping = False
         self._is_accepting = True
@@ -133,7 +134,6 @@ class EngineService:
         engine = await asyncio.get_running_loop().run_in_executor(executor, build_engine)
         engine.stat_loggers.extend(stat_loggers or ())
         service = cls(engine, executor, stop_timeout_s)
-        service._loop = asyncio.get_running_loop()
         service._task = asyncio.create_task(service._run(), name="engine-loop")
         if stats_interval_s > 0:
             stat_line = LoggingStatLogger()

@@ -29,15 +29,11 @@ class OutputProcessor:
         self.num_prompt_tokens = 0  # prompts that got their first token, since start
         self.num_generation_tokens = 0  # tokens appended to outputs, since start
 
-    def process(self, scheduled: ScheduledStep, step_output: StepOutput,
-                is_advanced: bool = False) -> list[RequestOutput]:
-        """`is_advanced`: Scheduler.advance_in_flight already counted this step."""
-        return self.report(self.apply(scheduled, step_output, is_advanced))
-
     def apply(self, scheduled: ScheduledStep, step_output: StepOutput,
               is_advanced: bool = False) -> list[SequenceGroup]:
         """The step's tokens into its sequences (stops, forks, freed blocks): what the next
-        schedule needs. Returns the groups the step touched, for report()."""
+        schedule needs. Returns the groups the step touched, for report(). `is_advanced`:
+        Scheduler.advance_in_flight already counted this step."""
         by_seq_id = {out.seq_id: out for out in step_output.outputs}
         groups: dict[int, SequenceGroup] = {}
         samples: dict[int, list[tuple[Sequence, SampledSequence]]] = {}

@@ -207,10 +207,7 @@ class SequenceGroup:
 
     @property
     def is_finished(self) -> bool:
-        seqs = self.seqs
-        if len(seqs) == 1:  # most groups; asked several times per step each
-            return seqs[0].status.is_finished
-        return all(s.status.is_finished for s in seqs)
+        return all(s.is_finished for s in self.seqs)
 
     @property
     def is_streamed(self) -> bool:
@@ -218,10 +215,10 @@ class SequenceGroup:
         return not self.is_beam_search and self.sampling.num_candidates == self.sampling.n
 
     def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.status.is_finished]
+        return [s for s in self.seqs if not s.is_finished]
 
     def is_decode_phase(self) -> bool:
-        return all(len(s.token_ids) - s.num_computed_tokens == 1 for s in self.live_seqs())
+        return all(s.num_uncomputed_tokens == 1 for s in self.live_seqs())
 
     def num_samples(self) -> int:
         if self.is_beam_search:

@@ -106,10 +106,6 @@ class SequenceMirrors:
                                 seq.num_computed_tokens, delta.num_scheduled_tokens,
                                 seq.prompt_len, delta.num_samples)
 
-    def advance(self, scheduled: list[CachedSequence], sampled: list[SampledSequence]) -> None:
-        self.mark_computed(scheduled)
-        self.append_drawn(scheduled, sampled)
-
     def mark_computed(self, scheduled: list[CachedSequence]) -> None:
         """The step is launched: its tokens' KV is (in device order) in the cache, and the
         sequences that sample one token are drawing it."""

@@ -53,7 +53,8 @@ class Harness:
         """One engine step; `logprobs[seq_id]` / `tokens[seq_id]` override the sampled values."""
         out = self.scheduler.schedule()
         rejected = [r for g in out.rejected if (r := make_request_output(g)) is not None]
-        return out, rejected + self.processor.process(out, self.sample(out, logprobs, tokens))
+        groups = self.processor.apply(out, self.sample(out, logprobs, tokens))
+        return out, rejected + self.processor.report(groups)
 
     def sample(self, out: ScheduledStep, logprobs: dict[int, list[float]] | None = None,
                tokens=None) -> StepOutput:

@@ -31,8 +31,9 @@ def test_deltas_update_tokens_and_block_tables():
     scheduled = mirrors.apply(StepPlan(1, 1, new_seqs=[_new(0, [1, 2, 3, 4, 5], [7, 8], 0, 5),
                                                      _new(1, [9, 9], [3], 0, 2, num_samples=2)]))
     # one sample: the worker appends it itself; two (a fork): the scheduler sends its choice
-    mirrors.advance(scheduled, [SampledSequence(0, [6], [-0.1]),
-                              SampledSequence(1, [4, 5], [-0.2, -0.3])])
+    mirrors.mark_computed(scheduled)
+    mirrors.append_drawn(scheduled, [SampledSequence(0, [6], [-0.1]),
+                                     SampledSequence(1, [4, 5], [-0.2, -0.3])])
     assert mirrors.seqs[0].token_ids == [1, 2, 3, 4, 5, 6] and mirrors.seqs[1].token_ids == [9, 9]
     scheduled = mirrors.apply(StepPlan(1, 2, running_seqs=[
         RunningSequence(0, new_token_ids=[], block_ids_start=2, block_ids=[],

@@ -45,19 +45,11 @@ class GpuTimeline:
         self._local = threading.local()
         self._last_log = (time.perf_counter(), 0.0)
 
-    def enqueue(self, seconds: float) -> float:
-        """Returns the perf_counter time at which this work is done."""
+    def enqueue(self, seconds: float) -> None:
         seconds *= self.time_scale
         start = max(time.perf_counter(), self._busy_until)
         self._busy_until = start + seconds
         self._busy_s += seconds
-        return self._busy_until
-
-
-
-    @property
-    def busy_until(self) -> float:
-        return self._busy_until
 
     def synchronize(self) -> None:
         self.wait_until(self._busy_until)
@@ -69,7 +61,7 @@ class GpuTimeline:
         return TimelineFence(self, self._busy_until, device_s)
 
     def wait_until(self, done_at: float) -> None:
-        """Waits for the work queued up to a time enqueue returned."""
+        """Waits for the work queued up to `done_at` (a fence's)."""
         if not getattr(self._local, "is_slack_set", False):
             _tighten_timer_slack()
             self._local.is_slack_set = True
