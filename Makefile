@@ -37,7 +37,7 @@ $(GEN): $(PROTOS) $(STAMP)
 	$(VPY) protos/generate.py services/rpc/v1
 	touch $@
 
-# the buf CLI, pinned in tools/package-lock.json (README: Contracts)
+# the buf CLI, pinned in tools/package-lock.json (docs/contracts.md)
 $(BUF): tools/package.json tools/package-lock.json
 	cd tools && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
@@ -48,7 +48,7 @@ model: $(STAMP)
 run: install proto model
 	$(VPY) -m pagedserve.cli serve --model $(MODEL_DIR)
 
-# the Node.js example client's packages, pinned in examples/node/package-lock.json (README: Clients)
+# the Node.js example client's packages, pinned in examples/node/package-lock.json (docs/api.md, Clients)
 NODE_EXAMPLE := examples/node/node_modules/.package-lock.json
 node-example: $(NODE_EXAMPLE)
 
@@ -99,7 +99,7 @@ bench-gpu:
 helm-test: install proto
 	$(VPY) -m pytest -q -p no:cacheprovider tests/unit/test_helm_render.py tests/unit/test_helm_chart.py
 
-# The images the chart runs (README: Kubernetes), where docker or podman exists.
+# The images the chart runs (docs/kubernetes.md), where docker or podman exists.
 IMAGE   ?= pagedserve
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 ENGINE  ?= $(shell command -v docker || command -v podman)
