@@ -391,9 +391,10 @@ class ConnectionLimitsConfig:
               "proxy's); a request on one more is answered 429 and its connection closed; "
               "0 = no per-address cap")
     http_stream_send_buffer_bytes: int = opt(
-        16 << 10, "send buffer (SO_SNDBUF, and the write buffer above it) of a streaming "
-                  "response's connection: what a client that stops reading may leave unread "
-                  "below the gateway before --max-unread-stream-tokens counts it")
+        16 << 10, "kernel send buffer (SO_SNDBUF) of a streaming response's connection: what a "
+                  "client that stops reading may leave unread below the gateway before "
+                  "--max-unread-stream-tokens counts it; larger helps a fast stream on a "
+                  "long-distance link")
     grpc_handshake_timeout_s: float = opt(
         10.0, "a gRPC connection must finish its TLS and HTTP/2 handshake within this many "
               "seconds, else it is closed")

@@ -142,11 +142,12 @@ class GuardedProtocol(H11Protocol):
         self.transport.close()
 
     def _limit_send_buffer(self) -> None:
-        """What the kernel and the transport hold for this connection stays under
-        http_stream_send_buffer_bytes each, so a client that stops reading stalls its stream
-        (and its backpressure count rises) after a bounded number of events."""
-        num_bytes = self._guard.limits.http_stream_send_buffer_bytes
+        """The kernel holds at most http_stream_send_buffer_bytes (Linux counts twice that,
+        overhead included) of this connection's output, and the transport nothing above it:
+        a response's writes wait as soon as the kernel takes no more, so a client that stops
+        reading stalls its stream (and its backpressure count rises) within a few events."""
         sock = self.transport.get_extra_info("socket")
         if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, num_bytes)
-        self.transport.set_write_buffer_limits(high=num_bytes)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                            self._guard.limits.http_stream_send_buffer_bytes)
+        self.transport.set_write_buffer_limits(high=0)
