@@ -52,9 +52,10 @@ class ConnectionGuard:
 
 
 class GuardedProtocol(H11Protocol):
-    """uvicorn's h11 protocol with the guard's deadlines and per-address cap. Between requests
-    (after a response, before the next request's first byte) uvicorn's keep-alive timeout
-    applies instead."""
+    """uvicorn's h11 protocol (always h11, whose parser also bounds the headers at 16 KiB, even
+    where httptools is installed) with the guard's deadlines and per-address cap. Between
+    requests (after a response, before the next request's first byte) uvicorn's keep-alive
+    timeout applies instead."""
 
     def __init__(self, guard: ConnectionGuard, **kwargs: Any) -> None:
         super().__init__(**kwargs)
