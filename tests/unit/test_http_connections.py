@@ -1,10 +1,11 @@
 """The HTTP door's connection limits, with real sockets on 127.0.0.1: a client that sends nothing,
 sends its headers or its body a trickle at a time, or idles between requests is closed; one
-address past its cap gets 429, the process past its cap 503; running out of descriptors logs one
-line, not a traceback per accept()."""
+address past its cap gets 429, the process past its cap 503; the open-file limit is raised to fit
+the cap, and running out of descriptors anyway logs one line, not a traceback per accept()."""
 
 import asyncio
 import json
+import resource
 import socket
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import time
 
 import pytest
 from pagedserve.services.common.config import ConnectionLimitsConfig
-from pagedserve.services.gateway.openai.server import HttpServer, bind_socket
+from pagedserve.services.gateway.openai.server import HttpServer, bind_socket, fit_open_file_limit
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
@@ -188,3 +189,15 @@ def test_running_out_of_descriptors_logs_one_line_not_a_traceback_per_accept():
             client.close()
     assert log.count("Traceback") == 0
     assert 1 <= log.count("HTTP connections cannot be accepted: Too many open files") <= 2
+
+
+def test_the_open_file_limit_is_raised_to_fit_the_connection_cap():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the hard open-file limit ({hard}) leaves no room to raise")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        fit_open_file_limit(512)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 512 + 1024
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
