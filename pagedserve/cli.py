@@ -26,6 +26,7 @@ from pagedserve.log_format import configure_logging
 from pagedserve.services.common.config import (
     API_KEY_ENV,
     AdminConfig,
+    ConnectionLimitsConfig,
     EngineConfig,
     GatewayConfig,
     HttpConfig,
@@ -66,7 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
                                    args.metrics_port, args.log_format,
                                    from_args(RequestLimitsConfig, args), from_args(HttpConfig, args),
                                    admin=from_args(AdminConfig, args),
-                                   data_parallel_size=args.data_parallel_size))
+                                   data_parallel_size=args.data_parallel_size,
+                                   connections=from_args(ConnectionLimitsConfig, args)))
 
 
 def _setup_tracing(tracing: TracingConfig, service: str) -> None:
@@ -229,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve, ShutdownConfig)
     add_arguments(serve, RequestLimitsConfig)
     add_arguments(serve, HttpConfig)
+    add_arguments(serve, ConnectionLimitsConfig)
     add_arguments(serve, AdminConfig)
     gateway = GatewayConfig()
     serve.add_argument("--host", default="127.0.0.1", help="address every service listens on")

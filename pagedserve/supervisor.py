@@ -252,7 +252,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
                       startup_timeout_s: float, drain_timeout_s: float,
                       tracing: Any = None, internal_tls: bool = True, metrics_port: int = -1,
                       log_format: str = "text", limits: Any = None, http: Any = None,
-                      data_parallel_size: int = 1, admin: Any = None) -> int:
+                      data_parallel_size: int = 1, admin: Any = None,
+                      connections: Any = None) -> int:
     """Run the stack until Ctrl-C or SIGTERM (0), or until a child keeps dying (1).
     `data_parallel_size` replicas, each a scheduler and tensor_parallel_size workers: replica r's
     scheduler listens on scheduler_port + r and its rank-0 worker on worker_port + r (free ports
@@ -262,7 +263,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     S = P + 1 + r * (1 + tensor_parallel_size): S (scheduler) and S + 1 + rank (workers); 0 on
     free ports each; -1 not at all. `limits`: the gateway's RequestLimitsConfig. `http` is the
     gateway's HttpConfig; an API key in it reaches the gateway through its environment, never
-    its command line; so does `admin`'s token (an AdminConfig)."""
+    its command line; so does `admin`'s token (an AdminConfig). `connections`: the gateway's
+    ConnectionLimitsConfig."""
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
     connect = _connect_host(host)
@@ -325,7 +327,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
             *drain, *tls_argv("gateway"), *metrics_argv(0), "--host", host, "--port", str(port),
             "--scheduler-address", ",".join(scheduler_addresses),
             "--tokenizer", config.model.tokenizer_path,
-            *(config_to_argv(limits) if limits is not None else []), *http_argv],
+            *(config_to_argv(limits) if limits is not None else []), *http_argv,
+            *(config_to_argv(connections) if connections is not None else [])],
             restartable=True)
         if not await supervisor.wait_serving(startup_timeout_s):
             return 0

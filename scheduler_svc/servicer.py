@@ -168,7 +168,7 @@ async def start_scheduler(config: EngineConfig, service_config: SchedulerService
                                lambda: None if servicer.service is None else servicer.service.load)
     try:
         servicer.metrics_server = start_metrics_server(
-            registry, service_config.host, service_config.metrics.metrics_port, "scheduler")
+            registry, service_config.host, service_config.metrics, "scheduler")
         servicer.service = await start_engine(config, service_config, [metrics])
     except BaseException:
         await server.shutdown(0)  # its health-only port too

@@ -251,7 +251,7 @@ async def start_worker(config: EngineConfig, service: WorkerServiceConfig
         servicer.metrics = WorkerMetrics(registry, served_model_name(config.model.model),
                                          service.rank)
         servicer.metrics_server = start_metrics_server(
-            registry, service.host, service.metrics.metrics_port, "worker")
+            registry, service.host, service.metrics, "worker")
         await servicer.load()
     except BaseException:
         await server.shutdown(0)  # its health-only port too

@@ -237,10 +237,19 @@ class MetricsConfig:
 
     metrics_port: int = opt(-1, "port of the Prometheus /metrics endpoint; 0 = any free port, "
                                 "-1 = no endpoint")
+    metrics_max_connections: int = opt(
+        8, "connections the /metrics endpoint serves at once; more are closed unanswered")
+    metrics_timeout_s: float = opt(
+        10.0, "a /metrics connection that sends nothing (or stops reading) for this long is "
+              "closed")
 
     def __post_init__(self) -> None:
         _check(-1 <= self.metrics_port < 65536,
                f"metrics_port must be -1 (off) or in [0, 65535], got {self.metrics_port}")
+        _check(self.metrics_max_connections >= 1,
+               f"metrics_max_connections must be >= 1, got {self.metrics_max_connections}")
+        _check(self.metrics_timeout_s > 0,
+               f"metrics_timeout_s must be > 0, got {self.metrics_timeout_s}")
 
 
 @dataclass(slots=True)
@@ -357,6 +366,53 @@ class PublicTlsConfig:
     @property
     def is_enabled(self) -> bool:
         return bool(self.public_tls_cert)
+
+
+@dataclass(slots=True)
+class ConnectionLimitsConfig:
+    """How long and how many connections the gateway's doors hold for their clients, so that
+    idle, slow or numerous sockets cannot take every file descriptor."""
+
+    http_header_timeout_s: float = opt(
+        10.0, "an HTTP connection must send a request's line and headers within this many "
+              "seconds of opening (or of the request's first byte on a kept-alive connection): "
+              "one that sent nothing is closed, one that sent part of its headers gets 408")
+    http_body_timeout_s: float = opt(
+        60.0, "an HTTP request's body must arrive within this many seconds of its headers, "
+              "else 408 and the connection closes")
+    http_keep_alive_timeout_s: float = opt(
+        5.0, "an HTTP connection idle this long between two requests is closed")
+    max_http_connections: int = opt(
+        4096, "most open HTTP connections per gateway process; a request on one more is "
+              "answered 503 and its connection closed (the process's open-file limit is raised "
+              "to fit, where the hard limit allows)")
+    max_http_connections_per_client: int = opt(
+        1024, "most open HTTP connections from one client address (behind a proxy: the "
+              "proxy's); a request on one more is answered 429 and its connection closed; "
+              "0 = no per-address cap")
+    http_stream_send_buffer_bytes: int = opt(
+        16 << 10, "kernel send buffer (SO_SNDBUF) of a streaming response's connection: what a "
+                  "client that stops reading may leave unread below the gateway before "
+                  "--max-unread-stream-tokens counts it; larger helps a fast stream on a "
+                  "long-distance link")
+    grpc_handshake_timeout_s: float = opt(
+        10.0, "a gRPC connection must finish its TLS and HTTP/2 handshake within this many "
+              "seconds, else it is closed")
+    grpc_max_connection_idle_s: float = opt(
+        300.0, "a gRPC connection with no call open for this long is closed (GOAWAY; the "
+               "client's channel reconnects on its next call)")
+
+    def __post_init__(self) -> None:
+        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keep_alive_timeout_s",
+                     "grpc_handshake_timeout_s", "grpc_max_connection_idle_s"):
+            value = getattr(self, name)
+            _check(value > 0, f"{name} must be > 0, got {value}")
+        _check(self.max_http_connections >= 1,
+               f"max_http_connections must be >= 1, got {self.max_http_connections}")
+        _check(self.max_http_connections_per_client >= 0, "max_http_connections_per_client "
+               f"must be >= 0, got {self.max_http_connections_per_client}")
+        _check(self.http_stream_send_buffer_bytes >= 4096, "http_stream_send_buffer_bytes "
+               f"must be >= 4096, got {self.http_stream_send_buffer_bytes}")
 
 
 @dataclass(slots=True)
@@ -492,6 +548,7 @@ class GatewayConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)
     public_tls: PublicTlsConfig = field(default_factory=PublicTlsConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    connections: ConnectionLimitsConfig = field(default_factory=ConnectionLimitsConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -113,7 +113,7 @@ async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) 
                        "pagedserve.v1.GenerationService"),
         ServiceBinding(ModelServicer(info), gateway_pb2_grpc.add_ModelServiceServicer_to_server,
                        "pagedserve.v1.ModelService"),
-    ], config.host, config.port, server_options(config.limits.max_request_bytes),
+    ], config.host, config.port, server_options(config),
         credentials=credentials, health_port=config.tls.health_port,
         interceptors=[ApiKeyInterceptor(api_key, GUARDED_SERVICES)] if api_key else ())
     http = None
@@ -121,10 +121,10 @@ async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) 
         app = build_app(OpenAIServing(frontend, info.model), api_key,
                         config.http.max_request_body_bytes)
         http = HttpServer(app, bind_socket(config.host, max(config.http.http_port, 0)),
-                          config.public_tls)
+                          config.public_tls, config.connections)
     await server.start()
     try:
-        metrics_server = start_metrics_server(registry, config.host, config.metrics.metrics_port,
+        metrics_server = start_metrics_server(registry, config.host, config.metrics,
                                               "gateway")
     except BaseException:
         await server.shutdown(0)
@@ -140,11 +140,18 @@ async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) 
     return Gateway(server, replicas, admission, metrics_server, pool, http)
 
 
-def server_options(max_request_bytes: int) -> list[tuple[str, Any]]:
+def server_options(config: GatewayConfig) -> list[tuple[str, Any]]:
     """The shared server options, with requests larger than max_request_bytes refused by gRPC
-    (RESOURCE_EXHAUSTED) before they are even parsed."""
-    options = [o for o in DEFAULT_OPTIONS if o[0] != "grpc.max_receive_message_length"]
-    return [*options, ("grpc.max_receive_message_length", max_request_bytes)]
+    (RESOURCE_EXHAUSTED) before they are even parsed, and the public door's connection limits:
+    a client that never finishes its handshake, or holds a connection with no call open, is
+    closed (gRPC's own defaults: 120 s and never)."""
+    limits = config.connections
+    replaced = ("grpc.max_receive_message_length", "grpc.server_handshake_timeout_ms",
+                "grpc.max_connection_idle_ms")
+    options = [o for o in DEFAULT_OPTIONS if o[0] not in replaced]
+    return [*options, ("grpc.max_receive_message_length", config.limits.max_request_bytes),
+            ("grpc.server_handshake_timeout_ms", round(limits.grpc_handshake_timeout_s * 1000)),
+            ("grpc.max_connection_idle_ms", round(limits.grpc_max_connection_idle_s * 1000))]
 
 
 async def serve(config: GatewayConfig) -> None:

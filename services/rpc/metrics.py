@@ -6,10 +6,15 @@ unchanged; `pagedserve:...` otherwise. prometheus_client appends `_total` to cou
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from pagedserve.services.common.config import MetricsConfig
+from prometheus_client import CollectorRegistry, make_wsgi_app
 
 logger = logging.getLogger(__name__)
 
@@ -38,22 +43,67 @@ def tokens_buckets(max_model_len: int) -> list[int]:
         exponent += 1
 
 
+class _MetricsHandler(WSGIRequestHandler):
+    def setup(self) -> None:
+        self.timeout = self.server.timeout_s  # type: ignore[attr-defined]
+        super().setup()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _BoundedServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most `max_connections` of them: one more is closed at once,
+    and a connection silent for `timeout_s` ends its thread."""
+
+    daemon_threads = True
+    request_queue_size = 128  # socketserver's 5 makes a burst of connects wait on SYN retries
+
+    def configure(self, max_connections: int, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        logger.debug("/metrics connection from %s failed", client_address, exc_info=True)
+
+
 @dataclass(slots=True)
 class MetricsServer:
     port: int
-    _httpd: Any
+    _httpd: _BoundedServer
 
     def stop(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
 
 
-def start_metrics_server(registry: CollectorRegistry, host: str, port: int,
+def start_metrics_server(registry: CollectorRegistry, host: str, config: MetricsConfig,
                          service: str) -> MetricsServer | None:
-    """None when `port` is -1 (off)."""
-    if port < 0:
+    """None when `config.metrics_port` is -1 (off)."""
+    if config.metrics_port < 0:
         return None
-    httpd, _ = start_http_server(port, addr=host, registry=registry)
+    server_class = type("MetricsHttpServer", (_BoundedServer,), {
+        "address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
+    httpd = make_server(host, config.metrics_port, make_wsgi_app(registry), server_class,
+                        handler_class=_MetricsHandler)
+    httpd.configure(config.metrics_max_connections, config.metrics_timeout_s)
+    threading.Thread(target=httpd.serve_forever, name=f"{service}-metrics", daemon=True).start()
     server = MetricsServer(httpd.server_port, httpd)
     logger.info("%s metrics on http://%s:%d/metrics", service, host, server.port)
     return server

@@ -28,6 +28,10 @@ DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
     # clients ping every 10 s to find a vanished peer during long streams
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # the server pings too: a peer gone without closing its connection (a host lost) is
+    # dropped after 80 s, not gRPC's 2 h, and its descriptor freed
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
 )
 
 

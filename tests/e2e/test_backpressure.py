@@ -1,13 +1,21 @@
 """Backpressure through the three services (one process, real gRPC, tiny model): a client that
 stops reading has its request paused in the scheduler (it takes no engine steps while a normal
 client's request completes), then resumed when it reads again, with the seeded tokens of a run
-that never paused; a client that never comes back is still aborted after the stall timeout."""
+that never paused; a client that never comes back is still aborted after the stall timeout.
+An HTTP stream whose client reads nothing is paused too, once the small send buffer under it is
+full, not after everything the kernel would buffer."""
 
 import dataclasses
+import json
+import socket
 
 import grpc
 import pytest
-from pagedserve.services.common.config import CacheConfig, RequestLimitsConfig
+from pagedserve.services.common.config import (
+    CacheConfig,
+    ConnectionLimitsConfig,
+    RequestLimitsConfig,
+)
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
@@ -37,12 +45,13 @@ def token_ids(responses) -> list[int]:
     return [t for r in responses for t in r.token_ids]
 
 
-def serve(model_dir, stalled_stream_timeout_s: float):
+def serve(model_dir, stalled_stream_timeout_s: float, **gateway_kw):
     config = tiny_config(model_dir)
     config = dataclasses.replace(config, cache=CacheConfig(
         kv_cache_memory_gib=0.01, swap_space_gib=0.01, num_gpu_blocks_override=64))
     return start_stack(config, metrics_port=0, limits=RequestLimitsConfig(
-        max_unread_stream_tokens=MAX_UNREAD, stalled_stream_timeout_s=stalled_stream_timeout_s))
+        max_unread_stream_tokens=MAX_UNREAD, stalled_stream_timeout_s=stalled_stream_timeout_s),
+        **gateway_kw)
 
 
 def num_generated(stack) -> float:
@@ -86,6 +95,31 @@ def test_a_paused_stream_that_is_never_read_is_still_aborted(tiny_served_model_d
                 token_ids(stalled)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "stalled_stream_timeout_s=5" in err.value.details()
+        assert stack.load().num_paused_requests == 0
+    finally:
+        stack.close()
+
+
+def test_an_http_stream_never_read_is_paused_before_it_ends_then_aborted(tiny_served_model_dir):
+    """300 tokens of ~250-byte events: the old door wrote them all into kernel buffers and the
+    request ran to its end unpaused; now writes stop within ~4 KiB × 2 plus the client's own
+    small receive buffer, and the request is paused long before its end."""
+    stack = serve(tiny_served_model_dir, stalled_stream_timeout_s=5.0,
+                  connections=ConnectionLimitsConfig(http_stream_send_buffer_bytes=4096))
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True,
+                       "temperature": 0, "stream": True}).encode()
+    try:
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(("127.0.0.1", stack.gateway.http_port))
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                           b"application/json\r\ncontent-length: %d\r\n\r\n%s"
+                           % (len(body), body))
+            wait_until(lambda: stack.load().num_paused_requests == 1
+                       or num_generated(stack) >= 300, timeout_s=120)
+            assert stack.load().num_paused_requests == 1
+            assert num_generated(stack) < 300
+            assert_idle(stack, timeout_s=30)  # aborted after the stall timeout
         assert stack.load().num_paused_requests == 0
     finally:
         stack.close()

@@ -5,9 +5,11 @@ import argparse
 import pytest
 from pagedserve.services.common.config import (
     CacheConfig,
+    ConnectionLimitsConfig,
     DeviceConfig,
     EngineConfig,
     GatewayConfig,
+    MetricsConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -46,6 +48,15 @@ from pagedserve.services.common.errors import ConfigError, InvalidRequest
     (GatewayConfig, {"port": 70000}, "port must be in [0, 65535], got 70000"),
     (SchedulerServiceConfig, {"worker_addresses": []}, "worker_addresses must name at least one"),
     (WorkerServiceConfig, {"rank": -1}, "rank must be >= 0, got -1"),
+    (ConnectionLimitsConfig, {"http_header_timeout_s": 0},
+     "http_header_timeout_s must be > 0, got 0"),
+    (ConnectionLimitsConfig, {"max_http_connections": 0}, "max_http_connections must be >= 1, got 0"),
+    (ConnectionLimitsConfig, {"max_http_connections_per_client": -1},
+     "max_http_connections_per_client must be >= 0, got -1"),
+    (ConnectionLimitsConfig, {"http_stream_send_buffer_bytes": 1024},
+     "http_stream_send_buffer_bytes must be >= 4096, got 1024"),
+    (MetricsConfig, {"metrics_max_connections": 0}, "metrics_max_connections must be >= 1, got 0"),
+    (MetricsConfig, {"metrics_timeout_s": 0}, "metrics_timeout_s must be > 0, got 0"),
 ])
 def test_bad_values_are_rejected_with_the_value_quoted(cls, kwargs, message):
     with pytest.raises(ConfigError) as err:

@@ -5,6 +5,7 @@ delayed ACK (it cost ~40 ms of TTFT per streamed request)."""
 import asyncio
 import socket
 
+from pagedserve.services.gateway.openai import sse
 from pagedserve.services.gateway.openai.server import HttpServer, bind_socket
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
@@ -40,3 +41,43 @@ def test_accepted_connections_have_nodelay():
 
     options = asyncio.run(main())
     assert options and all(options)
+
+
+def test_a_stream_its_client_does_not_read_stops_after_a_bounded_number_of_events():
+    """What the kernel may hold under a client that stops reading is
+    http_stream_send_buffer_bytes, not megabytes: the writes wait (and the gateway's
+    backpressure counts the tokens) after about 2 × 16 KiB of 250-byte events, plus what the
+    client's own 4 KiB receive buffer takes (it was 11,000 events, 2.8 MB, on loopback)."""
+    num_sent = 0
+
+    async def events():
+        nonlocal num_sent
+        while True:
+            num_sent += 1
+            yield sse.event("x" * 240)
+            await asyncio.sleep(0)
+
+    async def stream(request):
+        return sse.EventStreamResponse(events(), lambda: None, asyncio.Event())
+
+    app = Starlette(routes=[Route("/", stream)])
+
+    async def main() -> int:
+        http = HttpServer(app, bind_socket("127.0.0.1", 0))
+        await http.start()
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(client, ("127.0.0.1", http.port))
+            client.send(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            while True:  # until the writes block
+                before = num_sent
+                await asyncio.sleep(0.5)
+                if num_sent == before:
+                    return num_sent
+        finally:
+            client.close()
+            await http.stop(0.1)
+
+    assert 0 < asyncio.run(main()) <= 400

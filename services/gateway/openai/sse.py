@@ -1,7 +1,8 @@
 """Server-sent events: `data: <json>` lines ending with `data: [DONE]`, and the response that
 streams them. A client that goes away, or stops reading, cancels the stream at once (not at the
 next write), so its request is aborted down to the worker; closing the response releases what it
-held (admission)."""
+held (admission). The connection's send buffers are kept small (connection_guard), so a client
+that stops reading blocks the stream's writes, and its backpressure, within a few events."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
+from pagedserve.services.gateway.openai.connection_guard import LIMIT_SEND_BUFFER
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -34,6 +36,9 @@ class EventStreamResponse(StreamingResponse):
         self._stalled = stalled
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit_send_buffer = scope.get("extensions", {}).get(LIMIT_SEND_BUFFER)
+        if limit_send_buffer is not None:
+            limit_send_buffer["limit"]()
         stream = asyncio.ensure_future(self.stream_response(send))
         disconnect = asyncio.ensure_future(self.listen_for_disconnect(receive))
         stalled = asyncio.ensure_future(self._stalled.wait())
