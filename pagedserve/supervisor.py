@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.certificates import ThrowAwayCertificates
 from pagedserve.services.common.config import ADMIN_TOKEN_ENV, API_KEY_ENV, TlsConfig
+from pagedserve.services.rpc.roles import ROLES
 from pagedserve.services.rpc.tls import internal_aio_channel, is_loopback
 
 logger = logging.getLogger(__name__)
@@ -290,7 +291,7 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
             return []
         return ["--metrics-port", str(metrics_port + offset if metrics_port else 0)]
 
-    certificates = (ThrowAwayCertificates(("gateway", "scheduler", "worker", "supervisor"),
+    certificates = (ThrowAwayCertificates(ROLES,
                                           [connect]) if internal_tls else None)
 
     def tls_argv(role: str) -> list[str]:
