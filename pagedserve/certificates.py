@@ -1,7 +1,8 @@
 """A throw-away certificate authority for a stack this process starts (`pagedserve serve`, the
 tensor-parallel ranks of `LLM`): mutual TLS between its services with nothing to configure.
 
-The CA signs one certificate per role and is then forgotten: its key never touches the disk, so
+The CA signs one certificate per role, the role named in a URI SAN (`spiffe://pagedserve/<role>`,
+what the internal servers check: services/rpc/roles.py), and is then forgotten: its key never touches the disk, so
 nobody can mint another peer. Each role gets a folder in the layout `--internal-tls-dir` reads
 (ca.crt, tls.crt, tls.key). The parent folder is private (0700) and every key file 0600.
 """
@@ -22,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from pagedserve.services.common.config import TlsConfig
+from pagedserve.services.rpc.roles import role_uri
 from pagedserve.services.rpc.tls import CA_FILE, CERT_FILE, KEY_FILE
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -34,8 +36,8 @@ def _name(common_name: str) -> x509.Name:
                       x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def _subject_alt_names(hosts: Sequence[str]) -> x509.SubjectAlternativeName:
-    names: list[x509.GeneralName] = []
+def _subject_alt_names(role: str, hosts: Sequence[str]) -> x509.SubjectAlternativeName:
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(role_uri(role))]
     for host in dict.fromkeys(hosts):
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
@@ -61,7 +63,8 @@ def _write(path: Path, data: bytes, mode: int) -> None:
 
 def write_certificates(folder: Path, roles: Sequence[str], hosts: Sequence[str]) -> None:
     """A new CA, and under folder/<role>/ a certificate for each role (CN pagedserve-<role>,
-    both server and client use, SANs = `hosts`) with its key and the CA certificate."""
+    both server and client use, SANs = the role's URI and `hosts`) with its key and the CA
+    certificate."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = _name("pagedserve throw-away CA")
     ca_cert = (_builder(ca_name, ca_name, ca_key.public_key())
@@ -81,7 +84,7 @@ def write_certificates(folder: Path, roles: Sequence[str], hosts: Sequence[str])
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]),
                                critical=False)
-                .add_extension(_subject_alt_names(hosts), critical=False)
+                .add_extension(_subject_alt_names(role, hosts), critical=False)
                 .sign(ca_key, hashes.SHA256()))
         role_folder = folder / role
         role_folder.mkdir(mode=0o700)

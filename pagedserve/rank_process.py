@@ -1,7 +1,8 @@
 """Tensor-parallel ranks of the in-process engine: one `pagedserve worker` process per rank on
 loopback, driven through worker clients as the scheduler service drives its workers. Loopback is
 still reachable by every local user, so the ranks take only this process as a client: mutual TLS
-with certificates of a throw-away CA, removed when the ranks stop."""
+with certificates of a throw-away CA, removed when the ranks stop. This process drives them as
+their scheduler, so its certificate has the scheduler's role."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pagedserve.certificates import ThrowAwayCertificates
 from pagedserve.scheduler_svc.worker_client import WorkerClient
 from pagedserve.services.common.config import EngineConfig, SchedulerServiceConfig
 from pagedserve.services.common.step_plan import WorkerInfo
+from pagedserve.services.rpc.roles import SCHEDULER, WORKER
 from pagedserve.supervisor import (
     config_to_argv,
     free_port,
@@ -26,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 def start_ranks(config: EngineConfig) -> list[RankProcess]:
     rank_config = with_loopback_rendezvous(config)
-    certificates = ThrowAwayCertificates(("engine", "worker"))
+    certificates = ThrowAwayCertificates((SCHEDULER, WORKER))
     return [RankProcess(rank_config, rank, certificates)
             for rank in range(config.parallel.tensor_parallel_size)]
 
@@ -41,12 +43,12 @@ class RankProcess:
         self.certificates = certificates
         self.argv = service_command("worker", [
             *config_to_argv(config), "--port", str(port), "--rank", str(rank),
-            "--internal-tls-dir", certificates.tls("worker").internal_tls_dir,
+            "--internal-tls-dir", certificates.tls(WORKER).internal_tls_dir,
             "--log-level", "WARNING"])
         self.process = self._spawn()
         timeouts = SchedulerServiceConfig()
         self.client = WorkerClient(f"127.0.0.1:{port}", config, timeouts.step_timeout_s,
-                                   timeouts.startup_timeout_s, certificates.tls("engine"))
+                                   timeouts.startup_timeout_s, certificates.tls(SCHEDULER))
 
     def _spawn(self) -> subprocess.Popen:
         return subprocess.Popen(self.argv, env=service_env())

@@ -22,7 +22,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.certificates import ThrowAwayCertificates
 from pagedserve.services.common.config import ADMIN_TOKEN_ENV, API_KEY_ENV, TlsConfig
+from pagedserve.services.rpc.roles import ROLES
 from pagedserve.services.rpc.tls import internal_aio_channel, is_loopback
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 MAX_RESTARTS = 3
 RESTART_WINDOW_S = 60.0
 
+GATEWAY_SECRETS = (API_KEY_ENV, ADMIN_TOKEN_ENV)  # environment variables only gateways get
 _HEALTH_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
                            ("grpc.max_reconnect_backoff_ms", 1000)]
 
@@ -75,6 +77,7 @@ class Child:
     restartable: bool = False
     tls: TlsConfig | None = None  # the supervisor's certificates for its port, if it has TLS
     restart_times: list[float] = dataclasses.field(default_factory=list)  # monotonic
+    secrets: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)  # env
 
     async def wait_serving(self, timeout_s: float) -> None:
         serving = asyncio.create_task(_watch_until_serving(self.address, self.tls))
@@ -123,8 +126,11 @@ def service_command(role: str, argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "pagedserve.cli", role, *argv]
 
 
-def service_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "ERROR"}
+def service_env(secrets: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A child's environment: ours without the gateway's secrets, plus the `secrets` it is
+    given (only the gateway gets any)."""
+    env = {name: value for name, value in os.environ.items() if name not in GATEWAY_SECRETS}
+    return {**env, **(secrets or {}), "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "ERROR"}
 
 
 def with_loopback_rendezvous(config: Any) -> Any:
@@ -133,16 +139,20 @@ def with_loopback_rendezvous(config: Any) -> Any:
         config.parallel, distributed_init_address=f"127.0.0.1:{free_port()}"))
 
 
-async def _spawn(role: str, address: str, argv: Sequence[str]) -> asyncio.subprocess.Process:
+async def _spawn(role: str, address: str, argv: Sequence[str], secrets: Mapping[str, str]
+                 ) -> asyncio.subprocess.Process:
     process = await asyncio.create_subprocess_exec(
-        *service_command(role, argv), start_new_session=True, env=service_env())
+        *service_command(role, argv), start_new_session=True, env=service_env(secrets))
     logger.info("started the %s (pid %d) on %s", role, process.pid, address)
     return process
 
 
 async def start_child(role: str, address: str, argv: Sequence[str],
-                      restartable: bool = False, tls: TlsConfig | None = None) -> Child:
-    return Child(role, address, argv, await _spawn(role, address, argv), restartable, tls)
+                      restartable: bool = False, tls: TlsConfig | None = None,
+                      secrets: Mapping[str, str] | None = None) -> Child:
+    secrets = dict(secrets or {})
+    return Child(role, address, argv, await _spawn(role, address, argv, secrets), restartable,
+                 tls, secrets=secrets)
 
 
 async def restart_child(child: Child) -> bool:
@@ -152,7 +162,7 @@ async def restart_child(child: Child) -> bool:
     if not child.restartable or len(child.restart_times) >= MAX_RESTARTS:
         return False
     child.restart_times.append(now)
-    child.process = await _spawn(child.role, child.address, child.argv)
+    child.process = await _spawn(child.role, child.address, child.argv, child.secrets)
     return True
 
 
@@ -169,8 +179,9 @@ class Supervisor:
             loop.add_signal_handler(sig, self._stop_requested.set)
 
     async def start(self, role: str, address: str, argv: Sequence[str],
-                    restartable: bool = False, tls: TlsConfig | None = None) -> Child:
-        child = await start_child(role, address, argv, restartable, tls)
+                    restartable: bool = False, tls: TlsConfig | None = None,
+                    secrets: Mapping[str, str] | None = None) -> Child:
+        child = await start_child(role, address, argv, restartable, tls, secrets)
         self.children.append(child)
         return child
 
@@ -263,7 +274,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     S = P + 1 + r * (1 + tensor_parallel_size): S (scheduler) and S + 1 + rank (workers); 0 on
     free ports each; -1 not at all. `limits`: the gateway's RequestLimitsConfig. `http` is the
     gateway's HttpConfig; an API key in it reaches the gateway through its environment, never
-    its command line; so does `admin`'s token (an AdminConfig). `connections`: the gateway's
+    its command line; so does `admin`'s token (an AdminConfig). Neither, nor the same variables
+    of our own environment, reach the schedulers and workers. `connections`: the gateway's
     ConnectionLimitsConfig."""
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
@@ -272,15 +284,16 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     port = port or free_port(host)
     http_argv: list[str] = []
     http_url = None
+    gateway_secrets = {name: os.environ[name] for name in GATEWAY_SECRETS if os.environ.get(name)}
     if http is not None:
         http_port = free_port(host) if http.http_port == -1 else http.http_port
-        if http.api_key:  # children inherit our environment (service_env)
-            os.environ[API_KEY_ENV] = http.api_key
+        if http.api_key:
+            gateway_secrets[API_KEY_ENV] = http.api_key
         http_argv = config_to_argv(dataclasses.replace(http, http_port=http_port, api_key=""))
         http_url = f"http://{connect}:{http_port}" if http_port else None
     if admin is not None:
         if admin.admin_token:
-            os.environ[ADMIN_TOKEN_ENV] = admin.admin_token
+            gateway_secrets[ADMIN_TOKEN_ENV] = admin.admin_token
         http_argv += config_to_argv(dataclasses.replace(admin, admin_token=""))
     drain = ["--drain-timeout-s", str(drain_timeout_s), "--log-format", log_format,
              *(config_to_argv(tracing) if tracing is not None else [])]
@@ -290,7 +303,7 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
             return []
         return ["--metrics-port", str(metrics_port + offset if metrics_port else 0)]
 
-    certificates = (ThrowAwayCertificates(("gateway", "scheduler", "worker", "supervisor"),
+    certificates = (ThrowAwayCertificates(ROLES,
                                           [connect]) if internal_tls else None)
 
     def tls_argv(role: str) -> list[str]:
@@ -329,7 +342,7 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
             "--tokenizer", config.model.tokenizer_path,
             *(config_to_argv(limits) if limits is not None else []), *http_argv,
             *(config_to_argv(connections) if connections is not None else [])],
-            restartable=True)
+            restartable=True, secrets=gateway_secrets)
         if not await supervisor.wait_serving(startup_timeout_s):
             return 0
         address = f"{connect}:{port}"

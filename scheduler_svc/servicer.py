@@ -33,6 +33,7 @@ from pagedserve.services.rpc.convert_scheduler import (
 )
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
+from pagedserve.services.rpc.roles import SCHEDULER_CALLERS, RoleInterceptor
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
 from pagedserve.services.rpc.status import abort_with, map_errors
 from pagedserve.services.rpc.tls import internal_server_credentials
@@ -134,7 +135,8 @@ def create_scheduler_server(config: EngineConfig, service_config: SchedulerServi
         service_config.host, service_config.port,
         credentials=internal_server_credentials(service_config.tls, service_config.host,
                                                 "scheduler"),
-        health_port=service_config.tls.health_port)
+        health_port=service_config.tls.health_port,
+        interceptors=[RoleInterceptor(SCHEDULER_CALLERS)] if service_config.tls.is_enabled else ())
     return server, servicer
 
 

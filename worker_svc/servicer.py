@@ -37,6 +37,7 @@ from pagedserve.services.rpc.convert_worker import (
 )
 from pagedserve.services.rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
+from pagedserve.services.rpc.roles import WORKER_CALLERS, RoleInterceptor
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
 from pagedserve.services.rpc.status import map_errors
 from pagedserve.services.rpc.tls import internal_server_credentials
@@ -235,7 +236,8 @@ def create_worker_server(config: EngineConfig, service: WorkerServiceConfig
         [ServiceBinding(servicer, worker_pb2_grpc.add_WorkerServiceServicer_to_server,
                         "pagedserve.internal.v1.WorkerService")], service.host, service.port,
         credentials=internal_server_credentials(service.tls, service.host, "worker"),
-        health_port=service.tls.health_port)
+        health_port=service.tls.health_port,
+        interceptors=[RoleInterceptor(WORKER_CALLERS)] if service.tls.is_enabled else ())
     servicer.on_ready = server.set_serving
     return server, servicer
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from types import ModuleType
@@ -50,6 +51,9 @@ from pagedserve.worker_svc.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
+# how far a scheduler's clock may run ahead of its workers' (they share a node or a pod)
+MAX_EPOCH_LEAD_S = 60.0
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -72,6 +76,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def check_epoch_not_ahead(scheduler_epoch: int) -> None:
+    """A handshake's epoch is its scheduler's start time: one far ahead of this worker's clock
+    would lock out every scheduler started before that time."""
+    lead_s = (scheduler_epoch - time.time_ns() // 1000) / 1e6
+    if lead_s > MAX_EPOCH_LEAD_S:
+        raise InvalidRequest(
+            f"scheduler_epoch={scheduler_epoch} lies {lead_s:.0f} s ahead of this worker's clock; "
+            f"an epoch is its scheduler's start time in microseconds since the Unix epoch, at "
+            f"most {MAX_EPOCH_LEAD_S:.0f} s ahead", field="scheduler_epoch")
 
 
 class Worker:
@@ -161,6 +176,7 @@ class Worker:
         if num_gpu_blocks < 1 or num_cpu_blocks < 0:
             raise InvalidRequest(f"num_gpu_blocks must be >= 1 and num_cpu_blocks >= 0, got "
                                  f"{num_gpu_blocks} and {num_cpu_blocks}")
+        check_epoch_not_ahead(scheduler_epoch)
         self.check_epoch(scheduler_epoch, "init_cache", is_handshake=True)
         cache = self.cache_engine
         is_kept = (cache is not None and cache.num_gpu_blocks == num_gpu_blocks

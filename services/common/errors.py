@@ -49,6 +49,8 @@ class Reason(StrEnum):
     STREAM_STALLED = "STREAM_STALLED"
     # UNAUTHENTICATED
     UNAUTHENTICATED = "UNAUTHENTICATED"
+    # PERMISSION_DENIED (an internal peer whose certificate's role may not call the method)
+    PERMISSION_DENIED = "PERMISSION_DENIED"
     # NOT_FOUND
     REQUEST_NOT_FOUND = "REQUEST_NOT_FOUND"
     MODEL_NOT_FOUND = "MODEL_NOT_FOUND"

@@ -23,6 +23,7 @@ from pagedserve.services.gateway.metrics import GatewayMetrics
 from pagedserve.services.gateway.openai.routes import build_app
 from pagedserve.services.gateway.openai.server import HttpServer, bind_socket
 from pagedserve.services.gateway.openai.serving import OpenAIServing
+from pagedserve.services.gateway.ownership import Ownership
 from pagedserve.services.gateway.replica_set import ReplicaSet, Resolver
 from pagedserve.services.gateway.servicer import GenerationServicer, ModelServicer
 from pagedserve.services.rpc.auth import ApiKeyInterceptor
@@ -106,7 +107,7 @@ async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) 
     metrics = GatewayMetrics(registry, info.model, info.max_model_len)
     pool = ThreadPoolExecutor(config.num_tokenizer_threads, thread_name_prefix="tokenizer")
     frontend = Frontend(tokenizer, replicas, info, admission, metrics, limits=config.limits,
-                        executor=pool, admin_token=admin_token)
+                        executor=pool, ownership=Ownership(api_key, admin_token))
     server, port = create_server([
         ServiceBinding(GenerationServicer(frontend),
                        gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
@@ -115,11 +116,12 @@ async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) 
                        "pagedserve.v1.ModelService"),
     ], config.host, config.port, server_options(config),
         credentials=credentials, health_port=config.tls.health_port,
-        interceptors=[ApiKeyInterceptor(api_key, GUARDED_SERVICES)] if api_key else ())
+        interceptors=[ApiKeyInterceptor(api_key, GUARDED_SERVICES, admin_token)] if api_key
+        else ())
     http = None
     if config.http.http_port != 0:
         app = build_app(OpenAIServing(frontend, info.model), api_key,
-                        config.http.max_request_body_bytes)
+                        config.http.max_request_body_bytes, admin_token)
         http = HttpServer(app, bind_socket(config.host, max(config.http.http_port, 0)),
                           config.public_tls, config.connections)
     await server.start()

@@ -33,7 +33,7 @@ from pagedserve.services.gateway.delta_buffer import DeltaBuffer
 from pagedserve.services.gateway.failover import ResumableSubmission
 from pagedserve.services.gateway.limits import check_fits_replica, check_request_cost
 from pagedserve.services.gateway.metrics import GatewayMetrics, RequestTimer
-from pagedserve.services.gateway.ownership import ANONYMOUS, Caller, is_admin
+from pagedserve.services.gateway.ownership import ANONYMOUS, Caller, Ownership
 from pagedserve.services.gateway.replica_set import ReplicaSet
 from pagedserve.services.gateway.validation import (
     GenerateInput,
@@ -101,12 +101,13 @@ StallHandler = Callable[[PagedServeError], Awaitable[None]]
 
 class Frontend:
     """`limits`: what one request may cost (default: the config's defaults). `executor`: where
-    prompts are tokenized, off the event loop (default: the loop's default executor)."""
+    prompts are tokenized, off the event loop (default: the loop's default executor).
+    `ownership`: the API key and admin token, which decide who owns and who aborts a request."""
 
     def __init__(self, tokenizer: Tokenizer, replicas: ReplicaSet, model_info: ModelInfo,
                  admission: Admission, metrics: GatewayMetrics | None = None,
                  limits: RequestLimitsConfig | None = None,
-                 executor: Executor | None = None, admin_token: str = "") -> None:
+                 executor: Executor | None = None, ownership: Ownership | None = None) -> None:
         self.tokenizer = tokenizer
         self.replicas = replicas
         self.info = model_info
@@ -114,7 +115,7 @@ class Frontend:
         self.metrics = metrics
         self.limits = limits if limits is not None else RequestLimitsConfig()
         self._executor = executor
-        self._admin_token = admin_token
+        self.ownership = ownership if ownership is not None else Ownership()
 
     async def prepare(self, request: GenerateInput, arrival_s: float | None = None
                       ) -> PreparedRequest:
@@ -144,8 +145,8 @@ class Frontend:
         if not request_id:
             raise InvalidRequest("request_id must not be empty, got ''",
                                  reason=Reason.INVALID_REQUEST_ID, field="request_id")
-        await self.replicas.abort(AbortRequest(request_id, caller.owner,
-                                               is_admin(caller, self._admin_token)))
+        await self.replicas.abort(AbortRequest(request_id, self.ownership.owner(caller),
+                                               self.ownership.is_admin(caller)))
 
     async def generate(self, request: PreparedRequest, on_stalled: StallHandler | None = None,
                        caller: Caller = ANONYMOUS) -> AsyncIterator[StreamDelta]:
@@ -163,7 +164,7 @@ class Frontend:
         buffer = DeltaBuffer(request.sampling.n, self.limits.stream_interval)
         timer = None if self.metrics is None else self.metrics.start_request(request.arrival_s)
         text_stream = TextStream(request.prompt_token_ids, request.sampling, self.tokenizer)
-        submission = ResumableSubmission(self.replicas, request, caller.owner,
+        submission = ResumableSubmission(self.replicas, request, self.ownership.owner(caller),
                                          self.replicas.config.failover_timeout_s,
                                          text_stream.is_output_finished, self.metrics)
         pump = asyncio.create_task(self._pump(request, text_stream, submission, buffer, timer))

@@ -1,25 +1,30 @@
 """Who may abort a request: the caller that submitted it, or an admin.
 
-The owner is an opaque hash of the caller's identity: its credential, else its TLS client
-certificate, else its host; callers sharing one share an owner. The scheduler aborts only a
-request of the same owner (NOT_FOUND otherwise, as for an unknown id).
+A caller is what the front door knows of it: the bearer token it sent, its TLS client
+certificate, its host. Its owner is an opaque hash of the first of these that tells it apart:
+its token, unless that is the deployment's API key, which every client holds (so it tells none
+apart); else its certificate; else its host. Callers sharing one share an owner. The scheduler
+aborts only a request of the same owner (NOT_FOUND otherwise, as for an unknown id); the holder
+of the admin token may abort any.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagedserve.services.common.api_key import bearer_token, is_token
 
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    owner: str
     credential: str = field(default="", repr=False)  # the bearer token it sent, if any
+    tls_identity: str = ""
+    host: str = ""
 
 
-ANONYMOUS = Caller(owner="")
+ANONYMOUS = Caller()
 
 
 def owner_tag(kind: str, identity: str) -> str:
@@ -28,12 +33,7 @@ def owner_tag(kind: str, identity: str) -> str:
 
 
 def caller_of(authorization: str = "", tls_identity: str = "", peer_host: str = "") -> Caller:
-    credential = authorization.removeprefix("Bearer ").strip()
-    if credential:
-        return Caller(owner_tag("authorization", credential), credential)
-    if tls_identity:
-        return Caller(owner_tag("tls", tls_identity))
-    return Caller(owner_tag("host", peer_host))
+    return Caller(bearer_token(authorization), tls_identity, peer_host)
 
 
 def grpc_caller(context: Any) -> Caller:
@@ -45,7 +45,19 @@ def grpc_caller(context: Any) -> Caller:
                      b",".join(identities).decode(errors="replace"), host)
 
 
-def is_admin(caller: Caller, admin_token: str) -> bool:
-    """Compared in constant time; no admin token configured: nobody is."""
-    return bool(admin_token) and hmac.compare_digest(caller.credential.encode(),
-                                                     admin_token.encode())
+@dataclass(frozen=True, slots=True)
+class Ownership:
+    """The deployment's shared API key and admin token (empty: none)."""
+
+    api_key: str = field(default="", repr=False)
+    admin_token: str = field(default="", repr=False)
+
+    def owner(self, caller: Caller) -> str:
+        if caller.credential and not is_token(caller.credential, self.api_key):
+            return owner_tag("authorization", caller.credential)
+        if caller.tls_identity:
+            return owner_tag("tls", caller.tls_identity)
+        return owner_tag("host", caller.host)
+
+    def is_admin(self, caller: Caller) -> bool:
+        return is_token(caller.credential, self.admin_token)

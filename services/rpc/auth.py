@@ -1,6 +1,7 @@
-"""The API key on the gRPC front door: a server interceptor that answers UNAUTHENTICATED, before
-the handler runs, to a call of a guarded service without metadata `authorization: Bearer KEY`.
-Health and reflection are not guarded."""
+"""The API key on the gRPC front door: a server interceptor that answers UNAUTHENTICATED to a call
+of a guarded service without metadata `authorization: Bearer KEY` (or the admin token), from the
+metadata alone: the request is never parsed, and the handler never runs. Health and reflection
+are not guarded."""
 
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, api_key: str, guarded_services: Collection[str]) -> None:
+    def __init__(self, api_key: str, guarded_services: Collection[str], admin_token: str = ""
+                 ) -> None:
         self._api_key = api_key
+        self._admin_token = admin_token
         self._prefixes = tuple(f"/{name}/" for name in guarded_services)
 
     async def intercept_service(self, continuation: Callable[[Any], Any],
@@ -36,10 +39,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         authorization = metadata.get("authorization")
         if isinstance(authorization, bytes):
             authorization = authorization.decode(errors="replace")
-        if is_authorized(self._api_key, authorization):
+        if is_authorized(self._api_key, authorization, self._admin_token):
             return handler
-        kw = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
+        kw = {"response_serializer": handler.response_serializer}  # the request stays bytes
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(_refuse, **kw)
         if handler.stream_unary is not None:

@@ -119,10 +119,11 @@ def create_server(bindings: Sequence[ServiceBinding], host: str = "127.0.0.1", p
                   interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
                   ) -> tuple[ServiceServer, int]:
     """Returns the server, not started, and the port it bound (`port` 0: any free one). A
-    `health_port` adds a plaintext server with Health alone, for probes that cannot speak TLS."""
+    `health_port` adds a plaintext server with Health alone, for probes that cannot speak TLS.
+    `interceptors` (who may call) run first: a call they refuse is never parsed."""
     server = grpc.aio.server(options=list(options),
-                             interceptors=[MalformedRequestInterceptor(), *server_interceptors(),
-                                           *interceptors])
+                             interceptors=[*interceptors, MalformedRequestInterceptor(),
+                                           *server_interceptors()])
     for binding in bindings:
         binding.add_to_server(binding.servicer, server)
     health = health_aio.HealthServicer()

@@ -86,8 +86,8 @@ def start_stack(config: EngineConfig, step_timeout_s: float = 30.0,
                 startup_timeout_s: float = 120.0,
                 certificates: ThrowAwayCertificates | None = None,
                 metrics_port: int = -1, stats_interval_s: float = 0.0, **gateway_kw) -> Stack:
-    """`certificates` (roles gateway, scheduler, worker, client): mutual TLS between the three,
-    and `load` calls the scheduler as "client". `metrics_port` 0: each service serves /metrics on
+    """`certificates` (roles gateway, scheduler, worker): mutual TLS between the three, and
+    `load` calls the scheduler as a gateway. `metrics_port` 0: each service serves /metrics on
     a free port (see `metrics_ports`). `gateway_kw`: more GatewayConfig fields (`http` defaults
     to the HTTP API on a free port, no API key)."""
     loop = BackgroundLoop()
@@ -108,7 +108,7 @@ def start_stack(config: EngineConfig, step_timeout_s: float = 30.0,
             port=0, scheduler_address=f"127.0.0.1:{scheduler[0].port}", tls=tls("gateway"),
             metrics=MetricsConfig(metrics_port),
             **{"http": HttpConfig(http_port=-1), **gateway_kw}))
-        return Stack(loop, worker, scheduler, gateway, tls("client"))
+        return Stack(loop, worker, scheduler, gateway, tls("gateway"))
 
     try:
         return loop.run(start())

@@ -1,6 +1,6 @@
 """Mutual TLS inside a real stack (gateway -> scheduler -> worker over loopback gRPC): the
-internal ports take only peers with a certificate of the stack's CA; the public port stays
-plaintext here and serves as before."""
+internal ports take only peers with a certificate of the stack's CA, and of the role that calls
+them; the public port stays plaintext here and serves as before."""
 
 import grpc
 import httpx
@@ -96,6 +96,25 @@ def test_a_certificate_of_another_ca_is_refused(stack, certificates):
     finally:
         other.remove()
     assert len(generate(stack)) == 8
+
+
+def test_a_peer_of_another_role_is_refused_and_the_stack_keeps_serving(stack, certificates):
+    """The gateway's certificate once took the live worker from its scheduler with
+    InitCache(scheduler_epoch=2**64 - 1): every request failed until the worker restarted."""
+    before = generate(stack)
+    worker = f"127.0.0.1:{stack.worker[0].port}"
+    for role, address, call in (
+            ("gateway", worker, lambda channel: worker_pb2_grpc.WorkerServiceStub(
+                channel).InitCache(worker_pb2.InitCacheRequest(
+                    num_gpu_blocks=1, scheduler_epoch=2**64 - 1), timeout=10)),
+            ("worker", stack.scheduler_address, scheduler_call)):
+        with internal_channel(address, certificates.tls(role)) as channel, \
+                pytest.raises(grpc.RpcError) as info:
+            call(channel)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert f"role '{role}' may not call" in info.value.details()
+    assert generate(stack) == before
+    assert assert_idle(stack).num_worker_rebuilds == 0
 
 
 def test_a_gateway_with_public_tls_serves_the_cli_and_refuses_plaintext(stack, certificates,

@@ -1,6 +1,11 @@
-"""The API key and the admin token: where they come from (flag, file, environment) and how a
-header is checked."""
+"""The API key and the admin token: where they come from (flag, file, environment), how a
+header is checked, and that both doors take the admin token beside the key and the gRPC door
+refuses a call without a key before it parses the request."""
 
+import asyncio
+
+import grpc
+import httpx
 import pytest
 from pagedserve.services.common.api_key import is_authorized
 from pagedserve.services.common.config import (
@@ -10,6 +15,11 @@ from pagedserve.services.common.config import (
     HttpConfig,
 )
 from pagedserve.services.common.errors import ConfigError
+from pagedserve.services.gateway.openai.middleware import ApiKeyGuard
+from pagedserve.services.rpc.auth import ApiKeyInterceptor
+from pagedserve.services.rpc.server import ServiceBinding, create_server
+from pagedserve.services.rpc.v1 import gateway_pb2, gateway_pb2_grpc
+from starlette.responses import PlainTextResponse
 
 
 def test_bearer_header_must_carry_the_key():
@@ -21,6 +31,14 @@ def test_bearer_header_must_carry_the_key():
     assert not is_authorized("k3y", "Bearer k3")
     assert not is_authorized("k3y", "Basic k3y")
     assert not is_authorized("k3y", "Bearer ")
+
+
+def test_the_admin_token_passes_beside_the_api_key():
+    """It was refused with UNAUTHENTICATED whenever an API key was set."""
+    assert is_authorized("k3y", "Bearer adm1n", admin_token="adm1n")
+    assert is_authorized("k3y", "Bearer k3y", admin_token="adm1n")
+    assert not is_authorized("k3y", "Bearer adm1", admin_token="adm1n")
+    assert not is_authorized("k3y", "Bearer ", admin_token="")
 
 
 def test_key_from_flag_then_file_then_environment(tmp_path):
@@ -62,3 +80,85 @@ def test_admin_token_from_flag_then_file_then_environment(tmp_path):
     with pytest.raises(ConfigError, match="not both"):
         AdminConfig(admin_token="a", admin_token_file="b")
     assert "s3cret" not in repr(AdminConfig(admin_token="s3cret"))
+
+
+class _Tokenize(gateway_pb2_grpc.GenerationServiceServicer):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Tokenize(self, request, context):
+        self.calls += 1
+        return gateway_pb2.TokenizeResponse(token_ids=[1, 2, 3])
+
+
+def _grpc_calls(calls):
+    """`calls(channel)` against a Generation server guarded by key 'k3y' and admin 'adm1n';
+    returns its results and how often the servicer ran."""
+    servicer = _Tokenize()
+
+    async def main():
+        server, port = create_server(
+            [ServiceBinding(servicer, gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
+                            "pagedserve.v1.GenerationService")],
+            interceptors=[ApiKeyInterceptor("k3y", ["pagedserve.v1.GenerationService"],
+                                            admin_token="adm1n")])
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                return await calls(channel)
+        finally:
+            await server.server.stop(0)
+
+    return asyncio.run(main()), servicer.calls
+
+
+async def _code(call) -> grpc.StatusCode:
+    try:
+        await call
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+def test_grpc_checks_the_key_before_it_parses_the_request():
+    """Bytes that are no TokenizeRequest, without a key: refused for the key (the body was
+    parsed first, and answered INVALID_ARGUMENT, before)."""
+    async def calls(channel):
+        raw = channel.unary_unary("/pagedserve.v1.GenerationService/Tokenize")
+        return [await _code(raw(b"\xff\xff\xff", timeout=10)),
+                await _code(raw(b"\xff\xff\xff", timeout=10,
+                                metadata=[("authorization", "Bearer k3y")]))]
+
+    (no_key, with_key), num_calls = _grpc_calls(calls)
+    assert no_key == grpc.StatusCode.UNAUTHENTICATED
+    assert with_key == grpc.StatusCode.INVALID_ARGUMENT  # let in, then parsed as before
+    assert num_calls == 0
+
+
+def test_grpc_takes_the_admin_token_beside_the_api_key():
+    async def calls(channel):
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+        return [await _code(stub.Tokenize(gateway_pb2.TokenizeRequest(text="x"), timeout=10,
+                                          metadata=[("authorization", f"Bearer {token}")]))
+                for token in ("adm1n", "k3y", "adm1")]
+
+    codes, num_calls = _grpc_calls(calls)
+    assert codes == [grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED]
+    assert num_calls == 2
+
+
+def test_http_takes_the_admin_token_beside_the_api_key():
+    async def ok(scope, receive, send):
+        await PlainTextResponse("ok")(scope, receive, send)
+
+    guarded = ApiKeyGuard(ok, "k3y", ["/health"], admin_token="adm1n")
+
+    async def statuses():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guarded),
+                                     base_url="http://gateway") as client:
+            return [(await client.get("/v1/models", headers=headers)).status_code
+                    for headers in ({"Authorization": "Bearer adm1n"},
+                                    {"Authorization": "Bearer k3y"},
+                                    {"Authorization": "Bearer adm1"}, {})]
+
+    assert asyncio.run(statuses()) == [200, 200, 401, 401]

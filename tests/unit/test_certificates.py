@@ -1,5 +1,5 @@
-"""The throw-away CA of `pagedserve serve`: private files, certificates that name the local
-hosts, a chain that verifies, and no CA key left behind."""
+"""The throw-away CA of `pagedserve serve`: private files, certificates that name their role and
+the local hosts, a chain that verifies, and no CA key left behind."""
 
 import ipaddress
 import stat
@@ -51,6 +51,8 @@ def test_each_role_has_a_certificate_the_ca_signed_for_the_local_hosts(certifica
         usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
         assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usages)
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert names.get_values_for_type(x509.UniformResourceIdentifier) == [
+            f"spiffe://pagedserve/{role}"]  # what the internal servers check (roles.py)
         assert set(names.get_values_for_type(x509.DNSName)) == {"localhost", "pagedserve.example"}
         assert set(names.get_values_for_type(x509.IPAddress)) == {
             ipaddress.ip_address(h) for h in ("127.0.0.1", "::1", "10.1.2.3")}

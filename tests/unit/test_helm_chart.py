@@ -17,6 +17,7 @@ import yaml
 from helm_python.errors import HelmError
 from pagedserve.scheduler_svc.metrics import SchedulerMetrics
 from pagedserve.services.common.config import (
+    ADMIN_TOKEN_ENV,
     API_KEY_ENV,
     EngineConfig,
     GatewayConfig,
@@ -217,6 +218,24 @@ def test_gateway_service_exposes_the_http_api_and_the_key_comes_from_a_secret():
                      r"\s+targetPort: http\n", service)
 
 
+def test_the_api_key_and_admin_token_reach_the_gateway_pods_only():
+    objects = render({"gateway": {"apiKeySecret": {"name": "keys"},
+                                  "adminTokenSecret": {"name": "admin", "key": "token"}}})
+    containers = {}
+    for obj in objects:
+        spec = obj.get("spec", {}).get("template", {}).get("spec", {})
+        for container in (*spec.get("initContainers", ()), *spec.get("containers", ())):
+            containers[(obj["metadata"]["name"], container["name"])] = container
+    secrets = {name: {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c.get("env", ())
+                      if "secretKeyRef" in e.get("valueFrom", {})}
+               for name, c in containers.items()}
+    assert secrets.pop((f"{FULLNAME}-gateway", "gateway")) == {
+        API_KEY_ENV: {"name": "keys", "key": "api-key"},
+        ADMIN_TOKEN_ENV: {"name": "admin", "key": "token"}}
+    assert any(name[0] == f"{FULLNAME}-engine" for name in secrets)
+    assert all(not refs for refs in secrets.values()), secrets
+
+
 def _tls_argv(values: dict[str, Any], own_port_has_tls: bool) -> list[str]:
     """What the chart's "pagedserve.tlsFlags" helper renders."""
     internal = values["tls"]["internal"]
@@ -243,11 +262,16 @@ def test_internal_tls_gives_every_service_the_mounted_secret_and_probes_the_heal
     workload = objects[("Deployment", f"{FULLNAME}-gateway")] if service == "gateway" else \
         objects[("StatefulSet", f"{FULLNAME}-engine")]
     spec = workload["spec"]["template"]["spec"]
-    (volume,) = [v for v in spec["volumes"] if v["name"] == "internal-tls"]
-    assert volume["secret"]["secretName"] == f"{FULLNAME}-internal-tls"
+    secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"]
+               if v["name"].startswith("internal-tls")}
+    roles = ["gateway"] if service == "gateway" else ["scheduler", "worker"]
+    assert secrets == {f"internal-tls-{role}": f"{FULLNAME}-internal-tls-{role}"
+                       for role in roles}  # one certificate per role, never another's
     for container in spec["containers"]:
-        assert {"name": "internal-tls", "mountPath": values["tls"]["internal"]["mountPath"],
-                "readOnly": True} in container["volumeMounts"]
+        role = "worker" if container["name"].startswith("worker") else container["name"]
+        mounts = [m for m in container["volumeMounts"] if m["name"].startswith("internal-tls")]
+        assert mounts == [{"name": f"internal-tls-{role}", "readOnly": True,
+                           "mountPath": values["tls"]["internal"]["mountPath"]}]
 
 
 def test_public_tls_passes_the_secrets_files_to_the_gateway():
@@ -388,7 +412,14 @@ def test_rendered_internal_tls_mounts_the_certificate_and_names_the_dialled_host
     values = {"tls": {"internal": {"enabled": True, "certManager": {"issuerRef": {"name": "ca"}}}},
               "engine": {"tensorParallelSize": 2}}
     objects = by_name(render(values))
-    certificate = objects[("Certificate", f"{FULLNAME}-internal-tls")]["spec"]
+    certificates = {role: objects[("Certificate", f"{FULLNAME}-internal-tls-{role}")]["spec"]
+                    for role in ("gateway", "scheduler", "worker")}
+    for role, spec in certificates.items():
+        assert spec["uris"] == [f"spiffe://pagedserve/{role}"]  # what roles.py checks
+        assert spec["secretName"] == f"{FULLNAME}-internal-tls-{role}"
+    assert [k for k in objects if k[0] == "Certificate"] == [
+        ("Certificate", f"{FULLNAME}-internal-tls-{role}") for role in certificates]
+    certificate = certificates["scheduler"]
     workloads = _workloads(values)
     config = from_args(SchedulerServiceConfig, _parse("scheduler", workloads["scheduler"][1]))
     gateway_config = from_args(GatewayConfig, _parse("gateway", workloads["gateway"][1]))

@@ -185,7 +185,7 @@ def test_the_engine_pod_wires_its_scheduler_to_its_ranks_on_loopback(tp, tls):
     assert {c["topologyKey"] for c in gateway["topologySpreadConstraints"]} == \
         {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}
     if tls:
-        dns = objects[("Certificate", f"{FULLNAME}-internal-tls")]["spec"]
+        dns = objects[("Certificate", f"{FULLNAME}-internal-tls-scheduler")]["spec"]
         assert f"{FULLNAME}-engine.{NAMESPACE}.svc.cluster.local" in dns["dnsNames"]
         assert "127.0.0.1" in dns["ipAddresses"]
 

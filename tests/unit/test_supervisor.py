@@ -1,14 +1,31 @@
 """`pagedserve serve` restarts a restartable child that died (a worker, the gateway) but not the
-scheduler (it held the requests) and not a child that keeps dying."""
+scheduler (it held the requests) and not a child that keeps dying; the API key and the admin
+token reach the gateway alone."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from pagedserve.services.common.config import (
+    ADMIN_TOKEN_ENV,
+    API_KEY_ENV,
+    AdminConfig,
+    EngineConfig,
+    HttpConfig,
+    ModelConfig,
+    ParallelConfig,
+)
 
 from pagedserve import supervisor
-from pagedserve.supervisor import MAX_RESTARTS, RESTART_WINDOW_S, Child, restart_child
+from pagedserve.supervisor import (
+    MAX_RESTARTS,
+    RESTART_WINDOW_S,
+    Child,
+    restart_child,
+    serve_stack,
+    service_env,
+)
 
 
 @pytest.fixture
@@ -16,7 +33,7 @@ def spawned(monkeypatch):
     """Stands in for starting a process: records (role, address, argv) and returns a marker."""
     calls = []
 
-    async def spawn(role, address, argv):
+    async def spawn(role, address, argv, secrets):
         calls.append((role, address, list(argv)))
         return f"process {len(calls)}"
 
@@ -45,3 +62,43 @@ def test_a_stateless_child_restarts_on_its_address_until_it_keeps_dying(spawned,
 def test_a_child_that_is_not_restartable_is_not_restarted(spawned):
     assert not asyncio.run(restart_child(_child("scheduler", restartable=False)))
     assert spawned == []
+
+
+class _Exited:
+    returncode = 0
+
+
+def test_only_the_gateway_gets_the_api_key_and_the_admin_token(monkeypatch):
+    """Workers and schedulers once inherited both (serve put them in its own environment)."""
+    monkeypatch.setenv(API_KEY_ENV, "inherited-key")
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, "inherited-token")
+    envs = {}
+
+    async def spawn(role, address, argv, secrets):
+        envs.setdefault(role, service_env(secrets))
+        return _Exited()
+
+    async def not_serving(self, timeout_s):
+        return False  # as if stopped during start-up: serve_stack stops the children at once
+
+    monkeypatch.setattr(supervisor, "_spawn", spawn)
+    monkeypatch.setattr(supervisor.Supervisor, "wait_serving", not_serving)
+    config = EngineConfig(model=ModelConfig(model="m"), parallel=ParallelConfig(
+        tensor_parallel_size=2))
+    assert asyncio.run(serve_stack(
+        config, "127.0.0.1", 0, 0, 0, 10.0, 1.0, internal_tls=False,
+        http=HttpConfig(api_key="flag-key"), admin=AdminConfig(admin_token="flag-token"))) == 0
+    assert set(envs) == {"worker", "scheduler", "gateway"}
+    assert (envs["gateway"][API_KEY_ENV], envs["gateway"][ADMIN_TOKEN_ENV]) == (
+        "flag-key", "flag-token")
+    for role in ("worker", "scheduler"):
+        assert API_KEY_ENV not in envs[role] and ADMIN_TOKEN_ENV not in envs[role]
+        assert "flag-key" not in envs[role].values()
+    assert envs["worker"]["PATH"] == supervisor.os.environ["PATH"]  # the rest is inherited
+    assert supervisor.os.environ[API_KEY_ENV] == "inherited-key"  # our own stays as it was
+
+    envs.clear()
+    asyncio.run(serve_stack(config, "127.0.0.1", 0, 0, 0, 10.0, 1.0, internal_tls=False,
+                            http=HttpConfig(), admin=AdminConfig()))
+    assert envs["gateway"][API_KEY_ENV] == "inherited-key"  # what the gateway read before
+    assert API_KEY_ENV not in envs["scheduler"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from pagedserve.services.common.errors import (
     Unavailable,
 )
 from pagedserve.services.common.step_plan import RunningSequence, StepPlan
-from pagedserve.worker_svc.worker import Worker
+from pagedserve.worker_svc.worker import MAX_EPOCH_LEAD_S, Worker
 
 from tests.integration.worker_driver import Driver, make_worker
 
@@ -108,6 +109,28 @@ def test_a_newer_scheduler_takes_over_by_the_handshake(tiny_model_dir):
     with pytest.raises(StaleEpoch):  # the old scheduler's steps no longer run
         driver.step({})
     driver.epoch, driver.step_id = epoch + 1, 0
+    driver.add(0, [5, 6, 7])
+    assert len(driver.step({0: 3}).outputs[0].token_ids) == 1
+
+
+def test_an_epoch_ahead_of_the_clock_cannot_lock_the_worker_away(tiny_model_dir):
+    """InitCache(scheduler_epoch=2**64 - 1) once took a worker from its scheduler for good: no
+    scheduler started later could take it back. Now such a handshake is refused, the scheduler
+    keeps the worker, and the next scheduler to start takes it over."""
+    epoch = time.time_ns() // 1000
+    driver = Driver(make_worker(tiny_model_dir("llama"), epoch=epoch), epoch=epoch)
+    cache = driver.worker.cache_engine
+    sizes = cache.num_gpu_blocks, cache.num_cpu_blocks
+    driver.add(0, [5, 6, 7])
+    driver.step({0: 3})
+    ahead = (time.time_ns() // 1000) + int((MAX_EPOCH_LEAD_S + 60) * 1e6)
+    for bogus in (2**64 - 1, ahead):
+        with pytest.raises(InvalidRequest, match=f"scheduler_epoch={bogus} lies .* ahead"):
+            driver.worker.init_cache(*sizes, bogus)
+    driver.step({0: 1})  # its scheduler still drives it
+    restarted = time.time_ns() // 1000
+    assert driver.worker.init_cache(*sizes, restarted)  # kept its cache
+    driver.epoch, driver.step_id = restarted, 0
     driver.add(0, [5, 6, 7])
     assert len(driver.step({0: 3}).outputs[0].token_ids) == 1
 

@@ -130,8 +130,12 @@ CLI flags from a map of camelCase keys (services/common/config.py fields): `fooB
 
 {{/* TLS ------------------------------------------------------------------------------------ */}}
 
+{{/*
+The internal certificate's Secret of one role (gateway, scheduler, worker):
+<tls.internal.secretName or <fullname>-internal-tls>-<role>. (dict "root" $ "role" <role>).
+*/}}
 {{- define "pagedserve.internalTlsSecret" -}}
-{{ .Values.tls.internal.secretName | default (printf "%s-internal-tls" (include "pagedserve.fullname" .)) }}
+{{ printf "%s-%s" (.root.Values.tls.internal.secretName | default (printf "%s-internal-tls" (include "pagedserve.fullname" .root))) .role }}
 {{- end }}
 
 {{/*
@@ -154,18 +158,19 @@ its probes need the plaintext health port: (dict "root" $ "tls" <bool> "healthPo
 {{- end }}
 {{- end }}
 
+{{/* One volume per role a pod runs, each container mounting its own: (dict "root" $ "role" <role>). */}}
 {{- define "pagedserve.internalTlsVolume" -}}
-{{- if .Values.tls.internal.enabled }}
-- name: internal-tls
+{{- if .root.Values.tls.internal.enabled }}
+- name: internal-tls-{{ .role }}
   secret:
     secretName: {{ include "pagedserve.internalTlsSecret" . | quote }}
 {{- end }}
 {{- end }}
 
 {{- define "pagedserve.internalTlsVolumeMount" -}}
-{{- if .Values.tls.internal.enabled }}
-- name: internal-tls
-  mountPath: {{ .Values.tls.internal.mountPath | quote }}
+{{- if .root.Values.tls.internal.enabled }}
+- name: internal-tls-{{ .role }}
+  mountPath: {{ .root.Values.tls.internal.mountPath | quote }}
   readOnly: true
 {{- end }}
 {{- end }}

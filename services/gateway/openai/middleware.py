@@ -29,16 +29,20 @@ class ArrivalTime:
 
 
 class ApiKeyGuard:
-    """401 without `Authorization: Bearer <key>`, except on `open_paths` (health, metrics)."""
+    """401 without `Authorization: Bearer <key>` (or the admin token), except on `open_paths`
+    (health, metrics)."""
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: Collection[str]) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: Collection[str],
+                 admin_token: str = "") -> None:
         self.app = app
         self._api_key = api_key
+        self._admin_token = admin_token
         self._open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] == "http" and scope["path"] not in self._open_paths
-                and not is_authorized(self._api_key, Headers(scope=scope).get("authorization"))):
+                and not is_authorized(self._api_key, Headers(scope=scope).get("authorization"),
+                                      self._admin_token)):
             response = error_response(
                 HTTPStatus.UNAUTHORIZED, "a valid API key is required: header "
                 "'Authorization: Bearer <key>'", code=Reason.UNAUTHENTICATED)

@@ -30,7 +30,7 @@ OPEN_PATHS = ("/health", "/metrics")
 
 
 def build_app(serving: OpenAIServing, api_key: str = "",
-              max_request_body_bytes: int = 16 << 20) -> FastAPI:
+              max_request_body_bytes: int = 16 << 20, admin_token: str = "") -> FastAPI:
     app = FastAPI(title="pagedserve OpenAI-compatible API", docs_url=None, redoc_url=None,
                   openapi_url=None)
     install_error_handlers(app)
@@ -85,7 +85,8 @@ def build_app(serving: OpenAIServing, api_key: str = "",
 
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
     if api_key:
-        app.add_middleware(ApiKeyGuard, api_key=api_key, open_paths=OPEN_PATHS)
+        app.add_middleware(ApiKeyGuard, api_key=api_key, open_paths=OPEN_PATHS,
+                           admin_token=admin_token)
     app.add_middleware(ArrivalTime)  # the outermost
     return app
 
