@@ -9,8 +9,10 @@ the one taken before the first cache, and a cache of the same sizes is kept (ini
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from types import ModuleType
@@ -264,14 +266,26 @@ class Worker:
     def submit_step(self, plan: StepPlan) -> Future[StepOutput]:
         """Steps submitted in order run in order, while the caller schedules the next."""
         if self.model_thread is None:
-            self.model_thread = ModelThread("worker-step", self._init_step_thread)
+            self.model_thread = ModelThread("worker-step", functools.partial(
+                _init_step_thread, self.config.device.num_threads, self.device))
+            # the thread must not outlive the worker, nor the interpreter's last moments: a
+            # daemon thread still inside torch at exit aborts the process
+            self._close_thread = weakref.finalize(self, self.model_thread.shutdown, True)
         return self.model_thread.submit_step(self, plan)
 
-    def _init_step_thread(self) -> None:
-        if self.config.device.num_threads > 0:
-            torch.set_num_threads(self.config.device.num_threads)
+    def close(self) -> None:
+        """Ends the model thread after the steps submitted, and lets go of the model, the KV
+        cache and the CUDA graphs, giving the device memory back. Idempotent; a closed worker
+        needs load_model again."""
+        if self.model_thread is not None:
+            self._close_thread()
+            self.model_thread = None
+        if self.runner is not None:
+            self.runner.decode_graphs = None
+        self.cache_engine = self.runner = self.info = self._memory_profile = None
+        gc.collect()
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()
 
     def clear_state(self, scheduler_epoch: int) -> None:
         """Forget every sequence; the KV blocks stay. Unavailable without a KV cache: a worker
@@ -325,6 +339,13 @@ class Worker:
         if self.cache_engine is None:
             raise Unavailable("worker has no KV cache yet (call init_cache)")
         return self.cache_engine
+
+
+def _init_step_thread(num_threads: int, device: torch.device) -> None:
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def create_worker(config: EngineConfig, rank: int = 0) -> Worker:
