@@ -180,6 +180,7 @@ def bench_model(name: str, args: argparse.Namespace, root: Path) -> dict:
                   decode=decode_mbu(steps, weight_bytes, peak_gbps(device)))
     if "hf_sequential_s" in result:
         result["ratio_vs_hf_sequential"] = result["hf_sequential_s"] / ours_s
+    engine.close()
     del engine
     gc.collect()
     if device.type == "cuda":

@@ -43,7 +43,7 @@ from pagedserve.worker_svc.cuda_graphs import (
 from pagedserve.worker_svc.in_flight import InFlightStep
 from pagedserve.worker_svc.layers.attention import Attention
 from pagedserve.worker_svc.loader import eos_token_ids, load_hf_config, load_model
-from pagedserve.worker_svc.memory import profile_memory
+from pagedserve.worker_svc.memory import non_torch_bytes, profile_memory
 from pagedserve.worker_svc.model_runner import ModelRunner, dummy_num_blocks
 from pagedserve.worker_svc.model_thread import ModelThread
 from pagedserve.worker_svc.models.registry import resolve_architecture
@@ -98,6 +98,7 @@ class Worker:
         self.backend: ModuleType | None = None  # the kernel module
         # taken once, before any KV cache existed: a later profile would count the cache as used
         self._memory_profile: MemoryProfile | None = None
+        self._non_torch_baseline = 0  # non_torch_bytes before the model was loaded (CUDA)
         self.tp = SINGLE
 
     def load_model(self) -> WorkerInfo:
@@ -109,6 +110,8 @@ class Worker:
             raise ConfigError(f"max_model_len={model_config.max_model_len} exceeds the model's "
                               f"max_position_embeddings={model_max_len}")
         max_model_len = model_config.max_model_len or model_max_len
+        if self.device.type == "cuda":
+            self._non_torch_baseline = non_torch_bytes(self.device)
         self.backend = get_backend(self.backend_name, self.device)
         parallel = self.config.parallel
         self.tp = init_tensor_parallel(self.rank, parallel.tensor_parallel_size,
@@ -152,7 +155,8 @@ class Worker:
         runner = self._runner()
         return profile_memory(runner, runner.model, self.kv_spec, self.config.cache,
                               self.config.scheduler, self.get_info().max_model_len, self.device,
-                              self._graph_batch_sizes(), self._graph_max_seq_len())
+                              self._graph_batch_sizes(), self._graph_max_seq_len(),
+                              self._non_torch_baseline)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, scheduler_epoch: int) -> bool:
         """The end of a scheduler's handshake: serve `scheduler_epoch` from now on, with empty
