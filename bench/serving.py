@@ -273,8 +273,9 @@ def openai_vs_grpc(openai: dict, grpc_door: dict) -> dict:
 
 def run_all(args: argparse.Namespace, address: str, stack: subprocess.Popen,
             http_url: str | None = None) -> list[dict]:
-    engine = LLMEngine.from_kwargs(**{k: v for k, v in engine_kwargs(args).items() if v != ""})
+    # once the stack has its memory: on a shared GPU, the engine's profile then sees it settled
     wait_serving(address, stack, args.startup_timeout_s)
+    engine = LLMEngine.from_kwargs(**{k: v for k, v in engine_kwargs(args).items() if v != ""})
     vocab = engine.core.vocab_size
     warm = make_workload("warmup", 2, (16, 32), (8, 8), vocab, seed=args.seed + 1)
     run_in_process(engine, warm, 2)
