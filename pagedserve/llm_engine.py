@@ -60,8 +60,10 @@ class LLMEngine:
     def close(self) -> None:
         """Idempotent: after the steps in flight, the ranks stop and an in-process worker ends
         its model thread and gives its device memory back. Deleting the engine does the same."""
-        self.core.drain()
-        self._close_workers()
+        try:
+            self.core.drain()
+        finally:
+            self._close_workers()
 
     def _close_workers(self) -> None:
         self._stop_ranks()

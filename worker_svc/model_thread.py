@@ -72,10 +72,6 @@ class ModelThread:
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()
 
-    @property
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
     def _loop(self) -> None:
         initializer, self._initializer = self._initializer, None
         if initializer is not None:

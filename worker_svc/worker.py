@@ -91,6 +91,7 @@ class Worker:
         self.last_step_id = 0  # the step that ran last in this epoch (0: none yet)
         self.last_step_failed = False
         self.model_thread: ModelThread | None = None  # submit_step's
+        self._close_thread: weakref.finalize | None = None  # ends it (close, or the worker goes)
         self.info: WorkerInfo | None = None
         self.runner: ModelRunner | None = None
         self.cache_engine: CacheEngine | None = None
