@@ -88,20 +88,22 @@ def check_wheels(filenames: list[str]) -> list[str]:
     return problems
 
 
-def download_command(dest: Path, versions: dict[str, str]) -> list[str]:
+def _target_args(python_version: str) -> list[str]:
+    """pip's options that pick another interpreter's and platform's wheels."""
     platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
-    return [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-            "--python-version", PYTHON_VERSION, "--implementation", "cp", *platforms,
-            "-d", str(dest), *(f"{name}=={version}" for name, version in versions.items())]
+    return ["--only-binary=:all:", "--python-version", python_version, "--implementation", "cp",
+            *platforms]
+
+
+def download_command(dest: Path, versions: dict[str, str]) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+            *_target_args(PYTHON_VERSION), "-d", str(dest),
+            *(f"{name}=={version}" for name, version in versions.items())]
 
 
 def install_command(wheels: list[Path], target: Path, *, for_python: str | None = None) -> list[str]:
     """The offline install; for_python installs another interpreter's wheels (a check here)."""
-    cross = []
-    if for_python:
-        platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
-        cross = ["--python-version", for_python, "--implementation", "cp", *platforms,
-                 "--only-binary=:all:"]
+    cross = _target_args(for_python) if for_python else []
     return [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
             "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(target), *cross,
             *map(str, wheels)]
