@@ -68,9 +68,9 @@ def test_engine_greedy_is_hf_and_survives_swap_preemption(tiny_model_dir, backen
 
 
 def _profiled(model_dir, **kw) -> LLMEngine:
-    """An engine that sizes its cache from the device's memory (64 KiB blocks: a few hundred
-    thousand of them in a GPU's share)."""
-    return _engine(model_dir, "triton", num_gpu_blocks_override=0, block_size=128, **kw)
+    """An engine that sizes its cache from the device's memory (16 KiB blocks: a few million
+    of them in an 80 GB GPU's share)."""
+    return _engine(model_dir, "triton", num_gpu_blocks_override=0, block_size=32, **kw)
 
 
 def test_a_closed_engine_gives_its_memory_back_and_the_next_gets_as_much(tiny_model_dir):
