@@ -11,7 +11,7 @@ BUF     := tools/node_modules/.bin/buf
 MODEL_DIR ?= $(HOME)/.cache/pagedserve/models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: install proto model run test test-gpu lint bench bench-gpu helm-test image clean fuzz node-example
+.PHONY: install proto model run test test-gpu gpu-wheels gpu-check lint bench bench-gpu helm-test image clean fuzz node-example
 
 install: $(STAMP)
 
@@ -69,6 +69,16 @@ fuzz: install proto
 # Runs on a GPU machine with its own python, no install step: only kernels and worker core.
 test-gpu:
 	$(PY) -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/gpu
+
+# Where a package index is reachable: .whl/ gets the wheels (Python 3.12, manylinux x86-64) and
+# the tokenizer that `make gpu-check` needs on a GPU machine without network (docs/gpu-readiness.md).
+gpu-wheels: install proto model
+	$(VPY) -m bench.gpu_check wheels
+
+# On a GPU machine with its own python (CUDA torch): installs .whl/ into /tmp/site, then test-gpu,
+# the GPU benches and bench.serving on CUDA; records to bench/results/ (~5 min on an H100).
+gpu-check:
+	$(PY) -m bench.gpu_check run
 
 # style, the architecture contract (tests/architecture.py: imports point down the layers), and
 # the gRPC contracts: buf lint, then buf breaking against the last release tag (else HEAD~1).

@@ -51,6 +51,14 @@ MODEL_CONFIGS: dict[str, dict] = {
         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
         "vocab_size": 128256, "bos_token_id": 128000, "eos_token_id": 128001,
         "attention_bias": False, "mlp_bias": False},
+    # bench.serving's 1.7B model (SmolLM2-1.7B; its tokenizer is SmolLM2-135M's)
+    "smollm2-1.7b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+        "num_hidden_layers": 24, "num_key_value_heads": 32, "head_dim": 64,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 130000.0,
+        "tie_word_embeddings": True, "vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2,
+        "pad_token_id": 2, "attention_bias": False, "mlp_bias": False},
     # a smoke-test shape: runs anywhere in seconds
     "tiny-llama": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
@@ -172,6 +180,7 @@ def bench_model(name: str, args: argparse.Namespace, root: Path) -> dict:
                   decode=decode_mbu(steps, weight_bytes, peak_gbps(device)))
     if "hf_sequential_s" in result:
         result["ratio_vs_hf_sequential"] = result["hf_sequential_s"] / ours_s
+    engine.close()
     del engine
     gc.collect()
     if device.type == "cuda":

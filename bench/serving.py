@@ -26,6 +26,10 @@ default; it was 2) the p50 falls among requests that join a running batch.
     python -m bench.serving                          # N = 1, 8, 32
     python -m bench.serving --concurrency 1 4 --requests-per-client 1 --tag smoke
     python -m bench.serving --api openai --concurrency 8 --tag openai
+    python -m bench.serving --device cuda --shape smollm2-1.7b --api openai --concurrency 1 32 256
+
+`--device cuda` runs both sides on one GPU, each with its own --gpu-memory-utilization share;
+`--shape` serves a model of that shape (bench/offline_gpu.py's configs) with random weights.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import itertools
 import json
 import logging
 import subprocess
+import tempfile
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -58,6 +63,7 @@ from bench.common import (
     quiet_logging,
     serve_process,
 )
+from bench.offline_gpu import MODEL_CONFIGS, write_model_dir
 from pagedserve.llm_engine import LLMEngine
 from pagedserve.supervisor import free_port
 
@@ -132,12 +138,23 @@ def run_in_process(engine: LLMEngine, wl: Workload, concurrency: int) -> RunResu
 # --- the stack ----------------------------------------------------------------------------------
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """One configuration for both sides. On CUDA they share the device: each takes its own
+    --gpu-memory-utilization of it."""
+    kwargs = dict(model=args.model, tokenizer=args.tokenizer, load_format=args.load_format,
+                  device=args.device, dtype=args.dtype, max_num_seqs=max(args.concurrency),
+                  swap_space_gib=0.25)
+    if args.device == "cuda":
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    else:
+        kwargs["kv_cache_memory_gib"] = args.kv_cache_memory_gib
+    return kwargs
+
+
 def serve_args(args: argparse.Namespace, port: int, http_port: int) -> list[str]:
-    return ["--model", args.model, "--port", str(port), "--http-port", str(http_port), "--device", "cpu",
-            "--dtype", "float32",
-            "--max-num-seqs", str(max(args.concurrency)),
-            "--kv-cache-memory-gib", str(args.kv_cache_memory_gib), "--swap-space-gib", "0.25",
-            "--log-level", "WARNING"]
+    flags = [arg for name, value in engine_kwargs(args).items() if value != ""
+             for arg in (f"--{name.replace('_', '-')}", str(value))]
+    return ["--port", str(port), "--http-port", str(http_port), *flags, "--log-level", "WARNING"]
 
 
 def wait_serving(address: str, stack: subprocess.Popen, timeout_s: float) -> None:
@@ -256,10 +273,9 @@ def openai_vs_grpc(openai: dict, grpc_door: dict) -> dict:
 
 def run_all(args: argparse.Namespace, address: str, stack: subprocess.Popen,
             http_url: str | None = None) -> list[dict]:
-    engine = LLMEngine.from_kwargs(
-        model=args.model, device="cpu", dtype="float32", max_num_seqs=max(args.concurrency),
-        kv_cache_memory_gib=args.kv_cache_memory_gib, swap_space_gib=0.25)
+    # once the stack has its memory: on a shared GPU, the engine's profile then sees it settled
     wait_serving(address, stack, args.startup_timeout_s)
+    engine = LLMEngine.from_kwargs(**{k: v for k, v in engine_kwargs(args).items() if v != ""})
     vocab = engine.core.vocab_size
     warm = make_workload("warmup", 2, (16, 32), (8, 8), vocab, seed=args.seed + 1)
     run_in_process(engine, warm, 2)
@@ -311,13 +327,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-prompt-len", type=int, default=128)
     parser.add_argument("--min-output-len", type=int, default=32)
     parser.add_argument("--max-output-len", type=int, default=96)
-    parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                        help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--shape", choices=sorted(MODEL_CONFIGS), default=None,
+                        help="instead of --model: this model's shape with random weights "
+                             "(load_format dummy) and --tokenizer's tokenizer")
+    parser.add_argument("--tokenizer", default="",
+                        help="tokenizer folder; default: the model's, or with --shape the "
+                             "default model's (SmolLM2's)")
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="CPU")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                        help="CUDA: the share of the device each side (stack, in-process) takes")
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default="cpu")
     parser.add_argument("--api", choices=["grpc", "openai"], default="grpc",
                         help="openai: also the OpenAI-compatible HTTP door, against gRPC")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.load_format = "dummy" if args.shape else "auto"
+    if args.shape and not args.tokenizer:
+        args.tokenizer = DEFAULT_MODEL
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -328,8 +360,12 @@ def main(argv: list[str] | None = None) -> dict:
     address = f"127.0.0.1:{port}"
     http_port = free_port() if args.api == "openai" else 0
     http_url = f"http://127.0.0.1:{http_port}" if http_port else None
-    with serve_process(serve_args(args, port, http_port), ROOT) as stack:
-        results = run_all(args, address, stack, http_url)
+    with tempfile.TemporaryDirectory(prefix="pagedserve-bench-") as tmp:
+        if args.shape:
+            args.model = str(write_model_dir(args.shape, args.dtype, Path(tmp)))
+        with serve_process(serve_args(args, port, http_port), ROOT) as stack:
+            results = run_all(args, address, stack, http_url)
+    model = f"{args.shape} shape, dummy weights" if args.shape else args.model
 
     line = "serving: " + "; ".join(
         f"N={r['concurrency']} {r['stack']['output_tok_s']:.1f} tok/s "
@@ -341,7 +377,7 @@ def main(argv: list[str] | None = None) -> dict:
            f"{r['openai_vs_grpc']['ttft_p50_ratio']:.2f}x"
            f"{'' if r['openai_vs_grpc']['met'] else ' (target MISSED)'}" if "openai" in r else "")
         for r in results)
-    return finish("serving", args, line, results, model=args.model, dtype="float32")
+    return finish("serving", args, line, results, model=model, dtype=args.dtype)
 
 
 if __name__ == "__main__":

@@ -101,7 +101,15 @@ class LLM:
         self._request_ids = itertools.count()
 
     def close(self) -> None:
+        """Gives the engine's device memory back (llm_engine.LLMEngine.close); so does leaving a
+        `with LLM(...) as llm:` block, or deleting the LLM."""
         self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(self, prompts: str | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

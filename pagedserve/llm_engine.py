@@ -50,17 +50,32 @@ class LLMEngine:
             workers = list(self.ranks)
         else:
             workers = [create_worker(config)]
+        self._local_workers = [] if self.ranks else workers
         try:
             self.core = EngineCore(config, workers)
         except BaseException:
-            self._stop_ranks()
+            self._close_workers()
             raise
 
     def close(self) -> None:
-        """Idempotent; the ranks stop after the step still in flight."""
-        if self.ranks:
+        """Idempotent: after the steps in flight, the ranks stop and an in-process worker ends
+        its model thread and gives its device memory back. Deleting the engine does the same."""
+        try:
             self.core.drain()
+        finally:
+            self._close_workers()
+
+    def _close_workers(self) -> None:
         self._stop_ranks()
+        for worker in self._local_workers:
+            worker.close()
+        self._local_workers = []
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _stop_ranks(self) -> None:
         for rank in self.ranks:

@@ -1,12 +1,14 @@
 """How many KV blocks fit (vLLM's determine_num_available_blocks). On CUDA the cache gets what
-gpu_memory_utilization leaves after weights, the largest step's activation peak, memory torch does
-not own, and the CUDA graphs: they are captured after the cache is allocated, so their memory is
-reserved here. On CPU the budget is kv_cache_memory_gib."""
+this instance's share of the device (gpu_memory_utilization) leaves after the weights, the
+largest step's activation peak, the memory CUDA libraries took since the worker started, and the
+CUDA graphs: they are captured after the cache is allocated, so their memory is reserved here.
+kv_cache_memory_gib, when set, sizes the cache on any device; on CPU it is 1 GiB otherwise."""
 
 from __future__ import annotations
 
 import gc
 import logging
+from dataclasses import dataclass
 
 import torch
 from pagedserve.services.common.config import CacheConfig, GiB, SchedulerConfig
@@ -18,6 +20,8 @@ from pagedserve.worker_svc.model_runner import ModelRunner, dummy_num_blocks
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_GIB = 1.0  # the cache's size on CPU when kv_cache_memory_gib is 0
 
 
 def profile_query_lens(scheduler_config: SchedulerConfig, max_model_len: int) -> list[int]:
@@ -49,15 +53,67 @@ def _profile_cuda(runner: ModelRunner, spec: KVCacheSpec, query_lens: list[int],
     return max(peak, 0)
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """What the CUDA profile measured, in bytes."""
+    total: int  # the device's
+    free: int  # on the whole device, after the profile (other processes' use included)
+    weights: int
+    activations: int  # the largest step's peak, above the weights
+    graphs: int  # the CUDA graphs warm_up will capture
+    non_torch: int  # this process's growth outside torch's allocator (CUDA libraries)
+
+
+def num_gpu_blocks_for(memory: DeviceMemory, cache_config: CacheConfig,
+                       bytes_per_block: int) -> int:
+    """vLLM's meaning of gpu_memory_utilization: this instance's own share of the device, what
+    other processes use aside, so that two instances at 0.45 each fit in either start order. The
+    KV cache gets that share less the weights, the activation peak, the CUDA graphs and the
+    memory CUDA libraries took; kv_cache_memory_gib, when set, is the cache's size instead. What
+    is still to be allocated must be free now."""
+    share = memory.total * cache_config.gpu_memory_utilization
+    if cache_config.kv_cache_memory_gib > 0:
+        kv_bytes = cache_config.kv_cache_memory_gib * GiB
+        sizing = f"kv_cache_memory_gib={cache_config.kv_cache_memory_gib}"
+    else:
+        kv_bytes = (share - memory.weights - memory.activations - memory.graphs
+                    - memory.non_torch)
+        sizing = f"gpu_memory_utilization={cache_config.gpu_memory_utilization}"
+    num_blocks = int(kv_bytes // bytes_per_block)
+    if num_blocks <= 0:
+        raise ConfigError(
+            f"no memory left for the KV cache: {sizing} gives this instance "
+            f"{share / GiB:.2f} GiB of the device's {memory.total / GiB:.2f} GiB, and the "
+            f"weights take {memory.weights / GiB:.2f} GiB, activations "
+            f"{memory.activations / GiB:.2f} GiB, CUDA graphs {memory.graphs / GiB:.2f} GiB, "
+            f"CUDA libraries {memory.non_torch / GiB:.2f} GiB; raise gpu_memory_utilization, "
+            f"lower max_num_batched_tokens or turn enable_cuda_graph off")
+    still_needed = num_blocks * bytes_per_block + memory.activations + memory.graphs
+    if still_needed > memory.free:
+        raise ConfigError(
+            f"{sizing} needs {still_needed / GiB:.2f} GiB more for the KV cache, activations and "
+            f"CUDA graphs, but only {memory.free / GiB:.2f} GiB of the device's "
+            f"{memory.total / GiB:.2f} GiB are free (other processes use the rest); lower it")
+    return num_blocks
+
+
+def non_torch_bytes(device: torch.device) -> int:
+    """The device's memory in use outside this process's torch allocator."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
+
+
 def profile_memory(runner: ModelRunner, model: nn.Module, spec: KVCacheSpec,
                    cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                    max_model_len: int, device: torch.device,
                    graph_batch_sizes: list[int] | None = None,
-                   graph_max_seq_len: int = 0) -> MemoryProfile:
-    """graph_batch_sizes: the decode CUDA graphs WarmUp will capture."""
+                   graph_max_seq_len: int = 0, non_torch_baseline: int = 0) -> MemoryProfile:
+    """graph_batch_sizes: the decode CUDA graphs WarmUp will capture; non_torch_baseline:
+    non_torch_bytes before the model was loaded."""
     bytes_per_block = spec.bytes_per_block
     model_bytes = weights_bytes(model)
     activations = graphs = 0
+    memory = None
     if device.type == "cuda":
         activations = _profile_cuda(runner, spec, profile_query_lens(scheduler_config,
                                                                      max_model_len), device)
@@ -65,23 +121,20 @@ def profile_memory(runner: ModelRunner, model: nn.Module, spec: KVCacheSpec,
             graphs = graph_memory_bytes(model, spec, graph_batch_sizes, graph_max_seq_len,
                                         device)
         free, total = torch.cuda.mem_get_info(device)
-        not_torch = total - free - torch.cuda.memory_reserved(device)
-        budget = (total * cache_config.gpu_memory_utilization - not_torch - model_bytes
-                  - activations - graphs)
-        num_gpu_blocks = int(budget // bytes_per_block)
-        logger.info("memory profile: total %.2f GiB, weights %.2f GiB, activations %.2f GiB, "
-                    "CUDA graphs %.2f GiB, other %.2f GiB", total / GiB, model_bytes / GiB,
-                    activations / GiB, graphs / GiB, not_torch / GiB)
-    else:
-        num_gpu_blocks = int(cache_config.kv_cache_memory_gib * GiB // bytes_per_block)
+        memory = DeviceMemory(total=total, free=free, weights=model_bytes,
+                              activations=activations, graphs=graphs,
+                              non_torch=max(non_torch_bytes(device) - non_torch_baseline, 0))
+        logger.info("memory profile: total %.2f GiB, free %.2f GiB, weights %.2f GiB, "
+                    "activations %.2f GiB, CUDA graphs %.2f GiB, CUDA libraries %.2f GiB",
+                    total / GiB, free / GiB, model_bytes / GiB, activations / GiB,
+                    graphs / GiB, memory.non_torch / GiB)
     if cache_config.num_gpu_blocks_override > 0:
         num_gpu_blocks = cache_config.num_gpu_blocks_override
-    if num_gpu_blocks <= 0:
-        raise ConfigError(f"no memory left for the KV cache (weights {model_bytes} bytes, "
-                          f"activations {activations} bytes, CUDA graphs {graphs} bytes); raise "
-                          f"gpu_memory_utilization={cache_config.gpu_memory_utilization}, lower "
-                          f"max_num_batched_tokens={scheduler_config.max_num_batched_tokens} or "
-                          f"turn enable_cuda_graph off")
+    elif memory is not None:
+        num_gpu_blocks = num_gpu_blocks_for(memory, cache_config, bytes_per_block)
+    else:
+        num_gpu_blocks = int((cache_config.kv_cache_memory_gib or CPU_KV_CACHE_GIB) * GiB
+                             // bytes_per_block)
     num_cpu_blocks = int(cache_config.swap_space_gib * GiB // bytes_per_block)
     if cache_config.num_cpu_blocks_override >= 0:
         num_cpu_blocks = cache_config.num_cpu_blocks_override

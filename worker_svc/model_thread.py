@@ -65,15 +65,22 @@ class ModelThread:
         self._jobs.put(job)
         return job.future
 
-    def shutdown(self) -> None:
-        """Finishes what was submitted, then the thread ends."""
+    def shutdown(self, wait: bool = False) -> None:
+        """Finishes what was submitted, then the thread ends; `wait`: returns once it has, unless
+        called on that very thread."""
         self._jobs.put(None)
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _loop(self) -> None:
-        if self._initializer is not None:
-            self._initializer()
+        initializer, self._initializer = self._initializer, None
+        if initializer is not None:
+            initializer()
         in_flight: _Launched | None = None
         while True:
+            # While it waits, the thread holds no job: a worker nothing else holds can be
+            # collected, and its finalizer then ends this thread.
+            job = ahead = None
             try:
                 wait_s = None if in_flight is None else in_flight.step.fence.seconds_left()
                 job = self._jobs.get(timeout=wait_s) if wait_s != 0 else self._jobs.get_nowait()
@@ -83,6 +90,7 @@ class ModelThread:
                 continue
             if job is None:
                 self._finish(in_flight)
+                logger.debug("model thread %s stopped", self._thread.name)
                 return
             if in_flight is not None and self._can_go_ahead(in_flight, job):
                 ahead = self._launch(job, in_flight.step)

@@ -9,9 +9,11 @@ the one taken before the first cache, and a cache of the same sizes is kept (ini
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from types import ModuleType
@@ -42,7 +44,7 @@ from pagedserve.worker_svc.cuda_graphs import (
 from pagedserve.worker_svc.in_flight import InFlightStep
 from pagedserve.worker_svc.layers.attention import Attention
 from pagedserve.worker_svc.loader import eos_token_ids, load_hf_config, load_model
-from pagedserve.worker_svc.memory import profile_memory
+from pagedserve.worker_svc.memory import non_torch_bytes, profile_memory
 from pagedserve.worker_svc.model_runner import ModelRunner, dummy_num_blocks
 from pagedserve.worker_svc.model_thread import ModelThread
 from pagedserve.worker_svc.models.registry import resolve_architecture
@@ -104,6 +106,7 @@ class Worker:
         self.last_step_id = 0  # the step that ran last in this epoch (0: none yet)
         self.last_step_failed = False
         self.model_thread: ModelThread | None = None  # submit_step's
+        self._close_thread: weakref.finalize | None = None  # ends it (close, or the worker goes)
         self.info: WorkerInfo | None = None
         self.runner: ModelRunner | None = None
         self.cache_engine: CacheEngine | None = None
@@ -111,6 +114,7 @@ class Worker:
         self.backend: ModuleType | None = None  # the kernel module
         # taken once, before any KV cache existed: a later profile would count the cache as used
         self._memory_profile: MemoryProfile | None = None
+        self._non_torch_baseline = 0  # non_torch_bytes before the model was loaded (CUDA)
         self.tp = SINGLE
 
     def load_model(self) -> WorkerInfo:
@@ -122,6 +126,8 @@ class Worker:
             raise ConfigError(f"max_model_len={model_config.max_model_len} exceeds the model's "
                               f"max_position_embeddings={model_max_len}")
         max_model_len = model_config.max_model_len or model_max_len
+        if self.device.type == "cuda":
+            self._non_torch_baseline = non_torch_bytes(self.device)
         self.backend = get_backend(self.backend_name, self.device)
         parallel = self.config.parallel
         self.tp = init_tensor_parallel(self.rank, parallel.tensor_parallel_size,
@@ -165,7 +171,8 @@ class Worker:
         runner = self._runner()
         return profile_memory(runner, runner.model, self.kv_spec, self.config.cache,
                               self.config.scheduler, self.get_info().max_model_len, self.device,
-                              self._graph_batch_sizes(), self._graph_max_seq_len())
+                              self._graph_batch_sizes(), self._graph_max_seq_len(),
+                              self._non_torch_baseline)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, scheduler_epoch: int) -> bool:
         """The end of a scheduler's handshake: serve `scheduler_epoch` from now on, with empty
@@ -280,14 +287,26 @@ class Worker:
     def submit_step(self, plan: StepPlan) -> Future[StepOutput]:
         """Steps submitted in order run in order, while the caller schedules the next."""
         if self.model_thread is None:
-            self.model_thread = ModelThread("worker-step", self._init_step_thread)
+            self.model_thread = ModelThread("worker-step", functools.partial(
+                _init_step_thread, self.config.device.num_threads, self.device))
+            # the thread must not outlive the worker, nor the interpreter's last moments: a
+            # daemon thread still inside torch at exit aborts the process
+            self._close_thread = weakref.finalize(self, self.model_thread.shutdown, True)
         return self.model_thread.submit_step(self, plan)
 
-    def _init_step_thread(self) -> None:
-        if self.config.device.num_threads > 0:
-            torch.set_num_threads(self.config.device.num_threads)
+    def close(self) -> None:
+        """Ends the model thread after the steps submitted, and lets go of the model, the KV
+        cache and the CUDA graphs, giving the device memory back. Idempotent; a closed worker
+        needs load_model again."""
+        if self.model_thread is not None:
+            self._close_thread()
+            self.model_thread = None
+        if self.runner is not None:
+            self.runner.decode_graphs = None
+        self.cache_engine = self.runner = self.info = self._memory_profile = None
+        gc.collect()
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()
 
     def clear_state(self, scheduler_epoch: int) -> None:
         """Forget every sequence; the KV blocks stay. Unavailable without a KV cache: a worker
@@ -341,6 +360,13 @@ class Worker:
         if self.cache_engine is None:
             raise Unavailable("worker has no KV cache yet (call init_cache)")
         return self.cache_engine
+
+
+def _init_step_thread(num_threads: int, device: torch.device) -> None:
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def create_worker(config: EngineConfig, rank: int = 0) -> Worker:

@@ -83,9 +83,11 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = opt(16, "tokens per KV-cache block")
     gpu_memory_utilization: float = opt(
-        0.9, "fraction of GPU memory for weights, activations and KV cache (CUDA)")
+        0.9, "this instance's share of the GPU's memory, for its weights, activations, CUDA "
+        "graphs and KV cache (CUDA; others' use aside: two instances at 0.45 share a GPU)")
     kv_cache_memory_gib: float = opt(
-        1.0, "KV-cache budget on CPU devices, in GiB (CPU has no memory profile to fill)")
+        0.0, "KV-cache size in GiB on any device; 0 = on CUDA what gpu_memory_utilization "
+        "leaves, on CPU 1 GiB")
     swap_space_gib: float = opt(4.0, "CPU swap space for preempted KV blocks, in GiB")
     num_gpu_blocks_override: int = opt(0, "force this many device blocks (tests); 0 = profile")
     num_cpu_blocks_override: int = opt(-1, "force this many swap blocks (tests); -1 = from swap_space")
@@ -96,8 +98,8 @@ class CacheConfig:
                f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        _check(self.kv_cache_memory_gib > 0,
-               f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        _check(self.kv_cache_memory_gib >= 0,
+               f"kv_cache_memory_gib must be >= 0, got {self.kv_cache_memory_gib}")
         _check(self.swap_space_gib >= 0, f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
         _check(self.num_gpu_blocks_override >= 0,
                f"num_gpu_blocks_override must be >= 0, got {self.num_gpu_blocks_override}")

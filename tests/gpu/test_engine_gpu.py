@@ -1,9 +1,12 @@
 """The in-process engine on CUDA with each backend: greedy output is HF's (float32), and swap
-preemption through the side stream does not change it. Skipped without CUDA."""
+preemption through the side stream does not change it; a closed engine gives its memory back,
+and gpu_memory_utilization is each engine's own share. Skipped without CUDA."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from pagedserve.services.common.config import GiB
 from pagedserve.services.common.sampling_params import SamplingParams
 
 from pagedserve.llm_engine import LLMEngine
@@ -62,3 +65,38 @@ def test_engine_greedy_is_hf_and_survives_swap_preemption(tiny_model_dir, backen
         assert _decode_graph_replays(roomy) is None  # never captured: shapes follow host lengths
     else:
         assert _decode_graph_replays(roomy) > 0 and _decode_graph_replays(tight) > 0
+
+
+def _profiled(model_dir, **kw) -> LLMEngine:
+    """An engine that sizes its cache from the device's memory (16 KiB blocks: a few million
+    of them in an 80 GB GPU's share)."""
+    return _engine(model_dir, "triton", num_gpu_blocks_override=0, block_size=32, **kw)
+
+
+def test_a_closed_engine_gives_its_memory_back_and_the_next_gets_as_much(tiny_model_dir):
+    """At 0.6 each, the second fits only if the first gave its share back."""
+    model_dir = tiny_model_dir("llama")
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated()
+    with _profiled(model_dir, gpu_memory_utilization=0.6) as first:
+        num_blocks = first.core.num_gpu_blocks
+        tokens = _generate(first, [prompt(0, 13)])
+    assert torch.cuda.memory_allocated() - baseline < 64 << 20
+    with _profiled(model_dir, gpu_memory_utilization=0.6) as second:
+        assert second.core.num_gpu_blocks == pytest.approx(num_blocks, rel=0.02)
+        assert _generate(second, [prompt(0, 13)]) == tokens
+
+
+def test_two_engines_at_045_get_the_same_cache_in_either_order(tiny_model_dir):
+    """gpu_memory_utilization is each one's own share: the second does not count the first's."""
+    model_dir = tiny_model_dir("llama")
+    with _profiled(model_dir, gpu_memory_utilization=0.45) as first, \
+            _profiled(model_dir, gpu_memory_utilization=0.45) as second:
+        assert second.core.num_gpu_blocks == pytest.approx(first.core.num_gpu_blocks, rel=0.02)
+        assert _generate(second, [prompt(1, 7)]) == _generate(first, [prompt(1, 7)])
+
+
+def test_kv_cache_memory_gib_sizes_the_cuda_cache(tiny_model_dir):
+    with _profiled(tiny_model_dir("llama"), kv_cache_memory_gib=0.25) as engine:
+        worker = engine.core.workers[0]
+        assert engine.core.num_gpu_blocks == int(0.25 * GiB) // worker.kv_spec.bytes_per_block

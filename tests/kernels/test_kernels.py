@@ -124,3 +124,19 @@ def test_copy_blocks(ops, device, dtype, block_size, layout):
         for src, dst in mapping:
             expected[:, dst] = old[:, src]
         assert torch.equal(kv_cache, expected)
+
+
+@pytest.mark.parametrize("kind", list(BATCH_KINDS))
+def test_reference_keeps_to_the_inputs_device(kind):
+    """The oracle of the CUDA cases: a tensor it made on the CPU (a causal mask, say) fails beside
+    CUDA inputs. The meta device fails the same way, and on a CPU-only machine."""
+    prefills, decodes = BATCH_KINDS[kind]
+    batch = make_batch(prefills, decodes, block_size=8, num_heads=4, num_kv_heads=2,
+                       head_size=64, dtype=torch.float32)
+    query, k_cache, v_cache = (t.to("meta") for t in (batch.query, batch.k_cache, batch.v_cache))
+
+    out = ref.paged_attention(query, k_cache, v_cache, batch.meta, 0.125)
+    ref.write_kv(batch.key.to("meta"), batch.value.to("meta"), k_cache, v_cache,
+                 batch.meta.slot_mapping)
+
+    assert out.device.type == "meta" and out.shape == query.shape

@@ -25,7 +25,7 @@ from pagedserve.services.common.errors import ConfigError, InvalidRequest
 @pytest.mark.parametrize(("cls", "kwargs", "message"), [
     (CacheConfig, {"block_size": 7}, "block_size must be one of 8, 16, 32, 64, 128, got 7"),
     (CacheConfig, {"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1], got 1.5"),
-    (CacheConfig, {"kv_cache_memory_gib": 0}, "kv_cache_memory_gib must be > 0, got 0"),
+    (CacheConfig, {"kv_cache_memory_gib": -1}, "kv_cache_memory_gib must be >= 0, got -1"),
     (CacheConfig, {"swap_space_gib": -1}, "swap_space_gib must be >= 0, got -1"),
     (CacheConfig, {"num_cpu_blocks_override": -2}, "num_cpu_blocks_override must be >= -1, got -2"),
     (SchedulerConfig, {"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),

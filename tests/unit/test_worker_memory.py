@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 from pagedserve.services.common.config import (
     CacheConfig,
@@ -11,8 +14,15 @@ from pagedserve.services.common.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from pagedserve.services.common.errors import ConfigError
 from pagedserve.worker_svc.cache_engine import allocate_kv_caches
-from pagedserve.worker_svc.memory import profile_query_lens, weights_bytes
+from pagedserve.worker_svc.memory import (
+    CPU_KV_CACHE_GIB,
+    DeviceMemory,
+    num_gpu_blocks_for,
+    profile_query_lens,
+    weights_bytes,
+)
 from pagedserve.worker_svc.model_runner import dummy_num_blocks
 from pagedserve.worker_svc.worker import Worker
 
@@ -60,3 +70,48 @@ def test_profile_forward_runs_at_the_largest_step(tiny_model_dir):
     worker.runner.dummy_run(lens, kv_caches)
     assert all(layer.abs().sum() > 0 for layer in kv_caches)  # every layer wrote its K/V
     worker.warm_up()
+
+
+H100 = 80 * GiB
+BLOCK_BYTES = 2 << 20  # 2 MiB
+
+
+def _cuda_memory(free: float, **gib: float) -> DeviceMemory:
+    """A profile as measured on an 80 GiB device, in GiB."""
+    sizes = dict(weights=3.0, activations=1.0, graphs=0.5, non_torch=0.5) | gib
+    return DeviceMemory(total=H100, free=int(free * GiB),
+                        **{k: int(v * GiB) for k, v in sizes.items()})
+
+
+def test_gpu_memory_utilization_is_this_instances_share_in_either_start_order():
+    """Two instances at 0.45: the one started second sees the first's 36 GiB in use and gets
+    as many blocks (it used to count them against its own share, and found none left)."""
+    share = CacheConfig(gpu_memory_utilization=0.45)
+    first = num_gpu_blocks_for(_cuda_memory(free=76.0), share, BLOCK_BYTES)
+    second = num_gpu_blocks_for(_cuda_memory(free=76.0 - 36.5), share, BLOCK_BYTES)
+    # 36 GiB less weights, activations, graphs and CUDA libraries: 31 GiB of 2 MiB blocks
+    assert first == second == 31 * 512
+
+
+def test_kv_cache_memory_gib_sizes_the_cache_on_cuda_too():
+    config = CacheConfig(gpu_memory_utilization=0.9, kv_cache_memory_gib=4.0)
+    assert num_gpu_blocks_for(_cuda_memory(free=76.0), config, BLOCK_BYTES) == 4 * 512
+
+
+@pytest.mark.parametrize(("config", "free", "message"), [
+    (CacheConfig(gpu_memory_utilization=0.45), 20.0,
+     "gpu_memory_utilization=0.45 needs 32.50 GiB more for the KV cache, activations and CUDA "
+     "graphs, but only 20.00 GiB of the device's 80.00 GiB are free"),
+    (CacheConfig(kv_cache_memory_gib=30.0), 20.0,
+     "kv_cache_memory_gib=30.0 needs 31.50 GiB more"),
+    (CacheConfig(gpu_memory_utilization=0.05), 76.0,
+     "no memory left for the KV cache: gpu_memory_utilization=0.05 gives this instance 4.00 GiB"),
+])
+def test_a_share_that_does_not_fit_is_refused_with_the_numbers(config, free, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        num_gpu_blocks_for(_cuda_memory(free=free), config, BLOCK_BYTES)
+
+
+def test_cpu_cache_is_1_gib_unless_kv_cache_memory_gib_says(tiny_model_dir):
+    profile = _worker(tiny_model_dir("llama")).profile_memory()
+    assert profile.num_gpu_blocks == int(CPU_KV_CACHE_GIB * GiB) // profile.kv_bytes_per_block

@@ -1,0 +1,110 @@
+"""make gpu-check's plan, checked on CPU: what travels as wheels, what it runs, in which order."""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from bench import gpu_check, serving
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_MACHINE = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+               "platform_system": "Linux", "implementation_name": "cpython",
+               "platform_python_implementation": "CPython", "extra": ""}
+
+
+def test_every_runtime_dependency_travels_or_is_on_the_gpu_machine():
+    """A new dependency must join CARRIED (or PROVIDED, if a CUDA image has it), else the GPU
+    machine, which has no index, fails to import pagedserve."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    todo = [Requirement(r) for r in project["dependencies"]]
+    todo += [Requirement(r) for r in project["optional-dependencies"]["smollm2"]
+             if Requirement(r).name == "gguf"]
+    carried = {gpu_check.normalize(n) for n in gpu_check.CARRIED}
+    provided = {gpu_check.normalize(n) for n in gpu_check.PROVIDED}
+    seen, missing = set(), []
+    while todo:
+        req = todo.pop()
+        name = gpu_check.normalize(req.name)
+        if name in seen or (req.marker and not req.marker.evaluate(GPU_MACHINE)):
+            continue
+        seen.add(name)
+        if name in provided:
+            continue
+        if name not in carried:
+            missing.append(name)
+            continue
+        todo += [Requirement(r) for r in metadata.requires(req.name) or []]
+    assert missing == []
+    assert carried <= seen, "a carried package nothing needs"
+
+
+def test_check_wheels_names_a_missing_and_a_doubled_package():
+    wheels = [f"{gpu_check.normalize(n).replace('-', '_')}-1.0-py3-none-any.whl"
+              for n in gpu_check.CARRIED if n != "uvicorn"]
+    wheels.append("grpcio-1.0.1-cp312-cp312-manylinux_2_17_x86_64.whl")
+    assert gpu_check.check_wheels(wheels) == [
+        "no wheel of uvicorn in .whl/ (run make gpu-wheels where an index is reachable)",
+        "two wheels of grpcio in .whl/: grpcio-1.0-py3-none-any.whl, "
+        "grpcio-1.0.1-cp312-cp312-manylinux_2_17_x86_64.whl"]
+
+
+def test_plan_runs_the_tests_first_each_offline_model_alone_and_fits_in_8_minutes():
+    steps = gpu_check.plan("python3", "nvidia-h100")
+    assert steps[0].argv == ["make", "test-gpu", "PY=python3"]
+    offline = [s.argv for s in steps if "bench.offline_gpu" in s.argv]
+    assert [a[a.index("--models") + 1:a.index("--tag")] for a in offline] == [
+        [m] for m in gpu_check.OFFLINE_MODELS]
+    (serve,) = [s.argv for s in steps if "bench.serving" in s.argv]
+    assert serve[serve.index("--device") + 1] == "cuda"
+    assert serve[serve.index("--api") + 1] == "openai"  # both doors
+    assert all(a[a.index("--tag") + 1].startswith("nvidia-h100") for a in [*offline, serve])
+    assert sum(s.timeout_s for s in steps) <= 8 * 60
+
+
+@pytest.fixture
+def checkout(tmp_path, monkeypatch):
+    wheel_dir = tmp_path / ".whl"
+    (wheel_dir / "smollm2-tokenizer").mkdir(parents=True)
+    (wheel_dir / "smollm2-tokenizer" / "tokenizer.json").write_text("{}")
+    for name in gpu_check.CARRIED:
+        (wheel_dir / f"{name.replace('-', '_')}-1.0-py3-none-any.whl").touch()
+    stubs = (tmp_path / "v1", tmp_path / "internal" / "v1")
+    for d in stubs:
+        d.mkdir(parents=True)
+        (d / "__init__.py").touch()
+    monkeypatch.setattr(gpu_check, "WHEEL_DIR", wheel_dir)
+    monkeypatch.setattr(gpu_check, "TOKENIZER_DIR", wheel_dir / "smollm2-tokenizer")
+    monkeypatch.setattr(gpu_check, "STUB_DIRS", stubs)
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
+    return tmp_path
+
+
+def test_dry_run_prints_the_offline_install_then_the_steps(checkout, capsys):
+    assert gpu_check.main(["run", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "--no-index --no-deps" in lines[0] and "--target /tmp/site" in lines[0]
+    assert lines[0].endswith(f".whl/*.whl ({len(gpu_check.CARRIED)})")
+    assert lines[1] == f"make test-gpu PY={gpu_check.sys.executable}"
+
+
+def test_run_stops_before_anything_when_the_stubs_did_not_travel(checkout, capsys):
+    (checkout / "internal" / "v1" / "__init__.py").unlink()
+    assert gpu_check.main(["run", "--dry-run"]) == 2
+    assert "no generated stubs in internal/v1" in capsys.readouterr().err
+
+
+def test_serving_on_cuda_gives_each_side_its_share_of_the_device():
+    args = serving.parse_args(["--device", "cuda", "--shape", "smollm2-1.7b",
+                               "--tokenizer", "/tok", "--concurrency", "1", "256"])
+    kwargs = serving.engine_kwargs(args)
+    assert kwargs["gpu_memory_utilization"] == 0.4 and "kv_cache_memory_gib" not in kwargs
+    assert (kwargs["dtype"], kwargs["load_format"], kwargs["max_num_seqs"]) == (
+        "bfloat16", "dummy", 256)
+    flags = serving.serve_args(args, 1, 2)
+    assert flags[flags.index("--device") + 1] == "cuda"
+    assert flags[flags.index("--tokenizer") + 1] == "/tok"
