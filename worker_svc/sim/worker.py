@@ -1,26 +1,36 @@
 """The simulated worker (device "sim"): the real Worker with the forward, the sampler and the KV
-cache swapped for models of a named GPU. Its timings are a model, never a measurement: they tell
+cache swapped for models of a named GPU; a step takes the time of the kernels the real model
+code would launch for it (worker_svc/sim/step_model.py). Its timings are a model, never a measurement: they tell
 how the control plane would keep up with that GPU, not how fast the GPU is.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from pagedserve.services.common.config import EngineConfig
 from pagedserve.services.common.errors import ConfigError
 from pagedserve.services.common.step_plan import MemoryProfile, WorkerInfo
 from pagedserve.worker_svc.cache_engine import KVCacheSpec
+from pagedserve.worker_svc.cuda_graphs import capture_batch_sizes
 from pagedserve.worker_svc.loader import eos_token_ids, load_hf_config
 from pagedserve.worker_svc.model_runner import ModelRunner
 from pagedserve.worker_svc.models.registry import resolve_architecture
 from pagedserve.worker_svc.sim.cache_engine import SimCacheEngine
 from pagedserve.worker_svc.sim.memory import sim_memory_profile
 from pagedserve.worker_svc.sim.model import SimModel
-from pagedserve.worker_svc.sim.roofline import Roofline, resolve_gpu, resolve_model_shape
+from pagedserve.worker_svc.sim.roofline import (
+    MODELS,
+    Roofline,
+    resolve_gpu,
+    resolve_model_shape,
+)
 from pagedserve.worker_svc.sim.sampler import SimSampler
+from pagedserve.worker_svc.sim.step_model import StepModel, traced_ops
 from pagedserve.worker_svc.sim.timeline import GpuTimeline
+from pagedserve.worker_svc.sim.trace import hf_config_of
 from pagedserve.worker_svc.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -41,6 +51,7 @@ class SimWorker(Worker):
         device = config.device
         self.timeline = GpuTimeline(device.sim_time_scale)
         self.roofline: Roofline | None = None
+        self.step_model: StepModel | None = None
 
     def load_model(self) -> WorkerInfo:
         """The served folder gives the vocabulary, EOS and length limit (its tokenizer is the
@@ -64,7 +75,15 @@ class SimWorker(Worker):
         vocab_size = int(hf_config.vocab_size)
         eos_ids = eos_token_ids(model_config.model, hf_config)
         sampler = SimSampler(vocab_size, eos_ids, device.sim_eos_probability, model_config.seed)
-        self.runner = ModelRunner(SimModel(self.roofline, self.timeline, vocab_size), sampler,
+        self.step_model = None
+        if device.sim_step_model == "kernels":
+            graph_batch_sizes = (capture_batch_sizes(self.config.scheduler.max_num_seqs)
+                                 if device.enable_cuda_graph else [])
+            ops = traced_ops(self._traced_config(hf_config), self.dtype)
+            self.step_model = StepModel(ops, Roofline(shape, gpu, dtype_bytes),
+                                        graph_batch_sizes=graph_batch_sizes)
+        model = SimModel(self.step_model, self.roofline, self.timeline, vocab_size)
+        self.runner = ModelRunner(model, sampler,
                                   vocab_size, self.kv_spec.block_size, max_model_len, self.device,
                                   new_fence=self.timeline.fence)
         architecture = resolve_architecture(getattr(hf_config, "architectures", None) or [])
@@ -76,6 +95,14 @@ class SimWorker(Worker):
         logger.info("simulating %s on %s (%s); vocabulary and tokenizer of %s", shape.name,
                     gpu.name, self.info.dtype, model_config.model)
         return self.info
+
+    def _traced_config(self, served_config: Any) -> Any:
+        """The config whose model classes are traced: sim_model's (a preset's shapes or a
+        folder's config.json), else the served model's."""
+        sim_model = self.config.device.sim_model
+        if sim_model in MODELS:
+            return hf_config_of(MODELS[sim_model])
+        return load_hf_config(sim_model) if sim_model else served_config
 
     def _profile_memory(self) -> MemoryProfile:
         return sim_memory_profile(self.roofline, self.kv_spec, self.config.cache,
