@@ -19,7 +19,9 @@ from pagedserve.worker_svc.sim.step_model import (
     trace_ops,
     traced_ops,
 )
-from pagedserve.worker_svc.sim.trace import MetaModel, hf_config_of
+from pagedserve.worker_svc.sim.trace import MetaModel, hf_config_of, sim_hf_config
+
+from tests.tiny_models import ARCHITECTURES
 
 H100 = GPUS["H100-SXM"]
 LIBRARY_CLASSES = ("gemm", "attention", "kv_write")  # cuBLAS and Triton, not aten launches
@@ -142,6 +144,9 @@ def test_a_captured_step_launches_once_and_prefill_runs_eagerly():
     padded = model.step(*decode(24, 300))
     assert padded.kernel_s - graph.kernel_s < 0.02 * graph.kernel_s
     assert not model.step([40, 1], [0, 300], 2).is_graph  # a prefill chunk in the step
+    # a chunk that samples nothing launches no logits or sampling kernels
+    assert (model.step([40], [0], 1).num_launches - model.step([40], [0], 0).num_launches
+            == len(model.logits.names))
     assert not model.step(*decode(65, 300)).is_graph  # past the largest bucket
 
 
@@ -155,6 +160,16 @@ def test_attention_is_priced_by_the_kv_it_reads():
     # one launch while every context fits a partition, two (split-KV) past it
     assert (model.step(*decode(8, DECODE_PARTITION_SIZE + 1)).num_launches
             - model.step(*decode(8, DECODE_PARTITION_SIZE - 1)).num_launches) == SMALL.num_layers
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_served_architecture_is_traced_from_its_config(tiny_model_dir, arch):
+    forward, logits = traced_ops(sim_hf_config(str(tiny_model_dir(arch))), torch.bfloat16)
+    num_layers = 2
+    assert forward.op_classes.count("attention") == forward.op_classes.count("kv_write") \
+        == num_layers
+    assert forward.op_classes.count("gemm") >= 4 * num_layers
+    assert logits.op_classes.count("gemm") == 1  # the lm_head
 
 
 def test_the_partition_size_is_the_triton_backends():

@@ -123,6 +123,19 @@ def test_timeline_never_returns_early_and_scale_zero_never_waits():
     assert time.perf_counter() - start < 1.0 and free.stats().busy_s == 0.0
 
 
+def test_timeline_counts_kernel_time_as_busy_and_holds_the_launching_host():
+    """An eager step keeps the device 10 ms of which 4 ms run kernels: the fence (the step's
+    forward time) is the 10 ms, GPU busy the 4 ms; the host thread is held for its launches."""
+    timeline = GpuTimeline()
+    timeline.enqueue(0.010, busy_s=0.004)
+    assert timeline.fence().device_s == pytest.approx(0.010)
+    assert timeline.stats().busy_s == pytest.approx(0.004)
+    start = time.perf_counter()
+    timeline.hold_host(0.005)
+    assert time.perf_counter() - start >= 0.005
+    assert timeline.stats().num_syncs == 0
+
+
 def _worker(model_dir, **device_kw) -> SimWorker:
     config = EngineConfig(model=ModelConfig(model=str(model_dir)),
                           cache=CacheConfig(block_size=8, num_gpu_blocks_override=32,

@@ -145,9 +145,11 @@ class StepModel:
         attention_s, attention_launches = self._attention(query_lens, context_lens)
         forward_s[self._attention_ops] = attention_s
         forward_launches = np.where(self._attention_ops, attention_launches, 1)
-        tail_s = self._price(is_forward=False, n=num_logits_rows)
+        # a chunk that samples nothing launches no logits kernels (cuBLAS skips an empty GEMM)
+        tail_s = (self._price(is_forward=False, n=num_logits_rows) if num_logits_rows
+                  else np.empty(0))
         c = self.calibration
-        tail_issue = np.cumsum(np.ones(len(tail_s))) * c.eager_launch_s
+        tail_issue = np.arange(1, len(tail_s) + 1) * c.eager_launch_s
         if batch_size is None:
             issue = np.cumsum(forward_launches) * c.eager_launch_s
             durations = np.concatenate([forward_s, tail_s])
@@ -188,7 +190,8 @@ class StepModel:
         num_bytes = ((ctx + q).sum() * self._kv_token_bytes
                      + 2 * q.sum() * self._q_token_bytes)
         is_decode = q == 1
-        is_split = bool(is_decode.any()) and float((ctx + q)[is_decode].max()) > DECODE_PARTITION_SIZE
+        is_split = (bool(is_decode.any())
+                    and float((ctx + q)[is_decode].max()) > DECODE_PARTITION_SIZE)
         num_launches = (2 if is_split else 0) + int((~is_decode).any() or not is_split)
         cost = self.calibration.op_classes["attention"]
         time_s = num_launches * cost.fixed_s + max(

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.worker_svc.loader import load_hf_config
 from pagedserve.worker_svc.models.registry import get_model_class
 from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState
-from pagedserve.worker_svc.sim.roofline import ModelShape
+from pagedserve.worker_svc.sim.roofline import MODELS, ModelShape
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -27,7 +28,7 @@ META = torch.device("meta")
 GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
 REDUCTION_OPS = frozenset({"mean", "sum", "amax", "amin", "max", "min", "argmax", "argmin",
                            "_softmax", "_log_softmax", "logsumexp", "topk", "sort", "cumsum",
-                           "var_mean", "prod"})
+                           "var_mean", "prod", "native_layer_norm"})
 GATHER_OPS = frozenset({"index", "index_select", "embedding", "gather", "_unsafe_index"})
 SCATTER_OPS = frozenset({"index_put", "index_put_", "scatter", "scatter_", "_index_put_impl_"})
 NO_KERNEL_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty",
@@ -143,6 +144,13 @@ def hf_config_of(shape: ModelShape) -> SimpleNamespace:
         tie_word_embeddings=shape.tie_word_embeddings, hidden_act="silu", rms_norm_eps=1e-5,
         rope_theta=10000.0, max_position_embeddings=shape.max_position_embeddings,
         attention_bias=False, mlp_bias=False)
+
+
+def sim_hf_config(sim_model: str) -> Any:
+    """The config whose model class is traced: a preset's shapes, or a folder's config.json."""
+    if sim_model in MODELS:
+        return hf_config_of(MODELS[sim_model])
+    return load_hf_config(sim_model)
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ how the control plane would keep up with that GPU, not how fast the GPU is.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from pagedserve.services.common.config import EngineConfig
@@ -21,16 +20,11 @@ from pagedserve.worker_svc.models.registry import resolve_architecture
 from pagedserve.worker_svc.sim.cache_engine import SimCacheEngine
 from pagedserve.worker_svc.sim.memory import sim_memory_profile
 from pagedserve.worker_svc.sim.model import SimModel
-from pagedserve.worker_svc.sim.roofline import (
-    MODELS,
-    Roofline,
-    resolve_gpu,
-    resolve_model_shape,
-)
+from pagedserve.worker_svc.sim.roofline import Roofline, resolve_gpu, resolve_model_shape
 from pagedserve.worker_svc.sim.sampler import SimSampler
 from pagedserve.worker_svc.sim.step_model import StepModel, traced_ops
 from pagedserve.worker_svc.sim.timeline import GpuTimeline
-from pagedserve.worker_svc.sim.trace import hf_config_of
+from pagedserve.worker_svc.sim.trace import sim_hf_config
 from pagedserve.worker_svc.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -79,7 +73,8 @@ class SimWorker(Worker):
         if device.sim_step_model == "kernels":
             graph_batch_sizes = (capture_batch_sizes(self.config.scheduler.max_num_seqs)
                                  if device.enable_cuda_graph else [])
-            ops = traced_ops(self._traced_config(hf_config), self.dtype)
+            ops = traced_ops(sim_hf_config(device.sim_model) if device.sim_model else hf_config,
+                             self.dtype)
             self.step_model = StepModel(ops, Roofline(shape, gpu, dtype_bytes),
                                         graph_batch_sizes=graph_batch_sizes)
         model = SimModel(self.step_model, self.roofline, self.timeline, vocab_size)
@@ -95,14 +90,6 @@ class SimWorker(Worker):
         logger.info("simulating %s on %s (%s); vocabulary and tokenizer of %s", shape.name,
                     gpu.name, self.info.dtype, model_config.model)
         return self.info
-
-    def _traced_config(self, served_config: Any) -> Any:
-        """The config whose model classes are traced: sim_model's (a preset's shapes or a
-        folder's config.json), else the served model's."""
-        sim_model = self.config.device.sim_model
-        if sim_model in MODELS:
-            return hf_config_of(MODELS[sim_model])
-        return load_hf_config(sim_model) if sim_model else served_config
 
     def _profile_memory(self) -> MemoryProfile:
         return sim_memory_profile(self.roofline, self.kv_spec, self.config.cache,
