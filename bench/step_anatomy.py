@@ -18,7 +18,9 @@ Per decode-only step with exactly B sequences, medians in ms of:
                One step at a time it is schedule + RPC (protobuf both ways, loopback, the
                servicer) + output processing; with async scheduling those run while the worker
                computes the next step, and what is left is the hand-off between steps.
-               With --device sim, forward is the modelled GPU time, and the worker's host work
+               With --device sim, forward is the modelled GPU time (the simulator's: the kernels
+               the model code launches, calibrated to an H100 run; the record adds its kernel
+               time and the roofline's floor for each batch size), and the worker's host work
                (prepare, sample) runs beside it (it launches a step before finishing the one
                before): overhead is period - forward, the time the GPU would sit idle.
 Mode in_process_metrics is in_process with the scheduler's stat loggers attached (its
@@ -46,12 +48,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from pagedserve.scheduler_svc.engine_core import EngineCore, StepFuture, WorkerHandle
 from pagedserve.scheduler_svc.metrics import SchedulerMetrics
 from pagedserve.scheduler_svc.stats import LoggingStatLogger
 from pagedserve.scheduler_svc.worker_client import WorkerClient
 from pagedserve.services.common.step_plan import StepOutput, StepPlan, StepTimings
 from pagedserve.services.rpc.convert_worker import step_plan_to_proto
+from pagedserve.worker_svc.cuda_graphs import capture_batch_sizes
+from pagedserve.worker_svc.sim.roofline import Roofline, resolve_gpu, resolve_model_shape
+from pagedserve.worker_svc.sim.step_model import StepModel, traced_ops
+from pagedserve.worker_svc.sim.trace import sim_hf_config
 from pagedserve.worker_svc.worker import create_worker
 from prometheus_client import CollectorRegistry
 
@@ -231,7 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
                         help="in process or behind gRPC; _sync: without async scheduling")
     parser.add_argument("--device", choices=("cpu", "sim"), default="cpu",
-                        help="sim: the forward takes the roofline's time of --sim-model on "
+                        help="sim: the forward takes the simulated time of --sim-model on "
                              "--sim-gpu, so the overhead is the one a GPU would see")
     parser.add_argument("--sim-model", default="Llama-3-8B")
     parser.add_argument("--sim-gpu", default="H100-SXM")
@@ -277,6 +284,14 @@ def main(argv: list[str] | None = None) -> dict:
                 f"schedule {m['schedule']:.2f}, output {m['output']:.2f}, overhead "
                 f"{m['overhead']:.2f})")
     line = "step anatomy: " + "; ".join(map(describe, results))
+    simulated = {}
+    if args.device == "sim":
+        simulated = {b: simulated_step(args, b) for b in args.batch_sizes}
+        line = (f"step anatomy (forward modelled: {args.sim_model} on {args.sim_gpu}, not a "
+                "measurement): " + "; ".join(map(describe, results)) + "; simulated decode step "
+                + ", ".join(f"B={b} {s['step_ms']:.2f} ms ({s['kernel_ms']:.2f} ms of kernels, "
+                            f"{'graph' if s['is_graph'] else 'eager'}; roofline floor "
+                            f"{s['roofline_floor_ms']:.2f} ms)" for b, s in simulated.items()))
     for r in results:
         if r["mode"] == "grpc" and r["batch_size"] >= 32:
             overhead = r["median_ms"]["overhead"]
@@ -285,7 +300,21 @@ def main(argv: list[str] | None = None) -> dict:
             line += (f"; scheduler+RPC overhead through gRPC at B={r['batch_size']}: "
                      f"{overhead:.2f} ms (target <= {TARGET_OVERHEAD_MS} ms"
                      f"{'' if met else ' MISSED'})")
-    return finish("step_anatomy", args, line, results, model=args.model, dtype=_dtype(args))
+    return finish("step_anatomy", args, line, results, model=args.model, dtype=_dtype(args),
+                  simulated_decode_step=simulated)
+
+
+def simulated_step(args: argparse.Namespace, batch_size: int) -> dict:
+    """The simulator's decode step at the run's mean context: the time the worker's forward
+    waits, its kernels' share, and the roofline's lower bound."""
+    model = StepModel(traced_ops(sim_hf_config(args.sim_model), torch.bfloat16),
+                      Roofline(resolve_model_shape(args.sim_model), resolve_gpu(args.sim_gpu)),
+                      graph_batch_sizes=capture_batch_sizes(max(args.batch_sizes)))
+    context = args.prompt_len + args.output_len // 2
+    cost = model.step([1] * batch_size, [context] * batch_size, batch_size)
+    return {"step_ms": cost.device_s * 1e3, "kernel_ms": cost.kernel_s * 1e3,
+            "roofline_floor_ms": cost.roofline_floor_s * 1e3, "is_graph": cost.is_graph,
+            "num_kernels": cost.num_kernels}
 
 
 if __name__ == "__main__":

@@ -150,7 +150,7 @@ class SchedulerConfig:
 class DeviceConfig:
     device: Literal["auto", "cpu", "cuda", "sim"] = opt(
         "auto", "where the worker runs the model; sim = no model: each step waits the time the "
-        "sim_gpu would take (a roofline of sim_model's shapes) and samples deterministic tokens")
+        "sim_gpu would take (see sim_step_model) and samples deterministic tokens")
     attention_backend: Literal["auto", "torch", "triton", "flash_attn", "ref"] = opt(
         "auto", "kernels: auto = flash_attn if installed on CUDA, else triton on CUDA, else torch; "
         "ref = the slow readable reference")
@@ -159,16 +159,23 @@ class DeviceConfig:
     sim_gpu: Literal["H100-SXM", "H200", "A100-80G", "L4"] = opt(
         "H100-SXM", "device=sim: the GPU whose peak FLOP/s, bandwidth and memory are modelled")
     sim_model: str = opt("", "device=sim: the shapes timed and sized: a preset (Llama-3-8B, "
-                             "Qwen2.5-7B, Llama-3.2-1B) or a folder with config.json; empty = "
-                             "the model folder (whose tokenizer and vocabulary are served)")
+                             "Qwen2.5-7B, Llama-3.2-1B, Qwen2.5-0.5B, SmolLM2-1.7B) or a folder "
+                             "with config.json; empty = the model folder (whose tokenizer and "
+                             "vocabulary are served)")
+    sim_step_model: Literal["kernels", "roofline"] = opt(
+        "kernels", "device=sim: how a step is timed: kernels = the kernels the model code "
+        "launches, priced with the H100 calibration (eager launches, CUDA-graph replays); "
+        "roofline = the lower bound, scaled by the sim_*_efficiency and sim_launch_overhead_us")
     sim_eos_probability: float = opt(
         0.005, "device=sim: chance that a sampled token is EOS (mean output ~1/p tokens)")
     sim_flops_efficiency: float = opt(
-        1.0, "device=sim: fraction of peak FLOP/s reached (calibration; 1 = the roofline)")
+        1.0, "device=sim, sim_step_model=roofline: fraction of peak FLOP/s reached (1 = the "
+             "roofline)")
     sim_bandwidth_efficiency: float = opt(
-        1.0, "device=sim: fraction of peak memory bandwidth reached (calibration)")
+        1.0, "device=sim: fraction of peak memory bandwidth reached by the roofline and by "
+             "swaps and block copies")
     sim_launch_overhead_us: float = opt(
-        100.0, "device=sim: fixed time added to every step (launches, sampling kernels)")
+        100.0, "device=sim, sim_step_model=roofline: fixed time added to every step")
     sim_time_scale: float = opt(
         1.0, "device=sim: multiplies every modelled time; 0 = a GPU with no cost, to load the "
              "control plane alone")

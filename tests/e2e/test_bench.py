@@ -88,6 +88,8 @@ def test_control_plane(tiny_served_model_dir, results_dir):
         assert set(r["cpu_us_per_token"]) == {"worker", "scheduler", "gateway", "clients"}
         assert 0 < r["num_client_messages"] <= r["num_output_tokens"]
     assert capacity["simulated_gpu_s"] == 0 and capacity["output_tok_s"] > 0
+    # launches and unfused kernels keep the simulated GPU below its roofline
+    assert 0 < record["simulated_decode_tok_s_at_256"] < record["roofline_decode_tok_s_at_256"]
     scheduler = record["results"]["scheduler"]
     assert [(r["batch_size"], r["prompt_len"]) for r in scheduler] == [(8, 16), (32, 16),
                                                                        (32, 128)]

@@ -123,6 +123,19 @@ def test_timeline_never_returns_early_and_scale_zero_never_waits():
     assert time.perf_counter() - start < 1.0 and free.stats().busy_s == 0.0
 
 
+def test_timeline_counts_kernel_time_as_busy_and_holds_the_launching_host():
+    """An eager step keeps the device 10 ms of which 4 ms run kernels: the fence (the step's
+    forward time) is the 10 ms, GPU busy the 4 ms; the host thread is held for its launches."""
+    timeline = GpuTimeline()
+    timeline.enqueue(0.010, busy_s=0.004)
+    assert timeline.fence().device_s == pytest.approx(0.010)
+    assert timeline.stats().busy_s == pytest.approx(0.004)
+    start = time.perf_counter()
+    timeline.hold_host(0.005)
+    assert time.perf_counter() - start >= 0.005
+    assert timeline.stats().num_syncs == 0
+
+
 def _worker(model_dir, **device_kw) -> SimWorker:
     config = EngineConfig(model=ModelConfig(model=str(model_dir)),
                           cache=CacheConfig(block_size=8, num_gpu_blocks_override=32,
@@ -137,9 +150,10 @@ def _worker(model_dir, **device_kw) -> SimWorker:
     return worker
 
 
-def test_a_step_takes_at_least_its_modelled_time(tiny_model_dir):
+@pytest.mark.parametrize("sim_step_model", ["kernels", "roofline"])
+def test_a_step_takes_at_least_its_modelled_time(tiny_model_dir, sim_step_model):
     """On an L4 a Llama-3-8B step is ~50 ms: long enough to see, the upper margin generous."""
-    worker = _worker(tiny_model_dir("llama"), sim_gpu="L4")
+    worker = _worker(tiny_model_dir("llama"), sim_gpu="L4", sim_step_model=sim_step_model)
     prompt = list(range(70, 86))
     plan = StepPlan(scheduler_epoch=1, step_id=1, new_seqs=[NewSequence(
         seq_id=1, request_id="r", token_ids=prompt, prompt_len=16, block_ids=[0, 1, 2],
@@ -148,7 +162,10 @@ def test_a_step_takes_at_least_its_modelled_time(tiny_model_dir):
         RunningSequence(seq_id=1, new_token_ids=[], block_ids_start=3, block_ids=[],
                         num_scheduled_tokens=1)], blocks_to_copy=[(0, 5)])
     for step, query_len, context_len in ((plan, 16, 0), (decode, 1, 16)):
-        modelled = worker.roofline.step([query_len], [context_len], 1).time_s
+        if worker.step_model is None:
+            modelled = worker.roofline.step([query_len], [context_len], 1).time_s
+        else:
+            modelled = worker.step_model.step([query_len], [context_len], 1).device_s
         if step.blocks_to_copy:
             modelled += worker.roofline.block_moves_s(0, 1, worker.kv_spec.bytes_per_block)
         start = time.perf_counter()

@@ -1,18 +1,24 @@
 """The simulated model: in place of the nn.Module, so ModelRunner's bookkeeping runs unchanged;
-the forward is the roofline's time for the step, queued on the GpuTimeline."""
+the forward is the modelled time of the step, queued on the GpuTimeline like its launches, and
+the host's share of an eager step (launching its kernels) held on the calling thread."""
 
 from __future__ import annotations
 
 import torch
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.worker_svc.sim.roofline import Roofline
+from pagedserve.worker_svc.sim.step_model import StepModel
 from pagedserve.worker_svc.sim.timeline import GpuTimeline
 from torch import nn
 
 
 class SimModel(nn.Module):
-    def __init__(self, roofline: Roofline, timeline: GpuTimeline, vocab_size: int) -> None:
+    """`step_model` None: the step takes the roofline's time (sim_step_model=roofline)."""
+
+    def __init__(self, step_model: StepModel | None, roofline: Roofline, timeline: GpuTimeline,
+                 vocab_size: int) -> None:
         super().__init__()
+        self.step_model = step_model
         self.roofline = roofline
         self.timeline = timeline
         self.vocab_size = vocab_size
@@ -32,6 +38,11 @@ class SimModel(nn.Module):
         """Queues the whole step's time, like a launch: the sampler's result waits for it. The
         logits [num_rows, vocab] are a view of one row."""
         num_rows = hidden_states.shape[0]
-        cost = self.roofline.step(self._query_lens, self._context_lens, num_rows)
-        self.timeline.enqueue(cost.time_s)
+        if self.step_model is None:
+            self.timeline.enqueue(
+                self.roofline.step(self._query_lens, self._context_lens, num_rows).time_s)
+        else:
+            cost = self.step_model.step(self._query_lens, self._context_lens, num_rows)
+            self.timeline.enqueue(cost.device_s, busy_s=cost.kernel_s)
+            self.timeline.hold_host(cost.host_s)
         return self._logits_row.expand(num_rows, self.vocab_size)

@@ -96,6 +96,9 @@ MODELS = {m.name: m for m in (
                max_position_embeddings=32768),
     ModelShape("Llama-3.2-1B", 2048, 16, 32, 8, 64, 8192, 128256, tie_word_embeddings=True,
                max_position_embeddings=131072),
+    ModelShape("Qwen2.5-0.5B", 896, 24, 14, 2, 64, 4864, 151936, tie_word_embeddings=True,
+               has_qkv_bias=True, max_position_embeddings=32768),
+    ModelShape("SmolLM2-1.7B", 2048, 24, 32, 32, 64, 8192, 49152, tie_word_embeddings=True),
 )}
 
 

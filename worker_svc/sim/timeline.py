@@ -31,7 +31,7 @@ def _tighten_timer_slack() -> None:
 
 @dataclass(frozen=True, slots=True)
 class TimelineStats:
-    busy_s: float  # modelled device time queued so far
+    busy_s: float  # modelled kernel time queued so far
     num_syncs: int
 
 
@@ -39,17 +39,21 @@ class GpuTimeline:
     def __init__(self, time_scale: float = 1.0) -> None:
         self.time_scale = time_scale
         self._busy_until = 0.0  # perf_counter time at which the queued work is done
-        self._busy_s = 0.0
-        self._fenced_s = 0.0  # _busy_s at the last fence
+        self._queued_s = 0.0  # the queued work's time, idle gaps within it included
+        self._busy_s = 0.0  # the part of it spent running kernels
+        self._fenced_s = 0.0  # _queued_s at the last fence
         self._num_syncs = 0
         self._local = threading.local()
         self._last_log = (time.perf_counter(), 0.0)
 
-    def enqueue(self, seconds: float) -> None:
+    def enqueue(self, seconds: float, busy_s: float | None = None) -> None:
+        """Work that keeps the device `seconds`, of which `busy_s` (default: all) running
+        kernels; the rest it waits for the host's launches."""
         seconds *= self.time_scale
         start = max(time.perf_counter(), self._busy_until)
         self._busy_until = start + seconds
-        self._busy_s += seconds
+        self._queued_s += seconds
+        self._busy_s += seconds if busy_s is None else busy_s * self.time_scale
 
     def synchronize(self) -> None:
         self.wait_until(self._busy_until)
@@ -57,18 +61,27 @@ class GpuTimeline:
     def fence(self) -> TimelineFence:
         """The work queued so far; its device_s: the time of what was queued since the fence
         before."""
-        device_s, self._fenced_s = self._busy_s - self._fenced_s, self._busy_s
+        device_s, self._fenced_s = self._queued_s - self._fenced_s, self._queued_s
         return TimelineFence(self, self._busy_until, device_s)
 
     def wait_until(self, done_at: float) -> None:
         """Waits for the work queued up to `done_at` (a fence's)."""
+        self._sleep_until(done_at)
+        self._num_syncs += 1
+        self._log_stats()
+
+    def hold_host(self, seconds: float) -> None:
+        """The calling thread's own modelled work (launching kernels): it sleeps that long, as
+        a host thread busy launching would be unavailable, without using this CPU."""
+        if seconds > 0:
+            self._sleep_until(time.perf_counter() + seconds * self.time_scale)
+
+    def _sleep_until(self, deadline: float) -> None:
         if not getattr(self._local, "is_slack_set", False):
             _tighten_timer_slack()
             self._local.is_slack_set = True
-        while (remaining := done_at - time.perf_counter()) > 0:
+        while (remaining := deadline - time.perf_counter()) > 0:
             time.sleep(remaining)
-        self._num_syncs += 1
-        self._log_stats()
 
     def stats(self) -> TimelineStats:
         return TimelineStats(self._busy_s, self._num_syncs)

@@ -1,5 +1,6 @@
 """The simulated worker (device "sim"): the real Worker with the forward, the sampler and the KV
-cache swapped for models of a named GPU. Its timings are a model, never a measurement: they tell
+cache swapped for models of a named GPU; a step takes the time of the kernels the real model
+code would launch for it (worker_svc/sim/step_model.py). Its timings are a model, never a measurement: they tell
 how the control plane would keep up with that GPU, not how fast the GPU is.
 """
 
@@ -12,6 +13,7 @@ from pagedserve.services.common.config import EngineConfig
 from pagedserve.services.common.errors import ConfigError
 from pagedserve.services.common.step_plan import MemoryProfile, WorkerInfo
 from pagedserve.worker_svc.cache_engine import KVCacheSpec
+from pagedserve.worker_svc.cuda_graphs import capture_batch_sizes
 from pagedserve.worker_svc.loader import eos_token_ids, load_hf_config
 from pagedserve.worker_svc.model_runner import ModelRunner
 from pagedserve.worker_svc.models.registry import resolve_architecture
@@ -20,7 +22,9 @@ from pagedserve.worker_svc.sim.memory import sim_memory_profile
 from pagedserve.worker_svc.sim.model import SimModel
 from pagedserve.worker_svc.sim.roofline import Roofline, resolve_gpu, resolve_model_shape
 from pagedserve.worker_svc.sim.sampler import SimSampler
+from pagedserve.worker_svc.sim.step_model import StepModel, traced_ops
 from pagedserve.worker_svc.sim.timeline import GpuTimeline
+from pagedserve.worker_svc.sim.trace import sim_hf_config
 from pagedserve.worker_svc.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -41,6 +45,7 @@ class SimWorker(Worker):
         device = config.device
         self.timeline = GpuTimeline(device.sim_time_scale)
         self.roofline: Roofline | None = None
+        self.step_model: StepModel | None = None
 
     def load_model(self) -> WorkerInfo:
         """The served folder gives the vocabulary, EOS and length limit (its tokenizer is the
@@ -64,7 +69,16 @@ class SimWorker(Worker):
         vocab_size = int(hf_config.vocab_size)
         eos_ids = eos_token_ids(model_config.model, hf_config)
         sampler = SimSampler(vocab_size, eos_ids, device.sim_eos_probability, model_config.seed)
-        self.runner = ModelRunner(SimModel(self.roofline, self.timeline, vocab_size), sampler,
+        self.step_model = None
+        if device.sim_step_model == "kernels":
+            graph_batch_sizes = (capture_batch_sizes(self.config.scheduler.max_num_seqs)
+                                 if device.enable_cuda_graph else [])
+            ops = traced_ops(sim_hf_config(device.sim_model) if device.sim_model else hf_config,
+                             self.dtype)
+            self.step_model = StepModel(ops, Roofline(shape, gpu, dtype_bytes),
+                                        graph_batch_sizes=graph_batch_sizes)
+        model = SimModel(self.step_model, self.roofline, self.timeline, vocab_size)
+        self.runner = ModelRunner(model, sampler,
                                   vocab_size, self.kv_spec.block_size, max_model_len, self.device,
                                   new_fence=self.timeline.fence)
         architecture = resolve_architecture(getattr(hf_config, "architectures", None) or [])
