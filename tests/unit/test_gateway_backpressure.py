@@ -95,10 +95,12 @@ class ScriptedClient:
 class TwoReplicas:
     """The part of a ReplicaSet a submission uses: `first` until it fails, then `second`."""
 
+    retry_after_s = 2.0
+
     def __init__(self, first: ScriptedClient, second: ScriptedClient) -> None:
         self.replicas = [Replica("a", first), Replica("b", second)]
 
-    async def choose(self, prompt_token_ids, avoid, timeout_s):
+    async def choose(self, prompt_token_ids, avoid, timeout_s, num_failovers=0):
         replica = self.replicas[1] if "a" in avoid else self.replicas[0]
         return replica, Decision(replica.address, "test")
 
