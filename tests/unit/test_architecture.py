@@ -116,3 +116,18 @@ def test_the_offline_engine_imports_no_grpc():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("statement", [
+    "from services.common.sampling_params import SamplingParams",
+    "import scheduler_svc.engine_core",
+    "from worker_svc import worker",
+    "import kernels",
+])
+def test_a_layer_imported_by_its_bare_name_fails_naming_the_right_import(statement):
+    layer = statement.split()[1].split(".")[0]
+    result = subprocess.run([sys.executable, "-c", statement], cwd=REPO, capture_output=True,
+                            text=True)
+    assert result.returncode == 1
+    assert (f"ImportError: {layer} is a layer of pagedserve: import it as pagedserve.{layer}"
+            in result.stderr)
