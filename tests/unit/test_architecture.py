@@ -122,7 +122,7 @@ def test_the_offline_engine_imports_no_grpc():
     "from services.common.sampling_params import SamplingParams",
     "import scheduler_svc.engine_core",
     "from worker_svc import worker",
-    "import kernels",
+    "from kernels import metadata",
 ])
 def test_a_layer_imported_by_its_bare_name_fails_naming_the_right_import(statement):
     layer = statement.split()[1].split(".")[0]
@@ -131,3 +131,16 @@ def test_a_layer_imported_by_its_bare_name_fails_naming_the_right_import(stateme
     assert result.returncode == 1
     assert (f"ImportError: {layer} is a layer of pagedserve: import it as pagedserve.{layer}"
             in result.stderr)
+
+
+def test_the_bare_kernels_name_loads_no_second_copy_and_transformers_still_probes_it():
+    """transformers imports `kernels` (Hugging Face's, which this folder shadows in a checkout)
+    to read its version; the bare name loads empty and only using it fails."""
+    code = ("import transformers, kernels; transformers.LlamaConfig; "
+            "print(getattr(kernels, '__version__', 'N/A'), kernels.__path__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["N/A", "[]"]
+    result = subprocess.run([sys.executable, "-c", "import kernels.metadata"], cwd=REPO,
+                            capture_output=True, text=True)
+    assert "No module named 'kernels.metadata'" in result.stderr
