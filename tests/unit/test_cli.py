@@ -6,7 +6,6 @@ from pagedserve.services.common.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
-    GatewayConfig,
     MetricsConfig,
     ModelConfig,
     SchedulerConfig,
@@ -15,6 +14,7 @@ from pagedserve.services.common.config import (
     from_args,
 )
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.gateway.config import GatewayConfig
 
 import pagedserve.supervisor
 from pagedserve.cli import _sampling, build_parser, main
@@ -53,7 +53,7 @@ class RecordingSupervisor:
     def __init__(self, stop_timeout_s: float) -> None:
         RecordingSupervisor.started = {}
 
-    async def start(self, role, address, argv, restartable=False, tls=None) -> None:
+    async def start(self, role, address, argv, restartable=False, tls=None, secrets=None) -> None:
         self.started.setdefault(role, []).append(list(argv))
 
     async def wait_serving(self, timeout_s: float) -> bool:
