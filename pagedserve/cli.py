@@ -5,8 +5,9 @@
     pagedserve generate "The capital of France is" --max-tokens 32 --temperature 0
     pagedserve chat "What is the capital of France?"      (or no message: an interactive chat)
 
-Service flags are generated from the config dataclasses (services/common/config.py); sampling flags
-from SamplingParams, with vLLM's defaults.
+Service flags are generated from the config dataclasses (services/common/config.py, and the
+gateway's own in services/gateway/config.py); sampling flags from SamplingParams, with vLLM's
+defaults.
 """
 
 from __future__ import annotations
@@ -25,14 +26,7 @@ from typing import TYPE_CHECKING
 
 from pagedserve.log_format import configure_logging
 from pagedserve.services.common.config import (
-    API_KEY_ENV,
-    AdminConfig,
-    ConnectionLimitsConfig,
     EngineConfig,
-    GatewayConfig,
-    HttpConfig,
-    RequestLimitsConfig,
-    RoutingConfig,
     SchedulerServiceConfig,
     ShutdownConfig,
     TracingConfig,
@@ -44,6 +38,15 @@ from pagedserve.services.common.config import (
 from pagedserve.services.common.errors import InvalidRequest, PagedServeError
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.gateway.config import (
+    API_KEY_ENV,
+    AdminConfig,
+    ConnectionLimitsConfig,
+    GatewayConfig,
+    HttpConfig,
+    RequestLimitsConfig,
+    RoutingConfig,
+)
 
 if TYPE_CHECKING:
     from pagedserve.client import Client, Stream

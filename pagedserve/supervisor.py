@@ -29,7 +29,8 @@ from typing import Any
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.certificates import ThrowAwayCertificates
-from pagedserve.services.common.config import ADMIN_TOKEN_ENV, API_KEY_ENV, TlsConfig
+from pagedserve.services.common.config import TlsConfig
+from pagedserve.services.gateway.config import ADMIN_TOKEN_ENV, API_KEY_ENV
 from pagedserve.services.rpc.roles import ROLES
 from pagedserve.services.rpc.tls import internal_aio_channel, is_loopback
 

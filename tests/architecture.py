@@ -13,8 +13,9 @@ is the gateway's) nor the other; kernels/ imports only services/common/.
 The transport-free modules -- all of kernels/, services/common/, services/text/, scheduler_svc/
 and worker_svc/ but for their edge modules, and the gateway's Frontend -- load neither grpc,
 protobuf, prometheus_client nor the rpc layer, directly or through any project module they load
-(imports under `if TYPE_CHECKING:` are not loaded). No function in the layer folders runs over
-MAX_FUNCTION_LINES lines.
+(imports under `if TYPE_CHECKING:` are not loaded). The floor, services/common/, holds what more
+than the gateway uses: a name there that only the gateway (and pagedserve/) imports moves to
+services/gateway/. No function in the layer folders runs over MAX_FUNCTION_LINES lines.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class Module:
     path: Path  # relative to the root
     imports: list[ImportSite]
     functions: list[FunctionSite]
+    definitions: dict[str, tuple[int, set[str]]]  # top-level name -> line, the names it uses
 
     @property
     def layer(self) -> str | None:
@@ -128,10 +130,13 @@ _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 @functools.lru_cache(maxsize=1024)  # the tests check copies of the repository again and again
 def _scan(name: str, is_package: bool,
-          source: str) -> tuple[list[ImportSite], list[FunctionSite]]:
-    """One walk over a module: its imports (names made absolute) and its functions."""
+          source: str) -> tuple[list[ImportSite], list[FunctionSite],
+                                dict[str, tuple[int, set[str]]]]:
+    """One walk over a module: its imports (names made absolute), its functions and its public
+    top-level names."""
     imports, functions = [], []
-    todo: list[tuple[ast.AST, bool, bool]] = [(ast.parse(source, name), False, False)]
+    tree = ast.parse(source, name)
+    todo: list[tuple[ast.AST, bool, bool]] = [(tree, False, False)]
     while todo:
         node, is_type_checking, is_in_function = todo.pop()
         if isinstance(node, ast.Import):
@@ -156,7 +161,18 @@ def _scan(name: str, is_package: bool,
             is_function = is_in_function or isinstance(node, _FUNCTIONS)
             todo.extend((child, is_type_checking, is_function)
                         for child in ast.iter_child_nodes(node))
-    return imports, functions
+    local = {alias.asname or alias.name: f"{node.module}.{alias.name}".removeprefix(ROOT + ".")
+             for node in tree.body if isinstance(node, ast.ImportFrom) and node.module
+             for alias in node.names}
+    definitions = {}
+    for node in tree.body:
+        targets = ([node.name] if isinstance(node, ast.ClassDef | ast.FunctionDef) else
+                   [t.id for t in node.targets if isinstance(t, ast.Name)]
+                   if isinstance(node, ast.Assign) else [])
+        used = {local.get(n.id, f"{name}.{n.id}") for n in ast.walk(node)
+                if isinstance(n, ast.Name)}
+        definitions.update({t: (node.lineno, used) for t in targets})
+    return imports, functions, definitions
 
 
 def _is_wire(name: str) -> bool:
@@ -261,6 +277,33 @@ def _transport_violations(module: Module, graph: ImportGraph, modules: dict[str,
                             "through another module")
 
 
+def _floor_violations(modules: dict[str, Module]) -> Iterator[Violation]:
+    """A name on the floor (services/common/) that the gateway imports, and no other layer but the
+    top one (pagedserve/, which wires every layer) uses, directly or through another name of the
+    floor, is the gateway's own: it belongs there."""
+    floor = {f"{m.name}.{name}": used for m in modules.values() if m.layer == "services.common"
+             for name, (_, used) in m.definitions.items()}
+    users: dict[str, set[str]] = {}
+    for module in modules.values():
+        for _, name in module.imported():
+            users.setdefault(name.removeprefix(ROOT + "."), set()).add(module.layer or "")
+    shared = {name for name in floor if users.get(name, set()) - {ROOT, "", "services.gateway"}}
+    todo = list(shared)
+    while todo:
+        for name in floor.get(todo.pop(), set()):
+            if name in floor and name not in shared:
+                shared.add(name)
+                todo.append(name)
+    for module in modules.values():
+        if module.layer != "services.common":
+            continue
+        for name, (line, _) in module.definitions.items():
+            qualified = f"{module.name}.{name}"
+            if qualified not in shared and "services.gateway" in users.get(qualified, set()):
+                yield Violation(module.path, line, f"defines {name}",
+                                "only the gateway uses it: move it to services/gateway/")
+
+
 def _module(root: Path, path: Path) -> Module:
     rel = path.relative_to(root)
     name = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
@@ -284,6 +327,7 @@ def check(root: Path) -> list[Violation]:
                                                     {v.line for v in layer_violations}))
         if module.layer is not None:
             violations.extend(_function_violations(module))
+    violations.extend(_floor_violations(modules))
     return violations
 
 

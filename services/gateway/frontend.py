@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
-from pagedserve.services.common.config import RequestLimitsConfig
 from pagedserve.services.common.drain_rate import DrainRate
 from pagedserve.services.common.engine_api import AbortRequest
 from pagedserve.services.common.errors import (
@@ -30,6 +29,7 @@ from pagedserve.services.common.errors import (
     Reason,
     Unavailable,
 )
+from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.gateway.delta_buffer import DeltaBuffer
 from pagedserve.services.gateway.failover import ResumableSubmission
 from pagedserve.services.gateway.limits import check_fits_replica, check_request_cost

@@ -19,9 +19,10 @@ import socket
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
-from pagedserve.services.common.config import RoutingConfig, TlsConfig, scheduler_targets
+from pagedserve.services.common.config import TlsConfig
 from pagedserve.services.common.engine_api import AbortRequest, EngineLoad
 from pagedserve.services.common.errors import NotFound, PagedServeError, Reason, Unavailable
+from pagedserve.services.gateway.config import RoutingConfig, scheduler_targets
 from pagedserve.services.gateway.routing import Candidate, Decision, Router
 from pagedserve.services.gateway.scheduler_client import SCHEDULER_RETRY_AFTER_S, SchedulerClient
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2

@@ -95,6 +95,24 @@ def test_a_function_over_60_lines_is_caught(tree, num_lines, is_caught):
     assert all(f"{num_lines} lines" in v.rule for v in violations)
 
 
+def test_a_name_on_the_floor_that_only_the_gateway_uses_is_caught(tree):
+    (tree / "services/common/extra.py").write_text(
+        "from dataclasses import dataclass\n\n\n@dataclass\nclass Part:\n    x: int = 0\n\n\n"
+        "@dataclass\nclass OnlyGatewayConfig:\n    part: Part\n")
+    (tree / "services/gateway/uses_extra.py").write_text(
+        "from pagedserve.services.common.extra import OnlyGatewayConfig, Part\n")
+    (tree / "pagedserve/uses_extra.py").write_text(
+        "from pagedserve.services.common.extra import OnlyGatewayConfig\n")
+    violations = check(tree)
+    assert [(str(v.path), v.line, v.subject) for v in violations] == [
+        ("services/common/extra.py", 5, "defines Part"),
+        ("services/common/extra.py", 10, "defines OnlyGatewayConfig")]
+    assert "only the gateway uses it" in violations[0].rule
+    (tree / "scheduler_svc/uses_extra.py").write_text(
+        "from pagedserve.services.common.extra import OnlyGatewayConfig\n")
+    assert check(tree) == []  # shared now, and so is the Part it holds
+
+
 def test_edge_modules_may_speak_grpc(tree):
     (tree / "scheduler_svc/servicer.py").write_text("import grpc\n")
     (tree / "services/rpc/bad.py").write_text("from pagedserve.services.rpc.v1 import common_pb2\n")

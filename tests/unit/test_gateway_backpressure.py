@@ -8,11 +8,11 @@ import contextlib
 from types import SimpleNamespace
 
 import grpc
-from pagedserve.services.common.config import RequestLimitsConfig
 from pagedserve.services.common.engine_api import PauseRequest
 from pagedserve.services.common.errors import Unavailable
 from pagedserve.services.common.outputs import CompletionOutput, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.gateway.failover import ResumableSubmission
 from pagedserve.services.gateway.replica_set import Replica
 from pagedserve.services.gateway.routing import Decision
