@@ -73,8 +73,8 @@ def peak_gbps(device: torch.device) -> float | None:
 
 def make_decode_step(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     """Cache with every sequence's context in shuffled blocks, and a decode-only metadata."""
-    from pagedserve.kernels.cdiv import cdiv
     from pagedserve.kernels.metadata import AttentionMetadata
+    from pagedserve.services.common.cdiv import cdiv
 
     gen = torch.Generator().manual_seed(args.seed)
     blocks_per_seq = cdiv(args.context_len, args.block_size)

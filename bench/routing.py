@@ -58,15 +58,13 @@ from pagedserve.services.common.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
-    GatewayConfig,
-    HttpConfig,
     ModelConfig,
-    RoutingConfig,
     SchedulerConfig,
     SchedulerServiceConfig,
     WorkerServiceConfig,
 )
 from pagedserve.services.gateway.app import Gateway, start_gateway
+from pagedserve.services.gateway.config import GatewayConfig, HttpConfig, RoutingConfig
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pagedserve.worker_svc.servicer import start_worker
 

@@ -26,7 +26,7 @@ import random
 import statistics
 from collections import OrderedDict
 
-from pagedserve.services.common.config import RoutingConfig
+from pagedserve.services.gateway.config import RoutingConfig
 from pagedserve.services.gateway.prefix_index import chained_block_hashes
 from pagedserve.services.gateway.routing import Candidate, Router
 

@@ -8,8 +8,8 @@
 from __future__ import annotations
 
 import torch
-from pagedserve.kernels.cdiv import cdiv
 from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.services.common.cdiv import cdiv
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

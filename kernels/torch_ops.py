@@ -12,8 +12,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 from pagedserve.kernels import cpu_decode, cpu_linear
-from pagedserve.kernels.cdiv import cdiv
 from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.services.common.cdiv import cdiv
 
 _DERIVED_KEY = "torch"
 

@@ -101,19 +101,26 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         launch()
 
 
-def attention_launches(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                       arch: int | None) -> list[Launch]:
-    """The launches of one paged_attention call into `out`, tuned for compute capability major
-    `arch` (None: the interpreter)."""
+def _check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor) -> None:
     check_cache_pair(k_cache, v_cache)
-    block_size, num_kv_heads, head_size = k_cache.shape[1:]
+    _, num_kv_heads, head_size = k_cache.shape[1:]
     num_heads = query.shape[1]
     _check_rows("query", query, num_heads, head_size)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if query.dtype != k_cache.dtype:
         raise ValueError(f"query dtype {query.dtype} differs from the cache's {k_cache.dtype}")
+
+
+def attention_launches(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                       arch: int | None) -> list[Launch]:
+    """The launches of one paged_attention call into `out`, tuned for compute capability major
+    `arch` (None: the interpreter)."""
+    _check_attention_inputs(query, k_cache, v_cache)
+    block_size, num_kv_heads, head_size = k_cache.shape[1:]
+    num_heads = query.shape[1]
     plan = _launch_plan(meta)
     config = launch_config(arch, head_size)
     group = num_heads // num_kv_heads

@@ -5,8 +5,9 @@
     pagedserve generate "The capital of France is" --max-tokens 32 --temperature 0
     pagedserve chat "What is the capital of France?"      (or no message: an interactive chat)
 
-Service flags are generated from the config dataclasses (services/common/config.py); sampling flags
-from SamplingParams, with vLLM's defaults.
+Service flags are generated from the config dataclasses (services/common/config.py, and the
+gateway's own in services/gateway/config.py); sampling flags from SamplingParams, with vLLM's
+defaults.
 """
 
 from __future__ import annotations
@@ -19,18 +20,13 @@ import logging
 import os
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagedserve.log_format import configure_logging
 from pagedserve.services.common.config import (
-    API_KEY_ENV,
-    AdminConfig,
-    ConnectionLimitsConfig,
     EngineConfig,
-    GatewayConfig,
-    HttpConfig,
-    RequestLimitsConfig,
     SchedulerServiceConfig,
     ShutdownConfig,
     TracingConfig,
@@ -42,6 +38,15 @@ from pagedserve.services.common.config import (
 from pagedserve.services.common.errors import InvalidRequest, PagedServeError
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.gateway.config import (
+    API_KEY_ENV,
+    AdminConfig,
+    ConnectionLimitsConfig,
+    GatewayConfig,
+    HttpConfig,
+    RequestLimitsConfig,
+    RoutingConfig,
+)
 
 if TYPE_CHECKING:
     from pagedserve.client import Client, Stream
@@ -68,7 +73,8 @@ def _serve(args: argparse.Namespace) -> int:
                                    from_args(RequestLimitsConfig, args), from_args(HttpConfig, args),
                                    admin=from_args(AdminConfig, args),
                                    data_parallel_size=args.data_parallel_size,
-                                   connections=from_args(ConnectionLimitsConfig, args)))
+                                   connections=from_args(ConnectionLimitsConfig, args),
+                                   routing=from_args(RoutingConfig, args)))
 
 
 def _setup_tracing(tracing: TracingConfig, service: str) -> None:
@@ -223,7 +229,22 @@ def build_parser() -> argparse.ArgumentParser:
                              "inside a traced request (default: text)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_parser = functools.partial(commands.add_parser, parents=[common])
+    _add_serve(add_parser)
+    for name, config_cls, run, help_text in (
+            ("worker", WorkerServiceConfig, _worker, "the Worker service: one model replica"),
+            ("scheduler", SchedulerServiceConfig, _scheduler,
+             "the Scheduler service: the engine loop over its workers"),
+            ("gateway", GatewayConfig, _gateway, "the public Generation and Models services")):
+        command = add_parser(name, help=help_text)
+        if name != "gateway":
+            add_arguments(command, EngineConfig)
+        add_arguments(command, config_cls)
+        command.set_defaults(run=run)
+    _add_client_commands(add_parser)
+    return parser
 
+
+def _add_serve(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     serve = add_parser(
         "serve", help="worker, scheduler and gateway on this machine (Ctrl-C stops all three)")
     add_arguments(serve, EngineConfig)
@@ -233,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve, HttpConfig)
     add_arguments(serve, ConnectionLimitsConfig)
     add_arguments(serve, AdminConfig)
+    add_arguments(serve, RoutingConfig)
     gateway = GatewayConfig()
     serve.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     serve.add_argument("--port", type=int, default=gateway.port,
@@ -257,17 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "made for this run (default: on)")
     serve.set_defaults(run=_serve)
 
-    for name, config_cls, run, help_text in (
-            ("worker", WorkerServiceConfig, _worker, "the Worker service: one model replica"),
-            ("scheduler", SchedulerServiceConfig, _scheduler,
-             "the Scheduler service: the engine loop over its workers"),
-            ("gateway", GatewayConfig, _gateway, "the public Generation and Models services")):
-        command = add_parser(name, help=help_text)
-        if name != "gateway":
-            add_arguments(command, EngineConfig)
-        add_arguments(command, config_cls)
-        command.set_defaults(run=run)
 
+def _add_client_commands(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
+    gateway = GatewayConfig()
     generate = add_parser("generate", help="stream a completion of a prompt to stdout")
     generate.add_argument("prompt", nargs="?", help="the prompt text; '-' or none = stdin")
     generate.set_defaults(run=_generate)
@@ -288,7 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--api-key", default="", help="for a gateway started with an API "
                              f"key; empty = ${API_KEY_ENV}, else none")
         _add_sampling_arguments(command)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,14 +22,15 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.certificates import ThrowAwayCertificates
-from pagedserve.services.common.config import ADMIN_TOKEN_ENV, API_KEY_ENV, TlsConfig
+from pagedserve.services.common.config import TlsConfig
+from pagedserve.services.gateway.config import ADMIN_TOKEN_ENV, API_KEY_ENV
 from pagedserve.services.rpc.roles import ROLES
 from pagedserve.services.rpc.tls import internal_aio_channel, is_loopback
 
@@ -264,7 +265,7 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
                       tracing: Any = None, internal_tls: bool = True, metrics_port: int = -1,
                       log_format: str = "text", limits: Any = None, http: Any = None,
                       data_parallel_size: int = 1, admin: Any = None,
-                      connections: Any = None) -> int:
+                      connections: Any = None, routing: Any = None) -> int:
     """Run the stack until Ctrl-C or SIGTERM (0), or until a child keeps dying (1).
     `data_parallel_size` replicas, each a scheduler and tensor_parallel_size workers: replica r's
     scheduler listens on scheduler_port + r and its rank-0 worker on worker_port + r (free ports
@@ -272,16 +273,69 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     they all talk mutual TLS with certificates of one throw-away CA, removed when the stack
     stops. `metrics_port` P serves /metrics on P (gateway), then per replica r, with
     S = P + 1 + r * (1 + tensor_parallel_size): S (scheduler) and S + 1 + rank (workers); 0 on
-    free ports each; -1 not at all. `limits`: the gateway's RequestLimitsConfig. `http` is the
-    gateway's HttpConfig; an API key in it reaches the gateway through its environment, never
-    its command line; so does `admin`'s token (an AdminConfig). Neither, nor the same variables
-    of our own environment, reach the schedulers and workers. `connections`: the gateway's
-    ConnectionLimitsConfig."""
+    free ports each; -1 not at all. `limits`: the gateway's RequestLimitsConfig, `routing` its
+    RoutingConfig, `connections` its ConnectionLimitsConfig. `http` is the gateway's HttpConfig;
+    an API key in it reaches the gateway through its environment, never its command line; so
+    does `admin`'s token (an AdminConfig). Neither, nor the same variables of our own
+    environment, reach the schedulers and workers."""
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
     connect = _connect_host(host)
-    num_ranks = config.parallel.tensor_parallel_size
     port = port or free_port(host)
+    http_argv, http_url, gateway_secrets = _http_argv(http, admin, host, connect)
+    drain = ["--drain-timeout-s", str(drain_timeout_s), "--log-format", log_format,
+             *(config_to_argv(tracing) if tracing is not None else [])]
+    certificates = ThrowAwayCertificates(ROLES, [connect]) if internal_tls else None
+
+    def service_argv(role: str, metrics_offset: int) -> list[str]:
+        return [*drain, *_tls_argv(certificates, role), *_metrics_argv(metrics_port,
+                                                                       metrics_offset)]
+
+    watch_tls = None if certificates is None else certificates.tls("supervisor")
+    logger.info("internal services: %s", "mutual TLS (a throw-away CA)" if internal_tls
+                else "plaintext on loopback only" if is_loopback(host) else f"plaintext on {host}")
+    supervisor = Supervisor(stop_timeout_s=drain_timeout_s + 10.0)
+    try:
+        scheduler_addresses = [
+            await _start_replica(supervisor, replica, config, host, scheduler_port, worker_port,
+                                 startup_timeout_s, service_argv, watch_tls)
+            for replica in range(data_parallel_size)]
+        await supervisor.start("gateway", f"{connect}:{port}", [
+            *service_argv("gateway", 0), "--host", host, "--port", str(port),
+            "--scheduler-address", ",".join(scheduler_addresses),
+            "--tokenizer", config.model.tokenizer_path,
+            *(config_to_argv(limits) if limits is not None else []),
+            *(config_to_argv(routing) if routing is not None else []), *http_argv,
+            *(config_to_argv(connections) if connections is not None else [])],
+            restartable=True, secrets=gateway_secrets)
+        if not await supervisor.wait_serving(startup_timeout_s):
+            return 0
+        _print_serving(config.model.model, f"{connect}:{port}", http_url, data_parallel_size)
+        return await supervisor.run_until_stopped()
+    except (RuntimeError, TimeoutError) as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        await supervisor.stop()
+        if certificates is not None:
+            certificates.remove()
+
+
+def _metrics_argv(metrics_port: int, offset: int) -> list[str]:
+    if metrics_port < 0:
+        return []
+    return ["--metrics-port", str(metrics_port + offset if metrics_port else 0)]
+
+
+def _tls_argv(certificates: ThrowAwayCertificates | None, role: str) -> list[str]:
+    return [] if certificates is None else [
+        "--internal-tls-dir", certificates.tls(role).internal_tls_dir]
+
+
+def _http_argv(http: Any, admin: Any, host: str, connect: str
+               ) -> tuple[list[str], str | None, dict[str, str]]:
+    """The gateway's HTTP and admin flags, the HTTP API's URL (None: no HTTP API) and the
+    secrets only the gateway's environment gets."""
     http_argv: list[str] = []
     http_url = None
     gateway_secrets = {name: os.environ[name] for name in GATEWAY_SECRETS if os.environ.get(name)}
@@ -295,69 +349,40 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
         if admin.admin_token:
             gateway_secrets[ADMIN_TOKEN_ENV] = admin.admin_token
         http_argv += config_to_argv(dataclasses.replace(admin, admin_token=""))
-    drain = ["--drain-timeout-s", str(drain_timeout_s), "--log-format", log_format,
-             *(config_to_argv(tracing) if tracing is not None else [])]
+    return http_argv, http_url, gateway_secrets
 
-    def metrics_argv(offset: int) -> list[str]:
-        if metrics_port < 0:
-            return []
-        return ["--metrics-port", str(metrics_port + offset if metrics_port else 0)]
 
-    certificates = (ThrowAwayCertificates(ROLES,
-                                          [connect]) if internal_tls else None)
+async def _start_replica(supervisor: Supervisor, replica: int, config: Any, host: str,
+                         scheduler_port: int, worker_port: int, startup_timeout_s: float,
+                         service_argv: Callable[[str, int], list[str]], watch_tls: TlsConfig | None) -> str:
+    """Replica `replica`'s workers, then its scheduler; the scheduler's address."""
+    connect = _connect_host(host)
+    num_ranks = config.parallel.tensor_parallel_size
+    worker_ports = [replica_port(worker_port, replica, host)] + [
+        free_port(host) for _ in range(num_ranks - 1)]
+    worker_addresses = [f"{connect}:{p}" for p in worker_ports]
+    scheduler_replica_port = replica_port(scheduler_port, replica, host)
+    engine_argv = config_to_argv(with_loopback_rendezvous(config) if num_ranks > 1 else config)
+    metrics_offset = 1 + replica * (1 + num_ranks)
+    for rank, (address, p) in enumerate(zip(worker_addresses, worker_ports, strict=True)):
+        await supervisor.start("worker", address, [
+            *engine_argv, *service_argv("worker", metrics_offset + 1 + rank),
+            "--host", host, "--port", str(p), "--rank", str(rank)],
+            restartable=True, tls=watch_tls)
+    scheduler_address = f"{connect}:{scheduler_replica_port}"
+    await supervisor.start("scheduler", scheduler_address, [
+        *engine_argv, *service_argv("scheduler", metrics_offset),
+        "--host", host, "--port", str(scheduler_replica_port),
+        "--worker-addresses", *worker_addresses,
+        "--startup-timeout-s", str(startup_timeout_s)], restartable=True, tls=watch_tls)
+    return scheduler_address
 
-    def tls_argv(role: str) -> list[str]:
-        return [] if certificates is None else [
-            "--internal-tls-dir", certificates.tls(role).internal_tls_dir]
 
-    watch_tls = None if certificates is None else certificates.tls("supervisor")
-    logger.info("internal services: %s", "mutual TLS (a throw-away CA)" if internal_tls
-                else "plaintext on loopback only" if is_loopback(host) else f"plaintext on {host}")
-    supervisor = Supervisor(stop_timeout_s=drain_timeout_s + 10.0)
-    scheduler_addresses = []
-    try:
-        for replica in range(data_parallel_size):
-            worker_ports = [replica_port(worker_port, replica, host)] + [
-                free_port(host) for _ in range(num_ranks - 1)]
-            worker_addresses = [f"{connect}:{p}" for p in worker_ports]
-            scheduler_replica_port = replica_port(scheduler_port, replica, host)
-            engine_argv = config_to_argv(with_loopback_rendezvous(config) if num_ranks > 1
-                                         else config)
-            metrics_offset = 1 + replica * (1 + num_ranks)
-            for rank, (address, p) in enumerate(zip(worker_addresses, worker_ports,
-                                                    strict=True)):
-                await supervisor.start("worker", address, [
-                    *engine_argv, *drain, *tls_argv("worker"),
-                    *metrics_argv(metrics_offset + 1 + rank), "--host", host, "--port", str(p),
-                    "--rank", str(rank)], restartable=True, tls=watch_tls)
-            scheduler_addresses.append(f"{connect}:{scheduler_replica_port}")
-            await supervisor.start("scheduler", scheduler_addresses[-1], [
-                *engine_argv, *drain, *tls_argv("scheduler"), *metrics_argv(metrics_offset),
-                "--host", host, "--port", str(scheduler_replica_port),
-                "--worker-addresses", *worker_addresses,
-                "--startup-timeout-s", str(startup_timeout_s)], restartable=True, tls=watch_tls)
-        await supervisor.start("gateway", f"{connect}:{port}", [
-            *drain, *tls_argv("gateway"), *metrics_argv(0), "--host", host, "--port", str(port),
-            "--scheduler-address", ",".join(scheduler_addresses),
-            "--tokenizer", config.model.tokenizer_path,
-            *(config_to_argv(limits) if limits is not None else []), *http_argv,
-            *(config_to_argv(connections) if connections is not None else [])],
-            restartable=True, secrets=gateway_secrets)
-        if not await supervisor.wait_serving(startup_timeout_s):
-            return 0
-        address = f"{connect}:{port}"
-        replicas = f" ({data_parallel_size} replicas)" if data_parallel_size > 1 else ""
-        print(f"\npagedserve is serving {config.model.model}{replicas} on {address}\n",
-              flush=True)
-        if http_url is not None:
-            print(f"OpenAI-compatible HTTP API on {http_url}/v1\n", flush=True)
-        print("Try:\n  " + "\n  ".join(example_commands(address, http_url)), flush=True)
-        print("\nCtrl-C stops it.\n", flush=True)
-        return await supervisor.run_until_stopped()
-    except (RuntimeError, TimeoutError) as e:
-        logger.error("%s", e)
-        return 1
-    finally:
-        await supervisor.stop()
-        if certificates is not None:
-            certificates.remove()
+def _print_serving(model: str, address: str, http_url: str | None,
+                   data_parallel_size: int) -> None:
+    replicas = f" ({data_parallel_size} replicas)" if data_parallel_size > 1 else ""
+    print(f"\npagedserve is serving {model}{replicas} on {address}\n", flush=True)
+    if http_url is not None:
+        print(f"OpenAI-compatible HTTP API on {http_url}/v1\n", flush=True)
+    print("Try:\n  " + "\n  ".join(example_commands(address, http_url)), flush=True)
+    print("\nCtrl-C stops it.\n", flush=True)

@@ -12,7 +12,6 @@ import enum
 import logging
 from dataclasses import dataclass, field
 
-from pagedserve.kernels.cdiv import cdiv
 from pagedserve.scheduler_svc.block_pool import BlockPool, Device
 from pagedserve.scheduler_svc.prefix_cache import (
     BlockHash,
@@ -20,6 +19,7 @@ from pagedserve.scheduler_svc.prefix_cache import (
     hash_block_tokens,
     hash_prompt_blocks,
 )
+from pagedserve.services.common.cdiv import cdiv
 
 logger = logging.getLogger(__name__)
 

@@ -105,34 +105,9 @@ class EngineCore:
         self._pool = ThreadPoolExecutor(len(workers)) if len(workers) > 1 else None
         self.scheduler_epoch = (time.time_ns() // 1000 if scheduler_epoch is None
                                 else scheduler_epoch)
-
-        infos = self._on_all_workers(lambda w: w.load_model())
-        if [info.rank for info in infos] != list(range(len(infos))):
-            raise ConfigError(f"the workers report ranks {[info.rank for info in infos]}; list "
-                              "them in rank order (0, 1, ...)")
-        self.worker_info = infos[0]
-        self.max_model_len = min(info.max_model_len for info in infos)
-        if config.model.max_model_len:
-            self.max_model_len = min(self.max_model_len, config.model.max_model_len)
-        self.vocab_size = self.worker_info.vocab_size
-        self.eos_token_ids = list(self.worker_info.eos_token_ids)
-
-        profiles = self._on_all_workers(lambda w: w.profile_memory())
+        self._load_model()
+        self._allocate_cache()
         cache = config.cache
-        self.num_gpu_blocks = cache.num_gpu_blocks_override or min(
-            p.num_gpu_blocks for p in profiles)
-        self.num_cpu_blocks = (cache.num_cpu_blocks_override if cache.num_cpu_blocks_override >= 0
-                               else min(p.num_cpu_blocks for p in profiles))
-        if self.num_gpu_blocks < 1:
-            raise ConfigError(f"no room for KV-cache blocks on the device "
-                              f"(num_gpu_blocks={self.num_gpu_blocks}); lower the model size or "
-                              f"raise gpu_memory_utilization / kv_cache_memory_gib")
-        self._on_all_workers(lambda w: w.init_cache(self.num_gpu_blocks, self.num_cpu_blocks,
-                                                    self.scheduler_epoch))
-        self._on_all_workers(lambda w: w.warm_up())
-        logger.info("engine ready: %d GPU blocks, %d CPU blocks of %d tokens, max_model_len=%d",
-                    self.num_gpu_blocks, self.num_cpu_blocks, cache.block_size, self.max_model_len)
-
         self.block_manager = BlockManager(cache.block_size, self.num_gpu_blocks,
                                           self.num_cpu_blocks, config.scheduler.watermark,
                                           cache.enable_prefix_caching)
@@ -156,6 +131,36 @@ class EngineCore:
         self.stat_loggers: list[StatLogger] = []
         self._totals = StepTotals()
         self._drain_rate = DrainRate()  # finished requests: a full queue's Retry-After
+
+    def _load_model(self) -> None:
+        infos = self._on_all_workers(lambda w: w.load_model())
+        if [info.rank for info in infos] != list(range(len(infos))):
+            raise ConfigError(f"the workers report ranks {[info.rank for info in infos]}; list "
+                              "them in rank order (0, 1, ...)")
+        self.worker_info = infos[0]
+        self.max_model_len = min(info.max_model_len for info in infos)
+        if self.config.model.max_model_len:
+            self.max_model_len = min(self.max_model_len, self.config.model.max_model_len)
+        self.vocab_size = self.worker_info.vocab_size
+        self.eos_token_ids = list(self.worker_info.eos_token_ids)
+
+    def _allocate_cache(self) -> None:
+        """As many blocks as the tightest worker has room for, then each worker's warm-up."""
+        profiles = self._on_all_workers(lambda w: w.profile_memory())
+        cache = self.config.cache
+        self.num_gpu_blocks = cache.num_gpu_blocks_override or min(
+            p.num_gpu_blocks for p in profiles)
+        self.num_cpu_blocks = (cache.num_cpu_blocks_override if cache.num_cpu_blocks_override >= 0
+                               else min(p.num_cpu_blocks for p in profiles))
+        if self.num_gpu_blocks < 1:
+            raise ConfigError(f"no room for KV-cache blocks on the device "
+                              f"(num_gpu_blocks={self.num_gpu_blocks}); lower the model size or "
+                              f"raise gpu_memory_utilization / kv_cache_memory_gib")
+        self._on_all_workers(lambda w: w.init_cache(self.num_gpu_blocks, self.num_cpu_blocks,
+                                                    self.scheduler_epoch))
+        self._on_all_workers(lambda w: w.warm_up())
+        logger.info("engine ready: %d GPU blocks, %d CPU blocks of %d tokens, max_model_len=%d",
+                    self.num_gpu_blocks, self.num_cpu_blocks, cache.block_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedserve.kernels.cdiv import cdiv
+from pagedserve.services.common.cdiv import cdiv
 from pagedserve.services.common.engine_api import MAX_REQUEST_ID_CHARS, PRIORITY_RANGE
 from pagedserve.services.common.errors import FieldViolation, InvalidRequest, Overloaded, Reason
 from pagedserve.services.common.sampling_params import SamplingParams

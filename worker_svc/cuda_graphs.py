@@ -21,8 +21,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from pagedserve.kernels.cdiv import cdiv
 from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.services.common.cdiv import cdiv
 from pagedserve.worker_svc.cache_engine import KVCacheSpec, allocate_kv_caches
 from pagedserve.worker_svc.model_input import ModelInput
 from torch import nn

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from pagedserve.kernels.cdiv import cdiv
 from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.services.common.cdiv import cdiv
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 
 
@@ -56,29 +56,10 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
     query_start_loc = np.zeros(num_seqs + 1, np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
-
-    input_ids = np.empty(num_tokens, np.int64)
-    drawn_rows = []
-    for seq, start, end in zip(seqs, query_start_loc[:-1].tolist(),
-                               query_start_loc[1:].tolist(), strict=True):
-        nc = seq.num_computed_tokens
-        known = seq.token_ids[nc:nc + end - start]
-        if len(known) < end - start:
-            if len(known) + 1 < end - start or drawn is None or seq.seq_id not in drawn:
-                raise ValueError(f"seq {seq.seq_id}: its token {nc + len(known)} is neither "
-                                 "known nor being drawn")
-            drawn_rows.append((end - 1, drawn[seq.seq_id]))
-            end -= 1
-            input_ids[end] = 0
-        input_ids[start:end] = known
-
+    input_ids, drawn_rows = _input_ids(seqs, query_start_loc, drawn)
     seq_index = np.repeat(np.arange(num_seqs), query_lens)  # [num_tokens]
     positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - context_lens, query_lens)
-
-    num_blocks = cdiv(seq_lens, block_size)  # [num_seqs]
-    block_tables = np.zeros((num_seqs, int(num_blocks.max(initial=0))), np.int32)
-    for i, (seq, n) in enumerate(zip(seqs, num_blocks.tolist(), strict=True)):
-        block_tables[i, :n] = seq.block_table[:n]
+    block_tables = _block_tables(seqs, seq_lens, block_size)
     slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
 
@@ -100,6 +81,51 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
 
     sample_rows = [i for i, s in enumerate(seqs) if s.is_sampling]
     logits_indices = [int(query_start_loc[i + 1]) - 1 for i in sample_rows]
+    spans = _prompt_logprob_spans(seqs, query_start_loc, logits_indices)
+    return ModelInput(
+        input_ids=_to_device(input_ids, device),
+        positions=_to_device(positions, device),
+        meta=meta,
+        logits_indices=_to_device(np.asarray(logits_indices, np.int64), device),
+        sample_seqs=[seqs[i] for i in sample_rows],
+        prompt_logprob_spans=spans,
+        drawn_rows=drawn_rows,
+    )
+
+
+def _input_ids(seqs: list[CachedSequence], query_start_loc: np.ndarray,
+               drawn: dict[int, int] | None) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """[num_tokens] token ids, and the rows of tokens still being drawn (left 0)."""
+    input_ids = np.empty(int(query_start_loc[-1]), np.int64)
+    drawn_rows = []
+    for seq, start, end in zip(seqs, query_start_loc[:-1].tolist(),
+                               query_start_loc[1:].tolist(), strict=True):
+        nc = seq.num_computed_tokens
+        known = seq.token_ids[nc:nc + end - start]
+        if len(known) < end - start:
+            if len(known) + 1 < end - start or drawn is None or seq.seq_id not in drawn:
+                raise ValueError(f"seq {seq.seq_id}: its token {nc + len(known)} is neither "
+                                 "known nor being drawn")
+            drawn_rows.append((end - 1, drawn[seq.seq_id]))
+            end -= 1
+            input_ids[end] = 0
+        input_ids[start:end] = known
+    return input_ids, drawn_rows
+
+
+def _block_tables(seqs: list[CachedSequence], seq_lens: np.ndarray,
+                  block_size: int) -> np.ndarray:
+    """[num_seqs, max blocks of a sequence] int32, padded with 0."""
+    num_blocks = cdiv(seq_lens, block_size)  # [num_seqs]
+    block_tables = np.zeros((len(seqs), int(num_blocks.max(initial=0))), np.int32)
+    for i, (seq, n) in enumerate(zip(seqs, num_blocks.tolist(), strict=True)):
+        block_tables[i, :n] = seq.block_table[:n]
+    return block_tables
+
+
+def _prompt_logprob_spans(seqs: list[CachedSequence], query_start_loc: np.ndarray,
+                          logits_indices: list[int]) -> list[PromptLogprobSpan]:
+    """Appends the prompt-logprob rows to logits_indices, one span per sequence that wants them."""
     spans = []
     for i, seq in enumerate(seqs):
         if not seq.wants_prompt_logprobs:
@@ -111,13 +137,4 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
                                        seq.token_ids[nc + 1:nc + 1 + count]))
         row = int(query_start_loc[i])
         logits_indices.extend(range(row, row + count))
-
-    return ModelInput(
-        input_ids=_to_device(input_ids, device),
-        positions=_to_device(positions, device),
-        meta=meta,
-        logits_indices=_to_device(np.asarray(logits_indices, np.int64), device),
-        sample_seqs=[seqs[i] for i in sample_rows],
-        prompt_logprob_spans=spans,
-        drawn_rows=drawn_rows,
-    )
+    return spans

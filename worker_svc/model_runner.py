@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 
 import torch
-from pagedserve.kernels.cdiv import cdiv
+from pagedserve.services.common.cdiv import cdiv
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import SampledSequence, StepOutput, StepPlan, StepTimings
 from pagedserve.worker_svc.cache_engine import CacheEngine

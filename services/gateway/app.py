@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.services.common.config import GatewayConfig
 from pagedserve.services.common.gc_tuning import tune_gc_after_startup
+from pagedserve.services.gateway.config import GatewayConfig
 from pagedserve.services.gateway.convert import model_info_from_served_model
 from pagedserve.services.gateway.frontend import Admission, Frontend
 from pagedserve.services.gateway.metrics import GatewayMetrics

@@ -19,15 +19,16 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from pagedserve.services.common.engine_api import PauseRequest, ResumedOutput
 from pagedserve.services.common.errors import PagedServeError, Reason, Unavailable
 from pagedserve.services.common.outputs import RequestOutput
-from pagedserve.services.gateway.metrics import GatewayMetrics
-from pagedserve.services.gateway.replica_set import Replica, ReplicaSet
-from pagedserve.services.gateway.scheduler_client import SCHEDULER_RETRY_AFTER_S
 from pagedserve.services.gateway.validation import PreparedRequest
-from pagedserve.services.rpc.tracing import set_routing_decision
+
+if TYPE_CHECKING:  # the transport: passed in, never loaded here
+    from pagedserve.services.gateway.metrics import GatewayMetrics
+    from pagedserve.services.gateway.replica_set import Replica, ReplicaSet
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,7 @@ class ResumableSubmission:
         while True:
             resumed = self._resumed_outputs()
             replica, decision = await self._replicas.choose(
-                self._request.prompt_token_ids, avoid, self._timeout_s)
-            set_routing_decision(decision.address, decision.reason, self.num_failovers)
+                self._request.prompt_token_ids, avoid, self._timeout_s, self.num_failovers)
             if self._metrics is not None:
                 self._metrics.on_routed(decision.address, decision.reason)
             try:
@@ -89,7 +89,7 @@ class ResumableSubmission:
                 raise Unavailable(f"request {self._request.request_id!r} failed over "
                                   f"{MAX_FAILOVERS} times; the last replica, {replica.address}, "
                                   f"failed with: {error}", reason=Reason.SCHEDULER_UNAVAILABLE,
-                                  retry_after_s=SCHEDULER_RETRY_AFTER_S) from error
+                                  retry_after_s=self._replicas.retry_after_s) from error
             logger.warning("request %s: replica %s failed (%s); failing over (%d of %d)",
                            self._request.request_id, replica.address, error,
                            self.num_failovers, MAX_FAILOVERS)
@@ -145,13 +145,13 @@ class ResumableSubmission:
                 f"request {self._request.request_id!r} lost its replica after its outputs "
                 "were sent; beam search and best_of > n outputs are final only at the end, so "
                 "they cannot be resumed", reason=Reason.SCHEDULER_UNAVAILABLE,
-                retry_after_s=SCHEDULER_RETRY_AFTER_S)
+                retry_after_s=self._replicas.retry_after_s)
         unfinished = [i for i in range(sampling.n)
                       if not self._is_finished[i] and not self._is_stopped(i)]
         if not unfinished or any(not self._token_ids[i] for i in unfinished):
             raise Unavailable(f"request {self._request.request_id!r} lost its replica before "
                               "every output had a token; it cannot be resumed",
                               reason=Reason.SCHEDULER_UNAVAILABLE,
-                              retry_after_s=SCHEDULER_RETRY_AFTER_S)
+                              retry_after_s=self._replicas.retry_after_s)
         self._logprob_base = list(self._cumulative_logprob)
         return [ResumedOutput(i, list(self._token_ids[i])) for i in unfinished]

@@ -18,8 +18,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor
+from typing import TYPE_CHECKING
 
-from pagedserve.services.common.config import RequestLimitsConfig
 from pagedserve.services.common.drain_rate import DrainRate
 from pagedserve.services.common.engine_api import AbortRequest
 from pagedserve.services.common.errors import (
@@ -29,12 +29,11 @@ from pagedserve.services.common.errors import (
     Reason,
     Unavailable,
 )
+from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.gateway.delta_buffer import DeltaBuffer
 from pagedserve.services.gateway.failover import ResumableSubmission
 from pagedserve.services.gateway.limits import check_fits_replica, check_request_cost
-from pagedserve.services.gateway.metrics import GatewayMetrics, RequestTimer
 from pagedserve.services.gateway.ownership import ANONYMOUS, Caller, Ownership
-from pagedserve.services.gateway.replica_set import ReplicaSet
 from pagedserve.services.gateway.validation import (
     GenerateInput,
     ModelInfo,
@@ -45,6 +44,10 @@ from pagedserve.services.gateway.validation import (
 )
 from pagedserve.services.text.text_stream import StreamDelta, TextStream
 from pagedserve.services.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the transport: passed in, never loaded here
+    from pagedserve.services.gateway.metrics import GatewayMetrics, RequestTimer
+    from pagedserve.services.gateway.replica_set import ReplicaSet
 
 logger = logging.getLogger(__name__)
 

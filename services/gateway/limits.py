@@ -3,9 +3,9 @@ request cannot make the gateway, or the replica behind it, do unbounded work."""
 
 from __future__ import annotations
 
-from pagedserve.services.common.config import RequestLimitsConfig
 from pagedserve.services.common.errors import FieldViolation, InvalidRequest, Reason
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.gateway.validation import (
     GenerateInput,
     ModelInfo,

@@ -19,12 +19,14 @@ import socket
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
-from pagedserve.services.common.config import RoutingConfig, TlsConfig, scheduler_targets
+from pagedserve.services.common.config import TlsConfig
 from pagedserve.services.common.engine_api import AbortRequest, EngineLoad
 from pagedserve.services.common.errors import NotFound, PagedServeError, Reason, Unavailable
+from pagedserve.services.gateway.config import RoutingConfig, scheduler_targets
 from pagedserve.services.gateway.routing import Candidate, Decision, Router
 from pagedserve.services.gateway.scheduler_client import SCHEDULER_RETRY_AFTER_S, SchedulerClient
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2
+from pagedserve.services.rpc.tracing import set_routing_decision
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ Resolver = Callable[[str], Awaitable[dict[str, str]]]
 
 
 class ReplicaSet:
+    retry_after_s = SCHEDULER_RETRY_AFTER_S  # what a client is told when no replica serves
+
     def __init__(self, scheduler_address: str, config: RoutingConfig, rpc_timeout_s: float,
                  tls: TlsConfig | None = None, resolve: Resolver | None = None) -> None:
         """`resolve`: target -> {address: server name} (default: DNS, see resolve_target)."""
@@ -104,10 +108,10 @@ class ReplicaSet:
         for address in [a for a in self.replicas if a not in wanted]:
             self._remove(self.replicas.pop(address))
 
-    async def choose(self, prompt_token_ids: list[int], avoid: set[str],
-                     timeout_s: float) -> tuple[Replica, Decision]:
+    async def choose(self, prompt_token_ids: list[int], avoid: set[str], timeout_s: float,
+                     num_failovers: int = 0) -> tuple[Replica, Decision]:
         """A serving replica, not one of `avoid` while another serves; waits at most timeout_s
-        for one (Unavailable after)."""
+        for one (Unavailable after). The decision goes on the request's span."""
         try:
             async with asyncio.timeout(timeout_s):
                 while not (serving := self.serving()):
@@ -123,6 +127,7 @@ class ReplicaSet:
                        r.served.num_gpu_blocks if r.served is not None else 0)
              for r in candidates], prompt_token_ids,
             self.block_size)
+        set_routing_decision(decision.address, decision.reason, num_failovers)
         return self.replicas[decision.address], decision
 
     @contextlib.contextmanager

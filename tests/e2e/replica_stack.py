@@ -10,13 +10,12 @@ import grpc
 from pagedserve.scheduler_svc.servicer import SchedulerServicer, start_scheduler, stop_scheduler
 from pagedserve.services.common.config import (
     EngineConfig,
-    GatewayConfig,
-    HttpConfig,
     SchedulerServiceConfig,
     TlsConfig,
     WorkerServiceConfig,
 )
 from pagedserve.services.gateway.app import Gateway, start_gateway
+from pagedserve.services.gateway.config import GatewayConfig, HttpConfig
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.server import ServiceServer
 from pagedserve.worker_svc.servicer import WorkerServicer, start_worker

@@ -11,8 +11,6 @@ from pagedserve.services.common.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
-    GatewayConfig,
-    HttpConfig,
     MetricsConfig,
     ModelConfig,
     SchedulerServiceConfig,
@@ -20,6 +18,7 @@ from pagedserve.services.common.config import (
     WorkerServiceConfig,
 )
 from pagedserve.services.gateway.app import Gateway, start_gateway
+from pagedserve.services.gateway.config import GatewayConfig, HttpConfig
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.server import ServiceServer
 from pagedserve.services.rpc.tls import internal_channel

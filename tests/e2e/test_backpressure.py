@@ -11,11 +11,8 @@ import socket
 
 import grpc
 import pytest
-from pagedserve.services.common.config import (
-    CacheConfig,
-    ConnectionLimitsConfig,
-    RequestLimitsConfig,
-)
+from pagedserve.services.common.config import CacheConfig
+from pagedserve.services.gateway.config import ConnectionLimitsConfig, RequestLimitsConfig
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from tests.e2e.stack import assert_idle, start_stack, tiny_config

@@ -8,7 +8,7 @@ import time
 
 import grpc
 import pytest
-from pagedserve.services.common.config import AdminConfig
+from pagedserve.services.gateway.config import AdminConfig
 from pagedserve.services.rpc.internal.v1 import common_pb2 as internal_common_pb2
 from pagedserve.services.rpc.internal.v1 import (
     scheduler_pb2,

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.scheduler_svc.servicer import stop_scheduler
-from pagedserve.services.common.config import HttpConfig
+from pagedserve.services.gateway.config import HttpConfig
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from tests.e2e.stack import assert_idle, start_stack, tiny_config

@@ -6,10 +6,10 @@ import threading
 
 import grpc
 import pytest
-from pagedserve.services.common.config import GatewayConfig, HttpConfig
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.gateway.app import start_gateway
+from pagedserve.services.gateway.config import GatewayConfig, HttpConfig
 
 from pagedserve import AsyncClient, Client, ClientError, RetryPolicy
 from tests.e2e.stack import assert_idle, start_stack, tiny_config

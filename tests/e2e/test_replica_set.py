@@ -9,7 +9,8 @@ import time
 
 import grpc
 import pytest
-from pagedserve.services.common.config import RoutingConfig, TlsConfig
+from pagedserve.services.common.config import TlsConfig
+from pagedserve.services.gateway.config import RoutingConfig
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.tls import internal_channel
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc

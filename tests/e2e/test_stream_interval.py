@@ -5,7 +5,7 @@ import json
 
 import httpx
 import pytest
-from pagedserve.services.common.config import RequestLimitsConfig
+from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
 
 INTERVAL = 4

@@ -5,8 +5,9 @@ them; the public port stays plaintext here and serves as before."""
 import grpc
 import httpx
 import pytest
-from pagedserve.services.common.config import GatewayConfig, HttpConfig, PublicTlsConfig
+from pagedserve.services.common.config import PublicTlsConfig
 from pagedserve.services.gateway.app import start_gateway
+from pagedserve.services.gateway.config import GatewayConfig, HttpConfig
 from pagedserve.services.rpc.internal.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,

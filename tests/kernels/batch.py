@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 from pagedserve.kernels import ref
-from pagedserve.kernels.cdiv import cdiv
 from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.services.common.cdiv import cdiv
 
 # (context_len, query_len): context_len tokens are already cached, query_len are new this step.
 SeqSpec = tuple[int, int]

@@ -8,13 +8,8 @@ import grpc
 import httpx
 import pytest
 from pagedserve.services.common.api_key import is_authorized
-from pagedserve.services.common.config import (
-    ADMIN_TOKEN_ENV,
-    API_KEY_ENV,
-    AdminConfig,
-    HttpConfig,
-)
 from pagedserve.services.common.errors import ConfigError
+from pagedserve.services.gateway.config import ADMIN_TOKEN_ENV, API_KEY_ENV, AdminConfig, HttpConfig
 from pagedserve.services.gateway.openai.middleware import ApiKeyGuard
 from pagedserve.services.rpc.auth import ApiKeyInterceptor
 from pagedserve.services.rpc.server import ServiceBinding, create_server

@@ -14,9 +14,9 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from pagedserve.kernels.cdiv import cdiv
 from pagedserve.scheduler_svc.block_manager import AllocStatus, BlockManager
 from pagedserve.scheduler_svc.prefix_cache import hash_prompt_blocks
+from pagedserve.services.common.cdiv import cdiv
 
 BS = 4
 

@@ -14,7 +14,9 @@ from pagedserve.services.common.config import (
     from_args,
 )
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.gateway.config import GatewayConfig
 
+import pagedserve.supervisor
 from pagedserve.cli import _sampling, build_parser, main
 from pagedserve.supervisor import config_to_argv
 
@@ -41,6 +43,36 @@ def test_serve_hands_its_tracing_flags_to_every_child():
     for command in ("worker", "scheduler", "gateway"):
         child = build_parser().parse_args([command, *config_to_argv(tracing)])
         assert from_args(TracingConfig, child) == tracing
+
+
+class RecordingSupervisor:
+    """Records the children `serve` would start; none serves, so serve returns at once."""
+
+    started: dict[str, list[list[str]]] = {}
+
+    def __init__(self, stop_timeout_s: float) -> None:
+        RecordingSupervisor.started = {}
+
+    async def start(self, role, address, argv, restartable=False, tls=None, secrets=None) -> None:
+        self.started.setdefault(role, []).append(list(argv))
+
+    async def wait_serving(self, timeout_s: float) -> bool:
+        return False
+
+    async def stop(self) -> None:
+        pass
+
+
+def test_serve_hands_its_routing_flags_to_the_gateway(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(pagedserve.supervisor, "Supervisor", RecordingSupervisor)
+    assert main(["serve", "--model", str(tmp_path), "--no-internal-tls", "--device", "cpu",
+                 "--data-parallel-size", "2", "--failover-timeout-s", "4.5",
+                 "--routing-policy", "round-robin"]) == 0
+    [gateway_argv] = RecordingSupervisor.started["gateway"]
+    routing = from_args(GatewayConfig, build_parser().parse_args(["gateway", *gateway_argv])).routing
+    assert (routing.failover_timeout_s, routing.routing_policy) == (4.5, "round-robin")
+    assert len(RecordingSupervisor.started["scheduler"]) == 2
 
 
 def test_sampling_flags_keep_vllm_defaults_for_the_rest():

@@ -5,10 +5,8 @@ import argparse
 import pytest
 from pagedserve.services.common.config import (
     CacheConfig,
-    ConnectionLimitsConfig,
     DeviceConfig,
     EngineConfig,
-    GatewayConfig,
     MetricsConfig,
     ModelConfig,
     ParallelConfig,
@@ -17,9 +15,13 @@ from pagedserve.services.common.config import (
     WorkerServiceConfig,
     add_arguments,
     from_args,
-    scheduler_targets,
 )
 from pagedserve.services.common.errors import ConfigError, InvalidRequest
+from pagedserve.services.gateway.config import (
+    ConnectionLimitsConfig,
+    GatewayConfig,
+    scheduler_targets,
+)
 
 
 @pytest.mark.parametrize(("cls", "kwargs", "message"), [

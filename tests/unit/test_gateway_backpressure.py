@@ -8,11 +8,11 @@ import contextlib
 from types import SimpleNamespace
 
 import grpc
-from pagedserve.services.common.config import RequestLimitsConfig
 from pagedserve.services.common.engine_api import PauseRequest
 from pagedserve.services.common.errors import Unavailable
 from pagedserve.services.common.outputs import CompletionOutput, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.gateway.failover import ResumableSubmission
 from pagedserve.services.gateway.replica_set import Replica
 from pagedserve.services.gateway.routing import Decision
@@ -95,10 +95,12 @@ class ScriptedClient:
 class TwoReplicas:
     """The part of a ReplicaSet a submission uses: `first` until it fails, then `second`."""
 
+    retry_after_s = 2.0
+
     def __init__(self, first: ScriptedClient, second: ScriptedClient) -> None:
         self.replicas = [Replica("a", first), Replica("b", second)]
 
-    async def choose(self, prompt_token_ids, avoid, timeout_s):
+    async def choose(self, prompt_token_ids, avoid, timeout_s, num_failovers=0):
         replica = self.replicas[1] if "a" in avoid else self.replicas[0]
         return replica, Decision(replica.address, "test")
 

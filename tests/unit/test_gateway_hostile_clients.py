@@ -8,7 +8,7 @@ import time
 
 import grpc
 import pytest
-from pagedserve.services.common.config import RequestLimitsConfig
+from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pagedserve.services.text.tokenizer import Tokenizer
 

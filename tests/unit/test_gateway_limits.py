@@ -5,10 +5,10 @@ import asyncio
 import time
 
 import pytest
-from pagedserve.services.common.config import RequestLimitsConfig
 from pagedserve.services.common.errors import ConfigError, InvalidRequest
 from pagedserve.services.common.outputs import Usage
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.gateway.delta_buffer import DeltaBuffer
 from pagedserve.services.gateway.frontend import Admission, Frontend
 from pagedserve.services.gateway.limits import bytes_by_field, num_blocks_at_most

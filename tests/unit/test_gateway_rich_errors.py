@@ -11,9 +11,9 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from pagedserve.scheduler_svc.request_checks import RequestLimits
-from pagedserve.services.common.config import HttpConfig, RequestLimitsConfig, RoutingConfig
 from pagedserve.services.common.drain_rate import DrainRate
 from pagedserve.services.common.errors import Reason
+from pagedserve.services.gateway.config import HttpConfig, RequestLimitsConfig, RoutingConfig
 from pagedserve.services.gateway.scheduler_client import SCHEDULER_RETRY_AFTER_S
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
 

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pagedserve.services.common.config import (
+from pagedserve.services.gateway.app import Gateway, start_gateway
+from pagedserve.services.gateway.config import (
     GatewayConfig,
     HttpConfig,
     RequestLimitsConfig,
     RoutingConfig,
 )
-from pagedserve.services.gateway.app import Gateway, start_gateway
 from pagedserve.services.gateway.validation import ModelInfo
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 

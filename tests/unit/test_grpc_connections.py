@@ -7,8 +7,8 @@ import socket
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pagedserve.services.common.config import ConnectionLimitsConfig, GatewayConfig
 from pagedserve.services.gateway.app import server_options
+from pagedserve.services.gateway.config import ConnectionLimitsConfig, GatewayConfig
 from pagedserve.services.rpc.server import create_server
 
 LIMITS = ConnectionLimitsConfig(grpc_handshake_timeout_s=0.3, grpc_max_connection_idle_s=0.5)

@@ -17,16 +17,18 @@ import yaml
 from helm_python.errors import HelmError
 from pagedserve.scheduler_svc.metrics import SchedulerMetrics
 from pagedserve.services.common.config import (
-    ADMIN_TOKEN_ENV,
-    API_KEY_ENV,
     EngineConfig,
-    GatewayConfig,
-    HttpConfig,
     SchedulerServiceConfig,
     WorkerServiceConfig,
     from_args,
 )
 from pagedserve.services.common.engine_api import EngineLoad
+from pagedserve.services.gateway.config import (
+    ADMIN_TOKEN_ENV,
+    API_KEY_ENV,
+    GatewayConfig,
+    HttpConfig,
+)
 from pagedserve.services.gateway.metrics import GatewayMetrics
 from pagedserve.worker_svc.metrics import WorkerMetrics
 from prometheus_client import CollectorRegistry

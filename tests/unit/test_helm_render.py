@@ -17,11 +17,11 @@ from helm_python import errors as helm_errors
 from helm_python.chart import lint
 from pagedserve.services.common.config import (
     EngineConfig,
-    GatewayConfig,
     SchedulerServiceConfig,
     WorkerServiceConfig,
     from_args,
 )
+from pagedserve.services.gateway.config import GatewayConfig
 
 from pagedserve.cli import build_parser
 from tests.unit.helm_render import CHART_DIR, FULLNAME, NAMESPACE, by_name, merge, pod_specs, render

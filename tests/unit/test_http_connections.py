@@ -13,7 +13,7 @@ import textwrap
 import time
 
 import pytest
-from pagedserve.services.common.config import ConnectionLimitsConfig
+from pagedserve.services.gateway.config import ConnectionLimitsConfig
 from pagedserve.services.gateway.openai.server import HttpServer, bind_socket, fit_open_file_limit
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -151,7 +151,7 @@ def test_the_process_past_its_cap_answers_503():
 
 EMFILE_SERVER = textwrap.dedent("""
     import asyncio, logging, resource, sys
-    from pagedserve.services.common.config import ConnectionLimitsConfig
+    from pagedserve.services.gateway.config import ConnectionLimitsConfig
     from pagedserve.services.gateway.openai.server import HttpServer, bind_socket
     from starlette.applications import Starlette
 

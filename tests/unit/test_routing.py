@@ -7,8 +7,8 @@ import asyncio
 from collections import Counter
 
 import pytest
-from pagedserve.services.common.config import GatewayConfig, scheduler_targets
 from pagedserve.services.common.errors import ConfigError
+from pagedserve.services.gateway.config import GatewayConfig, scheduler_targets
 from pagedserve.services.gateway.replica_set import replica_addresses, resolve_target
 from pagedserve.services.gateway.routing import (
     Candidate,

@@ -7,8 +7,8 @@ import random
 from collections import Counter
 
 import pytest
-from pagedserve.services.common.config import RoutingConfig
 from pagedserve.services.common.errors import ConfigError
+from pagedserve.services.gateway.config import RoutingConfig
 from pagedserve.services.gateway.prefix_index import PrefixIndex, chained_block_hashes
 from pagedserve.services.gateway.routing import Candidate, Decision, Reason, Router
 

@@ -7,15 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from pagedserve.services.common.config import (
-    ADMIN_TOKEN_ENV,
-    API_KEY_ENV,
-    AdminConfig,
-    EngineConfig,
-    HttpConfig,
-    ModelConfig,
-    ParallelConfig,
-)
+from pagedserve.services.common.config import EngineConfig, ModelConfig, ParallelConfig
+from pagedserve.services.gateway.config import ADMIN_TOKEN_ENV, API_KEY_ENV, AdminConfig, HttpConfig
 
 from pagedserve import supervisor
 from pagedserve.supervisor import (

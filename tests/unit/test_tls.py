@@ -10,7 +10,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.services.common.config import (
-    GatewayConfig,
     PublicTlsConfig,
     SchedulerServiceConfig,
     TlsConfig,
@@ -18,6 +17,7 @@ from pagedserve.services.common.config import (
     from_args,
 )
 from pagedserve.services.common.errors import ConfigError
+from pagedserve.services.gateway.config import GatewayConfig
 from pagedserve.services.rpc.server import ServiceBinding, create_server
 from pagedserve.services.rpc.tls import (
     internal_aio_channel,

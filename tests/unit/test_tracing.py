@@ -16,8 +16,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from pagedserve.services.common.config import GatewayConfig, TracingConfig, from_args
+from pagedserve.services.common.config import TracingConfig, from_args
 from pagedserve.services.common.errors import ConfigError, InvalidRequest
+from pagedserve.services.gateway.config import GatewayConfig
 from pagedserve.services.rpc.internal.v1 import (
     common_pb2,
     scheduler_pb2,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from pagedserve.kernels import cpu_linear
-from pagedserve.kernels.cdiv import cdiv
+from pagedserve.services.common.cdiv import cdiv
 from pagedserve.services.common.errors import ConfigError
 from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
 from torch import nn

@@ -91,7 +91,7 @@ as integers.
 {{- end }}
 
 {{/*
-CLI flags from a map of camelCase keys (services/common/config.py fields): `fooBar: x` is
+CLI flags from a map of camelCase keys (the config dataclasses' fields): `fooBar: x` is
 --foo-bar x, a boolean is --foo-bar / --no-foo-bar, null and "" keep the CLI default.
 */}}
 {{- define "pagedserve.flags" -}}

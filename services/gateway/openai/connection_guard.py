@@ -12,8 +12,8 @@ from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
-from pagedserve.services.common.config import ConnectionLimitsConfig
 from pagedserve.services.common.errors import Reason
+from pagedserve.services.gateway.config import ConnectionLimitsConfig
 from pagedserve.services.gateway.openai.errors import error_body, error_response
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 

@@ -15,7 +15,8 @@ import time
 from typing import Any
 
 import uvicorn
-from pagedserve.services.common.config import ConnectionLimitsConfig, PublicTlsConfig
+from pagedserve.services.common.config import PublicTlsConfig
+from pagedserve.services.gateway.config import ConnectionLimitsConfig
 from pagedserve.services.gateway.openai.connection_guard import ConnectionGuard
 from starlette.types import ASGIApp
 

@@ -1,4 +1,4 @@
-"""Ceiling division, in kernels/: the lowest layer the scheduler, worker and kernels all import."""
+"""Ceiling division, on the floor: the scheduler, the worker and the kernels all import it."""
 
 from __future__ import annotations
 
