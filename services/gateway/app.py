@@ -51,6 +51,7 @@ class Gateway:
     admission: Admission
     metrics_server: MetricsServer | None = None
     tokenizer_pool: ThreadPoolExecutor | None = None
+    tokenize_api_pool: ThreadPoolExecutor | None = None
     http: HttpServer | None = None
 
     @property
@@ -79,8 +80,9 @@ class Gateway:
         await self.replicas.close()
         if self.metrics_server is not None:
             self.metrics_server.stop()
-        if self.tokenizer_pool is not None:
-            self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.tokenizer_pool, self.tokenize_api_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) -> Gateway:
@@ -106,8 +108,11 @@ async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) 
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry, info.model, info.max_model_len)
     pool = ThreadPoolExecutor(config.num_tokenizer_threads, thread_name_prefix="tokenizer")
+    api_pool = ThreadPoolExecutor(config.num_tokenize_api_threads,
+                                  thread_name_prefix="tokenize-api")
     frontend = Frontend(tokenizer, replicas, info, admission, metrics, limits=config.limits,
-                        executor=pool, ownership=Ownership(api_key, admin_token))
+                        executor=pool, ownership=Ownership(api_key, admin_token),
+                        tokenize_executor=api_pool)
     server, port = create_server([
         ServiceBinding(GenerationServicer(frontend),
                        gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
@@ -132,6 +137,7 @@ async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) 
         await server.shutdown(0)
         await replicas.close()
         pool.shutdown(wait=False)
+        api_pool.shutdown(wait=False)
         raise
     if http is not None:
         await http.start()
@@ -139,7 +145,7 @@ async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) 
     logger.info("gateway serving %s (max_model_len %d) on port %d%s%s", info.model,
                 info.max_model_len, port, f", HTTP on port {http.port}" if http else "",
                 ", API key required" if api_key else "")
-    return Gateway(server, replicas, admission, metrics_server, pool, http)
+    return Gateway(server, replicas, admission, metrics_server, pool, api_pool, http)
 
 
 def server_options(config: GatewayConfig) -> list[tuple[str, Any]]:

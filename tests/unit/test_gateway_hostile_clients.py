@@ -95,6 +95,62 @@ def test_sequences_that_never_fit_the_replicas_cache_are_refused_up_front(model_
     assert fits[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
 
 
+def test_stop_token_ids_are_counted_before_the_sampling_parameters_scan_them(model_dir,
+                                                                         monkeypatch):
+    from pagedserve.services.gateway import convert
+
+    def unreachable(msg):
+        raise AssertionError("converted before the stop lists were bounded")
+
+    monkeypatch.setattr(convert, "sampling_params_from_proto", unreachable)
+
+    async def body(h):
+        return await refused(h.generation.GenerateStream(
+            request(stop_token_ids=[5] * 1025), timeout=10)), h.fake.submits
+
+    err, submits = run(model_dir, body)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_stop_token_ids=1024" in err.details() and "1025" in err.details()
+    assert submits == []
+
+
+@pytest.mark.parametrize("request_id, words", [
+    ("r1\nINFO forged scheduler line", ["printable", "'r1\\nINFO forged scheduler line'"]),
+    ("r\x00", ["printable"]),
+    ("r" * 257, ["at most 256 characters", "257"]),
+])
+def test_a_request_id_that_could_forge_a_log_line_is_refused(model_dir, request_id, words):
+    async def body(h):
+        generate = gateway_pb2.GenerateStreamRequest(request_id=request_id, text="the fox")
+        refusals = [await refused(h.generation.GenerateStream(generate, timeout=10))]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.generation.Abort(gateway_pb2.AbortRequest(request_id=request_id), timeout=10)
+        return [*refusals, err.value], h.fake.submits
+
+    errors, submits = run(model_dir, body)
+    for err in errors:
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "request_id" in err.details()
+        for word in words:
+            assert word in err.details()
+    assert submits == []
+
+
+def test_tokenize_goes_through_admission(model_dir):
+    async def body(h):
+        h.fake.hang = True
+        live = h.generation.GenerateStream(request(max_tokens=4), timeout=30)
+        await live.read()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.generation.Tokenize(gateway_pb2.TokenizeRequest(text="the fox"), timeout=10)
+        live.cancel()
+        return err.value
+
+    err = run(model_dir, body, max_concurrent_requests=1)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_concurrent_requests" in err.details()
+
+
 @pytest.mark.parametrize("field", ["text", "messages"])
 def test_text_that_cannot_fit_max_model_len_is_refused_before_tokenizing(model_dir, monkeypatch,
                                                                       field):
