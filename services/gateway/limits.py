@@ -68,6 +68,12 @@ def check_num_token_ids(field: str, num_token_ids: int, info: ModelInfo) -> None
                                                     "limit": str(info.max_model_len - 1)})
 
 
+def check_token_ids_bytes(field: str, num_token_ids: int, limits: RequestLimitsConfig) -> None:
+    """Token ids counted against max_request_bytes by their number alone."""
+    _require_at_most("the request's size in bytes", num_token_ids * _BYTES_PER_TOKEN_ID,
+                     limits.max_request_bytes, "max_request_bytes", field)
+
+
 def check_num_prompts(num_prompts: int, sampling: SamplingParams, limits: RequestLimitsConfig,
                       info: ModelInfo) -> None:
     """A request of many prompts runs best_of sequences for each: all of them count against the

@@ -93,6 +93,13 @@ def test_the_prompts_of_a_list_share_one_request_byte_limit():
             "prompt", "max_request_bytes=1000", "got 1200")
 
 
+def test_token_id_lists_count_against_the_byte_limit_before_their_ids_are_scanned():
+    limits = RequestLimitsConfig(max_request_bytes=1000)
+    prompt = [[5] * 200, [6] * 200, ["not an id"] * 200]  # 600 ids: 2400 bytes
+    refused(post("/v1/completions", {"prompt": prompt}, limits=limits), 400, "prompt",
+            "max_request_bytes=1000", "got 2400")
+
+
 @pytest.mark.parametrize("path, extra", [
     ("/v1/completions", {"prompt": "hi"}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),

@@ -15,6 +15,7 @@ from pagedserve.services.gateway.limits import (
     check_list_lengths,
     check_num_prompts,
     check_num_token_ids,
+    check_token_ids_bytes,
 )
 from pagedserve.services.gateway.openai.protocol import (
     ChatCompletionRequest,
@@ -84,9 +85,12 @@ def check_prompt_size(prompt: str | list[Any], sampling: SamplingParams,
         check_num_token_ids("prompt", len(prompt), info)
         return
     check_num_prompts(len(prompt), sampling, limits, info)
+    num_token_ids = 0
     for i, one in enumerate(prompt):
         if isinstance(one, list):
             check_num_token_ids(f"prompt[{i}]", len(one), info)
+            num_token_ids += len(one)
+    check_token_ids_bytes("prompt", num_token_ids, limits)
 
 
 def completion_prompts(prompt: str | list[Any]) -> list[GenerateInput]:
