@@ -243,6 +243,35 @@ def test_a_small_request_is_served_while_a_large_prompt_tokenizes(model_dir, mon
     assert large[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
+def test_a_generation_is_served_while_tokenize_calls_fill_their_threads(model_dir, monkeypatch):
+    """Big Tokenize calls block (until the test lets them go) in every thread they may use: a
+    Generate's prompt is still tokenized, in the gateway's other threads."""
+    generated = threading.Event()
+    encode = Tokenizer.encode
+
+    def slow_encode(self, text, add_special_tokens=True):
+        if len(text) > 100_000:
+            generated.wait(20)
+        return encode(self, text, add_special_tokens)
+
+    monkeypatch.setattr(Tokenizer, "encode", slow_encode)
+
+    async def body(h):
+        big = gateway_pb2.TokenizeRequest(text="the fox " * 13_000)
+        tokenizing = [asyncio.ensure_future(h.generation.Tokenize(big, timeout=30))
+                      for _ in range(3)]
+        await asyncio.sleep(0.2)
+        small = await collect(h.generation.GenerateStream(request(max_tokens=3), timeout=30))
+        were_tokenizing = not any(t.done() for t in tokenizing)
+        generated.set()
+        return small, were_tokenizing, await asyncio.gather(*tokenizing)
+
+    small, were_tokenizing, tokenized = run(model_dir, body, max_model_len=1_000_000)
+    assert small[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert were_tokenizing
+    assert all(len(t.token_ids) > 13_000 for t in tokenized)
+
+
 # --- slow consumers ---------------------------------------------------------------------------
 
 
