@@ -35,6 +35,10 @@ def check_request(request_id: str, prompt_token_ids: list[int], sampling: Sampli
         raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, "
                              f"got {len(request_id)}", reason=Reason.INVALID_REQUEST_ID,
                              field="request_id")
+    if not request_id.isprintable():
+        raise InvalidRequest(f"request_id must hold printable characters only, got "
+                             f"{request_id!r}", reason=Reason.INVALID_REQUEST_ID,
+                             field="request_id")
     if not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
         raise InvalidRequest(f"priority must be in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], "
                              f"got {priority}", reason=Reason.INVALID_PRIORITY, field="priority")

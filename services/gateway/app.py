@@ -26,6 +26,7 @@ from pagedserve.services.gateway.openai.serving import OpenAIServing
 from pagedserve.services.gateway.ownership import Ownership
 from pagedserve.services.gateway.replica_set import ReplicaSet, Resolver
 from pagedserve.services.gateway.servicer import GenerationServicer, ModelServicer
+from pagedserve.services.gateway.validation import ModelInfo
 from pagedserve.services.rpc.auth import ApiKeyInterceptor
 from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
 from pagedserve.services.rpc.server import (
@@ -51,6 +52,7 @@ class Gateway:
     admission: Admission
     metrics_server: MetricsServer | None = None
     tokenizer_pool: ThreadPoolExecutor | None = None
+    tokenize_api_pool: ThreadPoolExecutor | None = None
     http: HttpServer | None = None
 
     @property
@@ -79,16 +81,14 @@ class Gateway:
         await self.replicas.close()
         if self.metrics_server is not None:
             self.metrics_server.stop()
-        if self.tokenizer_pool is not None:
-            self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.tokenizer_pool, self.tokenize_api_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
 
-async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) -> Gateway:
-    """Started and SERVING once a scheduler replica serves (the model is the first one's).
-    `resolve`: how scheduler_address targets become replicas (default: DNS)."""
-    credentials = public_server_credentials(config.public_tls)  # bad files fail before waiting
-    api_key = config.http.resolve_api_key()
-    admin_token = config.admin.resolve_admin_token()
+async def _join_replicas(config: GatewayConfig, resolve: Resolver | None
+                         ) -> tuple[ReplicaSet, Tokenizer, ModelInfo]:
+    """The replica set once one replica serves, with its model's tokenizer and info."""
     replicas = ReplicaSet(config.scheduler_address, config.routing, config.rpc_timeout_s,
                           config.tls, resolve)
     try:
@@ -102,12 +102,25 @@ async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) 
         raise
     if config.http.served_model_name:
         info = dataclasses.replace(info, model=config.http.served_model_name)
+    return replicas, tokenizer, info
+
+
+async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) -> Gateway:
+    """Started and SERVING once a scheduler replica serves (the model is the first one's).
+    `resolve`: how scheduler_address targets become replicas (default: DNS)."""
+    credentials = public_server_credentials(config.public_tls)  # bad files fail before waiting
+    api_key = config.http.resolve_api_key()
+    admin_token = config.admin.resolve_admin_token()
+    replicas, tokenizer, info = await _join_replicas(config, resolve)
     admission = Admission(config.max_concurrent_requests)
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry, info.model, info.max_model_len)
     pool = ThreadPoolExecutor(config.num_tokenizer_threads, thread_name_prefix="tokenizer")
+    api_pool = ThreadPoolExecutor(config.num_tokenize_api_threads,
+                                  thread_name_prefix="tokenize-api")
     frontend = Frontend(tokenizer, replicas, info, admission, metrics, limits=config.limits,
-                        executor=pool, ownership=Ownership(api_key, admin_token))
+                        executor=pool, ownership=Ownership(api_key, admin_token),
+                        tokenize_executor=api_pool)
     server, port = create_server([
         ServiceBinding(GenerationServicer(frontend),
                        gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
@@ -132,6 +145,7 @@ async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) 
         await server.shutdown(0)
         await replicas.close()
         pool.shutdown(wait=False)
+        api_pool.shutdown(wait=False)
         raise
     if http is not None:
         await http.start()
@@ -139,7 +153,7 @@ async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) 
     logger.info("gateway serving %s (max_model_len %d) on port %d%s%s", info.model,
                 info.max_model_len, port, f", HTTP on port {http.port}" if http else "",
                 ", API key required" if api_key else "")
-    return Gateway(server, replicas, admission, metrics_server, pool, http)
+    return Gateway(server, replicas, admission, metrics_server, pool, api_pool, http)
 
 
 def server_options(config: GatewayConfig) -> list[tuple[str, Any]]:

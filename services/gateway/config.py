@@ -169,6 +169,7 @@ class RequestLimitsConfig:
                                           f"position (at most {MAX_LOGPROBS})")
     max_stop_strings: int = opt(64, "most stop strings per request")
     max_stop_string_chars: int = opt(256, "longest stop string, in characters")
+    max_stop_token_ids: int = opt(1024, "most stop token ids per request")
     max_chat_messages: int = opt(1024, "most chat messages per request")
     max_request_bytes: int = opt(
         4 << 20, "largest request in bytes (prompt, messages, stop strings); also the gRPC "
@@ -193,8 +194,9 @@ class RequestLimitsConfig:
             _check(value >= 1, f"{name} must be >= 1, got {value}")
         _check(0 <= self.max_logprobs <= MAX_LOGPROBS,
                f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
-        _check(self.max_stop_strings >= 0,
-               f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
+        for name in ("max_stop_strings", "max_stop_token_ids"):
+            value = getattr(self, name)
+            _check(value >= 0, f"{name} must be >= 0, got {value}")
         _check(self.max_unread_stream_tokens >= 0,
                f"max_unread_stream_tokens must be >= 0, got {self.max_unread_stream_tokens}")
         _check(self.stalled_stream_timeout_s > 0,
@@ -245,6 +247,9 @@ class GatewayConfig:
     max_concurrent_requests: int = opt(1024, "requests in flight before RESOURCE_EXHAUSTED")
     num_tokenizer_threads: int = opt(
         2, "threads that tokenize prompts and render chat templates off the event loop")
+    num_tokenize_api_threads: int = opt(
+        1, "threads that serve Tokenize, /tokenize and /detokenize, apart from the tokenizer "
+           "threads of generation requests, so that tokenize calls never delay a generation")
     limits: RequestLimitsConfig = field(default_factory=RequestLimitsConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
@@ -261,8 +266,9 @@ class GatewayConfig:
         _check(self.rpc_timeout_s > 0, f"rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
         _check(self.max_concurrent_requests >= 1,
                f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
-        _check(self.num_tokenizer_threads >= 1,
-               f"num_tokenizer_threads must be >= 1, got {self.num_tokenizer_threads}")
+        for name in ("num_tokenizer_threads", "num_tokenize_api_threads"):
+            value = getattr(self, name)
+            _check(value >= 1, f"{name} must be >= 1, got {value}")
         targets = scheduler_targets(self.scheduler_address)
         _check(bool(targets) and all(t.rpartition(":")[0] and t.rpartition(":")[2].isdigit()
                                      for t in targets),

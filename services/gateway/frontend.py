@@ -16,9 +16,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from pagedserve.services.common.drain_rate import DrainRate
 from pagedserve.services.common.engine_api import AbortRequest
@@ -32,13 +32,20 @@ from pagedserve.services.common.errors import (
 from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.gateway.delta_buffer import DeltaBuffer
 from pagedserve.services.gateway.failover import ResumableSubmission
-from pagedserve.services.gateway.limits import check_fits_replica, check_request_cost
+from pagedserve.services.gateway.limits import (
+    check_fits_replica,
+    check_num_token_ids,
+    check_prompts_cost,
+    check_request_cost,
+)
 from pagedserve.services.gateway.ownership import ANONYMOUS, Caller, Ownership
 from pagedserve.services.gateway.validation import (
     GenerateInput,
     ModelInfo,
     PreparedRequest,
     check_request,
+    check_request_id,
+    check_token_ids,
     prepared_request,
     prompt_token_ids,
 )
@@ -50,6 +57,8 @@ if TYPE_CHECKING:  # the transport: passed in, never loaded here
     from pagedserve.services.gateway.replica_set import ReplicaSet
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Admission:
@@ -66,25 +75,28 @@ class Admission:
         self._drain_rate = DrainRate()
 
     @contextlib.contextmanager
-    def admit(self) -> Iterator[None]:
+    def admit(self, num_requests: int = 1) -> Iterator[None]:
+        """`num_requests`: what the call counts as (a prompt list, one per prompt), admitted
+        together or not at all."""
         if self._is_draining:
             raise Unavailable("the gateway is shutting down; retry on another replica",
                               reason=Reason.GATEWAY_DRAINING, retry_after_s=0.0)
-        if self._num_live >= self._max_live:
-            raise Overloaded(f"{self._num_live} requests in flight, the limit "
-                             f"(max_concurrent_requests) is {self._max_live}",
+        if self._num_live + num_requests > self._max_live:
+            raise Overloaded(f"{self._num_live} requests in flight and {num_requests} asked, the "
+                             f"limit (max_concurrent_requests) is {self._max_live}",
                              reason=Reason.RATE_LIMITED,
                              retry_after_s=self._drain_rate.wait_s(
-                                 self._num_live - self._max_live + 1),
+                                 self._num_live + num_requests - self._max_live),
                              metadata={"limit": str(self._max_live),
                                        "limit_name": "max_concurrent_requests"})
-        self._num_live += 1
+        self._num_live += num_requests
         self._idle.clear()
         try:
             yield
         finally:
-            self._num_live -= 1
-            self._drain_rate.record()
+            self._num_live -= num_requests
+            for _ in range(num_requests):
+                self._drain_rate.record()
             if self._num_live == 0:
                 self._idle.set()
 
@@ -104,13 +116,16 @@ StallHandler = Callable[[PagedServeError], Awaitable[None]]
 
 class Frontend:
     """`limits`: what one request may cost (default: the config's defaults). `executor`: where
-    prompts are tokenized, off the event loop (default: the loop's default executor).
-    `ownership`: the API key and admin token, which decide who owns and who aborts a request."""
+    prompts are tokenized, off the event loop (default: the loop's default executor);
+    `tokenize_executor`: where the tokenize endpoints' work runs (default: `executor`), so that
+    they never queue ahead of a generation's prompt. `ownership`: the API key and admin token,
+    which decide who owns and who aborts a request."""
 
     def __init__(self, tokenizer: Tokenizer, replicas: ReplicaSet, model_info: ModelInfo,
                  admission: Admission, metrics: GatewayMetrics | None = None,
                  limits: RequestLimitsConfig | None = None,
-                 executor: Executor | None = None, ownership: Ownership | None = None) -> None:
+                 executor: Executor | None = None, ownership: Ownership | None = None,
+                 tokenize_executor: Executor | None = None) -> None:
         self.tokenizer = tokenizer
         self.replicas = replicas
         self.info = model_info
@@ -119,6 +134,15 @@ class Frontend:
         self.limits = limits if limits is not None else RequestLimitsConfig()
         self._executor = executor
         self.ownership = ownership if ownership is not None else Ownership()
+        self._tokenize_executor = tokenize_executor if tokenize_executor is not None else executor
+
+    @contextlib.contextmanager
+    def admit(self, requests: Sequence[GenerateInput]) -> Iterator[None]:
+        """One client call of one or more prompts: its whole cost checked, then admitted as that
+        many requests (or refused)."""
+        check_prompts_cost(requests, self.limits, self.info)
+        with self.admission.admit(len(requests)):
+            yield
 
     async def prepare(self, request: GenerateInput, arrival_s: float | None = None
                       ) -> PreparedRequest:
@@ -128,18 +152,40 @@ class Frontend:
         arrival_s = time.monotonic() if arrival_s is None else arrival_s
         check_request_cost(request, self.limits, self.info)
         request_id = check_request(request, self.info)
-        token_ids = await self._prompt_token_ids(request)
+        token_ids = await self._run(self._executor, prompt_token_ids, request, self.tokenizer,
+                                    self.info)
         check_fits_replica(len(token_ids), request.sampling, self.info)
         return prepared_request(request, request_id, token_ids, self.info, arrival_s)
 
-    async def tokenize(self, request: GenerateInput) -> list[int]:
+    async def prompt_token_ids(self, request: GenerateInput) -> list[int]:
+        """An admitted request's prompt, checked and tokenized as `prepare` does."""
         check_request_cost(request, self.limits, self.info)
-        return await self._prompt_token_ids(request)
+        return await self._run(self._executor, prompt_token_ids, request, self.tokenizer,
+                               self.info)
 
-    async def _prompt_token_ids(self, request: GenerateInput) -> list[int]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, prompt_token_ids, request,
-                                          self.tokenizer, self.info)
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        """An admitted request's checked token ids as text (echo)."""
+        return await self._run(self._executor, self.tokenizer.decode, token_ids)
+
+    async def tokenize(self, request: GenerateInput, add_special_tokens: bool = True
+                       ) -> list[int]:
+        """A call of its own: admitted, with a generation prompt's limits, in the tokenize
+        executor."""
+        check_request_cost(request, self.limits, self.info)
+        with self.admission.admit():
+            return await self._run(self._tokenize_executor, prompt_token_ids, request,
+                                   self.tokenizer, self.info, add_special_tokens)
+
+    async def detokenize(self, token_ids: Sequence[int], field: str) -> str:
+        """A call of its own, as `tokenize`; `field`: what the ids are called in the request."""
+        check_num_token_ids(field, len(token_ids), self.info)
+        check_token_ids(field, token_ids, self.info.vocab_size, field)
+        with self.admission.admit():
+            return await self._run(self._tokenize_executor, self.tokenizer.decode, token_ids)
+
+    @staticmethod
+    async def _run(executor: Executor | None, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
     async def abort(self, request_id: str, caller: Caller = ANONYMOUS) -> None:
         """Forwarded to every scheduler replica, so any gateway can abort any request of the
@@ -148,6 +194,7 @@ class Frontend:
         if not request_id:
             raise InvalidRequest("request_id must not be empty, got ''",
                                  reason=Reason.INVALID_REQUEST_ID, field="request_id")
+        check_request_id(request_id)
         await self.replicas.abort(AbortRequest(request_id, self.ownership.owner(caller),
                                                self.ownership.is_admin(caller)))
 

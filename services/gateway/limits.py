@@ -3,6 +3,8 @@ request cannot make the gateway, or the replica behind it, do unbounded work."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pagedserve.services.common.errors import FieldViolation, InvalidRequest, Reason
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.gateway.config import RequestLimitsConfig
@@ -48,6 +50,45 @@ def bytes_by_field(request: GenerateInput) -> dict[str, int]:
     return sizes
 
 
+def check_list_lengths(stop: Sequence[str], stop_token_ids: Sequence[int],
+                       limits: RequestLimitsConfig) -> None:
+    """Before the sampling parameters are built (each of their lists is scanned)."""
+    _require_at_most("the number of stop strings", len(stop), limits.max_stop_strings,
+                     "max_stop_strings", "sampling.stop")
+    _require_at_most("the number of stop token ids", len(stop_token_ids),
+                     limits.max_stop_token_ids, "max_stop_token_ids", "sampling.stop_token_ids")
+
+
+def check_num_token_ids(field: str, num_token_ids: int, info: ModelInfo) -> None:
+    """Before the ids are scanned or decoded: no sequence of the model is max_model_len long."""
+    if num_token_ids >= info.max_model_len:
+        raise InvalidRequest(f"{field} must hold fewer than max_model_len={info.max_model_len} "
+                             f"token ids, got {num_token_ids}", reason=Reason.PROMPT_TOO_LONG,
+                             field=field, metadata={"value": str(num_token_ids),
+                                                    "limit": str(info.max_model_len - 1)})
+
+
+def check_token_ids_bytes(field: str, num_token_ids: int, limits: RequestLimitsConfig) -> None:
+    """Token ids counted against max_request_bytes by their number alone."""
+    _require_at_most("the request's size in bytes", num_token_ids * _BYTES_PER_TOKEN_ID,
+                     limits.max_request_bytes, "max_request_bytes", field)
+
+
+def check_num_prompts(num_prompts: int, sampling: SamplingParams, limits: RequestLimitsConfig,
+                      info: ModelInfo) -> None:
+    """A request of many prompts runs best_of sequences for each: all of them count against the
+    per-request limit, as if one prompt asked for them all."""
+    seq_limit, seq_limit_name = max_num_seqs(limits, info)
+    num_seqs = num_prompts * sampling.num_candidates
+    if num_seqs > seq_limit:
+        raise InvalidRequest(
+            f"the number of sequences, {num_prompts} prompts x best_of={sampling.num_candidates}, "
+            f"must be at most {seq_limit_name}={seq_limit}, got {num_seqs}",
+            reason=Reason.LIMIT_EXCEEDED, field="prompt",
+            metadata={"value": str(num_seqs), "limit": str(seq_limit),
+                      "limit_name": seq_limit_name})
+
+
 def check_request_cost(request: GenerateInput, limits: RequestLimitsConfig,
                        info: ModelInfo) -> None:
     """Before tokenization; cheap whatever the request asks."""
@@ -61,8 +102,7 @@ def check_request_cost(request: GenerateInput, limits: RequestLimitsConfig,
         value = getattr(sampling, name)
         if value is not None:
             _require_at_most(name, value, limits.max_logprobs, "max_logprobs", f"sampling.{name}")
-    _require_at_most("the number of stop strings", len(sampling.stop), limits.max_stop_strings,
-                     "max_stop_strings", "sampling.stop")
+    check_list_lengths(sampling.stop, sampling.stop_token_ids, limits)
     for i, stop in enumerate(sampling.stop):
         _require_at_most(f"the length of stop[{i}]", len(stop), limits.max_stop_string_chars,
                          "max_stop_string_chars", f"sampling.stop[{i}]")
@@ -80,6 +120,22 @@ def check_request_cost(request: GenerateInput, limits: RequestLimitsConfig,
                                        "limit": str(info.max_model_len - 1)})
     if request.token_ids is not None:
         check_context_length(request, len(request.token_ids), info.max_model_len)
+
+
+def check_prompts_cost(requests: Sequence[GenerateInput], limits: RequestLimitsConfig,
+                       info: ModelInfo) -> None:
+    """The cost of one client request of several prompts (they share its sampling parameters):
+    each prompt's, and their sequences and bytes together."""
+    check_request_cost(requests[0], limits, info)
+    check_num_prompts(len(requests), requests[0].sampling, limits, info)
+    num_bytes = sum(bytes_by_field(requests[0]).values())
+    for request in requests[1:]:
+        num_bytes += sum(n for f, n in bytes_by_field(request).items()
+                         if not f.startswith("sampling."))
+    _require_at_most("the request's size in bytes", num_bytes, limits.max_request_bytes,
+                     "max_request_bytes", "prompt")
+    for request in requests[1:]:
+        check_request_cost(request, limits, info)
 
 
 def num_blocks_at_most(num_prompt_tokens: int, sampling: SamplingParams, block_size: int) -> int:

@@ -21,8 +21,9 @@ from pagedserve.services.gateway.convert import (
     tokenize_response_to_proto,
 )
 from pagedserve.services.gateway.frontend import Frontend
+from pagedserve.services.gateway.limits import check_list_lengths
 from pagedserve.services.gateway.ownership import grpc_caller
-from pagedserve.services.gateway.validation import ModelInfo
+from pagedserve.services.gateway.validation import GenerateInput, ModelInfo
 from pagedserve.services.rpc.status import grpc_status_of, map_errors
 from pagedserve.services.rpc.tracing import set_request_model
 from pagedserve.services.rpc.v1 import gateway_pb2, gateway_pb2_grpc
@@ -51,30 +52,39 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         metrics = self._frontend.metrics
         return contextlib.nullcontext() if metrics is None else metrics.track(method)
 
+    def _generate_input(self, request: gateway_pb2.GenerateRequest
+                        | gateway_pb2.GenerateStreamRequest) -> GenerateInput:
+        """Its lists bounded before the sampling parameters scan them."""
+        check_list_lengths(request.sampling.stop, request.sampling.stop_token_ids,
+                           self._frontend.limits)
+        return generate_request_from_proto(request)
+
     @map_errors(field_path=proto_field_path)
     async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest,
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         arrival_s = time.monotonic()
         set_request_model(self._frontend.info.model)
-        with self._track("GenerateStream"), self._frontend.admission.admit():
-            prepared = await self._frontend.prepare(generate_request_from_proto(request),
-                                                    arrival_s)
-            on_stalled = functools.partial(_end_stalled_call, context)
-            async for delta in self._frontend.generate(
-                    prepared, on_stalled, grpc_caller(context)):
-                yield stream_delta_to_proto(delta, prepared.request_id)
+        with self._track("GenerateStream"):
+            generate = self._generate_input(request)
+            with self._frontend.admit([generate]):
+                prepared = await self._frontend.prepare(generate, arrival_s)
+                on_stalled = functools.partial(_end_stalled_call, context)
+                async for delta in self._frontend.generate(
+                        prepared, on_stalled, grpc_caller(context)):
+                    yield stream_delta_to_proto(delta, prepared.request_id)
 
     @map_errors(field_path=proto_field_path)
     async def Generate(self, request: gateway_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateResponse:
         arrival_s = time.monotonic()
         set_request_model(self._frontend.info.model)
-        with self._track("Generate"), self._frontend.admission.admit():
-            prepared = await self._frontend.prepare(generate_request_from_proto(request),
-                                                    arrival_s)
-            deltas = [delta async for delta in self._frontend.generate(
-                prepared, caller=grpc_caller(context))]
+        with self._track("Generate"):
+            generate = self._generate_input(request)
+            with self._frontend.admit([generate]):
+                prepared = await self._frontend.prepare(generate, arrival_s)
+                deltas = [delta async for delta in self._frontend.generate(
+                    prepared, caller=grpc_caller(context))]
         return generate_response_to_proto(prepared.request_id, deltas, prepared.sampling.n)
 
     @map_errors(field_path=proto_field_path)

@@ -6,11 +6,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from pagedserve.services.common.engine_api import MAX_REQUEST_ID_CHARS, PRIORITY_RANGE
 from pagedserve.services.common.errors import FieldViolation, InvalidRequest, Reason
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.text.tokenizer import Tokenizer
-
-MAX_REQUEST_ID_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +54,14 @@ class PreparedRequest:
     arrival_s: float = field(default_factory=time.monotonic)
 
 
-def prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo) -> list[int]:
+def prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo,
+                     add_special_tokens: bool = True) -> list[int]:
     if request.text is not None:
         if not request.text:
             raise InvalidRequest("prompt text must not be empty, got ''",
                                  reason=Reason.PROMPT_EMPTY, field="text")
         _check_prompt_chars("prompt text", "text", len(request.text), tokenizer, info)
-        return tokenizer.encode(request.text, add_special_tokens=True)
+        return tokenizer.encode(request.text, add_special_tokens=add_special_tokens)
     if request.messages is not None:
         if not info.has_chat_template:
             raise InvalidRequest(f"prompt messages need a chat template, but model "
@@ -107,15 +107,28 @@ def _check_prompt_chars(what: str, field: str, num_chars: int, tokenizer: Tokeni
             metadata={"value": str(num_chars), "limit": str(limit)})
 
 
-def check_request(request: GenerateInput, info: ModelInfo) -> str:
-    """Returns the request id, a fresh one if unset."""
-    request_id = request.request_id or uuid.uuid4().hex
+def check_request_id(request_id: str) -> None:
+    """Before the id reaches a log: bounded, and printable, so it cannot forge a log line."""
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, "
                              f"got {len(request_id)}", reason=Reason.INVALID_REQUEST_ID,
                              field="request_id",
                              metadata={"value": str(len(request_id)),
                                        "limit": str(MAX_REQUEST_ID_CHARS)})
+    if not request_id.isprintable():
+        raise InvalidRequest(f"request_id must hold printable characters only, got "
+                             f"{request_id!r}", reason=Reason.INVALID_REQUEST_ID,
+                             field="request_id")
+
+
+def check_request(request: GenerateInput, info: ModelInfo) -> str:
+    """Returns the request id, a fresh one if unset."""
+    request_id = request.request_id or uuid.uuid4().hex
+    check_request_id(request_id)
+    if not PRIORITY_RANGE[0] <= request.priority <= PRIORITY_RANGE[1]:
+        raise InvalidRequest(f"priority must be in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], "
+                             f"got {request.priority}", reason=Reason.INVALID_PRIORITY,
+                             field="priority")
     try:
         request.sampling.verify_for_model(info.vocab_size)
     except InvalidRequest as exc:

@@ -95,6 +95,62 @@ def test_sequences_that_never_fit_the_replicas_cache_are_refused_up_front(model_
     assert fits[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
 
 
+def test_stop_token_ids_are_counted_before_the_sampling_parameters_scan_them(model_dir,
+                                                                         monkeypatch):
+    from pagedserve.services.gateway import convert
+
+    def unreachable(msg):
+        raise AssertionError("converted before the stop lists were bounded")
+
+    monkeypatch.setattr(convert, "sampling_params_from_proto", unreachable)
+
+    async def body(h):
+        return await refused(h.generation.GenerateStream(
+            request(stop_token_ids=[5] * 1025), timeout=10)), h.fake.submits
+
+    err, submits = run(model_dir, body)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_stop_token_ids=1024" in err.details() and "1025" in err.details()
+    assert submits == []
+
+
+@pytest.mark.parametrize("request_id, words", [
+    ("r1\nINFO forged scheduler line", ["printable", "'r1\\nINFO forged scheduler line'"]),
+    ("r\x00", ["printable"]),
+    ("r" * 257, ["at most 256 characters", "257"]),
+])
+def test_a_request_id_that_could_forge_a_log_line_is_refused(model_dir, request_id, words):
+    async def body(h):
+        generate = gateway_pb2.GenerateStreamRequest(request_id=request_id, text="the fox")
+        refusals = [await refused(h.generation.GenerateStream(generate, timeout=10))]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.generation.Abort(gateway_pb2.AbortRequest(request_id=request_id), timeout=10)
+        return [*refusals, err.value], h.fake.submits
+
+    errors, submits = run(model_dir, body)
+    for err in errors:
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "request_id" in err.details()
+        for word in words:
+            assert word in err.details()
+    assert submits == []
+
+
+def test_tokenize_goes_through_admission(model_dir):
+    async def body(h):
+        h.fake.hang = True
+        live = h.generation.GenerateStream(request(max_tokens=4), timeout=30)
+        await live.read()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.generation.Tokenize(gateway_pb2.TokenizeRequest(text="the fox"), timeout=10)
+        live.cancel()
+        return err.value
+
+    err = run(model_dir, body, max_concurrent_requests=1)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_concurrent_requests" in err.details()
+
+
 @pytest.mark.parametrize("field", ["text", "messages"])
 def test_text_that_cannot_fit_max_model_len_is_refused_before_tokenizing(model_dir, monkeypatch,
                                                                       field):
@@ -185,6 +241,35 @@ def test_a_small_request_is_served_while_a_large_prompt_tokenizes(model_dir, mon
     assert small[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert was_large_pending
     assert large[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_a_generation_is_served_while_tokenize_calls_fill_their_threads(model_dir, monkeypatch):
+    """Big Tokenize calls block (until the test lets them go) in every thread they may use: a
+    Generate's prompt is still tokenized, in the gateway's other threads."""
+    generated = threading.Event()
+    encode = Tokenizer.encode
+
+    def slow_encode(self, text, add_special_tokens=True):
+        if len(text) > 100_000:
+            generated.wait(20)
+        return encode(self, text, add_special_tokens)
+
+    monkeypatch.setattr(Tokenizer, "encode", slow_encode)
+
+    async def body(h):
+        big = gateway_pb2.TokenizeRequest(text="the fox " * 13_000)
+        tokenizing = [asyncio.ensure_future(h.generation.Tokenize(big, timeout=30))
+                      for _ in range(3)]
+        await asyncio.sleep(0.2)
+        small = await collect(h.generation.GenerateStream(request(max_tokens=3), timeout=30))
+        were_tokenizing = not any(t.done() for t in tokenizing)
+        generated.set()
+        return small, were_tokenizing, await asyncio.gather(*tokenizing)
+
+    small, were_tokenizing, tokenized = run(model_dir, body, max_model_len=1_000_000)
+    assert small[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert were_tokenizing
+    assert all(len(t.token_ids) > 13_000 for t in tokenized)
 
 
 # --- slow consumers ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pagedserve.services.gateway.openai import sse
 from pagedserve.services.gateway.openai.convert import (
     chat_max_tokens,
     chat_messages,
+    chat_requested_max_tokens,
     chat_top_logprobs,
     sampling_params,
 )
@@ -56,6 +57,16 @@ def _logprobs(delta: StreamDelta) -> ChatLogprobs:
     return ChatLogprobs(content=content)
 
 
+def _messages_input(serving: OpenAIServing, body: ChatCompletionRequest) -> GenerateInput:
+    """The request as its messages, with the max tokens it asks for (at least 1): what its cost
+    is checked and admitted by before the template renders them."""
+    requested = chat_requested_max_tokens(body)
+    sampling = sampling_params(body, 1 if requested is None else requested,
+                               chat_top_logprobs(body), limits=serving.frontend.limits)
+    return GenerateInput(messages=chat_messages(body.messages), sampling=sampling,
+                         priority=body.priority)
+
+
 class _Chat:
     def __init__(self, serving: OpenAIServing, body: ChatCompletionRequest,
                  token_ids: list[int]) -> None:
@@ -66,7 +77,7 @@ class _Chat:
         self.created = now_s()
         logprobs = chat_top_logprobs(body)
         max_tokens = chat_max_tokens(body, len(token_ids), serving.frontend.info)
-        sampling = sampling_params(body, max_tokens, logprobs)
+        sampling = sampling_params(body, max_tokens, logprobs, limits=serving.frontend.limits)
         self.input = GenerateInput(request_id=self.id, token_ids=tuple(token_ids),
                                    sampling=sampling, priority=body.priority)
         self.texts = [""] * sampling.n
@@ -126,8 +137,12 @@ class _Chat:
 async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest,
                                  request: Request) -> Response:
     serving.check_model(body.model)
-    token_ids = await serving.frontend.tokenize(
-        GenerateInput(messages=chat_messages(body.messages)))
-    chat = _Chat(serving, body, token_ids)
-    submission = await Submission.open(serving.frontend, [chat.input], request)
+    messages = _messages_input(serving, body)
+    submission = Submission.admit(serving.frontend, [messages], request)
+    try:
+        chat = _Chat(serving, body, await serving.frontend.prompt_token_ids(messages))
+    except BaseException:
+        submission.close()
+        raise
+    await submission.prepare([chat.input])
     return await respond(submission, request, body.stream, chat.events, chat.whole)

@@ -10,7 +10,11 @@ from collections.abc import AsyncIterator
 
 from pagedserve.services.common.outputs import Usage
 from pagedserve.services.gateway.openai import sse
-from pagedserve.services.gateway.openai.convert import completion_prompts, sampling_params
+from pagedserve.services.gateway.openai.convert import (
+    check_prompt_size,
+    completion_prompts,
+    sampling_params,
+)
 from pagedserve.services.gateway.openai.errors import error_for
 from pagedserve.services.gateway.openai.generation import (
     StartedDeltas,
@@ -29,7 +33,6 @@ from pagedserve.services.gateway.openai.serving import (
     logprob_value,
     usage_info,
 )
-from pagedserve.services.gateway.validation import GenerateInput
 from pagedserve.services.text.text_stream import StreamDelta
 from starlette.requests import Request
 from starlette.responses import Response
@@ -58,30 +61,40 @@ def _logprobs(delta: StreamDelta, choice: _Choice) -> CompletionLogprobs:
     return out
 
 
-def _echo_text(serving: OpenAIServing, request: GenerateInput) -> str:
-    if request.text is not None:
-        return request.text
-    return serving.frontend.tokenizer.decode(request.token_ids or ())
-
-
 class _Completion:
+    """Built in two steps: the inputs (`__init__`, whose cost is bounded by their lengths
+    alone), then, once they are admitted and prepared, what is kept per output (`start`)."""
+
     def __init__(self, serving: OpenAIServing, body: CompletionRequest) -> None:
         serving.check_model(body.model)
         self.serving = serving
         self.body = body
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = now_s()
-        sampling = sampling_params(body, body.max_tokens, body.logprobs)
+        frontend = serving.frontend
+        sampling = sampling_params(body, body.max_tokens, body.logprobs, limits=frontend.limits)
+        check_prompt_size(body.prompt, sampling, frontend.limits, frontend.info)
         prompts = completion_prompts(body.prompt)
         self.inputs = [dataclasses.replace(
             p, sampling=sampling, priority=body.priority,
             request_id=self.id if len(prompts) == 1 else f"{self.id}-{i}")
             for i, p in enumerate(prompts)]
         self.n = sampling.n
-        self.echoes = [_echo_text(serving, p) if body.echo else "" for p in self.inputs]
+        self.echoes: list[str] = []
+        self.choices: list[_Choice] = []
+        self.usages: list[Usage] = []
+
+    async def start(self, submission: Submission) -> None:
+        """Echoed token ids are decoded off the event loop, once prepare checked them."""
+        for one, prepared in zip(self.inputs, submission.prepared, strict=True):
+            if not self.body.echo:
+                self.echoes.append("")
+            elif one.text is not None:
+                self.echoes.append(one.text)
+            else:
+                self.echoes.append(await self.serving.frontend.decode(prepared.prompt_token_ids))
         self.choices = [_Choice(num_chars=len(self.echoes[i // self.n]))
                         for i in range(len(self.inputs) * self.n)]
-        self.usages: list[Usage] = []
 
     def on_delta(self, prompt_index: int, delta: StreamDelta) -> CompletionChoice:
         """The delta as a choice chunk; the whole choice is accumulated too."""
@@ -136,4 +149,9 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest,
                             request: Request) -> Response:
     completion = _Completion(serving, body)
     submission = await Submission.open(serving.frontend, completion.inputs, request)
+    try:
+        await completion.start(submission)
+    except BaseException:
+        submission.close()
+        raise
     return await respond(submission, request, body.stream, completion.events, completion.whole)

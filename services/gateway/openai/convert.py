@@ -10,6 +10,13 @@ from typing import Any
 
 from pagedserve.services.common.errors import InvalidRequest, Reason
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.gateway.config import RequestLimitsConfig
+from pagedserve.services.gateway.limits import (
+    check_list_lengths,
+    check_num_prompts,
+    check_num_token_ids,
+    check_token_ids_bytes,
+)
 from pagedserve.services.gateway.openai.protocol import (
     ChatCompletionRequest,
     ChatMessageIn,
@@ -45,10 +52,14 @@ def _reject_unsupported(request: GenerationRequest) -> None:
 
 
 def sampling_params(request: GenerationRequest, max_tokens: int | None,
-                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-    """Fields left unset (or null) keep SamplingParams' defaults."""
+                    logprobs: int | None, prompt_logprobs: int | None = None,
+                    limits: RequestLimitsConfig | None = None) -> SamplingParams:
+    """Fields left unset (or null) keep SamplingParams' defaults; the stop lists are bounded by
+    `limits` (default: the config's defaults) before anything scans them."""
     _reject_unsupported(request)
     stop = [request.stop] if isinstance(request.stop, str) else request.stop
+    check_list_lengths(stop or (), request.stop_token_ids or (),
+                       limits if limits is not None else RequestLimitsConfig())
     values: dict[str, Any] = {
         "n": request.n, "best_of": request.best_of, "use_beam_search": request.use_beam_search,
         "length_penalty": request.length_penalty, "temperature": request.temperature,
@@ -62,6 +73,24 @@ def sampling_params(request: GenerationRequest, max_tokens: int | None,
         "min_tokens": request.min_tokens, "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs, "skip_special_tokens": request.skip_special_tokens}
     return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+
+
+def check_prompt_size(prompt: str | list[Any], sampling: SamplingParams,
+                      limits: RequestLimitsConfig, info: ModelInfo) -> None:
+    """Before the prompt's elements are scanned: how many prompts (a list of texts or of id
+    lists) and how many ids each, by the lengths alone."""
+    if isinstance(prompt, str) or not prompt:
+        return
+    if _is_token_id(prompt[0]):
+        check_num_token_ids("prompt", len(prompt), info)
+        return
+    check_num_prompts(len(prompt), sampling, limits, info)
+    num_token_ids = 0
+    for i, one in enumerate(prompt):
+        if isinstance(one, list):
+            check_num_token_ids(f"prompt[{i}]", len(one), info)
+            num_token_ids += len(one)
+    check_token_ids_bytes("prompt", num_token_ids, limits)
 
 
 def completion_prompts(prompt: str | list[Any]) -> list[GenerateInput]:
@@ -122,11 +151,8 @@ def chat_top_logprobs(request: ChatCompletionRequest) -> int | None:
     return (request.top_logprobs or 0) if request.logprobs else None
 
 
-def chat_max_tokens(request: ChatCompletionRequest, num_prompt_tokens: int,
-                    info: ModelInfo) -> int:
-    """max_completion_tokens, else max_tokens, else what the context leaves, and what the
-    replica's KV cache leaves each of the request's sequences when it reports its size (at
-    least 1, so a prompt that fills either fails on the length check naming both)."""
+def chat_requested_max_tokens(request: ChatCompletionRequest) -> int | None:
+    """max_completion_tokens, else max_tokens, else None (what the prompt leaves)."""
     if request.max_completion_tokens is not None:
         if request.max_completion_tokens < 1:
             raise InvalidRequest(f"max_completion_tokens must be at least 1, got "
@@ -134,8 +160,17 @@ def chat_max_tokens(request: ChatCompletionRequest, num_prompt_tokens: int,
                                  reason=Reason.INVALID_SAMPLING_PARAMS,
                                  field="max_completion_tokens")
         return request.max_completion_tokens
-    if request.max_tokens is not None:
-        return request.max_tokens
+    return request.max_tokens
+
+
+def chat_max_tokens(request: ChatCompletionRequest, num_prompt_tokens: int,
+                    info: ModelInfo) -> int:
+    """The requested max tokens, else what the context leaves, and what the replica's KV cache
+    leaves each of the request's sequences when it reports its size (at least 1, so a prompt
+    that fills either fails on the length check naming both)."""
+    requested = chat_requested_max_tokens(request)
+    if requested is not None:
+        return requested
     room = info.max_model_len - num_prompt_tokens
     if info.num_gpu_blocks and info.block_size:
         num_seqs = max(request.best_of or 1, request.n or 1)

@@ -78,7 +78,9 @@ def status_of(exc: BaseException) -> tuple[HTTPStatus, str]:
         if isinstance(exc, error_type):
             return status, str(exc)
     logger.error("unexpected error in an HTTP handler", exc_info=exc)
-    return HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(exc).__name__}: {exc}"
+    if isinstance(exc, PagedServeError):  # its message is written for clients
+        return HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc}"
+    return HTTPStatus.INTERNAL_SERVER_ERROR, "internal error (its cause is in the gateway's log)"
 
 
 def error_for(exc: BaseException) -> ErrorResponse:

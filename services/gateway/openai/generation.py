@@ -23,31 +23,44 @@ T = TypeVar("T")
 
 
 class Submission:
-    """Admitted, prepared prompts (`open`); `close` gives their admission back (idempotent).
-    `stalled` is set when the Frontend gave up on a consumer that stopped reading (its request
-    already aborted): the response writing to that client is then cancelled."""
+    """Admitted, prepared prompts (`open`, or `admit` then `prepare`); `close` gives their
+    admission back (idempotent). `stalled` is set when the Frontend gave up on a consumer that
+    stopped reading (its request already aborted): the response writing to that client is then
+    cancelled."""
 
-    def __init__(self, frontend: Frontend, caller: Caller) -> None:
+    def __init__(self, frontend: Frontend, request: Request) -> None:
+        """`request`: the HTTP request, whose caller owns the prompts' requests (ownership)."""
         self._frontend = frontend
-        self._caller = caller
+        self._caller = http_caller(request)
+        self._arrival_s = arrival_time(request)
         self._admitted = contextlib.ExitStack()
         self.prepared: list[PreparedRequest] = []
         self.stalled = asyncio.Event()
 
     @classmethod
+    def admit(cls, frontend: Frontend, inputs: list[GenerateInput],
+              request: Request) -> Submission:
+        """The inputs' whole cost checked, then admitted as one request each, before anything
+        is built per prompt or per output."""
+        submission = cls(frontend, request)
+        submission._admitted.enter_context(frontend.admit(inputs))
+        return submission
+
+    @classmethod
     async def open(cls, frontend: Frontend, inputs: list[GenerateInput],
                    request: Request) -> Submission:
-        """`request`: the HTTP request, whose caller owns the prompts' requests (ownership)."""
-        submission = cls(frontend, http_caller(request))
-        arrival_s = arrival_time(request)
+        submission = cls.admit(frontend, inputs, request)
+        await submission.prepare(inputs)
+        return submission
+
+    async def prepare(self, inputs: list[GenerateInput]) -> None:
+        """Closed if one fails."""
         try:
             for one in inputs:
-                submission._admitted.enter_context(frontend.admission.admit())
-                submission.prepared.append(await frontend.prepare(one, arrival_s))
+                self.prepared.append(await self._frontend.prepare(one, self._arrival_s))
         except BaseException:
-            submission.close()
+            self.close()
             raise
-        return submission
 
     def close(self) -> None:
         self._admitted.close()

@@ -3,8 +3,6 @@ routes to the app it returns (they stay behind the API key unless listed in OPEN
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import FastAPI, Request
 from pagedserve.services.common.errors import InvalidRequest, Reason
 from pagedserve.services.gateway.openai.chat import create_chat_completion
@@ -57,6 +55,7 @@ def build_app(serving: OpenAIServing, api_key: str = "",
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """A generation prompt's limits, admission and the tokenize threads, either way."""
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("prompt or messages must be set, not both nor neither",
@@ -64,24 +63,16 @@ def build_app(serving: OpenAIServing, api_key: str = "",
         if body.messages is not None:
             token_ids = await frontend.tokenize(
                 GenerateInput(messages=chat_messages(body.messages)))
-        elif body.add_special_tokens:
-            token_ids = await frontend.tokenize(GenerateInput(text=body.prompt))
         else:
-            token_ids = await asyncio.to_thread(frontend.tokenizer.encode, body.prompt or "",
-                                                add_special_tokens=False)
+            token_ids = await frontend.tokenize(GenerateInput(text=body.prompt),
+                                                add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(token_ids), max_model_len=frontend.info.max_model_len,
                                 tokens=token_ids)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         serving.check_model(body.model)
-        vocab_size = frontend.info.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab_size][:8]
-        if bad:
-            raise InvalidRequest(f"tokens must be in [0, vocab_size={vocab_size}), got {bad}",
-                                 reason=Reason.UNKNOWN_TOKEN_ID, field="tokens")
-        return DetokenizeResponse(prompt=await asyncio.to_thread(frontend.tokenizer.decode,
-                                                                 body.tokens))
+        return DetokenizeResponse(prompt=await frontend.detokenize(body.tokens, "tokens"))
 
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
     if api_key:
