@@ -34,7 +34,7 @@ from pagedserve.services.common.engine_api import (
     PauseRequest,
     SubmitRequest,
 )
-from pagedserve.services.common.errors import NotFound, Reason, Unavailable
+from pagedserve.services.common.errors import InvalidRequest, NotFound, Reason, Unavailable
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -213,6 +213,22 @@ class EngineService:
 
         return await self._call(abort)
 
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        """Output `index` ends with STOP before the next step (its caller matched a stop string):
+        its blocks are freed, its siblings go on; the stream gets the final report if that ended
+        the request. One that ended meanwhile is left as it is."""
+
+        def finish() -> None:
+            try:
+                report = self.engine.finish_sequence(request_id, index)
+            except (NotFound, InvalidRequest) as exc:
+                logger.debug("finish_sequence(%r, %d) ignored: %s", request_id, index, exc)
+                return
+            if report is not None:
+                self._push(report)
+
+        self._queue(finish)
+
     async def set_paused(self, request: PauseRequest) -> None:
         """Pause or resume the request before the next step (backpressure from its consumer);
         NotFound as for abort, with no admin override."""
@@ -273,7 +289,11 @@ class EngineService:
                 self.engine.abort_request(request_id)
                 logger.info("request %s aborted: its caller went away", request_id)
 
-        self._pending.append((abort, None))
+        self._queue(abort)
+
+    def _queue(self, fn: Callable[[], None]) -> None:
+        """Run before the next step; nobody waits for it (a failure is logged)."""
+        self._pending.append((fn, None))
         self._has_pending = True
         self._wakeup.set()
 

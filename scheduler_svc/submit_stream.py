@@ -115,6 +115,10 @@ class SubmitStreamCall:
                 self._adding[request_id] = asyncio.create_task(self._add(msg.submit, sink))
             elif msg.HasField("cancel_request_id"):
                 self._cancel(msg.cancel_request_id)
+            elif msg.HasField("finish_sequence"):
+                finish = msg.finish_sequence
+                if finish.request_id in self._streams:
+                    self._service.finish_sequence(finish.request_id, finish.index)
 
     async def _add(self, msg: scheduler_pb2.SubmitRequest, sink: _Sink) -> None:
         """A cancel while it is being added takes it out of _adding at once (the same id may

@@ -189,8 +189,9 @@ class Frontend:
     async def _pump(self, request: PreparedRequest, text_stream: TextStream,
                     submission: ResumableSubmission, buffer: DeltaBuffer,
                     timer: RequestTimer | None) -> None:
-        """Scheduler events → text deltas → buffer, until every output has ended (a stop string
-        ended the last one: leaving the call aborts the rest) or the stream fails."""
+        """Scheduler events → text deltas → buffer, until every output has ended or the stream
+        fails. An output a stop string ended is finished in the scheduler at once; when that was
+        the last one, leaving the call ends the request."""
         try:
             async with contextlib.aclosing(submission.outputs()) as outputs:
                 async for output in outputs:
@@ -200,6 +201,8 @@ class Frontend:
                         buffer.put(delta)
                     if text_stream.is_finished:
                         break
+                    for index in text_stream.take_stopped():
+                        submission.finish_sequence(index)
         except Exception as exc:
             buffer.close(exc)
             return

@@ -180,6 +180,11 @@ class SchedulerClient:
         finally:
             call.cancel()  # no-op once the stream ended; otherwise it aborts the request
 
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        """Output `index` of a live request ends in the scheduler (its stop string matched):
+        scheduled no more, its blocks freed."""
+        self._submit_stream.finish_sequence(request_id, index)
+
     async def _ensure_connected(self) -> None:
         """UNAVAILABLE at once when the last connection attempt failed (reconnects back off at
         most MAX_RECONNECT_BACKOFF_MS), else after rpc_timeout_s."""

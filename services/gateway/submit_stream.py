@@ -106,6 +106,14 @@ class SubmitStreamClient:
                     self._send(call, scheduler_pb2.SubmitStreamRequest(
                         cancel_request_id=request_id))
 
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        """End output `index` of a live request in the scheduler (a stop string matched it)."""
+        entry = self._live.get(request_id)
+        if entry is not None and entry[1] is not None:
+            self._send(entry[0], scheduler_pb2.SubmitStreamRequest(
+                finish_sequence=scheduler_pb2.FinishSequence(request_id=request_id,
+                                                             index=index)))
+
     async def close(self) -> None:
         if self._call is not None:
             self._call.cancel()
