@@ -190,8 +190,8 @@ class Frontend:
                     submission: ResumableSubmission, buffer: DeltaBuffer,
                     timer: RequestTimer | None) -> None:
         """Scheduler events → text deltas → buffer, until every output has ended or the stream
-        fails. An output a stop string ended is finished in the scheduler at once; when that was
-        the last one, leaving the call ends the request."""
+        fails. An output a stop string ended is finished in the scheduler at once, the last one
+        too (so the request ends there as stopped, not aborted), before the call is left."""
         try:
             async with contextlib.aclosing(submission.outputs()) as outputs:
                 async for output in outputs:
@@ -199,10 +199,10 @@ class Frontend:
                         timer.on_tokens()
                     for delta in text_stream.on_output(output):
                         buffer.put(delta)
-                    if text_stream.is_finished:
-                        break
                     for index in text_stream.take_stopped():
                         submission.finish_sequence(index)
+                    if text_stream.is_finished:
+                        break
         except Exception as exc:
             buffer.close(exc)
             return

@@ -1,5 +1,6 @@
 """A stop string ends its output in the scheduler, through either front door: with n = 2 the
-stopped output is scheduled no more and its blocks are freed while its sibling runs on."""
+stopped output is scheduled no more and its blocks are freed while its sibling runs on; with
+n = 1 the request finishes there as stopped, not aborted."""
 
 from __future__ import annotations
 
@@ -61,3 +62,34 @@ def test_http_door(stack, stop, steps):
     request_id, = request_ids
     steps.assert_finished_early(request_id, finished=0, sibling=1, min_steps_after=20)
     assert_idle(stack)
+
+
+class FinishReasons:
+    """A stat logger of the scheduler's engine: why each request finished there."""
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    def record_step(self, stats) -> None:
+        pass
+
+    def record_finished(self, stats) -> None:
+        self.reasons.append(stats.finish_reason)
+
+
+def test_the_last_output_stopped_finishes_the_request_as_stopped(stack, generation_stub):
+    greedy = common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    free = generation_stub.Generate(gateway_pb2.GenerateRequest(
+        request_id="greedy", text=PROMPT, sampling=greedy), timeout=60)
+    engine = stack.scheduler[1].service.engine
+    finished = FinishReasons()
+    engine.stat_loggers.append(finished)
+    greedy.stop.append(free.outputs[0].text[:4])
+    try:
+        stopped = generation_stub.Generate(gateway_pb2.GenerateRequest(
+            request_id="greedy-stop", text=PROMPT, sampling=greedy), timeout=60)
+        assert stopped.outputs[0].finish_reason == common_pb2.FINISH_REASON_STOP
+        assert_idle(stack)
+    finally:
+        engine.stat_loggers.remove(finished)
+    assert finished.reasons == ["stop"]
