@@ -79,7 +79,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                            context: grpc.aio.ServicerContext
                            ) -> AsyncIterator[scheduler_pb2.SubmitStreamResponse]:
         service = self._service()
-        async for response in serve_submit_stream(service, requests):
+        async for response in serve_submit_stream(service, served_model_name(self.model),
+                                                  requests):
             yield response
 
     @map_errors

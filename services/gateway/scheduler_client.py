@@ -1,6 +1,6 @@
 """The gateway's side of scheduler.proto: one channel, requests multiplexed over one SubmitStream
-call (a Submit call each when traced, or when GetServedModel says the scheduler predates
-SubmitStream), unary calls with deadlines.
+call (a traced one carries its trace context inside; a Submit call each only when GetServedModel
+says the scheduler predates SubmitStream), unary calls with deadlines.
 
 A Submit call has no deadline (a request lives as long as it generates), so a dead scheduler is
 found otherwise: the call opens only on a connected channel, and keepalive pings end a stream
@@ -38,9 +38,10 @@ from pagedserve.services.rpc.convert_scheduler import (
     watch_load_request_to_proto,
 )
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
-from pagedserve.services.rpc.status import error_from_rpc
+from pagedserve.services.rpc.request_span import RequestSpan
+from pagedserve.services.rpc.status import error_from_rpc, status_of
 from pagedserve.services.rpc.tls import internal_aio_channel
-from pagedserve.services.rpc.tracing import aio_client_interceptors, is_tracing_on
+from pagedserve.services.rpc.tracing import aio_client_interceptors
 
 logger = logging.getLogger(__name__)
 
@@ -156,20 +157,29 @@ class SchedulerClient:
             resumed_outputs=resumed_outputs or []))
         wants_prompt_logprobs = request.sampling.prompt_logprobs is not None
         multiplexed = self._submit_stream
-        # a traced request keeps a Submit call (and span) of its own
-        if self._has_submit_stream and not multiplexed.is_unsupported and not is_tracing_on():
+        if self._has_submit_stream and not multiplexed.is_unsupported:
+            span = RequestSpan.client(msg, self.address)
+            code, details = grpc.StatusCode.CANCELLED, None  # unless it ends
             try:
                 async with contextlib.aclosing(multiplexed.events(msg)) as events:
                     async for event in events:
+                        if span is not None:
+                            span.on_response(event)
                         yield token_event_from_proto(event, request.request_id,
                                                      wants_prompt_logprobs)
                         wants_prompt_logprobs = False
+                code = grpc.StatusCode.OK
                 return
             except SubmitStreamUnsupported:
+                code = grpc.StatusCode.UNIMPLEMENTED
                 logger.info("%s at %s has no SubmitStream; a Submit call per request",
                             PEER, self.address)
             except PagedServeError as exc:
+                code, details = status_of(exc)
                 raise exc.with_fields(_request_field) from None
+            finally:
+                if span is not None:
+                    span.end(code, details)
         call = self._stub.Submit(msg)
         try:
             async for event in call:
@@ -182,7 +192,7 @@ class SchedulerClient:
 
     def finish_sequence(self, request_id: str, index: int) -> None:
         """Output `index` of a live request ends in the scheduler (its stop string matched):
-        scheduled no more, its blocks freed."""
+        scheduled no more, its blocks freed. Not over a Submit call (an older scheduler)."""
         self._submit_stream.finish_sequence(request_id, index)
 
     async def _ensure_connected(self) -> None:
