@@ -4,8 +4,8 @@ request's text deltas (buffered for slow consumers). No transport here: each fro
 its wire format to a GenerateInput and the StreamDeltas back.
 
 The gateway keeps nothing that must survive it: the count of its live requests (for admission
-and draining) is all. Leaving `generate` early — a stop string ends every output, the client
-cancels, its deadline passes — cancels the Submit call, which aborts the request in the scheduler.
+and draining) is all. A stop string finishes its output in the scheduler (finish_sequence);
+leaving `generate` early — the client cancels, its deadline passes — cancels the request there.
 Which replica runs a request, and its move to another when that one fails, is the failover
 module's; the text stream goes on across the move.
 """

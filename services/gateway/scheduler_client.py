@@ -2,10 +2,9 @@
 call (a traced one carries its trace context inside; a Submit call each only when GetServedModel
 says the scheduler predates SubmitStream), unary calls with deadlines.
 
-A Submit call has no deadline (a request lives as long as it generates), so a dead scheduler is
-found otherwise: the call opens only on a connected channel, and keepalive pings end a stream
-whose peer vanished. Leaving the `submit` iterator early cancels the call, which aborts the
-request in the scheduler.
+A request has no deadline (it lives as long as it generates), so a dead scheduler is found
+otherwise: a request opens only on a connected channel, and keepalive pings end a call whose
+peer vanished. Leaving the `submit` iterator early cancels the request in the scheduler.
 """
 
 from __future__ import annotations
