@@ -1,12 +1,12 @@
 """The scheduler service's engine loop: EngineCore driven from asyncio.
 
 EngineCore is not thread-safe: the engine thread runs its steps, and the event loop applies the
-queued operations (add, abort, pause) only between two steps. While none is queued the engine
+queued operations (add, abort, pause, finish_sequence) only between two steps. While none is queued the engine
 thread steps on by itself, handing each step's outputs to the event loop without waiting for it:
 the event loop's turn (streaming the outputs, admitting requests) stays off the path from one
-step's result to the next plan. A Submit whose consumer leaves queues an abort that runs before
+step's result to the next plan. A request whose consumer leaves queues an abort that runs before
 the next step, so its blocks are free by then. Each step is a span in the
-trace of the oldest live request, linked to the Submit spans of the others it ran.
+trace of the oldest live request, linked to the request spans of the others it ran.
 Stats: the engine feeds its stat loggers on the engine thread; every `stats_interval_s` a timer on
 the event loop logs vLLM's stats line (LoggingStatLogger).
 """
@@ -39,7 +39,7 @@ from pagedserve.services.common.outputs import FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)
 
-_Item = RequestOutput | BaseException  # what a Submit queue carries; an exception ends it
+_Item = RequestOutput | BaseException  # what a request's queue carries; an exception ends it
 
 
 class OutputSink(Protocol):
@@ -372,7 +372,7 @@ class EngineService:
         span.end()
 
     def _step_span_parent(self) -> SpanContext | None:
-        """The Submit span of the oldest live request."""
+        """The span of the oldest live request (its SubmitStream request span)."""
         for request_id in [r for r in self._span_contexts if r not in self._streams]:
             del self._span_contexts[request_id]
         return next(iter(self._span_contexts.values()), None)

@@ -3,7 +3,7 @@
 Each request's outputs go straight from the engine loop into this call's pending map (no task per
 request); a single writer turns whatever accumulated since its last message into the next one, so
 a caller that keeps up gets one message per step and a slow one gets steps merged. A request ends
-in-band (done, or the google.rpc.Status its Submit call would have ended with); the call's end
+in-band (done, or a google.rpc.Status); the call's end
 aborts every request still live in it.
 """
 
@@ -92,7 +92,6 @@ class SubmitStreamCall:
                                for request_id, items in pending.items()]
                     for response in _messages(events):
                         yield response
-                    continue
                 if self._reader.done():
                     self._reader.result()  # a protocol error fails the call
                     if not self._sinks:
@@ -209,7 +208,7 @@ class SubmitStreamCall:
 def _messages(events: list[scheduler_pb2.RequestEvent]
               ) -> list[scheduler_pb2.SubmitStreamResponse]:
     """One message, or several where many big events (prompt logprobs) would pass
-    MAX_MESSAGE_BYTES: each Submit message had its own limit."""
+    MAX_MESSAGE_BYTES."""
     if len(events) == 1:
         return [scheduler_pb2.SubmitStreamResponse(events=events)]
     messages, batch, num_bytes = [], [], 0

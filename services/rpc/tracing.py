@@ -430,7 +430,6 @@ _RPC_ATTRIBUTES: dict[str, _Recorded] = {
                                                                 _generate_stream_response),
     "pagedserve.v1.GenerationService/Generate": _Recorded(_generate_request, _generate_response),
     "pagedserve.v1.GenerationService/Abort": _Recorded(_abort_request),
-    "pagedserve.internal.v1.SchedulerService/Submit": _Recorded(_submit_request, _token_event),
     # one request of a SubmitStream call (request_span)
     "pagedserve.internal.v1.SchedulerService/SubmitStream": _Recorded(_submit_request,
                                                                       _token_event),

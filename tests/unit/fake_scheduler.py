@@ -30,7 +30,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
             model=model_dir, architecture=info.architecture, max_model_len=info.max_model_len,
             vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
             block_size=info.block_size, num_gpu_blocks=info.num_gpu_blocks,
-            max_num_seqs=info.max_num_seqs, has_submit_stream=True)
+            max_num_seqs=info.max_num_seqs)
         self.reply_ids = reply_ids
         self.num_reply_tokens: int | None = None  # cycle reply_ids for this many tokens
         self.tokens_per_event = 1
