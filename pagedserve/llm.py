@@ -3,8 +3,9 @@
     llm = LLM(model="/path/to/model", enable_prefix_caching=True)
     outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
 
-A stop string stops its output in the engine at once (its blocks freed); beam search and
-best_of > n pick their winners only at the end, so there a stop string cuts the final text.
+A stop string finishes its output in the engine at once (LLMEngine.finish_sequence: its blocks
+freed, its siblings going on), as the gateway does over SubmitStream; beam search and best_of > n
+rank their candidates only at the end, so there a stop string cuts the chosen outputs' text.
 """
 
 from __future__ import annotations
@@ -64,12 +65,12 @@ class _Request:
         self.is_finished = False
 
     def update(self, report: RequestOutput) -> list[int]:
-        """Take one engine report; returns the indices a stop string just stopped."""
+        """Take one engine report; returns the indices a stop string ended before the engine
+        did."""
         if report.prompt_logprobs is not None:
             self.output.prompt_logprobs = report.prompt_logprobs
         self.output.num_cached_tokens = report.num_cached_tokens
         engine_outputs = {c.index: c for c in report.outputs}
-        stopped = []
         for delta in self.text.on_output(report):
             engine_output = engine_outputs.get(delta.index)
             if engine_output is None:  # the prompt-logprobs delta of an empty report
@@ -84,12 +85,10 @@ class _Request:
             out.top_logprobs += engine_output.top_logprobs[:num_kept]
             if delta.finish_reason is not None:
                 out.finish_reason, out.error = delta.finish_reason, delta.error
-                if engine_output.finish_reason is None:
-                    stopped.append(delta.index)
         if report.finished:
             self.is_finished = True
             self.output.outputs = [self.completions[i] for i in sorted(self.completions)]
-        return stopped
+        return self.text.take_stopped()
 
 
 class LLM:
@@ -165,7 +164,7 @@ class LLM:
                     report = reports.pop()
                     request = requests[report.request_id]
                     for index in request.update(report):
-                        final = self.engine.core.stop_sequence(report.request_id, index)
+                        final = self.engine.finish_sequence(report.request_id, index)
                         if final is not None:
                             reports.append(final)
                     if report.finished:

@@ -97,6 +97,11 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput:
         return self.core.abort_request(request_id)
 
+    def finish_sequence(self, request_id: str, index: int) -> RequestOutput | None:
+        """Output `index` ends with STOP (a stop string matched its text); the report if that
+        ended the request."""
+        return self.core.finish_sequence(request_id, index)
+
     def step(self) -> list[RequestOutput]:
         return self.core.step()
 

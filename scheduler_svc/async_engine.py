@@ -1,12 +1,12 @@
 """The scheduler service's engine loop: EngineCore driven from asyncio.
 
 EngineCore is not thread-safe: the engine thread runs its steps, and the event loop applies the
-queued operations (add, abort, pause) only between two steps. While none is queued the engine
+queued operations (add, abort, pause, finish_sequence) only between two steps. While none is queued the engine
 thread steps on by itself, handing each step's outputs to the event loop without waiting for it:
 the event loop's turn (streaming the outputs, admitting requests) stays off the path from one
-step's result to the next plan. A Submit whose consumer leaves queues an abort that runs before
+step's result to the next plan. A request whose consumer leaves queues an abort that runs before
 the next step, so its blocks are free by then. Each step is a span in the
-trace of the oldest live request, linked to the Submit spans of the others it ran.
+trace of the oldest live request, linked to the request spans of the others it ran.
 Stats: the engine feeds its stat loggers on the engine thread; every `stats_interval_s` a timer on
 the event loop logs vLLM's stats line (LoggingStatLogger).
 """
@@ -34,12 +34,12 @@ from pagedserve.services.common.engine_api import (
     PauseRequest,
     SubmitRequest,
 )
-from pagedserve.services.common.errors import NotFound, Reason, Unavailable
+from pagedserve.services.common.errors import InvalidRequest, NotFound, Reason, Unavailable
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)
 
-_Item = RequestOutput | BaseException  # what a Submit queue carries; an exception ends it
+_Item = RequestOutput | BaseException  # what a request's queue carries; an exception ends it
 
 
 class OutputSink(Protocol):
@@ -213,6 +213,22 @@ class EngineService:
 
         return await self._call(abort)
 
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        """Output `index` ends with STOP before the next step (its caller matched a stop string):
+        its blocks are freed, its siblings go on; the stream gets the final report if that ended
+        the request. One that ended meanwhile is left as it is."""
+
+        def finish() -> None:
+            try:
+                report = self.engine.finish_sequence(request_id, index)
+            except (NotFound, InvalidRequest) as exc:
+                logger.debug("finish_sequence(%r, %d) ignored: %s", request_id, index, exc)
+                return
+            if report is not None:
+                self._push(report)
+
+        self._queue(finish)
+
     async def set_paused(self, request: PauseRequest) -> None:
         """Pause or resume the request before the next step (backpressure from its consumer);
         NotFound as for abort, with no admin override."""
@@ -273,7 +289,11 @@ class EngineService:
                 self.engine.abort_request(request_id)
                 logger.info("request %s aborted: its caller went away", request_id)
 
-        self._pending.append((abort, None))
+        self._queue(abort)
+
+    def _queue(self, fn: Callable[[], None]) -> None:
+        """Run before the next step; nobody waits for it (a failure is logged)."""
+        self._pending.append((fn, None))
         self._has_pending = True
         self._wakeup.set()
 
@@ -352,7 +372,7 @@ class EngineService:
         span.end()
 
     def _step_span_parent(self) -> SpanContext | None:
-        """The Submit span of the oldest live request."""
+        """The span of the oldest live request (its SubmitStream request span)."""
         for request_id in [r for r in self._span_contexts if r not in self._streams]:
             del self._span_contexts[request_id]
         return next(iter(self._span_contexts.values()), None)

@@ -214,18 +214,21 @@ class EngineCore:
                            reason=Reason.REQUEST_NOT_FOUND, field="request_id")
         return group
 
-    def stop_sequence(self, request_id: str, index: int) -> RequestOutput | None:
-        """The caller matched a stop string in output `index`'s text. Returns the report if that
-        ended the request."""
-        group = self._groups.get(request_id)
-        if group is None:
-            raise NotFound(f"request_id {request_id!r} is not running")
+    def finish_sequence(self, request_id: str, index: int, owner: str | None = None
+                        ) -> RequestOutput | None:
+        """Output `index` ends with STOP now (its caller matched a stop string in its text): it
+        is scheduled no more and its blocks are freed while its siblings go on. Returns the
+        report if that ended the request. NotFound as abort_request, and for an index that is
+        not running; InvalidRequest for beam search and best_of > n, whose candidates are ranked
+        only at the end (their caller sees no output before)."""
+        group = self._owned_group(request_id, owner)
         if not group.is_streamed:
             raise InvalidRequest(f"request_id {request_id!r} uses beam search or best_of > n; "
-                                 "its outputs cannot be stopped one by one")
+                                 "its outputs cannot be finished one by one", field="index")
         seqs = [s for s in group.seqs if s.index == index and not s.is_finished]
         if not seqs:
-            raise NotFound(f"request_id {request_id!r} has no running output index {index}")
+            raise NotFound(f"request_id {request_id!r} has no running output index {index}",
+                           reason=Reason.REQUEST_NOT_FOUND, field="index")
         seqs[0].finish(FinishReason.STOP)
         self.scheduler.release_finished(group)
         if not group.is_finished:

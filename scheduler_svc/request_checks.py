@@ -82,7 +82,7 @@ def check_request(request_id: str, prompt_token_ids: list[int], sampling: Sampli
 def check_admission(prompt_token_ids: list[int], sampling: SamplingParams,
                     limits: RequestLimits, num_waiting: int,
                     queue_wait_s: Callable[[int], float]) -> None:
-    """What Submit adds; the offline LLM queues whole batches and lets outputs end at
+    """What SubmitStream adds; the offline LLM queues whole batches and lets outputs end at
     max_model_len. `queue_wait_s(num_places)`: how soon the queue frees that many."""
     num_tokens = len(prompt_token_ids) + sampling.max_tokens
     if num_tokens > limits.max_model_len:

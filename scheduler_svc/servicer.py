@@ -19,25 +19,21 @@ from pagedserve.services.common.config import (
     SchedulerServiceConfig,
     served_model_name,
 )
-from pagedserve.services.common.errors import ConfigError, PagedServeError, Reason, Unavailable
+from pagedserve.services.common.errors import ConfigError, Reason, Unavailable
 from pagedserve.services.common.gc_tuning import tune_gc_after_startup
-from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.rpc.convert_scheduler import (
     abort_request_from_proto,
     load_to_proto,
     pause_request_from_proto,
     served_model_to_proto,
-    submit_request_from_proto,
-    token_event_to_proto,
     watch_load_request_from_proto,
 )
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
 from pagedserve.services.rpc.roles import SCHEDULER_CALLERS, RoleInterceptor
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
-from pagedserve.services.rpc.status import abort_with, map_errors
+from pagedserve.services.rpc.status import map_errors
 from pagedserve.services.rpc.tls import internal_server_credentials
-from pagedserve.services.rpc.tracing import set_request_model
 from prometheus_client import CollectorRegistry
 
 logger = logging.getLogger(__name__)
@@ -57,29 +53,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         return self.service
 
     @map_errors
-    async def Submit(self, request: scheduler_pb2.SubmitRequest,
-                     context: grpc.aio.ServicerContext
-                     ) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
-        service = self._service()
-        set_request_model(served_model_name(self.model))
-        # leaving the block early (client gone, deadline, cancel) aborts the request
-        async with await service.submit(submit_request_from_proto(request)) as stream:
-            async for output in stream:
-                yield token_event_to_proto(output)
-                if not output.finished:
-                    continue
-                errors = [o.error for o in output.outputs if o.finish_reason == FinishReason.ERROR]
-                if errors:
-                    await abort_with(context, PagedServeError(
-                        errors[0] or "the request failed inside the engine",
-                        reason=Reason.GENERATION_FAILED))
-
-    @map_errors
     async def SubmitStream(self, requests: AsyncIterator[scheduler_pb2.SubmitStreamRequest],
                            context: grpc.aio.ServicerContext
                            ) -> AsyncIterator[scheduler_pb2.SubmitStreamResponse]:
         service = self._service()
-        async for response in serve_submit_stream(service, requests):
+        async for response in serve_submit_stream(service, served_model_name(self.model),
+                                                  requests):
             yield response
 
     @map_errors
@@ -117,13 +96,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                              context: grpc.aio.ServicerContext
                              ) -> scheduler_pb2.GetServedModelResponse:
         engine = self._service().engine
-        response = served_model_to_proto(self.model, engine.worker_info, engine.max_model_len,
-                                         engine.vocab_size, engine.eos_token_ids,
-                                         block_size=engine.block_manager.block_size,
-                                         num_gpu_blocks=engine.num_gpu_blocks,
-                                         max_num_seqs=engine.config.scheduler.max_num_seqs)
-        response.has_submit_stream = True
-        return response
+        return served_model_to_proto(self.model, engine.worker_info, engine.max_model_len,
+                                     engine.vocab_size, engine.eos_token_ids,
+                                     block_size=engine.block_manager.block_size,
+                                     num_gpu_blocks=engine.num_gpu_blocks,
+                                     max_num_seqs=engine.config.scheduler.max_num_seqs)
 
 
 def create_scheduler_server(config: EngineConfig, service_config: SchedulerServiceConfig

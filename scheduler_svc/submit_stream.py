@@ -3,7 +3,7 @@
 Each request's outputs go straight from the engine loop into this call's pending map (no task per
 request); a single writer turns whatever accumulated since its last message into the next one, so
 a caller that keeps up gets one message per step and a slow one gets steps merged. A request ends
-in-band (done, or the google.rpc.Status its Submit call would have ended with); the call's end
+in-band (done, or a google.rpc.Status); the call's end
 aborts every request still live in it.
 """
 
@@ -14,6 +14,8 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+import grpc
+from opentelemetry import trace
 from pagedserve.scheduler_svc.async_engine import EngineService, RequestStream
 from pagedserve.scheduler_svc.outputs import merge_request_outputs
 from pagedserve.services.common.errors import InvalidRequest, PagedServeError, Reason
@@ -23,7 +25,9 @@ from pagedserve.services.rpc.convert_scheduler import (
     token_event_to_proto,
 )
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2
-from pagedserve.services.rpc.status import details_of, rich_status
+from pagedserve.services.rpc.request_span import RequestSpan
+from pagedserve.services.rpc.status import details_of, rich_status, status_of
+from pagedserve.services.rpc.tracing import set_request_model
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +49,10 @@ class _Sink:
 
 
 class SubmitStreamCall:
-    def __init__(self, service: EngineService) -> None:
+    def __init__(self, service: EngineService, model: str) -> None:
+        """`model`: the served model's name, on each traced request's span."""
         self._service = service
+        self._model = model
         self._pending: dict[str, list[_Item]] = {}
         self._ready = asyncio.Event()
         self._streams: dict[str, RequestStream] = {}
@@ -55,6 +61,7 @@ class SubmitStreamCall:
         # dropped (its id may be live again already)
         self._sinks: dict[str, _Sink] = {}
         self._cancelled: list[str] = []  # to acknowledge: nothing more comes for them
+        self._spans: dict[str, RequestSpan] = {}  # of the traced live requests
         self._reader: asyncio.Task[None] | None = None
 
     def put(self, request_id: str, item: _Item, sink: _Sink) -> None:
@@ -85,7 +92,6 @@ class SubmitStreamCall:
                                for request_id, items in pending.items()]
                     for response in _messages(events):
                         yield response
-                    continue
                 if self._reader.done():
                     self._reader.result()  # a protocol error fails the call
                     if not self._sinks:
@@ -99,9 +105,8 @@ class SubmitStreamCall:
             self._reader.cancel()
         for task in self._adding.values():
             task.cancel()
-        for stream in self._streams.values():
-            stream.close()
-        self._streams.clear()
+        for request_id in list(self._sinks):
+            self._end(request_id, grpc.StatusCode.CANCELLED)
 
     async def _read(self, requests: AsyncIterator[scheduler_pb2.SubmitStreamRequest]) -> None:
         async for msg in requests:
@@ -112,16 +117,30 @@ class SubmitStreamCall:
                                          "SubmitStream call", reason=Reason.REQUEST_ID_IN_USE,
                                          field="submit.request_id")
                 sink = self._sinks[request_id] = _Sink(self, request_id)
-                self._adding[request_id] = asyncio.create_task(self._add(msg.submit, sink))
+                span = RequestSpan.server(msg.submit)
+                if span is not None:
+                    self._spans[request_id] = span
+                self._adding[request_id] = asyncio.create_task(self._add(msg.submit, sink, span))
             elif msg.HasField("cancel_request_id"):
                 self._cancel(msg.cancel_request_id)
+            elif msg.HasField("finish_sequence"):
+                finish = msg.finish_sequence
+                if finish.request_id in self._streams:
+                    self._service.finish_sequence(finish.request_id, finish.index)
 
-    async def _add(self, msg: scheduler_pb2.SubmitRequest, sink: _Sink) -> None:
+    async def _add(self, msg: scheduler_pb2.SubmitRequest, sink: _Sink,
+                   span: RequestSpan | None) -> None:
         """A cancel while it is being added takes it out of _adding at once (the same id may
-        come again right behind the cancel) and cancels this task."""
+        come again right behind the cancel) and cancels this task. The request's span is
+        current while it is added: its engine steps join its trace."""
         request_id = msg.request_id
         try:
-            stream = await self._service.submit(submit_request_from_proto(msg), sink)
+            if span is None:
+                stream = await self._service.submit(submit_request_from_proto(msg), sink)
+            else:
+                with trace.use_span(span.span):
+                    set_request_model(self._model)
+                    stream = await self._service.submit(submit_request_from_proto(msg), sink)
         except Exception as exc:
             self.put(request_id, exc, sink)
         else:
@@ -134,16 +153,25 @@ class SubmitStreamCall:
                 del self._adding[request_id]
 
     def _cancel(self, request_id: str) -> None:
-        if self._sinks.pop(request_id, None) is not None:
+        if request_id in self._sinks:
             self._cancelled.append(request_id)
             self._ready.set()
         task = self._adding.pop(request_id, None)
         if task is not None:
             task.cancel()
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.close()
+        self._end(request_id, grpc.StatusCode.CANCELLED)
         self._pending.pop(request_id, None)
+
+    def _end(self, request_id: str, code: grpc.StatusCode, details: str | None = None) -> None:
+        """Where a request's stream ends, however it ends (done, error, cancel, the call's end):
+        a cancelled one is aborted in the engine, a traced one's span ends."""
+        self._sinks.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and code == grpc.StatusCode.CANCELLED:
+            stream.close()
+        span = self._spans.pop(request_id, None)
+        if span is not None:
+            span.end(code, details)
 
     def _event(self, request_id: str, items: list[_Item]) -> scheduler_pb2.RequestEvent:
         """The request's outputs since the last message, merged; its end if they end it."""
@@ -163,22 +191,24 @@ class SubmitStreamCall:
         event = scheduler_pb2.RequestEvent(request_id=request_id)
         if output is not None:
             token_event_to_proto(output, event.response)
+            span = self._spans.get(request_id)
+            if span is not None:
+                span.on_response(event.response)
         if error is not None:
             if details_of(error).reason == Reason.INTERNAL:
                 logger.error("request %s failed", request_id, exc_info=error)
             event.error_status = rich_status(error).SerializeToString()
+            self._end(request_id, *status_of(error))
         elif output is not None and output.finished:
             event.done = True
-        if error is not None or event.done:
-            self._streams.pop(request_id, None)
-            self._sinks.pop(request_id, None)
+            self._end(request_id, grpc.StatusCode.OK)
         return event
 
 
 def _messages(events: list[scheduler_pb2.RequestEvent]
               ) -> list[scheduler_pb2.SubmitStreamResponse]:
     """One message, or several where many big events (prompt logprobs) would pass
-    MAX_MESSAGE_BYTES: each Submit message had its own limit."""
+    MAX_MESSAGE_BYTES."""
     if len(events) == 1:
         return [scheduler_pb2.SubmitStreamResponse(events=events)]
     messages, batch, num_bytes = [], [], 0
@@ -193,10 +223,10 @@ def _messages(events: list[scheduler_pb2.RequestEvent]
     return messages
 
 
-async def serve_submit_stream(service: EngineService,
+async def serve_submit_stream(service: EngineService, model: str,
                               requests: AsyncIterator[scheduler_pb2.SubmitStreamRequest]
                               ) -> AsyncIterator[scheduler_pb2.SubmitStreamResponse]:
-    call = SubmitStreamCall(service)
+    call = SubmitStreamCall(service, model)
     async with contextlib.aclosing(call.run(requests)) as responses:
         async for response in responses:
             yield response

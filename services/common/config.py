@@ -127,7 +127,7 @@ class SchedulerConfig:
     max_best_of: int = opt(64, "most sequences one request may run (n, best_of, beam width): "
                            "more is INVALID_ARGUMENT, so no request takes every sequence slot")
     max_waiting_requests: int = opt(
-        4096, "requests queued and not yet running; past it Submit is RESOURCE_EXHAUSTED")
+        4096, "requests queued and not yet running; past it a new request is RESOURCE_EXHAUSTED")
 
     def __post_init__(self) -> None:
         _check_choices(self)

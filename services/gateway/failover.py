@@ -95,6 +95,12 @@ class ResumableSubmission:
                            self.num_failovers, MAX_FAILOVERS)
             avoid = {replica.address}
 
+    def finish_sequence(self, index: int) -> None:
+        """A stop string ended output `index`: it ends on the replica that runs it (a move to
+        another does not resume it: `is_stopped`)."""
+        if self._replica is not None:
+            self._replica.client.finish_sequence(self._request.request_id, index)
+
     async def set_paused(self, is_paused: bool) -> None:
         """Best effort: a request that ended (or failed over) meanwhile stays as it is."""
         self.is_paused = is_paused

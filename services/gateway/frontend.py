@@ -4,8 +4,8 @@ request's text deltas (buffered for slow consumers). No transport here: each fro
 its wire format to a GenerateInput and the StreamDeltas back.
 
 The gateway keeps nothing that must survive it: the count of its live requests (for admission
-and draining) is all. Leaving `generate` early — a stop string ends every output, the client
-cancels, its deadline passes — cancels the Submit call, which aborts the request in the scheduler.
+and draining) is all. A stop string finishes its output in the scheduler (finish_sequence);
+leaving `generate` early — the client cancels, its deadline passes — cancels the request there.
 Which replica runs a request, and its move to another when that one fails, is the failover
 module's; the text stream goes on across the move.
 """
@@ -239,8 +239,9 @@ class Frontend:
     async def _pump(self, request: PreparedRequest, text_stream: TextStream,
                     submission: ResumableSubmission, buffer: DeltaBuffer,
                     timer: RequestTimer | None) -> None:
-        """Scheduler events → text deltas → buffer, until every output has ended (a stop string
-        ended the last one: leaving the call aborts the rest) or the stream fails."""
+        """Scheduler events → text deltas → buffer, until every output has ended or the stream
+        fails. An output a stop string ended is finished in the scheduler at once, the last one
+        too (so the request ends there as stopped, not aborted), before the call is left."""
         try:
             async with contextlib.aclosing(submission.outputs()) as outputs:
                 async for output in outputs:
@@ -248,6 +249,8 @@ class Frontend:
                         timer.on_tokens()
                     for delta in text_stream.on_output(output):
                         buffer.put(delta)
+                    for index in text_stream.take_stopped():
+                        submission.finish_sequence(index)
                     if text_stream.is_finished:
                         break
         except Exception as exc:

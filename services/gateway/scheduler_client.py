@@ -1,18 +1,15 @@
-"""The gateway's side of scheduler.proto: one channel, requests multiplexed over one SubmitStream
-call (a Submit call each when traced, or when GetServedModel says the scheduler predates
-SubmitStream), unary calls with deadlines.
+"""The gateway's side of scheduler.proto: one channel, every request multiplexed over one
+SubmitStream call (a traced one carries its trace context inside), unary calls with deadlines.
 
-A Submit call has no deadline (a request lives as long as it generates), so a dead scheduler is
-found otherwise: the call opens only on a connected channel, and keepalive pings end a stream
-whose peer vanished. Leaving the `submit` iterator early cancels the call, which aborts the
-request in the scheduler.
+A request has no deadline (it lives as long as it generates), so a dead scheduler is found
+otherwise: a request opens only on a connected channel, and keepalive pings end a call whose
+peer vanished. Leaving the `submit` iterator early cancels the request in the scheduler.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -27,7 +24,7 @@ from pagedserve.services.common.engine_api import (
 )
 from pagedserve.services.common.errors import PagedServeError, Reason, Unavailable
 from pagedserve.services.common.outputs import RequestOutput
-from pagedserve.services.gateway.submit_stream import SubmitStreamClient, SubmitStreamUnsupported
+from pagedserve.services.gateway.submit_stream import SubmitStreamClient
 from pagedserve.services.gateway.validation import PreparedRequest
 from pagedserve.services.rpc.convert_scheduler import (
     abort_request_to_proto,
@@ -38,11 +35,10 @@ from pagedserve.services.rpc.convert_scheduler import (
     watch_load_request_to_proto,
 )
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
-from pagedserve.services.rpc.status import error_from_rpc
+from pagedserve.services.rpc.request_span import RequestSpan
+from pagedserve.services.rpc.status import error_from_rpc, status_of
 from pagedserve.services.rpc.tls import internal_aio_channel
-from pagedserve.services.rpc.tracing import aio_client_interceptors, is_tracing_on
-
-logger = logging.getLogger(__name__)
+from pagedserve.services.rpc.tracing import aio_client_interceptors
 
 PEER = "scheduler"
 MAX_RECONNECT_BACKOFF_MS = 2_000  # a restarted scheduler is used again within this
@@ -85,7 +81,6 @@ class SchedulerClient:
                                              interceptors=aio_client_interceptors(address))
         self._stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
         self._submit_stream = SubmitStreamClient(self._stub, PEER, SCHEDULER_RETRY_AFTER_S)
-        self._has_submit_stream = False  # as GetServedModel last said
 
     async def close(self) -> None:
         await self._submit_stream.close()
@@ -108,14 +103,11 @@ class SchedulerClient:
                           retry_after_s=SCHEDULER_RETRY_AFTER_S)
 
     async def get_served_model(self) -> scheduler_pb2.GetServedModelResponse:
-        """Also tells whether requests go over SubmitStream (when the scheduler has it)."""
         try:
-            served = await self._stub.GetServedModel(scheduler_pb2.GetServedModelRequest(),
-                                                     timeout=self._rpc_timeout_s)
+            return await self._stub.GetServedModel(scheduler_pb2.GetServedModelRequest(),
+                                                   timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, PEER) from exc
-        self._has_submit_stream = served.has_submit_stream
-        return served
 
     async def abort(self, request: AbortRequest) -> None:
         """NotFound when the scheduler has no live request with that id of that owner."""
@@ -155,30 +147,28 @@ class SchedulerClient:
             sampling=request.sampling, priority=request.priority, owner=owner,
             resumed_outputs=resumed_outputs or []))
         wants_prompt_logprobs = request.sampling.prompt_logprobs is not None
-        multiplexed = self._submit_stream
-        # a traced request keeps a Submit call (and span) of its own
-        if self._has_submit_stream and not multiplexed.is_unsupported and not is_tracing_on():
-            try:
-                async with contextlib.aclosing(multiplexed.events(msg)) as events:
-                    async for event in events:
-                        yield token_event_from_proto(event, request.request_id,
-                                                     wants_prompt_logprobs)
-                        wants_prompt_logprobs = False
-                return
-            except SubmitStreamUnsupported:
-                logger.info("%s at %s has no SubmitStream; a Submit call per request",
-                            PEER, self.address)
-            except PagedServeError as exc:
-                raise exc.with_fields(_request_field) from None
-        call = self._stub.Submit(msg)
+        span = RequestSpan.client(msg, self.address)
+        code, details = grpc.StatusCode.CANCELLED, None  # unless it ends
         try:
-            async for event in call:
-                yield token_event_from_proto(event, request.request_id, wants_prompt_logprobs)
-                wants_prompt_logprobs = False
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc, PEER).with_fields(_request_field) from exc
+            async with contextlib.aclosing(self._submit_stream.events(msg)) as events:
+                async for event in events:
+                    if span is not None:
+                        span.on_response(event)
+                    yield token_event_from_proto(event, request.request_id,
+                                                 wants_prompt_logprobs)
+                    wants_prompt_logprobs = False
+            code = grpc.StatusCode.OK
+        except PagedServeError as exc:
+            code, details = status_of(exc)
+            raise exc.with_fields(_request_field) from None
         finally:
-            call.cancel()  # no-op once the stream ended; otherwise it aborts the request
+            if span is not None:
+                span.end(code, details)
+
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        """Output `index` of a live request ends in the scheduler (its stop string matched):
+        scheduled no more, its blocks freed."""
+        self._submit_stream.finish_sequence(request_id, index)
 
     async def _ensure_connected(self) -> None:
         """UNAVAILABLE at once when the last connection attempt failed (reconnects back off at

@@ -2,11 +2,10 @@
 gRPC stream, so a decode step of B requests costs one message, not B.
 
 One task reads the call and hands each request's events to that request's mailbox; a request's
-`events` iterator ends at its in-band end (done) or raises the error its own Submit call would
-have; leaving it early cancels the request in the scheduler. When the call breaks (the scheduler
-died, restarted, or the channel failed) every live request gets that error, as each Submit call
-would have, and the next request opens a new call. A scheduler that does not know SubmitStream
-(UNIMPLEMENTED: an older version) is remembered, and its caller falls back to Submit.
+`events` iterator ends at its in-band end (done) or raises its in-band error; leaving it early
+cancels the request in the scheduler (the one place where the gateway ends a request's stream).
+When the call breaks (the scheduler died, restarted, or the channel failed) every live request
+gets that error, and the next request opens a new call.
 """
 
 from __future__ import annotations
@@ -48,10 +47,6 @@ class _Mailbox:
         return self._items.popleft()
 
 
-class SubmitStreamUnsupported(Exception):
-    """The scheduler answered SubmitStream with UNIMPLEMENTED: use Submit."""
-
-
 class SubmitStreamClient:
     def __init__(self, stub: scheduler_pb2_grpc.SchedulerServiceStub, peer: str,
                  retry_after_s: float) -> None:
@@ -68,12 +63,10 @@ class SubmitStreamClient:
         self._outbox: deque[tuple[grpc.aio.StreamStreamCall,
                                   scheduler_pb2.SubmitStreamRequest]] = deque()
         self._writer: asyncio.Task[None] | None = None
-        self.is_unsupported = False
 
     async def events(self, msg: scheduler_pb2.SubmitRequest
                      ) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
-        """The request's events; raises its error (a PagedServeError), or
-        SubmitStreamUnsupported before any event."""
+        """The request's events; raises its error (a PagedServeError)."""
         request_id = msg.request_id
         if request_id in self._live:
             # the scheduler's own answer: one call cannot carry two requests of one id
@@ -105,6 +98,14 @@ class SubmitStreamClient:
                     self._live[request_id] = (call, None)
                     self._send(call, scheduler_pb2.SubmitStreamRequest(
                         cancel_request_id=request_id))
+
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        """End output `index` of a live request in the scheduler (a stop string matched it)."""
+        entry = self._live.get(request_id)
+        if entry is not None and entry[1] is not None:
+            self._send(entry[0], scheduler_pb2.SubmitStreamRequest(
+                finish_sequence=scheduler_pb2.FinishSequence(request_id=request_id,
+                                                             index=index)))
 
     async def close(self) -> None:
         if self._call is not None:
@@ -149,11 +150,7 @@ class SubmitStreamClient:
                                 reason=Reason.SCHEDULER_UNAVAILABLE,
                                 retry_after_s=self._retry_after_s)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self.is_unsupported = True
-                error = SubmitStreamUnsupported(exc.details())
-            else:
-                error = error_from_rpc(exc, self._peer)
+            error = error_from_rpc(exc, self._peer)
         except asyncio.CancelledError:
             error = Unavailable(f"the gateway closed its SubmitStream call to {self._peer}",
                                 reason=Reason.SCHEDULER_UNAVAILABLE,

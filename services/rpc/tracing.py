@@ -116,7 +116,7 @@ class RpcMethod:
         return {"rpc.system.name": "grpc", "rpc.method": self.span_name}
 
 
-class _CallSpan:
+class CallSpan:
     """Nothing is computed when the span does not record."""
 
     __slots__ = ("span", "_is_server", "_attributes", "_fold_response", "_num_responses")
@@ -194,10 +194,10 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
                 self._wrap(handler.unary_stream, rpc, metadata), **kw)
         return handler
 
-    def _start(self, rpc: RpcMethod, metadata: Any, request: Any) -> _CallSpan:
+    def _start(self, rpc: RpcMethod, metadata: Any, request: Any) -> CallSpan:
         span = self._tracer.start_span(rpc.span_name, context=extract_context(metadata),
                                        kind=SpanKind.SERVER, attributes=rpc.attributes())
-        return _CallSpan(span, rpc, request, is_server=True)
+        return CallSpan(span, rpc, request, is_server=True)
 
     def _wrap(self, behavior: Callable[..., Any], rpc: RpcMethod,
               metadata: Any) -> Callable[..., Any]:
@@ -247,7 +247,7 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
         return unary
 
 
-def _end_server_call(call: _CallSpan, context: grpc.aio.ServicerContext,
+def _end_server_call(call: CallSpan, context: grpc.aio.ServicerContext,
                      exc: BaseException | None) -> None:
     """The status the client will see; an unexpected exception is UNKNOWN, as gRPC answers."""
     if exc is None or isinstance(exc, grpc.aio.AbortError):
@@ -261,11 +261,9 @@ def _end_server_call(call: _CallSpan, context: grpc.aio.ServicerContext,
 class _ClientSpans:
     def __init__(self, target: str, tracer_provider: trace.TracerProvider | None) -> None:
         self._tracer = trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
-        host, _, port = target.rpartition(":")
-        self._peer: dict[str, Any] = ({"server.address": host, "server.port": int(port)}
-                                      if port.isdigit() else {"server.address": target})
+        self._peer = peer_attributes(target)
 
-    def start(self, details: Any, request: Any) -> tuple[_CallSpan | None, list[Any]]:
+    def start(self, details: Any, request: Any) -> tuple[CallSpan | None, list[Any]]:
         """(None, []) if untraced."""
         rpc = RpcMethod.parse(details.method)
         if rpc.service in UNTRACED_SERVICES:
@@ -273,7 +271,13 @@ class _ClientSpans:
         span = self._tracer.start_span(rpc.span_name, kind=SpanKind.CLIENT,
                                        attributes={**rpc.attributes(), **self._peer})
         metadata = inject_metadata(details.metadata, trace.set_span_in_context(span))
-        return _CallSpan(span, rpc, request, is_server=False), metadata
+        return CallSpan(span, rpc, request, is_server=False), metadata
+
+
+def peer_attributes(target: str) -> dict[str, Any]:
+    host, _, port = target.rpartition(":")
+    return ({"server.address": host, "server.port": int(port)} if port.isdigit()
+            else {"server.address": target})
 
 
 class _AioClientInterceptor:
@@ -297,7 +301,7 @@ class _AioClientInterceptor:
         call.add_done_callback(lambda done: self._on_done(call_span, done))
         return call
 
-    def _on_done(self, call_span: _CallSpan, call: grpc.aio.Call) -> None:
+    def _on_done(self, call_span: CallSpan, call: grpc.aio.Call) -> None:
         end_time = time.time_ns()
 
         async def end() -> None:  # an aio call's status is only readable by awaiting it
@@ -426,7 +430,9 @@ _RPC_ATTRIBUTES: dict[str, _Recorded] = {
                                                                 _generate_stream_response),
     "pagedserve.v1.GenerationService/Generate": _Recorded(_generate_request, _generate_response),
     "pagedserve.v1.GenerationService/Abort": _Recorded(_abort_request),
-    "pagedserve.internal.v1.SchedulerService/Submit": _Recorded(_submit_request, _token_event),
+    # one request of a SubmitStream call (request_span)
+    "pagedserve.internal.v1.SchedulerService/SubmitStream": _Recorded(_submit_request,
+                                                                      _token_event),
     "pagedserve.internal.v1.SchedulerService/Abort": _Recorded(_abort_request),
     "pagedserve.internal.v1.WorkerService/ExecuteStep": _Recorded(_step_request, _step_result),
 }

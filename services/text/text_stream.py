@@ -1,6 +1,7 @@
 """One request's engine outputs as text deltas, for the gateway and the offline LLM: per output
 index, incremental detokenization, then stop strings. A stop string ends its index with STOP and
-drops the tokens after the one that completed it.
+drops the tokens after the one that completed it; `take_stopped` names the indices a stop string
+ended before the engine did, which the caller finishes in the engine (`finish_sequence`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class TextStream:
         self._num_prompt_tokens = len(prompt_token_ids)
         self._num_cached_tokens = 0
         self._has_sent_prompt_logprobs = False
+        self._stopped: list[int] = []
 
     @property
     def is_finished(self) -> bool:
@@ -72,6 +74,12 @@ class TextStream:
 
     def is_output_finished(self, index: int) -> bool:
         return self._indices[index].is_finished
+
+    def take_stopped(self) -> list[int]:
+        """The indices a stop string ended since the last call while the engine still runs
+        them."""
+        stopped, self._stopped = self._stopped, []
+        return stopped
 
     @property
     def usage(self) -> Usage:
@@ -97,7 +105,7 @@ class TextStream:
             raise ValueError(f"output index {completion.index} outside [0, {len(self._indices)})")
         state = self._indices[completion.index]
         if state.is_finished:
-            return None  # a stop string ended it; the scheduler may not know yet
+            return None  # a stop string ended it; steps in flight before its finish still report
         text, token_ids = "", []
         finish_reason = None
         for token_id in completion.token_ids:  # one at a time: the cut falls between tokens
@@ -106,6 +114,8 @@ class TextStream:
             text += piece
             if is_stopped:
                 finish_reason = FinishReason.STOP
+                if completion.finish_reason is None:
+                    self._stopped.append(completion.index)
                 break
         if finish_reason is None and completion.finish_reason is not None:
             tail, is_stopped = state.stop_matcher.push(state.detokenizer.flush())

@@ -12,6 +12,7 @@ from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pagedserve.worker_svc.servicer import start_worker
 
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
+from tests.e2e.submit_call import SubmitCall
 
 # long enough that the requests are still running when the worker dies
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -72,7 +73,7 @@ def test_a_worker_that_stays_gone_fails_its_requests_with_internal_and_the_servi
         with grpc.insecure_channel(stack.scheduler_address) as channel:
             scheduler = scheduler_pb2_grpc.SchedulerServiceStub(channel)
             with pytest.raises(grpc.RpcError) as info:
-                list(scheduler.Submit(scheduler_pb2.SubmitRequest(
+                list(SubmitCall(scheduler, scheduler_pb2.SubmitRequest(
                     request_id="after", prompt_token_ids=[1, 2],
                     sampling=internal_common_pb2.SamplingParams(max_tokens=2)), timeout=30))
             assert info.value.code() == grpc.StatusCode.INTERNAL

@@ -22,6 +22,7 @@ from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grp
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from tests.e2e.stack import assert_idle
+from tests.e2e.submit_call import SubmitCall
 
 NUM_EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "150"))
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
@@ -202,8 +203,8 @@ def test_internal_submit_answers_every_request_with_an_allowed_status(
             request_id=request.request_id, owner=request.owner, is_admin=is_admin),
             timeout=CALL_TIMEOUT_S))
     else:
-        _call("SchedulerService.Submit", lambda: list(scheduler.Submit(request,
-                                                                timeout=CALL_TIMEOUT_S)))
+        _call("SchedulerService.SubmitStream", lambda: list(SubmitCall(
+            scheduler, request, timeout=CALL_TIMEOUT_S)))
 
 
 def test_after_the_fuzz_the_stack_serves_and_every_block_is_free(stack, stubs):

@@ -18,6 +18,7 @@ from pagedserve.services.rpc.internal.v1 import (
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
 
 from tests.e2e.stack import assert_idle
+from tests.e2e.submit_call import SubmitCall
 
 ADMIN_TOKEN = "let-me-in"
 ABORT = common_pb2.FINISH_REASON_ABORT
@@ -57,17 +58,17 @@ def submit(request_id="r", prompt=(1, 2, 3), **sampling) -> scheduler_pb2.Submit
         "stop-token-id"])
 def test_direct_submit_is_checked_as_the_gateway_checks(stack, scheduler, msg, field):
     with pytest.raises(grpc.RpcError) as error:
-        list(scheduler.Submit(msg, timeout=10))
+        list(SubmitCall(scheduler, msg, timeout=10))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in error.value.details()
     assert_idle(stack)
 
 
 def test_a_live_request_id_cannot_be_submitted_twice(stack, scheduler):
-    first = scheduler.Submit(submit("dup", **LONG), timeout=60)
+    first = SubmitCall(scheduler, submit("dup", **LONG), timeout=60)
     next(first)
     with pytest.raises(grpc.RpcError) as error:
-        list(scheduler.Submit(submit("dup", max_tokens=2), timeout=10))
+        list(SubmitCall(scheduler, submit("dup", max_tokens=2), timeout=10))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "already in use" in error.value.details()
     first.cancel()
@@ -75,12 +76,12 @@ def test_a_live_request_id_cannot_be_submitted_twice(stack, scheduler):
 
 
 def test_a_full_waiting_queue_is_resource_exhausted(stack, scheduler):
-    calls = [scheduler.Submit(submit(f"run{i}", **LONG), timeout=60) for i in range(2)]
+    calls = [SubmitCall(scheduler, submit(f"run{i}", **LONG), timeout=60) for i in range(2)]
     _wait_for(stack, lambda load: load.num_running_requests == 2)  # max_num_seqs
-    calls += [scheduler.Submit(submit(f"wait{i}", **LONG), timeout=60) for i in range(3)]
+    calls += [SubmitCall(scheduler, submit(f"wait{i}", **LONG), timeout=60) for i in range(3)]
     _wait_for(stack, lambda load: load.num_waiting_requests == 3)
     with pytest.raises(grpc.RpcError) as error:
-        list(scheduler.Submit(submit("one-too-many", max_tokens=2), timeout=10))
+        list(SubmitCall(scheduler, submit("one-too-many", max_tokens=2), timeout=10))
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_waiting_requests" in error.value.details()
     for call in calls:
@@ -139,7 +140,7 @@ def test_a_foreign_clear_state_is_refused_while_the_stack_serves(stack, generati
         token_ids=common_pb2.TokenIds(token_ids=[5, 6, 7]),
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)),
         timeout=60)
-    next(call)
+    first = next(call)
     with grpc.insecure_channel(stack.worker_address) as channel:
         with pytest.raises(grpc.RpcError) as error:
             worker_pb2_grpc.WorkerServiceStub(channel).ClearState(
@@ -148,5 +149,5 @@ def test_a_foreign_clear_state_is_refused_while_the_stack_serves(stack, generati
     assert str(own) not in error.value.details()
     responses = list(call)
     assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert sum(len(r.token_ids) for r in responses) == 39  # the first came before
+    assert sum(len(r.token_ids) for r in [first, *responses]) == 40
     assert_idle(stack)

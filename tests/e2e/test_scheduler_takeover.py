@@ -18,6 +18,7 @@ from pagedserve.services.rpc.tls import internal_channel
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from pagedserve.supervisor import free_port
+from tests.e2e.submit_call import SubmitCall
 from tests.e2e.test_processes import SMALL_CACHE, pagedserve, read_lines, stop, wait_serving
 
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -146,10 +147,10 @@ def _tls_dir(pid: int) -> str:
 
 
 def _submit(channel: grpc.Channel, request_id: str, ids: list[int]) -> list[int]:
-    events = scheduler_pb2_grpc.SchedulerServiceStub(channel).Submit(scheduler_pb2.SubmitRequest(
+    request = scheduler_pb2.SubmitRequest(
         request_id=request_id, prompt_token_ids=ids,
-        sampling=internal_common_pb2.SamplingParams.FromString(GREEDY.SerializeToString())),
-        timeout=60)
+        sampling=internal_common_pb2.SamplingParams.FromString(GREEDY.SerializeToString()))
+    events = SubmitCall(scheduler_pb2_grpc.SchedulerServiceStub(channel), request, timeout=60)
     return [t for event in events for delta in event.outputs for t in delta.token_ids]
 
 

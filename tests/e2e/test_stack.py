@@ -13,6 +13,7 @@ from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from pagedserve.llm import LLM
 from tests.e2e.stack import assert_idle
+from tests.e2e.submit_call import SubmitCall
 from tests.tiny_models import load_hf
 
 STOP = common_pb2.FINISH_REASON_STOP
@@ -206,12 +207,12 @@ def test_scheduler_refuses_bad_submits_with_invalid_argument(stack, prompt, samp
     with grpc.insecure_channel(stack.scheduler_address) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         with pytest.raises(grpc.RpcError) as info:
-            list(stub.Submit(scheduler_pb2.SubmitRequest(
+            list(SubmitCall(stub, scheduler_pb2.SubmitRequest(
                 request_id="bad", prompt_token_ids=prompt,
                 sampling=internal_common_pb2.SamplingParams(**sampling)), timeout=30))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert field in info.value.details()
-        events = list(stub.Submit(scheduler_pb2.SubmitRequest(
+        events = list(SubmitCall(stub, scheduler_pb2.SubmitRequest(
             request_id="good", prompt_token_ids=[1, 2],
             sampling=internal_common_pb2.SamplingParams(temperature=0.0, max_tokens=2,
                                                         ignore_eos=True)),

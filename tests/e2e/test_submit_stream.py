@@ -12,6 +12,7 @@ from pagedserve.services.rpc.v1 import common_pb2 as public_common_pb2
 from pagedserve.services.rpc.v1 import gateway_pb2
 
 from tests.e2e.stack import assert_idle
+from tests.e2e.submit_call import SubmitCall
 
 PROMPT = [1, 57, 300, 12, 99, 401, 7]
 
@@ -33,7 +34,7 @@ def open_call(scheduler):
     return outbox, scheduler.SubmitStream(iter(outbox.get, None), timeout=60)
 
 
-def test_requests_share_the_call_and_match_submit(stack, scheduler):
+def test_requests_share_the_call_and_match_a_call_each(stack, scheduler):
     outbox, responses = open_call(scheduler)
     outbox.put(submit("mux-a", 8))
     outbox.put(submit("mux-b", 12))
@@ -52,8 +53,9 @@ def test_requests_share_the_call_and_match_submit(stack, scheduler):
     assert done == {"mux-a", "mux-b"}
     assert num_shared > 0, "the two requests never shared a message"
     for request_id, num_tokens in (("mux-a", 8), ("mux-b", 12)):
-        alone = [t for r in scheduler.Submit(submit_request(f"{request_id}-alone", num_tokens),
-                                             timeout=60) for o in r.outputs for t in o.token_ids]
+        alone = [t for r in SubmitCall(scheduler, submit_request(f"{request_id}-alone",
+                                                                 num_tokens), timeout=60)
+                 for o in r.outputs for t in o.token_ids]
         assert tokens[request_id] == alone
     assert_idle(stack)
 
@@ -116,11 +118,6 @@ def test_a_request_id_live_in_the_call_again_fails_the_call(stack, scheduler):
     assert "mux-twice" in failure.value.details()
     outbox.put(None)
     assert_idle(stack)
-
-
-def test_the_scheduler_says_it_serves_submit_stream(scheduler):
-    served = scheduler.GetServedModel(scheduler_pb2.GetServedModelRequest(), timeout=10)
-    assert served.has_submit_stream
 
 
 def test_a_cancelled_id_may_come_again_right_behind_its_cancel(stack, scheduler):

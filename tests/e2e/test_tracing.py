@@ -17,8 +17,11 @@ from pagedserve.services.common.config import served_model_name
 from pagedserve.services.rpc.tracing import inject_metadata
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
+from tests.e2e.test_finish_sequence import PROMPT, SAMPLING, generate
+from tests.scheduled_steps import ScheduledSteps, stop_string
+
 GENERATE_STREAM = "pagedserve.v1.GenerationService/GenerateStream"
-SUBMIT = "pagedserve.internal.v1.SchedulerService/Submit"
+SUBMIT = "pagedserve.internal.v1.SchedulerService/SubmitStream"  # one request's spans
 EXECUTE_STEP = "pagedserve.internal.v1.WorkerService/ExecuteStep"
 CALLER = TracerProvider().get_tracer("caller")  # the client's own tracing, apart from ours
 
@@ -137,9 +140,9 @@ def test_one_stream_is_one_trace_from_the_caller_down_to_the_worker(stack, gener
     assert gateway.attributes["pagedserve.routing.replica"] == stack.scheduler_address
     assert gateway.attributes["pagedserve.routing.reason"] == "short_prompt"
     assert gateway.attributes["pagedserve.routing.num_failovers"] == 0
-    # the gateway leaves Submit as soon as the last event came, maybe before its status did
-    assert {submit_out.attributes["rpc.response.status_code"],
-            submit_in.attributes["rpc.response.status_code"]} <= {"OK", "CANCELLED"}
+    # the gateway leaves the request as soon as its last event came, maybe before its end did
+    assert submit_out.attributes["rpc.response.status_code"] in {"OK", "CANCELLED"}
+    assert submit_in.attributes["rpc.response.status_code"] == "OK"
     assert gateway.attributes["gen_ai.usage.input_tokens"] == len(prompt)
     assert gateway.attributes["gen_ai.usage.output_tokens"] == max_tokens
     assert gateway.attributes["gen_ai.usage.cache_read.input_tokens"] == 0
@@ -192,3 +195,23 @@ def test_a_bad_request_is_recorded_with_its_status_but_is_no_server_error(genera
     assert gateway.attributes["rpc.response.status_code"] == "INVALID_ARGUMENT"
     assert gateway.status.status_code == StatusCode.UNSET  # the caller's fault, per the convention
     assert len(spans) == 1  # it never reached the scheduler
+
+
+def test_a_traced_request_ends_a_stopped_output_in_the_scheduler(stack, generation, exporter):
+    """Traced requests share the SubmitStream call too, so a stop string finishes its output
+    there as for any other request."""
+    free = generate(generation, "traced-free", [])
+    stop = stop_string([o.text for o in free.outputs])
+    steps = ScheduledSteps(stack.scheduler[1].service.engine)
+    with CALLER.start_as_current_span("stop") as caller_span:
+        response = generation.Generate(
+            gateway_pb2.GenerateRequest(request_id="traced-stop", text=PROMPT,
+                                        sampling=common_pb2.SamplingParams(stop=[stop],
+                                                                           **SAMPLING)),
+            metadata=inject_metadata(None), timeout=60)
+    assert [o.finish_reason for o in response.outputs] == [
+        common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH]
+    steps.assert_finished_early("traced-stop", finished=0, sibling=1, min_steps_after=20)
+    spans = wait_for_spans(exporter, {caller_span.get_span_context().trace_id},
+                           lambda spans: len(named(spans, SUBMIT)) == 2)
+    assert one(spans, SUBMIT, SpanKind.SERVER).attributes["gen_ai.response.id"] == "traced-stop"

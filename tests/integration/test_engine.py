@@ -13,6 +13,7 @@ from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.worker_svc.worker import Worker
 
 from pagedserve.llm_engine import LLMEngine, engine_config_from_kwargs
+from tests.scheduled_steps import ScheduledSteps
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -363,11 +364,51 @@ def test_aborts_and_stops_between_async_steps_drop_the_in_flight_results(llama_d
     assert engine.core.has_step_in_flight  # r0..r2's next step is running
     aborted = engine.abort_request("r1")
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
-    stopped = engine.core.stop_sequence("r2", 0)
+    stopped = engine.finish_sequence("r2", 0)
     assert stopped is not None and stopped.outputs[0].finish_reason == "stop"
     while engine.has_unfinished_requests():
         for report in engine.step():
             assert report.request_id == "r0", report
             tokens["r0"] += report.outputs[0].token_ids
     assert len(tokens["r0"]) == GREEDY.max_tokens
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_finished_output_stops_running_and_frees_its_blocks_while_its_sibling_goes_on(
+        llama_dir, async_scheduling):
+    engine = make_engine(llama_dir, async_scheduling=async_scheduling)
+    steps = ScheduledSteps(engine.core)
+    sampling = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)
+    engine.add_request("r", prompts(6, [10])[0], sampling)
+    tokens = {0: [], 1: []}
+    finish = {}
+    while engine.has_unfinished_requests():
+        reports = engine.step()
+        if len(tokens[0]) >= 3 and not finish:
+            final = engine.finish_sequence("r", 0)
+            assert final is None  # output 1 still runs
+            finish["done"] = True
+        for report in reports:
+            for output in report.outputs:
+                tokens[output.index] += output.token_ids
+    assert len(tokens[1]) == sampling.max_tokens
+    assert len(tokens[0]) < 8, tokens  # what the steps in flight at the finish still sampled
+    steps.assert_finished_early("r", finished=0, sibling=1, min_steps_after=12)
+    assert_all_blocks_free(engine)
+    with pytest.raises(NotFound, match="'r'"):
+        engine.finish_sequence("r", 1)
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(n=1, best_of=3, temperature=1.0, seed=4, max_tokens=10),
+    SamplingParams(n=2, best_of=2, use_beam_search=True, temperature=0.0, max_tokens=10),
+], ids=["best_of3", "beam2"])
+def test_ranked_outputs_cannot_be_finished_one_by_one(llama_dir, sampling):
+    engine = make_engine(llama_dir)
+    engine.add_request("r", prompts(6, [10])[0], sampling)
+    engine.step()
+    with pytest.raises(InvalidRequest, match="best_of > n"):
+        engine.finish_sequence("r", 0)
+    engine.abort_request("r")
     assert_all_blocks_free(engine)

@@ -7,6 +7,7 @@ import torch
 from pagedserve.services.common.sampling_params import SamplingParams
 
 from pagedserve.llm import LLM
+from tests.scheduled_steps import ScheduledSteps, stop_string
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +54,20 @@ def test_greedy_batch_equals_hf_greedy(llm, hf):
         completion, = out.outputs
         assert completion.token_ids == hf_generate(hf, out.prompt_token_ids, 10), text
         assert completion.text == llm.tokenizer.decode(completion.token_ids)
+
+
+def test_a_stop_string_ends_its_output_in_the_engine_while_its_sibling_goes_on(llm):
+    sampling = {"n": 2, "temperature": 1.0, "seed": 3, "max_tokens": 40, "ignore_eos": True}
+    free, = llm.generate("Once upon a time", SamplingParams(**sampling), use_tqdm=False)
+    stop = stop_string([c.text for c in free.outputs])
+    steps = ScheduledSteps(llm.engine.core)
+    out, = llm.generate("Once upon a time", SamplingParams(stop=[stop], **sampling),
+                        use_tqdm=False)
+    first, second = out.outputs
+    assert (first.text, first.finish_reason) == ("", "stop")
+    assert second.token_ids == free.outputs[1].token_ids
+    steps.assert_finished_early(out.request_id, finished=0, sibling=1, min_steps_after=20)
+    assert llm.engine.get_load().num_gpu_blocks_used == 0
 
 
 def test_chat_answers_paris(llm):

@@ -1,13 +1,12 @@
-"""A test double of the scheduler service over real grpc.aio (port 0): it answers every Submit
-with a scripted reply (`tokens_per_event` tokens per event, the reply cycled up to
-`num_reply_tokens` if set), for each of the n outputs, then ends with EOS ("stop") or "length" at
-max_tokens. With `hang=True` it keeps the stream open after the reply until the
-request is aborted or the call cancelled, and records which happened. With `limits` set it
-first runs the scheduler's own request and admission checks (its live calls are its queue) and
-refuses as the scheduler does, details included. Pause holds a request's events until Resume;
-`pauses` records both in order. Like a scheduler that predates SubmitStream it does not say it has
-one (GetServedModelResponse.has_submit_stream), so the gateway under test sends a Submit call per
-request."""
+"""A test double of the scheduler service over real grpc.aio (port 0): it serves SubmitStream, as
+the gateway calls it, and answers every request with a scripted reply (`tokens_per_event` tokens
+per event, the reply cycled up to `num_reply_tokens` if set), for each of the n outputs, then ends
+with EOS ("stop") or "length" at max_tokens. With `hang=True` it keeps the request open after the
+reply until it is aborted or cancelled, and records which happened. With `limits` set it first
+runs the scheduler's own request and admission checks (its live requests are its queue) and
+refuses in-band as the scheduler does, details included. Pause holds a request's events until Resume;
+`pauses` records both in order; `finished` the outputs the gateway finished (a stop string),
+in order. `break_after` N fails the call with UNAVAILABLE once a request sent N events."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from pagedserve.services.rpc.convert_common import sampling_params_from_proto
 from pagedserve.services.rpc.convert_scheduler import submit_request_from_proto
 from pagedserve.services.rpc.internal.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
-from pagedserve.services.rpc.status import abort_with
+from pagedserve.services.rpc.status import rich_status
 
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -37,8 +36,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.tokens_per_event = 1
         self.hang = False
         self.error: str | None = None  # finish every output with "error" and this text
-        self.break_after: int | None = None  # end each Submit with UNAVAILABLE after N events
+        self.break_after: int | None = None  # fail the call with UNAVAILABLE after N events
         self.submits: list[scheduler_pb2.SubmitRequest] = []
+        self.finished: list[tuple[str, int]] = []  # (request_id, index)
         self.cancelled: set[str] = set()
         self.aborted: set[str] = set()
         self.pauses: list[tuple[str, bool]] = []  # (request_id, is_paused)
@@ -56,14 +56,49 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         check_admission(submit.prompt_token_ids, submit.sampling, self.limits,
                         len(self._abort_events), self.drain_rate.wait_s)
 
-    async def Submit(self, request, context):
+    async def SubmitStream(self, requests, context):
+        events: asyncio.Queue[scheduler_pb2.RequestEvent | None] = asyncio.Queue()
+        tasks: dict[str, asyncio.Task] = {}
+
+        async def read():
+            async for msg in requests:
+                if msg.HasField("submit"):
+                    tasks[msg.submit.request_id] = asyncio.create_task(
+                        self._serve(msg.submit, events))
+                elif msg.HasField("cancel_request_id"):
+                    task = tasks.pop(msg.cancel_request_id, None)
+                    if task is not None:
+                        task.cancel()
+                    events.put_nowait(scheduler_pb2.RequestEvent(
+                        request_id=msg.cancel_request_id, done=True))
+                elif msg.HasField("finish_sequence"):
+                    self.finished.append((msg.finish_sequence.request_id,
+                                          msg.finish_sequence.index))
+
+        reader = asyncio.create_task(read())
+        try:  # writes, not yields: grpc may drop a generator handler, to be finalized anywhere
+            while (event := await events.get()) is not None:
+                await context.write(scheduler_pb2.SubmitStreamResponse(events=[event]))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")
+        finally:
+            reader.cancel()
+            for task in tasks.values():
+                task.cancel()
+
+    async def _serve(self, request, events):
+        """One request's script; None on `events` breaks the call."""
+        request_id = request.request_id
+
+        def send(**fields):
+            events.put_nowait(scheduler_pb2.RequestEvent(request_id=request_id, **fields))
+
         if self.limits is not None:
             try:
                 self._check(request)
             except PagedServeError as exc:
-                await abort_with(context, exc)
+                send(error_status=rich_status(exc).SerializeToString())
+                return
         self.submits.append(request)
-        request_id = request.request_id
         sampling = sampling_params_from_proto(request.sampling)
         abort = self._abort_events[request_id] = asyncio.Event()
         runnable = self._is_runnable[request_id] = asyncio.Event()
@@ -99,10 +134,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                         for token_id in token_ids:
                             delta.logprobs.append(-0.5)
                             delta.top_logprobs.add().candidates.add(token_id=token_id, logprob=-0.5)
-                yield event
+                send(response=event)
                 self.num_tokens_sent[request_id] = num_done
                 if self.break_after is not None and step // per_event + 1 >= self.break_after:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")
+                    events.put_nowait(None)
+                    return
                 await asyncio.sleep(0)
             if hang or abort.is_set():
                 await abort.wait()
@@ -110,7 +146,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                 event = scheduler_pb2.SubmitResponse(num_prompt_tokens=prompt_len)
                 for index in range(sampling.n):
                     event.outputs.add(index=index, finish_reason=common_pb2.FINISH_REASON_ABORT)
-                yield event
+                send(response=event)
+            send(done=True)
             is_complete = True
         finally:
             # the caller went away: grpc cancels the handler task or closes this generator

@@ -193,8 +193,8 @@ def test_malformed_protobuf_is_invalid_argument_without_a_logged_traceback(model
         scheduler = grpc.aio.insecure_channel(h.fake_address)
         try:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                submit = scheduler.unary_stream("/pagedserve.internal.v1.SchedulerService/Submit")
-                await collect(submit(payload, timeout=5))
+                pause = scheduler.unary_unary("/pagedserve.internal.v1.SchedulerService/Pause")
+                await pause(payload, timeout=5)
             errors.append(err.value)
         finally:
             await scheduler.close()

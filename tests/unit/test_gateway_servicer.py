@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import gc
 import time
 from dataclasses import dataclass
 
@@ -72,6 +73,7 @@ async def harness(model_dir, max_concurrent_requests=8, max_model_len=MAX_MODEL_
         await channel.close()
         await gateway.stop(grace_s=0)
         await scheduler_server.shutdown(grace_s=0)
+        gc.collect()  # grpc objects in cycles end with this loop, not in a later test's
 
 
 def run(model_dir, body, **kw):
@@ -131,13 +133,29 @@ def test_stop_string_ends_the_stream_and_cancels_the_scheduler_call(model_dir, i
         responses = await collect(h.generation.GenerateStream(
             request(max_tokens=40, stop=["STOP"], include_stop_str_in_output=include), timeout=10))
         await asyncio.wait_for(h.fake.any_cancelled.wait(), 5)
-        return responses, h.fake.cancelled
+        return responses, h.fake.cancelled, h.fake.finished
 
-    responses, cancelled = run(model_dir, body)
+    responses, cancelled, finished = run(model_dir, body)
+    assert finished == [("r1", 0)]  # finished in the scheduler first, then the call left
     expected = "hello 你好 😀 world. STOP" if include else "hello 你好 😀 world. "
     assert "".join(r.text for r in responses) == expected
     assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
     assert cancelled == {"r1"}
+
+
+def test_each_output_a_stop_string_ended_is_finished_in_the_scheduler(model_dir):
+    async def body(h):
+        h.fake.hang = True
+        response = await h.generation.Generate(gateway_pb2.GenerateRequest(
+            request_id="r1", text="the quick brown fox",
+            sampling=common_pb2.SamplingParams(max_tokens=40, n=2, temperature=1.0,
+                                               stop=["STOP"])), timeout=10)
+        await asyncio.wait_for(h.fake.any_cancelled.wait(), 5)  # its finishes came before
+        return response, h.fake.finished
+
+    response, finished = run(model_dir, body)
+    assert sorted(finished) == [("r1", 0), ("r1", 1)]
+    assert [o.finish_reason for o in response.outputs] == [common_pb2.FINISH_REASON_STOP] * 2
 
 
 def test_generate_unary_aggregates_n_outputs_with_logprobs(model_dir):

@@ -118,3 +118,21 @@ def test_tokens_after_the_stop_string_are_cut():
     assert (delta.text, delta.token_ids, delta.finish_reason) == ("hello", kept, "stop")
     assert len(delta.logprobs) == len(kept)
     assert delta.usage.completion_tokens == len(kept)
+
+
+def test_take_stopped_names_the_outputs_a_stop_string_ended_before_the_engine():
+    stream = _stream(n=2, stop=["fox"])
+    first = [CompletionOutput(0, [t]) for t in ids("a fox ran")]
+    second = [CompletionOutput(1, [t]) for t in ids("no stop")]
+    stopped_at = []
+    for i, completion in enumerate(first):
+        stream.on_output(event(completion, *second[i:i + 1]))
+        stopped_at += [(i, index) for index in stream.take_stopped()]
+    assert stopped_at == [(len(ids("a fox")) - 1, 0)]  # once, at the token that completed it
+    assert stream.is_output_finished(0) and not stream.is_output_finished(1)
+
+
+def test_take_stopped_leaves_out_an_output_the_engine_ended_in_the_same_token():
+    stream = _stream(stop=["END"])
+    run(stream, token_events("hello END"))  # the stop string and the engine's EOS together
+    assert stream.take_stopped() == []

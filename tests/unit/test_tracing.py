@@ -20,7 +20,6 @@ from pagedserve.services.common.config import TracingConfig, from_args
 from pagedserve.services.common.errors import ConfigError, InvalidRequest
 from pagedserve.services.gateway.config import GatewayConfig
 from pagedserve.services.rpc.internal.v1 import (
-    common_pb2,
     scheduler_pb2,
     scheduler_pb2_grpc,
     worker_pb2,
@@ -39,11 +38,13 @@ from pagedserve.services.rpc.tracing_setup import (
     build_tracer_provider,
     tracing_settings,
 )
+from pagedserve.services.rpc.v1 import common_pb2 as public_common_pb2
+from pagedserve.services.rpc.v1 import gateway_pb2, gateway_pb2_grpc
 
 from pagedserve.cli import build_parser
 
-SUBMIT = "pagedserve.internal.v1.SchedulerService/Submit"
-LENGTH = common_pb2.FINISH_REASON_LENGTH
+GENERATE_STREAM = "pagedserve.v1.GenerationService/GenerateStream"
+LENGTH = public_common_pb2.FINISH_REASON_LENGTH
 
 
 def recording_provider() -> tuple[TracerProvider, InMemorySpanExporter]:
@@ -72,8 +73,9 @@ def test_without_a_current_span_nothing_is_sent_and_nothing_is_found():
         extract_context([("traceparent", "garbage")])).get_span_context().is_valid
 
 
-class Scheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
-    """Submit streams three one-token events (or hangs after the first for request "hang")."""
+class Generation(gateway_pb2_grpc.GenerationServiceServicer):
+    """GenerateStream streams three one-token responses (or hangs after the first for request
+    "hang")."""
 
     def __init__(self):
         self.traceparents: list[str | None] = []
@@ -81,20 +83,26 @@ class Scheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.closed = asyncio.Event()
 
     @map_errors
-    async def Submit(self, request, context):
+    async def GenerateStream(self, request, context):
         self.traceparents.append(dict(context.invocation_metadata()).get("traceparent"))
         try:
             for i in range(3):
                 self.current_spans.append(trace.get_current_span())
-                yield scheduler_pb2.SubmitResponse(
-                    num_prompt_tokens=len(request.prompt_token_ids), num_cached_tokens=2,
-                    outputs=[scheduler_pb2.SequenceDelta(
-                        index=0, token_ids=[i], finish_reason=LENGTH if i == 2 else 0)])
+                response = gateway_pb2.GenerateStreamResponse(
+                    request_id=request.request_id, index=0, token_ids=[i])
+                if i == 2:
+                    response.finish_reason = LENGTH
+                    response.usage.prompt_tokens = len(request.token_ids.token_ids)
+                    response.usage.completion_tokens = 3
+                    response.usage.cached_tokens = 2
+                yield response
                 if request.request_id == "hang":
                     await asyncio.Event().wait()
         finally:
             self.closed.set()
 
+
+class Scheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
     @map_errors
     async def Abort(self, request, context):
         raise InvalidRequest(f"request_id must not be empty, got {request.request_id!r}")
@@ -114,15 +122,16 @@ class Worker(worker_pb2_grpc.WorkerServiceServicer):
             timings=worker_pb2.StepTimings(cache_ops_ns=1, prepare_ns=2, forward_ns=3, sample_ns=4))
 
 
-async def start_server(provider) -> tuple[grpc.aio.Server, str, Scheduler]:
+async def start_server(provider) -> tuple[grpc.aio.Server, str, Generation]:
     server = grpc.aio.server(interceptors=[ServerTracingInterceptor(provider)])
-    scheduler = Scheduler()
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(scheduler, server)
+    generation = Generation()
+    gateway_pb2_grpc.add_GenerationServiceServicer_to_server(generation, server)
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(Scheduler(), server)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(Worker(), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_aio.HealthServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    return server, f"127.0.0.1:{port}", scheduler
+    return server, f"127.0.0.1:{port}", generation
 
 
 async def finished(exporter, count: int, timeout_s: float = 5.0) -> list:
@@ -139,50 +148,51 @@ def by_kind(spans, kind: SpanKind):
     return span
 
 
-def submit_request(request_id: str) -> scheduler_pb2.SubmitRequest:
-    return scheduler_pb2.SubmitRequest(request_id=request_id, prompt_token_ids=[5, 6, 7, 8],
-                                       sampling=common_pb2.SamplingParams(n=1, max_tokens=3))
+def generate_request(request_id: str) -> gateway_pb2.GenerateStreamRequest:
+    return gateway_pb2.GenerateStreamRequest(
+        request_id=request_id, token_ids=public_common_pb2.TokenIds(token_ids=[5, 6, 7, 8]),
+        sampling=public_common_pb2.SamplingParams(n=1, max_tokens=3))
 
 
 def test_a_stream_is_a_client_span_and_a_server_span_of_the_caller_trace():
     provider, exporter = recording_provider()
 
     async def main():
-        server, address, scheduler = await start_server(provider)
+        server, address, generation = await start_server(provider)
         async with grpc.aio.insecure_channel(
                 address, interceptors=aio_client_interceptors(address, provider)) as channel:
-            stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
             with provider.get_tracer("test").start_as_current_span("caller") as caller:
-                events = [event async for event in stub.Submit(submit_request("r-1"))]
+                events = [event async for event in stub.GenerateStream(generate_request("r-1"))]
             spans = await finished(exporter, 3)
         await server.stop(0)
-        return caller, events, spans, scheduler
+        return caller, events, spans, generation
 
-    caller, events, spans, scheduler = asyncio.run(main())
+    caller, events, spans, generation = asyncio.run(main())
     assert len(events) == 3
     client, served = by_kind(spans, SpanKind.CLIENT), by_kind(spans, SpanKind.SERVER)
-    assert client.name == served.name == SUBMIT
+    assert client.name == served.name == GENERATE_STREAM
     assert {s.context.trace_id for s in spans} == {caller.get_span_context().trace_id}
     assert client.parent.span_id == caller.get_span_context().span_id
     assert served.parent.span_id == client.context.span_id
-    assert scheduler.traceparents[0].split("-")[2] == format(client.context.span_id, "016x")
+    assert generation.traceparents[0].split("-")[2] == format(client.context.span_id, "016x")
     # the handler runs inside the server span, between every response too
-    assert {s.get_span_context().span_id for s in scheduler.current_spans} == {
+    assert {s.get_span_context().span_id for s in generation.current_spans} == {
         served.context.span_id}
     assert served.end_time >= client.start_time and served.start_time >= client.start_time
 
     for span in (client, served):
         assert span.attributes["rpc.system.name"] == "grpc"
-        assert span.attributes["rpc.method"] == "pagedserve.internal.v1.SchedulerService/Submit"
+        assert span.attributes["rpc.method"] == GENERATE_STREAM
         assert span.attributes["rpc.response.status_code"] == "OK"
         assert "rpc.service" not in span.attributes and "rpc.system" not in span.attributes
         assert span.attributes["gen_ai.operation.name"] == "text_completion"
         assert span.attributes["gen_ai.response.id"] == "r-1"
-        assert span.attributes["gen_ai.usage.input_tokens"] == 4
         assert (span.attributes["gen_ai.request.choice.count"],
                 span.attributes["gen_ai.request.max_tokens"]) == (1, 3)
         assert span.status.status_code == StatusCode.UNSET
     assert client.attributes["server.port"] == int(client.attributes["server.port"])
+    assert served.attributes["gen_ai.usage.input_tokens"] == 4  # from the last response
     assert served.attributes["gen_ai.usage.output_tokens"] == 3
     assert served.attributes["gen_ai.usage.cache_read.input_tokens"] == 2
     assert served.attributes["gen_ai.response.finish_reasons"] == ("length",)
@@ -232,13 +242,14 @@ def test_a_stream_the_client_cancels_ends_both_spans_cancelled_not_failed():
     provider, exporter = recording_provider()
 
     async def main():
-        server, address, scheduler = await start_server(provider)
+        server, address, generation = await start_server(provider)
         async with grpc.aio.insecure_channel(
                 address, interceptors=aio_client_interceptors(address, provider)) as channel:
-            call = scheduler_pb2_grpc.SchedulerServiceStub(channel).Submit(submit_request("hang"))
+            call = gateway_pb2_grpc.GenerationServiceStub(channel).GenerateStream(
+                generate_request("hang"))
             await call.read()
             call.cancel()
-            await asyncio.wait_for(scheduler.closed.wait(), 5)  # the handler was closed
+            await asyncio.wait_for(generation.closed.wait(), 5)  # the handler was closed
             spans = await finished(exporter, 2)
         await server.stop(0)
         return spans
@@ -302,19 +313,19 @@ def test_tracing_off_sends_no_context_and_records_nothing():
     off = trace.NoOpTracerProvider()
 
     async def main():
-        server, address, scheduler = await start_server(off)
+        server, address, generation = await start_server(off)
         async with grpc.aio.insecure_channel(
                 address, interceptors=aio_client_interceptors(address, off)) as channel:
-            events = [e async for e in scheduler_pb2_grpc.SchedulerServiceStub(channel).Submit(
-                submit_request("r-off"))]
+            events = [e async for e in gateway_pb2_grpc.GenerationServiceStub(
+                channel).GenerateStream(generate_request("r-off"))]
         await server.stop(0)
-        return events, scheduler
+        return events, generation
 
-    events, scheduler = asyncio.run(main())
+    events, generation = asyncio.run(main())
     assert len(events) == 3
-    assert scheduler.traceparents == [None]
+    assert generation.traceparents == [None]
     assert not any(s.is_recording() or s.get_span_context().is_valid
-                   for s in scheduler.current_spans)
+                   for s in generation.current_spans)
 
 
 # --- setup and flags ----------------------------------------------------------------------------
