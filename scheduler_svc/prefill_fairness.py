@@ -1,6 +1,11 @@
-"""Fairness between prefills: a long prompt's chunk is capped while the step's other requests are
-scheduled, then tops up on the budget they leave, so a short request next to a long prefill
-waits a step, not the whole prefill, and the long prefill loses no throughput."""
+"""Fairness between prefills: a long prompt's chunk is capped at the threshold while the step's
+other requests are scheduled, then tops up on the budget they leave, so the long prefill loses
+no throughput and a shorter prompt runs, whole, in the first step planned after it reached the
+scheduler. With async scheduling that is step n+2 for a request that arrived while step n ran
+(the engine plans no step past a queued arrival; n+1 was sent with n), so its first token comes
+with the second step to end after its arrival, however long the prefill beside it. Every such
+step holds up to max_num_batched_tokens tokens: the budget bounds that wait in seconds. Prompts
+over the threshold take turns (max_long_partial_prefills) unless budget is left over."""
 
 from __future__ import annotations
 

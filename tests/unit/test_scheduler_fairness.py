@@ -84,3 +84,26 @@ def test_prompts_over_the_threshold_arriving_together_share_one_step_when_the_bu
     assert out.plan.num_scheduled_tokens == 2048
     h.run_to_end()
     assert h.all_free()
+
+
+def test_a_short_request_arriving_mid_7k_prefill_runs_in_the_next_step_planned():
+    """Async scheduling as EngineCore runs it: step n+1 is planned while step n runs, and the
+    request arrives between the two plans. The step planned next has its whole prompt and
+    samples its first token, and the long prefill still fills each step's budget."""
+    h = _harness(max_model_len=8192, max_num_batched_tokens=2048)
+    h.add("long", 7000, LONG)
+    running = h.scheduler.schedule()
+    h.scheduler.advance_in_flight(running)
+    sent = h.scheduler.schedule()  # sent behind the running step
+    h.add("short", 8, SHORT)
+    h.processor.apply(running, h.sample(running), is_advanced=True)
+    h.scheduler.advance_in_flight(sent)
+    planned = h.scheduler.schedule()  # the first plan after the arrival
+    short, = [item for item in planned.scheduled if item.group.request_id == "short"]
+    assert short.num_scheduled_tokens == 8 and short.is_sampling
+    assert planned.plan.num_scheduled_tokens == 2048
+    h.processor.apply(sent, h.sample(sent), is_advanced=True)
+    groups = h.processor.apply(planned, h.sample(planned), is_advanced=True)
+    report, = [r for r in h.processor.report(groups) if r.request_id == "short"]
+    assert report.outputs[0].token_ids  # its first token, two steps after it arrived
+    assert [running.plan.num_scheduled_tokens, sent.plan.num_scheduled_tokens] == [2048, 2048]
