@@ -1,7 +1,7 @@
 """A short request that arrives while the scheduler service prefills a 7,000-token prompt: the
 whole engine loop (EngineService, async scheduling, a simulated worker whose steps the test
-finishes one at a time) plans it in the first step planned after its arrival, and its first
-token comes with the second step to end after it arrived."""
+finishes one at a time) plans it in the first step planned after its arrival, that step is
+short, and its first token comes with the second step to end after it arrived."""
 
 from __future__ import annotations
 
@@ -111,7 +111,10 @@ def test_a_short_request_arriving_mid_prefill_is_in_the_next_step_planned(tmp_pa
     num_planned, short_step = asyncio.run(run())
     assert num_planned == 2 and worker.first_step_with(LONG_PROMPT) == first
     assert short_step == first + 2  # step `first` ran at its arrival; `first + 1` was sent
+    threshold = engine.core.scheduler.long_prefill_token_threshold
+    short_plan, = [p for p in worker.plans if p.step_id == short_step]
+    assert short_plan.num_scheduled_tokens == threshold + len(SHORT_PROMPT)  # a short step
     long_seq_id = worker.plans[0].new_seqs[0].seq_id
     chunks = [s.num_scheduled_tokens for p in worker.plans for s in [*p.new_seqs, *p.running_seqs]
               if s.seq_id == long_seq_id]
-    assert sum(chunks[:4]) == 7000  # as alone: it takes the budget the short one leaves
+    assert sum(chunks[:5]) == 7000  # one step more than alone: it tops up everywhere else
