@@ -4,9 +4,12 @@ EngineCore is not thread-safe: the engine thread runs its steps, and the event l
 queued operations (add, abort, pause, finish_sequence) only between two steps. While none is queued the engine
 thread steps on by itself, handing each step's outputs to the event loop without waiting for it:
 the event loop's turn (streaming the outputs, admitting requests) stays off the path from one
-step's result to the next plan. A request whose consumer leaves queues an abort that runs before
-the next step, so its blocks are free by then. Each step is a span in the
-trace of the oldest live request, linked to the request spans of the others it ran.
+step's result to the next plan. One queued while step n runs holds step n+2's plan back until
+the event loop has applied it (step n+1 keeps the workers busy meanwhile), so a new request is
+in the first step planned after its arrival, not behind two steps planned without it. A request
+whose consumer leaves queues an abort that runs before the next step, so its blocks are free by
+then. Each step is a span in the trace of the oldest live request, linked to the request spans of
+the others it ran.
 Stats: the engine feeds its stat loggers on the engine thread; every `stats_interval_s` a timer on
 the event loop logs vLLM's stats line (LoggingStatLogger).
 """
@@ -329,7 +332,7 @@ class EngineService:
         outputs and load handed to the event loop; the last step's are returned."""
         loop = self._loop
         while True:
-            outputs = self.engine.step()
+            outputs = self.engine.step(lambda: self._has_pending)
             if (self._has_pending or self._is_stopping
                     or not self.engine.has_runnable_requests()):
                 return outputs

@@ -4,8 +4,10 @@ Async scheduling: while step n runs, step n+1 is scheduled with placeholders for
 tokens and sent, so the workers never wait for the scheduler. step() waits for step n, takes in
 its tokens, schedules and sends step n+2 behind n+1, and only then builds step n's reports and
 returns them: between two calls steps n+1 and n+2 are in flight, and what lies between a step's
-result and the next plan is only the part of the scheduler's work the next plan needs. Forks and
-beam search run one step at a time.
+result and the next plan is only the part of the scheduler's work the next plan needs. A caller
+with operations queued (the scheduler service, when a request arrived during step n) has step
+n+2 planned at the start of the next call instead, after them. Forks and beam search run one
+step at a time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextvars
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -257,16 +260,23 @@ class EngineCore:
             num_worker_rebuilds=self._num_worker_rebuilds,
             num_paused=self.scheduler.num_paused)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, has_queued_operations: Callable[[], bool] | None = None
+             ) -> list[RequestOutput]:
         """A failed step finishes the requests it touched, and those of the step sent after it,
         with finish_reason "error"; every other request keeps running. A worker that lost its
-        KV cache is rebuilt instead and every request recomputed."""
+        KV cache is rebuilt instead and every request recomputed.
+
+        `has_queued_operations` is asked once step n's tokens are in: True leaves step n+2 to
+        the next call, so what the caller queued while step n ran (a request, an abort, a pause)
+        is in its plan, not behind it; step n+1 already runs meanwhile."""
         outputs: list[RequestOutput] = []
         if not self._in_flight:
             self._send(outputs)
         self._send_ahead(outputs)
         if self._in_flight:
-            outputs += self._finish(self._in_flight.popleft(), send_ahead=True)
+            outputs += self._finish(
+                self._in_flight.popleft(),
+                send_ahead=lambda: not (has_queued_operations and has_queued_operations()))
         self._forget_finished(outputs)
         return outputs
 
@@ -350,8 +360,10 @@ class EngineCore:
             return _InFlight(scheduled, [_submit(w, plan) for w in self.workers], handle=handle,
                              schedule_time_s=schedule_time_s)
 
-    def _finish(self, step: _InFlight, send_ahead: bool = False) -> list[RequestOutput]:
-        """send_ahead: once the step's tokens are in, send the next step before the reports."""
+    def _finish(self, step: _InFlight, send_ahead: Callable[[], bool] | None = None
+                ) -> list[RequestOutput]:
+        """`send_ahead` is asked once the step's tokens are in: True sends the next step before
+        the reports are built."""
         try:
             step_output = step.result()
         except Exception as exc:  # any worker failure: the engine keeps serving
@@ -362,7 +374,7 @@ class EngineCore:
         groups = self.output_processor.apply(step.scheduled, step_output, step.is_advanced)
         process_time_s = time.perf_counter() - start
         outputs: list[RequestOutput] = []
-        if send_ahead:
+        if send_ahead is not None and send_ahead():
             self._send_ahead(outputs)
         start = time.perf_counter()
         outputs += self.output_processor.report(groups)

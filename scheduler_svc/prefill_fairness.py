@@ -1,6 +1,14 @@
-"""Fairness between prefills: a long prompt's chunk is capped while the step's other requests are
-scheduled, then tops up on the budget they leave, so a short request next to a long prefill
-waits a step, not the whole prefill, and the long prefill loses no throughput."""
+"""Fairness between prefills: a long prompt's chunk is capped at the threshold while the step's
+other requests are scheduled, so a shorter prompt runs, whole, in the first step planned after
+it reached the scheduler. With async scheduling that is step n+2 for a request that arrived while
+step n ran (the engine plans no step past a queued arrival; n+1 was sent with n): its first token
+comes with the second step to end after its arrival, however long the prefill beside it.
+
+A step that prefills another prompt stays short: the long prefill keeps its cap there. In every
+other step (alone, or beside decodes only) it tops up on the budget the others leave, so it loses
+at most one capped step per prompt that passes it. The steps already sent at an arrival hold up
+to max_num_batched_tokens tokens each: the budget bounds the wait in seconds. Prompts over the
+threshold take turns (max_long_partial_prefills) unless budget is left over."""
 
 from __future__ import annotations
 
@@ -23,6 +31,15 @@ def long_prefill_cap(group: SequenceGroup, threshold: int) -> int | None:
         return None
     live = group.live_seqs()
     return threshold if live and live[0].num_uncomputed_tokens > threshold else None
+
+
+def has_other_prefill(scheduled: list[ScheduledSequence],
+                      capped: list[ScheduledSequence]) -> bool:
+    """Some prompt besides the capped long ones is prefilled in this step: its first (or next)
+    token waits for the step to end, so the long prefills are not topped up."""
+    capped_ids = {id(item) for item in capped}
+    return any(id(item) not in capped_ids and not item.group.is_decode_phase()
+               for item in scheduled)
 
 
 def top_up(block_manager: BlockManager, capped: list[ScheduledSequence],

@@ -11,6 +11,7 @@ from collections import deque
 
 from pagedserve.scheduler_svc.block_manager import AllocStatus, BlockManager
 from pagedserve.scheduler_svc.prefill_fairness import (
+    has_other_prefill,
     long_prefill_cap,
     long_prefill_threshold,
     top_up,
@@ -132,8 +133,9 @@ class Scheduler:
         swapped group -- within `max_num_batched_tokens` and `max_num_seqs`. Without chunked
         prefill a step is all whole prompts or all decodes, and a lone prompt may use up to
         max(max_num_batched_tokens, max_model_len) tokens. Long prefills share the budget
-        (prefill_fairness); under the priority policy a waiting group short of room first
-        preempts lower-ranked running groups (queue_policy).
+        (prefill_fairness: capped, then topped up unless the step prefills another prompt);
+        under the priority policy a waiting group short of room first preempts lower-ranked
+        running groups (queue_policy).
 
         A paused group (its consumer is behind) is skipped wherever it sits and keeps its blocks,
         but is the first preempted: when a running group cannot grow, and when a waiting or
@@ -171,9 +173,10 @@ class Scheduler:
             self._schedule_swapped(budget, step)
             if chunked:
                 self._schedule_waiting(budget, step)
-        self._top_up(budget, step)
-        if chunked and not step.has_preempted and budget.remaining_tokens > 0:
-            self._schedule_deferred_long(budget, step)
+        if not has_other_prefill(step.scheduled, step.capped):  # else the step stays short
+            self._top_up(budget, step)
+            if chunked and not step.has_preempted and budget.remaining_tokens > 0:
+                self._schedule_deferred_long(budget, step)
         return self._build(step)
 
     def _key(self, group: SequenceGroup) -> tuple[float, ...]:

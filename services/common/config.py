@@ -119,8 +119,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = opt(
         0, "a prompt with more tokens left to prefill is long: its chunk is capped at this many "
         "tokens until every other request of the step is scheduled, then it takes what budget "
-        "is left; 0 = 4 percent of max_model_len, at least 64; never above half of "
-        "max_num_batched_tokens")
+        "is left, unless the step prefills another prompt (that step stays short); 0 = 4 "
+        "percent of max_model_len, at least 64; never above half of max_num_batched_tokens")
     max_long_partial_prefills: int = opt(
         1, "long prompts prefilled in the same step; the others wait while shorter prompts "
         "pass them")

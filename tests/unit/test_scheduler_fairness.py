@@ -34,10 +34,9 @@ def test_a_short_request_next_to_an_8k_prefill_waits_a_few_steps():
     assert not h.groups["long"].is_finished
 
 
-def test_the_long_prefill_still_uses_every_token_the_others_leave():
-    """Work-conserving: the cap holds only until the others are scheduled; then the long
-    prefill takes the rest of the budget, so it is not slower than alone by more than the
-    short request's own tokens."""
+def test_the_long_prefill_takes_the_budget_the_others_leave_except_beside_a_prompt():
+    """Work-conserving outside the steps that prefill another prompt: there the long prefill
+    keeps its cap, so the prompt's step is short; it costs the long one at most a step."""
     h = _harness()
     h.add("long", 8150, LONG)
     out, _ = h.step()
@@ -45,10 +44,12 @@ def test_the_long_prefill_still_uses_every_token_the_others_leave():
     h.add("short", 8, SHORT)
     out, _ = h.step()
     assert sorted(scheduled_ids(out)) == ["long", "short"]
-    assert out.plan.num_scheduled_tokens == 512
+    assert out.plan.num_scheduled_tokens == 256 + 8  # the cap and the short prompt
+    out, _ = h.step()
+    assert out.plan.num_scheduled_tokens == 512  # beside the short one's decode: topped up
     alone = _harness()
     alone.add("long", 8150, LONG)
-    assert _steps_until_finished(h, "long") + 2 <= _steps_until_finished(alone, "long") + 1
+    assert _steps_until_finished(h, "long") + 3 <= _steps_until_finished(alone, "long") + 1
 
 
 def test_long_prompts_take_turns_and_short_ones_pass_them():
@@ -84,3 +85,26 @@ def test_prompts_over_the_threshold_arriving_together_share_one_step_when_the_bu
     assert out.plan.num_scheduled_tokens == 2048
     h.run_to_end()
     assert h.all_free()
+
+
+def test_a_short_request_arriving_mid_7k_prefill_runs_in_the_next_step_planned():
+    """Async scheduling as EngineCore runs it: step n+1 is planned while step n runs, and the
+    request arrives between the two plans. The step planned next has its whole prompt, samples
+    its first token and is short: the long prefill keeps its cap there."""
+    h = _harness(max_model_len=8192, max_num_batched_tokens=2048)
+    h.add("long", 7000, LONG)
+    running = h.scheduler.schedule()
+    h.scheduler.advance_in_flight(running)
+    sent = h.scheduler.schedule()  # sent behind the running step
+    h.add("short", 8, SHORT)
+    h.processor.apply(running, h.sample(running), is_advanced=True)
+    h.scheduler.advance_in_flight(sent)
+    planned = h.scheduler.schedule()  # the first plan after the arrival
+    short, = [item for item in planned.scheduled if item.group.request_id == "short"]
+    assert short.num_scheduled_tokens == 8 and short.is_sampling
+    assert planned.plan.num_scheduled_tokens == h.scheduler.long_prefill_token_threshold + 8
+    h.processor.apply(sent, h.sample(sent), is_advanced=True)
+    groups = h.processor.apply(planned, h.sample(planned), is_advanced=True)
+    report, = [r for r in h.processor.report(groups) if r.request_id == "short"]
+    assert report.outputs[0].token_ids  # its first token, two steps after it arrived
+    assert [running.plan.num_scheduled_tokens, sent.plan.num_scheduled_tokens] == [2048, 2048]
