@@ -35,7 +35,10 @@ class HttpConfig:
                                "-1 = any free port")
     served_model_name: str = opt("", "the model name clients send and see; empty = the name "
                                      "of the model's folder")
-    max_request_body_bytes: int = opt(16 << 20, "largest HTTP request body; larger -> 413")
+    max_request_body_bytes: int = opt(
+        4 << 20, "largest HTTP request body; larger -> 413 before any of it is parsed. JSON is "
+                 "parsed on the event loop (about 0.25 s for 4 MiB of token ids), so this bounds "
+                 "the stall one body can cause; the gRPC door's bound is --max-request-bytes")
     api_key: str = field(default="", repr=False, metadata={
         "help": "when set, every Generation/Models call and HTTP request but health and metrics "
                 "needs 'Authorization: Bearer KEY'; empty = api_key_file, else $" + API_KEY_ENV})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from pagedserve.services.common.errors import InvalidRequest, Reason
+from pagedserve.services.gateway.config import HttpConfig
 from pagedserve.services.gateway.openai.chat import create_chat_completion
 from pagedserve.services.gateway.openai.completions import create_completion
 from pagedserve.services.gateway.openai.convert import chat_messages
@@ -28,7 +29,9 @@ OPEN_PATHS = ("/health", "/metrics")
 
 
 def build_app(serving: OpenAIServing, api_key: str = "",
-              max_request_body_bytes: int = 16 << 20, admin_token: str = "") -> FastAPI:
+              max_request_body_bytes: int | None = None, admin_token: str = "") -> FastAPI:
+    if max_request_body_bytes is None:
+        max_request_body_bytes = HttpConfig().max_request_body_bytes
     app = FastAPI(title="pagedserve OpenAI-compatible API", docs_url=None, redoc_url=None,
                   openapi_url=None)
     install_error_handlers(app)
