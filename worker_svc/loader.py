@@ -45,7 +45,8 @@ def eos_token_ids(model_dir: str, hf_config: transformers.PretrainedConfig) -> l
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Tensors created inside are of `dtype` unless they say otherwise."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -120,7 +121,7 @@ def _fill_dummy(model: nn.Module, seed: int) -> None:
 def load_model(model_config: ModelConfig, hf_config: transformers.PretrainedConfig,
                dtype: torch.dtype, device: torch.device, **model_kwargs: Any) -> nn.Module:
     model_class = get_model_class(getattr(hf_config, "architectures", None) or [])
-    with _default_dtype(dtype), torch.device(device):
+    with default_dtype(dtype), torch.device(device):
         model = model_class(hf_config, **model_kwargs)
     if model_config.load_format == "dummy":
         _fill_dummy(model, model_config.seed)

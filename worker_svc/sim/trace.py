@@ -7,8 +7,6 @@ per layer, priced later from the step's context lengths (the KV they read), not 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -16,7 +14,7 @@ from typing import Any
 import torch
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.worker_svc.loader import load_hf_config
+from pagedserve.worker_svc.loader import default_dtype, load_hf_config
 from pagedserve.worker_svc.models.registry import get_model_class
 from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState
 from pagedserve.worker_svc.sim.roofline import MODELS, ModelShape
@@ -153,16 +151,6 @@ def sim_hf_config(sim_model: str) -> Any:
     return load_hf_config(sim_model)
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 @dataclass(slots=True)
 class MetaModel:
     """The real model class on the meta device, with a recording attention backend."""
@@ -182,7 +170,7 @@ class MetaModel:
         model_class = model_class or get_model_class(list(hf_config.architectures))
         # the rotary table is sized by the positions a step may reach; on meta it costs nothing
         max_position = int(hf_config.max_position_embeddings)
-        with _default_dtype(dtype), META:
+        with default_dtype(dtype), META:
             model = model_class(hf_config, backend=RecordingBackend(recorder),
                                 max_position=max_position)
         num_heads = int(hf_config.num_attention_heads)
