@@ -12,8 +12,8 @@ from pagedserve.client.types import (
     StreamDelta,
     Tokenized,
     TokenLogprob,
-    Usage,
 )
+from pagedserve.services.common.outputs import Usage
 
 __all__ = ["AsyncClient", "AsyncStream", "Client", "ClientError", "Completion",
            "CompletionOutput", "FieldViolation", "ModelInfo", "RetryPolicy", "Stream",

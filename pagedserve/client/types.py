@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pagedserve.services.common.errors import InvalidRequest
-from pagedserve.services.common.outputs import FinishReason
+from pagedserve.services.common.outputs import FinishReason, Usage
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.rpc.convert_public import (
     finish_reason_from_proto,
@@ -20,13 +20,6 @@ from pagedserve.services.rpc.v1 import gateway_pb2
 Prompt = str | Sequence[int]  # text, or token ids
 Messages = Sequence[Mapping[str, str]]  # [{"role": "user", "content": "..."}, ...]
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int  # prompt tokens served from the prefix cache
 
 
 @dataclass(frozen=True, slots=True)

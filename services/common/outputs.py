@@ -1,4 +1,4 @@
-"""What the engine reports per request. Plain requests stream (each CompletionOutput carries the
+"""What the engine reports per request. Plain requests stream (each SequenceDelta carries the
 tokens since the last report); beam search and best_of > n report the n winners once, at the end.
 """
 
@@ -18,7 +18,10 @@ class FinishReason(enum.StrEnum):
 
 
 @dataclass(slots=True)
-class CompletionOutput:
+class SequenceDelta:
+    """One output's tokens as the engine reports them, without text (the wire's SequenceDelta);
+    callers see pagedserve.client.CompletionOutput."""
+
     index: int
     token_ids: list[int]  # new tokens since the last report (streamed) or the whole output
     logprobs: list[float] = field(default_factory=list)  # one per token in token_ids
@@ -31,7 +34,7 @@ class CompletionOutput:
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
-    outputs: list[CompletionOutput]
+    outputs: list[SequenceDelta]
     finished: bool
     num_prompt_tokens: int
     num_cached_tokens: int

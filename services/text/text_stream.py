@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.services.common.outputs import (
-    CompletionOutput,
     FinishReason,
     RequestOutput,
+    SequenceDelta,
     Usage,
 )
 from pagedserve.services.common.sampling_params import SamplingParams
@@ -29,7 +29,10 @@ class DecodedLogprob:
 
 
 @dataclass(slots=True)
-class StreamDelta:
+class TextDelta:
+    """One output's new text inside the gateway, before it becomes a response (the client reads
+    its wire form as pagedserve.client.StreamDelta)."""
+
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -87,20 +90,20 @@ class TextStream:
                      completion_tokens=sum(s.num_tokens for s in self._indices),
                      cached_tokens=self._num_cached_tokens)
 
-    def on_output(self, output: RequestOutput) -> list[StreamDelta]:
+    def on_output(self, output: RequestOutput) -> list[TextDelta]:
         self._num_prompt_tokens = output.num_prompt_tokens or self._num_prompt_tokens
         self._num_cached_tokens = output.num_cached_tokens
         deltas = [d for o in output.outputs if (d := self._on_completion(o)) is not None]
         if output.prompt_logprobs is not None and not self._has_sent_prompt_logprobs:
             self._has_sent_prompt_logprobs = True
             if not deltas:
-                deltas.append(StreamDelta(index=0))
+                deltas.append(TextDelta(index=0))
             deltas[0].prompt_logprobs = [self._decoded(p or []) for p in output.prompt_logprobs]
         if deltas and self.is_finished:
             deltas[-1].usage = self.usage
         return deltas
 
-    def _on_completion(self, completion: CompletionOutput) -> StreamDelta | None:
+    def _on_completion(self, completion: SequenceDelta) -> TextDelta | None:
         if not 0 <= completion.index < len(self._indices):
             raise ValueError(f"output index {completion.index} outside [0, {len(self._indices)})")
         state = self._indices[completion.index]
@@ -125,10 +128,10 @@ class TextStream:
         state.is_finished = finish_reason is not None
         if not (text or token_ids or state.is_finished):
             return None
-        delta = StreamDelta(index=completion.index, text=text, token_ids=token_ids,
-                            finish_reason=finish_reason,
-                            cumulative_logprob=completion.cumulative_logprob,
-                            error=completion.error if finish_reason == FinishReason.ERROR else None)
+        delta = TextDelta(index=completion.index, text=text, token_ids=token_ids,
+                          finish_reason=finish_reason,
+                          cumulative_logprob=completion.cumulative_logprob,
+                          error=completion.error if finish_reason == FinishReason.ERROR else None)
         if self._wants_logprobs:
             delta.logprobs = [DecodedLogprob(t, lp, self._token_text(t))
                               for t, lp in zip(token_ids, completion.logprobs, strict=False)]
