@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from pagedserve.services.common.config import served_model_name
 from pagedserve.services.common.errors import InvalidRequest, Reason
+from pagedserve.services.common.outputs import TokenLogprob
 from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ServedModel
 from pagedserve.services.rpc.convert_public import (
     finish_reason_from_proto,
@@ -18,7 +19,7 @@ from pagedserve.services.rpc.convert_public import (
 )
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
-from pagedserve.services.text.text_stream import DecodedLogprob, TextDelta
+from pagedserve.services.text.text_stream import TextDelta
 
 
 def _messages_from_proto(msg: common_pb2.ChatMessages) -> tuple[ChatMessage, ...]:
@@ -69,22 +70,22 @@ def generate_request_to_proto(request: GenerateInput) -> gateway_pb2.GenerateReq
     return msg
 
 
-def _logprob_to_proto(logprob: DecodedLogprob) -> common_pb2.TokenLogprob:
+def _logprob_to_proto(logprob: TokenLogprob) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob,
                                    text=logprob.text)
 
 
-def _logprob_from_proto(msg: common_pb2.TokenLogprob) -> DecodedLogprob:
-    return DecodedLogprob(token_id=msg.token_id, logprob=msg.logprob, text=msg.text)
+def _logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(token_id=msg.token_id, logprob=msg.logprob, text=msg.text)
 
 
-def _positions_to_proto(positions: Sequence[Sequence[DecodedLogprob]]
+def _positions_to_proto(positions: Sequence[Sequence[TokenLogprob]]
                         ) -> list[common_pb2.TokenLogprobs]:
     return [common_pb2.TokenLogprobs(candidates=[_logprob_to_proto(c) for c in p])
             for p in positions]
 
 
-def _positions_from_proto(msgs: Sequence[common_pb2.TokenLogprobs]) -> list[list[DecodedLogprob]]:
+def _positions_from_proto(msgs: Sequence[common_pb2.TokenLogprobs]) -> list[list[TokenLogprob]]:
     return [[_logprob_from_proto(c) for c in p.candidates] for p in msgs]
 
 

@@ -12,7 +12,7 @@ from pagedserve.services.common.engine_api import (
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.outputs import RequestOutput, SequenceDelta
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import TokenLogprob, WorkerInfo
+from pagedserve.services.common.step_plan import TokenIdLogprob, WorkerInfo
 from pagedserve.services.rpc.convert_common import (
     add_logprob_lists,
     finish_reason_from_proto,
@@ -95,7 +95,7 @@ def token_event_from_proto(msg: scheduler_pb2.SubmitResponse, request_id: str,
     end is the authoritative signal. `has_prompt_logprobs`: the request asked for them and this
     is its first event (protobuf cannot tell an absent list from an empty one)."""
     outputs = [sequence_delta_from_proto(o) for o in msg.outputs]
-    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+    prompt_logprobs: list[list[TokenIdLogprob] | None] | None = None
     if has_prompt_logprobs or msg.prompt_logprobs:
         prompt_logprobs = [p or None for p in logprob_lists_from_proto(msg.prompt_logprobs)]
     return RequestOutput(

@@ -12,20 +12,14 @@ from pagedserve.services.common.outputs import (
     FinishReason,
     RequestOutput,
     SequenceDelta,
+    TokenLogprob,
     Usage,
 )
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.common.step_plan import TokenIdLogprob
 from pagedserve.services.text.detokenizer import IncrementalDetokenizer
 from pagedserve.services.text.stop_strings import StopStringMatcher
 from pagedserve.services.text.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True, slots=True)
-class DecodedLogprob:
-    token_id: int
-    logprob: float
-    text: str
 
 
 @dataclass(slots=True)
@@ -36,13 +30,13 @@ class TextDelta:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[DecodedLogprob] = field(default_factory=list)  # per token, if asked
-    top_logprobs: list[list[DecodedLogprob]] = field(default_factory=list)  # per token, if asked
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, if asked
+    top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # per token, if asked
     finish_reason: FinishReason | None = None
     cumulative_logprob: float = 0.0
     error: str | None = None
     usage: Usage | None = None  # on the request's last delta
-    prompt_logprobs: list[list[DecodedLogprob]] | None = None  # on the first delta, if asked
+    prompt_logprobs: list[list[TokenLogprob]] | None = None  # on the first delta, if asked
 
 
 @dataclass(slots=True)
@@ -133,14 +127,14 @@ class TextStream:
                           cumulative_logprob=completion.cumulative_logprob,
                           error=completion.error if finish_reason == FinishReason.ERROR else None)
         if self._wants_logprobs:
-            delta.logprobs = [DecodedLogprob(t, lp, self._token_text(t))
+            delta.logprobs = [TokenLogprob(t, lp, self._token_text(t))
                               for t, lp in zip(token_ids, completion.logprobs, strict=False)]
             delta.top_logprobs = [self._decoded(c)
                                   for c in completion.top_logprobs[:len(token_ids)]]
         return delta
 
-    def _decoded(self, candidates: list[TokenLogprob]) -> list[DecodedLogprob]:
-        return [DecodedLogprob(c.token_id, c.logprob, self._token_text(c.token_id))
+    def _decoded(self, candidates: list[TokenIdLogprob]) -> list[TokenLogprob]:
+        return [TokenLogprob(c.token_id, c.logprob, self._token_text(c.token_id))
                 for c in candidates]
 
     def _token_text(self, token_id: int) -> str:

@@ -13,7 +13,7 @@ from pagedserve.services.common.engine_api import (
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.outputs import RequestOutput, SequenceDelta
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.common.step_plan import TokenIdLogprob
 from pagedserve.services.rpc.convert_scheduler import (
     abort_request_from_proto,
     abort_request_to_proto,
@@ -37,7 +37,7 @@ def _wire(msg):
     return type(msg).FromString(msg.SerializeToString())
 
 
-TOP = [[TokenLogprob(5, -0.25), TokenLogprob(9, -1.5)], [TokenLogprob(3, -0.125)]]
+TOP = [[TokenIdLogprob(5, -0.25), TokenIdLogprob(9, -1.5)], [TokenIdLogprob(3, -0.125)]]
 
 
 def test_every_proto_field_is_converted():
@@ -119,7 +119,7 @@ def test_token_event_round_trip_keeps_prefix_cache_holes():
                  SequenceDelta(index=1, token_ids=[9], logprobs=[-0.75], finish_reason="abort",
                                cumulative_logprob=-0.75)],
         finished=True, num_prompt_tokens=40, num_cached_tokens=32,
-        prompt_logprobs=[None, None, [TokenLogprob(3, -1.0), TokenLogprob(4, -0.5)]])
+        prompt_logprobs=[None, None, [TokenIdLogprob(3, -1.0), TokenIdLogprob(4, -0.5)]])
     msg = _wire(token_event_to_proto(output))
     assert token_event_from_proto(msg, "req-2", has_prompt_logprobs=True) == output
 

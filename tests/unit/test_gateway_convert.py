@@ -1,6 +1,6 @@
 import pytest
 from pagedserve.services.common.errors import InvalidRequest
-from pagedserve.services.common.outputs import Usage
+from pagedserve.services.common.outputs import TokenLogprob, Usage
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import WorkerInfo
 from pagedserve.services.gateway.convert import (
@@ -18,7 +18,7 @@ from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, S
 from pagedserve.services.rpc.convert_scheduler import served_model_to_proto
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
-from pagedserve.services.text.text_stream import DecodedLogprob, TextDelta
+from pagedserve.services.text.text_stream import TextDelta
 
 SAMPLING = SamplingParams(n=2, temperature=0.7, top_k=5, stop=("\n",), stop_token_ids=(7,),
                           max_tokens=9, logprobs=3, seed=11)
@@ -47,11 +47,11 @@ def test_bad_sampling_names_field_and_value():
 
 
 def test_text_delta_round_trip():
-    lp = DecodedLogprob(5, -0.25, " the")
+    lp = TokenLogprob(5, -0.25, " the")
     delta = TextDelta(index=1, text=" the", token_ids=[5], logprobs=[lp],
-                      top_logprobs=[[lp, DecodedLogprob(6, -2.0, " a")]], finish_reason="length",
+                      top_logprobs=[[lp, TokenLogprob(6, -2.0, " a")]], finish_reason="length",
                       usage=Usage(prompt_tokens=4, completion_tokens=9, cached_tokens=2),
-                      prompt_logprobs=[[DecodedLogprob(3, -1.0, "x")], []])
+                      prompt_logprobs=[[TokenLogprob(3, -1.0, "x")], []])
     msg = stream_delta_to_proto(delta, "req")
     assert msg.request_id == "req"
     assert stream_delta_from_proto(msg) == delta

@@ -4,7 +4,7 @@ import pytest
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.outputs import FinishReason, RequestOutput, SequenceDelta
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.common.step_plan import TokenIdLogprob
 from pagedserve.services.gateway.validation import (
     ChatMessage,
     GenerateInput,
@@ -74,8 +74,8 @@ def test_logprobs_and_prompt_logprobs_carry_token_text():
     stream = _stream(logprobs=1, prompt_logprobs=1)
     token = ids(" fox")[0]
     deltas = stream.on_output(event(
-        SequenceDelta(0, [token], logprobs=[-0.1], top_logprobs=[[TokenLogprob(token, -0.1)]]),
-        prompt_logprobs=[None, [TokenLogprob(token, -3.0)]]))
+        SequenceDelta(0, [token], logprobs=[-0.1], top_logprobs=[[TokenIdLogprob(token, -0.1)]]),
+        prompt_logprobs=[None, [TokenIdLogprob(token, -3.0)]]))
     (delta,) = deltas
     assert [(lp.token_id, lp.text) for lp in delta.logprobs] == [(token, " fox")]
     assert delta.top_logprobs[0][0].text == " fox"

@@ -8,7 +8,7 @@ import asyncio
 from pagedserve.scheduler_svc.outputs import merge_request_outputs
 from pagedserve.scheduler_svc.submit_stream import SubmitStreamCall
 from pagedserve.services.common.outputs import FinishReason, RequestOutput, SequenceDelta
-from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.common.step_plan import TokenIdLogprob
 from pagedserve.services.rpc.internal.v1 import common_pb2, scheduler_pb2
 
 
@@ -30,7 +30,7 @@ def _report(index_tokens: dict[int, list[int]], finished: bool = False,
             reason: FinishReason | None = None, cached: int = 0,
             prompt_logprobs=None) -> RequestOutput:
     outputs = [SequenceDelta(index=i, token_ids=list(tokens), logprobs=[-1.0] * len(tokens),
-                             top_logprobs=[[TokenLogprob(t, -1.0)] for t in tokens],
+                             top_logprobs=[[TokenIdLogprob(t, -1.0)] for t in tokens],
                              cumulative_logprob=-float(tokens[-1]) if tokens else 0.0,
                              finish_reason=reason)
                for i, tokens in index_tokens.items()]
