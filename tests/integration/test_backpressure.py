@@ -1,6 +1,7 @@
 """Backpressure through the scheduler's engine loop on a real (tiny) model: a paused request takes
 no steps while another completes, the loop idles when every request is paused, and after resume
-the request's seeded tokens are those of a run that never paused."""
+the request's seeded tokens are those of a run that never paused; a consumer that leaves aborts
+only its own request."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from pagedserve.scheduler_svc.async_engine import AsyncEngine
 from pagedserve.services.common.engine_api import PauseRequest, SubmitRequest
 from pagedserve.services.common.errors import NotFound
+from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.sampling_params import SamplingParams
 
 from tests.integration.test_engine import make_engine
@@ -106,3 +108,24 @@ def test_a_paused_request_is_still_aborted_by_its_caller_leaving(llama_dir):
             await engine.stop()
 
     asyncio.run(run())
+
+
+def test_a_late_drop_leaves_a_new_request_of_the_same_id_alone(llama_dir):
+    async def run() -> tuple[list[int], object]:
+        core = make_engine(llama_dir).core
+        engine = await AsyncEngine.start(lambda: core, 10.0)
+        try:
+            first = await submit(engine, SubmitRequest("same", PROMPT, GREEDY))
+            await tokens_of(first)
+            second = await submit(engine, SubmitRequest("same", PROMPT, GREEDY))
+            engine.drop("same", first)  # the first consumer leaves after its request ended
+            tokens, last = [], None
+            while last is None or not last.finished:
+                last = await asyncio.wait_for(second.get(), 60)  # nothing comes if the drop took it
+                tokens += last.outputs[0].token_ids
+            return tokens, last.outputs[0].finish_reason
+        finally:
+            await engine.stop()
+
+    tokens, reason = asyncio.run(run())
+    assert len(tokens) == 16 and reason == FinishReason.LENGTH
