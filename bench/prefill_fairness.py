@@ -1,7 +1,7 @@
 """Prefill fairness: a short request's time to first token (TTFT) beside a 7,000-token prefill,
 against the same request alone, same run, for each token budget in --budgets.
 
-The engine is the scheduler service's loop (EngineService over EngineCore) in process, with the
+The engine is the scheduler service's loop (AsyncEngine over EngineCore) in process, with the
 CPU worker and the default model; no gateway, no gRPC. Per budget (max_num_batched_tokens):
 the short request alone (--repeats times, median), the long prompt alone, then the long prompt
 with the short one sent --arrival-s after it, twice: as the service runs it, and the control,
@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.scheduler_svc.async_engine import EngineService
+from pagedserve.scheduler_svc.async_engine import AsyncEngine
 from pagedserve.services.common.engine_api import SubmitRequest
 from pagedserve.services.common.sampling_params import SamplingParams
 
@@ -79,25 +79,29 @@ class LoggedWorker:
         return future
 
 
-async def first_token_s(service: EngineService, request_id: str, prompt: list[int]) -> float:
+async def first_token_s(engine_loop: AsyncEngine, request_id: str, prompt: list[int]) -> float:
     start = time.perf_counter()
-    stream = await service.submit(SubmitRequest(request_id, prompt, ONE_TOKEN))
-    async for report in stream:
-        if report.outputs and report.outputs[0].token_ids:
+    sink: asyncio.Queue = asyncio.Queue()
+    await engine_loop.submit(SubmitRequest(request_id, prompt, ONE_TOKEN), sink)
+    elapsed = None
+    while True:
+        report = await sink.get()
+        if elapsed is None and report.outputs and report.outputs[0].token_ids:
             elapsed = time.perf_counter() - start
-            async for _ in stream:
-                pass
-            return elapsed
-    raise RuntimeError(f"{request_id} ended without a token")
+        if report.finished:
+            break
+    if elapsed is None:
+        raise RuntimeError(f"{request_id} ended without a token")
+    return elapsed
 
 
-async def beside(service: EngineService, log: StepLog, tag: str, long_prompt: list[int],
+async def beside(engine_loop: AsyncEngine, log: StepLog, tag: str, long_prompt: list[int],
                  short_prompt: list[int], arrival_s: float) -> dict:
-    long_task = asyncio.create_task(first_token_s(service, f"long-{tag}", long_prompt))
+    long_task = asyncio.create_task(first_token_s(engine_loop, f"long-{tag}", long_prompt))
     await asyncio.sleep(arrival_s)
     arrival = time.perf_counter()
     running = log.running_at(arrival)
-    short_ttft = await first_token_s(service, f"short-{tag}", short_prompt)
+    short_ttft = await first_token_s(engine_loop, f"short-{tag}", short_prompt)
     long_ttft = await long_task
     short_step = log.started[f"short-{tag}"]
     return {"short_ttft_s": short_ttft, "long_ttft_s": long_ttft, "step_running_at_arrival": running,
@@ -108,10 +112,10 @@ async def beside(service: EngineService, log: StepLog, tag: str, long_prompt: li
                             if running is not None and running <= s <= short_step]}
 
 
-def hold_nothing(service: EngineService) -> None:
+def hold_nothing(engine_loop: AsyncEngine) -> None:
     """The control: every step is planned ahead, queued arrivals or not (as on 9262bf6)."""
-    step = service.engine.step
-    service.engine.step = lambda has_queued_operations=None: step()
+    step = engine_loop.core.step
+    engine_loop.core.step = lambda has_queued_operations=None: step()
 
 
 async def run_budget(args: argparse.Namespace, budget: int) -> dict:
@@ -122,18 +126,18 @@ async def run_budget(args: argparse.Namespace, budget: int) -> dict:
     rng = random.Random(args.seed)
     long_prompt = [rng.randrange(3, engine.core.vocab_size) for _ in range(args.long_prompt_len)]
     short_prompt = [rng.randrange(3, engine.core.vocab_size) for _ in range(args.short_prompt_len)]
-    service = await EngineService.start(lambda: engine.core, stop_timeout_s=60.0)
+    engine_loop = await AsyncEngine.start(lambda: engine.core, stop_timeout_s=60.0)
     try:
-        await first_token_s(service, "warm-up", short_prompt)
-        alone = [await first_token_s(service, f"alone-{i}", short_prompt)
+        await first_token_s(engine_loop, "warm-up", short_prompt)
+        alone = [await first_token_s(engine_loop, f"alone-{i}", short_prompt)
                  for i in range(args.repeats)]
-        long_alone = await first_token_s(service, "long-alone", long_prompt)
-        held = await beside(service, log, "held", long_prompt, short_prompt, args.arrival_s)
-        hold_nothing(service)
-        control = await beside(service, log, "control", long_prompt, short_prompt,
+        long_alone = await first_token_s(engine_loop, "long-alone", long_prompt)
+        held = await beside(engine_loop, log, "held", long_prompt, short_prompt, args.arrival_s)
+        hold_nothing(engine_loop)
+        control = await beside(engine_loop, log, "control", long_prompt, short_prompt,
                                args.arrival_s)
     finally:
-        await service.stop()
+        await engine_loop.stop()
     short_alone = statistics.median(alone)
     return {"max_num_batched_tokens": budget,
             "threshold": engine.core.scheduler.long_prefill_token_threshold,

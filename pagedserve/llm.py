@@ -23,7 +23,7 @@ from pagedserve.services.common.config import default_model_dir
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.common.step_plan import TokenIdLogprob
 from pagedserve.services.text.text_stream import TextStream
 from pagedserve.services.text.tokenizer import Tokenizer
 
@@ -40,7 +40,7 @@ class LLMCompletion:
     token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     logprobs: list[float] = field(default_factory=list)  # of each token in token_ids
-    top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # if asked
+    top_logprobs: list[list[TokenIdLogprob]] = field(default_factory=list)  # if asked
     finish_reason: FinishReason | None = None
     error: str | None = None
 
@@ -52,7 +52,7 @@ class LLMOutput:
     prompt_token_ids: list[int]
     outputs: list[LLMCompletion]
     num_cached_tokens: int = 0
-    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+    prompt_logprobs: list[list[TokenIdLogprob] | None] | None = None
 
 
 class _Request:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pagedserve.scheduler_svc.sequence import BeamHypothesis, Sequence, SequenceGroup
 from pagedserve.services.common.outputs import FinishReason
-from pagedserve.services.common.step_plan import SampledSequence, TokenLogprob
+from pagedserve.services.common.step_plan import SampledSequence, TokenIdLogprob
 
 
 @dataclass(slots=True)
@@ -20,7 +20,7 @@ class _Candidate:
     parent: Sequence
     token_id: int
     logprob: float
-    top_logprobs: list[TokenLogprob] | None
+    top_logprobs: list[TokenIdLogprob] | None
     cumulative_logprob: float
 
 

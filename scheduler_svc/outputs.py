@@ -4,7 +4,7 @@ consecutive reports that a stream behind its engine sends as one."""
 from __future__ import annotations
 
 from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup
-from pagedserve.services.common.outputs import CompletionOutput, RequestOutput
+from pagedserve.services.common.outputs import RequestOutput, SequenceDelta
 
 
 def make_request_output(group: SequenceGroup) -> RequestOutput | None:
@@ -28,7 +28,7 @@ def make_request_output(group: SequenceGroup) -> RequestOutput | None:
                          prompt_logprobs=prompt_logprobs)
 
 
-def _stream_delta(seq: Sequence) -> CompletionOutput | None:
+def _stream_delta(seq: Sequence) -> SequenceDelta | None:
     start = seq.num_emitted_tokens
     # not the placeholder of a step in flight (the next is scheduled before this report)
     new_token_ids = seq.token_ids[seq.prompt_len + start:len(seq.token_ids) - seq.has_placeholder]
@@ -37,29 +37,29 @@ def _stream_delta(seq: Sequence) -> CompletionOutput | None:
         return None
     seq.num_emitted_tokens += len(new_token_ids)
     seq.is_finish_reported = seq.is_finished
-    return CompletionOutput(
+    return SequenceDelta(
         index=seq.index, token_ids=new_token_ids, logprobs=seq.output_logprobs[start:],
         top_logprobs=seq.output_top_logprobs[start:], cumulative_logprob=seq.cumulative_logprob,
         finish_reason=seq.finish_reason, error=seq.error)
 
 
-def _final_outputs(group: SequenceGroup) -> list[CompletionOutput]:
+def _final_outputs(group: SequenceGroup) -> list[SequenceDelta]:
     n = group.sampling.n
     if group.is_beam_search and group.beam_hypotheses:
         best = sorted(group.beam_hypotheses, key=lambda h: h.score, reverse=True)[:n]
-        return [CompletionOutput(index=i, token_ids=list(h.token_ids), logprobs=list(h.logprobs),
-                                 top_logprobs=list(h.top_logprobs),
-                                 cumulative_logprob=h.cumulative_logprob,
-                                 finish_reason=h.finish_reason)
+        return [SequenceDelta(index=i, token_ids=list(h.token_ids), logprobs=list(h.logprobs),
+                              top_logprobs=list(h.top_logprobs),
+                              cumulative_logprob=h.cumulative_logprob,
+                              finish_reason=h.finish_reason)
                 for i, h in enumerate(best)]
     # best_of > n keeps the n best by cumulative logprob (vLLM's rule); an aborted or failed
     # beam search reports its live beams the same way
     best = sorted(group.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
-    return [CompletionOutput(index=i, token_ids=list(s.output_token_ids),
-                             logprobs=list(s.output_logprobs),
-                             top_logprobs=list(s.output_top_logprobs),
-                             cumulative_logprob=s.cumulative_logprob,
-                             finish_reason=s.finish_reason, error=s.error)
+    return [SequenceDelta(index=i, token_ids=list(s.output_token_ids),
+                          logprobs=list(s.output_logprobs),
+                          top_logprobs=list(s.output_top_logprobs),
+                          cumulative_logprob=s.cumulative_logprob,
+                          finish_reason=s.finish_reason, error=s.error)
             for i, s in enumerate(best)]
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.common.step_plan import TokenIdLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -63,7 +63,7 @@ class Sequence:
     num_computed_tokens: int = 0
     cumulative_logprob: float = 0.0
     output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    output_top_logprobs: list[list[TokenIdLogprob]] = field(default_factory=list)
     error: str | None = None
     # the worker's mirror: None = the worker does not know this sequence (send it whole)
     worker_block_ids: list[int] | None = None
@@ -107,7 +107,7 @@ class Sequence:
             self.has_placeholder = False
 
     def append_token(self, token_id: int, logprob: float,
-                     top_logprobs: list[TokenLogprob] | None = None) -> None:
+                     top_logprobs: list[TokenIdLogprob] | None = None) -> None:
         self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
         self.output_logprobs.append(logprob)
@@ -140,7 +140,7 @@ class BeamHypothesis:
     cumulative_logprob: float
     score: float  # cumulative_logprob / num_output_tokens ** length_penalty
     logprobs: list[float]
-    top_logprobs: list[list[TokenLogprob]]
+    top_logprobs: list[list[TokenIdLogprob]]
     finish_reason: FinishReason
 
 
@@ -157,7 +157,7 @@ class SequenceGroup:
     first_token_time: float | None = None  # monotonic, when its first token was sampled
     has_forked: bool = False
     # positions 1.. of the prompt; None where the KV came from the prefix cache
-    prompt_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    prompt_logprobs: list[list[TokenIdLogprob] | None] = field(default_factory=list)
     beam_hypotheses: list[BeamHypothesis] = field(default_factory=list)
     error: str | None = None
     num_reports: int = 0

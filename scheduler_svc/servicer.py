@@ -1,4 +1,4 @@
-"""The Scheduler gRPC service: convert in, call the EngineService, convert out. It listens at
+"""The Scheduler gRPC service: convert in, call the AsyncEngine, convert out. It listens at
 once, NOT_SERVING until the worker handshake is done.
 """
 
@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-from pagedserve.scheduler_svc.async_engine import EngineService
+from pagedserve.scheduler_svc.async_engine import AsyncEngine
 from pagedserve.scheduler_svc.engine_core import EngineCore
 from pagedserve.scheduler_svc.metrics import SchedulerMetrics
 from pagedserve.scheduler_svc.stats import StatLogger
@@ -40,67 +40,67 @@ logger = logging.getLogger(__name__)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
-    def __init__(self, model: str, service: EngineService | None = None) -> None:
-        """`service` is set once the worker handshake is done; until then calls are UNAVAILABLE."""
+    def __init__(self, model: str, engine: AsyncEngine | None = None) -> None:
+        """`engine` is set once the worker handshake is done; until then calls are UNAVAILABLE."""
         self.model = model
-        self.service = service
+        self.engine = engine
         self.metrics_server: MetricsServer | None = None
 
-    def _service(self) -> EngineService:
-        if self.service is None:
+    def _engine(self) -> AsyncEngine:
+        if self.engine is None:
             raise Unavailable("the scheduler is starting (worker handshake in progress)",
                               reason=Reason.SCHEDULER_STARTING)
-        return self.service
+        return self.engine
 
     @map_errors
     async def SubmitStream(self, requests: AsyncIterator[scheduler_pb2.SubmitStreamRequest],
                            context: grpc.aio.ServicerContext
                            ) -> AsyncIterator[scheduler_pb2.SubmitStreamResponse]:
-        service = self._service()
-        async for response in serve_submit_stream(service, served_model_name(self.model),
+        engine = self._engine()
+        async for response in serve_submit_stream(engine, served_model_name(self.model),
                                                   requests):
             yield response
 
     @map_errors
     async def Abort(self, request: scheduler_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
-        await self._service().abort(abort_request_from_proto(request))
+        await self._engine().abort(abort_request_from_proto(request))
         return scheduler_pb2.AbortResponse()
 
     @map_errors
     async def Pause(self, request: scheduler_pb2.PauseRequest,
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.PauseResponse:
-        await self._service().set_paused(pause_request_from_proto(request))
+        await self._engine().set_paused(pause_request_from_proto(request))
         return scheduler_pb2.PauseResponse()
 
     @map_errors
     async def Resume(self, request: scheduler_pb2.ResumeRequest,
                      context: grpc.aio.ServicerContext) -> scheduler_pb2.ResumeResponse:
-        await self._service().set_paused(pause_request_from_proto(request))
+        await self._engine().set_paused(pause_request_from_proto(request))
         return scheduler_pb2.ResumeResponse()
 
     @map_errors
     async def GetLoad(self, request: scheduler_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> scheduler_pb2.GetLoadResponse:
-        return load_to_proto(self._service().get_load(), scheduler_pb2.GetLoadResponse)
+        return load_to_proto(self._engine().get_load(), scheduler_pb2.GetLoadResponse)
 
     @map_errors
     async def WatchLoad(self, request: scheduler_pb2.WatchLoadRequest,
                         context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[scheduler_pb2.WatchLoadResponse]:
-        async for load in self._service().watch_load(watch_load_request_from_proto(request)):
+        async for load in self._engine().watch_load(watch_load_request_from_proto(request)):
             yield load_to_proto(load, scheduler_pb2.WatchLoadResponse)
 
     @map_errors
     async def GetServedModel(self, request: scheduler_pb2.GetServedModelRequest,
                              context: grpc.aio.ServicerContext
                              ) -> scheduler_pb2.GetServedModelResponse:
-        engine = self._service().engine
-        return served_model_to_proto(self.model, engine.worker_info, engine.max_model_len,
-                                     engine.vocab_size, engine.eos_token_ids,
-                                     block_size=engine.block_manager.block_size,
-                                     num_gpu_blocks=engine.num_gpu_blocks,
-                                     max_num_seqs=engine.config.scheduler.max_num_seqs)
+        core = self._engine().core
+        return served_model_to_proto(self.model, core.worker_info, core.max_model_len,
+                                     core.vocab_size, core.eos_token_ids,
+                                     block_size=core.block_manager.block_size,
+                                     num_gpu_blocks=core.num_gpu_blocks,
+                                     max_num_seqs=core.config.scheduler.max_num_seqs)
 
 
 def create_scheduler_server(config: EngineConfig, service_config: SchedulerServiceConfig
@@ -118,7 +118,7 @@ def create_scheduler_server(config: EngineConfig, service_config: SchedulerServi
 
 
 async def start_engine(config: EngineConfig, service_config: SchedulerServiceConfig,
-                       stat_loggers: list[StatLogger] | None = None) -> EngineService:
+                       stat_loggers: list[StatLogger] | None = None) -> AsyncEngine:
     num_ranks = config.parallel.tensor_parallel_size
     if len(service_config.worker_addresses) != num_ranks:
         raise ConfigError(f"worker_addresses has {len(service_config.worker_addresses)} "
@@ -127,9 +127,9 @@ async def start_engine(config: EngineConfig, service_config: SchedulerServiceCon
                             service_config.startup_timeout_s, service_config.tls)
                for address in service_config.worker_addresses]
     try:
-        return await EngineService.start(lambda: EngineCore(config, workers),
-                                         service_config.shutdown.drain_timeout_s, stat_loggers,
-                                         service_config.stats_interval_s)
+        return await AsyncEngine.start(lambda: EngineCore(config, workers),
+                                       service_config.shutdown.drain_timeout_s, stat_loggers,
+                                       service_config.stats_interval_s)
     except BaseException:
         for worker in workers:
             worker.close()
@@ -144,11 +144,11 @@ async def start_scheduler(config: EngineConfig, service_config: SchedulerService
                 server.port, ", ".join(service_config.worker_addresses))
     registry = CollectorRegistry()
     metrics = SchedulerMetrics(registry, served_model_name(config.model.model),
-                               lambda: None if servicer.service is None else servicer.service.load)
+                               lambda: None if servicer.engine is None else servicer.engine.load)
     try:
         servicer.metrics_server = start_metrics_server(
             registry, service_config.host, service_config.metrics, "scheduler")
-        servicer.service = await start_engine(config, service_config, [metrics])
+        servicer.engine = await start_engine(config, service_config, [metrics])
     except BaseException:
         await server.shutdown(0)  # its health-only port too
         if servicer.metrics_server is not None:
@@ -162,22 +162,22 @@ async def start_scheduler(config: EngineConfig, service_config: SchedulerService
 async def stop_scheduler(server: ServiceServer, servicer: SchedulerServicer,
                          grace_s: float = 0.0) -> None:
     """Drain (bounded by grace_s), stop; worker channels still in use are left to the exit."""
-    service = servicer.service
-    drain = None if service is None else (lambda: service.drain(grace_s))
+    engine = servicer.engine
+    drain = None if engine is None else (lambda: engine.drain(grace_s))
     await server.shutdown(grace_s, drain)
     if servicer.metrics_server is not None:
         servicer.metrics_server.stop()
-    if service is not None and await service.stop():
-        for worker in service.engine.workers:
+    if engine is not None and await engine.stop():
+        for worker in engine.core.workers:
             worker.close()
 
 
 async def serve(config: EngineConfig, service_config: SchedulerServiceConfig) -> None:
     server, servicer = await start_scheduler(config, service_config)
     tune_gc_after_startup()
-    service = servicer.service
+    engine = servicer.engine
     grace_s = service_config.shutdown.drain_timeout_s
     try:
-        await server.serve_until_signal(grace_s, drain=lambda: service.drain(grace_s))
+        await server.serve_until_signal(grace_s, drain=lambda: engine.drain(grace_s))
     finally:
         await stop_scheduler(server, servicer)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry import trace
-from pagedserve.scheduler_svc.async_engine import EngineService, RequestStream
+from pagedserve.scheduler_svc.async_engine import AsyncEngine
 from pagedserve.scheduler_svc.outputs import merge_request_outputs
 from pagedserve.services.common.errors import InvalidRequest, PagedServeError, Reason
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
@@ -49,13 +49,13 @@ class _Sink:
 
 
 class SubmitStreamCall:
-    def __init__(self, service: EngineService, model: str) -> None:
+    def __init__(self, engine: AsyncEngine, model: str) -> None:
         """`model`: the served model's name, on each traced request's span."""
-        self._service = service
+        self._engine = engine
         self._model = model
         self._pending: dict[str, list[_Item]] = {}
         self._ready = asyncio.Event()
-        self._streams: dict[str, RequestStream] = {}
+        self._added: set[str] = set()  # the live requests the engine has
         self._adding: dict[str, asyncio.Task[None]] = {}
         # the live request of each id: what a request cancelled, or ended, still reports is
         # dropped (its id may be live again already)
@@ -125,8 +125,8 @@ class SubmitStreamCall:
                 self._cancel(msg.cancel_request_id)
             elif msg.HasField("finish_sequence"):
                 finish = msg.finish_sequence
-                if finish.request_id in self._streams:
-                    self._service.finish_sequence(finish.request_id, finish.index)
+                if finish.request_id in self._added:
+                    self._engine.finish_sequence(finish.request_id, finish.index)
 
     async def _add(self, msg: scheduler_pb2.SubmitRequest, sink: _Sink,
                    span: RequestSpan | None) -> None:
@@ -136,18 +136,18 @@ class SubmitStreamCall:
         request_id = msg.request_id
         try:
             if span is None:
-                stream = await self._service.submit(submit_request_from_proto(msg), sink)
+                await self._engine.submit(submit_request_from_proto(msg), sink)
             else:
                 with trace.use_span(span.span):
                     set_request_model(self._model)
-                    stream = await self._service.submit(submit_request_from_proto(msg), sink)
+                    await self._engine.submit(submit_request_from_proto(msg), sink)
         except Exception as exc:
             self.put(request_id, exc, sink)
         else:
             if self._sinks.get(request_id) is sink:
-                self._streams[request_id] = stream
+                self._added.add(request_id)
             else:
-                stream.close()  # cancelled as it was added
+                self._engine.drop(request_id, sink)  # cancelled as it was added
         finally:
             if self._adding.get(request_id) is asyncio.current_task():
                 del self._adding[request_id]
@@ -165,10 +165,11 @@ class SubmitStreamCall:
     def _end(self, request_id: str, code: grpc.StatusCode, details: str | None = None) -> None:
         """Where a request's stream ends, however it ends (done, error, cancel, the call's end):
         a cancelled one is aborted in the engine, a traced one's span ends."""
-        self._sinks.pop(request_id, None)
-        stream = self._streams.pop(request_id, None)
-        if stream is not None and code == grpc.StatusCode.CANCELLED:
-            stream.close()
+        sink = self._sinks.pop(request_id, None)
+        if request_id in self._added:
+            self._added.discard(request_id)
+            if code == grpc.StatusCode.CANCELLED:
+                self._engine.drop(request_id, sink)
         span = self._spans.pop(request_id, None)
         if span is not None:
             span.end(code, details)
@@ -223,10 +224,10 @@ def _messages(events: list[scheduler_pb2.RequestEvent]
     return messages
 
 
-async def serve_submit_stream(service: EngineService, model: str,
+async def serve_submit_stream(engine: AsyncEngine, model: str,
                               requests: AsyncIterator[scheduler_pb2.SubmitStreamRequest]
                               ) -> AsyncIterator[scheduler_pb2.SubmitStreamResponse]:
-    call = SubmitStreamCall(service, model)
+    call = SubmitStreamCall(engine, model)
     async with contextlib.aclosing(call.run(requests)) as responses:
         async for response in responses:
             yield response

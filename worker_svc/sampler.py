@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import SampledSequence, TokenLogprob
+from pagedserve.services.common.step_plan import SampledSequence, TokenIdLogprob
 from pagedserve.worker_svc.logits_processor import (
     apply_min_p,
     apply_top_k,
@@ -275,11 +275,11 @@ class _DeviceSamples:
         sampled, sampled_logprobs, top_values, top_ids = self._host
         token_ids = sampled.tolist()
         logprobs = sampled_logprobs.tolist()
-        tops: dict[int, list[TokenLogprob]] = {}
+        tops: dict[int, list[TokenIdLogprob]] = {}
         if top_rows:
             for i, ids, values in zip(top_rows, top_ids.tolist(), top_values.tolist(), strict=True):
                 n = seqs[i].sampling.logprobs
-                tops[i] = [TokenLogprob(t, v) for t, v in zip(ids[:n], values[:n], strict=True)]
+                tops[i] = [TokenIdLogprob(t, v) for t, v in zip(ids[:n], values[:n], strict=True)]
         outputs = []
         for i, seq in enumerate(seqs):
             start, end = offsets[i], offsets[i + 1]
@@ -296,7 +296,7 @@ def prompt_logprobs(
     target_ids: list[int],
     num_top: int,
     vocab_size: int | None = None,  # drop padded columns beyond it; None = every column
-) -> list[list[TokenLogprob]]:
+) -> list[list[TokenIdLogprob]]:
     """Per position: the target, then the num_top best; of the raw logits, as vLLM reports them."""
     if logits.dim() != 2 or logits.shape[0] != len(target_ids):
         raise ValueError(f"logits must be [len(target_ids)={len(target_ids)}, vocab], "
@@ -307,7 +307,7 @@ def prompt_logprobs(
         logits = logits[:, :vocab_size]
     num_top = min(num_top, logits.shape[1])
     targets = torch.tensor(target_ids, dtype=torch.long, device=logits.device)
-    entries: list[list[TokenLogprob]] = []
+    entries: list[list[TokenIdLogprob]] = []
     for start in range(0, len(target_ids), _PROMPT_LOGPROBS_CHUNK):
         end = start + _PROMPT_LOGPROBS_CHUNK
         logprobs = torch.log_softmax(logits[start:end].float(), dim=-1)  # [chunk, vocab_size]
@@ -320,6 +320,6 @@ def prompt_logprobs(
             tops = (([], []) for _ in target_logprobs)
         for target, logprob, (ids, values) in zip(chunk_targets.tolist(), target_logprobs, tops,
                                                   strict=True):
-            entries.append([TokenLogprob(target, logprob)]
-                           + [TokenLogprob(t, v) for t, v in zip(ids, values, strict=True)])
+            entries.append([TokenIdLogprob(target, logprob)]
+                           + [TokenIdLogprob(t, v) for t, v in zip(ids, values, strict=True)])
     return entries

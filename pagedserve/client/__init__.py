@@ -11,9 +11,8 @@ from pagedserve.client.types import (
     ModelInfo,
     StreamDelta,
     Tokenized,
-    TokenLogprob,
-    Usage,
 )
+from pagedserve.services.common.outputs import TokenLogprob, Usage
 
 __all__ = ["AsyncClient", "AsyncStream", "Client", "ClientError", "Completion",
            "CompletionOutput", "FieldViolation", "ModelInfo", "RetryPolicy", "Stream",

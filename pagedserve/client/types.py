@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pagedserve.services.common.errors import InvalidRequest
-from pagedserve.services.common.outputs import FinishReason
+from pagedserve.services.common.outputs import FinishReason, TokenLogprob, Usage
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.rpc.convert_public import (
     finish_reason_from_proto,
@@ -22,22 +22,10 @@ Messages = Sequence[Mapping[str, str]]  # [{"role": "user", "content": "..."}, .
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int  # prompt tokens served from the prefix cache
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    text: str
-
-
 @dataclass(slots=True)
 class CompletionOutput:
+    """One whole output as the client reads it, with its text (the engine's is SequenceDelta)."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -61,8 +49,8 @@ class Completion:
 
 @dataclass(slots=True)
 class StreamDelta:
-    """New text and tokens of output `index`; its last delta has finish_reason set, and the
-    request's last delta carries usage."""
+    """New text and tokens of output `index` as the client reads them (the gateway's is TextDelta);
+    its last delta has finish_reason set, and the request's last delta carries usage."""
 
     request_id: str
     index: int
@@ -83,6 +71,8 @@ class Tokenized:
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
+    """GetModelInfo's answer (the gateway's ServedModel without the replicas' capacity)."""
+
     model: str
     architecture: str
     max_model_len: int

@@ -1,5 +1,6 @@
-"""What the engine reports per request. Plain requests stream (each CompletionOutput carries the
+"""What the engine reports per request. Plain requests stream (each SequenceDelta carries the
 tokens since the last report); beam search and best_of > n report the n winners once, at the end.
+Usage and TokenLogprob are what a caller sees of them, in the gateway and in the client.
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.common.step_plan import TokenIdLogprob
 
 
 class FinishReason(enum.StrEnum):
@@ -18,11 +19,14 @@ class FinishReason(enum.StrEnum):
 
 
 @dataclass(slots=True)
-class CompletionOutput:
+class SequenceDelta:
+    """One output's tokens as the engine reports them, without text (the wire's SequenceDelta);
+    callers see pagedserve.client.CompletionOutput."""
+
     index: int
     token_ids: list[int]  # new tokens since the last report (streamed) or the whole output
     logprobs: list[float] = field(default_factory=list)  # one per token in token_ids
-    top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # if asked, per token
+    top_logprobs: list[list[TokenIdLogprob]] = field(default_factory=list)  # if asked, per token
     cumulative_logprob: float = 0.0  # of the whole output so far
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -31,12 +35,21 @@ class CompletionOutput:
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
-    outputs: list[CompletionOutput]
+    outputs: list[SequenceDelta]
     finished: bool
     num_prompt_tokens: int
     num_cached_tokens: int
     # positions 1.. of the prompt (None where the KV came from the prefix cache); first report only
-    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+    prompt_logprobs: list[list[TokenIdLogprob] | None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token's logprob with its text, as the gateway sends it and the client reads it."""
+
+    token_id: int
+    logprob: float
+    text: str
 
 
 @dataclass(frozen=True, slots=True)

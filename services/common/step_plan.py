@@ -66,7 +66,10 @@ class StepPlan:
 
 
 @dataclass(frozen=True, slots=True)
-class TokenLogprob:
+class TokenIdLogprob:
+    """A token and its logprob as the engine computes them; callers get TokenLogprob (with the
+    token's text)."""
+
     token_id: int
     logprob: float
 
@@ -78,9 +81,9 @@ class SampledSequence:
     seq_id: int
     token_ids: list[int]  # num_samples tokens (beam search: best first)
     logprobs: list[float]  # logprob of each sampled token under the processed distribution
-    top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # per token, if asked
+    top_logprobs: list[list[TokenIdLogprob]] = field(default_factory=list)  # per token, if asked
     # prompt logprobs of the chunk computed this step, for positions 1.. of the prompt
-    prompt_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    prompt_logprobs: list[list[TokenIdLogprob]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from pagedserve.services.gateway.openai.serving import OpenAIServing
 from pagedserve.services.gateway.ownership import Ownership
 from pagedserve.services.gateway.replica_set import ReplicaSet, Resolver
 from pagedserve.services.gateway.servicer import GenerationServicer, ModelServicer
-from pagedserve.services.gateway.validation import ModelInfo
+from pagedserve.services.gateway.validation import ServedModel
 from pagedserve.services.rpc.auth import ApiKeyInterceptor
 from pagedserve.services.rpc.metrics import MetricsServer, start_metrics_server
 from pagedserve.services.rpc.server import (
@@ -87,7 +87,7 @@ class Gateway:
 
 
 async def _join_replicas(config: GatewayConfig, resolve: Resolver | None
-                         ) -> tuple[ReplicaSet, Tokenizer, ModelInfo]:
+                         ) -> tuple[ReplicaSet, Tokenizer, ServedModel]:
     """The replica set once one replica serves, with its model's tokenizer and info."""
     replicas = ReplicaSet(config.scheduler_address, config.routing, config.rpc_timeout_s,
                           config.tls, resolve)

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 from pagedserve.services.common.config import served_model_name
 from pagedserve.services.common.errors import InvalidRequest, Reason
-from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
+from pagedserve.services.common.outputs import TokenLogprob
+from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ServedModel
 from pagedserve.services.rpc.convert_public import (
     finish_reason_from_proto,
     finish_reason_to_proto,
@@ -18,7 +19,7 @@ from pagedserve.services.rpc.convert_public import (
 )
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
-from pagedserve.services.text.text_stream import DecodedLogprob, StreamDelta
+from pagedserve.services.text.text_stream import TextDelta
 
 
 def _messages_from_proto(msg: common_pb2.ChatMessages) -> tuple[ChatMessage, ...]:
@@ -69,26 +70,26 @@ def generate_request_to_proto(request: GenerateInput) -> gateway_pb2.GenerateReq
     return msg
 
 
-def _logprob_to_proto(logprob: DecodedLogprob) -> common_pb2.TokenLogprob:
+def _logprob_to_proto(logprob: TokenLogprob) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob,
                                    text=logprob.text)
 
 
-def _logprob_from_proto(msg: common_pb2.TokenLogprob) -> DecodedLogprob:
-    return DecodedLogprob(token_id=msg.token_id, logprob=msg.logprob, text=msg.text)
+def _logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(token_id=msg.token_id, logprob=msg.logprob, text=msg.text)
 
 
-def _positions_to_proto(positions: Sequence[Sequence[DecodedLogprob]]
+def _positions_to_proto(positions: Sequence[Sequence[TokenLogprob]]
                         ) -> list[common_pb2.TokenLogprobs]:
     return [common_pb2.TokenLogprobs(candidates=[_logprob_to_proto(c) for c in p])
             for p in positions]
 
 
-def _positions_from_proto(msgs: Sequence[common_pb2.TokenLogprobs]) -> list[list[DecodedLogprob]]:
+def _positions_from_proto(msgs: Sequence[common_pb2.TokenLogprobs]) -> list[list[TokenLogprob]]:
     return [[_logprob_from_proto(c) for c in p.candidates] for p in msgs]
 
 
-def stream_delta_to_proto(delta: StreamDelta, request_id: str
+def stream_delta_to_proto(delta: TextDelta, request_id: str
                           ) -> gateway_pb2.GenerateStreamResponse:
     """cumulative_logprob and error are not on the wire per delta: the unary response and the
     status message carry them."""
@@ -104,8 +105,8 @@ def stream_delta_to_proto(delta: StreamDelta, request_id: str
     return msg
 
 
-def stream_delta_from_proto(msg: gateway_pb2.GenerateStreamResponse) -> StreamDelta:
-    return StreamDelta(
+def stream_delta_from_proto(msg: gateway_pb2.GenerateStreamResponse) -> TextDelta:
+    return TextDelta(
         index=msg.index, text=msg.text, token_ids=list(msg.token_ids),
         logprobs=[_logprob_from_proto(lp) for lp in msg.logprobs],
         top_logprobs=_positions_from_proto(msg.top_logprobs),
@@ -114,7 +115,7 @@ def stream_delta_from_proto(msg: gateway_pb2.GenerateStreamResponse) -> StreamDe
         prompt_logprobs=_positions_from_proto(msg.prompt_logprobs) or None)
 
 
-def generate_response_to_proto(request_id: str, deltas: Sequence[StreamDelta], n: int
+def generate_response_to_proto(request_id: str, deltas: Sequence[TextDelta], n: int
                                ) -> gateway_pb2.GenerateResponse:
     outputs = [gateway_pb2.CompletionOutput(index=i) for i in range(n)]
     msg = gateway_pb2.GenerateResponse(request_id=request_id)
@@ -150,7 +151,7 @@ def tokenize_response_to_proto(token_ids: Sequence[int], max_model_len: int
     return gateway_pb2.TokenizeResponse(token_ids=token_ids, max_model_len=max_model_len)
 
 
-def model_info_to_proto(info: ModelInfo) -> gateway_pb2.GetModelInfoResponse:
+def model_info_to_proto(info: ServedModel) -> gateway_pb2.GetModelInfoResponse:
     """The replica's capacity stays inside: clients see the model, not the deployment."""
     return gateway_pb2.GetModelInfoResponse(
         model=info.model, architecture=info.architecture, max_model_len=info.max_model_len,
@@ -158,18 +159,18 @@ def model_info_to_proto(info: ModelInfo) -> gateway_pb2.GetModelInfoResponse:
         has_chat_template=info.has_chat_template)
 
 
-def model_info_from_proto(msg: gateway_pb2.GetModelInfoResponse) -> ModelInfo:
-    return ModelInfo(
+def model_info_from_proto(msg: gateway_pb2.GetModelInfoResponse) -> ServedModel:
+    return ServedModel(
         model=msg.model, architecture=msg.architecture, max_model_len=msg.max_model_len,
         vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids),
         has_chat_template=msg.has_chat_template)
 
 
 def model_info_from_served_model(msg: scheduler_pb2.GetServedModelResponse, has_chat_template: bool
-                                 ) -> ModelInfo:
-    return ModelInfo(model=served_model_name(msg.model), architecture=msg.architecture,
-                     max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,
-                     eos_token_ids=tuple(msg.eos_token_ids),
-                     has_chat_template=has_chat_template, block_size=msg.block_size,
-                     num_gpu_blocks=msg.num_gpu_blocks, max_num_seqs=msg.max_num_seqs)
+                                 ) -> ServedModel:
+    return ServedModel(model=served_model_name(msg.model), architecture=msg.architecture,
+                       max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,
+                       eos_token_ids=tuple(msg.eos_token_ids),
+                       has_chat_template=has_chat_template, block_size=msg.block_size,
+                       num_gpu_blocks=msg.num_gpu_blocks, max_num_seqs=msg.max_num_seqs)
 

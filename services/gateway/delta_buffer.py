@@ -15,12 +15,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from pagedserve.services.text.text_stream import StreamDelta
+from pagedserve.services.text.text_stream import TextDelta
 
 MIN_PENDING_DELTAS = 64
 
 
-def merge_into(first: StreamDelta, later: StreamDelta) -> None:
+def merge_into(first: TextDelta, later: TextDelta) -> None:
     assert first.index == later.index, (first.index, later.index)
     first.text += later.text
     first.token_ids += later.token_ids
@@ -40,7 +40,7 @@ class DeltaBuffer:
 
     def __init__(self, num_outputs: int, stream_interval: int = 1) -> None:
         assert stream_interval >= 1, stream_interval
-        self._pending: deque[StreamDelta] = deque()
+        self._pending: deque[TextDelta] = deque()
         self.stream_interval = stream_interval
         self._started: set[int] = set()  # outputs whose first delta was put
         self.max_pending = max(MIN_PENDING_DELTAS, 2 * num_outputs)
@@ -56,7 +56,7 @@ class DeltaBuffer:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def put(self, delta: StreamDelta) -> None:
+    def put(self, delta: TextDelta) -> None:
         assert not self._is_closed, "put after close"
         if len(self._pending) >= self.max_pending:
             self._coalesce()
@@ -66,7 +66,7 @@ class DeltaBuffer:
             self._has_pending.set()
         self._started.add(delta.index)
 
-    def _is_held(self, delta: StreamDelta) -> bool:
+    def _is_held(self, delta: TextDelta) -> bool:
         """Whether the consumer is left asleep: the stream interval is not reached yet."""
         return (self.stream_interval > 1 and self.num_unread_tokens < self.stream_interval
                 and delta.index in self._started and not delta.finish_reason and not delta.error)
@@ -77,7 +77,7 @@ class DeltaBuffer:
         self._error = error
         self._has_pending.set()
 
-    async def get(self) -> StreamDelta | None:
+    async def get(self) -> TextDelta | None:
         self._away_since = None
         await self._has_pending.wait()
         if self._pending:
@@ -126,7 +126,7 @@ class DeltaBuffer:
                 return
             await asyncio.sleep(remaining_s)
 
-    def _take(self) -> StreamDelta:
+    def _take(self) -> TextDelta:
         """The first pending delta with the ones of the same index right behind it."""
         delta = self._pending.popleft()
         while self._pending and self._pending[0].index == delta.index:
@@ -134,7 +134,7 @@ class DeltaBuffer:
         return delta
 
     def _coalesce(self) -> None:
-        merged: dict[int, StreamDelta] = {}
+        merged: dict[int, TextDelta] = {}
         for delta in self._pending:
             if delta.index in merged:
                 merge_into(merged[delta.index], delta)

@@ -41,15 +41,15 @@ from pagedserve.services.gateway.limits import (
 from pagedserve.services.gateway.ownership import ANONYMOUS, Caller, Ownership
 from pagedserve.services.gateway.validation import (
     GenerateInput,
-    ModelInfo,
     PreparedRequest,
+    ServedModel,
     check_request,
     check_request_id,
     check_token_ids,
     prepared_request,
     prompt_token_ids,
 )
-from pagedserve.services.text.text_stream import StreamDelta, TextStream
+from pagedserve.services.text.text_stream import TextDelta, TextStream
 from pagedserve.services.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the transport: passed in, never loaded here
@@ -121,7 +121,7 @@ class Frontend:
     they never queue ahead of a generation's prompt. `ownership`: the API key and admin token,
     which decide who owns and who aborts a request."""
 
-    def __init__(self, tokenizer: Tokenizer, replicas: ReplicaSet, model_info: ModelInfo,
+    def __init__(self, tokenizer: Tokenizer, replicas: ReplicaSet, model_info: ServedModel,
                  admission: Admission, metrics: GatewayMetrics | None = None,
                  limits: RequestLimitsConfig | None = None,
                  executor: Executor | None = None, ownership: Ownership | None = None,
@@ -199,7 +199,7 @@ class Frontend:
                                                self.ownership.is_admin(caller)))
 
     async def generate(self, request: PreparedRequest, on_stalled: StallHandler | None = None,
-                       caller: Caller = ANONYMOUS) -> AsyncIterator[StreamDelta]:
+                       caller: Caller = ANONYMOUS) -> AsyncIterator[TextDelta]:
         """The request's text deltas until every output has finished. A request the scheduler
         ends early raises Unavailable; outputs that failed raise PagedServeError at the end.
 

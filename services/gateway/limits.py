@@ -10,7 +10,7 @@ from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.gateway.validation import (
     GenerateInput,
-    ModelInfo,
+    ServedModel,
     check_context_length,
 )
 
@@ -25,7 +25,7 @@ def _require_at_most(name: str, value: int, limit: int, limit_name: str, field: 
                                        "limit_name": limit_name})
 
 
-def max_num_seqs(limits: RequestLimitsConfig, info: ModelInfo) -> tuple[int, str]:
+def max_num_seqs(limits: RequestLimitsConfig, info: ServedModel) -> tuple[int, str]:
     if info.max_num_seqs and info.max_num_seqs < limits.max_num_seqs_per_request:
         return info.max_num_seqs, "max_num_seqs"
     return limits.max_num_seqs_per_request, "max_num_seqs_per_request"
@@ -59,7 +59,7 @@ def check_list_lengths(stop: Sequence[str], stop_token_ids: Sequence[int],
                      limits.max_stop_token_ids, "max_stop_token_ids", "sampling.stop_token_ids")
 
 
-def check_num_token_ids(field: str, num_token_ids: int, info: ModelInfo) -> None:
+def check_num_token_ids(field: str, num_token_ids: int, info: ServedModel) -> None:
     """Before the ids are scanned or decoded: no sequence of the model is max_model_len long."""
     if num_token_ids >= info.max_model_len:
         raise InvalidRequest(f"{field} must hold fewer than max_model_len={info.max_model_len} "
@@ -75,7 +75,7 @@ def check_token_ids_bytes(field: str, num_token_ids: int, limits: RequestLimitsC
 
 
 def check_num_prompts(num_prompts: int, sampling: SamplingParams, limits: RequestLimitsConfig,
-                      info: ModelInfo) -> None:
+                      info: ServedModel) -> None:
     """A request of many prompts runs best_of sequences for each: all of them count against the
     per-request limit, as if one prompt asked for them all."""
     seq_limit, seq_limit_name = max_num_seqs(limits, info)
@@ -90,7 +90,7 @@ def check_num_prompts(num_prompts: int, sampling: SamplingParams, limits: Reques
 
 
 def check_request_cost(request: GenerateInput, limits: RequestLimitsConfig,
-                       info: ModelInfo) -> None:
+                       info: ServedModel) -> None:
     """Before tokenization; cheap whatever the request asks."""
     sampling = request.sampling
     seq_limit, seq_limit_name = max_num_seqs(limits, info)
@@ -123,7 +123,7 @@ def check_request_cost(request: GenerateInput, limits: RequestLimitsConfig,
 
 
 def check_prompts_cost(requests: Sequence[GenerateInput], limits: RequestLimitsConfig,
-                       info: ModelInfo) -> None:
+                       info: ServedModel) -> None:
     """The cost of one client request of several prompts (they share its sampling parameters):
     each prompt's, and their sequences and bytes together."""
     check_request_cost(requests[0], limits, info)
@@ -147,7 +147,7 @@ def num_blocks_at_most(num_prompt_tokens: int, sampling: SamplingParams, block_s
     return num_shared + sampling.num_candidates * num_own
 
 
-def check_fits_replica(num_prompt_tokens: int, sampling: SamplingParams, info: ModelInfo) -> None:
+def check_fits_replica(num_prompt_tokens: int, sampling: SamplingParams, info: ServedModel) -> None:
     """Refused now rather than failed after its prefill."""
     if not (info.block_size and info.num_gpu_blocks):
         return

@@ -23,7 +23,7 @@ from pagedserve.services.gateway.convert import (
 from pagedserve.services.gateway.frontend import Frontend
 from pagedserve.services.gateway.limits import check_list_lengths
 from pagedserve.services.gateway.ownership import grpc_caller
-from pagedserve.services.gateway.validation import GenerateInput, ModelInfo
+from pagedserve.services.gateway.validation import GenerateInput, ServedModel
 from pagedserve.services.rpc.status import grpc_status_of, map_errors
 from pagedserve.services.rpc.tracing import set_request_model
 from pagedserve.services.rpc.v1 import gateway_pb2, gateway_pb2_grpc
@@ -101,7 +101,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
 
 
 class ModelServicer(gateway_pb2_grpc.ModelServiceServicer):
-    def __init__(self, model_info: ModelInfo) -> None:
+    def __init__(self, model_info: ServedModel) -> None:
         self._info = model_info
 
     @map_errors(field_path=proto_field_path)

@@ -31,7 +31,10 @@ class GenerateInput:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelInfo:
+class ServedModel:
+    """The model the replicas serve and their capacity; clients see it without the capacity
+    (GetModelInfo, pagedserve.client.ModelInfo)."""
+
     model: str
     architecture: str
     max_model_len: int
@@ -54,7 +57,7 @@ class PreparedRequest:
     arrival_s: float = field(default_factory=time.monotonic)
 
 
-def prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo,
+def prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ServedModel,
                      add_special_tokens: bool = True) -> list[int]:
     if request.text is not None:
         if not request.text:
@@ -94,7 +97,7 @@ def check_token_ids(field: str, token_ids: list[int], vocab_size: int, what: str
 
 
 def _check_prompt_chars(what: str, field: str, num_chars: int, tokenizer: Tokenizer,
-                        info: ModelInfo) -> None:
+                        info: ServedModel) -> None:
     """Refuses, before tokenizing it (hundreds of bytes of memory a token), text that cannot
     encode to max_model_len tokens or fewer: no token spans more than max_token_chars characters
     (twice that, for normalizers that merge characters)."""
@@ -121,7 +124,7 @@ def check_request_id(request_id: str) -> None:
                              field="request_id")
 
 
-def check_request(request: GenerateInput, info: ModelInfo) -> str:
+def check_request(request: GenerateInput, info: ServedModel) -> str:
     """Returns the request id, a fresh one if unset."""
     request_id = request.request_id or uuid.uuid4().hex
     check_request_id(request_id)
@@ -137,7 +140,7 @@ def check_request(request: GenerateInput, info: ModelInfo) -> str:
 
 
 def prepared_request(request: GenerateInput, request_id: str, token_ids: list[int],
-                     info: ModelInfo, arrival_s: float | None = None) -> PreparedRequest:
+                     info: ServedModel, arrival_s: float | None = None) -> PreparedRequest:
     check_context_length(request, len(token_ids), info.max_model_len)
     return PreparedRequest(request_id=request_id, prompt_token_ids=token_ids,
                            sampling=request.sampling,
@@ -170,7 +173,7 @@ def check_context_length(request: GenerateInput, num_prompt_tokens: int,
                                    "limit": str(max_model_len - num_prompt_tokens)})
 
 
-def prepare_request(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo
+def prepare_request(request: GenerateInput, tokenizer: Tokenizer, info: ServedModel
                     ) -> PreparedRequest:
     """In the caller's thread (tests, tools); the Frontend tokenizes in its thread pool."""
     request_id = check_request(request, info)

@@ -11,7 +11,7 @@ from google.protobuf.message import Message
 from pagedserve.services.common.errors import InvalidRequest, Reason
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.common.step_plan import TokenIdLogprob
 from pagedserve.services.rpc.internal.v1 import common_pb2
 
 # `optional` in the proto: unset means "vLLM's default", which differs from the zero value.
@@ -93,34 +93,34 @@ def sampling_params_from_proto(msg: Message) -> SamplingParams:
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
 
 
-def token_logprob_to_proto(logprob: TokenLogprob) -> common_pb2.TokenLogprob:
+def token_logprob_to_proto(logprob: TokenIdLogprob) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob)
 
 
-def token_logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
-    return TokenLogprob(token_id=msg.token_id, logprob=msg.logprob)
+def token_logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenIdLogprob:
+    return TokenIdLogprob(token_id=msg.token_id, logprob=msg.logprob)
 
 
-def token_logprobs_to_proto(candidates: Iterable[TokenLogprob]) -> common_pb2.TokenLogprobs:
+def token_logprobs_to_proto(candidates: Iterable[TokenIdLogprob]) -> common_pb2.TokenLogprobs:
     msg = common_pb2.TokenLogprobs()
     for c in candidates:
         msg.candidates.add(token_id=c.token_id, logprob=c.logprob)
     return msg
 
 
-def token_logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> list[TokenLogprob]:
-    return [TokenLogprob(token_id=c.token_id, logprob=c.logprob) for c in msg.candidates]
+def token_logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> list[TokenIdLogprob]:
+    return [TokenIdLogprob(token_id=c.token_id, logprob=c.logprob) for c in msg.candidates]
 
 
 def add_logprob_lists(container: RepeatedCompositeFieldContainer[common_pb2.TokenLogprobs],
-                      positions: Sequence[Sequence[TokenLogprob]]) -> None:
+                      positions: Sequence[Sequence[TokenIdLogprob]]) -> None:
     for candidates in positions:
         position = container.add()
         for c in candidates:
             position.candidates.add(token_id=c.token_id, logprob=c.logprob)
 
 
-def logprob_lists_from_proto(container: Iterable[common_pb2.TokenLogprobs]) -> list[list[TokenLogprob]]:
+def logprob_lists_from_proto(container: Iterable[common_pb2.TokenLogprobs]) -> list[list[TokenIdLogprob]]:
     if not container:
         return []
     return [token_logprobs_from_proto(position) for position in container]

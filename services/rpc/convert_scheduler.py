@@ -10,9 +10,9 @@ from pagedserve.services.common.engine_api import (
     SubmitRequest,
 )
 from pagedserve.services.common.errors import InvalidRequest
-from pagedserve.services.common.outputs import CompletionOutput, RequestOutput
+from pagedserve.services.common.outputs import RequestOutput, SequenceDelta
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import TokenLogprob, WorkerInfo
+from pagedserve.services.common.step_plan import TokenIdLogprob, WorkerInfo
 from pagedserve.services.rpc.convert_common import (
     add_logprob_lists,
     finish_reason_from_proto,
@@ -58,7 +58,7 @@ def submit_request_from_proto(msg: scheduler_pb2.SubmitRequest) -> SubmitRequest
         owner=msg.owner, resumed_outputs=resumed)
 
 
-def completion_output_to_proto(output: CompletionOutput) -> scheduler_pb2.SequenceDelta:
+def sequence_delta_to_proto(output: SequenceDelta) -> scheduler_pb2.SequenceDelta:
     msg = scheduler_pb2.SequenceDelta(
         index=output.index, token_ids=output.token_ids, logprobs=output.logprobs,
         finish_reason=finish_reason_to_proto(output.finish_reason),
@@ -67,8 +67,8 @@ def completion_output_to_proto(output: CompletionOutput) -> scheduler_pb2.Sequen
     return msg
 
 
-def completion_output_from_proto(msg: scheduler_pb2.SequenceDelta) -> CompletionOutput:
-    return CompletionOutput(
+def sequence_delta_from_proto(msg: scheduler_pb2.SequenceDelta) -> SequenceDelta:
+    return SequenceDelta(
         index=msg.index, token_ids=list(msg.token_ids), logprobs=list(msg.logprobs),
         top_logprobs=logprob_lists_from_proto(msg.top_logprobs),
         cumulative_logprob=msg.cumulative_logprob,
@@ -81,7 +81,7 @@ def token_event_to_proto(output: RequestOutput, msg: scheduler_pb2.SubmitRespons
     `msg`: filled in place (a field of a larger message) instead of a new one."""
     if msg is None:
         msg = scheduler_pb2.SubmitResponse()
-    msg.outputs.extend(completion_output_to_proto(o) for o in output.outputs)
+    msg.outputs.extend(sequence_delta_to_proto(o) for o in output.outputs)
     msg.num_prompt_tokens = output.num_prompt_tokens
     msg.num_cached_tokens = output.num_cached_tokens
     if output.prompt_logprobs is not None:
@@ -94,8 +94,8 @@ def token_event_from_proto(msg: scheduler_pb2.SubmitResponse, request_id: str,
     """`finished` is true when every output of the event carries a finish reason; the stream's
     end is the authoritative signal. `has_prompt_logprobs`: the request asked for them and this
     is its first event (protobuf cannot tell an absent list from an empty one)."""
-    outputs = [completion_output_from_proto(o) for o in msg.outputs]
-    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+    outputs = [sequence_delta_from_proto(o) for o in msg.outputs]
+    prompt_logprobs: list[list[TokenIdLogprob] | None] | None = None
     if has_prompt_logprobs or msg.prompt_logprobs:
         prompt_logprobs = [p or None for p in logprob_lists_from_proto(msg.prompt_logprobs)]
     return RequestOutput(

@@ -9,37 +9,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.services.common.outputs import (
-    CompletionOutput,
     FinishReason,
     RequestOutput,
+    SequenceDelta,
+    TokenLogprob,
     Usage,
 )
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.common.step_plan import TokenIdLogprob
 from pagedserve.services.text.detokenizer import IncrementalDetokenizer
 from pagedserve.services.text.stop_strings import StopStringMatcher
 from pagedserve.services.text.tokenizer import Tokenizer
 
 
-@dataclass(frozen=True, slots=True)
-class DecodedLogprob:
-    token_id: int
-    logprob: float
-    text: str
-
-
 @dataclass(slots=True)
-class StreamDelta:
+class TextDelta:
+    """One output's new text inside the gateway, before it becomes a response (the client reads
+    its wire form as pagedserve.client.StreamDelta)."""
+
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[DecodedLogprob] = field(default_factory=list)  # per token, if asked
-    top_logprobs: list[list[DecodedLogprob]] = field(default_factory=list)  # per token, if asked
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, if asked
+    top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # per token, if asked
     finish_reason: FinishReason | None = None
     cumulative_logprob: float = 0.0
     error: str | None = None
     usage: Usage | None = None  # on the request's last delta
-    prompt_logprobs: list[list[DecodedLogprob]] | None = None  # on the first delta, if asked
+    prompt_logprobs: list[list[TokenLogprob]] | None = None  # on the first delta, if asked
 
 
 @dataclass(slots=True)
@@ -87,20 +84,20 @@ class TextStream:
                      completion_tokens=sum(s.num_tokens for s in self._indices),
                      cached_tokens=self._num_cached_tokens)
 
-    def on_output(self, output: RequestOutput) -> list[StreamDelta]:
+    def on_output(self, output: RequestOutput) -> list[TextDelta]:
         self._num_prompt_tokens = output.num_prompt_tokens or self._num_prompt_tokens
         self._num_cached_tokens = output.num_cached_tokens
         deltas = [d for o in output.outputs if (d := self._on_completion(o)) is not None]
         if output.prompt_logprobs is not None and not self._has_sent_prompt_logprobs:
             self._has_sent_prompt_logprobs = True
             if not deltas:
-                deltas.append(StreamDelta(index=0))
+                deltas.append(TextDelta(index=0))
             deltas[0].prompt_logprobs = [self._decoded(p or []) for p in output.prompt_logprobs]
         if deltas and self.is_finished:
             deltas[-1].usage = self.usage
         return deltas
 
-    def _on_completion(self, completion: CompletionOutput) -> StreamDelta | None:
+    def _on_completion(self, completion: SequenceDelta) -> TextDelta | None:
         if not 0 <= completion.index < len(self._indices):
             raise ValueError(f"output index {completion.index} outside [0, {len(self._indices)})")
         state = self._indices[completion.index]
@@ -125,19 +122,19 @@ class TextStream:
         state.is_finished = finish_reason is not None
         if not (text or token_ids or state.is_finished):
             return None
-        delta = StreamDelta(index=completion.index, text=text, token_ids=token_ids,
-                            finish_reason=finish_reason,
-                            cumulative_logprob=completion.cumulative_logprob,
-                            error=completion.error if finish_reason == FinishReason.ERROR else None)
+        delta = TextDelta(index=completion.index, text=text, token_ids=token_ids,
+                          finish_reason=finish_reason,
+                          cumulative_logprob=completion.cumulative_logprob,
+                          error=completion.error if finish_reason == FinishReason.ERROR else None)
         if self._wants_logprobs:
-            delta.logprobs = [DecodedLogprob(t, lp, self._token_text(t))
+            delta.logprobs = [TokenLogprob(t, lp, self._token_text(t))
                               for t, lp in zip(token_ids, completion.logprobs, strict=False)]
             delta.top_logprobs = [self._decoded(c)
                                   for c in completion.top_logprobs[:len(token_ids)]]
         return delta
 
-    def _decoded(self, candidates: list[TokenLogprob]) -> list[DecodedLogprob]:
-        return [DecodedLogprob(c.token_id, c.logprob, self._token_text(c.token_id))
+    def _decoded(self, candidates: list[TokenIdLogprob]) -> list[TokenLogprob]:
+        return [TokenLogprob(c.token_id, c.logprob, self._token_text(c.token_id))
                 for c in candidates]
 
     def _token_text(self, token_id: int) -> str:

@@ -25,7 +25,7 @@ def generate(generation, request_id: str, stop: list[str]) -> gateway_pb2.Genera
 
 @pytest.fixture()
 def steps(stack) -> ScheduledSteps:
-    return ScheduledSteps(stack.scheduler[1].service.engine)
+    return ScheduledSteps(stack.scheduler[1].engine.core)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_the_last_output_stopped_finishes_the_request_as_stopped(stack, generati
     greedy = common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     free = generation_stub.Generate(gateway_pb2.GenerateRequest(
         request_id="greedy", text=PROMPT, sampling=greedy), timeout=60)
-    engine = stack.scheduler[1].service.engine
+    engine = stack.scheduler[1].engine.core
     finished = FinishReasons()
     engine.stat_loggers.append(finished)
     greedy.stop.append(free.outputs[0].text[:4])

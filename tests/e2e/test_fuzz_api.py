@@ -215,5 +215,5 @@ def test_after_the_fuzz_the_stack_serves_and_every_block_is_free(stack, stubs):
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)),
         timeout=CALL_TIMEOUT_S)
     assert len(response.outputs[0].token_ids) == 4
-    assert not stack.scheduler[1].service._task.done()  # the engine loop is alive
+    assert not stack.scheduler[1].engine._task.done()  # the engine loop is alive
     assert_idle(stack, timeout_s=10.0)

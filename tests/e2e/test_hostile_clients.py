@@ -134,7 +134,7 @@ def test_a_foreign_clear_state_is_refused_while_the_stack_serves(stack, generati
     """The worker port reached by someone who is not its scheduler: ClearState with any epoch
     but the scheduler's is refused, the refusal does not name the worker's epoch, and a stream
     running meanwhile ends normally."""
-    own = stack.scheduler[1].service.engine.scheduler_epoch
+    own = stack.scheduler[1].engine.core.scheduler_epoch
     value = {"huge": (1 << 64) - 1, "next": own + 1, "previous": own - 1}[epoch]
     call = generation.GenerateStream(gateway_pb2.GenerateStreamRequest(
         token_ids=common_pb2.TokenIds(token_ids=[5, 6, 7]),

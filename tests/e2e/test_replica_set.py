@@ -32,7 +32,7 @@ def generate(address: str, i: int) -> list[int]:
 
 
 def generation_tokens(replica: Replica) -> int:
-    return replica.scheduler[1].service.engine.totals().num_generation_tokens
+    return replica.scheduler[1].engine.core.totals().num_generation_tokens
 
 
 def test_a_replica_serving_another_model_is_refused_and_logged(

@@ -70,7 +70,7 @@ def wait_idle(replica: Replica, timeout_s: float = 30.0):
 
 
 def generation_tokens(replica: Replica) -> int:
-    return replica.scheduler[1].service.engine.totals().num_generation_tokens
+    return replica.scheduler[1].engine.core.totals().num_generation_tokens
 
 
 @pytest.fixture
@@ -139,7 +139,7 @@ def test_requests_sharing_a_long_prefix_meet_their_cached_blocks(stack: ReplicaS
             cached.append(response.usage.cached_tokens)
     assert cached[0] == 0
     assert all(c >= 64 for c in cached[1:]), cached
-    hits = [r.scheduler[1].service.engine.totals().num_prefix_cache_hits for r in stack.replicas]
+    hits = [r.scheduler[1].engine.core.totals().num_prefix_cache_hits for r in stack.replicas]
     assert sorted(hits)[0] == 0 and sorted(hits)[1] >= 5 * 64, hits
 
 

@@ -202,7 +202,7 @@ def test_a_traced_request_ends_a_stopped_output_in_the_scheduler(stack, generati
     there as for any other request."""
     free = generate(generation, "traced-free", [])
     stop = stop_string([o.text for o in free.outputs])
-    steps = ScheduledSteps(stack.scheduler[1].service.engine)
+    steps = ScheduledSteps(stack.scheduler[1].engine.core)
     with CALLER.start_as_current_span("stop") as caller_span:
         response = generation.Generate(
             gateway_pb2.GenerateRequest(request_id="traced-stop", text=PROMPT,

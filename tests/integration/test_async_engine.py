@@ -8,7 +8,7 @@ import asyncio
 import threading
 import time
 
-from pagedserve.scheduler_svc.async_engine import EngineService
+from pagedserve.scheduler_svc.async_engine import AsyncEngine
 from pagedserve.scheduler_svc.servicer import create_scheduler_server, stop_scheduler
 from pagedserve.services.common.config import SchedulerServiceConfig
 from pagedserve.services.common.engine_api import SubmitRequest
@@ -55,8 +55,9 @@ def stop_mid_step(model_dir, step_s: float, stop_timeout_s: float) -> tuple[Gate
         server, servicer = create_scheduler_server(engine.config,
                                                    SchedulerServiceConfig(port=0))
         await server.start()
-        servicer.service = await EngineService.start(lambda: engine.core, stop_timeout_s)
-        await servicer.service.submit(SubmitRequest("r", [5, 6, 7], SamplingParams(max_tokens=4)))
+        servicer.engine = await AsyncEngine.start(lambda: engine.core, stop_timeout_s)
+        await servicer.engine.submit(SubmitRequest("r", [5, 6, 7], SamplingParams(max_tokens=4)),
+                                     asyncio.Queue())
         assert await asyncio.to_thread(worker.in_step.wait, 30)
         start = time.monotonic()
         await stop_scheduler(server, servicer)

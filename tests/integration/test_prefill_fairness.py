@@ -1,5 +1,5 @@
 """A short request that arrives while the scheduler service prefills a 7,000-token prompt: the
-whole engine loop (EngineService, async scheduling, a simulated worker whose steps the test
+whole engine loop (AsyncEngine, async scheduling, a simulated worker whose steps the test
 finishes one at a time) plans it in the first step planned after its arrival, that step is
 short, and its first token comes with the second step to end after it arrived."""
 
@@ -9,7 +9,7 @@ import asyncio
 import json
 import threading
 
-from pagedserve.scheduler_svc.async_engine import EngineService
+from pagedserve.scheduler_svc.async_engine import AsyncEngine
 from pagedserve.services.common.engine_api import SubmitRequest
 from pagedserve.services.common.sampling_params import SamplingParams
 
@@ -90,23 +90,24 @@ def test_a_short_request_arriving_mid_prefill_is_in_the_next_step_planned(tmp_pa
     first = engine.core.scheduler._step_id + 1
 
     async def run() -> tuple[int, int]:
-        service = await EngineService.start(lambda: engine.core, stop_timeout_s=5.0)
+        engine_loop = await AsyncEngine.start(lambda: engine.core, stop_timeout_s=5.0)
         try:
-            long_stream = await service.submit(SubmitRequest("long", LONG_PROMPT, ONE_TOKEN))
+            long_sink, short_sink = asyncio.Queue(), asyncio.Queue()
+            await engine_loop.submit(SubmitRequest("long", LONG_PROMPT, ONE_TOKEN), long_sink)
             assert await asyncio.to_thread(worker.wait_until_waited_on, first)
             num_planned = len(worker.plans)  # step `first` runs, the one behind it is sent
             submitted = asyncio.create_task(
-                service.submit(SubmitRequest("short", SHORT_PROMPT, ONE_TOKEN)))
+                engine_loop.submit(SubmitRequest("short", SHORT_PROMPT, ONE_TOKEN), short_sink))
             await asyncio.sleep(0)  # the request is queued for the engine
             worker.release(first + 100)
-            stream = await submitted
-            report = await anext(aiter(stream))
+            await submitted
+            report = await short_sink.get()
             assert report.outputs[0].token_ids
-            async for _ in long_stream:
+            while not (await long_sink.get()).finished:
                 pass
             return num_planned, worker.first_step_with(SHORT_PROMPT)
         finally:
-            await service.stop()
+            await engine_loop.stop()
 
     num_planned, short_step = asyncio.run(run())
     assert num_planned == 2 and worker.first_step_with(LONG_PROMPT) == first

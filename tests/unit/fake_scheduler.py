@@ -17,7 +17,7 @@ import grpc
 from pagedserve.scheduler_svc.request_checks import RequestLimits, check_admission, check_request
 from pagedserve.services.common.drain_rate import DrainRate
 from pagedserve.services.common.errors import PagedServeError
-from pagedserve.services.gateway.validation import ModelInfo
+from pagedserve.services.gateway.validation import ServedModel
 from pagedserve.services.rpc.convert_common import sampling_params_from_proto
 from pagedserve.services.rpc.convert_scheduler import submit_request_from_proto
 from pagedserve.services.rpc.internal.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -26,7 +26,7 @@ from pagedserve.services.rpc.status import rich_status
 
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
-    def __init__(self, model_dir: str, info: ModelInfo, reply_ids: list[int]) -> None:
+    def __init__(self, model_dir: str, info: ServedModel, reply_ids: list[int]) -> None:
         self.served_model = scheduler_pb2.GetServedModelResponse(
             model=model_dir, architecture=info.architecture, max_model_len=info.max_model_len,
             vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,

@@ -7,7 +7,7 @@ import pytest
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.outputs import FinishReason, Usage
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.common.step_plan import TokenIdLogprob
 from pagedserve.services.rpc import convert_common, convert_public
 from pagedserve.services.rpc.convert_common import (
     add_logprob_lists,
@@ -94,13 +94,13 @@ def test_values_outside_the_wire_range_name_the_field(convert, common_pb2):
 
 
 def test_token_logprobs_round_trip():
-    candidates = [TokenLogprob(17, -0.123456789012345), TokenLogprob(4_000_000_000, -42.5)]
+    candidates = [TokenIdLogprob(17, -0.123456789012345), TokenIdLogprob(4_000_000_000, -42.5)]
     assert token_logprobs_from_proto(_wire(token_logprobs_to_proto(candidates))) == candidates
     assert token_logprob_from_proto(_wire(token_logprob_to_proto(candidates[0]))) == candidates[0]
 
 
 def test_logprob_lists_round_trip():
-    positions = [[TokenLogprob(1, -0.5), TokenLogprob(2, -1.25)], [], [TokenLogprob(3, -3e-9)]]
+    positions = [[TokenIdLogprob(1, -0.5), TokenIdLogprob(2, -1.25)], [], [TokenIdLogprob(3, -3e-9)]]
     event = scheduler_pb2.SubmitResponse()  # any message with a repeated TokenLogprobs field
     add_logprob_lists(event.prompt_logprobs, positions)
     assert logprob_lists_from_proto(_wire(event).prompt_logprobs) == positions

@@ -11,18 +11,18 @@ from pagedserve.services.common.engine_api import (
     SubmitRequest,
 )
 from pagedserve.services.common.errors import InvalidRequest
-from pagedserve.services.common.outputs import CompletionOutput, RequestOutput
+from pagedserve.services.common.outputs import RequestOutput, SequenceDelta
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.common.step_plan import TokenIdLogprob
 from pagedserve.services.rpc.convert_scheduler import (
     abort_request_from_proto,
     abort_request_to_proto,
-    completion_output_from_proto,
-    completion_output_to_proto,
     load_from_proto,
     load_to_proto,
     pause_request_from_proto,
     pause_request_to_proto,
+    sequence_delta_from_proto,
+    sequence_delta_to_proto,
     submit_request_from_proto,
     submit_request_to_proto,
     token_event_from_proto,
@@ -37,7 +37,7 @@ def _wire(msg):
     return type(msg).FromString(msg.SerializeToString())
 
 
-TOP = [[TokenLogprob(5, -0.25), TokenLogprob(9, -1.5)], [TokenLogprob(3, -0.125)]]
+TOP = [[TokenIdLogprob(5, -0.25), TokenIdLogprob(9, -1.5)], [TokenIdLogprob(3, -0.125)]]
 
 
 def test_every_proto_field_is_converted():
@@ -45,7 +45,7 @@ def test_every_proto_field_is_converted():
     assert set(scheduler_pb2.SubmitRequest.DESCRIPTOR.fields_by_name) - {"trace_context"} == {
         f.name for f in dataclasses.fields(SubmitRequest)}
     assert set(scheduler_pb2.SequenceDelta.DESCRIPTOR.fields_by_name) == {
-        f.name for f in dataclasses.fields(CompletionOutput)}
+        f.name for f in dataclasses.fields(SequenceDelta)}
     assert (len(scheduler_pb2.GetLoadResponse.DESCRIPTOR.fields)
             == len(dataclasses.fields(EngineLoad)))
 
@@ -102,30 +102,30 @@ def test_a_client_set_arrival_time_is_no_longer_read():
 
 
 @pytest.mark.parametrize("output", [
-    CompletionOutput(index=1, token_ids=[4, 5], logprobs=[-0.5, -2.0], top_logprobs=TOP,
-                     cumulative_logprob=-2.5, finish_reason="length"),
-    CompletionOutput(index=0, token_ids=[], finish_reason="error", error="worker died"),
-    CompletionOutput(index=3, token_ids=[7]),
+    SequenceDelta(index=1, token_ids=[4, 5], logprobs=[-0.5, -2.0], top_logprobs=TOP,
+                  cumulative_logprob=-2.5, finish_reason="length"),
+    SequenceDelta(index=0, token_ids=[], finish_reason="error", error="worker died"),
+    SequenceDelta(index=3, token_ids=[7]),
 ], ids=["finished", "error", "running"])
-def test_completion_output_round_trip(output):
-    assert completion_output_from_proto(_wire(completion_output_to_proto(output))) == output
+def test_sequence_delta_round_trip(output):
+    assert sequence_delta_from_proto(_wire(sequence_delta_to_proto(output))) == output
 
 
 def test_token_event_round_trip_keeps_prefix_cache_holes():
     output = RequestOutput(
         request_id="req-2",
-        outputs=[CompletionOutput(index=0, token_ids=[8], logprobs=[-0.5], finish_reason="stop",
-                                  cumulative_logprob=-0.5),
-                 CompletionOutput(index=1, token_ids=[9], logprobs=[-0.75], finish_reason="abort",
-                                  cumulative_logprob=-0.75)],
+        outputs=[SequenceDelta(index=0, token_ids=[8], logprobs=[-0.5], finish_reason="stop",
+                               cumulative_logprob=-0.5),
+                 SequenceDelta(index=1, token_ids=[9], logprobs=[-0.75], finish_reason="abort",
+                               cumulative_logprob=-0.75)],
         finished=True, num_prompt_tokens=40, num_cached_tokens=32,
-        prompt_logprobs=[None, None, [TokenLogprob(3, -1.0), TokenLogprob(4, -0.5)]])
+        prompt_logprobs=[None, None, [TokenIdLogprob(3, -1.0), TokenIdLogprob(4, -0.5)]])
     msg = _wire(token_event_to_proto(output))
     assert token_event_from_proto(msg, "req-2", has_prompt_logprobs=True) == output
 
 
 def test_token_event_without_prompt_logprobs_or_finish():
-    output = RequestOutput(request_id="r", outputs=[CompletionOutput(index=0, token_ids=[1, 2])],
+    output = RequestOutput(request_id="r", outputs=[SequenceDelta(index=0, token_ids=[1, 2])],
                            finished=False, num_prompt_tokens=3, num_cached_tokens=0)
     assert token_event_from_proto(_wire(token_event_to_proto(output)), "r") == output
 

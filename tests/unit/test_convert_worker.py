@@ -13,7 +13,7 @@ from pagedserve.services.common.step_plan import (
     StepOutput,
     StepPlan,
     StepTimings,
-    TokenLogprob,
+    TokenIdLogprob,
     WorkerInfo,
 )
 from pagedserve.services.rpc.convert_worker import (
@@ -64,11 +64,11 @@ OUTPUT = StepOutput(
     outputs=[
         SampledSequence(
             seq_id=BIG + 1, token_ids=[17, 4_000_000_000], logprobs=[-0.123456789012345, -7.5],
-            top_logprobs=[[TokenLogprob(17, -0.123456789012345), TokenLogprob(3, -2.0)],
-                          [TokenLogprob(9, -1e-12)]],
-            prompt_logprobs=[[TokenLogprob(2, -3.25), TokenLogprob(8, -0.5)]]),
+            top_logprobs=[[TokenIdLogprob(17, -0.123456789012345), TokenIdLogprob(3, -2.0)],
+                          [TokenIdLogprob(9, -1e-12)]],
+            prompt_logprobs=[[TokenIdLogprob(2, -3.25), TokenIdLogprob(8, -0.5)]]),
         SampledSequence(seq_id=8, token_ids=[], logprobs=[],
-                        prompt_logprobs=[[TokenLogprob(1, -9.75)]]),
+                        prompt_logprobs=[[TokenIdLogprob(1, -9.75)]]),
         SampledSequence(seq_id=BIG + 2, token_ids=[4_000_000_001], logprobs=[-0.987654321]),
     ],
     timings=StepTimings(cache_ops_ns=11, prepare_ns=BIG, forward_ns=3_000_000_000, sample_ns=7),

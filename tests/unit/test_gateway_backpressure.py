@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import grpc
 from pagedserve.services.common.engine_api import PauseRequest
 from pagedserve.services.common.errors import Unavailable
-from pagedserve.services.common.outputs import CompletionOutput, RequestOutput
+from pagedserve.services.common.outputs import RequestOutput, SequenceDelta
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.gateway.failover import ResumableSubmission
@@ -79,7 +79,7 @@ class ScriptedClient:
 
     async def submit(self, request, owner, resumed):
         for i in range(self.num_events):
-            yield RequestOutput(request.request_id, [CompletionOutput(0, [i])], finished=False,
+            yield RequestOutput(request.request_id, [SequenceDelta(0, [i])], finished=False,
                                 num_prompt_tokens=3, num_cached_tokens=0)
             await asyncio.sleep(0)
         if self.dies:

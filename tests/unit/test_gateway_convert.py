@@ -1,6 +1,6 @@
 import pytest
 from pagedserve.services.common.errors import InvalidRequest
-from pagedserve.services.common.outputs import Usage
+from pagedserve.services.common.outputs import TokenLogprob, Usage
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import WorkerInfo
 from pagedserve.services.gateway.convert import (
@@ -14,11 +14,11 @@ from pagedserve.services.gateway.convert import (
     stream_delta_to_proto,
     tokenize_request_from_proto,
 )
-from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
+from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ServedModel
 from pagedserve.services.rpc.convert_scheduler import served_model_to_proto
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
-from pagedserve.services.text.text_stream import DecodedLogprob, StreamDelta
+from pagedserve.services.text.text_stream import TextDelta
 
 SAMPLING = SamplingParams(n=2, temperature=0.7, top_k=5, stop=("\n",), stop_token_ids=(7,),
                           max_tokens=9, logprobs=3, seed=11)
@@ -46,30 +46,30 @@ def test_bad_sampling_names_field_and_value():
         generate_request_from_proto(msg)
 
 
-def test_stream_delta_round_trip():
-    lp = DecodedLogprob(5, -0.25, " the")
-    delta = StreamDelta(index=1, text=" the", token_ids=[5], logprobs=[lp],
-                        top_logprobs=[[lp, DecodedLogprob(6, -2.0, " a")]], finish_reason="length",
-                        usage=Usage(prompt_tokens=4, completion_tokens=9, cached_tokens=2),
-                        prompt_logprobs=[[DecodedLogprob(3, -1.0, "x")], []])
+def test_text_delta_round_trip():
+    lp = TokenLogprob(5, -0.25, " the")
+    delta = TextDelta(index=1, text=" the", token_ids=[5], logprobs=[lp],
+                      top_logprobs=[[lp, TokenLogprob(6, -2.0, " a")]], finish_reason="length",
+                      usage=Usage(prompt_tokens=4, completion_tokens=9, cached_tokens=2),
+                      prompt_logprobs=[[TokenLogprob(3, -1.0, "x")], []])
     msg = stream_delta_to_proto(delta, "req")
     assert msg.request_id == "req"
     assert stream_delta_from_proto(msg) == delta
 
 
 def test_running_delta_has_no_usage_or_finish():
-    msg = stream_delta_to_proto(StreamDelta(index=0, text="a", token_ids=[1]), "r")
+    msg = stream_delta_to_proto(TextDelta(index=0, text="a", token_ids=[1]), "r")
     assert not msg.HasField("usage")
     assert msg.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
-    assert stream_delta_from_proto(msg) == StreamDelta(index=0, text="a", token_ids=[1])
+    assert stream_delta_from_proto(msg) == TextDelta(index=0, text="a", token_ids=[1])
 
 
 def test_generate_response_folds_deltas_per_index():
-    deltas = [StreamDelta(0, "he", [1], cumulative_logprob=-1.0),
-              StreamDelta(1, "yo", [4], cumulative_logprob=-0.5),
-              StreamDelta(0, "llo", [2], finish_reason="stop", cumulative_logprob=-1.5),
-              StreamDelta(1, "", [], finish_reason="length", cumulative_logprob=-0.5,
-                          usage=Usage(3, 3, 0))]
+    deltas = [TextDelta(0, "he", [1], cumulative_logprob=-1.0),
+              TextDelta(1, "yo", [4], cumulative_logprob=-0.5),
+              TextDelta(0, "llo", [2], finish_reason="stop", cumulative_logprob=-1.5),
+              TextDelta(1, "", [], finish_reason="length", cumulative_logprob=-0.5,
+                        usage=Usage(3, 3, 0))]
     msg = generate_response_to_proto("r", deltas, n=2)
     assert [(o.index, o.text, list(o.token_ids)) for o in msg.outputs] == [
         (0, "hello", [1, 2]), (1, "yo", [4])]
@@ -79,7 +79,7 @@ def test_generate_response_folds_deltas_per_index():
 
 
 def test_model_info_round_trip_and_from_served_model():
-    info = ModelInfo("SmolLM2-135M-Instruct", "LlamaForCausalLM", 8192, 49152, (2,), True)
+    info = ServedModel("SmolLM2-135M-Instruct", "LlamaForCausalLM", 8192, 49152, (2,), True)
     assert model_info_from_proto(model_info_to_proto(info)) == info
     served = scheduler_pb2.GetServedModelResponse(model="/models/SmolLM2-135M-Instruct/",
                                        architecture="LlamaForCausalLM", max_model_len=8192,
@@ -97,7 +97,7 @@ def test_served_model_carries_the_replicas_capacity_to_the_gateway():
     info = model_info_from_served_model(served, has_chat_template=False)
     assert (info.max_model_len, info.block_size, info.num_gpu_blocks, info.max_num_seqs) == (
         4096, 16, 1000, 256)
-    # the public ModelInfo keeps the deployment's capacity inside
+    # the public ServedModel keeps the deployment's capacity inside
     assert model_info_from_proto(model_info_to_proto(info)).num_gpu_blocks == 0
 
 

@@ -12,14 +12,14 @@ from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.gateway.delta_buffer import DeltaBuffer
 from pagedserve.services.gateway.frontend import Admission, Frontend
 from pagedserve.services.gateway.limits import bytes_by_field, num_blocks_at_most
-from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
-from pagedserve.services.text.text_stream import StreamDelta
+from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ServedModel
+from pagedserve.services.text.text_stream import TextDelta
 
 from tests.unit.tiny_tokenizers import byte_level_bpe
 
 TOKENIZER = byte_level_bpe()
-INFO = ModelInfo("tiny", "LlamaForCausalLM", 4096, TOKENIZER.vocab_size, (2,), True,
-                 block_size=16, num_gpu_blocks=100, max_num_seqs=128)
+INFO = ServedModel("tiny", "LlamaForCausalLM", 4096, TOKENIZER.vocab_size, (2,), True,
+                   block_size=16, num_gpu_blocks=100, max_num_seqs=128)
 
 
 def prepare(request, limits=None, info=INFO):
@@ -63,8 +63,8 @@ def test_each_limit_names_the_field_the_value_and_the_limit(request_, limits, wo
 
 
 def test_the_replicas_max_num_seqs_caps_sequences_below_the_gateway_limit():
-    info = ModelInfo("tiny", "LlamaForCausalLM", 4096, TOKENIZER.vocab_size, (2,), True,
-                     max_num_seqs=4)
+    info = ServedModel("tiny", "LlamaForCausalLM", 4096, TOKENIZER.vocab_size, (2,), True,
+                       max_num_seqs=4)
     with pytest.raises(InvalidRequest, match="best_of must be at most max_num_seqs=4, got 5"):
         prepare(sampled(n=1, best_of=5, temperature=1.0), info=info)
 
@@ -114,16 +114,16 @@ def test_a_buffer_nobody_reads_stays_bounded_and_loses_nothing():
     async def main():
         buffer = DeltaBuffer(num_outputs=2)
         for i in range(10_000):
-            buffer.put(StreamDelta(index=i % 2, text=str(i % 10), token_ids=[i],
-                                   cumulative_logprob=-i))
+            buffer.put(TextDelta(index=i % 2, text=str(i % 10), token_ids=[i],
+                                 cumulative_logprob=-i))
             assert len(buffer) <= buffer.max_pending
-        buffer.put(StreamDelta(index=1, finish_reason="length", usage=Usage(3, 10_000)))
+        buffer.put(TextDelta(index=1, finish_reason="length", usage=Usage(3, 10_000)))
         buffer.close()
         return [d async for d in _drain(buffer)]
 
     deltas = asyncio.run(main())
     assert len(deltas) <= 64 + 1
-    by_index = {0: StreamDelta(0), 1: StreamDelta(1)}
+    by_index = {0: TextDelta(0), 1: TextDelta(1)}
     for delta in deltas:
         merged = by_index[delta.index]
         merged.text += delta.text
@@ -143,7 +143,7 @@ def test_a_reader_behind_gets_what_piled_up_for_an_index_in_one_delta():
     async def main():
         buffer = DeltaBuffer(num_outputs=2)
         for index, text in ((0, "a"), (0, "b"), (1, "x"), (0, "c"), (0, "d")):
-            buffer.put(StreamDelta(index=index, text=text, token_ids=[ord(text)]))
+            buffer.put(TextDelta(index=index, text=text, token_ids=[ord(text)]))
         buffer.close()
         return [d async for d in _drain(buffer)]
 
@@ -155,7 +155,7 @@ def test_a_reader_behind_gets_what_piled_up_for_an_index_in_one_delta():
 def test_a_buffer_raises_the_streams_error_after_the_pending_deltas():
     async def main():
         buffer = DeltaBuffer(num_outputs=1)
-        buffer.put(StreamDelta(0, "a"))
+        buffer.put(TextDelta(0, "a"))
         buffer.close(InvalidRequest("boom"))
         first = await buffer.get()
         with pytest.raises(InvalidRequest, match="boom"):
@@ -169,18 +169,18 @@ def test_wait_stalled_fires_only_when_the_consumer_stays_away_after_a_delta():
     async def main():
         buffer = DeltaBuffer(num_outputs=1)
         stalled = asyncio.create_task(buffer.wait_stalled(1.0))
-        buffer.put(StreamDelta(0, "unread"))
+        buffer.put(TextDelta(0, "unread"))
         await asyncio.sleep(1.2)
         assert not stalled.done()  # nobody took a delta yet: no consumer to be stalled
         for i in range(5):  # a consumer that keeps coming back is not stalled
             assert (await buffer.get()).text in ("unread", str(i - 1))
-            buffer.put(StreamDelta(0, str(i)))
+            buffer.put(TextDelta(0, str(i)))
             await asyncio.sleep(0.05)
         assert (await buffer.get()).text == "4"
         getting = asyncio.create_task(buffer.get())  # waiting for output is not stalling
         await asyncio.sleep(1.2)
         assert not stalled.done()
-        buffer.put(StreamDelta(0, "taken, then never back"))
+        buffer.put(TextDelta(0, "taken, then never back"))
         assert (await getting).text == "taken, then never back"
         await asyncio.wait_for(stalled, 10)
 
@@ -198,9 +198,9 @@ def test_a_stream_interval_holds_deltas_until_they_carry_that_many_tokens():
 
         consumer = asyncio.create_task(consume())
         for i, text in enumerate("abcdefgh"):
-            buffer.put(StreamDelta(0, text, token_ids=[i]))
+            buffer.put(TextDelta(0, text, token_ids=[i]))
             await asyncio.sleep(0)  # the consumer takes whatever it was woken for
-        buffer.put(StreamDelta(0, "", finish_reason="stop"))
+        buffer.put(TextDelta(0, "", finish_reason="stop"))
         buffer.close()
         await consumer
         return taken
@@ -212,15 +212,15 @@ def test_a_stream_interval_holds_deltas_until_they_carry_that_many_tokens():
 def test_a_stream_interval_sends_each_outputs_first_token_and_errors_at_once():
     async def main():
         buffer = DeltaBuffer(num_outputs=2, stream_interval=8)
-        buffer.put(StreamDelta(0, "a", token_ids=[1]))
+        buffer.put(TextDelta(0, "a", token_ids=[1]))
         first = await asyncio.wait_for(buffer.get(), 1)
-        buffer.put(StreamDelta(1, "x", token_ids=[2]))
+        buffer.put(TextDelta(1, "x", token_ids=[2]))
         second = await asyncio.wait_for(buffer.get(), 1)
-        buffer.put(StreamDelta(0, "b", token_ids=[3]))
+        buffer.put(TextDelta(0, "b", token_ids=[3]))
         held = asyncio.create_task(buffer.get())
         await asyncio.sleep(0.05)
         assert not held.done()
-        buffer.put(StreamDelta(0, "", error="worker lost"))
+        buffer.put(TextDelta(0, "", error="worker lost"))
         return first, second, await asyncio.wait_for(held, 1)
 
     first, second, third = asyncio.run(main())

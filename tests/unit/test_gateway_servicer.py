@@ -16,7 +16,7 @@ from pagedserve.services.gateway.config import (
     RequestLimitsConfig,
     RoutingConfig,
 )
-from pagedserve.services.gateway.validation import ModelInfo
+from pagedserve.services.gateway.validation import ServedModel
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from tests.unit.fake_scheduler import FakeScheduler, start_fake_scheduler
@@ -52,10 +52,10 @@ async def harness(model_dir, max_concurrent_requests=8, max_model_len=MAX_MODEL_
     by default. `http`: the HTTP API's config (off by default)."""
     tokenizer = byte_level_bpe()
     block_size, num_gpu_blocks, max_num_seqs = capacity or (0, 0, 0)
-    info = ModelInfo(model="tiny", architecture="LlamaForCausalLM", max_model_len=max_model_len,
-                     vocab_size=tokenizer.vocab_size, eos_token_ids=(2,), has_chat_template=True,
-                     block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-                     max_num_seqs=max_num_seqs)
+    info = ServedModel(model="tiny", architecture="LlamaForCausalLM", max_model_len=max_model_len,
+                       vocab_size=tokenizer.vocab_size, eos_token_ids=(2,), has_chat_template=True,
+                       block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                       max_num_seqs=max_num_seqs)
     fake = FakeScheduler(model_dir, info, tokenizer.encode(REPLY, add_special_tokens=False))
     scheduler_server = await start_fake_scheduler(fake)
     gateway = await start_gateway(GatewayConfig(

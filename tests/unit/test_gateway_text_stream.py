@@ -2,13 +2,13 @@
 
 import pytest
 from pagedserve.services.common.errors import InvalidRequest
-from pagedserve.services.common.outputs import CompletionOutput, FinishReason, RequestOutput
+from pagedserve.services.common.outputs import FinishReason, RequestOutput, SequenceDelta
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import TokenLogprob
+from pagedserve.services.common.step_plan import TokenIdLogprob
 from pagedserve.services.gateway.validation import (
     ChatMessage,
     GenerateInput,
-    ModelInfo,
+    ServedModel,
     prepare_request,
 )
 from pagedserve.services.text.text_stream import TextStream
@@ -16,7 +16,7 @@ from pagedserve.services.text.text_stream import TextStream
 from tests.unit.tiny_tokenizers import byte_level_bpe
 
 TOKENIZER = byte_level_bpe()
-INFO = ModelInfo("tiny", "LlamaForCausalLM", 32, TOKENIZER.vocab_size, (2,), True)
+INFO = ServedModel("tiny", "LlamaForCausalLM", 32, TOKENIZER.vocab_size, (2,), True)
 
 
 def ids(text):
@@ -34,8 +34,8 @@ def event(*outputs, **kw):
 
 def token_events(text, index=0, finish="stop"):
     token_ids = ids(text)
-    return [event(CompletionOutput(index, [t], finish_reason=finish if i == len(token_ids) - 1
-                                   else None)) for i, t in enumerate(token_ids)]
+    return [event(SequenceDelta(index, [t], finish_reason=finish if i == len(token_ids) - 1
+                                else None)) for i, t in enumerate(token_ids)]
 
 
 def run(stream, events):
@@ -60,11 +60,11 @@ def test_held_text_is_released_when_the_sequence_ends():
 
 def test_n2_one_index_stopped_the_other_runs_on():
     stream = _stream(n=2, stop=["X"], temperature=0.8)
-    first = stream.on_output(event(CompletionOutput(0, ids("aX")), CompletionOutput(1, ids("ab"))))
+    first = stream.on_output(event(SequenceDelta(0, ids("aX")), SequenceDelta(1, ids("ab"))))
     assert [(d.index, d.text, d.finish_reason) for d in first] == [(0, "a", "stop"), (1, "ab", None)]
     assert not stream.is_finished and all(d.usage is None for d in first)
-    later = stream.on_output(event(CompletionOutput(0, ids("zz")),  # the scheduler ran on: dropped
-                                   CompletionOutput(1, ids("c"), finish_reason="length")))
+    later = stream.on_output(event(SequenceDelta(0, ids("zz")),  # the scheduler ran on: dropped
+                                   SequenceDelta(1, ids("c"), finish_reason="length")))
     assert [(d.index, d.text, d.finish_reason) for d in later] == [(1, "c", "length")]
     assert stream.is_finished
     assert later[-1].usage.completion_tokens == len(ids("aX")) + len(ids("abc"))
@@ -74,8 +74,8 @@ def test_logprobs_and_prompt_logprobs_carry_token_text():
     stream = _stream(logprobs=1, prompt_logprobs=1)
     token = ids(" fox")[0]
     deltas = stream.on_output(event(
-        CompletionOutput(0, [token], logprobs=[-0.1], top_logprobs=[[TokenLogprob(token, -0.1)]]),
-        prompt_logprobs=[None, [TokenLogprob(token, -3.0)]]))
+        SequenceDelta(0, [token], logprobs=[-0.1], top_logprobs=[[TokenIdLogprob(token, -0.1)]]),
+        prompt_logprobs=[None, [TokenIdLogprob(token, -3.0)]]))
     (delta,) = deltas
     assert [(lp.token_id, lp.text) for lp in delta.logprobs] == [(token, " fox")]
     assert delta.top_logprobs[0][0].text == " fox"
@@ -85,7 +85,7 @@ def test_logprobs_and_prompt_logprobs_carry_token_text():
 
 def test_held_back_text_still_streams_token_ids():
     stream = _stream(stop=["STOP"])
-    deltas = stream.on_output(event(CompletionOutput(0, ids("ok ST"))))
+    deltas = stream.on_output(event(SequenceDelta(0, ids("ok ST"))))
     assert deltas[0].text == "ok " and deltas[0].token_ids == ids("ok ST")
 
 
@@ -101,7 +101,7 @@ def test_prepare_request_limits():
 
 
 def test_text_prompt_and_messages_without_template():
-    no_template = ModelInfo("tiny", "LlamaForCausalLM", 32, TOKENIZER.vocab_size, (2,), False)
+    no_template = ServedModel("tiny", "LlamaForCausalLM", 32, TOKENIZER.vocab_size, (2,), False)
     with pytest.raises(InvalidRequest, match="chat template"):
         prepare_request(GenerateInput(messages=(ChatMessage("user", "hi"),)), TOKENIZER, no_template)
     ready = prepare_request(GenerateInput(text="hello there"), TOKENIZER, INFO)
@@ -113,7 +113,7 @@ def test_tokens_after_the_stop_string_are_cut():
     stream = _stream(stop=["X"], logprobs=0)
     kept, dropped = ids("hello") + ids("X"), ids("world")
     tokens = kept + dropped
-    (delta,) = stream.on_output(event(CompletionOutput(
+    (delta,) = stream.on_output(event(SequenceDelta(
         0, tokens, logprobs=[-1.0] * len(tokens), finish_reason=FinishReason.LENGTH)))
     assert (delta.text, delta.token_ids, delta.finish_reason) == ("hello", kept, "stop")
     assert len(delta.logprobs) == len(kept)
@@ -122,8 +122,8 @@ def test_tokens_after_the_stop_string_are_cut():
 
 def test_take_stopped_names_the_outputs_a_stop_string_ended_before_the_engine():
     stream = _stream(n=2, stop=["fox"])
-    first = [CompletionOutput(0, [t]) for t in ids("a fox ran")]
-    second = [CompletionOutput(1, [t]) for t in ids("no stop")]
+    first = [SequenceDelta(0, [t]) for t in ids("a fox ran")]
+    second = [SequenceDelta(1, [t]) for t in ids("no stop")]
     stopped_at = []
     for i, completion in enumerate(first):
         stream.on_output(event(completion, *second[i:i + 1]))

@@ -17,7 +17,7 @@ from pagedserve.services.gateway.openai.protocol import (
     ChatMessageIn,
     CompletionRequest,
 )
-from pagedserve.services.gateway.validation import ChatMessage, ModelInfo
+from pagedserve.services.gateway.validation import ChatMessage, ServedModel
 
 
 def test_every_prompt_shape():
@@ -52,8 +52,8 @@ def test_chat_content_parts_and_token_budget():
     assert chat_messages(messages) == (ChatMessage("system", "be brief"),
                                        ChatMessage("user", "a\nb"), ChatMessage("assistant", ""))
     body = ChatCompletionRequest(messages=messages)
-    info = ModelInfo(model="m", architecture="LlamaForCausalLM", max_model_len=100,
-                     vocab_size=512, eos_token_ids=(2,), has_chat_template=True)
+    info = ServedModel(model="m", architecture="LlamaForCausalLM", max_model_len=100,
+                       vocab_size=512, eos_token_ids=(2,), has_chat_template=True)
     assert chat_max_tokens(body, 10, info) == 90
     assert chat_max_tokens(body.model_copy(update={"max_tokens": 5}), 10, info) == 5
     assert chat_max_tokens(body.model_copy(update={"max_tokens": 5,

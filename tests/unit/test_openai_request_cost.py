@@ -13,12 +13,12 @@ from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.gateway.frontend import Admission, Frontend
 from pagedserve.services.gateway.openai.routes import build_app
 from pagedserve.services.gateway.openai.serving import OpenAIServing
-from pagedserve.services.gateway.validation import ModelInfo
+from pagedserve.services.gateway.validation import ServedModel
 
 from tests.unit.tiny_tokenizers import byte_level_bpe
 
 TOKENIZER = byte_level_bpe()
-INFO = ModelInfo("tiny", "LlamaForCausalLM", 256, TOKENIZER.vocab_size, (2,), True)
+INFO = ServedModel("tiny", "LlamaForCausalLM", 256, TOKENIZER.vocab_size, (2,), True)
 CHAR_LIMIT = 2 * INFO.max_model_len * TOKENIZER.max_token_chars
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from pagedserve.services.common.step_plan import SampledSequence, TokenLogprob
+from pagedserve.services.common.step_plan import SampledSequence, TokenIdLogprob
 from pagedserve.worker_svc.sampler import SeqSamplingState
 
 _MASK_64 = (1 << 64) - 1
@@ -135,8 +135,8 @@ class SimSampler:
         return SampledSequence(seq_id=s.seq_id, token_ids=[t for t, _ in draws],
                                logprobs=[lp for _, lp in draws], top_logprobs=top_logprobs)
 
-    def _top(self, token: int, logprob: float, num_top: int) -> list[TokenLogprob]:
+    def _top(self, token: int, logprob: float, num_top: int) -> list[TokenIdLogprob]:
         span = len(self.token_range)
-        return [TokenLogprob(token, logprob)] + [
-            TokenLogprob(self.token_range[(token - self.token_range.start + k) % span],
-                         logprob - k) for k in range(1, num_top)][:num_top]
+        return [TokenIdLogprob(token, logprob)] + [
+            TokenIdLogprob(self.token_range[(token - self.token_range.start + k) % span],
+                           logprob - k) for k in range(1, num_top)][:num_top]

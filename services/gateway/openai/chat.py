@@ -42,12 +42,12 @@ from pagedserve.services.gateway.openai.serving import (
     usage_info,
 )
 from pagedserve.services.gateway.validation import GenerateInput
-from pagedserve.services.text.text_stream import StreamDelta
+from pagedserve.services.text.text_stream import TextDelta
 from starlette.requests import Request
 from starlette.responses import Response
 
 
-def _logprobs(delta: StreamDelta) -> ChatLogprobs:
+def _logprobs(delta: TextDelta) -> ChatLogprobs:
     content = []
     for i, sampled in enumerate(delta.logprobs):
         top = delta.top_logprobs[i] if i < len(delta.top_logprobs) else []
@@ -86,7 +86,7 @@ class _Chat:
         self.finish_reasons: list[str | None] = [None] * sampling.n
         self.usages: list[Usage] = []
 
-    def on_delta(self, delta: StreamDelta) -> ChatChunkChoice:
+    def on_delta(self, delta: TextDelta) -> ChatChunkChoice:
         logprobs = _logprobs(delta) if self.body.logprobs else None
         self.texts[delta.index] += delta.text
         whole = self.logprobs[delta.index]

@@ -33,7 +33,7 @@ from pagedserve.services.gateway.openai.serving import (
     logprob_value,
     usage_info,
 )
-from pagedserve.services.text.text_stream import StreamDelta
+from pagedserve.services.text.text_stream import TextDelta
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -46,7 +46,7 @@ class _Choice:
     num_chars: int = 0  # of the token texts so far: the next token's text_offset
 
 
-def _logprobs(delta: StreamDelta, choice: _Choice) -> CompletionLogprobs:
+def _logprobs(delta: TextDelta, choice: _Choice) -> CompletionLogprobs:
     """The sampled token's logprob, and the top candidates with the sampled one among them."""
     out = CompletionLogprobs()
     for i, sampled in enumerate(delta.logprobs):
@@ -96,7 +96,7 @@ class _Completion:
         self.choices = [_Choice(num_chars=len(self.echoes[i // self.n]))
                         for i in range(len(self.inputs) * self.n)]
 
-    def on_delta(self, prompt_index: int, delta: StreamDelta) -> CompletionChoice:
+    def on_delta(self, prompt_index: int, delta: TextDelta) -> CompletionChoice:
         """The delta as a choice chunk; the whole choice is accumulated too."""
         index = prompt_index * self.n + delta.index
         choice = self.choices[index]

@@ -23,7 +23,7 @@ from pagedserve.services.gateway.openai.protocol import (
     CompletionRequest,
     GenerationRequest,
 )
-from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ModelInfo
+from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ServedModel
 
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
@@ -76,7 +76,7 @@ def sampling_params(request: GenerationRequest, max_tokens: int | None,
 
 
 def check_prompt_size(prompt: str | list[Any], sampling: SamplingParams,
-                      limits: RequestLimitsConfig, info: ModelInfo) -> None:
+                      limits: RequestLimitsConfig, info: ServedModel) -> None:
     """Before the prompt's elements are scanned: how many prompts (a list of texts or of id
     lists) and how many ids each, by the lengths alone."""
     if isinstance(prompt, str) or not prompt:
@@ -164,7 +164,7 @@ def chat_requested_max_tokens(request: ChatCompletionRequest) -> int | None:
 
 
 def chat_max_tokens(request: ChatCompletionRequest, num_prompt_tokens: int,
-                    info: ModelInfo) -> int:
+                    info: ServedModel) -> int:
     """The requested max tokens, else what the context leaves, and what the replica's KV cache
     leaves each of the request's sequences when it reports its size (at least 1, so a prompt
     that fills either fails on the length check naming both)."""

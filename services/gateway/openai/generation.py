@@ -14,7 +14,7 @@ from pagedserve.services.gateway.frontend import Frontend
 from pagedserve.services.gateway.openai import sse
 from pagedserve.services.gateway.ownership import Caller, caller_of
 from pagedserve.services.gateway.validation import GenerateInput, PreparedRequest
-from pagedserve.services.text.text_stream import StreamDelta
+from pagedserve.services.text.text_stream import TextDelta
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
@@ -68,11 +68,11 @@ class Submission:
     async def _on_stalled(self, error: PagedServeError) -> None:
         self.stalled.set()
 
-    def _generate(self, request: PreparedRequest) -> AsyncGenerator[StreamDelta, None]:
+    def _generate(self, request: PreparedRequest) -> AsyncGenerator[TextDelta, None]:
         return self._frontend.generate(  # type: ignore[return-value]
             request, self._on_stalled, self._caller)
 
-    async def deltas(self) -> AsyncGenerator[tuple[int, StreamDelta], None]:
+    async def deltas(self) -> AsyncGenerator[tuple[int, TextDelta], None]:
         """(prompt index, delta) until every prompt has finished."""
         if len(self.prepared) == 1:
             async with contextlib.aclosing(self._generate(self.prepared[0])) as deltas:
@@ -80,7 +80,7 @@ class Submission:
                     yield 0, delta
             return
         # bounded, so that a client that stops reading stalls the Frontend's own buffers
-        queue: asyncio.Queue[tuple[int, StreamDelta | None, BaseException | None]] = \
+        queue: asyncio.Queue[tuple[int, TextDelta | None, BaseException | None]] = \
             asyncio.Queue(maxsize=len(self.prepared))
 
         async def pump(index: int, request: PreparedRequest) -> None:
@@ -115,8 +115,8 @@ class StartedDeltas:
     request raises while the HTTP status can still say so, not inside a 200 event stream.
     Close it (`aclose`) to abort what still runs."""
 
-    def __init__(self, first: tuple[int, StreamDelta] | None,
-                 rest: AsyncGenerator[tuple[int, StreamDelta], None]) -> None:
+    def __init__(self, first: tuple[int, TextDelta] | None,
+                 rest: AsyncGenerator[tuple[int, TextDelta], None]) -> None:
         self._first = first
         self._rest = rest
 
@@ -133,7 +133,7 @@ class StartedDeltas:
     def __aiter__(self) -> StartedDeltas:
         return self
 
-    async def __anext__(self) -> tuple[int, StreamDelta]:
+    async def __anext__(self) -> tuple[int, TextDelta]:
         if self._first is not None:
             first, self._first = self._first, None
             return first

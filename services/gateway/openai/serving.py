@@ -7,7 +7,7 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagedserve.services.common.outputs import Usage
+from pagedserve.services.common.outputs import TokenLogprob, Usage
 from pagedserve.services.gateway.frontend import Frontend
 from pagedserve.services.gateway.openai.errors import ModelNotFound
 from pagedserve.services.gateway.openai.protocol import (
@@ -15,7 +15,6 @@ from pagedserve.services.gateway.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from pagedserve.services.text.text_stream import DecodedLogprob
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI's clients expect a number
 
@@ -55,6 +54,6 @@ def logprob_value(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
-def top_logprob(logprob: DecodedLogprob) -> TopLogprob:
+def top_logprob(logprob: TokenLogprob) -> TopLogprob:
     return TopLogprob(token=logprob.text, logprob=logprob_value(logprob.logprob),
                       bytes=list(logprob.text.encode()))
