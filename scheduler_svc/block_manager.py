@@ -187,14 +187,14 @@ class BlockManager:
             return
         # tail first: the evictor then drops a prefix's last blocks before the blocks they chain on
         for block_id in reversed(seq.block_ids):
-            self._release(seq.device, block_id)
+            self._drop_reference(seq.device, block_id)
 
     def reset_prefix_cache(self) -> None:
         """Every sequence must be freed first: a block in use would stay named by its hash."""
         assert not self._seqs, "free every sequence before resetting the prefix cache"
         if self.prefix_cache is not None:
             for block_id in self.prefix_cache.clear():
-                self.gpu_pool.release(block_id)
+                self.gpu_pool.free(block_id)
 
     def can_swap_out(self, seq_ids: list[int]) -> bool:
         return len(self._unique_blocks(seq_ids, Device.GPU)) <= self.num_free_cpu_blocks
@@ -239,8 +239,8 @@ class BlockManager:
                 else:
                     dst_pool.incref(dst)
                 seq.block_ids[i] = dst
-                # sequences outside `seq_ids` may still hold src; it is released with its last ref
-                self._release(src_device, src)
+                # sequences outside `seq_ids` may still hold src; it is freed with its last ref
+                self._drop_reference(src_device, src)
             seq.device = dst_device
         return list(mapping.items())
 
@@ -294,11 +294,11 @@ class BlockManager:
         self.gpu_pool.incref(block_id)
         return block_id
 
-    def _release(self, device: Device, block_id: int) -> None:
+    def _drop_reference(self, device: Device, block_id: int) -> None:
         pool = self._pool(device)
         if pool.decref(block_id):
             return
         if device is Device.GPU and self.prefix_cache and self.prefix_cache.is_cached(block_id):
             self.prefix_cache.park(block_id)
         else:
-            pool.release(block_id)
+            pool.free(block_id)

@@ -1,6 +1,6 @@
 """One device's KV-cache blocks. A block is free (ref 0), referenced (ref > 0), or parked by an
 owner such as the prefix cache's evictor (ref 0, off the free list); that owner gives it back
-with `incref` or `release`."""
+with `incref` or `free`."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class BlockPool:
         self.ref_counts[block_id] -= num_refs
         return self.ref_counts[block_id]
 
-    def release(self, block_id: int) -> None:
+    def free(self, block_id: int) -> None:
         assert self.ref_counts[block_id] == 0, (block_id, self.ref_counts[block_id])
         assert not self._is_free[block_id], f"{self.device.value} block {block_id} freed twice"
         self._is_free[block_id] = True

@@ -233,7 +233,7 @@ class EngineCore:
             raise NotFound(f"request_id {request_id!r} has no running output index {index}",
                            reason=Reason.REQUEST_NOT_FOUND, field="index")
         seqs[0].finish(FinishReason.STOP)
-        self.scheduler.release_finished(group)
+        self.scheduler.free_finished(group)
         if not group.is_finished:
             return None
         del self._groups[request_id]

@@ -83,7 +83,7 @@ class OutputProcessor:
             else:
                 for seq, sampled in sampled_seqs:
                     self._append(group, seq, sampled, 0)
-            self.scheduler.release_finished(group)
+            self.scheduler.free_finished(group)
         return list(groups.values())
 
     def report(self, groups: list[SequenceGroup]) -> list[RequestOutput]:

@@ -69,9 +69,9 @@ class Scheduler:
     def finish_group(self, group: SequenceGroup, reason: FinishReason,
                      error: str | None = None) -> None:
         group.finish(reason, error)
-        self.release_finished(group)
+        self.free_finished(group)
 
-    def release_finished(self, group: SequenceGroup) -> None:
+    def free_finished(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
             if seq.is_finished:
                 self.free_seq(seq)
