@@ -11,7 +11,6 @@ in order. `break_after` N fails the call with UNAVAILABLE once a request sent N 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 from pagedserve.scheduler_svc.request_checks import RequestLimits, check_admission, check_request
@@ -190,11 +189,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def WatchLoad(self, request, context):
         yield scheduler_pb2.WatchLoadResponse(num_running_requests=len(self._abort_events))
-        # a constant load: nothing more to push. The watch ends when the gateway leaves or the
-        # server stops, whichever grpc sees first: either way the stream just ends (a server
-        # stop racing the gateway's cancel otherwise logs the cancellation as an error)
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.Event().wait()
+        await asyncio.Event().wait()  # a constant load: nothing more to push
 
     async def GetServedModel(self, request, context):
         return self.served_model
