@@ -10,7 +10,7 @@ from pagedserve.services.common.outputs import RequestOutput, SequenceDelta
 def make_request_output(group: SequenceGroup) -> RequestOutput | None:
     """The report for `group` now, or None if nothing new happened since the last one."""
     if group.is_streamed:
-        outputs = [_stream_delta(seq) for seq in group.seqs]
+        outputs = [_sequence_delta(seq) for seq in group.seqs]
         outputs = [o for o in outputs if o is not None]
     elif group.is_finished and group.num_reports == 0:
         outputs = _final_outputs(group)
@@ -28,7 +28,7 @@ def make_request_output(group: SequenceGroup) -> RequestOutput | None:
                          prompt_logprobs=prompt_logprobs)
 
 
-def _stream_delta(seq: Sequence) -> SequenceDelta | None:
+def _sequence_delta(seq: Sequence) -> SequenceDelta | None:
     start = seq.num_emitted_tokens
     # not the placeholder of a step in flight (the next is scheduled before this report)
     new_token_ids = seq.token_ids[seq.prompt_len + start:len(seq.token_ids) - seq.has_placeholder]

@@ -17,7 +17,7 @@ from typing import Any
 
 from pagedserve.services.common.gc_tuning import tune_gc_after_startup
 from pagedserve.services.gateway.config import GatewayConfig
-from pagedserve.services.gateway.convert import model_info_from_served_model
+from pagedserve.services.gateway.convert import served_model_from_proto
 from pagedserve.services.gateway.frontend import Admission, Frontend
 from pagedserve.services.gateway.metrics import GatewayMetrics
 from pagedserve.services.gateway.openai.routes import build_app
@@ -96,7 +96,7 @@ async def _join_replicas(config: GatewayConfig, resolve: Resolver | None
         await replicas.start()
         served = await replicas.wait_until_serving()
         tokenizer = Tokenizer.from_pretrained(config.tokenizer or served.model)
-        info = model_info_from_served_model(served, tokenizer.has_chat_template)
+        info = served_model_from_proto(served, tokenizer.has_chat_template)
     except BaseException:
         await replicas.close()
         raise

@@ -89,7 +89,7 @@ def _positions_from_proto(msgs: Sequence[common_pb2.TokenLogprobs]) -> list[list
     return [[_logprob_from_proto(c) for c in p.candidates] for p in msgs]
 
 
-def stream_delta_to_proto(delta: TextDelta, request_id: str
+def text_delta_to_proto(delta: TextDelta, request_id: str
                           ) -> gateway_pb2.GenerateStreamResponse:
     """cumulative_logprob and error are not on the wire per delta: the unary response and the
     status message carry them."""
@@ -105,7 +105,7 @@ def stream_delta_to_proto(delta: TextDelta, request_id: str
     return msg
 
 
-def stream_delta_from_proto(msg: gateway_pb2.GenerateStreamResponse) -> TextDelta:
+def text_delta_from_proto(msg: gateway_pb2.GenerateStreamResponse) -> TextDelta:
     return TextDelta(
         index=msg.index, text=msg.text, token_ids=list(msg.token_ids),
         logprobs=[_logprob_from_proto(lp) for lp in msg.logprobs],
@@ -151,7 +151,7 @@ def tokenize_response_to_proto(token_ids: Sequence[int], max_model_len: int
     return gateway_pb2.TokenizeResponse(token_ids=token_ids, max_model_len=max_model_len)
 
 
-def model_info_to_proto(info: ServedModel) -> gateway_pb2.GetModelInfoResponse:
+def served_model_to_info_proto(info: ServedModel) -> gateway_pb2.GetModelInfoResponse:
     """The replica's capacity stays inside: clients see the model, not the deployment."""
     return gateway_pb2.GetModelInfoResponse(
         model=info.model, architecture=info.architecture, max_model_len=info.max_model_len,
@@ -159,14 +159,14 @@ def model_info_to_proto(info: ServedModel) -> gateway_pb2.GetModelInfoResponse:
         has_chat_template=info.has_chat_template)
 
 
-def model_info_from_proto(msg: gateway_pb2.GetModelInfoResponse) -> ServedModel:
+def served_model_from_info_proto(msg: gateway_pb2.GetModelInfoResponse) -> ServedModel:
     return ServedModel(
         model=msg.model, architecture=msg.architecture, max_model_len=msg.max_model_len,
         vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids),
         has_chat_template=msg.has_chat_template)
 
 
-def model_info_from_served_model(msg: scheduler_pb2.GetServedModelResponse, has_chat_template: bool
+def served_model_from_proto(msg: scheduler_pb2.GetServedModelResponse, has_chat_template: bool
                                  ) -> ServedModel:
     return ServedModel(model=served_model_name(msg.model), architecture=msg.architecture,
                        max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,

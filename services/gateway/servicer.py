@@ -14,9 +14,9 @@ from pagedserve.services.common.errors import PagedServeError
 from pagedserve.services.gateway.convert import (
     generate_request_from_proto,
     generate_response_to_proto,
-    model_info_to_proto,
     proto_field_path,
-    stream_delta_to_proto,
+    served_model_to_info_proto,
+    text_delta_to_proto,
     tokenize_request_from_proto,
     tokenize_response_to_proto,
 )
@@ -72,7 +72,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 on_stalled = functools.partial(_end_stalled_call, context)
                 async for delta in self._frontend.generate(
                         prepared, on_stalled, grpc_caller(context)):
-                    yield stream_delta_to_proto(delta, prepared.request_id)
+                    yield text_delta_to_proto(delta, prepared.request_id)
 
     @map_errors(field_path=proto_field_path)
     async def Generate(self, request: gateway_pb2.GenerateRequest,
@@ -107,4 +107,4 @@ class ModelServicer(gateway_pb2_grpc.ModelServiceServicer):
     @map_errors(field_path=proto_field_path)
     async def GetModelInfo(self, request: gateway_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> gateway_pb2.GetModelInfoResponse:
-        return model_info_to_proto(self._info)
+        return served_model_to_info_proto(self._info)

@@ -7,11 +7,11 @@ from pagedserve.services.gateway.convert import (
     generate_request_from_proto,
     generate_request_to_proto,
     generate_response_to_proto,
-    model_info_from_proto,
-    model_info_from_served_model,
-    model_info_to_proto,
-    stream_delta_from_proto,
-    stream_delta_to_proto,
+    served_model_from_info_proto,
+    served_model_from_proto,
+    served_model_to_info_proto,
+    text_delta_from_proto,
+    text_delta_to_proto,
     tokenize_request_from_proto,
 )
 from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ServedModel
@@ -52,16 +52,16 @@ def test_text_delta_round_trip():
                       top_logprobs=[[lp, TokenLogprob(6, -2.0, " a")]], finish_reason="length",
                       usage=Usage(prompt_tokens=4, completion_tokens=9, cached_tokens=2),
                       prompt_logprobs=[[TokenLogprob(3, -1.0, "x")], []])
-    msg = stream_delta_to_proto(delta, "req")
+    msg = text_delta_to_proto(delta, "req")
     assert msg.request_id == "req"
-    assert stream_delta_from_proto(msg) == delta
+    assert text_delta_from_proto(msg) == delta
 
 
 def test_running_delta_has_no_usage_or_finish():
-    msg = stream_delta_to_proto(TextDelta(index=0, text="a", token_ids=[1]), "r")
+    msg = text_delta_to_proto(TextDelta(index=0, text="a", token_ids=[1]), "r")
     assert not msg.HasField("usage")
     assert msg.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
-    assert stream_delta_from_proto(msg) == TextDelta(index=0, text="a", token_ids=[1])
+    assert text_delta_from_proto(msg) == TextDelta(index=0, text="a", token_ids=[1])
 
 
 def test_generate_response_folds_deltas_per_index():
@@ -78,13 +78,13 @@ def test_generate_response_folds_deltas_per_index():
     assert (msg.usage.prompt_tokens, msg.usage.completion_tokens) == (3, 3)
 
 
-def test_model_info_round_trip_and_from_served_model():
+def test_served_model_round_trips_through_model_info_and_comes_from_the_scheduler():
     info = ServedModel("SmolLM2-135M-Instruct", "LlamaForCausalLM", 8192, 49152, (2,), True)
-    assert model_info_from_proto(model_info_to_proto(info)) == info
+    assert served_model_from_info_proto(served_model_to_info_proto(info)) == info
     served = scheduler_pb2.GetServedModelResponse(model="/models/SmolLM2-135M-Instruct/",
                                        architecture="LlamaForCausalLM", max_model_len=8192,
                                        vocab_size=49152, eos_token_ids=[2])
-    assert model_info_from_served_model(served, has_chat_template=True) == info
+    assert served_model_from_proto(served, has_chat_template=True) == info
 
 
 def test_served_model_carries_the_replicas_capacity_to_the_gateway():
@@ -94,11 +94,11 @@ def test_served_model_carries_the_replicas_capacity_to_the_gateway():
     served = scheduler_pb2.GetServedModelResponse.FromString(served_model_to_proto(
         "/models/m", worker, 4096, 49152, [2], block_size=16, num_gpu_blocks=1000,
         max_num_seqs=256).SerializeToString())
-    info = model_info_from_served_model(served, has_chat_template=False)
+    info = served_model_from_proto(served, has_chat_template=False)
     assert (info.max_model_len, info.block_size, info.num_gpu_blocks, info.max_num_seqs) == (
         4096, 16, 1000, 256)
     # the public ServedModel keeps the deployment's capacity inside
-    assert model_info_from_proto(model_info_to_proto(info)).num_gpu_blocks == 0
+    assert served_model_from_info_proto(served_model_to_info_proto(info)).num_gpu_blocks == 0
 
 
 def test_tokenize_request():
