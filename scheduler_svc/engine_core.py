@@ -1,18 +1,14 @@
 """The engine loop shared by the in-process LLMEngine and the scheduler service; not thread-safe.
 
-Async scheduling: while step n runs, step n+1 is scheduled with placeholders for step n's sampled
-tokens and sent, so the workers never wait for the scheduler. step() waits for step n, takes in
-its tokens, schedules and sends step n+2 behind n+1, and only then builds step n's reports and
-returns them: between two calls steps n+1 and n+2 are in flight, and what lies between a step's
-result and the next plan is only the part of the scheduler's work the next plan needs. A caller
-with operations queued (the scheduler service, when a request arrived during step n) has step
-n+2 planned at the start of the next call instead, after them. Forks and beam search run one
-step at a time.
+Async scheduling: while step n runs, step n+1 is planned and sent, so the workers never wait for
+the scheduler. step() waits for step n, takes in its tokens, sends step n+2 behind n+1, and only
+then builds step n's reports: between two calls steps n+1 and n+2 are in flight. Which step may
+be sent when, and what a failure does to the steps behind it, is StepWindow's
+(scheduler_svc/step_window.py).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import contextvars
 import itertools
@@ -20,7 +16,6 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagedserve.scheduler_svc.block_manager import BlockManager
@@ -35,6 +30,7 @@ from pagedserve.scheduler_svc.request_checks import (
 from pagedserve.scheduler_svc.scheduler import ScheduledStep, Scheduler
 from pagedserve.scheduler_svc.sequence import SequenceGroup
 from pagedserve.scheduler_svc.stats import FinishedRequestStats, StatLogger, StepStats, StepTotals
+from pagedserve.scheduler_svc.step_window import SentStep, StepFuture, StepWindow
 from pagedserve.services.common.config import EngineConfig
 from pagedserve.services.common.drain_rate import DrainRate
 from pagedserve.services.common.engine_api import EngineLoad
@@ -60,10 +56,6 @@ class WorkerHandle(Protocol):
     def clear_state(self, scheduler_epoch: int) -> None: ...
 
 
-class StepFuture(Protocol):
-    def result(self, timeout: float | None = None) -> StepOutput: ...
-
-
 class StepObserver(Protocol):
     def step_sent(self, scheduled: ScheduledStep) -> contextlib.AbstractContextManager[Any]:
         """Entered around the submission; what it yields comes back to step_done."""
@@ -71,29 +63,6 @@ class StepObserver(Protocol):
     def step_done(self, handle: Any, scheduled: ScheduledStep,
                   outputs: list[RequestOutput]) -> None:
         """After a failure, `outputs` carry the errors."""
-
-
-@dataclass(slots=True)
-class _InFlight:
-    scheduled: ScheduledStep
-    futures: list[StepFuture]
-    is_advanced: bool = False  # Scheduler.advance_in_flight counted it
-    handle: Any = None  # from StepObserver.step_sent
-    schedule_time_s: float = 0.0
-
-    def result(self) -> StepOutput:
-        """Rank 0's output, once every rank is done; the first failure raises."""
-        self.wait()
-        results = [future.result() for future in self.futures]
-        step_id = self.scheduled.plan.step_id
-        if results[0].step_id != step_id:
-            raise RuntimeError(f"rank 0 answered step_id {results[0].step_id} to step_id {step_id}")
-        return results[0]
-
-    def wait(self) -> None:
-        for future in self.futures:
-            with contextlib.suppress(Exception):
-                future.result()
 
 
 class EngineCore:
@@ -126,7 +95,7 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids,
                                                 self.max_model_len, self._seq_ids)
         self._groups: dict[str, SequenceGroup] = {}
-        self._in_flight: collections.deque[_InFlight] = collections.deque()  # oldest first
+        self._window = StepWindow(config.scheduler.async_scheduling)
         self.step_observer: StepObserver | None = None
         self._num_rebuilds_in_a_row = 0
         self._num_worker_rebuilds = 0
@@ -266,47 +235,29 @@ class EngineCore:
         with finish_reason "error"; every other request keeps running. A worker that lost its
         KV cache is rebuilt instead and every request recomputed.
 
-        `has_queued_operations` is asked once step n's tokens are in: True leaves step n+2 to
-        the next call, so what the caller queued while step n ran (a request, an abort, a pause)
-        is in its plan, not behind it; step n+1 already runs meanwhile."""
+        `has_queued_operations` is asked once step n's tokens are in: True holds step n+2 back
+        to the next call, so what the caller queued while step n ran (a request, an abort, a
+        pause) is in its plan, not behind it; step n+1 already runs meanwhile."""
         outputs: list[RequestOutput] = []
-        if not self._in_flight:
-            self._send(outputs)
-        self._send_ahead(outputs)
-        if self._in_flight:
+        self._window.fill(lambda: self._schedule(outputs))
+        step = self._window.pop_oldest()
+        if step is not None:
             outputs += self._finish(
-                self._in_flight.popleft(),
-                send_ahead=lambda: not (has_queued_operations and has_queued_operations()))
+                step, send_behind=lambda: not (has_queued_operations and has_queued_operations()))
         self._forget_finished(outputs)
         return outputs
 
     @property
     def has_step_in_flight(self) -> bool:
-        return bool(self._in_flight)
+        return bool(self._window)
 
     def drain(self) -> list[RequestOutput]:
         """Process the steps in flight without sending another: the workers are idle after."""
         outputs: list[RequestOutput] = []
-        while self._in_flight:
-            outputs += self._finish(self._in_flight.popleft())
+        while (step := self._window.pop_oldest()) is not None:
+            outputs += self._finish(step)
         self._forget_finished(outputs)
         return outputs
-
-    def _send(self, outputs: list[RequestOutput]) -> None:
-        step = self._schedule(outputs)
-        if step is not None:
-            self._in_flight.append(step)
-
-    def _send_ahead(self, outputs: list[RequestOutput]) -> None:
-        """The step behind the one in flight, if it may run ahead of it."""
-        if len(self._in_flight) != 1 or self._in_flight[0].is_advanced:
-            return  # one behind it already, or the last schedule had nothing behind it
-        current = self._in_flight[0]
-        if not self._can_run_ahead(current):
-            return
-        self.scheduler.advance_in_flight(current.scheduled)
-        current.is_advanced = True
-        self._send(outputs)
 
     def _forget_finished(self, outputs: list[RequestOutput]) -> None:
         for report in outputs:
@@ -322,7 +273,7 @@ class EngineCore:
                           self.scheduler.num_preemptions, bm.prefix_cache_queries,
                           bm.prefix_cache_hits)
 
-    def _record_step(self, step: _InFlight, process_time_s: float) -> None:
+    def _record_step(self, step: SentStep, process_time_s: float) -> None:
         if not self.stat_loggers:
             return
         totals, before = self.totals(), self._totals
@@ -344,7 +295,7 @@ class EngineCore:
         for stat_logger in self.stat_loggers:
             stat_logger.record_finished(stats)
 
-    def _schedule(self, outputs: list[RequestOutput]) -> _InFlight | None:
+    def _schedule(self, outputs: list[RequestOutput]) -> SentStep | None:
         """None: nothing to run. Rejected requests' reports go to `outputs`."""
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
@@ -354,16 +305,16 @@ class EngineCore:
         if plan is None:
             return None
         if self.step_observer is None:
-            return _InFlight(scheduled, [_submit(w, plan) for w in self.workers],
-                             schedule_time_s=schedule_time_s)
+            return SentStep(scheduled, [_submit(w, plan) for w in self.workers],
+                            schedule_time_s=schedule_time_s)
         with self.step_observer.step_sent(scheduled) as handle:
-            return _InFlight(scheduled, [_submit(w, plan) for w in self.workers], handle=handle,
-                             schedule_time_s=schedule_time_s)
+            return SentStep(scheduled, [_submit(w, plan) for w in self.workers], handle=handle,
+                            schedule_time_s=schedule_time_s)
 
-    def _finish(self, step: _InFlight, send_ahead: Callable[[], bool] | None = None
+    def _finish(self, step: SentStep, send_behind: Callable[[], bool] | None = None
                 ) -> list[RequestOutput]:
-        """`send_ahead` is asked once the step's tokens are in: True sends the next step before
-        the reports are built."""
+        """`send_behind` is asked once the step's tokens are in: True sends the step behind the
+        next one before the reports are built."""
         try:
             step_output = step.result()
         except Exception as exc:  # any worker failure: the engine keeps serving
@@ -371,36 +322,26 @@ class EngineCore:
         self.last_scheduled = step.scheduled
         self._num_rebuilds_in_a_row = 0
         start = time.perf_counter()
-        groups = self.output_processor.apply(step.scheduled, step_output, step.is_advanced)
+        step.take_in()
+        groups = self.output_processor.apply(step.scheduled, step_output)
         process_time_s = time.perf_counter() - start
         outputs: list[RequestOutput] = []
-        if send_ahead is not None and send_ahead():
-            self._send_ahead(outputs)
+        if send_behind is not None and send_behind():
+            self._window.send_behind(lambda: self._schedule(outputs))
         start = time.perf_counter()
         outputs += self.output_processor.report(groups)
         self._record_step(step, process_time_s + time.perf_counter() - start)
         self._step_done(step, outputs)
         return outputs
 
-    def _step_done(self, step: _InFlight, outputs: list[RequestOutput]) -> None:
+    def _step_done(self, step: SentStep, outputs: list[RequestOutput]) -> None:
         if self.step_observer is not None:
             self.step_observer.step_done(step.handle, step.scheduled, outputs)
 
-    def _can_run_ahead(self, current: _InFlight) -> bool:
-        """Not when its outputs fork sequences or pick beams."""
-        return self.config.scheduler.async_scheduling and all(
-            item.num_samples == 1 for item in current.scheduled.scheduled if item.is_sampling)
-
-    def _fail_steps(self, failed: _InFlight, exc: Exception) -> list[RequestOutput]:
+    def _fail_steps(self, failed: SentStep, exc: Exception) -> list[RequestOutput]:
         """clear_state stays in the same epoch (only a handshake moves a worker to another);
         step ids keep growing, so no step sent before can follow one sent after."""
-        steps = [failed, *self._in_flight]  # those sent after the failed one: the workers refuse them
-        self._in_flight.clear()
-        for step in steps[1:]:
-            step.wait()
-        for step in steps:
-            for item in step.scheduled.scheduled:
-                item.seq.drop_placeholder()
+        steps = self._window.fail(failed)
         step_ids = ", ".join(str(s.scheduled.plan.step_id) for s in steps)
         logger.error("step %s failed: %r", step_ids, exc, exc_info=exc)
         message = f"engine step {failed.scheduled.plan.step_id} failed: {exc}"
@@ -422,7 +363,7 @@ class EngineCore:
             logger.warning("clear_state failed on a worker: %r", exc)
             return False
 
-    def _rebuild(self, lost: list[WorkerHandle], steps: list[_InFlight],
+    def _rebuild(self, lost: list[WorkerHandle], steps: list[SentStep],
                  message: str) -> list[RequestOutput]:
         """No accepted request is lost to a worker crash -- unless the workers were lost
         MAX_REBUILDS_IN_A_ROW times in a row: the failed steps' requests may be the cause."""
@@ -475,7 +416,7 @@ class EngineCore:
         return list(self._pool.map(lambda ctx, w: ctx.run(call, w), contexts, workers))
 
 
-def _touched_groups(steps: list[_InFlight]) -> list[SequenceGroup]:
+def _touched_groups(steps: list[SentStep]) -> list[SequenceGroup]:
     """Swapped-out groups too: a failed swap-out may have lost their KV."""
     groups: dict[int, SequenceGroup] = {}
     for step in steps:

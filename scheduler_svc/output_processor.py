@@ -29,26 +29,22 @@ class OutputProcessor:
         self.num_prompt_tokens = 0  # prompts that got their first token, since start
         self.num_generation_tokens = 0  # tokens appended to outputs, since start
 
-    def apply(self, scheduled: ScheduledStep, step_output: StepOutput,
-              is_advanced: bool = False) -> list[SequenceGroup]:
+    def apply(self, scheduled: ScheduledStep, step_output: StepOutput) -> list[SequenceGroup]:
         """The step's tokens into its sequences (stops, forks, freed blocks): what the next
-        schedule needs. Returns the groups the step touched, for report(). `is_advanced`:
-        Scheduler.advance_in_flight already counted this step."""
+        schedule needs, once SentStep.take_in counted its tokens. Returns the groups the step
+        touched, for report()."""
         by_seq_id = {out.seq_id: out for out in step_output.outputs}
         groups: dict[int, SequenceGroup] = {}
         samples: dict[int, list[tuple[Sequence, SampledSequence]]] = {}
         for item in scheduled.scheduled:
             group, seq = item.group, item.seq
             groups[id(group)] = group
-            seq.drop_placeholder()
             if seq.is_finished:  # while the step ran, or failed earlier in this loop
                 continue
             sampled = by_seq_id.get(seq.seq_id)
             if sampled is not None and sampled.prompt_logprobs and _collects_prompt_logprobs(group):
                 group.prompt_logprobs.extend(sampled.prompt_logprobs)
                 del group.prompt_logprobs[group.prompt_len - 1:]
-            if not is_advanced:
-                seq.num_computed_tokens += item.num_scheduled_tokens
             if seq.status is SequenceStatus.RUNNING:  # not preempted by a step scheduled since
                 self.scheduler.block_manager.mark_computed(seq.seq_id, seq.token_ids,
                                                            seq.num_computed_tokens)

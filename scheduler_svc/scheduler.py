@@ -113,18 +113,6 @@ class Scheduler:
         self.block_manager.reset_prefix_cache()
         return len(groups)
 
-    def advance_in_flight(self, scheduled: ScheduledStep) -> None:
-        """Count a step still running as done, its sampled tokens placeholders, so the next can
-        be scheduled now. Forks and beams need their outputs first."""
-        for item in scheduled.scheduled:
-            seq = item.seq
-            if seq.is_finished:  # finished or aborted after the step was sent
-                continue
-            assert not item.is_sampling or item.num_samples == 1, "forks and beams cannot run ahead"
-            seq.num_computed_tokens += item.num_scheduled_tokens
-            if item.is_sampling:
-                seq.add_placeholder()
-
     def schedule(self) -> ScheduledStep:
         """Choose what runs in the next engine step and describe it as a StepPlan of deltas.
 

@@ -11,6 +11,7 @@ from pagedserve.scheduler_svc.output_processor import OutputProcessor
 from pagedserve.scheduler_svc.outputs import make_request_output
 from pagedserve.scheduler_svc.scheduler import ScheduledStep, Scheduler
 from pagedserve.scheduler_svc.sequence import SequenceGroup
+from pagedserve.scheduler_svc.step_window import SentStep
 from pagedserve.services.common.config import SchedulerConfig
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import (
@@ -53,8 +54,13 @@ class Harness:
         """One engine step; `logprobs[seq_id]` / `tokens[seq_id]` override the sampled values."""
         out = self.scheduler.schedule()
         rejected = [r for g in out.rejected if (r := make_request_output(g)) is not None]
-        groups = self.processor.apply(out, self.sample(out, logprobs, tokens))
+        groups = self.take_in(SentStep(out, []), self.sample(out, logprobs, tokens))
         return out, rejected + self.processor.report(groups)
+
+    def take_in(self, step: SentStep, output: StepOutput | None = None) -> list[SequenceGroup]:
+        """The step's outputs (default: what sample() answers) into its sequences."""
+        step.take_in()
+        return self.processor.apply(step.scheduled, output or self.sample(step.scheduled))
 
     def sample(self, out: ScheduledStep, logprobs: dict[int, list[float]] | None = None,
                tokens=None) -> StepOutput:

@@ -3,6 +3,7 @@ request next to it waits a few steps, not the whole prefill (scheduler core, han
 
 from __future__ import annotations
 
+from pagedserve.scheduler_svc.step_window import SentStep, StepWindow
 from pagedserve.services.common.sampling_params import SamplingParams
 
 from tests.unit.test_scheduler import Harness, scheduled_ids
@@ -92,19 +93,24 @@ def test_a_short_request_arriving_mid_7k_prefill_runs_in_the_next_step_planned()
     request arrives between the two plans. The step planned next has its whole prompt, samples
     its first token and is short: the long prefill keeps its cap there."""
     h = _harness(max_model_len=8192, max_num_batched_tokens=2048)
+    window = StepWindow(is_async=True)
+
+    def send() -> SentStep:
+        return SentStep(h.scheduler.schedule(), [])
+
     h.add("long", 7000, LONG)
-    running = h.scheduler.schedule()
-    h.scheduler.advance_in_flight(running)
-    sent = h.scheduler.schedule()  # sent behind the running step
+    window.fill(send)  # a step running, one sent behind it
     h.add("short", 8, SHORT)
-    h.processor.apply(running, h.sample(running), is_advanced=True)
-    h.scheduler.advance_in_flight(sent)
-    planned = h.scheduler.schedule()  # the first plan after the arrival
-    short, = [item for item in planned.scheduled if item.group.request_id == "short"]
+    running = window.pop_oldest()
+    h.take_in(running)
+    window.send_behind(send)  # the first plan after the arrival
+    sent, planned = window.pop_oldest(), window.pop_oldest()
+    short, = [item for item in planned.scheduled.scheduled
+              if item.group.request_id == "short"]
     assert short.num_scheduled_tokens == 8 and short.is_sampling
-    assert planned.plan.num_scheduled_tokens == h.scheduler.long_prefill_token_threshold + 8
-    h.processor.apply(sent, h.sample(sent), is_advanced=True)
-    groups = h.processor.apply(planned, h.sample(planned), is_advanced=True)
-    report, = [r for r in h.processor.report(groups) if r.request_id == "short"]
+    assert planned.scheduled.plan.num_scheduled_tokens == (
+        h.scheduler.long_prefill_token_threshold + 8)
+    h.take_in(sent)
+    report, = [r for r in h.processor.report(h.take_in(planned)) if r.request_id == "short"]
     assert report.outputs[0].token_ids  # its first token, two steps after it arrived
-    assert [running.plan.num_scheduled_tokens, sent.plan.num_scheduled_tokens] == [2048, 2048]
+    assert [s.scheduled.plan.num_scheduled_tokens for s in (running, sent)] == [2048, 2048]

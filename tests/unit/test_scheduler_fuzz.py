@@ -11,6 +11,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import assume, given, settings
 from pagedserve.scheduler_svc.outputs import make_request_output
+from pagedserve.scheduler_svc.step_window import SentStep, StepWindow
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.sampling_params import SamplingParams
 
@@ -66,7 +67,7 @@ def test_every_request_ends_and_every_block_comes_back(
         arrivals.setdefault(at, []).append((f"r{i}", prompt_len, sampling, priority))
     assume(arrivals)
     finished, tokens = {}, {}
-    in_flight: list[list] = []  # [ScheduledStep, is_advanced], oldest first
+    window = StepWindow(async_scheduling)
     for step in range(600):
         for request_id, prompt_len, sampling, priority in arrivals.pop(step, []):
             h.add(request_id, prompt_len, sampling, priority)
@@ -79,9 +80,9 @@ def test_every_request_ends_and_every_block_comes_back(
             group = h.groups.get(f"r{index}")
             if group is not None and step in (at, at + num_steps):
                 group.is_paused = step == at
-        if not arrivals and not h.scheduler.has_unfinished() and not in_flight:
+        if not arrivals and not h.scheduler.has_unfinished() and not window:
             break
-        reports = engine_step(h, in_flight, async_scheduling)
+        reports = engine_step(h, window)
         for report in reports:
             for output in report.outputs:  # streamed groups report deltas
                 tokens.setdefault((report.request_id, output.index), []).extend(
@@ -105,31 +106,20 @@ def test_every_request_ends_and_every_block_comes_back(
     assert h.all_free()
 
 
-def engine_step(h: Harness, in_flight: list[list], async_scheduling: bool) -> list:
-    """EngineCore.step with the harness as the worker: its reports; `in_flight` is updated."""
+def engine_step(h: Harness, window: StepWindow) -> list:
+    """EngineCore.step with the harness as the worker: its reports."""
     reports = []
 
-    def send() -> None:
+    def send() -> SentStep | None:
         out = h.scheduler.schedule()
         assert not any(item.group.is_paused for item in out.scheduled)
         reports.extend(r for g in out.rejected if (r := make_request_output(g)) is not None)
-        if out.plan is not None:
-            in_flight.append([out, False])
+        return None if out.plan is None else SentStep(out, [])
 
-    def send_ahead() -> None:
-        if len(in_flight) != 1 or in_flight[0][1] or not async_scheduling or not all(
-                item.num_samples == 1 for item in in_flight[0][0].scheduled if item.is_sampling):
-            return
-        h.scheduler.advance_in_flight(in_flight[0][0])
-        in_flight[0][1] = True
-        send()
-
-    if not in_flight:
-        send()
-    send_ahead()
-    if in_flight:
-        current, advanced = in_flight.pop(0)
-        groups = h.processor.apply(current, h.sample(current), advanced)
-        send_ahead()
+    window.fill(send)
+    step = window.pop_oldest()
+    if step is not None:
+        groups = h.take_in(step)
+        window.send_behind(send)
         reports += h.processor.report(groups)
     return reports
