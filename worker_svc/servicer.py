@@ -3,7 +3,7 @@
 Every model call runs on ONE dedicated thread, in order (worker_svc/model_thread.py): the model
 and its KV cache are not thread-safe, and the event loop stays free to answer health checks while
 a step runs. ExecuteStep hands steps to that thread in previous_step_id order, whichever RPC
-arrived first. The model is
+arrived first (LaunchWindow.may_submit). The model is
 loaded at startup from the worker's own flags, so the scheduler's LoadModel is instant unless it
 asks for something else.
 """
@@ -83,7 +83,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._worker: Worker | None = None
         self._load_lock = asyncio.Lock()  # LoadModel during the startup load waits for it
         self._step_order = asyncio.Condition()
-        self._submitted_step_id = 0  # the last step handed to the model thread in this epoch
         self.metrics: WorkerMetrics | None = None
         self.metrics_server: MetricsServer | None = None
 
@@ -172,7 +171,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         await self._set_ready(False)
         is_kept = await self._run(worker.init_cache, request.num_gpu_blocks,
                                   request.num_cpu_blocks, request.scheduler_epoch)
-        self._submitted_step_id = 0
         await self._set_ready(True)
         logger.info("KV cache: %d device and %d CPU blocks, %s (scheduler epoch %d)",
                     request.num_gpu_blocks, request.num_cpu_blocks,
@@ -196,14 +194,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         async with self._step_order:
             try:
                 await asyncio.wait_for(self._step_order.wait_for(
-                    lambda: plan.previous_step_id <= self._submitted_step_id), STEP_ORDER_WAIT_S)
+                    lambda: worker.steps.may_submit(plan)), STEP_ORDER_WAIT_S)
             except TimeoutError:
                 raise StepOutOfOrder(
                     f"step {plan.step_id} waited {STEP_ORDER_WAIT_S:.0f} s for step "
                     f"{plan.previous_step_id}, which never came") from None
             running = self._model_thread.submit_step(  # queued on the model thread now
                 worker, plan, then=lambda output: self._respond(plan, output))
-            self._submitted_step_id = plan.step_id
+            worker.steps.submitted_step_id = plan.step_id
             self._step_order.notify_all()
         return await asyncio.wrap_future(running)
 
@@ -225,7 +223,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return num_seqs
 
         num_cleared_seqs = await self._run(clear)
-        self._submitted_step_id = 0
         return worker_pb2.ClearStateResponse(num_cleared_seqs=num_cleared_seqs)
 
 

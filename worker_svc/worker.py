@@ -8,13 +8,11 @@ the one taken before the first cache, and a cache of the same sizes is kept (ini
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import logging
 import time
 import weakref
-from collections.abc import Iterator
 from concurrent.futures import Future
 from types import ModuleType
 
@@ -25,7 +23,6 @@ from pagedserve.services.common.errors import (
     ConfigError,
     InvalidRequest,
     StaleEpoch,
-    StepOutOfOrder,
     Unavailable,
 )
 from pagedserve.services.common.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
@@ -42,6 +39,7 @@ from pagedserve.worker_svc.cuda_graphs import (
     capture_batch_sizes,
 )
 from pagedserve.worker_svc.in_flight import InFlightStep
+from pagedserve.worker_svc.launch_window import LaunchWindow
 from pagedserve.worker_svc.layers.attention import Attention
 from pagedserve.worker_svc.loader import eos_token_ids, load_hf_config, load_model
 from pagedserve.worker_svc.memory import non_torch_bytes, profile_memory
@@ -103,8 +101,7 @@ class Worker:
         if config.device.num_threads > 0:
             torch.set_num_threads(config.device.num_threads)
         self.scheduler_epoch = 0
-        self.last_step_id = 0  # the step that ran last in this epoch (0: none yet)
-        self.last_step_failed = False
+        self.steps = LaunchWindow()
         self.model_thread: ModelThread | None = None  # submit_step's
         self._close_thread: weakref.finalize | None = None  # ends it (close, or the worker goes)
         self.info: WorkerInfo | None = None
@@ -237,52 +234,30 @@ class Worker:
         return self.finish_step(step)
 
     def launch_step(self, plan: StepPlan, ahead_of: InFlightStep | None = None) -> InFlightStep:
-        """execute_step in three calls; `ahead_of`: the step in flight (can_launch_ahead)."""
+        """execute_step in three calls; `ahead_of`: the step in flight
+        (LaunchWindow.can_launch_ahead)."""
         self.check_step(plan)
-        if plan.previous_step_id != self.last_step_id:
-            raise StepOutOfOrder(f"step {plan.step_id} must follow step {plan.previous_step_id}, "
-                                 f"but the worker's last step is {self.last_step_id}")
-        if self.last_step_failed:
-            raise StepOutOfOrder(f"step {plan.step_id} follows step {plan.previous_step_id}, "
-                                 "which failed; ClearState first")
+        self.steps.check_order(plan)
         runner, cache_engine = self._runner(), self._cache_engine()
         check_cache_ops(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy,
                         cache_engine.num_gpu_blocks, cache_engine.num_cpu_blocks)
         runner.mirrors.check(plan, cache_engine.num_gpu_blocks, runner.vocab_size)
-        self.last_step_id = plan.step_id
-        with self._failing_steps():
+        self.steps.last_step_id = plan.step_id
+        with self.steps.failing():
             return runner.launch(plan, cache_engine, ahead_of)
 
     def sample_step(self, step: InFlightStep) -> None:
-        with self._failing_steps():
+        with self.steps.failing():
             self._runner().sample(step)
 
     def finish_step(self, step: InFlightStep) -> StepOutput:
-        with self._failing_steps():
+        with self.steps.failing():
             return self._runner().finish(step)
 
     def check_step(self, plan: StepPlan) -> None:
         self._runner()
         self._cache_engine()
         self.check_epoch(plan.scheduler_epoch, f"step {plan.step_id}")
-
-    def can_launch_ahead(self, in_flight: InFlightStep, plan: StepPlan) -> bool:
-        """Whether `plan` may be launched before `in_flight` is finished: the device runs apart
-        from the host, and the plan follows it and adds no token after one still being drawn
-        (the scheduler sends those only once it has read the draws)."""
-        runner = self._runner()
-        drawing = runner.mirrors.drawing
-        return (runner.runs_apart and plan.previous_step_id == in_flight.step_id
-                and not self.last_step_failed
-                and not any(s.new_token_ids and s.seq_id in drawing for s in plan.running_seqs))
-
-    @contextlib.contextmanager
-    def _failing_steps(self) -> Iterator[None]:
-        try:
-            yield
-        except BaseException:
-            self.last_step_failed = True
-            raise
 
     def submit_step(self, plan: StepPlan) -> Future[StepOutput]:
         """Steps submitted in order run in order, while the caller schedules the next."""
@@ -328,8 +303,7 @@ class Worker:
                          "with the handshake (InitCache)")
 
     def _reset_steps(self) -> None:
-        self.last_step_id = 0
-        self.last_step_failed = False
+        self.steps.reset()
         self._runner().mirrors.clear()
 
     def _new_cache_engine(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheEngine:

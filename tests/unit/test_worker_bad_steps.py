@@ -78,6 +78,6 @@ def test_a_bad_step_is_refused_and_harms_no_other_sequence(tiny_model_dir, refer
     assert all(torch.equal(a, b) for a, b in zip(kv_before, worker.cache_engine.gpu_cache,
                                                  strict=True))
     assert set(worker.runner.mirrors.seqs) == {0}
-    assert not worker.last_step_failed
+    assert not worker.steps.has_failed
     driver.run(good)  # the same step without the bad parts still runs
     assert _decode(driver, 5) == reference

@@ -147,11 +147,11 @@ def test_steps_run_only_in_their_previous_step_id_order(tiny_model_dir):
             dataclasses.replace(ahead.running_seqs[0], seq_id=99)]))
     with pytest.raises(StepOutOfOrder, match="last step is 1"):  # ... is not a step that ran
         driver.worker.execute_step(dataclasses.replace(ahead, step_id=3, previous_step_id=2))
-    driver.worker.last_step_failed = True  # as after a step that raised while running
+    driver.worker.steps.has_failed = True  # as after a step that raised while running
     with pytest.raises(StepOutOfOrder, match="which failed"):
         driver.worker.execute_step(ahead)
     driver.worker.clear_state(driver.epoch)
-    assert driver.worker.last_step_id == 0 and not driver.worker.last_step_failed
+    assert driver.worker.steps.last_step_id == 0 and not driver.worker.steps.has_failed
 
 
 def test_dummy_weights_need_no_checkpoint_and_are_seeded(tiny_model_dir, tmp_path):

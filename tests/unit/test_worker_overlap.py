@@ -62,7 +62,7 @@ def test_steps_launched_ahead_give_the_outputs_of_steps_one_at_a_time(tiny_model
     in_flight = worker.launch_step(plans[0])
     worker.sample_step(in_flight)
     for plan in plans[1:]:
-        assert worker.can_launch_ahead(in_flight, plan) is False  # CPU: the host is the device
+        assert worker.steps.can_launch_ahead(in_flight, plan, worker.runner) is False  # CPU: the host is the device
         ahead = worker.launch_step(plan, ahead_of=in_flight)
         assert worker.runner.mirrors.drawing == {0: 2, 1: 2}
         outputs.append(worker.finish_step(in_flight))
@@ -93,7 +93,7 @@ def test_the_model_thread_launches_steps_ahead_on_the_simulated_gpu(tiny_model_d
     worker = _sim_worker(tiny_model_dir)
     futures = [worker.submit_step(plan) for plan in _plans()]
     assert _tokens([f.result(timeout=60) for f in futures]) == expected
-    assert worker.model_thread.num_launched_ahead >= NUM_DECODE_STEPS // 2
+    assert worker.steps.num_launched_ahead >= NUM_DECODE_STEPS // 2
     assert not worker.runner.mirrors.drawing
 
 
@@ -134,7 +134,7 @@ def test_a_failed_step_fails_the_step_launched_ahead_of_it(tiny_model_dir):
         futures[2].result(timeout=60)
     with pytest.raises(StepOutOfOrder, match="ClearState first"):
         futures[3].result(timeout=60)
-    assert worker.model_thread.num_launched_ahead >= 1
+    assert worker.steps.num_launched_ahead >= 1
 
 
 def test_a_delta_may_not_add_tokens_after_one_being_drawn():

@@ -24,7 +24,7 @@ def test_a_takeover_with_the_same_sizes_keeps_the_model_and_the_cache(tiny_model
 
     assert worker.init_cache(cache.num_gpu_blocks, cache.num_cpu_blocks, EPOCH + 1) is True
     assert worker.cache_engine is cache and worker.runner.model is model
-    assert len(worker.runner.mirrors) == 0 and worker.last_step_id == 0
+    assert len(worker.runner.mirrors) == 0 and worker.steps.last_step_id == 0
     assert worker.profile_memory() == profile
     with pytest.raises(StaleEpoch):  # the predecessor's steps and ClearState are refused
         driver.step({})
