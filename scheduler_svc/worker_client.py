@@ -105,7 +105,8 @@ class WorkerClient:
 
 
 class PendingStep:
-    """`result()` has the concurrent.futures.Future signature."""
+    """One ExecuteStep call as a StepFuture (scheduler_svc/step_window.py): `result()` has the
+    concurrent.futures.Future signature."""
 
     def __init__(self, call: grpc.Future, address: str) -> None:
         self._call = call

@@ -1,7 +1,6 @@
 """A step between launch and finish: what the device is computing, the fence the host waits at
-for it, and the clock of its phases. The worker launches the next step before it finishes this
-one where the device runs apart from the host (CUDA, the simulated GPU), so the host's work on a
-step overlaps the device's work on the one before."""
+for it, and the clock of its phases. When the next step is launched before this one finishes is
+LaunchWindow's rule (worker_svc/launch_window.py)."""
 
 from __future__ import annotations
 
