@@ -1,5 +1,6 @@
 """LLMEngine: the scheduler core wired straight to in-process worker cores (no gRPC); the
-scheduler service builds the same EngineCore with worker clients. Tensor parallelism needs a
+scheduler service builds the same EngineCore with worker clients, so steps run ahead here as
+there (scheduler_svc/step_window.py, worker_svc/launch_window.py). Tensor parallelism needs a
 process per rank, so there the engine drives `pagedserve worker` processes on loopback.
 """
 
