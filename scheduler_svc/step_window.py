@@ -55,7 +55,8 @@ class SentStep:
                 future.result()
 
     @property
-    def forks_or_picks_beams(self) -> bool:
+    def has_forks_or_beams(self) -> bool:
+        """A sequence draws several tokens: best_of candidates, or beam search's."""
         return any(item.num_samples != 1 for item in self.scheduled.scheduled if item.is_sampling)
 
     def advance(self) -> None:
@@ -101,7 +102,7 @@ class StepWindow:
         if len(self._steps) != 1 or not self.is_async:
             return
         oldest = self._steps[0]
-        if oldest.is_advanced or oldest.forks_or_picks_beams:
+        if oldest.is_advanced or oldest.has_forks_or_beams:
             return  # advanced already: the plan sent behind it was empty
         oldest.advance()
         self._push(send())

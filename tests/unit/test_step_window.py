@@ -47,7 +47,7 @@ def test_nothing_is_sent_behind_a_step_that_forks_or_picks_beams():
         window = StepWindow(is_async=True)
         window.fill(_sender(h, sent))
         assert len(window) == 1 and not sent[0].is_advanced
-        assert sent[0].forks_or_picks_beams
+        assert sent[0].has_forks_or_beams
 
 
 def test_without_async_scheduling_steps_run_one_at_a_time():
