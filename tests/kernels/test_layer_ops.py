@@ -20,7 +20,6 @@ from pagedserve.worker_svc.layers.rotary import RotaryEmbedding
 from tests.kernels.conftest import TARGETS, TOLERANCES
 
 IMPLS = ["triton", "layer_ops"]
-GPU = pytest.mark.gpu
 CUDA_TARGETS = [p for p in TARGETS if p.id.startswith("cuda")]
 
 
