@@ -128,6 +128,23 @@ def test_the_reference_rotary_is_the_layers():
     torch.testing.assert_close(kv_cache[0].flatten(0, 1), rotated_key)
 
 
+def test_cpu_keeps_the_torch_code_and_the_gpu_path_is_one_op_per_layer():
+    """CPU runs the layers' torch code; on meta (as on CUDA) each layer is one custom op."""
+    norm, activation = RMSNorm(64), SiluAndMul()
+    x = torch.randn(3, 64)
+    assert not norm.is_fused(x) and not activation.is_fused(x)
+    torch.testing.assert_close(norm(x), ref.rms_norm(x, norm.weight, norm.eps))
+    meta = x.to("meta")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        norm(meta, meta)
+        activation(meta)
+    ops = {e.name for e in prof.events()}
+    assert {"pagedserve::fused_add_rms_norm", "pagedserve::silu_and_mul"} <= ops
+    assert not {"aten::pow", "aten::rsqrt", "aten::silu"} & ops
+    norm.enable_fused_kernels = False
+    assert not norm.is_fused(meta)
+
+
 def _decode_meta(num_tokens: int, device: torch.device) -> AttentionMetadata:
     """One-token sequences in blocks 0..num_tokens-1 of size 16."""
     return AttentionMetadata(
