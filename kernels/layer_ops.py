@@ -42,16 +42,10 @@ def rotary_write_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Ten
                                      v_cache, slot_mapping)
 
 
-def _rotary_write_kv_cpu(positions, query, key, value, cos_sin_cache, k_cache,  # noqa: ANN001, ANN202
-                         v_cache, slot_mapping):
-    return ref.rotary_write_kv(positions, query, key, value, cos_sin_cache, k_cache, v_cache,
-                               slot_mapping)
-
-
 rms_norm.register_kernel("cpu", ref.rms_norm)
 fused_add_rms_norm.register_kernel("cpu", ref.fused_add_rms_norm)
 silu_and_mul.register_kernel("cpu", ref.silu_and_mul)
-rotary_write_kv.register_kernel("cpu", _rotary_write_kv_cpu)
+rotary_write_kv.register_kernel("cpu", ref.rotary_write_kv)
 
 
 @rms_norm.register_fake
