@@ -37,6 +37,7 @@ The record goes to bench/results/step_anatomy-<tag>.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 import statistics
@@ -290,8 +291,12 @@ def main(argv: list[str] | None = None) -> dict:
         line = (f"step anatomy (forward modelled: {args.sim_model} on {args.sim_gpu}, not a "
                 "measurement): " + "; ".join(map(describe, results)) + "; simulated decode step "
                 + ", ".join(f"B={b} {s['step_ms']:.2f} ms ({s['kernel_ms']:.2f} ms of kernels, "
+                            f"{s['kernels_per_layer']} a layer, "
                             f"{'graph' if s['is_graph'] else 'eager'}; roofline floor "
-                            f"{s['roofline_floor_ms']:.2f} ms)" for b, s in simulated.items()))
+                            f"{s['roofline_floor_ms']:.2f} ms; with the layers' torch code "
+                            f"{s['torch_layers']['step_ms']:.2f} ms, "
+                            f"{s['torch_layers']['kernels_per_layer']} kernels a layer)"
+                            for b, s in simulated.items()))
     for r in results:
         if r["mode"] == "grpc" and r["batch_size"] >= 32:
             overhead = r["median_ms"]["overhead"]
@@ -306,15 +311,29 @@ def main(argv: list[str] | None = None) -> dict:
 
 def simulated_step(args: argparse.Namespace, batch_size: int) -> dict:
     """The simulator's decode step at the run's mean context: the time the worker's forward
-    waits, its kernels' share, and the roofline's lower bound."""
-    model = StepModel(traced_ops(sim_hf_config(args.sim_model), torch.bfloat16),
-                      Roofline(resolve_model_shape(args.sim_model), resolve_gpu(args.sim_gpu)),
-                      graph_batch_sizes=capture_batch_sizes(max(args.batch_sizes)))
+    waits, its kernels' share, the roofline's lower bound and the kernels one decoder layer
+    adds; beside it, the same step with the layers' torch code (enable_fused_kernels off: a GPU
+    step before the fused kernels). Both modelled."""
+    return {**_simulated_step(args, batch_size, True),
+            "torch_layers": _simulated_step(args, batch_size, False)}
+
+
+def _simulated_step(args: argparse.Namespace, batch_size: int,
+                    enable_fused_kernels: bool) -> dict:
+    hf_config = sim_hf_config(args.sim_model)
+    one_layer_fewer = copy.copy(hf_config)
+    one_layer_fewer.num_hidden_layers -= 1
+    floor = Roofline(resolve_model_shape(args.sim_model), resolve_gpu(args.sim_gpu))
     context = args.prompt_len + args.output_len // 2
-    cost = model.step([1] * batch_size, [context] * batch_size, batch_size)
+    costs = [StepModel(traced_ops(config, torch.bfloat16, enable_fused_kernels), floor,
+                       graph_batch_sizes=capture_batch_sizes(max(args.batch_sizes))
+                       ).step([1] * batch_size, [context] * batch_size, batch_size)
+             for config in (hf_config, one_layer_fewer)]
+    cost = costs[0]
     return {"step_ms": cost.device_s * 1e3, "kernel_ms": cost.kernel_s * 1e3,
             "roofline_floor_ms": cost.roofline_floor_s * 1e3, "is_graph": cost.is_graph,
-            "num_kernels": cost.num_kernels}
+            "num_kernels": cost.num_kernels,
+            "kernels_per_layer": costs[0].num_kernels - costs[1].num_kernels}
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
   query, out:   [num_tokens, num_heads, head_size]
   k/v_cache:    [num_blocks, block_size, num_kv_heads, head_size]   (one layer's K or V)
   kv_cache:     [2, num_blocks, block_size, num_kv_heads, head_size] (one layer, K then V)
+The layer ops (rms_norm, fused_add_rms_norm, silu_and_mul, rotary_write_kv) round to the input
+dtype where the torch layers of worker_svc/layers do.
 """
 
 from __future__ import annotations
@@ -66,3 +68,45 @@ def copy_blocks(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> N
     for s, d in block_mapping.tolist():
         for kv_cache in kv_caches:
             kv_cache[:, d].copy_(kv_cache[:, s])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., hidden] → [..., hidden]"""
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (normed.float() * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual)"""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * intermediate] (gate, up) → [num_tokens, intermediate]"""
+    gate, up = x.chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_size]; cos, sin: [num_tokens, 1, head_size / 2] float32.
+    Neox layout: element i of a head pairs with element i + head_size / 2."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rotary_write_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotates query and key by their positions (cos_sin_cache: [max_position, head_size], the
+    cosines then the sines), writes the rotated key and the value to the cache and returns the
+    rotated query [num_tokens, num_heads, head_size]. query, key, value: [num_tokens, heads *
+    head_size] or [num_tokens, heads, head_size]."""
+    num_tokens, head_size = positions.shape[0], k_cache.shape[3]
+    cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
+    query = rotate(query.reshape(num_tokens, -1, head_size), cos, sin)
+    key = rotate(key.reshape(num_tokens, -1, head_size), cos, sin)
+    write_kv(key, value.reshape(num_tokens, -1, head_size), k_cache, v_cache, slot_mapping)
+    return query

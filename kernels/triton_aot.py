@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import triton
-from pagedserve.kernels import triton_ops
+from pagedserve.kernels import triton_layer_ops, triton_ops
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.kernels.triton_config import KernelLaunch
 from pagedserve.kernels.triton_ops import Launch
@@ -53,7 +53,8 @@ class KernelReport:
     """One compiled launch: where it comes from and what ptxas made of it."""
 
     kernel: str
-    phase: str  # one of BATCHES' phases, or "cache" for write_kv and copy_blocks
+    phase: str  # one of BATCHES' phases, "cache" for write_kv and copy_blocks, "layer" for the
+    # layer ops (kernels.triton_layer_ops)
     arch: int
     dtype: str
     head_size: int
@@ -179,6 +180,44 @@ def worker_launches(arch: int, dtype: torch.dtype, head_size: int, block_size: i
     return launches
 
 
+# Whole-model layer ops: Llama-3-8B's hidden and intermediate sizes, and a 70B's hidden size.
+NORM_HIDDEN_SIZES = (4096, 8192)
+INTERMEDIATE_SIZE = 14336
+LAYER_TOKENS = 32
+
+
+def layer_launches(dtype: torch.dtype, head_size: int, gqa: int,
+                   has_model_ops: bool) -> list[tuple[str, Launch]]:
+    """The layer ops' launches: rotary + K/V write and the per-head (q/k) norm at this head
+    size, and with has_model_ops the hidden-size norms and SiLU-and-mul."""
+    num_heads = NUM_KV_HEADS * gqa
+    qkv = torch.empty(LAYER_TOKENS, (num_heads + 2 * NUM_KV_HEADS) * head_size, dtype=dtype)
+    query, key, value = qkv.split([num_heads * head_size, NUM_KV_HEADS * head_size,
+                                   NUM_KV_HEADS * head_size], dim=-1)
+    kv_cache = torch.empty(2, 4, 16, NUM_KV_HEADS, head_size, dtype=dtype)
+    positions = torch.zeros(LAYER_TOKENS, dtype=torch.int64)
+    cos_sin = torch.empty(8192, head_size, dtype=torch.float32)
+    heads = query.unflatten(-1, (num_heads, head_size))
+    launches = [
+        triton_layer_ops.rotary_write_kv_launch(
+            torch.empty_like(heads), positions, query, key, value, cos_sin, kv_cache[0],
+            kv_cache[1], positions),
+        triton_layer_ops.rms_norm_launch(torch.empty_like(heads), None, heads, None,
+                                         torch.empty(head_size, dtype=dtype), 1e-6),
+    ]
+    if has_model_ops:
+        for hidden in NORM_HIDDEN_SIZES:
+            x = torch.empty(LAYER_TOKENS, hidden, dtype=dtype)
+            weight = torch.empty(hidden, dtype=dtype)
+            launches.append(triton_layer_ops.rms_norm_launch(torch.empty_like(x),
+                                                             torch.empty_like(x), x,
+                                                             torch.empty_like(x), weight, 1e-6))
+        x = torch.empty(LAYER_TOKENS, 2 * INTERMEDIATE_SIZE, dtype=dtype)
+        launches.append(triton_layer_ops.silu_and_mul_launch(
+            torch.empty(LAYER_TOKENS, INTERMEDIATE_SIZE, dtype=dtype), x))
+    return [("layer", launch) for launch in launches]
+
+
 @dataclass(frozen=True, slots=True)
 class CompileConfig:
     arch: int
@@ -187,6 +226,7 @@ class CompileConfig:
     block_size: int
     gqa: int
     has_cache_ops: bool  # write_kv and copy_blocks do not depend on the GQA ratio
+    has_model_ops: bool  # the hidden-size layer ops: once per architecture and dtype
     is_full: bool  # also mixed-32k's unified and partition launches, close kin of others
 
 
@@ -196,8 +236,12 @@ def _constexprs(launch: Launch) -> dict[str, int | str]:
 
 def compile_config(config: CompileConfig) -> list[KernelReport]:
     reports = []
-    for phase, launch in worker_launches(config.arch, DTYPES[config.dtype], config.head_size,
-                                         config.block_size, config.gqa):
+    dtype = DTYPES[config.dtype]
+    launches = worker_launches(config.arch, dtype, config.head_size, config.block_size,
+                               config.gqa)
+    if config.has_cache_ops:
+        launches += layer_launches(dtype, config.head_size, config.gqa, config.has_model_ops)
+    for phase, launch in launches:
         name = launch.kernel.__name__
         if (phase == "cache" and not config.has_cache_ops) or (
                 phase == "mixed-32k" and name != "decode_reduce_kernel" and not config.is_full):
@@ -237,7 +281,8 @@ def matrix(is_full: bool) -> list[CompileConfig]:
             seen_cache_ops = set()
             for head, block, gqa in FULL_SHAPES if is_full else DEFAULT_SHAPES:
                 configs.append(CompileConfig(arch, dtype, head, block, gqa, is_full=is_full,
-                                             has_cache_ops=(head, block) not in seen_cache_ops))
+                                             has_cache_ops=(head, block) not in seen_cache_ops,
+                                             has_model_ops=not seen_cache_ops))
                 seen_cache_ops.add((head, block))
     return configs
 

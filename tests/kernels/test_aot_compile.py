@@ -18,7 +18,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from pagedserve.kernels.triton import attention_kernels, cache_kernels  # noqa: E402
+from pagedserve.kernels.triton import attention_kernels, cache_kernels, layer_kernels  # noqa: E402
 from pagedserve.kernels.triton_aot import ARCH_LIMITS, ARCHS, DTYPES  # noqa: E402
 from pagedserve.kernels.triton_config import LAUNCH_CONFIGS, launch_config  # noqa: E402
 
@@ -29,7 +29,7 @@ ELEMENT_BYTES = {"fp16": 2, "bf16": 2}
 
 def _kernel_names() -> set[str]:
     """Public @triton.jit functions of the kernel modules (helpers start with an underscore)."""
-    return {name for module in (attention_kernels, cache_kernels)
+    return {name for module in (attention_kernels, cache_kernels, layer_kernels)
             for name, obj in vars(module).items()
             if not name.startswith("_") and hasattr(obj, "fn") and hasattr(obj, "arg_names")}
 
@@ -75,7 +75,10 @@ def test_every_worker_phase_is_compiled(reports):
                                        ("split", "decode_reduce_kernel"),
                                        ("mixed-32k", "decode_reduce_kernel"),
                                        ("cache", "write_kv_kernel"),
-                                       ("cache", "copy_blocks_kernel")}
+                                       ("cache", "copy_blocks_kernel"),
+                                       ("layer", "rms_norm_kernel"),
+                                       ("layer", "silu_and_mul_kernel"),
+                                       ("layer", "rotary_write_kv_kernel")}
     shapes = {(r["head_size"], r["block_size"], r["gqa"]) for r in reports}
     assert {h for h, _, _ in shapes} == {64, 128} and {b for _, b, _ in shapes} == {16, 32}
     assert {1, 8} <= {g for _, _, g in shapes}
@@ -100,7 +103,7 @@ def test_decode_budget_on_sm90_head_128(reports):
 
 def test_launch_parameters_come_from_the_table(reports):
     for r in reports:
-        if r["phase"] == "cache":
+        if r["phase"] in ("cache", "layer"):
             continue
         config = launch_config(r["arch"] // 10, r["head_size"])
         if r["kernel"] == "decode_reduce_kernel":

@@ -2,12 +2,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pagedserve.kernels import layer_ops
+from pagedserve.worker_svc.layers.fused import FusedLayer
 from torch import nn
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(FusedLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, 2 * intermediate_size] → [num_tokens, intermediate_size]
+        if self.is_fused(x):
+            return layer_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

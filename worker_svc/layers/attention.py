@@ -3,29 +3,41 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+from pagedserve.kernels import layer_ops
 from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.worker_svc.layers.rotary import RotaryEmbedding
 from torch import nn
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
-                 backend: ModuleType) -> None:
+                 backend: ModuleType, rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.backend = backend
+        self.rotary_emb = rotary_emb
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """query: [num_tokens, num_heads * head_size]; key, value: [num_tokens, num_kv_heads *
-        head_size]; kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size]."""
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """query: [num_tokens, num_heads * head_size] or [num_tokens, num_heads, head_size]; key,
+        value: likewise with num_kv_heads; kv_cache: [2, num_blocks, block_size, num_kv_heads,
+        head_size]; positions: [num_tokens], by which a rotary embedding turns query and key."""
         num_tokens = query.shape[0]
-        query = query.view(num_tokens, self.num_heads, self.head_size)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_size)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_size)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        self.backend.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        if self.rotary_emb is not None and self.rotary_emb.is_fused(query):
+            query = layer_ops.rotary_write_kv(positions, query, key, value,
+                                              self.rotary_emb.cos_sin_cache, k_cache, v_cache,
+                                              meta.slot_mapping)
+        else:
+            if self.rotary_emb is not None:
+                query, key = self.rotary_emb(positions, query, key)
+            query = query.view(num_tokens, self.num_heads, self.head_size)
+            key = key.view(num_tokens, self.num_kv_heads, self.head_size)
+            value = value.view(num_tokens, self.num_kv_heads, self.head_size)
+            self.backend.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         out = self.backend.paged_attention(query, k_cache, v_cache, meta, self.scale)
         return out.view(num_tokens, self.num_heads * self.head_size)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import torch
+from pagedserve.kernels import layer_ops
+from pagedserve.worker_svc.layers.fused import FusedLayer
 from torch import nn
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(FusedLayer):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -21,6 +23,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [..., hidden]. With `residual`, returns (norm(x + residual), x + residual)."""
+        if self.is_fused(x):
+            if residual is None:
+                return layer_ops.rms_norm(x, self.weight, self.eps)
+            return layer_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -1,5 +1,6 @@
 """Rotary embeddings (neox / HF `rotate_half` layout). cos/sin are cached in float32 and cast at
-lookup, as HF does."""
+lookup, as HF does. Off CPU, `Attention` rotates query and key in the kernel that writes the
+K/V cache (`kernels.layer_ops.rotary_write_kv`), from the same table."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 from pagedserve.services.common.errors import ConfigError
-from torch import nn
+from pagedserve.worker_svc.layers.fused import FusedLayer
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -27,7 +28,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(FusedLayer):
     def __init__(self, head_size: int, max_position: int, base: float,
                  scaling: dict[str, Any] | None = None) -> None:
         super().__init__()

@@ -70,9 +70,10 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_size, eps=config.rms_norm_eps)
         self.has_qk_norm = variant.qk_norm
         rope_theta, rope_scaling = rope_settings(config)
-        self.rotary_emb = RotaryEmbedding(self.head_size, max_position, rope_theta, rope_scaling)
         self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads,
-                              self.head_size ** -0.5, backend)
+                              self.head_size ** -0.5, backend,
+                              RotaryEmbedding(self.head_size, max_position, rope_theta,
+                                              rope_scaling))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -81,8 +82,7 @@ class LlamaAttention(nn.Module):
             num_tokens = q.shape[0]
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_size))
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_size))
-        q, k = self.rotary_emb(positions, q, k)  # [num_tokens, heads, head_size]
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta, positions))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -9,7 +9,8 @@ and Qwen2.5-0.5B with dummy bf16 weights). A kernel takes
 | gemm flops eff. | 0.75 | assumed: no compute-bound GEMM was profiled |
 | attention fixed, bandwidth eff. | 2.0 us per launch, 0.80 | bench.kernels_gpu, triton split-KV decode, batch 32 x 4096 context, 32/8 heads x 128: 205 us for 537 MB; the eager profile's 35.4 us per layer (partition + reduce) then implies a 640-token context, inside the run's 512-672 |
 | attention flops eff. | 0.5 | assumed: no prefill attention was profiled |
-| kv_write fixed | 1.9 us | eager profile: write_kv_kernel, 1.90 us mean |
+| kv_write fixed | 1.9 us | eager profile: write_kv_kernel, 1.90 us mean (also prices rotary_write_kv, the same kernel with the key rotated) |
+| fused fixed | 1.9 us | assumed: the fused layer kernels (kernels.layer_ops: RMSNorm, SiLU-and-mul) are Triton row kernels like write_kv_kernel, the one such kernel profiled; none of them ran in the profile |
 | elementwise fixed | 1.3 us | eager profile: PyTorch's vectorized and unrolled elementwise kernels, 17 a layer, 26.9 us a layer |
 | strided fixed | 2.4 us | eager profile: the generic (offset-computing) elementwise kernels, 14 a layer, 37.1 us a layer |
 | reduction fixed, bandwidth eff. | 8.6 us, 0.42 | eager profile: reduce_kernel 9.03 us mean over [32, 4096] fp32 (latency-bound); log_softmax over [32, 128256] fp32 32.1 us |
@@ -40,6 +41,7 @@ def _h100_op_classes() -> dict[str, OpClassCost]:
         "gemm": OpClassCost(2.7e-6, 0.83, 0.75),
         "attention": OpClassCost(2.0e-6, 0.80, 0.5),
         "kv_write": OpClassCost(1.9e-6),
+        "fused": OpClassCost(1.9e-6),
         "elementwise": OpClassCost(1.3e-6),
         "strided": OpClassCost(2.4e-6),
         "reduction": OpClassCost(8.6e-6, 0.42),

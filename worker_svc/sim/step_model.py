@@ -79,12 +79,14 @@ class StepCost:
 _TRACES: dict[str, tuple[AffineOps, AffineOps]] = {}
 
 
-def traced_ops(hf_config: Any, dtype: torch.dtype) -> tuple[AffineOps, AffineOps]:
+def traced_ops(hf_config: Any, dtype: torch.dtype, enable_fused_kernels: bool = True
+               ) -> tuple[AffineOps, AffineOps]:
     """(forward ops by token count, logits + sampling ops by row count), traced once per
-    model config and dtype in a process."""
-    key = f"{dtype}:{sorted(vars(hf_config).items())!r}"
+    model config, dtype and layer code in a process (`MetaModel.build`)."""
+    key = f"{dtype}:{enable_fused_kernels}:{sorted(vars(hf_config).items())!r}"
     if key not in _TRACES:
-        _TRACES[key] = trace_ops(MetaModel.build(hf_config, dtype))
+        _TRACES[key] = trace_ops(MetaModel.build(
+            hf_config, dtype, enable_fused_kernels=enable_fused_kernels))
     return _TRACES[key]
 
 

@@ -1,8 +1,10 @@
 """The kernels a step of the real model code would launch: the model classes of
 worker_svc/models, built on the meta device (no weights allocated), run one forward under a
 dispatch mode that records every aten op with its shapes, and the logits and greedy sampling
-after it. Attention goes through a recording backend: one write_kv and one paged_attention op
-per layer, priced later from the step's context lengths (the KV they read), not traced into.
+after it. On meta the layers take their GPU path: each fused kernel of kernels.layer_ops is one
+custom op, so one recorded op. Attention goes through a recording backend: one paged_attention op
+per layer (and a write_kv where the rotary kernel does not write the cache), priced later from
+the step's context lengths (the KV they read), not traced into.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.worker_svc.layers.fused import disable_fused_kernels
 from pagedserve.worker_svc.loader import default_dtype, load_hf_config
 from pagedserve.worker_svc.models.registry import get_model_class
 from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState
@@ -29,6 +32,9 @@ REDUCTION_OPS = frozenset({"mean", "sum", "amax", "amin", "max", "min", "argmax"
                            "var_mean", "prod", "native_layer_norm"})
 GATHER_OPS = frozenset({"index", "index_select", "embedding", "gather", "_unsafe_index"})
 SCATTER_OPS = frozenset({"index_put", "index_put_", "scatter", "scatter_", "_index_put_impl_"})
+# kernels.layer_ops: one Triton kernel each (the rotary one also writes the K/V cache)
+LAYER_OPS = {"pagedserve::rms_norm": "fused", "pagedserve::fused_add_rms_norm": "fused",
+             "pagedserve::silu_and_mul": "fused", "pagedserve::rotary_write_kv": "kv_write"}
 NO_KERNEL_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty",
                            "new_empty_strided", "detach", "detach_", "alias", "lift_fresh",
                            "_local_scalar_dense"})
@@ -39,8 +45,8 @@ class KernelOp:
     """One kernel launch: its op class (how it is priced) and the work its shapes imply."""
 
     name: str  # aten op, or "write_kv" / "paged_attention"
-    op_class: str  # gemm, attention, kv_write, elementwise, strided, reduction, cat, gather,
-    # scatter
+    op_class: str  # gemm, attention, kv_write, fused, elementwise, strided, reduction, cat,
+    # gather, scatter
     flops: float
     bytes: float  # read + written
 
@@ -60,6 +66,8 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 def classify(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> str:
+    if name in LAYER_OPS:
+        return LAYER_OPS[name]
     if name in GEMM_OPS:
         return "gemm"
     if name in REDUCTION_OPS:
@@ -88,6 +96,16 @@ def _flops(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -
     return float(sum(t.numel() for t in outputs))
 
 
+def _rotary_write_kv_bytes(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[int, int]:
+    """(bytes read, bytes written to the cache): one table row per token, not the table."""
+    row_bytes = cos_sin_cache.shape[1] * cos_sin_cache.element_size()
+    read = (sum(map(_bytes_read, (positions, query, key, value, slot_mapping)))
+            + positions.numel() * row_bytes)
+    return read, _bytes_read(key) + _bytes_read(value)
+
+
 class OpRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -105,6 +123,9 @@ class OpRecorder(TorchDispatchMode):
         written = sum(t.numel() * t.element_size() for t in outputs)
         if op_class == "gather":  # reads the rows it writes and the indices, not the table
             read = written + sum(_bytes_read(t) for t in inputs if not t.is_floating_point())
+        elif name == "pagedserve::rotary_write_kv":
+            read, cache_written = _rotary_write_kv_bytes(*args)
+            written += cache_written
         else:
             read = sum(map(_bytes_read, inputs))
         self.ops.append(KernelOp(name, op_class, _flops(name, inputs, outputs),
@@ -164,8 +185,10 @@ class MetaModel:
     dtype: torch.dtype
 
     @classmethod
-    def build(cls, hf_config: Any, dtype: torch.dtype,
-              model_class: type[nn.Module] | None = None) -> MetaModel:
+    def build(cls, hf_config: Any, dtype: torch.dtype, model_class: type[nn.Module] | None = None,
+              enable_fused_kernels: bool = True) -> MetaModel:
+        """enable_fused_kernels off: the layers' torch code, as a GPU ran it before the fused
+        kernels (the code the calibration was measured on)."""
         recorder = OpRecorder()
         model_class = model_class or get_model_class(list(hf_config.architectures))
         # the rotary table is sized by the positions a step may reach; on meta it costs nothing
@@ -173,6 +196,8 @@ class MetaModel:
         with default_dtype(dtype), META:
             model = model_class(hf_config, backend=RecordingBackend(recorder),
                                 max_position=max_position)
+        if not enable_fused_kernels:
+            disable_fused_kernels(model)
         num_heads = int(hf_config.num_attention_heads)
         head_size = int(getattr(hf_config, "head_dim", None)
                         or hf_config.hidden_size // num_heads)
