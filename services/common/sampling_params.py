@@ -171,7 +171,8 @@ class SamplingParams:
         """One violation per unknown id."""
         lists = (("stop_token_ids", self.stop_token_ids),
                  ("logit_bias", [t for t, _ in self.logit_bias]),
-                 ("allowed_token_ids", self.allowed_token_ids or ()))
+                 ("allowed_token_ids", self.allowed_token_ids or ()),
+                 ("bad_words_token_ids", [max(ids) for ids in self.bad_words_token_ids]))
         for name, ids in lists:
             bad = [(i, t) for i, t in enumerate(ids) if t >= vocab_size]
             if bad:
