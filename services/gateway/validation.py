@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagedserve.services.common.engine_api import MAX_REQUEST_ID_CHARS, PRIORITY_RANGE
 from pagedserve.services.common.errors import FieldViolation, InvalidRequest, Reason
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.text.sampling_text import truncated_prompt, with_bad_words_token_ids
 from pagedserve.services.text.tokenizer import Tokenizer
 
 
@@ -57,8 +58,22 @@ class PreparedRequest:
     arrival_s: float = field(default_factory=time.monotonic)
 
 
+def tokenized(request: GenerateInput, tokenizer: Tokenizer, info: ServedModel
+              ) -> tuple[list[int], SamplingParams]:
+    """The prompt's ids, and the sampling parameters with their bad words as token ids."""
+    return (prompt_token_ids(request, tokenizer, info),
+            with_bad_words_token_ids(request.sampling, tokenizer))
+
+
 def prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ServedModel,
                      add_special_tokens: bool = True) -> list[int]:
+    """Cut to sampling.truncate_prompt_tokens, if set."""
+    return truncated_prompt(_all_prompt_token_ids(request, tokenizer, info, add_special_tokens),
+                            request.sampling)
+
+
+def _all_prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ServedModel,
+                          add_special_tokens: bool) -> list[int]:
     if request.text is not None:
         if not request.text:
             raise InvalidRequest("prompt text must not be empty, got ''",
@@ -177,4 +192,5 @@ def prepare_request(request: GenerateInput, tokenizer: Tokenizer, info: ServedMo
                     ) -> PreparedRequest:
     """In the caller's thread (tests, tools); the Frontend tokenizes in its thread pool."""
     request_id = check_request(request, info)
-    return prepared_request(request, request_id, prompt_token_ids(request, tokenizer, info), info)
+    token_ids, sampling = tokenized(request, tokenizer, info)
+    return prepared_request(replace(request, sampling=sampling), request_id, token_ids, info)
