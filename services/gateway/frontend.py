@@ -170,14 +170,13 @@ class Frontend:
         """An admitted request's checked token ids as text (echo)."""
         return await self._run(self._executor, self.tokenizer.decode, token_ids)
 
-    async def tokenize(self, request: GenerateInput, add_special_tokens: bool = True
-                       ) -> list[int]:
+    async def tokenize(self, request: GenerateInput) -> list[int]:
         """A call of its own: admitted, with a generation prompt's limits, in the tokenize
         executor."""
         check_request_cost(request, self.limits, self.info)
         with self.admission.admit():
             return await self._run(self._tokenize_executor, prompt_token_ids, request,
-                                   self.tokenizer, self.info, add_special_tokens)
+                                   self.tokenizer, self.info)
 
     async def detokenize(self, token_ids: Sequence[int], field: str) -> str:
         """A call of its own, as `tokenize`; `field`: what the ids are called in the request."""

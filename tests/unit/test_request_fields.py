@@ -5,7 +5,9 @@ as token ids, the prompt truncated), or is refused naming it."""
 import asyncio
 
 import grpc
+import httpx
 import pytest
+from pagedserve.services.gateway.config import HttpConfig
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
 
 from tests.unit.test_gateway_rich_errors import rich
@@ -73,3 +75,201 @@ def test_grpc_bad_token_constraints_are_invalid_argument_naming_the_field(model_
     _, bad_request, _ = rich(err)
     assert bad_request.field_violations[0].field == field, err.details()
     assert submits == []
+
+
+# ---- the HTTP door: every vLLM field honoured or refused --------------------------------------
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+BEAM = {"use_beam_search": True, "n": 2, "temperature": 0}
+
+
+def _s(name, value=None):
+    """The field reached the scheduler's SamplingParams with this value (default: as sent)."""
+    return lambda submit, sent: getattr(submit.sampling, name) == (
+        sent[name] if value is None else value)
+
+
+# (endpoint, the body's fields, what the scheduler receives)
+HONOURED = [
+    (COMPLETIONS, {"best_of": 2, "n": 1}, _s("best_of")),
+    (COMPLETIONS, {"frequency_penalty": 0.5}, _s("frequency_penalty")),
+    (COMPLETIONS, {"presence_penalty": -0.5}, _s("presence_penalty")),
+    (COMPLETIONS, {"logit_bias": {"5": 2.5}},
+     lambda s, _: dict(s.sampling.logit_bias) == {5: 2.5}),
+    (COMPLETIONS, {"logprobs": 2}, _s("logprobs")),
+    (COMPLETIONS, {"max_tokens": 3}, _s("max_tokens")),
+    (COMPLETIONS, {"n": 2, "temperature": 0}, lambda s, _: (s.sampling.n, s.sampling.temperature)
+     == (2, 0.0)),
+    (COMPLETIONS, {"seed": 7}, _s("seed")),
+    (COMPLETIONS, {"stop": "x"}, lambda s, _: list(s.sampling.stop) == ["x"]),
+    (COMPLETIONS, {"temperature": 0.5}, _s("temperature")),
+    (COMPLETIONS, {"top_p": 0.5}, _s("top_p")),
+    (COMPLETIONS, BEAM, _s("use_beam_search")),
+    (COMPLETIONS, {**BEAM, "length_penalty": 0.5}, _s("length_penalty")),
+    (COMPLETIONS, {"top_k": 5}, _s("top_k")),
+    (COMPLETIONS, {"min_p": 0.25}, _s("min_p")),
+    (COMPLETIONS, {"repetition_penalty": 1.25}, _s("repetition_penalty")),
+    (COMPLETIONS, {"stop_token_ids": [5]}, lambda s, _: list(s.sampling.stop_token_ids) == [5]),
+    (COMPLETIONS, {"include_stop_str_in_output": True}, _s("include_stop_str_in_output")),
+    (COMPLETIONS, {"ignore_eos": True}, _s("ignore_eos")),
+    (COMPLETIONS, {"min_tokens": 2}, _s("min_tokens")),
+    (COMPLETIONS, {"skip_special_tokens": False}, _s("skip_special_tokens")),
+    (COMPLETIONS, {"truncate_prompt_tokens": 2}, lambda s, _: len(s.prompt_token_ids) == 2),
+    (COMPLETIONS, {"allowed_token_ids": [5, 6]},
+     lambda s, _: list(s.sampling.allowed_token_ids) == [5, 6]),
+    (COMPLETIONS, {"bad_words": ["fox"]}, lambda s, _: len(s.sampling.bad_words_token_ids) == 2),
+    (COMPLETIONS, {"prompt_logprobs": 1}, _s("prompt_logprobs")),
+    (COMPLETIONS, {"echo": True, "logprobs": 1}, _s("prompt_logprobs", 1)),
+    (COMPLETIONS, {"add_special_tokens": False}, lambda s, _: list(s.prompt_token_ids)
+     == TOKENIZER.encode(PROMPT, add_special_tokens=False)),
+    (COMPLETIONS, {"priority": 0}, lambda s, _: s.priority == 0),
+    (COMPLETIONS, {"request_id": "mine-1"}, lambda s, _: s.request_id == "cmpl-mine-1"),
+    (COMPLETIONS, {"spaces_between_special_tokens": True}, lambda s, _: True),  # the default
+    (COMPLETIONS, {"user": "someone"}, lambda s, _: True),  # OpenAI's; vLLM ignores it too
+    (CHAT, {"max_completion_tokens": 3}, _s("max_tokens", 3)),
+    (CHAT, {"logprobs": True, "top_logprobs": 2}, _s("logprobs", 2)),
+    (CHAT, {"n": 3, "temperature": 0}, _s("n", 3)),
+    (CHAT, {"logit_bias": {"7": -100}}, lambda s, _: dict(s.sampling.logit_bias) == {7: -100.0}),
+    (CHAT, {"allowed_token_ids": [9]}, lambda s, _: list(s.sampling.allowed_token_ids) == [9]),
+    (CHAT, {"bad_words": ["x y"]}, lambda s, _: len(s.sampling.bad_words_token_ids) >= 1),
+    (CHAT, {"prompt_logprobs": 0}, _s("prompt_logprobs")),
+    (CHAT, {"truncate_prompt_tokens": 3}, lambda s, _: len(s.prompt_token_ids) == 3),
+    (CHAT, {"add_special_tokens": True}, lambda s, _: True),
+    (CHAT, {"echo": False, "include_reasoning": True}, lambda s, _: True),  # their defaults
+]
+
+# (endpoint, field, a value that asks for what this server does not serve)
+REFUSED = [
+    (COMPLETIONS, "suffix", "end"),
+    (COMPLETIONS, "prompt_embeds", "AAAA"),
+    (COMPLETIONS, "spaces_between_special_tokens", False),
+    (COMPLETIONS, "logits_processors", ["my.Processor"]),
+    (COMPLETIONS, "return_tokens_as_token_ids", True),
+    (COMPLETIONS, "return_token_ids", True),
+    (COMPLETIONS, "cache_salt", "pepper"),
+    (COMPLETIONS, "kv_transfer_params", {"do_remote_prefill": True}),
+    (COMPLETIONS, "vllm_xargs", {"a": 1}),
+    (COMPLETIONS, "guided_whitespace_pattern", " "),
+    (CHAT, "echo", True),
+    (CHAT, "documents", [{"title": "t", "text": "x"}]),
+    (CHAT, "chat_template", "{{ messages }}"),
+    (CHAT, "mm_processor_kwargs", {"a": 1}),
+    (CHAT, "reasoning_effort", "low"),
+    (CHAT, "include_reasoning", False),
+    (CHAT, "structural_tag", "{}"),
+    (CHAT, "spaces_between_special_tokens", False),
+    (CHAT, "stream_options", {"include_usage": True, "continuous_usage_stats": True}),
+]
+
+
+def _body(path, fields):
+    base = {"prompt": PROMPT} if path == COMPLETIONS else {"messages": USER}
+    return {**base, "max_tokens": 4, **fields}
+
+
+def http_run(model_dir, body, http=None, max_model_len=64):
+    async def main():
+        async with harness(model_dir, http=http or HttpConfig(http_port=-1),
+                           max_model_len=max_model_len) as h:
+            url = f"http://127.0.0.1:{h.gateway.http_port}"
+            async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+                return await asyncio.wait_for(body(h, client), 60)
+
+    return asyncio.run(main())
+
+
+def test_every_vllm_field_is_honoured_or_refused_naming_it(model_dir):
+    async def body(h, client):
+        failures = []
+        for path, fields, check in HONOURED:
+            response = await client.post(path, json=_body(path, fields))
+            if response.status_code != 200 or not check(h.fake.submits[-1], fields):
+                failures.append((path, fields, response.status_code, response.text[:200]))
+        num_submits = len(h.fake.submits)
+        for path, name, value in REFUSED:
+            stream = {"stream": True} if name == "stream_options" else {}
+            response = await client.post(path, json=_body(path, {name: value, **stream}))
+            error = response.json().get("error", {})
+            param = error.get("param") or ""
+            if response.status_code != 400 or name not in f"{param} {error.get('message')}":
+                failures.append((path, name, response.status_code, response.text[:200]))
+        return failures, len(h.fake.submits) - num_submits
+
+    failures, num_refused_submits = http_run(model_dir, body)
+    assert failures == []
+    assert num_refused_submits == 0  # a refused field never reaches the scheduler
+
+
+def test_an_unknown_field_is_ignored_and_logged_once_per_name(model_dir, caplog):
+    async def body(h, client):
+        return [(await client.post(COMPLETIONS, json=_body(COMPLETIONS, fields))).status_code
+                for fields in ({"frobnicate": 1}, {"frobnicate": 2}, {"quux_field_9": True})]
+
+    caplog.set_level("WARNING", logger="pagedserve.services.gateway.openai.request_fields")
+    assert http_run(model_dir, body) == [200, 200, 200]
+    logged = [r.getMessage() for r in caplog.records if "not known" in r.getMessage()]
+    assert len([m for m in logged if "frobnicate" in m]) == 1
+    assert len([m for m in logged if "quux_field_9" in m]) == 1
+
+
+def test_greedy_n_gives_n_equal_choices_and_echo_logprobs_cover_the_prompt(model_dir):
+    async def body(h, client):
+        greedy = await client.post(COMPLETIONS, json=_body(COMPLETIONS, {
+            "n": 3, "temperature": 0}))
+        echo = await client.post(COMPLETIONS, json=_body(COMPLETIONS, {
+            "echo": True, "logprobs": 1}))
+        version = await client.get("/version")
+        return greedy.json(), echo.json(), version
+
+    greedy, echo, version = http_run(model_dir, body)
+    texts = [c["text"] for c in greedy["choices"]]
+    assert len(texts) == 3 and len(set(texts)) == 1 and texts[0]
+    choice, = echo["choices"]
+    prompt_ids = TOKENIZER.encode(PROMPT)
+    assert choice["text"].startswith(PROMPT)
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(prompt_ids) + 4
+    assert logprobs["token_logprobs"][:3] == [None, -1.0, -1.0]
+    assert logprobs["top_logprobs"][0] is None and len(logprobs["top_logprobs"][1]) == 2
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    positions = choice["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == len(prompt_ids)
+    assert positions[1][str(prompt_ids[1])]["logprob"] == -1.0
+    assert version.status_code == 200 and version.json()["version"]
+
+
+TEMPLATE = ("{% for m in messages %}[{{ m.role }}{% if m.tool_calls %} calls "
+            "{{ m.tool_calls[0].function.name }}({{ m.tool_calls[0].function.arguments.city }})"
+            "{% endif %}]{{ m.content }}{% endfor %}"
+            "{% if enable_thinking %}<think>{% endif %}{% if add_generation_prompt %}>>{% endif %}")
+
+
+def test_chat_template_flag_kwargs_and_tool_and_developer_roles_reach_the_template(model_dir):
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+
+    async def body(h, client):
+        rendered = []
+        for extra in ({}, {"chat_template_kwargs": {"enable_thinking": True}},
+                      {"add_generation_prompt": False, "continue_final_message": True}):
+            response = await client.post(CHAT, json={"messages": messages, "max_tokens": 2,
+                                                     **extra})
+            assert response.status_code == 200, response.text
+            rendered.append(TOKENIZER.decode(h.fake.submits[-1].prompt_token_ids,
+                                             skip_special_tokens=False))
+        bad = await client.post(CHAT, json={"messages": USER, "chat_template_kwargs": {
+            "tokenize": True}})
+        return rendered, bad
+
+    rendered, bad = http_run(model_dir, body, HttpConfig(http_port=-1, chat_template=TEMPLATE),
+                             max_model_len=512)
+    conversation = "[developer]be brief[user]weather?[assistant calls weather(Paris)][tool]sunny"
+    assert rendered == [conversation + ">>", conversation + "<think>>>", conversation]
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "chat_template_kwargs.tokenize"

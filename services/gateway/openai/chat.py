@@ -13,6 +13,7 @@ from pagedserve.services.gateway.openai import sse
 from pagedserve.services.gateway.openai.convert import (
     chat_max_tokens,
     chat_messages,
+    chat_options,
     chat_requested_max_tokens,
     chat_top_logprobs,
     sampling_params,
@@ -33,11 +34,13 @@ from pagedserve.services.gateway.openai.protocol import (
     ChatLogprobs,
     ChatMessageOut,
     ChatTokenLogprob,
+    PromptLogprobs,
     now_s,
 )
 from pagedserve.services.gateway.openai.serving import (
     OpenAIServing,
     logprob_value,
+    prompt_logprobs_body,
     top_logprob,
     usage_info,
 )
@@ -64,7 +67,8 @@ def _messages_input(serving: OpenAIServing, body: ChatCompletionRequest) -> Gene
     sampling = sampling_params(body, 1 if requested is None else requested,
                                chat_top_logprobs(body), limits=serving.frontend.limits)
     return GenerateInput(messages=chat_messages(body.messages), sampling=sampling,
-                         priority=body.priority)
+                         priority=body.priority, chat=chat_options(body),
+                         add_special_tokens=body.add_special_tokens)
 
 
 class _Chat:
@@ -73,7 +77,7 @@ class _Chat:
         """`token_ids`: the messages through the chat template."""
         self.serving = serving
         self.body = body
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         self.created = now_s()
         logprobs = chat_top_logprobs(body)
         max_tokens = chat_max_tokens(body, len(token_ids), serving.frontend.info)
@@ -85,8 +89,11 @@ class _Chat:
                          for _ in range(sampling.n)]
         self.finish_reasons: list[str | None] = [None] * sampling.n
         self.usages: list[Usage] = []
+        self.prompt_logprobs: PromptLogprobs | None = None
 
     def on_delta(self, delta: TextDelta) -> ChatChunkChoice:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs_body(delta.prompt_logprobs)
         logprobs = _logprobs(delta) if self.body.logprobs else None
         self.texts[delta.index] += delta.text
         whole = self.logprobs[delta.index]
@@ -114,7 +121,7 @@ class _Chat:
             choices=[ChatChoice(index=i, message=ChatMessageOut(content=text),
                                 logprobs=self.logprobs[i], finish_reason=self.finish_reasons[i])
                      for i, text in enumerate(self.texts)],
-            usage=usage_info(self.usages))
+            usage=usage_info(self.usages), prompt_logprobs=self.prompt_logprobs)
 
     async def events(self, deltas: StartedDeltas) -> AsyncIterator[str]:
         try:

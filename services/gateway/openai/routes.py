@@ -3,6 +3,8 @@ routes to the app it returns (they stay behind the API key unless listed in OPEN
 
 from __future__ import annotations
 
+import importlib.metadata
+
 from fastapi import FastAPI, Request
 from pagedserve.services.common.errors import InvalidRequest, Reason
 from pagedserve.services.gateway.config import HttpConfig
@@ -20,6 +22,7 @@ from pagedserve.services.gateway.openai.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    VersionResponse,
 )
 from pagedserve.services.gateway.openai.serving import OpenAIServing
 from pagedserve.services.gateway.validation import GenerateInput
@@ -42,6 +45,10 @@ def build_app(serving: OpenAIServing, api_key: str = "",
         """200 while a scheduler replica serves and this gateway takes requests, else 503."""
         is_ready = not frontend.admission.is_draining and bool(frontend.replicas.serving())
         return Response(status_code=200 if is_ready else 503)
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=_package_version())
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -67,8 +74,8 @@ def build_app(serving: OpenAIServing, api_key: str = "",
             token_ids = await frontend.tokenize(
                 GenerateInput(messages=chat_messages(body.messages)))
         else:
-            token_ids = await frontend.tokenize(GenerateInput(text=body.prompt),
-                                                add_special_tokens=body.add_special_tokens)
+            token_ids = await frontend.tokenize(GenerateInput(
+                text=body.prompt, add_special_tokens=body.add_special_tokens))
         return TokenizeResponse(count=len(token_ids), max_model_len=frontend.info.max_model_len,
                                 tokens=token_ids)
 
@@ -84,3 +91,10 @@ def build_app(serving: OpenAIServing, api_key: str = "",
     app.add_middleware(ArrivalTime)  # the outermost
     return app
 
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("pagedserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree never installed
+        return "unknown"

@@ -11,6 +11,8 @@ from pagedserve.services.common.outputs import TokenLogprob, Usage
 from pagedserve.services.gateway.frontend import Frontend
 from pagedserve.services.gateway.openai.errors import ModelNotFound
 from pagedserve.services.gateway.openai.protocol import (
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
@@ -57,3 +59,11 @@ def logprob_value(logprob: float) -> float:
 def top_logprob(logprob: TokenLogprob) -> TopLogprob:
     return TopLogprob(token=logprob.text, logprob=logprob_value(logprob.logprob),
                       bytes=list(logprob.text.encode()))
+
+
+def prompt_logprobs_body(positions: list[list[TokenLogprob]]) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: None for the first token, then each position's candidates, the
+    prompt's own token first."""
+    return [None] + [{str(c.token_id): PromptLogprob(logprob=logprob_value(c.logprob),
+                                                     decoded_token=c.text)
+                      for c in candidates} for candidates in positions]
