@@ -56,7 +56,14 @@ def _echo_logprobs(first_token: str, positions: list[list[TokenLogprob]],
     out = CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first_token],
                              top_logprobs=[None])
     num_chars = len(first_token)
-    for target, *top in positions:
+    for candidates in positions:
+        if not candidates:  # none reported for this position
+            out.tokens.append("")
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(num_chars)
+            continue
+        target, *top = candidates
         out.tokens.append(target.text)
         out.token_logprobs.append(logprob_value(target.logprob))
         best = {c.text: logprob_value(c.logprob) for c in top[:num_top]}
