@@ -57,7 +57,7 @@ BAD_FIELDS = [
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     (COMPLETIONS, {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     (COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    (COMPLETIONS, {"prompt": "x", "bad_words": [""]}, "bad_words[0]"),
+    (COMPLETIONS, {"prompt": "x", "bad_words": [""]}, "bad_words"),
     (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
     (COMPLETIONS, {"prompt": "x", "suffix": "end"}, "suffix"),
     (COMPLETIONS, {"prompt": "x", "use_beam_search": True, "temperature": 0}, "best_of"),
