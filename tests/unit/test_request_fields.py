@@ -265,11 +265,15 @@ def test_chat_template_flag_kwargs_and_tool_and_developer_roles_reach_the_templa
                                              skip_special_tokens=False))
         bad = await client.post(CHAT, json={"messages": USER, "chat_template_kwargs": {
             "tokenize": True}})
+        tokenized = await client.post("/tokenize", json={
+            "messages": messages, "chat_template_kwargs": {"enable_thinking": True}})
+        rendered.append(TOKENIZER.decode(tokenized.json()["tokens"], skip_special_tokens=False))
         return rendered, bad
 
     rendered, bad = http_run(model_dir, body, HttpConfig(http_port=-1, chat_template=TEMPLATE),
                              max_model_len=512)
     conversation = "[developer]be brief[user]weather?[assistant calls weather(Paris)][tool]sunny"
-    assert rendered == [conversation + ">>", conversation + "<think>>>", conversation]
+    assert rendered == [conversation + ">>", conversation + "<think>>>", conversation,
+                        conversation + "<think>>>"]
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "chat_template_kwargs.tokenize"

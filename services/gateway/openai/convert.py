@@ -23,6 +23,7 @@ from pagedserve.services.gateway.openai.protocol import (
     ChatMessageIn,
     CompletionRequest,
     GenerationRequest,
+    TokenizeRequest,
 )
 from pagedserve.services.gateway.openai.request_fields import (
     REFUSED_CHAT_FIELDS,
@@ -161,7 +162,7 @@ def chat_messages(messages: list[ChatMessageIn]) -> tuple[ChatMessage, ...]:
                  for i, m in enumerate(messages))
 
 
-def chat_options(request: ChatCompletionRequest) -> ChatOptions:
+def chat_options(request: ChatCompletionRequest | TokenizeRequest) -> ChatOptions:
     return ChatOptions(add_generation_prompt=request.add_generation_prompt,
                        continue_final_message=request.continue_final_message,
                        template_kwargs=request.chat_template_kwargs or {})

@@ -106,7 +106,10 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool = True  # a prompt's; messages get the template's own
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):

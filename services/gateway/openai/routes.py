@@ -10,7 +10,7 @@ from pagedserve.services.common.errors import InvalidRequest, Reason
 from pagedserve.services.gateway.config import HttpConfig
 from pagedserve.services.gateway.openai.chat import create_chat_completion
 from pagedserve.services.gateway.openai.completions import create_completion
-from pagedserve.services.gateway.openai.convert import chat_messages
+from pagedserve.services.gateway.openai.convert import chat_messages, chat_options
 from pagedserve.services.gateway.openai.errors import install_error_handlers
 from pagedserve.services.gateway.openai.middleware import ApiKeyGuard, ArrivalTime, BodyLimit
 from pagedserve.services.gateway.openai.protocol import (
@@ -72,7 +72,7 @@ def build_app(serving: OpenAIServing, api_key: str = "",
                                  reason=Reason.PROMPT_MISSING, field="prompt")
         if body.messages is not None:
             token_ids = await frontend.tokenize(
-                GenerateInput(messages=chat_messages(body.messages)))
+                GenerateInput(messages=chat_messages(body.messages), chat=chat_options(body)))
         else:
             token_ids = await frontend.tokenize(GenerateInput(
                 text=body.prompt, add_special_tokens=body.add_special_tokens))
