@@ -42,7 +42,8 @@ class OutputProcessor:
             if seq.is_finished:  # while the step ran, or failed earlier in this loop
                 continue
             sampled = by_seq_id.get(seq.seq_id)
-            if sampled is not None and sampled.prompt_logprobs and group.is_collecting_prompt_logprobs:
+            if (sampled is not None and sampled.prompt_logprobs
+                    and group.is_collecting_prompt_logprobs):
                 group.prompt_logprobs.extend(sampled.prompt_logprobs)
                 del group.prompt_logprobs[group.prompt_len - 1:]
             if seq.status is SequenceStatus.RUNNING:  # not preempted by a step scheduled since

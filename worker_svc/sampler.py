@@ -1,6 +1,7 @@
 """Sampler. vLLM V1's order: allowed ids → bad words → min_tokens → logit bias → penalties →
-temperature → top-k/top-p → min-p; logprobs are of the processed logits. Random rows race argmax(probs / Exponential(1)), with no host sync; a
-seeded row's noise comes from (seed, length) alone, so it survives batching and preemption."""
+temperature → top-k/top-p → min-p; logprobs are of the processed logits. Random rows race
+argmax(probs / Exponential(1)), with no host sync; a seeded row's noise comes from (seed, length)
+alone, so it survives batching and preemption."""
 
 from __future__ import annotations
 

@@ -160,7 +160,8 @@ class SamplingParams:
                       f"ids >= 0, got {[list(ids) for ids in self.bad_words_token_ids][:8]}")
         check.require(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
                       "truncate_prompt_tokens",
-                      f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}")
+                      "truncate_prompt_tokens must be at least 1, got "
+                      f"{self.truncate_prompt_tokens}")
 
     @property
     def has_token_constraints(self) -> bool:
