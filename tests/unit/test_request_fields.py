@@ -8,6 +8,10 @@ import grpc
 import httpx
 import pytest
 from pagedserve.services.gateway.config import HttpConfig
+from pagedserve.services.gateway.openai.request_fields import (
+    REFUSED_CHAT_FIELDS,
+    REFUSED_COMPLETION_FIELDS,
+)
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
 
 from tests.unit.test_gateway_rich_errors import rich
@@ -139,26 +143,18 @@ HONOURED = [
     (CHAT, {"echo": False, "include_reasoning": True}, lambda s, _: True),  # their defaults
 ]
 
-# (endpoint, field, a value that asks for what this server does not serve)
-REFUSED = [
+
+def _asking(allowed: tuple) -> object:
+    """A value other than those that ask for nothing."""
+    return False if True in allowed else True if False in allowed else "x"
+
+
+# (endpoint, field, a value that asks for what this server does not serve): every field of the
+# refusal tables, and the declared ones refused by value
+REFUSED = [(COMPLETIONS, name, _asking(allowed))
+           for name, allowed in REFUSED_COMPLETION_FIELDS.items()] + [
+    (CHAT, name, _asking(allowed)) for name, allowed in REFUSED_CHAT_FIELDS.items()] + [
     (COMPLETIONS, "suffix", "end"),
-    (COMPLETIONS, "prompt_embeds", "AAAA"),
-    (COMPLETIONS, "spaces_between_special_tokens", False),
-    (COMPLETIONS, "logits_processors", ["my.Processor"]),
-    (COMPLETIONS, "return_tokens_as_token_ids", True),
-    (COMPLETIONS, "return_token_ids", True),
-    (COMPLETIONS, "cache_salt", "pepper"),
-    (COMPLETIONS, "kv_transfer_params", {"do_remote_prefill": True}),
-    (COMPLETIONS, "vllm_xargs", {"a": 1}),
-    (COMPLETIONS, "guided_whitespace_pattern", " "),
-    (CHAT, "echo", True),
-    (CHAT, "documents", [{"title": "t", "text": "x"}]),
-    (CHAT, "chat_template", "{{ messages }}"),
-    (CHAT, "mm_processor_kwargs", {"a": 1}),
-    (CHAT, "reasoning_effort", "low"),
-    (CHAT, "include_reasoning", False),
-    (CHAT, "structural_tag", "{}"),
-    (CHAT, "spaces_between_special_tokens", False),
     (CHAT, "stream_options", {"include_usage": True, "continuous_usage_stats": True}),
 ]
 
