@@ -209,16 +209,22 @@ def test_an_unknown_field_is_ignored_and_logged_once_per_name(model_dir, caplog)
     assert len([m for m in logged if "quux_field_9" in m]) == 1
 
 
-def test_greedy_n_gives_n_equal_choices_and_echo_logprobs_cover_the_prompt(model_dir):
+def test_greedy_n_echo_logprobs_version_and_tokens_as_ids(model_dir):
     async def body(h, client):
         greedy = await client.post(COMPLETIONS, json=_body(COMPLETIONS, {
             "n": 3, "temperature": 0}))
         echo = await client.post(COMPLETIONS, json=_body(COMPLETIONS, {
             "echo": True, "logprobs": 1}))
         version = await client.get("/version")
-        return greedy.json(), echo.json(), version
+        as_ids = [(await client.post(path, json=_body(path, {
+            **fields, "return_tokens_as_token_ids": True}))).json() for path, fields in (
+            (COMPLETIONS, {"logprobs": 1}), (CHAT, {"logprobs": True, "top_logprobs": 1}))]
+        return greedy.json(), echo.json(), version, as_ids, h.fake.reply_ids[:4]
 
-    greedy, echo, version = http_run(model_dir, body)
+    greedy, echo, version, (completion, chat), reply_ids = http_run(model_dir, body)
+    labels = [f"token_id:{t}" for t in reply_ids]
+    assert completion["choices"][0]["logprobs"]["tokens"] == labels
+    assert [t["token"] for t in chat["choices"][0]["logprobs"]["content"]] == labels
     texts = [c["text"] for c in greedy["choices"]]
     assert len(texts) == 3 and len(set(texts)) == 1 and texts[0]
     choice, = echo["choices"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from pagedserve.services.common.outputs import Usage
+from pagedserve.services.common.outputs import TokenLogprob, Usage
 from pagedserve.services.gateway.openai import sse
 from pagedserve.services.gateway.openai.convert import (
     chat_max_tokens,
@@ -41,6 +41,7 @@ from pagedserve.services.gateway.openai.serving import (
     OpenAIServing,
     logprob_value,
     prompt_logprobs_body,
+    token_label,
     top_logprob,
     usage_info,
 )
@@ -50,13 +51,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 
-def _logprobs(delta: TextDelta) -> ChatLogprobs:
+def _logprobs(delta: TextDelta, label: Callable[[TokenLogprob], str]) -> ChatLogprobs:
     content = []
     for i, sampled in enumerate(delta.logprobs):
         top = delta.top_logprobs[i] if i < len(delta.top_logprobs) else []
+        token = label(sampled)
         content.append(ChatTokenLogprob(
-            token=sampled.text, logprob=logprob_value(sampled.logprob),
-            bytes=list(sampled.text.encode()), top_logprobs=[top_logprob(c) for c in top]))
+            token=token, logprob=logprob_value(sampled.logprob), bytes=list(token.encode()),
+            top_logprobs=[top_logprob(c, label) for c in top]))
     return ChatLogprobs(content=content)
 
 
@@ -94,7 +96,8 @@ class _Chat:
     def on_delta(self, delta: TextDelta) -> ChatChunkChoice:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = prompt_logprobs_body(delta.prompt_logprobs)
-        logprobs = _logprobs(delta) if self.body.logprobs else None
+        logprobs = (_logprobs(delta, token_label(self.body.return_tokens_as_token_ids))
+                    if self.body.logprobs else None)
         self.texts[delta.index] += delta.text
         whole = self.logprobs[delta.index]
         if whole is not None and logprobs is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from pagedserve.services.common.outputs import TokenLogprob, Usage
 from pagedserve.services.gateway.openai import sse
@@ -33,6 +33,7 @@ from pagedserve.services.gateway.openai.serving import (
     OpenAIServing,
     logprob_value,
     prompt_logprobs_body,
+    token_label,
     usage_info,
 )
 from pagedserve.services.text.text_stream import TextDelta
@@ -49,13 +50,13 @@ class _Choice:
     has_started: bool = False
 
 
-def _echo_logprobs(first_token: str, positions: list[list[TokenLogprob]],
-                   num_top: int) -> CompletionLogprobs:
+def _echo_logprobs(first_token: TokenLogprob, positions: list[list[TokenLogprob]],
+                   num_top: int, label: Callable[[TokenLogprob], str]) -> CompletionLogprobs:
     """The echoed prompt's tokens as `logprobs` entries (the first has none), before the
     output's: what vLLM answers to echo with logprobs."""
-    out = CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first_token],
+    out = CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[label(first_token)],
                              top_logprobs=[None])
-    num_chars = len(first_token)
+    num_chars = len(first_token.text)
     for candidates in positions:
         if not candidates:  # none reported for this position
             out.tokens.append("")
@@ -64,25 +65,26 @@ def _echo_logprobs(first_token: str, positions: list[list[TokenLogprob]],
             out.text_offset.append(num_chars)
             continue
         target, *top = candidates
-        out.tokens.append(target.text)
+        out.tokens.append(label(target))
         out.token_logprobs.append(logprob_value(target.logprob))
-        best = {c.text: logprob_value(c.logprob) for c in top[:num_top]}
-        best.setdefault(target.text, logprob_value(target.logprob))
+        best = {label(c): logprob_value(c.logprob) for c in top[:num_top]}
+        best.setdefault(label(target), logprob_value(target.logprob))
         out.top_logprobs.append(best)
         out.text_offset.append(num_chars)
         num_chars += len(target.text)
     return out
 
 
-def _logprobs(delta: TextDelta, choice: _Choice) -> CompletionLogprobs:
+def _logprobs(delta: TextDelta, choice: _Choice,
+              label: Callable[[TokenLogprob], str]) -> CompletionLogprobs:
     """The sampled token's logprob, and the top candidates with the sampled one among them."""
     out = CompletionLogprobs()
     for i, sampled in enumerate(delta.logprobs):
-        out.tokens.append(sampled.text)
+        out.tokens.append(label(sampled))
         out.token_logprobs.append(logprob_value(sampled.logprob))
-        top = {c.text: logprob_value(c.logprob)
+        top = {label(c): logprob_value(c.logprob)
                for c in (delta.top_logprobs[i] if i < len(delta.top_logprobs) else ())}
-        top.setdefault(sampled.text, logprob_value(sampled.logprob))
+        top.setdefault(label(sampled), logprob_value(sampled.logprob))
         out.top_logprobs.append(top)
         out.text_offset.append(choice.num_chars)
         choice.num_chars += len(sampled.text)
@@ -114,7 +116,8 @@ class _Completion:
             for i, p in enumerate(prompts)]
         self.n = sampling.n
         self.echoes: list[str] = []
-        self.first_tokens: list[str] = []  # of each prompt: its echo has no logprob
+        self.first_tokens: list[TokenLogprob] = []  # of each prompt: its echo has no logprob
+        self.label = token_label(body.return_tokens_as_token_ids)
         self.prompt_logprobs: list[list[list[TokenLogprob]] | None] = [None] * len(prompts)
         self.choices: list[_Choice] = []
         self.usages: list[Usage] = []
@@ -128,8 +131,9 @@ class _Completion:
                 self.echoes.append(one.text)
             else:
                 self.echoes.append(await self.serving.frontend.decode(prepared.prompt_token_ids))
-            self.first_tokens.append(self.serving.frontend.tokenizer.decode(
-                prepared.prompt_token_ids[:1], skip_special_tokens=False))
+            first_id = prepared.prompt_token_ids[0]
+            self.first_tokens.append(TokenLogprob(first_id, 0.0, self.serving.frontend.tokenizer
+                                                  .decode([first_id], skip_special_tokens=False)))
         self.choices = [_Choice(num_chars=len(self.echoes[i // self.n]))
                         for i in range(len(self.inputs) * self.n)]
 
@@ -140,13 +144,14 @@ class _Completion:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[prompt_index] = delta.prompt_logprobs
         text = delta.text
-        logprobs = _logprobs(delta, choice) if self.body.logprobs is not None else None
+        logprobs = (_logprobs(delta, choice, self.label) if self.body.logprobs is not None
+                    else None)
         if self.body.echo and not choice.has_started:
             text = self.echoes[prompt_index] + text
             positions = self.prompt_logprobs[prompt_index]
             if logprobs is not None and positions is not None:
                 echoed = _echo_logprobs(self.first_tokens[prompt_index], positions,
-                                        self.body.logprobs or 0)
+                                        self.body.logprobs or 0, self.label)
                 for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
                     getattr(echoed, name).extend(getattr(logprobs, name))
                 logprobs = echoed

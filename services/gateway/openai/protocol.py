@@ -63,6 +63,7 @@ class GenerationRequest(BaseModel):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
 
 
 class CompletionRequest(GenerationRequest):

@@ -18,7 +18,6 @@ logger = logging.getLogger(__name__)
 _SHARED: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (None, True),
     "logits_processors": (None,),
-    "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
     "cache_salt": (None,),
     "kv_transfer_params": (None,),
