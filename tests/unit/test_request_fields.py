@@ -140,7 +140,7 @@ HONOURED = [
     (CHAT, {"prompt_logprobs": 0}, _s("prompt_logprobs")),
     (CHAT, {"truncate_prompt_tokens": 3}, lambda s, _: len(s.prompt_token_ids) == 3),
     (CHAT, {"add_special_tokens": True}, lambda s, _: True),
-    (CHAT, {"echo": False, "include_reasoning": True}, lambda s, _: True),  # their defaults
+    (CHAT, {"include_reasoning": True}, lambda s, _: True),  # its default
 ]
 
 
@@ -265,6 +265,11 @@ def test_chat_template_flag_kwargs_and_tool_and_developer_roles_reach_the_templa
             assert response.status_code == 200, response.text
             rendered.append(TOKENIZER.decode(h.fake.submits[-1].prompt_token_ids,
                                              skip_special_tokens=False))
+        started = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "Once"}]
+        echoed = await client.post(CHAT, json={
+            "messages": started, "max_tokens": 2, "echo": True, "add_generation_prompt": False,
+            "continue_final_message": True})
+        assert echoed.json()["choices"][0]["message"]["content"].startswith("Once")
         bad = await client.post(CHAT, json={"messages": USER, "chat_template_kwargs": {
             "tokenize": True}})
         tokenized = await client.post("/tokenize", json={

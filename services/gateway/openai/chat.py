@@ -92,20 +92,29 @@ class _Chat:
         self.finish_reasons: list[str | None] = [None] * sampling.n
         self.usages: list[Usage] = []
         self.prompt_logprobs: PromptLogprobs | None = None
+        self.has_started = [False] * sampling.n
+        last = body.messages[-1]
+        # echo (vLLM): an answer continues the last message when that is the assistant's own
+        self.echo = (chat_messages([last])[0].content
+                     if body.echo and last.role == "assistant" else "")
 
     def on_delta(self, delta: TextDelta) -> ChatChunkChoice:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = prompt_logprobs_body(delta.prompt_logprobs)
         logprobs = (_logprobs(delta, token_label(self.body.return_tokens_as_token_ids))
                     if self.body.logprobs else None)
-        self.texts[delta.index] += delta.text
+        text = delta.text
+        if not self.has_started[delta.index]:
+            self.has_started[delta.index] = True
+            text = self.echo + text
+        self.texts[delta.index] += text
         whole = self.logprobs[delta.index]
         if whole is not None and logprobs is not None:
             whole.content.extend(logprobs.content)
         self.finish_reasons[delta.index] = delta.finish_reason
         if delta.usage is not None:
             self.usages.append(delta.usage)
-        return ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text or None),
+        return ChatChunkChoice(index=delta.index, delta=ChatDelta(content=text or None),
                                logprobs=logprobs, finish_reason=delta.finish_reason)
 
     def chunk(self, choices: list[ChatChunkChoice], with_usage: bool = False) -> str:

@@ -97,6 +97,7 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # the answer starts with the last message when it is the assistant's
 
 
 class TokenizeRequest(BaseModel):

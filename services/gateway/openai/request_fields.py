@@ -31,7 +31,6 @@ REFUSED_COMPLETION_FIELDS: Mapping[str, tuple[Any, ...]] = {
 }
 REFUSED_CHAT_FIELDS: Mapping[str, tuple[Any, ...]] = {
     **_SHARED,
-    "echo": (None, False),
     "documents": (None,),
     "chat_template": (None,),
     "mm_processor_kwargs": (None,),
