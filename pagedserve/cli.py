@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import sys
+import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -197,18 +198,31 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling (unset flags keep vLLM's defaults)")
     hints = typing.get_type_hints(SamplingParams)
     for f in dataclasses.fields(SamplingParams):
+        if f.name == "bad_words_token_ids":  # the gateway makes them from --bad-words
+            continue
         tp = hints[f.name]
-        args = typing.get_args(tp)
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if typing.get_origin(tp) in (types.UnionType, typing.Union) and len(args) == 1:  # X | None
+            tp, args = args[0], list(typing.get_args(args[0]))
         kw: dict[str, typing.Any] = {"dest": f.name, "default": argparse.SUPPRESS,
                                      "help": f"default: {f.default}"}
         flag = "--" + f.name.replace("_", "-")
-        if tp is bool:
+        if f.name == "logit_bias":
+            group.add_argument(flag, nargs="+", type=_logit_bias_pair, metavar="ID=BIAS", **kw)
+        elif tp is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif typing.get_origin(tp) is tuple:
             group.add_argument(flag, nargs="+", type=args[0], **kw)
         else:
-            base = next((a for a in args if a is not type(None)), tp)
-            group.add_argument(flag, type=base, **kw)
+            group.add_argument(flag, type=tp, **kw)
+
+
+def _logit_bias_pair(text: str) -> tuple[int, float]:
+    token_id, _, bias = text.partition("=")
+    try:
+        return int(token_id), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be TOKEN_ID=BIAS, got {text!r}") from None
 
 
 

@@ -24,6 +24,7 @@ from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import TokenIdLogprob
+from pagedserve.services.text.sampling_text import truncated_prompt, with_bad_words_token_ids
 from pagedserve.services.text.text_stream import TextStream
 from pagedserve.services.text.tokenizer import Tokenizer
 
@@ -144,6 +145,8 @@ class LLM:
         requests: dict[str, _Request] = {}
         try:
             for (prompt, ids), sampling in zip(encoded, sampling_params, strict=True):
+                ids = truncated_prompt(ids, sampling)
+                sampling = with_bad_words_token_ids(sampling, self.tokenizer)
                 request_id = str(next(self._request_ids))
                 self.engine.add_request(request_id, ids, sampling)
                 requests[request_id] = _Request(request_id, prompt, ids, sampling,

@@ -98,25 +98,27 @@ class BlockManager:
     def num_tokens(self, seq_id: int) -> int:
         return self._seqs[seq_id].num_tokens
 
-    def can_allocate(self, token_ids: list[int]) -> AllocStatus:
+    def can_allocate(self, token_ids: list[int], use_prefix_cache: bool = True) -> AllocStatus:
         if cdiv(len(token_ids), self.block_size) > self.num_gpu_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        if self.num_free_gpu_blocks - self.num_blocks_taken(token_ids) >= self.watermark_blocks:
+        num_taken = self.num_blocks_taken(token_ids, use_prefix_cache)
+        if self.num_free_gpu_blocks - num_taken >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def num_blocks_taken(self, token_ids: list[int]) -> int:
+    def num_blocks_taken(self, token_ids: list[int], use_prefix_cache: bool = True) -> int:
         """A hit on an evictable block costs a free block just as a new block does."""
-        _, hit_block_ids = self._match_prefix(token_ids)
+        _, hit_block_ids = self._match_prefix(token_ids, use_prefix_cache)
         num_evictable_hits = sum(1 for b in hit_block_ids if self.gpu_pool.ref_counts[b] == 0)
         return (cdiv(len(token_ids), self.block_size) - len(hit_block_ids)
                 + num_evictable_hits)
 
-    def allocate(self, seq_id: int, token_ids: list[int]) -> int:
-        """Returns num_cached_tokens."""
+    def allocate(self, seq_id: int, token_ids: list[int], use_prefix_cache: bool = True) -> int:
+        """Returns num_cached_tokens. `use_prefix_cache` False: every token is computed (prompt
+        logprobs need the logits of every position), though the blocks are still cached after."""
         assert seq_id not in self._seqs, f"seq {seq_id} already has blocks"
         assert token_ids, "a sequence has at least one token"
-        hit_hashes, hit_block_ids = self._match_prefix(token_ids)
+        hit_hashes, hit_block_ids = self._match_prefix(token_ids, use_prefix_cache)
         # claim the hits first so that allocating the rest cannot evict them
         for block_id in hit_block_ids:
             if self.gpu_pool.ref_counts[block_id] == 0:
@@ -262,9 +264,10 @@ class BlockManager:
             self._register(seq.block_ids[i], block_hash)
         seq.block_hashes.extend(new_hashes)
 
-    def _match_prefix(self, token_ids: list[int]) -> tuple[list[BlockHash], list[int]]:
+    def _match_prefix(self, token_ids: list[int], use_prefix_cache: bool = True
+                      ) -> tuple[list[BlockHash], list[int]]:
         """Stops one block short of an exact full hit: the last token's logits are needed."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or not use_prefix_cache:
             return [], []
         hashes: list[BlockHash] = []
         block_ids: list[int] = []

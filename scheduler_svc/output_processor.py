@@ -42,7 +42,8 @@ class OutputProcessor:
             if seq.is_finished:  # while the step ran, or failed earlier in this loop
                 continue
             sampled = by_seq_id.get(seq.seq_id)
-            if sampled is not None and sampled.prompt_logprobs and _collects_prompt_logprobs(group):
+            if (sampled is not None and sampled.prompt_logprobs
+                    and group.is_collecting_prompt_logprobs):
                 group.prompt_logprobs.extend(sampled.prompt_logprobs)
                 del group.prompt_logprobs[group.prompt_len - 1:]
             if seq.status is SequenceStatus.RUNNING:  # not preempted by a step scheduled since
@@ -119,9 +120,3 @@ class OutputProcessor:
         if num_output_tokens >= sampling.max_tokens or len(seq.token_ids) + 1 >= self.max_model_len:
             return FinishReason.LENGTH
         return None
-
-
-def _collects_prompt_logprobs(group: SequenceGroup) -> bool:
-    """Only the first prefill reports prompt logprobs (a recompute would repeat them)."""
-    return (group.sampling.prompt_logprobs is not None
-            and len(group.prompt_logprobs) < group.prompt_len - 1)

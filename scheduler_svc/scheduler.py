@@ -253,9 +253,11 @@ class Scheduler:
                 continue
             if budget.remaining_seqs < len(live):
                 return
-            status = self._allocate(live)
+            # a prefix hit would skip the positions whose prompt logprobs are still owed (vLLM)
+            use_prefix_cache = not group.is_collecting_prompt_logprobs
+            status = self._allocate(live, use_prefix_cache)
             while status is AllocStatus.LATER and self._preempt_paused(step):
-                status = self._allocate(live)
+                status = self._allocate(live, use_prefix_cache)
             if status is AllocStatus.LATER and not self.running and self._is_pool_idle():
                 status = AllocStatus.NEVER  # several sequences that do not fit side by side
             if status is AllocStatus.NEVER:
@@ -321,15 +323,16 @@ class Scheduler:
         bm = self.block_manager
         return bm.num_free_gpu_blocks == bm.num_gpu_blocks
 
-    def _allocate(self, seqs: list[Sequence]) -> AllocStatus:
+    def _allocate(self, seqs: list[Sequence], use_prefix_cache: bool = True) -> AllocStatus:
         """All or none."""
         done: list[Sequence] = []
         for seq in seqs:
-            status = self.block_manager.can_allocate(seq.token_ids)
+            status = self.block_manager.can_allocate(seq.token_ids, use_prefix_cache)
             if status is not AllocStatus.OK:
                 self._to_waiting(done)
                 return status
-            seq.num_computed_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+            seq.num_computed_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids,
+                                                                  use_prefix_cache)
             done.append(seq)
         return AllocStatus.OK
 

@@ -198,6 +198,13 @@ class SequenceGroup:
         return self.seqs[0].prompt_len
 
     @property
+    def is_collecting_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and some positions are still owed: the first prefill
+        reports them (a recompute would repeat them)."""
+        return (self.sampling.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.prompt_len - 1)
+
+    @property
     def is_beam_search(self) -> bool:
         return self.sampling.use_beam_search
 

@@ -1,7 +1,10 @@
-"""min_tokens, top-k, top-p and min-p masks (vLLM's semantics). The sampler passes only the rows
-that asked for one, so other rows keep their logits bit for bit."""
+"""Allowed-token, bad-word and min_tokens masks, logit bias, top-k, top-p and min-p (vLLM's
+semantics). The sampler passes only the rows that asked for one, so other rows keep their logits
+bit for bit."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -16,6 +19,50 @@ def mask_tokens(
         token_index = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
         logits[row_index, token_index] = float("-inf")
     return logits
+
+
+def add_logit_bias(
+    logits: torch.Tensor,  # [num_rows, vocab_size], modified in place
+    rows: list[int],
+    token_ids: list[int],
+    biases: list[float],  # rows[i] gains biases[i] at token_ids[i]
+) -> torch.Tensor:
+    if rows:
+        index = (torch.tensor(rows, dtype=torch.long, device=logits.device),
+                 torch.tensor(token_ids, dtype=torch.long, device=logits.device))
+        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device),
+                          accumulate=True)
+    return logits
+
+
+def keep_only(
+    logits: torch.Tensor,  # [num_rows, vocab_size], modified in place
+    rows: list[int],
+    token_ids: list[int],  # rows[i] keeps token_ids[i]; the listed rows lose every other token
+) -> torch.Tensor:
+    if rows:
+        device = logits.device
+        row_set = sorted(set(rows))
+        hidden = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+        hidden[torch.tensor(row_set, dtype=torch.long, device=device)] = True
+        hidden[torch.tensor(rows, dtype=torch.long, device=device),
+               torch.tensor(token_ids, dtype=torch.long, device=device)] = False
+        logits.masked_fill_(hidden, float("-inf"))
+    return logits
+
+
+def bad_word_tokens(output_ids: Sequence[int],
+                    bad_words_token_ids: Sequence[Sequence[int]]) -> list[int]:
+    """The last token of each bad word whose other tokens the output ends with: the token that
+    would complete it (vLLM's rule; a one-token word is always banned)."""
+    banned = []
+    for word in bad_words_token_ids:
+        prefix_len = len(word) - 1
+        if prefix_len == 0 or (len(output_ids) >= prefix_len
+                               and list(output_ids[len(output_ids) - prefix_len:])
+                               == list(word[:-1])):
+            banned.append(word[-1])
+    return banned
 
 
 def apply_top_k(

@@ -1,21 +1,25 @@
-"""Sampler. vLLM's order: penalties → min_tokens → temperature → top-k/top-p → min-p; logprobs
-are of the processed logits. Random rows race argmax(probs / Exponential(1)), with no host sync; a
-seeded row's noise comes from (seed, length) alone, so it survives batching and preemption."""
+"""Sampler. vLLM V1's order: allowed ids → bad words → min_tokens → logit bias → penalties →
+temperature → top-k/top-p → min-p; logprobs are of the processed logits. Random rows race
+argmax(probs / Exponential(1)), with no host sync; a seeded row's noise comes from (seed, length)
+alone, so it survives batching and preemption."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import SampledSequence, TokenIdLogprob
 from pagedserve.worker_svc.logits_processor import (
+    add_logit_bias,
     apply_min_p,
     apply_top_k,
     apply_top_k_top_p,
+    bad_word_tokens,
+    keep_only,
     mask_tokens,
 )
 from pagedserve.worker_svc.penalties import apply_penalties
@@ -75,6 +79,17 @@ def _on_rows(logits: torch.Tensor, rows: list[int],
     return logits
 
 
+@dataclass(slots=True)
+class _TokenEdits:
+    mask_rows: list[int] = field(default_factory=list)
+    mask_ids: list[int] = field(default_factory=list)
+    allowed_rows: list[int] = field(default_factory=list)
+    allowed_ids: list[int] = field(default_factory=list)
+    bias_rows: list[int] = field(default_factory=list)
+    bias_ids: list[int] = field(default_factory=list)
+    biases: list[float] = field(default_factory=list)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -108,13 +123,16 @@ class Sampler:
         top_rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs]
 
         logprobs = torch.log_softmax(processed, dim=-1)  # [num_seqs, vocab_size]
-        if len(greedy_rows) == len(seqs):
+        if len(greedy_rows) == len(seqs) and offsets[-1] == len(seqs):
             sampled = processed.argmax(dim=-1)  # [num_seqs]; fast path: nothing to scatter
         else:
             sampled = torch.empty(offsets[-1], dtype=torch.long, device=self.device)
             if greedy_rows:
-                greedy_ids = processed[self._tensor(greedy_rows, torch.long)].argmax(dim=-1)
-                self._put(sampled, [offsets[i] for i in greedy_rows], greedy_ids)
+                # n > 1 greedy candidates are n copies of the argmax (vLLM V1)
+                expanded = [i for i in greedy_rows for _ in range(num_samples[i])]
+                greedy_ids = processed[self._tensor(expanded, torch.long)].argmax(dim=-1)
+                self._put(sampled, [offsets[i] + j for i in greedy_rows
+                                    for j in range(num_samples[i])], greedy_ids)
             if beam_rows:
                 self._sample_beams(sampled, logprobs, seqs, beam_rows, offsets)
             if random_rows:
@@ -145,34 +163,30 @@ class Sampler:
                 if s.num_samples > self.vocab_size:
                     raise ValueError(f"seq {s.seq_id}: num_samples={s.num_samples} exceeds "
                                      f"vocab_size={self.vocab_size}")
-            elif s.sampling.is_greedy and s.num_samples != 1:
-                raise ValueError(f"seq {s.seq_id}: greedy sampling needs num_samples=1, "
-                                 f"got {s.num_samples}")
             if not 0 <= s.prompt_len <= len(s.token_ids):
                 raise ValueError(f"seq {s.seq_id}: prompt_len={s.prompt_len} outside "
                                  f"[0, {len(s.token_ids)}]")
 
     def _process(self, logits: torch.Tensor, seqs: list[SeqSamplingState]) -> torch.Tensor:
         penalty_rows = [i for i, s in enumerate(seqs) if _has_penalty(s.sampling)]
-        mask_rows, mask_ids = [], []
-        for i, s in enumerate(seqs):
-            if s.num_output_tokens < s.sampling.min_tokens:
-                hidden = set(s.sampling.stop_token_ids)
-                if not s.sampling.ignore_eos:
-                    hidden.update(self.eos_token_ids)
-                hidden_ids = sorted(t for t in hidden if t < self.vocab_size)
-                mask_rows.extend([i] * len(hidden_ids))
-                mask_ids.extend(hidden_ids)
+        edits = self._token_edits(seqs)
+        mask_rows, mask_ids = edits.mask_rows, edits.mask_ids
+        allowed_rows, bias_rows = edits.allowed_rows, edits.bias_rows
         has_temperature = any(s.sampling.temperature != 1.0 for s in seqs
                               if not s.sampling.is_greedy)
         top_rows = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy
                     and (0 < s.sampling.top_k < self.vocab_size or s.sampling.top_p < 1.0)]
         min_p_rows = [i for i, s in enumerate(seqs)
                       if not s.sampling.is_greedy and s.sampling.min_p > 0.0]
-        if not (penalty_rows or mask_rows or has_temperature or top_rows or min_p_rows):
+        if not (penalty_rows or mask_rows or allowed_rows or bias_rows or has_temperature
+                or top_rows or min_p_rows):
             return logits.float()
 
         processed = logits.to(torch.float32, copy=True)  # [num_seqs, vocab_size]
+        # vLLM V1's order: allowed ids, bad words, min_tokens, logit bias, then penalties
+        keep_only(processed, allowed_rows, edits.allowed_ids)
+        mask_tokens(processed, mask_rows, mask_ids)
+        add_logit_bias(processed, bias_rows, edits.bias_ids, edits.biases)
         if penalty_rows:
             processed = _on_rows(processed, penalty_rows, lambda sub, rows: apply_penalties(
                 sub,
@@ -181,7 +195,6 @@ class Sampler:
                 [seqs[i].sampling.repetition_penalty for i in rows],
                 [seqs[i].sampling.frequency_penalty for i in rows],
                 [seqs[i].sampling.presence_penalty for i in rows]))
-        mask_tokens(processed, mask_rows, mask_ids)
         if has_temperature:
             # dividing a greedy or temperature-1 row by 1.0 leaves it bit for bit unchanged
             temperatures = [1.0 if s.sampling.is_greedy else s.sampling.temperature for s in seqs]
@@ -199,6 +212,31 @@ class Sampler:
             processed = _on_rows(processed, min_p_rows, lambda sub, rows: apply_min_p(
                 sub, self._tensor([seqs[i].sampling.min_p for i in rows], torch.float32)))
         return processed
+
+    def _token_edits(self, seqs: list[SeqSamplingState]) -> _TokenEdits:
+        """Per row: tokens hidden (min_tokens, bad words), kept (allowed ids), biased."""
+        edits = _TokenEdits()
+        for i, s in enumerate(seqs):
+            sampling = s.sampling
+            hidden: set[int] = set()
+            if s.num_output_tokens < sampling.min_tokens:
+                hidden.update(sampling.stop_token_ids)
+                if not sampling.ignore_eos:
+                    hidden.update(self.eos_token_ids)
+            if sampling.has_token_constraints:
+                hidden.update(bad_word_tokens(s.token_ids[s.prompt_len:],
+                                              sampling.bad_words_token_ids))
+                allowed = sampling.allowed_token_ids or ()
+                edits.allowed_rows.extend([i] * len(allowed))
+                edits.allowed_ids.extend(allowed)
+                for token_id, bias in sampling.logit_bias:
+                    edits.bias_rows.append(i)
+                    edits.bias_ids.append(token_id)
+                    edits.biases.append(bias)
+            hidden_ids = sorted(t for t in hidden if t < self.vocab_size)
+            edits.mask_rows.extend([i] * len(hidden_ids))
+            edits.mask_ids.extend(hidden_ids)
+        return edits
 
     def _top_k(self, sampling: SamplingParams) -> int:
         return sampling.top_k if 0 < sampling.top_k < self.vocab_size else self.vocab_size

@@ -82,7 +82,15 @@ class SequenceMirrors:
         for new in plan.new_seqs:
             _check_ids("block_ids", new.seq_id, new.block_ids, num_gpu_blocks)
             _check_ids("token_ids", new.seq_id, new.token_ids, vocab_size)
-            _check_ids("stop_token_ids", new.seq_id, new.sampling.stop_token_ids, vocab_size)
+            sampling = new.sampling
+            _check_ids("stop_token_ids", new.seq_id, sampling.stop_token_ids, vocab_size)
+            if sampling.has_token_constraints:
+                _check_ids("logit_bias", new.seq_id, [t for t, _ in sampling.logit_bias],
+                           vocab_size)
+                _check_ids("allowed_token_ids", new.seq_id, sampling.allowed_token_ids or (),
+                           vocab_size)
+                _check_ids("bad_words_token_ids", new.seq_id,
+                           [t for ids in sampling.bad_words_token_ids for t in ids], vocab_size)
             self._check_lengths(new.seq_id, len(new.token_ids), len(new.block_ids),
                                 new.num_computed_tokens, new.num_scheduled_tokens, new.prompt_len,
                                 new.num_samples)

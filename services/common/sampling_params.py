@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagedserve.services.common.errors import FieldViolation, InvalidRequest, Reason
@@ -14,6 +15,7 @@ MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
 # bounded so num_output_tokens ** length_penalty stays finite for any max_model_len
 MAX_ABS_LENGTH_PENALTY = 10.0
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range
 _FLOAT_FIELDS = ("length_penalty", "temperature", "top_p", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty")
 
@@ -58,11 +60,23 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token, besides the sampled one
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # {token_id: bias} added to the logits before sampling; kept as (token_id, bias) pairs
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # None = every token; else only these
+    bad_words: tuple[str, ...] = ()  # never generated; the gateway tokenizes them into:
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
 
     def __post_init__(self) -> None:
         # lists become tuples so instances stay hashable
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple(sorted(dict(self.logit_bias).items())))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        object.__setattr__(self, "bad_words_token_ids",
+                           tuple(tuple(ids) for ids in self.bad_words_token_ids))
         self._verify()
 
     @property
@@ -116,25 +130,57 @@ class SamplingParams:
             value = getattr(self, name)
             check.require(value is None or 0 <= value <= MAX_LOGPROBS, name,
                           f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        self._verify_token_constraints(check)
         if self.use_beam_search:
             check.require(self.num_candidates >= 2, "best_of",
                           f"best_of (the beam width) must be >= 2 for beam search, "
                           f"got {self.num_candidates}")
             check.require(self.is_greedy, "temperature",
                           f"temperature must be 0 for beam search, got {self.temperature}")
-        elif self.is_greedy:
-            check.require(self.num_candidates == 1, "n" if self.best_of is None else "best_of",
-                          f"best_of must be 1 when sampling greedily (temperature=0), "
-                          f"got {self.num_candidates}")
         check.raise_any()
+
+    def _verify_token_constraints(self, check: _Violations) -> None:
+        bad_bias = [(t, b) for t, b in self.logit_bias
+                    if not (isinstance(t, int) and t >= 0 and isinstance(b, (int, float))
+                            and math.isfinite(b) and abs(b) <= MAX_ABS_LOGIT_BIAS)]
+        check.require(not bad_bias, "logit_bias",
+                      f"logit_bias must map token ids >= 0 to biases in [-{MAX_ABS_LOGIT_BIAS}, "
+                      f"{MAX_ABS_LOGIT_BIAS}], got {dict(bad_bias[:8])}")
+        if self.allowed_token_ids is not None:
+            check.require(bool(self.allowed_token_ids), "allowed_token_ids",
+                          "allowed_token_ids must not be empty, got []")
+            negative = [t for t in self.allowed_token_ids if t < 0]
+            check.require(not negative, "allowed_token_ids",
+                          f"allowed_token_ids must be >= 0, got {negative[:8]}")
+        empty = [i for i, w in enumerate(self.bad_words) if not w.strip()]
+        check.require(not empty, f"bad_words[{empty[0] if empty else 0}]",
+                      f"bad_words must not contain an empty word, got {list(self.bad_words)}")
+        check.require(all(ids and min(ids) >= 0 for ids in self.bad_words_token_ids),
+                      "bad_words_token_ids", "bad_words_token_ids must be non-empty lists of "
+                      f"ids >= 0, got {[list(ids) for ids in self.bad_words_token_ids][:8]}")
+        check.require(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+                      "truncate_prompt_tokens",
+                      "truncate_prompt_tokens must be at least 1, got "
+                      f"{self.truncate_prompt_tokens}")
+
+    @property
+    def has_token_constraints(self) -> bool:
+        """A logit bias, an allow list or bad words: what the sampler applies per sequence."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     def verify_for_model(self, vocab_size: int) -> None:
         """One violation per unknown id."""
-        bad = [(i, t) for i, t in enumerate(self.stop_token_ids) if t >= vocab_size]
-        if bad:
-            raise InvalidRequest(
-                f"stop_token_ids must be < vocab_size={vocab_size}, got {[t for _, t in bad]}",
-                reason=Reason.UNKNOWN_TOKEN_ID,
-                violations=[FieldViolation(f"stop_token_ids[{i}]",
-                                           f"{t} is not below vocab_size={vocab_size}")
-                            for i, t in bad[:8]])
+        lists = (("stop_token_ids", self.stop_token_ids),
+                 ("logit_bias", [t for t, _ in self.logit_bias]),
+                 ("allowed_token_ids", self.allowed_token_ids or ()),
+                 ("bad_words_token_ids", [max(ids) for ids in self.bad_words_token_ids]))
+        for name, ids in lists:
+            bad = [(i, t) for i, t in enumerate(ids) if t >= vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"{name} must be < vocab_size={vocab_size}, got {[t for _, t in bad][:8]}",
+                    reason=Reason.UNKNOWN_TOKEN_ID,
+                    violations=[FieldViolation(f"{name}[{i}]" if name != "logit_bias"
+                                               else f"logit_bias[{t}]",
+                                               f"{t} is not below vocab_size={vocab_size}")
+                                for i, t in bad[:8]])

@@ -96,6 +96,8 @@ async def _join_replicas(config: GatewayConfig, resolve: Resolver | None
         await replicas.start()
         served = await replicas.wait_until_serving()
         tokenizer = Tokenizer.from_pretrained(config.tokenizer or served.model)
+        if config.http.chat_template:
+            tokenizer.use_chat_template(config.http.chat_template)
         info = served_model_from_proto(served, tokenizer.has_chat_template)
     except BaseException:
         await replicas.close()

@@ -35,6 +35,9 @@ class HttpConfig:
                                "-1 = any free port")
     served_model_name: str = opt("", "the model name clients send and see; empty = the name "
                                      "of the model's folder")
+    chat_template: str = opt("", "a Jinja chat template, or the path of a file holding one, in "
+                                 "place of the model's, for chat requests at both doors; empty "
+                                 "= the model's")
     max_request_body_bytes: int = opt(
         4 << 20, "largest HTTP request body; larger -> 413 before any of it is parsed. JSON is "
                  "parsed on the event loop (about 0.25 s for 4 MiB of token ids), so this bounds "

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Executor
+from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
 
 from pagedserve.services.common.drain_rate import DrainRate
@@ -48,6 +49,7 @@ from pagedserve.services.gateway.validation import (
     check_token_ids,
     prepared_request,
     prompt_token_ids,
+    tokenized,
 )
 from pagedserve.services.text.text_stream import TextDelta, TextStream
 from pagedserve.services.text.tokenizer import Tokenizer
@@ -152,10 +154,11 @@ class Frontend:
         arrival_s = time.monotonic() if arrival_s is None else arrival_s
         check_request_cost(request, self.limits, self.info)
         request_id = check_request(request, self.info)
-        token_ids = await self._run(self._executor, prompt_token_ids, request, self.tokenizer,
-                                    self.info)
-        check_fits_replica(len(token_ids), request.sampling, self.info)
-        return prepared_request(request, request_id, token_ids, self.info, arrival_s)
+        token_ids, sampling = await self._run(self._executor, tokenized, request,
+                                              self.tokenizer, self.info)
+        check_fits_replica(len(token_ids), sampling, self.info)
+        return prepared_request(replace(request, sampling=sampling), request_id,
+                                token_ids, self.info, arrival_s)
 
     async def prompt_token_ids(self, request: GenerateInput) -> list[int]:
         """An admitted request's prompt, checked and tokenized as `prepare` does."""
@@ -167,14 +170,13 @@ class Frontend:
         """An admitted request's checked token ids as text (echo)."""
         return await self._run(self._executor, self.tokenizer.decode, token_ids)
 
-    async def tokenize(self, request: GenerateInput, add_special_tokens: bool = True
-                       ) -> list[int]:
+    async def tokenize(self, request: GenerateInput) -> list[int]:
         """A call of its own: admitted, with a generation prompt's limits, in the tokenize
         executor."""
         check_request_cost(request, self.limits, self.info)
         with self.admission.admit():
             return await self._run(self._tokenize_executor, prompt_token_ids, request,
-                                   self.tokenizer, self.info, add_special_tokens)
+                                   self.tokenizer, self.info)
 
     async def detokenize(self, token_ids: Sequence[int], field: str) -> str:
         """A call of its own, as `tokenize`; `field`: what the ids are called in the request."""

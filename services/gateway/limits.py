@@ -106,6 +106,7 @@ def check_request_cost(request: GenerateInput, limits: RequestLimitsConfig,
     for i, stop in enumerate(sampling.stop):
         _require_at_most(f"the length of stop[{i}]", len(stop), limits.max_stop_string_chars,
                          "max_stop_string_chars", f"sampling.stop[{i}]")
+    _check_token_constraints(sampling, limits, info)
     if request.messages is not None:
         _require_at_most("the number of messages", len(request.messages),
                          limits.max_chat_messages, "max_chat_messages", "messages")
@@ -119,7 +120,25 @@ def check_request_cost(request: GenerateInput, limits: RequestLimitsConfig,
                              metadata={"value": str(sampling.max_tokens),
                                        "limit": str(info.max_model_len - 1)})
     if request.token_ids is not None:
-        check_context_length(request, len(request.token_ids), info.max_model_len)
+        num_kept = len(request.token_ids)
+        if sampling.truncate_prompt_tokens is not None:
+            num_kept = min(num_kept, sampling.truncate_prompt_tokens)
+        check_context_length(request, num_kept, info.max_model_len)
+
+
+def _check_token_constraints(sampling: SamplingParams, limits: RequestLimitsConfig,
+                             info: ServedModel) -> None:
+    """Bad words are bounded as stop strings are (each is tokenized); id lists by the vocabulary."""
+    _require_at_most("the number of bad words", len(sampling.bad_words), limits.max_stop_strings,
+                     "max_stop_strings", "sampling.bad_words")
+    for i, word in enumerate(sampling.bad_words):
+        _require_at_most(f"the length of bad_words[{i}]", len(word), limits.max_stop_string_chars,
+                         "max_stop_string_chars", f"sampling.bad_words[{i}]")
+    _require_at_most("the number of allowed token ids", len(sampling.allowed_token_ids or ()),
+                     info.vocab_size, "vocab_size", "sampling.allowed_token_ids")
+    if sampling.truncate_prompt_tokens is not None:
+        _require_at_most("truncate_prompt_tokens", sampling.truncate_prompt_tokens,
+                         info.max_model_len, "max_model_len", "sampling.truncate_prompt_tokens")
 
 
 def check_prompts_cost(requests: Sequence[GenerateInput], limits: RequestLimitsConfig,

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pagedserve.services.common.engine_api import MAX_REQUEST_ID_CHARS, PRIORITY_RANGE
 from pagedserve.services.common.errors import FieldViolation, InvalidRequest, Reason
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.text.sampling_text import truncated_prompt, with_bad_words_token_ids
 from pagedserve.services.text.tokenizer import Tokenizer
 
 
@@ -16,6 +19,29 @@ from pagedserve.services.text.tokenizer import Tokenizer
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[Mapping[str, Any], ...] = ()  # an assistant's earlier calls
+    tool_call_id: str = ""  # a tool message's answer to one
+    name: str = ""
+
+    def template_input(self) -> dict[str, Any]:
+        """The message as chat templates read it."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [dict(call) for call in self.tool_calls]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name:
+            message["name"] = self.name
+        return message
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """How messages are rendered (vLLM's chat request fields)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # chat_template_kwargs
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +54,10 @@ class GenerateInput:
     messages: tuple[ChatMessage, ...] | None = None
     sampling: SamplingParams = SamplingParams()
     priority: int = 0
+    chat: ChatOptions = ChatOptions()
+    # BOS and the like on top of the prompt; None = a text's default (yes), a chat's (no: the
+    # template writes its own)
+    add_special_tokens: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,23 +87,40 @@ class PreparedRequest:
     arrival_s: float = field(default_factory=time.monotonic)
 
 
-def prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ServedModel,
-                     add_special_tokens: bool = True) -> list[int]:
+def tokenized(request: GenerateInput, tokenizer: Tokenizer, info: ServedModel
+              ) -> tuple[list[int], SamplingParams]:
+    """The prompt's ids, and the sampling parameters with their bad words as token ids."""
+    return (prompt_token_ids(request, tokenizer, info),
+            with_bad_words_token_ids(request.sampling, tokenizer))
+
+
+def prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ServedModel
+                     ) -> list[int]:
+    """Cut to sampling.truncate_prompt_tokens, if set."""
+    return truncated_prompt(_all_prompt_token_ids(request, tokenizer, info), request.sampling)
+
+
+def _all_prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: ServedModel
+                          ) -> list[int]:
     if request.text is not None:
         if not request.text:
             raise InvalidRequest("prompt text must not be empty, got ''",
                                  reason=Reason.PROMPT_EMPTY, field="text")
         _check_prompt_chars("prompt text", "text", len(request.text), tokenizer, info)
-        return tokenizer.encode(request.text, add_special_tokens=add_special_tokens)
+        return tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens
+                                is not False)
     if request.messages is not None:
         if not info.has_chat_template:
             raise InvalidRequest(f"prompt messages need a chat template, but model "
                                  f"{info.model!r} has none; send text or token_ids",
                                  reason=Reason.NO_CHAT_TEMPLATE, field="messages")
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
         _check_prompt_chars("the messages' content", "messages",
-                            sum(len(m["content"]) for m in messages), tokenizer, info)
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                            sum(len(m.content) for m in request.messages), tokenizer, info)
+        options = request.chat
+        text = tokenizer.render_chat(
+            [m.template_input() for m in request.messages], options.add_generation_prompt,
+            options.continue_final_message, options.template_kwargs)
+        return tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens))
     if request.token_ids is not None:
         token_ids = list(request.token_ids)
         if not token_ids:
@@ -177,4 +224,5 @@ def prepare_request(request: GenerateInput, tokenizer: Tokenizer, info: ServedMo
                     ) -> PreparedRequest:
     """In the caller's thread (tests, tools); the Frontend tokenizes in its thread pool."""
     request_id = check_request(request, info)
-    return prepared_request(request, request_id, prompt_token_ids(request, tokenizer, info), info)
+    token_ids, sampling = tokenized(request, tokenizer, info)
+    return prepared_request(replace(request, sampling=sampling), request_id, token_ids, info)

@@ -78,19 +78,44 @@ def fill_sampling_params(msg: Message, params: SamplingParams) -> None:
         if value is not None:
             _set(msg, name, value)
     msg.stop.extend(params.stop)
+    _extend_ids(msg.stop_token_ids, "stop_token_ids", params.stop_token_ids)
+    _extend_ids(msg.allowed_token_ids, "allowed_token_ids", params.allowed_token_ids or ())
     try:
-        msg.stop_token_ids.extend(params.stop_token_ids)
+        msg.logit_bias.update(params.logit_bias)
     except (TypeError, ValueError) as e:
-        raise InvalidRequest(
-            f"stop_token_ids is out of range, got {list(params.stop_token_ids)}",
-            reason=Reason.INVALID_SAMPLING_PARAMS, field="stop_token_ids") from e
+        raise InvalidRequest(f"logit_bias is out of range, got {dict(params.logit_bias)}",
+                             reason=Reason.INVALID_SAMPLING_PARAMS, field="logit_bias") from e
+    fields = msg.DESCRIPTOR.fields_by_name
+    if "bad_words" in fields:  # the public contract: the words; the internal one: their tokens
+        msg.bad_words.extend(params.bad_words)
+        if params.truncate_prompt_tokens is not None:
+            _set(msg, "truncate_prompt_tokens", params.truncate_prompt_tokens)
+    else:
+        for ids in params.bad_words_token_ids:
+            msg.bad_words_token_ids.add().token_ids.extend(ids)
+
+
+def _extend_ids(container, name: str, ids) -> None:
+    try:
+        container.extend(ids)
+    except (TypeError, ValueError) as e:
+        raise InvalidRequest(f"{name} is out of range, got {list(ids)}",
+                             reason=Reason.INVALID_SAMPLING_PARAMS, field=name) from e
 
 
 def sampling_params_from_proto(msg: Message) -> SamplingParams:
     """From a SamplingParams message of either contract (the same fields)."""
     kwargs = {name: getattr(msg, name) for name in _PLAIN_FIELDS}
     kwargs.update({name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)})
-    return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
+    if "bad_words" in msg.DESCRIPTOR.fields_by_name:
+        kwargs["bad_words"] = tuple(msg.bad_words)
+        if msg.HasField("truncate_prompt_tokens"):
+            kwargs["truncate_prompt_tokens"] = msg.truncate_prompt_tokens
+    else:
+        kwargs["bad_words_token_ids"] = tuple(tuple(w.token_ids) for w in msg.bad_words_token_ids)
+    return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+                          logit_bias=dict(msg.logit_bias),
+                          allowed_token_ids=tuple(msg.allowed_token_ids) or None, **kwargs)
 
 
 def token_logprob_to_proto(logprob: TokenIdLogprob) -> common_pb2.TokenLogprob:

@@ -5,6 +5,7 @@ wrapper around that call cost several times the call."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -13,11 +14,15 @@ from typing import Any
 
 import jinja2
 import transformers
-from pagedserve.services.common.errors import InvalidRequest, Reason
+from pagedserve.services.common.errors import ConfigError, InvalidRequest, Reason
 
 logger = logging.getLogger(__name__)
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# apply_chat_template's own parameters, which chat_template_kwargs must not override
+_TEMPLATE_CALL_PARAMETERS = frozenset(
+    set(inspect.signature(transformers.PreTrainedTokenizerBase.apply_chat_template).parameters)
+    - {"self", "kwargs"})
 
 
 class Tokenizer:
@@ -67,22 +72,53 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self.hf_tokenizer.convert_ids_to_tokens(token_id)
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]],
-                    add_generation_prompt: bool = True) -> str:
+    def use_chat_template(self, template: str) -> None:
+        """Replaces the model's chat template (--chat-template): a file's path or the template."""
+        path = Path(template)
+        if "{" not in template and path.is_file():
+            template = path.read_text()
+        elif "{" not in template:
+            raise ConfigError(f"chat_template {template!r} is neither a file nor a Jinja "
+                              "template")
+        try:
+            jinja2.Environment().parse(template)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ConfigError(f"chat_template does not parse: {exc}") from exc
+        self.hf_tokenizer.chat_template = template
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]],
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """`template_kwargs` (chat_template_kwargs): variables the template reads, such as
+        Qwen3's enable_thinking."""
         if not self.has_chat_template:
             raise InvalidRequest("messages need a chat template, but the model has none; "
                                  "send a text prompt or token_ids instead",
                                  reason=Reason.NO_CHAT_TEMPLATE, field="messages")
         _check_messages(messages)
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequest("add_generation_prompt and continue_final_message cannot both "
+                                 "be true", reason=Reason.INVALID_CHAT_MESSAGE,
+                                 field="continue_final_message")
+        kwargs = dict(template_kwargs or {})
+        for name in kwargs:
+            if name in _TEMPLATE_CALL_PARAMETERS:
+                raise InvalidRequest(f"chat_template_kwargs must not set {name!r}, a parameter "
+                                     "of the template call itself",
+                                     reason=Reason.INVALID_CHAT_MESSAGE,
+                                     field=f"chat_template_kwargs.{name}")
         try:
             return self.hf_tokenizer.apply_chat_template(
                 [dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                tokenize=False)
+                continue_final_message=continue_final_message, tokenize=False, **kwargs)
         except jinja2.TemplateError as exc:  # e.g. a template's raise_exception("roles must alternate")
             raise InvalidRequest(f"messages rejected by the chat template: {exc}",
                                  reason=Reason.INVALID_CHAT_MESSAGE, field="messages") from exc
+        except ValueError as exc:  # continue_final_message without a final message to continue
+            raise InvalidRequest(f"messages rejected by the chat template: {exc}",
+                                 reason=Reason.INVALID_CHAT_MESSAGE, field="messages") from exc
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True) -> list[int]:
         """The template writes its own BOS, so no special tokens are added a second time."""
         text = self.render_chat(messages, add_generation_prompt)
@@ -108,7 +144,7 @@ def _backend_decoding_alike(hf_tokenizer: transformers.PreTrainedTokenizerBase) 
     return backend
 
 
-def _check_messages(messages: Sequence[Mapping[str, str]]) -> None:
+def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     if not messages:
         raise InvalidRequest("messages must not be empty", reason=Reason.PROMPT_EMPTY,
                              field="messages")
@@ -119,6 +155,8 @@ def _check_messages(messages: Sequence[Mapping[str, str]]) -> None:
                 f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                 reason=Reason.INVALID_CHAT_MESSAGE, field=f"messages[{i}].role")
         content = message.get("content", "")
+        if role == "assistant" and message.get("tool_calls") and content == "":
+            continue  # a turn of calls only
         if not isinstance(content, str) or not content:
             raise InvalidRequest(f"messages[{i}].content must be a non-empty string, got "
                                  f"{content!r}", reason=Reason.INVALID_CHAT_MESSAGE,

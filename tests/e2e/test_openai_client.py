@@ -127,6 +127,29 @@ def test_echo_prepends_the_prompt(client):
     assert completion.choices[0].text == "echo me" + plain.choices[0].text
 
 
+def test_vllm_sampling_fields_shape_the_output(stack, client):
+    plain = client.completions.create(model=MODEL, prompt="abc", **GREEDY)
+    target = httpx.post(f"{stack.http_url}/tokenize", json={
+        "prompt": " zebra", "add_special_tokens": False}).json()["tokens"]
+    biased = client.completions.create(model=MODEL, prompt="abc", logit_bias={
+        str(target[0]): 100}, **GREEDY)
+    assert biased.choices[0].text != plain.choices[0].text
+    allowed = client.completions.create(model=MODEL, prompt="abc", **{
+        **GREEDY, "extra_body": {"ignore_eos": True, "allowed_token_ids": target[:1]}})
+    assert allowed.choices[0].text == biased.choices[0].text  # the one token left, 12 times
+    copies = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=3, **GREEDY)
+    assert len({c.message.content for c in copies.choices}) == 1 and len(copies.choices) == 3
+    echo = client.completions.create(model=MODEL, prompt="echo me", echo=True, logprobs=1,
+                                     **GREEDY)
+    logprobs = echo.choices[0].logprobs
+    assert logprobs.token_logprobs[0] is None and len(logprobs.tokens) > 12
+    assert all(lp is not None and lp <= 0 for lp in logprobs.token_logprobs[1:])
+
+
+def test_version(stack):
+    assert httpx.get(f"{stack.http_url}/version").json()["version"]
+
+
 def test_bad_request_and_unknown_model_raise_the_openai_errors(stack, client):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL, prompt="x", temperature=-1)

@@ -4,7 +4,8 @@ per event, the reply cycled up to `num_reply_tokens` if set), for each of the n 
 with EOS ("stop") or "length" at max_tokens. With `hang=True` it keeps the request open after the
 reply until it is aborted or cancelled, and records which happened. With `limits` set it first
 runs the scheduler's own request and admission checks (its live requests are its queue) and
-refuses in-band as the scheduler does, details included. Pause holds a request's events until Resume;
+refuses in-band as the scheduler does, details included. Prompt logprobs, when asked, are -1 for
+each prompt token and -2, -3, ... for ids 5, 6, .... Pause holds a request's events until Resume;
 `pauses` records both in order; `finished` the outputs the gateway finished (a stop string),
 in order. `break_after` N fails the call with UNAVAILABLE once a request sent N events."""
 
@@ -125,6 +126,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                     finish = common_pb2.FINISH_REASON_ERROR
                 event = scheduler_pb2.SubmitResponse(num_prompt_tokens=prompt_len,
                                                      num_cached_tokens=1)
+                if step == 0 and sampling.prompt_logprobs is not None:
+                    _add_prompt_logprobs(event, list(request.prompt_token_ids),
+                                         sampling.prompt_logprobs)
                 num_done = step + len(token_ids)
                 for index in range(sampling.n):
                     delta = event.outputs.add(index=index, token_ids=token_ids,
@@ -202,3 +206,12 @@ async def start_fake_scheduler(fake: FakeScheduler) -> ServiceServer:
     await server.start()
     await server.set_serving(True)
     return server
+
+
+def _add_prompt_logprobs(event, prompt_token_ids: list[int], num_top: int) -> None:
+    """Each prompt token after the first at logprob -1, then num_top others at -2, -3, ..."""
+    for token_id in prompt_token_ids[1:]:
+        position = event.prompt_logprobs.add()
+        position.candidates.add(token_id=token_id, logprob=-1.0)
+        for k in range(num_top):
+            position.candidates.add(token_id=5 + k, logprob=-2.0 - k)

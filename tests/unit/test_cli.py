@@ -84,6 +84,18 @@ def test_sampling_flags_keep_vllm_defaults_for_the_rest():
     assert _sampling(build_parser().parse_args(["chat"])) == SamplingParams()
 
 
+def test_token_constraint_flags():
+    args = build_parser().parse_args([
+        "generate", "hi", "--logit-bias", "5=1.5", "7=-100", "--allowed-token-ids", "3", "4",
+        "--bad-words", "fox", "a b", "--truncate-prompt-tokens", "3"])
+    sampling = _sampling(args)
+    assert sampling.logit_bias == ((5, 1.5), (7, -100.0))
+    assert (sampling.allowed_token_ids, sampling.bad_words) == ((3, 4), ("fox", "a b"))
+    assert sampling.truncate_prompt_tokens == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--logit-bias", "5"])
+
+
 def test_bad_flags_exit_with_the_field_named(capsys):
     with pytest.raises(SystemExit) as info:
         main(["generate", "hi", "--top-p", "0"])

@@ -25,6 +25,15 @@ from pagedserve.services.rpc.v1 import common_pb2 as public_common_pb2
 both_contracts = pytest.mark.parametrize(
     "convert, common_pb2", [(convert_common, internal_common_pb2),
                             (convert_public, public_common_pb2)], ids=["internal", "public"])
+# what one contract leaves to the other's side: the gateway tokenizes bad words and truncates
+ONLY_PUBLIC = {"bad_words", "truncate_prompt_tokens"}
+ONLY_INTERNAL = {"bad_words_token_ids"}
+
+
+def _carried(common_pb2, params: SamplingParams) -> SamplingParams:
+    dropped = ONLY_INTERNAL if common_pb2 is public_common_pb2 else ONLY_PUBLIC
+    defaults = SamplingParams()
+    return dataclasses.replace(params, **{name: getattr(defaults, name) for name in dropped})
 
 
 def _wire(msg):
@@ -37,7 +46,8 @@ BEAM = SamplingParams(
     top_k=5, min_p=0.05, presence_penalty=0.3, frequency_penalty=-0.4, repetition_penalty=1.1,
     seed=-7, stop=("###", "\n\n"), stop_token_ids=(7, 49151), include_stop_str_in_output=True,
     ignore_eos=True, max_tokens=33, min_tokens=2, logprobs=5, prompt_logprobs=0,
-    skip_special_tokens=False)
+    skip_special_tokens=False, logit_bias={3: -100.0, 49151: 2.5}, allowed_token_ids=(3, 9),
+    bad_words=("bad", "worse"), bad_words_token_ids=((5,), (6, 7)), truncate_prompt_tokens=9)
 RANDOM = dataclasses.replace(BEAM, use_beam_search=False, temperature=0.123456789, top_k=-1,
                              seed=2**62, prompt_logprobs=20)
 
@@ -45,7 +55,8 @@ RANDOM = dataclasses.replace(BEAM, use_beam_search=False, temperature=0.12345678
 @both_contracts
 def test_every_sampling_field_is_in_the_proto(convert, common_pb2):
     proto_fields = set(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
-    assert {f.name for f in dataclasses.fields(SamplingParams)} == proto_fields
+    other_side = ONLY_INTERNAL if common_pb2 is public_common_pb2 else ONLY_PUBLIC
+    assert {f.name for f in dataclasses.fields(SamplingParams)} - other_side == proto_fields
 
 
 def test_the_beam_case_sets_every_field():
@@ -60,7 +71,7 @@ def test_the_beam_case_sets_every_field():
 def test_sampling_params_round_trip_keeps_every_field(convert, common_pb2, params):
     msg = _wire(convert.sampling_params_to_proto(params))
     assert isinstance(msg, common_pb2.SamplingParams)
-    assert convert.sampling_params_from_proto(msg) == params
+    assert convert.sampling_params_from_proto(msg) == _carried(common_pb2, params)
 
 
 @both_contracts

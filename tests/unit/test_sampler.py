@@ -283,9 +283,18 @@ def test_many_seeded_rows_follow_the_distribution():
     assert chi_square(counts, probs) < CHI2_BOUND
 
 
+def test_greedy_candidates_are_copies_of_the_argmax():
+    logits = torch.tensor([[0.0] * (VOCAB - 1) + [0.5], [0.0, 2.0] + [0.0] * (VOCAB - 2)])
+    out = sampler()(logits, [seq(0, temperature=0.0, num_samples=3),
+                             seq(1, temperature=0.0)])
+    assert out[0].token_ids == [VOCAB - 1] * 3
+    assert len(set(out[0].logprobs)) == 1
+    assert out[1].token_ids == [1]
+
+
 def test_bad_num_samples_is_rejected():
-    with pytest.raises(ValueError, match="num_samples=1"):
-        sampler()(torch.zeros(1, VOCAB), [seq(temperature=0.0, num_samples=2)])
+    with pytest.raises(ValueError, match="num_samples must be >= 1"):
+        sampler()(torch.zeros(1, VOCAB), [seq(num_samples=0)])
     with pytest.raises(ValueError, match="columns"):
         sampler()(torch.zeros(1, VOCAB - 1), [seq()])
 
@@ -315,3 +324,47 @@ def test_greedy_rows_do_not_depend_on_the_batch():
     alone = sampler()(logits[:1], [greedy])[0]
     batched = sampler()(logits, [greedy, *others])[0]
     assert batched == alone
+
+
+# ---- per-sequence token constraints: logit bias, allowed ids, bad words -----------------------
+
+
+def test_logit_bias_moves_the_greedy_choice_of_its_row_only():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 3] = 1.0
+    out = sampler()(logits.clone(), [seq(0, temperature=0.0, logit_bias={7: 5.0, 3: -2.0}),
+                                     seq(1, temperature=0.0)])
+    assert [o.token_ids for o in out] == [[7], [3]]
+    # the logprob is of the biased distribution
+    biased = logits[0].clone()
+    biased[7] += 5.0
+    biased[3] -= 2.0
+    assert out[0].logprobs[0] == pytest.approx(biased.log_softmax(-1)[7].item(), abs=1e-6)
+
+
+def test_allowed_token_ids_keep_only_those_tokens_in_their_row():
+    torch.manual_seed(3)
+    rows = [seq(i, seed=i, allowed_token_ids=[2, 5]) for i in range(50)] + [seq(50, seed=1)]
+    out = sampler()(torch.randn(1, VOCAB).expand(51, VOCAB).clone(), rows)
+    assert {o.token_ids[0] for o in out[:50]} <= {2, 5}
+    greedy = sampler()(torch.arange(VOCAB, dtype=torch.float32).unsqueeze(0),
+                       [seq(temperature=0.0, allowed_token_ids=[4], logprobs=2)])[0]
+    assert greedy.token_ids == [4] and greedy.logprobs == [0.0]
+
+
+def test_a_bad_word_loses_its_last_token_once_the_output_ends_with_its_prefix():
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 6] = 3.0  # greedy wants 6
+    words = [[4, 5, 6], [9]]
+    prompt = [4, 5]  # a prompt that ends with the prefix does not count: outputs only
+    out = sampler()(logits, [
+        seq(0, token_ids=prompt + [1, 4, 5], prompt_len=2, temperature=0.0,
+            bad_words_token_ids=words),
+        seq(1, token_ids=prompt + [1, 4], prompt_len=2, temperature=0.0,
+            bad_words_token_ids=words),
+        seq(2, token_ids=prompt, prompt_len=2, temperature=0.0, bad_words_token_ids=words)])
+    assert out[0].token_ids != [6]
+    assert out[1].token_ids == [6] and out[2].token_ids == [6]
+    one_token = sampler()(torch.eye(VOCAB)[9:10] * 5, [seq(temperature=0.0,
+                                                           bad_words_token_ids=[[9]])])[0]
+    assert one_token.token_ids != [9]

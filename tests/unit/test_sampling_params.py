@@ -66,3 +66,27 @@ def test_every_bad_field_is_a_violation_and_the_first_one_is_the_message():
         SamplingParams(stop_token_ids=[3, 900, 5, 901]).verify_for_model(512)
     assert info.value.reason == Reason.UNKNOWN_TOKEN_ID
     assert [v.field for v in info.value.violations] == ["stop_token_ids[1]", "stop_token_ids[3]"]
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"logit_bias": {3: 101.0}}, "logit_bias"), ({"logit_bias": {3: math.nan}}, "logit_bias"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [-2]}, "allowed_token_ids"), ({"bad_words": ["ok", " "]}, "bad_words[1]"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")])
+def test_token_constraints_out_of_range_are_refused(kwargs, field):
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams(**kwargs)
+    assert [v.field for v in info.value.violations] == [field]
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_for_the_model():
+    for kwargs, field in (({"logit_bias": {99: 1.0}}, "logit_bias[99]"),
+                          ({"allowed_token_ids": [1, 99]}, "allowed_token_ids[1]")):
+        with pytest.raises(InvalidRequest) as info:
+            SamplingParams(**kwargs).verify_for_model(50)
+        assert info.value.reason == Reason.UNKNOWN_TOKEN_ID
+        assert [v.field for v in info.value.violations] == [field]
+
+
+def test_greedy_with_n_above_one_is_accepted():
+    assert SamplingParams(temperature=0.0, n=3).num_candidates == 3

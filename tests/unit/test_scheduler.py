@@ -435,3 +435,15 @@ def test_a_recomputed_group_too_big_for_the_pool_fails_instead_of_stalling():
     final = [r for r in reports if r.request_id == "pair" and r.finished]
     assert final and all(o.finish_reason == "error" for o in final[0].outputs)
     assert pair.is_finished and h.all_free()
+
+
+def test_a_request_owed_prompt_logprobs_skips_the_prefix_cache():
+    """A hit would skip positions whose logprobs it asked for (vLLM skips the cache too)."""
+    h = Harness(enable_prefix_caching=True)
+    h.add("first", 13)
+    h.run_to_end()
+    logprobs = h.add("logprobs", 13, SamplingParams(temperature=0.0, max_tokens=2,
+                                                    prompt_logprobs=1))
+    plain = h.add("plain", 13)
+    h.step()
+    assert (logprobs.num_cached_tokens, plain.num_cached_tokens) == (0, 12)

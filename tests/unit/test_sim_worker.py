@@ -101,6 +101,8 @@ def test_sampler_is_deterministic_and_respects_sampling_settings():
     assert a.token_ids != sampler(None, [state(rand, seed=2, num_samples=4)])[0].token_ids
     assert len(a.top_logprobs) == 4 and all(len(t) == 3 for t in a.top_logprobs)
     assert all(sampler.token_range.start <= t < sampler.token_range.stop for t in a.token_ids)
+    copies = sampler(None, [state(SamplingParams(temperature=0.0, n=3), num_samples=3)])[0]
+    assert len(set(copies.token_ids)) == 1 and len(copies.token_ids) == 3
     beams = SamplingParams(temperature=0.0, use_beam_search=True, best_of=3)
     b = sampler(None, [state(beams, num_samples=6)])[0]
     assert b.logprobs == sorted(b.logprobs, reverse=True)
@@ -216,7 +218,8 @@ def test_the_sampler_draws_what_sim_token_says_for_every_kind_of_row():
             is_greedy = s.sampling.is_greedy
             seed = sampler.seed if is_greedy or s.seed is None else s.seed
             may_end = not s.sampling.ignore_eos and s.num_output_tokens >= s.sampling.min_tokens
-            expected = [sim_token(seed, len(s.token_ids), s.token_ids, j, sampler.token_range,
+            expected = [sim_token(seed, len(s.token_ids), s.token_ids, 0 if is_greedy else j,
+                                  sampler.token_range,
                                   2 if may_end else None, eos_probability)
                         for j in range(s.num_samples)]
             assert (got.token_ids, got.logprobs) == ([t for t, _ in expected],

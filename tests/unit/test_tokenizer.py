@@ -1,5 +1,7 @@
 import pytest
-from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.errors import ConfigError, InvalidRequest
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.text.sampling_text import bad_words_token_ids, truncated_prompt
 from pagedserve.services.text.tokenizer import Tokenizer
 
 from tests.unit.tiny_tokenizers import byte_level_bpe, sentencepiece_bpe
@@ -90,3 +92,27 @@ def test_decode_through_the_backend_equals_the_python_decode(make):
         for window in (ids, ids[3:], ids[:1], [ids[2], ids[2]]):
             assert tokenizer.decode(window, skip_special_tokens=skip) == hf.decode(
                 window, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def test_a_chat_template_replaces_the_models_from_a_file_or_inline(tmp_path):
+    tokenizer = byte_level_bpe()
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(template.replace("<", "("))
+    tokenizer.use_chat_template(str(path))
+    assert tokenizer.render_chat([{"role": "developer", "content": "x"}]) == "(developer>x"
+    tokenizer.use_chat_template(template)
+    assert tokenizer.render_chat([{"role": "tool", "content": "y"}]) == "<tool>y"
+    for bad in (str(tmp_path / "missing.jinja"), "{% for %}"):
+        with pytest.raises(ConfigError, match="chat_template"):
+            tokenizer.use_chat_template(bad)
+
+
+def test_bad_words_become_ids_as_written_and_mid_text():
+    tokenizer = byte_level_bpe()
+    ids = bad_words_token_ids(("fox", " quick"), tokenizer)
+    encode = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    assert set(ids) == {encode("fox"), encode(" fox"), encode(" quick")}  # as written, spaced
+    sampling = SamplingParams(truncate_prompt_tokens=2)
+    assert truncated_prompt([1, 2, 3, 4], sampling) == [3, 4]
+    assert truncated_prompt([1], sampling) == [1]

@@ -31,6 +31,12 @@ def _bad_steps(vocab_size: int) -> dict[str, dict]:
         "token id past the vocabulary": dict(new_seqs=[_new([1, vocab_size], [3])]),
         "stop token id past the vocabulary": dict(
             new_seqs=[_new([1, 2], [3], stop_token_ids=[vocab_size])]),
+        "logit bias past the vocabulary": dict(
+            new_seqs=[_new([1, 2], [3], logit_bias={vocab_size: 1.0})]),
+        "allowed token id past the vocabulary": dict(
+            new_seqs=[_new([1, 2], [3], allowed_token_ids=[vocab_size])]),
+        "bad word token past the vocabulary": dict(
+            new_seqs=[_new([1, 2], [3], bad_words_token_ids=[[1, vocab_size]])]),
         "swap-out past the CPU pool": dict(blocks_to_swap_out=[(0, NUM_CPU_BLOCKS)]),
         "swap-in past the device pool": dict(blocks_to_swap_in=[(0, NUM_GPU_BLOCKS)]),
         "copy past the device pool, after a valid one": dict(

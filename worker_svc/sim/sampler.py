@@ -75,7 +75,9 @@ class SimSampler:
             contexts.append(s.token_ids[-_CONTEXT_WINDOW:])
             eos_ok.append(self.eos_token_id is not None and not sampling.ignore_eos
                           and s.num_output_tokens >= sampling.min_tokens)
-        tokens, logprobs = self._draw(seeds, positions, num_samples, contexts, eos_ok)
+        is_distinct = [not (s.sampling.is_greedy and not s.sampling.use_beam_search) for s in seqs]
+        tokens, logprobs = self._draw(seeds, positions, num_samples, contexts, eos_ok,
+                                      is_distinct)
         out, row = [], 0
         for s, n in zip(seqs, num_samples, strict=True):
             if n == 1 and s.sampling.logprobs is None:
@@ -93,13 +95,15 @@ class SimSampler:
         return _DrawnSamples(token_ids, offsets, sampled)
 
     def _draw(self, seeds: list[int], positions: list[int], num_samples: list[int],
-              contexts: list[list[int]], eos_ok: list[bool]) -> tuple[list[int], list[float]]:
+              contexts: list[list[int]], eos_ok: list[bool],
+              is_distinct: list[bool]) -> tuple[list[int], list[float]]:
         """_mix and sim_token for each sequence's draws; uint64 arithmetic wraps as & _MASK_64
         does there."""
         counts = np.array(num_samples, dtype=np.int64)
         starts = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=starts[1:])
         sample = np.arange(starts[-1], dtype=np.int64) - np.repeat(starts[:-1], counts)
+        sample *= np.repeat(np.array(is_distinct, dtype=np.int64), counts)  # greedy: n copies
         x = (np.repeat(np.array(seeds, dtype=np.uint64), counts) * np.uint64(_MUL)
              + np.repeat(np.array(positions, dtype=np.uint64), counts)
              * np.uint64(0xBF58476D1CE4E5B9) + sample.astype(np.uint64))

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from pagedserve.services.common.outputs import Usage
+from pagedserve.services.common.outputs import TokenLogprob, Usage
 from pagedserve.services.gateway.openai import sse
 from pagedserve.services.gateway.openai.convert import (
     chat_max_tokens,
     chat_messages,
+    chat_options,
     chat_requested_max_tokens,
     chat_top_logprobs,
     sampling_params,
@@ -33,11 +34,14 @@ from pagedserve.services.gateway.openai.protocol import (
     ChatLogprobs,
     ChatMessageOut,
     ChatTokenLogprob,
+    PromptLogprobs,
     now_s,
 )
 from pagedserve.services.gateway.openai.serving import (
     OpenAIServing,
     logprob_value,
+    prompt_logprobs_body,
+    token_label,
     top_logprob,
     usage_info,
 )
@@ -47,13 +51,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 
-def _logprobs(delta: TextDelta) -> ChatLogprobs:
+def _logprobs(delta: TextDelta, label: Callable[[TokenLogprob], str]) -> ChatLogprobs:
     content = []
     for i, sampled in enumerate(delta.logprobs):
         top = delta.top_logprobs[i] if i < len(delta.top_logprobs) else []
+        token = label(sampled)
         content.append(ChatTokenLogprob(
-            token=sampled.text, logprob=logprob_value(sampled.logprob),
-            bytes=list(sampled.text.encode()), top_logprobs=[top_logprob(c) for c in top]))
+            token=token, logprob=logprob_value(sampled.logprob), bytes=list(token.encode()),
+            top_logprobs=[top_logprob(c, label) for c in top]))
     return ChatLogprobs(content=content)
 
 
@@ -64,7 +69,8 @@ def _messages_input(serving: OpenAIServing, body: ChatCompletionRequest) -> Gene
     sampling = sampling_params(body, 1 if requested is None else requested,
                                chat_top_logprobs(body), limits=serving.frontend.limits)
     return GenerateInput(messages=chat_messages(body.messages), sampling=sampling,
-                         priority=body.priority)
+                         priority=body.priority, chat=chat_options(body),
+                         add_special_tokens=body.add_special_tokens)
 
 
 class _Chat:
@@ -73,7 +79,7 @@ class _Chat:
         """`token_ids`: the messages through the chat template."""
         self.serving = serving
         self.body = body
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         self.created = now_s()
         logprobs = chat_top_logprobs(body)
         max_tokens = chat_max_tokens(body, len(token_ids), serving.frontend.info)
@@ -85,17 +91,30 @@ class _Chat:
                          for _ in range(sampling.n)]
         self.finish_reasons: list[str | None] = [None] * sampling.n
         self.usages: list[Usage] = []
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self.has_started = [False] * sampling.n
+        last = body.messages[-1]
+        # echo (vLLM): an answer continues the last message when that is the assistant's own
+        self.echo = (chat_messages([last])[0].content
+                     if body.echo and last.role == "assistant" else "")
 
     def on_delta(self, delta: TextDelta) -> ChatChunkChoice:
-        logprobs = _logprobs(delta) if self.body.logprobs else None
-        self.texts[delta.index] += delta.text
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs_body(delta.prompt_logprobs)
+        logprobs = (_logprobs(delta, token_label(self.body.return_tokens_as_token_ids))
+                    if self.body.logprobs else None)
+        text = delta.text
+        if not self.has_started[delta.index]:
+            self.has_started[delta.index] = True
+            text = self.echo + text
+        self.texts[delta.index] += text
         whole = self.logprobs[delta.index]
         if whole is not None and logprobs is not None:
             whole.content.extend(logprobs.content)
         self.finish_reasons[delta.index] = delta.finish_reason
         if delta.usage is not None:
             self.usages.append(delta.usage)
-        return ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text or None),
+        return ChatChunkChoice(index=delta.index, delta=ChatDelta(content=text or None),
                                logprobs=logprobs, finish_reason=delta.finish_reason)
 
     def chunk(self, choices: list[ChatChunkChoice], with_usage: bool = False) -> str:
@@ -114,7 +133,7 @@ class _Chat:
             choices=[ChatChoice(index=i, message=ChatMessageOut(content=text),
                                 logprobs=self.logprobs[i], finish_reason=self.finish_reasons[i])
                      for i, text in enumerate(self.texts)],
-            usage=usage_info(self.usages))
+            usage=usage_info(self.usages), prompt_logprobs=self.prompt_logprobs)
 
     async def events(self, deltas: StartedDeltas) -> AsyncIterator[str]:
         try:

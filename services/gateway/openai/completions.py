@@ -6,9 +6,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from pagedserve.services.common.outputs import Usage
+from pagedserve.services.common.outputs import TokenLogprob, Usage
 from pagedserve.services.gateway.openai import sse
 from pagedserve.services.gateway.openai.convert import (
     check_prompt_size,
@@ -26,11 +26,14 @@ from pagedserve.services.gateway.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprobs,
     now_s,
 )
 from pagedserve.services.gateway.openai.serving import (
     OpenAIServing,
     logprob_value,
+    prompt_logprobs_body,
+    token_label,
     usage_info,
 )
 from pagedserve.services.text.text_stream import TextDelta
@@ -44,17 +47,44 @@ class _Choice:
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     num_chars: int = 0  # of the token texts so far: the next token's text_offset
+    has_started: bool = False
 
 
-def _logprobs(delta: TextDelta, choice: _Choice) -> CompletionLogprobs:
+def _echo_logprobs(first_token: TokenLogprob, positions: list[list[TokenLogprob]],
+                   num_top: int, label: Callable[[TokenLogprob], str]) -> CompletionLogprobs:
+    """The echoed prompt's tokens as `logprobs` entries (the first has none), before the
+    output's: what vLLM answers to echo with logprobs."""
+    out = CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[label(first_token)],
+                             top_logprobs=[None])
+    num_chars = len(first_token.text)
+    for candidates in positions:
+        if not candidates:  # none reported for this position
+            out.tokens.append("")
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(num_chars)
+            continue
+        target, *top = candidates
+        out.tokens.append(label(target))
+        out.token_logprobs.append(logprob_value(target.logprob))
+        best = {label(c): logprob_value(c.logprob) for c in top[:num_top]}
+        best.setdefault(label(target), logprob_value(target.logprob))
+        out.top_logprobs.append(best)
+        out.text_offset.append(num_chars)
+        num_chars += len(target.text)
+    return out
+
+
+def _logprobs(delta: TextDelta, choice: _Choice,
+              label: Callable[[TokenLogprob], str]) -> CompletionLogprobs:
     """The sampled token's logprob, and the top candidates with the sampled one among them."""
     out = CompletionLogprobs()
     for i, sampled in enumerate(delta.logprobs):
-        out.tokens.append(sampled.text)
+        out.tokens.append(label(sampled))
         out.token_logprobs.append(logprob_value(sampled.logprob))
-        top = {c.text: logprob_value(c.logprob)
+        top = {label(c): logprob_value(c.logprob)
                for c in (delta.top_logprobs[i] if i < len(delta.top_logprobs) else ())}
-        top.setdefault(sampled.text, logprob_value(sampled.logprob))
+        top.setdefault(label(sampled), logprob_value(sampled.logprob))
         out.top_logprobs.append(top)
         out.text_offset.append(choice.num_chars)
         choice.num_chars += len(sampled.text)
@@ -69,18 +99,26 @@ class _Completion:
         serving.check_model(body.model)
         self.serving = serving
         self.body = body
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
         self.created = now_s()
         frontend = serving.frontend
-        sampling = sampling_params(body, body.max_tokens, body.logprobs, limits=frontend.limits)
+        # echo with logprobs reports the prompt's tokens too (vLLM)
+        echoed_logprobs = body.logprobs if body.echo and body.prompt_logprobs is None else None
+        sampling = sampling_params(body, body.max_tokens, body.logprobs, echoed_logprobs,
+                                   limits=frontend.limits)
+        self.wants_prompt_logprobs = sampling.prompt_logprobs is not None
         check_prompt_size(body.prompt, sampling, frontend.limits, frontend.info)
         prompts = completion_prompts(body.prompt)
         self.inputs = [dataclasses.replace(
             p, sampling=sampling, priority=body.priority,
+            add_special_tokens=body.add_special_tokens,
             request_id=self.id if len(prompts) == 1 else f"{self.id}-{i}")
             for i, p in enumerate(prompts)]
         self.n = sampling.n
         self.echoes: list[str] = []
+        self.first_tokens: list[TokenLogprob] = []  # of each prompt: its echo has no logprob
+        self.label = token_label(body.return_tokens_as_token_ids)
+        self.prompt_logprobs: list[list[list[TokenLogprob]] | None] = [None] * len(prompts)
         self.choices: list[_Choice] = []
         self.usages: list[Usage] = []
 
@@ -93,6 +131,9 @@ class _Completion:
                 self.echoes.append(one.text)
             else:
                 self.echoes.append(await self.serving.frontend.decode(prepared.prompt_token_ids))
+            first_id = prepared.prompt_token_ids[0]
+            self.first_tokens.append(TokenLogprob(first_id, 0.0, self.serving.frontend.tokenizer
+                                                  .decode([first_id], skip_special_tokens=False)))
         self.choices = [_Choice(num_chars=len(self.echoes[i // self.n]))
                         for i in range(len(self.inputs) * self.n)]
 
@@ -100,10 +141,21 @@ class _Completion:
         """The delta as a choice chunk; the whole choice is accumulated too."""
         index = prompt_index * self.n + delta.index
         choice = self.choices[index]
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = delta.prompt_logprobs
         text = delta.text
-        if self.body.echo and not choice.text:
+        logprobs = (_logprobs(delta, choice, self.label) if self.body.logprobs is not None
+                    else None)
+        if self.body.echo and not choice.has_started:
             text = self.echoes[prompt_index] + text
-        logprobs = _logprobs(delta, choice) if self.body.logprobs is not None else None
+            positions = self.prompt_logprobs[prompt_index]
+            if logprobs is not None and positions is not None:
+                echoed = _echo_logprobs(self.first_tokens[prompt_index], positions,
+                                        self.body.logprobs or 0, self.label)
+                for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+                    getattr(echoed, name).extend(getattr(logprobs, name))
+                logprobs = echoed
+        choice.has_started = True
         choice.text += text
         if logprobs is not None:
             if choice.logprobs is None:
@@ -127,8 +179,15 @@ class _Completion:
             async for prompt_index, delta in deltas:
                 self.on_delta(prompt_index, delta)
         return self.response([CompletionChoice(index=i, text=c.text, logprobs=c.logprobs,
-                                               finish_reason=c.finish_reason)
+                                               finish_reason=c.finish_reason,
+                                               prompt_logprobs=self._prompt_logprobs(i // self.n))
                               for i, c in enumerate(self.choices)], with_usage=True)
+
+    def _prompt_logprobs(self, prompt_index: int) -> PromptLogprobs | None:
+        positions = self.prompt_logprobs[prompt_index]
+        if not self.wants_prompt_logprobs or positions is None:
+            return None
+        return prompt_logprobs_body(positions)
 
     async def events(self, deltas: StartedDeltas) -> AsyncIterator[str]:
         try:

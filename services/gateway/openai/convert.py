@@ -6,6 +6,7 @@ rules themselves are SamplingParams' (one place), so its messages reach HTTP cli
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pagedserve.services.common.errors import InvalidRequest, Reason
@@ -22,8 +23,19 @@ from pagedserve.services.gateway.openai.protocol import (
     ChatMessageIn,
     CompletionRequest,
     GenerationRequest,
+    TokenizeRequest,
 )
-from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ServedModel
+from pagedserve.services.gateway.openai.request_fields import (
+    REFUSED_CHAT_FIELDS,
+    REFUSED_COMPLETION_FIELDS,
+    check_undeclared_fields,
+)
+from pagedserve.services.gateway.validation import (
+    ChatMessage,
+    ChatOptions,
+    GenerateInput,
+    ServedModel,
+)
 
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
@@ -34,10 +46,18 @@ def _brief(value: Any, max_chars: int = 80) -> str:
 
 
 def _reject_unsupported(request: GenerationRequest) -> None:
-    if request.logit_bias:
-        raise InvalidRequest(f"logit_bias is not supported, got {_brief(request.logit_bias)}",
-                             reason=Reason.UNSUPPORTED_PARAMETER, field="logit_bias")
-    if isinstance(request, ChatCompletionRequest):
+    is_chat = isinstance(request, ChatCompletionRequest)
+    check_undeclared_fields(request, REFUSED_CHAT_FIELDS if is_chat
+                            else REFUSED_COMPLETION_FIELDS)
+    if request.stream_options is not None and request.stream_options.continuous_usage_stats:
+        raise InvalidRequest("stream_options.continuous_usage_stats is not supported, got true",
+                             reason=Reason.UNSUPPORTED_PARAMETER,
+                             field="stream_options.continuous_usage_stats")
+    if request.prompt_logprobs and request.stream:
+        raise InvalidRequest(f"prompt_logprobs are not available when stream=true, got "
+                             f"prompt_logprobs={request.prompt_logprobs}",
+                             reason=Reason.INVALID_SAMPLING_PARAMS, field="prompt_logprobs")
+    if is_chat:
         if request.tools:
             raise InvalidRequest(f"tools are not supported, got {len(request.tools)} tools",
                                  reason=Reason.UNSUPPORTED_PARAMETER, field="tools")
@@ -60,6 +80,8 @@ def sampling_params(request: GenerationRequest, max_tokens: int | None,
     stop = [request.stop] if isinstance(request.stop, str) else request.stop
     check_list_lengths(stop or (), request.stop_token_ids or (),
                        limits if limits is not None else RequestLimitsConfig())
+    if prompt_logprobs is None:
+        prompt_logprobs = request.prompt_logprobs
     values: dict[str, Any] = {
         "n": request.n, "best_of": request.best_of, "use_beam_search": request.use_beam_search,
         "length_penalty": request.length_penalty, "temperature": request.temperature,
@@ -71,8 +93,24 @@ def sampling_params(request: GenerationRequest, max_tokens: int | None,
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "ignore_eos": request.ignore_eos, "max_tokens": max_tokens,
         "min_tokens": request.min_tokens, "logprobs": logprobs,
-        "prompt_logprobs": prompt_logprobs, "skip_special_tokens": request.skip_special_tokens}
+        "prompt_logprobs": prompt_logprobs, "skip_special_tokens": request.skip_special_tokens,
+        "logit_bias": _logit_bias(request.logit_bias),
+        "allowed_token_ids": request.allowed_token_ids, "bad_words": request.bad_words,
+        "truncate_prompt_tokens": request.truncate_prompt_tokens}
     return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+
+
+def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """JSON keys are strings; each must spell a token id."""
+    if not logit_bias:
+        return None
+    bias = {}
+    for key, value in logit_bias.items():
+        if not key.isdigit():
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {_brief(key)}",
+                                 reason=Reason.INVALID_SAMPLING_PARAMS, field="logit_bias")
+        bias[int(key)] = value
+    return bias
 
 
 def check_prompt_size(prompt: str | list[Any], sampling: SamplingParams,
@@ -115,9 +153,41 @@ def _is_token_id(value: Any) -> bool:
 
 
 def chat_messages(messages: list[ChatMessageIn]) -> tuple[ChatMessage, ...]:
-    """String content as is; a list of parts must hold text parts only, joined by newlines."""
-    return tuple(ChatMessage(role=m.role, content=_message_text(m.content, i))
+    """String content as is; a list of parts must hold text parts only, joined by newlines. An
+    assistant's tool calls go to the template with their JSON arguments parsed, as templates
+    read them."""
+    return tuple(ChatMessage(role=m.role, content=_message_text(m.content, i),
+                             tool_calls=_tool_calls(m.tool_calls or [], i),
+                             tool_call_id=m.tool_call_id or "", name=m.name or "")
                  for i, m in enumerate(messages))
+
+
+def chat_options(request: ChatCompletionRequest | TokenizeRequest) -> ChatOptions:
+    return ChatOptions(add_generation_prompt=request.add_generation_prompt,
+                       continue_final_message=request.continue_final_message,
+                       template_kwargs=request.chat_template_kwargs or {})
+
+
+def _tool_calls(calls: list[dict[str, Any]], index: int) -> tuple[dict[str, Any], ...]:
+    checked = []
+    for j, call in enumerate(calls):
+        function = call.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequest(f"messages[{index}].tool_calls[{j}].function.name must be a "
+                                 f"string, got {_brief(call)}", reason=Reason.INVALID_CHAT_MESSAGE,
+                                 field=f"messages[{index}].tool_calls[{j}].function.name")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise InvalidRequest(
+                    f"messages[{index}].tool_calls[{j}].function.arguments must be JSON, got "
+                    f"{_brief(arguments)}", reason=Reason.INVALID_CHAT_MESSAGE,
+                    field=f"messages[{index}].tool_calls[{j}].function.arguments") from None
+        checked.append({**call, "type": call.get("type", "function"),
+                        "function": {**function, "arguments": arguments}})
+    return tuple(checked)
 
 
 def _message_text(content: str | list[dict[str, Any]] | None, index: int) -> str:

@@ -1,8 +1,10 @@
 """The OpenAI (and vLLM-extension) request and response bodies, as pydantic models.
 
-Requests ignore fields they do not know, as OpenAI's own server does; values that need the model
-or the sampling rules are checked later (convert.py, SamplingParams) with messages naming the
-field. `None` means "the default" for every optional field, since clients send explicit nulls.
+Requests keep the fields they do not declare (`model_extra`): request_fields.py refuses those
+vLLM serves and this server does not, and logs the others once, as vLLM ignores them. Values
+that need the model or the sampling rules are checked later (convert.py, SamplingParams) with
+messages naming the field. `None` means "the default" for every optional field, since clients
+send explicit nulls.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from pydantic import (
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # refused when true (convert.py)
 
 
 class GenerationRequest(BaseModel):
     """Fields /v1/completions and /v1/chat/completions share: OpenAI's, then vLLM's extras."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int | None = None
@@ -55,6 +58,12 @@ class GenerationRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    request_id: str | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
 
 
 class CompletionRequest(GenerationRequest):
@@ -63,14 +72,17 @@ class CompletionRequest(GenerationRequest):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
+    add_special_tokens: bool = True
 
 
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None  # parts: checked in convert
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to one
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -81,6 +93,11 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # the answer starts with the last message when it is the assistant's
 
 
 class TokenizeRequest(BaseModel):
@@ -91,7 +108,10 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool = True  # a prompt's; messages get the template's own
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -126,11 +146,31 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's form of one candidate at a prompt position."""
+
+    logprob: float | None
+    decoded_token: str
+
+
+# per prompt position (None for the first): token id → its logprob, the prompt's token first
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _prompt_logprobs_if_asked(self, handler: SerializerFunctionWrapHandler
+                                  ) -> dict[str, Any]:
+        body = handler(self)
+        if body.get("prompt_logprobs") is None:
+            body.pop("prompt_logprobs", None)
+        return body
 
 
 class CompletionResponse(BaseModel):
@@ -177,6 +217,15 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _prompt_logprobs_if_asked(self, handler: SerializerFunctionWrapHandler
+                                  ) -> dict[str, Any]:
+        body = handler(self)
+        if body.get("prompt_logprobs") is None:
+            body.pop("prompt_logprobs", None)
+        return body
 
 
 class ChatDelta(BaseModel):
@@ -229,6 +278,10 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ErrorInfo(BaseModel):

@@ -3,12 +3,14 @@ routes to the app it returns (they stay behind the API key unless listed in OPEN
 
 from __future__ import annotations
 
+import importlib.metadata
+
 from fastapi import FastAPI, Request
 from pagedserve.services.common.errors import InvalidRequest, Reason
 from pagedserve.services.gateway.config import HttpConfig
 from pagedserve.services.gateway.openai.chat import create_chat_completion
 from pagedserve.services.gateway.openai.completions import create_completion
-from pagedserve.services.gateway.openai.convert import chat_messages
+from pagedserve.services.gateway.openai.convert import chat_messages, chat_options
 from pagedserve.services.gateway.openai.errors import install_error_handlers
 from pagedserve.services.gateway.openai.middleware import ApiKeyGuard, ArrivalTime, BodyLimit
 from pagedserve.services.gateway.openai.protocol import (
@@ -20,6 +22,7 @@ from pagedserve.services.gateway.openai.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    VersionResponse,
 )
 from pagedserve.services.gateway.openai.serving import OpenAIServing
 from pagedserve.services.gateway.validation import GenerateInput
@@ -43,6 +46,10 @@ def build_app(serving: OpenAIServing, api_key: str = "",
         is_ready = not frontend.admission.is_draining and bool(frontend.replicas.serving())
         return Response(status_code=200 if is_ready else 503)
 
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=_package_version())
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=serving.model_name, root=frontend.info.model,
@@ -65,10 +72,10 @@ def build_app(serving: OpenAIServing, api_key: str = "",
                                  reason=Reason.PROMPT_MISSING, field="prompt")
         if body.messages is not None:
             token_ids = await frontend.tokenize(
-                GenerateInput(messages=chat_messages(body.messages)))
+                GenerateInput(messages=chat_messages(body.messages), chat=chat_options(body)))
         else:
-            token_ids = await frontend.tokenize(GenerateInput(text=body.prompt),
-                                                add_special_tokens=body.add_special_tokens)
+            token_ids = await frontend.tokenize(GenerateInput(
+                text=body.prompt, add_special_tokens=body.add_special_tokens))
         return TokenizeResponse(count=len(token_ids), max_model_len=frontend.info.max_model_len,
                                 tokens=token_ids)
 
@@ -84,3 +91,10 @@ def build_app(serving: OpenAIServing, api_key: str = "",
     app.add_middleware(ArrivalTime)  # the outermost
     return app
 
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("pagedserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree never installed
+        return "unknown"

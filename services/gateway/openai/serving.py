@@ -4,13 +4,15 @@ logprob pieces of the responses."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pagedserve.services.common.outputs import TokenLogprob, Usage
 from pagedserve.services.gateway.frontend import Frontend
 from pagedserve.services.gateway.openai.errors import ModelNotFound
 from pagedserve.services.gateway.openai.protocol import (
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
@@ -54,6 +56,30 @@ def logprob_value(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
-def top_logprob(logprob: TokenLogprob) -> TopLogprob:
-    return TopLogprob(token=logprob.text, logprob=logprob_value(logprob.logprob),
-                      bytes=list(logprob.text.encode()))
+def token_text(logprob: TokenLogprob) -> str:
+    return logprob.text
+
+
+def token_id_label(logprob: TokenLogprob) -> str:
+    """vLLM's name of a token under return_tokens_as_token_ids: one a client cannot confuse
+    with another, whatever bytes it decodes to."""
+    return f"token_id:{logprob.token_id}"
+
+
+def token_label(return_tokens_as_token_ids: bool | None) -> Callable[[TokenLogprob], str]:
+    return token_id_label if return_tokens_as_token_ids else token_text
+
+
+def top_logprob(logprob: TokenLogprob,
+                label: Callable[[TokenLogprob], str] = token_text) -> TopLogprob:
+    token = label(logprob)
+    return TopLogprob(token=token, logprob=logprob_value(logprob.logprob),
+                      bytes=list(token.encode()))
+
+
+def prompt_logprobs_body(positions: list[list[TokenLogprob]]) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: None for the first token, then each position's candidates, the
+    prompt's own token first."""
+    return [None] + [{str(c.token_id): PromptLogprob(logprob=logprob_value(c.logprob),
+                                                     decoded_token=c.text)
+                      for c in candidates} for candidates in positions]
