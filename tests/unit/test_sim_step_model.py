@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedserve.worker_svc.cuda_graphs import capture_batch_sizes
+from pagedserve.worker_svc.cuda_graphs import MAX_CAPTURE_SEQ_LEN
+from pagedserve.worker_svc.graph_buckets import capture_buckets
 from pagedserve.worker_svc.sim.calibration import ENGINE_HOST_S
 from pagedserve.worker_svc.sim.roofline import GPUS, MODELS, ModelShape, Roofline
 from pagedserve.worker_svc.sim.step_model import (
@@ -28,11 +29,13 @@ SMALL = ModelShape("small", 512, 4, 8, 2, 64, 1408, 4096)
 
 
 def step_model(shape: ModelShape, max_num_seqs: int | None = None,
-               enable_fused_kernels: bool = False) -> StepModel:
-    """max_num_seqs None: eager steps only (enable_cuda_graph off)."""
+               enable_fused_kernels: bool = False, max_cuda_graph_tokens: int = 0) -> StepModel:
+    """max_num_seqs None: eager steps only (enable_cuda_graph off); max_cuda_graph_tokens 0:
+    decode-only graphs."""
     ops = traced_ops(hf_config_of(shape), torch.bfloat16, enable_fused_kernels)
-    sizes = capture_batch_sizes(max_num_seqs) if max_num_seqs else []
-    return StepModel(ops, Roofline(shape, H100), graph_batch_sizes=sizes)
+    buckets = (capture_buckets(max_num_seqs, 2048, max_cuda_graph_tokens, MAX_CAPTURE_SEQ_LEN)
+               if max_num_seqs else None)
+    return StepModel(ops, Roofline(shape, H100), graph_buckets=buckets)
 
 
 def decode(batch: int, context: int) -> tuple[list[int], list[int], int]:
