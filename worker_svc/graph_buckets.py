@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 MAX_CAPTURE_BATCH_SIZE = 256
 MIN_CAPTURE_TOKENS = 8
+DOUBLING_CAPTURE_TOKENS = 256
 
 
 def capture_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -23,16 +24,17 @@ def capture_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 def capture_num_tokens(max_cuda_graph_tokens: int, max_num_batched_tokens: int) -> list[int]:
-    """Mixed-step buckets: 8, 16, 32, ... doubling, up to and including the smaller limit. A
-    forward of a few hundred tokens is bound by reading the weights, so padding up to twice the
-    tokens costs little, and few buckets keep capture short."""
+    """Mixed-step buckets: 8, 16, 32, ... doubling up to 256, then every 128, up to and
+    including the smaller limit. Up to a few hundred tokens a forward is bound by reading the
+    weights, so padding costs little there; past that it is bound by FLOPs, which padding
+    adds."""
     limit = min(max_cuda_graph_tokens, max_num_batched_tokens)
     if limit < 2:  # a mixed step has at least two tokens
         return []
     sizes, size = [], MIN_CAPTURE_TOKENS
     while size < limit:
         sizes.append(size)
-        size *= 2
+        size = size * 2 if size < DOUBLING_CAPTURE_TOKENS else size + DOUBLING_CAPTURE_TOKENS // 2
     return [*sizes, limit]
 
 

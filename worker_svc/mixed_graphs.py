@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.services.common.cdiv import cdiv
-from pagedserve.worker_svc.cuda_graphs import capture_graph, is_decode_only
+from pagedserve.worker_svc.cuda_graphs import DecodeGraphs, capture_graph, is_decode_only
 from pagedserve.worker_svc.graph_buckets import GraphBuckets, graph_bucket, mixed_num_seqs
 from pagedserve.worker_svc.model_input import ModelInput
 from torch import nn
@@ -158,3 +158,20 @@ class MixedGraphs:
         self.graphs[num_tokens].replay()
         self.num_replays += 1
         return self.hidden_states[num_tokens][:model_input.num_tokens]
+
+
+def capture_graphs(model: nn.Module, buckets: GraphBuckets, block_size: int,
+                   kv_caches: list[torch.Tensor],
+                   device: torch.device) -> tuple[DecodeGraphs, MixedGraphs | None]:
+    """Both kinds into one pool, the kind with the larger graph first, so that the smaller
+    graphs reuse what it freed (the memory profile reserves the larger peak only)."""
+    decode = DecodeGraphs(model, buckets.batch_sizes, buckets.max_seq_len, block_size, device)
+    mixed = MixedGraphs(model, buckets, block_size, device) if buckets.num_tokens else None
+    pool = torch.cuda.graph_pool_handle()
+    is_mixed_larger = mixed is not None and mixed.num_tokens[-1] > decode.batch_sizes[-1]
+    if is_mixed_larger:
+        mixed.capture(kv_caches, pool)
+    decode.capture(kv_caches, pool)
+    if mixed is not None and not is_mixed_larger:
+        mixed.capture(kv_caches, pool)
+    return decode, mixed

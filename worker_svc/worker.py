@@ -33,18 +33,14 @@ from pagedserve.worker_svc.cache_engine import (
     allocate_kv_caches,
     check_cache_ops,
 )
-from pagedserve.worker_svc.cuda_graphs import (
-    CAPTURABLE_BACKENDS,
-    MAX_CAPTURE_SEQ_LEN,
-    DecodeGraphs,
-)
+from pagedserve.worker_svc.cuda_graphs import CAPTURABLE_BACKENDS, MAX_CAPTURE_SEQ_LEN
 from pagedserve.worker_svc.graph_buckets import GraphBuckets, capture_buckets
 from pagedserve.worker_svc.in_flight import InFlightStep
 from pagedserve.worker_svc.launch_window import LaunchWindow
 from pagedserve.worker_svc.layers.attention import Attention
 from pagedserve.worker_svc.loader import eos_token_ids, load_hf_config, load_model
 from pagedserve.worker_svc.memory import non_torch_bytes, profile_memory
-from pagedserve.worker_svc.mixed_graphs import MIXED_CAPTURABLE_BACKENDS, MixedGraphs
+from pagedserve.worker_svc.mixed_graphs import MIXED_CAPTURABLE_BACKENDS, capture_graphs
 from pagedserve.worker_svc.model_runner import ModelRunner, dummy_num_blocks
 from pagedserve.worker_svc.model_thread import ModelThread
 from pagedserve.worker_svc.models.registry import resolve_architecture
@@ -219,18 +215,8 @@ class Worker:
         if runner.decode_graphs is not None and runner.decode_graphs.batch_sizes == sizes:
             return num_graphs  # captured on this very cache (init_cache kept it)
         runner.decode_graphs = runner.mixed_graphs = None
-        decode = DecodeGraphs(runner.model, sizes, buckets.max_seq_len, self.kv_spec.block_size,
-                              self.device)
-        mixed = (MixedGraphs(runner.model, buckets, self.kv_spec.block_size, self.device)
-                 if buckets.num_tokens else None)
-        # one pool, the largest graph first: the smaller ones reuse what it freed
-        pool = torch.cuda.graph_pool_handle()
-        if mixed is not None and mixed.num_tokens[-1] > sizes[-1]:
-            mixed.capture(cache_engine.gpu_cache, pool)
-        decode.capture(cache_engine.gpu_cache, pool)
-        if mixed is not None and mixed.kv_caches is None:
-            mixed.capture(cache_engine.gpu_cache, pool)
-        runner.decode_graphs, runner.mixed_graphs = decode, mixed
+        runner.decode_graphs, runner.mixed_graphs = capture_graphs(
+            runner.model, buckets, self.kv_spec.block_size, cache_engine.gpu_cache, self.device)
         return num_graphs
 
     def execute_step(self, plan: StepPlan) -> StepOutput:

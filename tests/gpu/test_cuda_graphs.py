@@ -41,8 +41,8 @@ def test_warm_up_captures_every_bucket(tiny_model_dir):
     assert graphs.max_seq_len == min(worker.get_info().max_model_len, MAX_CAPTURE_SEQ_LEN)
     num_tokens = capture_num_tokens(512, 2048)
     assert sorted(worker.runner.mixed_graphs.graphs) == num_tokens == [8, 16, 32, 64, 128, 256,
-                                                                       512]
-    assert worker.warm_up([2, 4]) == 2 + 7 and sorted(worker.runner.decode_graphs.graphs) == [2, 4]
+                                                                       384, 512]
+    assert worker.warm_up([2, 4]) == 2 + 8 and sorted(worker.runner.decode_graphs.graphs) == [2, 4]
     off = cuda_worker(tiny_model_dir("llama"), enable_cuda_graph=False)
     assert off.warm_up() == 0 and off.runner.decode_graphs is off.runner.mixed_graphs is None
     decode_only = cuda_worker(tiny_model_dir("llama"), enable_cuda_graph=True,
@@ -99,12 +99,12 @@ def test_prefills_and_long_decodes_run_eagerly(tiny_model_dir, monkeypatch):
 
 
 def test_graph_memory_stays_within_the_profile_reserve(tiny_model_dir):
-    """bf16 at the default 256 sequences and 512 mixed tokens: 35 decode and 7 mixed graphs,
+    """bf16 at the default 256 sequences and 512 mixed tokens: 35 decode and 8 mixed graphs,
     their pool and outputs."""
     worker = cuda_worker(tiny_model_dir("llama"), dtype="bfloat16", enable_cuda_graph=True,
                          max_num_seqs=256)
     buckets = worker._graph_buckets()
-    assert len(buckets.batch_sizes) == 35 and len(buckets.num_tokens) == 7
+    assert len(buckets.batch_sizes) == 35 and len(buckets.num_tokens) == 8
     reserve = graph_memory_bytes(worker.runner.model, worker.kv_spec, buckets, worker.device)
     # their pool goes back to the device
     worker.runner.decode_graphs = worker.runner.mixed_graphs = None
@@ -112,7 +112,7 @@ def test_graph_memory_stays_within_the_profile_reserve(tiny_model_dir):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved()
-    assert worker.warm_up() == 35 + 7
+    assert worker.warm_up() == 35 + 8
     held = torch.cuda.memory_reserved() - before
     assert 0 < held <= reserve, f"graphs hold {held} bytes, the profile reserved {reserve}"
 

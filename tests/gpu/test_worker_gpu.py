@@ -92,7 +92,7 @@ def test_cuda_defaults_profile_and_swap(tiny_model_dir):
     assert worker.cache_engine.cpu_cache[0].is_pinned()
     runner = worker.runner
     assert worker.warm_up() == len(runner.decode_graphs.graphs) + len(runner.mixed_graphs.graphs)
-    assert len(runner.decode_graphs.graphs) == 35 and len(runner.mixed_graphs.graphs) == 7
+    assert len(runner.decode_graphs.graphs) == 35 and len(runner.mixed_graphs.graphs) == 8
     for layer in worker.cache_engine.gpu_cache:
         layer.copy_(torch.randn_like(layer))
     before = [layer.clone() for layer in worker.cache_engine.gpu_cache]

@@ -33,9 +33,10 @@ def _mixed() -> list:
     return [_seq(5, 9, [2, 8], num_scheduled=9), *_decodes()]
 
 
-def test_token_buckets_double_up_to_the_smaller_limit():
-    assert capture_num_tokens(512, 2048) == [8, 16, 32, 64, 128, 256, 512]
+def test_token_buckets_double_then_step_by_128_up_to_the_smaller_limit():
+    assert capture_num_tokens(512, 2048) == [8, 16, 32, 64, 128, 256, 384, 512]
     assert capture_num_tokens(512, 300) == [8, 16, 32, 64, 128, 256, 300]
+    assert capture_num_tokens(1000, 2048)[-4:] == [640, 768, 896, 1000]
     assert capture_num_tokens(100, 2048) == [8, 16, 32, 64, 100]
     assert capture_num_tokens(8, 2048) == [8]
     assert capture_num_tokens(5, 2048) == [5]
