@@ -79,9 +79,8 @@ def unified_attention_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Program (query block of the batch, KV head): the grid is sized by the batch's tokens and
-    sequences, not by its longest query, so a short sequence beside a long one costs no idle
-    programs. A program past its sequence's queries returns at once."""
+    """Program (query block of the batch, KV head): a grid sized by the batch's tokens and
+    sequences, not its longest query. A program past its sequence's queries returns at once."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
     q_block_index = tl.program_id(0)
     kv_head = tl.program_id(1)
