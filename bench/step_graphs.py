@@ -14,7 +14,9 @@ Each step's modelled cost comes from the step model the worker used (so the grap
 the runner's rule, worker_svc/graph_buckets.py). Reported per N and setting: steps, the share
 that are mixed and the share replayed as graphs, the modelled GPU time of all steps (each
 step's device time: its kernels and, in eager steps, the host's launch stream), output tokens
-per modelled second, and that rate over the decode-only setting's, measured in the same run.
+per modelled second, and that rate over the decode-only setting's, measured in the same run;
+beside them the host's modelled launch time (the model thread is held that long, so it is time
+the in-process engine's host work cannot overlap).
 
     python -m bench.step_graphs                        # N = 32, 256
     python -m bench.step_graphs --concurrency 8 --requests-per-client 1 --tag smoke
@@ -78,6 +80,8 @@ def serve(args: argparse.Namespace, concurrency: int, setting: str) -> dict:
         "mixed_graph_share": sum(cost.is_graph for cost in mixed) / max(len(mixed), 1),
         "modelled_gpu_s": gpu_s,
         "mean_mixed_step_ms": 1e3 * sum(c.device_s for c in mixed) / max(len(mixed), 1),
+        "mean_mixed_step_host_ms": 1e3 * sum(c.host_s for c in mixed) / max(len(mixed), 1),
+        "modelled_host_launch_s": sum(cost.host_s for _, cost in steps),
         "output_tok_per_modelled_s": sum(wl.output_lens) / gpu_s,
     }
 
