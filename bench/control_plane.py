@@ -444,14 +444,15 @@ def _roofline_decode_tok_s(args: argparse.Namespace) -> float:
 def _simulated_decode_tok_s(args: argparse.Namespace) -> float:
     """The same with the simulator's step time (a CUDA-graph replay at batch 256)."""
     import torch
-    from pagedserve.worker_svc.cuda_graphs import capture_batch_sizes
+    from pagedserve.worker_svc.cuda_graphs import MAX_CAPTURE_SEQ_LEN
+    from pagedserve.worker_svc.graph_buckets import capture_buckets
     from pagedserve.worker_svc.sim.roofline import Roofline, resolve_gpu, resolve_model_shape
     from pagedserve.worker_svc.sim.step_model import StepModel, traced_ops
     from pagedserve.worker_svc.sim.trace import sim_hf_config
 
     model = StepModel(traced_ops(sim_hf_config(args.sim_model), torch.bfloat16),
                       Roofline(resolve_model_shape(args.sim_model), resolve_gpu(args.gpu)),
-                      graph_batch_sizes=capture_batch_sizes(256))
+                      graph_buckets=capture_buckets(256, 0, 0, MAX_CAPTURE_SEQ_LEN))
     return 256 / model.step([1] * 256, [MEAN_CONTEXT] * 256, 256).device_s
 
 

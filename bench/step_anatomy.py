@@ -56,7 +56,8 @@ from pagedserve.scheduler_svc.stats import LoggingStatLogger
 from pagedserve.scheduler_svc.worker_client import WorkerClient
 from pagedserve.services.common.step_plan import StepOutput, StepPlan, StepTimings
 from pagedserve.services.rpc.convert_worker import step_plan_to_proto
-from pagedserve.worker_svc.cuda_graphs import capture_batch_sizes
+from pagedserve.worker_svc.cuda_graphs import MAX_CAPTURE_SEQ_LEN
+from pagedserve.worker_svc.graph_buckets import capture_buckets
 from pagedserve.worker_svc.sim.roofline import Roofline, resolve_gpu, resolve_model_shape
 from pagedserve.worker_svc.sim.step_model import StepModel, traced_ops
 from pagedserve.worker_svc.sim.trace import sim_hf_config
@@ -325,8 +326,9 @@ def _simulated_step(args: argparse.Namespace, batch_size: int,
     one_layer_fewer.num_hidden_layers -= 1
     floor = Roofline(resolve_model_shape(args.sim_model), resolve_gpu(args.sim_gpu))
     context = args.prompt_len + args.output_len // 2
+    buckets = capture_buckets(max(args.batch_sizes), 0, 0, MAX_CAPTURE_SEQ_LEN)
     costs = [StepModel(traced_ops(config, torch.bfloat16, enable_fused_kernels), floor,
-                       graph_batch_sizes=capture_batch_sizes(max(args.batch_sizes))
+                       graph_buckets=buckets
                        ).step([1] * batch_size, [context] * batch_size, batch_size)
              for config in (hf_config, one_layer_fewer)]
     cost = costs[0]

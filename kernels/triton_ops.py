@@ -48,6 +48,7 @@ class LaunchPlan:
     and a program past its sequence's query or context returns without writing."""
 
     num_unified_seqs: int  # sequences the unified kernel covers (all, or only the prefills)
+    num_unified_tokens: int
     max_unified_query_len: int
     num_split_decodes: int  # decodes handled by the split-KV kernels (0 = none)
     max_num_partitions: int
@@ -61,6 +62,8 @@ def _launch_plan(meta: AttentionMetadata) -> LaunchPlan:
         num_unified = meta.num_prefills if is_split else meta.num_seqs
         plan = LaunchPlan(
             num_unified_seqs=num_unified,
+            num_unified_tokens=(meta.num_prefill_tokens if is_split
+                                else meta.slot_mapping.shape[0]),
             max_unified_query_len=max(meta.query_lens_cpu[:num_unified], default=0),
             num_split_decodes=len(decode_seq_lens) if is_split else 0,
             max_num_partitions=triton.cdiv(max(decode_seq_lens), DECODE_PARTITION_SIZE)
@@ -140,11 +143,11 @@ def attention_launches(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Te
         tuning = config.prefill if is_prefill else config.decode
         tile_n = config.prefill_tile_n if is_prefill else config.decode_tile_n
         block_q = max(1, block_m // group_p2)
-        grid = (plan.num_unified_seqs, triton.cdiv(plan.max_unified_query_len, block_q),
-                num_kv_heads)
+        # sequence i has at most query_len_i // block_q + 1 blocks
+        grid = (plan.num_unified_tokens // block_q + plan.num_unified_seqs, num_kv_heads)
         launches.append(Launch(unified_attention_kernel, grid, (
             out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            scale, plan.num_unified_seqs, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             *cache_strides, meta.block_tables.stride(0),
         ), dict(NUM_QUERIES_PER_KV=group, GROUP_P2=group_p2, BLOCK_Q=block_q, TILE_N=tile_n,
                 **common, num_warps=tuning.num_warps, num_stages=tuning.num_stages)))

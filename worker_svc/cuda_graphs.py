@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps: at small batch sizes kernel launches, not math, set the
+"""CUDA graphs for decode-only steps (mixed steps: worker_svc/mixed_graphs.py): at small batch sizes kernel launches, not math, set the
 step time, so warm-up captures the forward once per decode batch-size bucket and a decode step
 that fits a bucket replays the smallest such graph.
 
@@ -16,20 +16,19 @@ Logits and sampling stay outside the graph.
 
 from __future__ import annotations
 
-import bisect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.services.common.cdiv import cdiv
-from pagedserve.worker_svc.cache_engine import KVCacheSpec, allocate_kv_caches
+from pagedserve.worker_svc.graph_buckets import GraphBuckets, graph_bucket
 from pagedserve.worker_svc.model_input import ModelInput
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
-MAX_CAPTURE_BATCH_SIZE = 256
 # Bounds the graphs' split-KV scratch (it grows with the number of partitions) and their block
 # tables; longer decodes are rare enough to run eagerly.
 MAX_CAPTURE_SEQ_LEN = 8192
@@ -42,25 +41,17 @@ GRAPH_BASE_HEADROOM_BYTES = 64 << 20
 GRAPH_HEADROOM_BYTES = 2 << 20
 
 
-def capture_batch_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, then multiples of 8, up to and including min(max_num_seqs, 256)."""
-    limit = min(max_num_seqs, MAX_CAPTURE_BATCH_SIZE)
-    sizes = [s for s in (1, 2, 4) if s < limit] + list(range(8, limit, 8))
-    return [*sizes, limit]
-
-
-def pick_batch_size(num_seqs: int, batch_sizes: list[int]) -> int | None:
-
-    i = bisect.bisect_left(batch_sizes, num_seqs)
-    return batch_sizes[i] if i < len(batch_sizes) else None
+def is_decode_only(meta: AttentionMetadata) -> bool:
+    return not meta.num_prefills and meta.max_query_len == 1
 
 
 def decode_batch_size(meta: AttentionMetadata, batch_sizes: list[int],
                       max_seq_len: int) -> int | None:
-    """The bucket a step replays in, or None to run it eagerly."""
-    if meta.num_prefills or meta.max_query_len != 1 or meta.max_seq_len > max_seq_len:
-        return None
-    return pick_batch_size(meta.num_seqs, batch_sizes)
+    """The decode bucket a step replays in, or None (worker_svc/graph_buckets.py's rule)."""
+    bucket = graph_bucket(GraphBuckets(batch_sizes, [], max_seq_len, max_num_seqs=0),
+                          meta.num_seqs, meta.slot_mapping.shape[0], is_decode_only(meta),
+                          meta.max_seq_len)
+    return bucket.size if bucket is not None else None
 
 
 @dataclass(slots=True)
@@ -143,18 +134,13 @@ class DecodeGraphs:
                           kv_caches, buffers.metadata(batch_size, self.max_seq_len))
 
     @torch.inference_mode()
-    def capture(self, kv_caches: list[torch.Tensor]) -> None:
+    def capture(self, kv_caches: list[torch.Tensor], pool: tuple | None = None) -> None:
         """Largest first, so the smaller graphs fit into the shared pool the largest left; the
         buffers hold only padding, so capturing writes nothing into the cache."""
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool or torch.cuda.graph_pool_handle()
         for batch_size in reversed(self.batch_sizes):
-            # an eager run first: Triton compiles and cuBLAS sets up outside the capture
-            self.run_static(batch_size, kv_caches)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.hidden_states[batch_size] = self.run_static(batch_size, kv_caches)
-            self.graphs[batch_size] = graph
+            self.graphs[batch_size], self.hidden_states[batch_size] = capture_graph(
+                lambda b=batch_size: self.run_static(b, kv_caches), pool, self.device)
         self.kv_caches = kv_caches
         torch.cuda.synchronize(self.device)
         # the warm-up runs' activations go back, so what stays reserved is the graphs'
@@ -176,22 +162,13 @@ class DecodeGraphs:
         return self.hidden_states[batch_size][:model_input.num_tokens]
 
 
-@torch.inference_mode()
-def graph_memory_bytes(model: nn.Module, spec: KVCacheSpec, batch_sizes: list[int],
-                       max_seq_len: int, device: torch.device) -> int:
-    """Device bytes the graphs will hold: one eager forward's peak at the largest bucket (the
-    shared pool), every graph's output, and the headroom."""
-    largest = max(batch_sizes)
-    graphs = DecodeGraphs(model, batch_sizes, max_seq_len, spec.block_size, device)
-    kv_caches = allocate_kv_caches(spec, 1, device)  # padding rows read block 0 only
+def capture_graph(run: Callable[[], torch.Tensor], pool: tuple,
+                  device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """The graph of `run` in `pool`, and its output. An eager run first: Triton compiles and
+    cuBLAS sets up outside the capture."""
+    run()
     torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    baseline = torch.cuda.memory_allocated(device)
-    hidden_states = graphs.run_static(largest, kv_caches)  # [largest, hidden]
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - baseline
-    row_bytes = hidden_states.shape[1] * hidden_states.element_size()
-    del graphs, kv_caches, hidden_states
-    torch.cuda.empty_cache()
-    return (peak + sum(batch_sizes) * row_bytes + GRAPH_BASE_HEADROOM_BYTES
-            + len(batch_sizes) * GRAPH_HEADROOM_BYTES)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    return graph, output

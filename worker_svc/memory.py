@@ -15,13 +15,20 @@ from pagedserve.services.common.config import CacheConfig, GiB, SchedulerConfig
 from pagedserve.services.common.errors import ConfigError
 from pagedserve.services.common.step_plan import MemoryProfile
 from pagedserve.worker_svc.cache_engine import KVCacheSpec, allocate_kv_caches
-from pagedserve.worker_svc.cuda_graphs import graph_memory_bytes
+from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
+from pagedserve.worker_svc.graph_buckets import GraphBuckets
+from pagedserve.worker_svc.mixed_graphs import MixedGraphs
 from pagedserve.worker_svc.model_runner import ModelRunner, dummy_num_blocks
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_GIB = 1.0  # the cache's size on CPU when kv_cache_memory_gib is 0
+# Headroom reserved for CUDA graphs beyond the measured forwards, estimates rather than
+# measurements: once for the capture stream's cuBLAS workspace and allocator rounding, and per
+# graph for the instantiated graph and its kernel parameters.
+GRAPH_BASE_HEADROOM_BYTES = 64 << 20
+GRAPH_HEADROOM_BYTES = 2 << 20
 
 
 def profile_query_lens(scheduler_config: SchedulerConfig, max_model_len: int) -> list[int]:
@@ -51,6 +58,38 @@ def _profile_cuda(runner: ModelRunner, spec: KVCacheSpec, query_lens: list[int],
     gc.collect()
     torch.cuda.empty_cache()
     return max(peak, 0)
+
+
+@torch.inference_mode()
+def graph_memory_bytes(model: nn.Module, spec: KVCacheSpec, buckets: GraphBuckets,
+                       device: torch.device) -> int:
+    """Device bytes the graphs will hold: the larger eager forward peak of the largest decode
+    and the largest mixed graph (all share one pool), every graph's output, and the headroom."""
+    kv_caches = allocate_kv_caches(spec, 1, device)  # padding reads block 0 only
+    largest: list[tuple[DecodeGraphs | MixedGraphs, int]] = []
+    if buckets.batch_sizes:
+        largest.append((DecodeGraphs(model, buckets.batch_sizes, buckets.max_seq_len,
+                                     spec.block_size, device), max(buckets.batch_sizes)))
+    if buckets.num_tokens:
+        largest.append((MixedGraphs(model, buckets, spec.block_size, device),
+                        max(buckets.num_tokens)))
+    peak = row_bytes = 0
+    for graphs, size in largest:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+        hidden_states = graphs.run_static(size, kv_caches)  # [size, hidden]
+        torch.cuda.synchronize(device)
+        peak = max(peak, torch.cuda.max_memory_allocated(device) - baseline)
+        row_bytes = hidden_states.shape[1] * hidden_states.element_size()
+        del hidden_states
+    del largest, graphs, kv_caches
+    gc.collect()
+    torch.cuda.empty_cache()
+    num_rows = sum(buckets.batch_sizes) + sum(buckets.num_tokens)
+    num_graphs = len(buckets.batch_sizes) + len(buckets.num_tokens)
+    return (peak + num_rows * row_bytes + GRAPH_BASE_HEADROOM_BYTES
+            + num_graphs * GRAPH_HEADROOM_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +126,8 @@ def num_gpu_blocks_for(memory: DeviceMemory, cache_config: CacheConfig,
             f"weights take {memory.weights / GiB:.2f} GiB, activations "
             f"{memory.activations / GiB:.2f} GiB, CUDA graphs {memory.graphs / GiB:.2f} GiB, "
             f"CUDA libraries {memory.non_torch / GiB:.2f} GiB; raise gpu_memory_utilization, "
-            f"lower max_num_batched_tokens or turn enable_cuda_graph off")
+            "lower max_num_batched_tokens or max_cuda_graph_tokens, or turn "
+            "enable_cuda_graph off")
     still_needed = num_blocks * bytes_per_block + memory.activations + memory.graphs
     if still_needed > memory.free:
         raise ConfigError(
@@ -106,10 +146,10 @@ def non_torch_bytes(device: torch.device) -> int:
 def profile_memory(runner: ModelRunner, model: nn.Module, spec: KVCacheSpec,
                    cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                    max_model_len: int, device: torch.device,
-                   graph_batch_sizes: list[int] | None = None,
-                   graph_max_seq_len: int = 0, non_torch_baseline: int = 0) -> MemoryProfile:
-    """graph_batch_sizes: the decode CUDA graphs WarmUp will capture; non_torch_baseline:
-    non_torch_bytes before the model was loaded."""
+                   graph_buckets: GraphBuckets | None = None,
+                   non_torch_baseline: int = 0) -> MemoryProfile:
+    """graph_buckets: the CUDA graphs WarmUp will capture; non_torch_baseline: non_torch_bytes
+    before the model was loaded."""
     bytes_per_block = spec.bytes_per_block
     model_bytes = weights_bytes(model)
     activations = graphs = 0
@@ -117,9 +157,8 @@ def profile_memory(runner: ModelRunner, model: nn.Module, spec: KVCacheSpec,
     if device.type == "cuda":
         activations = _profile_cuda(runner, spec, profile_query_lens(scheduler_config,
                                                                      max_model_len), device)
-        if graph_batch_sizes:
-            graphs = graph_memory_bytes(model, spec, graph_batch_sizes, graph_max_seq_len,
-                                        device)
+        if graph_buckets is not None:
+            graphs = graph_memory_bytes(model, spec, graph_buckets, device)
         free, total = torch.cuda.mem_get_info(device)
         memory = DeviceMemory(total=total, free=free, weights=model_bytes,
                               activations=activations, graphs=graphs,

@@ -15,6 +15,7 @@ from pagedserve.services.common.step_plan import SampledSequence, StepOutput, St
 from pagedserve.worker_svc.cache_engine import CacheEngine
 from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
 from pagedserve.worker_svc.in_flight import Fence, InFlightStep, PhaseClock, device_fence
+from pagedserve.worker_svc.mixed_graphs import MixedGraphs
 from pagedserve.worker_svc.model_input import ModelInput, build_model_input
 from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
 from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState, prompt_logprobs
@@ -37,6 +38,7 @@ class ModelRunner:
         self.device = device
         self.mirrors = SequenceMirrors(block_size, max_model_len)
         self.decode_graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         self._new_fence = new_fence
 
     def execute_step(self, plan: StepPlan, cache_engine: CacheEngine) -> StepOutput:
@@ -123,13 +125,17 @@ class ModelRunner:
                  kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
         """[num_logits_rows, vocab] float32 on tensor-parallel rank 0, which samples; None on
         the others."""
-        graphs = self.decode_graphs
+        graphs, mixed = self.decode_graphs, self.mixed_graphs
         batch_size = graphs.batch_size_for(model_input, kv_caches) if graphs else None
-        if batch_size is None:
+        num_tokens = (mixed.num_tokens_for(model_input, kv_caches)
+                      if mixed and batch_size is None else None)
+        if batch_size is not None:
+            hidden_states = graphs.replay(model_input, batch_size)  # [num_tokens, hidden]
+        elif num_tokens is not None:
+            hidden_states = mixed.replay(model_input, num_tokens)  # [num_tokens, hidden]
+        else:
             hidden_states = self.model(model_input.input_ids, model_input.positions, kv_caches,
                                        model_input.meta)  # [num_tokens, hidden]
-        else:
-            hidden_states = graphs.replay(model_input, batch_size)  # [num_tokens, hidden]
         return self.model.compute_logits(hidden_states[model_input.logits_indices])
 
     def _sampled(self, step: InFlightStep) -> list[SampledSequence]:

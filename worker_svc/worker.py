@@ -8,6 +8,7 @@ the one taken before the first cache, and a cache of the same sizes is kept (ini
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -32,17 +33,14 @@ from pagedserve.worker_svc.cache_engine import (
     allocate_kv_caches,
     check_cache_ops,
 )
-from pagedserve.worker_svc.cuda_graphs import (
-    CAPTURABLE_BACKENDS,
-    MAX_CAPTURE_SEQ_LEN,
-    DecodeGraphs,
-    capture_batch_sizes,
-)
+from pagedserve.worker_svc.cuda_graphs import CAPTURABLE_BACKENDS, MAX_CAPTURE_SEQ_LEN
+from pagedserve.worker_svc.graph_buckets import GraphBuckets, capture_buckets
 from pagedserve.worker_svc.in_flight import InFlightStep
 from pagedserve.worker_svc.launch_window import LaunchWindow
 from pagedserve.worker_svc.layers.attention import Attention
 from pagedserve.worker_svc.loader import eos_token_ids, load_hf_config, load_model
 from pagedserve.worker_svc.memory import non_torch_bytes, profile_memory
+from pagedserve.worker_svc.mixed_graphs import MIXED_CAPTURABLE_BACKENDS, capture_graphs
 from pagedserve.worker_svc.model_runner import ModelRunner, dummy_num_blocks
 from pagedserve.worker_svc.model_thread import ModelThread
 from pagedserve.worker_svc.models.registry import resolve_architecture
@@ -168,8 +166,7 @@ class Worker:
         runner = self._runner()
         return profile_memory(runner, runner.model, self.kv_spec, self.config.cache,
                               self.config.scheduler, self.get_info().max_model_len, self.device,
-                              self._graph_batch_sizes(), self._graph_max_seq_len(),
-                              self._non_torch_baseline)
+                              self._graph_buckets(), self._non_torch_baseline)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, scheduler_epoch: int) -> bool:
         """The end of a scheduler's handshake: serve `scheduler_epoch` from now on, with empty
@@ -186,7 +183,8 @@ class Worker:
         is_kept = (cache is not None and cache.num_gpu_blocks == num_gpu_blocks
                    and cache.num_cpu_blocks == num_cpu_blocks)
         if not is_kept:
-            runner.decode_graphs = None  # they read the old cache; warm_up captures new ones
+            # they read the old cache; warm_up captures new ones
+            runner.decode_graphs = runner.mixed_graphs = None
             self.cache_engine = None
             gc.collect()
             self.cache_engine = self._new_cache_engine(num_gpu_blocks, num_cpu_blocks)
@@ -204,22 +202,22 @@ class Worker:
                                        self.device)
         runner.dummy_run(query_lens, kv_caches)
         del kv_caches
-        default_sizes = self._graph_batch_sizes()
-        if not default_sizes:
+        default = self._graph_buckets()
+        if default is None:
             return 0
-        sizes = sorted(set(batch_sizes)) if batch_sizes else default_sizes
-        if not 1 <= sizes[0] <= sizes[-1] <= default_sizes[-1]:
-            raise InvalidRequest(f"batch_sizes must lie in [1, {default_sizes[-1]}], got "
+        sizes = sorted(set(batch_sizes)) if batch_sizes else default.batch_sizes
+        if not 1 <= sizes[0] <= sizes[-1] <= default.batch_sizes[-1]:
+            raise InvalidRequest(f"batch_sizes must lie in [1, {default.batch_sizes[-1]}], got "
                                  f"{batch_sizes}")
+        buckets = dataclasses.replace(default, batch_sizes=sizes)
         cache_engine = self._cache_engine()
+        num_graphs = len(sizes) + len(buckets.num_tokens)
         if runner.decode_graphs is not None and runner.decode_graphs.batch_sizes == sizes:
-            return len(sizes)  # captured on this very cache (init_cache kept it)
-        runner.decode_graphs = None
-        graphs = DecodeGraphs(runner.model, sizes, self._graph_max_seq_len(),
-                              self.kv_spec.block_size, self.device)
-        graphs.capture(cache_engine.gpu_cache)
-        runner.decode_graphs = graphs
-        return len(sizes)
+            return num_graphs  # captured on this very cache (init_cache kept it)
+        runner.decode_graphs = runner.mixed_graphs = None
+        runner.decode_graphs, runner.mixed_graphs = capture_graphs(
+            runner.model, buckets, self.kv_spec.block_size, cache_engine.gpu_cache, self.device)
+        return num_graphs
 
     def execute_step(self, plan: StepPlan) -> StepOutput:
         """Run one StepPlan (the protocol is in services/common/step_plan.py), strictly in
@@ -277,7 +275,7 @@ class Worker:
             self._close_thread()
             self.model_thread = None
         if self.runner is not None:
-            self.runner.decode_graphs = None
+            self.runner.decode_graphs = self.runner.mixed_graphs = None
         self.cache_engine = self.runner = self.info = self._memory_profile = None
         gc.collect()
         if self.device.type == "cuda":
@@ -310,20 +308,22 @@ class Worker:
         return CacheEngine(self.kv_spec, num_gpu_blocks, num_cpu_blocks, self.device,
                            self.backend)
 
-    def _graph_batch_sizes(self) -> list[int]:
+    def _graph_buckets(self) -> GraphBuckets | None:
         """None under tensor parallelism (the all-reduces run eagerly) or with a backend whose
         kernels size their launches by each step's real lengths."""
-        if (self.device.type != "cuda" or not self.config.device.enable_cuda_graph
-                or self.tp.size > 1):
-            return []
+        device = self.config.device
+        if self.device.type != "cuda" or not device.enable_cuda_graph or self.tp.size > 1:
+            return None
         if self.backend_name not in CAPTURABLE_BACKENDS:
             logger.info("no CUDA graphs with the %s attention backend (capturable: %s)",
                         self.backend_name, ", ".join(CAPTURABLE_BACKENDS))
-            return []
-        return capture_batch_sizes(self.config.scheduler.max_num_seqs)
-
-    def _graph_max_seq_len(self) -> int:
-        return min(self.get_info().max_model_len, MAX_CAPTURE_SEQ_LEN)
+            return None
+        scheduler = self.config.scheduler
+        max_mixed_tokens = (device.max_cuda_graph_tokens
+                            if self.backend_name in MIXED_CAPTURABLE_BACKENDS else 0)
+        return capture_buckets(scheduler.max_num_seqs, scheduler.max_num_batched_tokens,
+                               max_mixed_tokens,
+                               min(self.get_info().max_model_len, MAX_CAPTURE_SEQ_LEN))
 
     def _runner(self) -> ModelRunner:
         if self.runner is None:

@@ -46,6 +46,22 @@ def _attend_tile(
 
 
 @triton.jit
+def _find_seq(query_start_loc_ptr, q_block_index, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence whose query blocks hold q_block_index: sequence i's blocks start at
+    query_start_loc[i] // BLOCK_Q + i, which bounds its ceil(query_len / BLOCK_Q) blocks."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block_index:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
 def unified_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_size]
     query_ptr,  # [num_tokens, num_heads, head_size], last dim contiguous
@@ -54,7 +70,7 @@ def unified_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_num_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
-    scale,
+    scale, num_seqs,
     stride_query_token, stride_query_head,
     stride_out_token, stride_out_head,
     stride_cache_block, stride_cache_pos, stride_cache_head,
@@ -63,12 +79,14 @@ def unified_attention_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Program (sequence, query block, KV head)."""
+    """Program (query block of the batch, KV head): a grid sized by the batch's tokens and
+    sequences, not its longest query. A program past its sequence's queries returns at once."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
-    seq = tl.program_id(0)
-    q_block = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    q_block_index = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, q_block_index, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
+    q_block = q_block_index - (q_start // BLOCK_Q + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if q_block * BLOCK_Q >= q_len:
         return

@@ -152,7 +152,14 @@ class DeviceConfig:
     attention_backend: Literal["auto", "torch", "triton", "flash_attn", "ref"] = opt(
         "auto", "kernels: auto = flash_attn if installed on CUDA, else triton on CUDA, else torch; "
         "ref = the slow readable reference")
-    enable_cuda_graph: bool = opt(True, "capture CUDA graphs for decode-only steps (CUDA)")
+    enable_cuda_graph: bool = opt(
+        True, "CUDA: replay steps as CUDA graphs (decode-only steps by batch size, mixed "
+        "prefill + decode steps by token count up to max_cuda_graph_tokens); off = every step "
+        "eager (vLLM's --enforce-eager)")
+    max_cuda_graph_tokens: int = opt(
+        512, "CUDA graphs: the largest mixed prefill + decode step (in tokens, also capped by "
+        "max_num_batched_tokens) that replays a graph; larger steps run eagerly; 0 = only "
+        "decode-only steps replay graphs")
     num_threads: int = opt(0, "torch CPU threads; 0 = torch's default")
     sim_gpu: Literal["H100-SXM", "H200", "A100-80G", "L4"] = opt(
         "H100-SXM", "device=sim: the GPU whose peak FLOP/s, bandwidth and memory are modelled")
@@ -181,6 +188,8 @@ class DeviceConfig:
     def __post_init__(self) -> None:
         _check_choices(self)
         _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
+        _check(self.max_cuda_graph_tokens >= 0,
+               f"max_cuda_graph_tokens must be >= 0, got {self.max_cuda_graph_tokens}")
         _check(0.0 <= self.sim_eos_probability <= 1.0,
                f"sim_eos_probability must be in [0, 1], got {self.sim_eos_probability}")
         for name in ("sim_flops_efficiency", "sim_bandwidth_efficiency"):

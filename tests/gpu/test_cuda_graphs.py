@@ -1,6 +1,7 @@
-"""Decode CUDA graphs: WarmUp captures the buckets, decode-only steps replay them and give the
-eager path's greedy tokens and logits (float32), other steps run eagerly, and the graphs' memory
-stays within what the memory profile reserved. Skipped without CUDA."""
+"""CUDA graphs: WarmUp captures the buckets, decode-only and mixed prefill + decode steps replay
+them and give the eager path's greedy tokens and logits (float32), steps past the buckets run
+eagerly, and the graphs' memory stays within what the memory profile reserved. Skipped without
+CUDA."""
 
 from __future__ import annotations
 
@@ -8,11 +9,9 @@ import gc
 
 import pytest
 import torch
-from pagedserve.worker_svc.cuda_graphs import (
-    MAX_CAPTURE_SEQ_LEN,
-    capture_batch_sizes,
-    graph_memory_bytes,
-)
+from pagedserve.worker_svc.cuda_graphs import MAX_CAPTURE_SEQ_LEN
+from pagedserve.worker_svc.graph_buckets import capture_batch_sizes, capture_num_tokens
+from pagedserve.worker_svc.memory import graph_memory_bytes
 
 from tests.gpu.gpu_worker import cuda_worker, prompt
 from tests.integration.worker_driver import Driver, assert_matches_hf
@@ -40,9 +39,15 @@ def test_warm_up_captures_every_bucket(tiny_model_dir):
     graphs = worker.runner.decode_graphs
     assert sorted(graphs.graphs) == capture_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert graphs.max_seq_len == min(worker.get_info().max_model_len, MAX_CAPTURE_SEQ_LEN)
-    assert worker.warm_up([2, 4]) == 2 and sorted(worker.runner.decode_graphs.graphs) == [2, 4]
+    num_tokens = capture_num_tokens(512, 2048)
+    assert sorted(worker.runner.mixed_graphs.graphs) == num_tokens == [8, 16, 32, 64, 128, 256,
+                                                                       384, 512]
+    assert worker.warm_up([2, 4]) == 2 + 8 and sorted(worker.runner.decode_graphs.graphs) == [2, 4]
     off = cuda_worker(tiny_model_dir("llama"), enable_cuda_graph=False)
-    assert off.warm_up() == 0 and off.runner.decode_graphs is None
+    assert off.warm_up() == 0 and off.runner.decode_graphs is off.runner.mixed_graphs is None
+    decode_only = cuda_worker(tiny_model_dir("llama"), enable_cuda_graph=True,
+                              max_cuda_graph_tokens=0)
+    assert decode_only.warm_up() == 4 and decode_only.runner.mixed_graphs is None
     torch_backend = cuda_worker(tiny_model_dir("llama"), backend="torch", enable_cuda_graph=True)
     assert torch_backend.warm_up() == 0
 
@@ -72,7 +77,7 @@ def test_graphs_give_the_eager_greedy_tokens(tiny_model_dir, monkeypatch, arch, 
 def test_prefills_and_long_decodes_run_eagerly(tiny_model_dir, monkeypatch):
     monkeypatch.setattr("pagedserve.worker_svc.worker.MAX_CAPTURE_SEQ_LEN", 24)
     path = tiny_model_dir("llama")
-    worker = cuda_worker(path, enable_cuda_graph=True)
+    worker = cuda_worker(path, enable_cuda_graph=True, max_cuda_graph_tokens=0)
     graphs = worker.runner.decode_graphs
     assert graphs.max_seq_len == 24
     driver = Driver(worker)
@@ -94,18 +99,50 @@ def test_prefills_and_long_decodes_run_eagerly(tiny_model_dir, monkeypatch):
 
 
 def test_graph_memory_stays_within_the_profile_reserve(tiny_model_dir):
-    """bf16 at the default 256 sequences: 35 graphs, their pool and outputs."""
+    """bf16 at the default 256 sequences and 512 mixed tokens: 35 decode and 8 mixed graphs,
+    their pool and outputs."""
     worker = cuda_worker(tiny_model_dir("llama"), dtype="bfloat16", enable_cuda_graph=True,
                          max_num_seqs=256)
-    sizes = capture_batch_sizes(256)
-    max_seq_len = min(worker.get_info().max_model_len, MAX_CAPTURE_SEQ_LEN)
-    reserve = graph_memory_bytes(worker.runner.model, worker.kv_spec, sizes, max_seq_len,
-                                 worker.device)
-    worker.runner.decode_graphs = None  # their pool goes back to the device
+    buckets = worker._graph_buckets()
+    assert len(buckets.batch_sizes) == 35 and len(buckets.num_tokens) == 8
+    reserve = graph_memory_bytes(worker.runner.model, worker.kv_spec, buckets, worker.device)
+    # their pool goes back to the device
+    worker.runner.decode_graphs = worker.runner.mixed_graphs = None
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved()
-    assert worker.warm_up() == len(sizes) == 35
+    assert worker.warm_up() == 35 + 8
     held = torch.cuda.memory_reserved() - before
     assert 0 < held <= reserve, f"graphs hold {held} bytes, the profile reserved {reserve}"
+
+
+# requests arriving while others decode: a prompt (or a chunk of one) beside decodes, in token
+# buckets 8 .. 32; then decodes only, which replay a decode graph
+ARRIVAL_PROMPT_LENS = {0: 11, 1: 5, 2: 30, 3: 17, 4: 9}
+ARRIVALS = [{0: 11}, {0: 1, 1: 5}, {0: 1, 1: 1, 2: 20}, {0: 1, 1: 1, 2: 10, 3: 17},
+            {0: 1, 1: 1, 2: 1, 3: 1, 4: 9}, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1}]
+
+
+def _run_arrivals(worker) -> Driver:
+    driver = Driver(worker)
+    for seq_id, n in ARRIVAL_PROMPT_LENS.items():
+        driver.add(seq_id, prompt(seq_id, n))
+    for schedule in ARRIVALS:
+        driver.step(schedule)
+    return driver
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "opt"])
+def test_mixed_graphs_give_the_eager_greedy_tokens(tiny_model_dir, arch):
+    path = tiny_model_dir(arch)
+    eager = _run_arrivals(cuda_worker(path, enable_cuda_graph=False))
+    graphed = _run_arrivals(cuda_worker(path, enable_cuda_graph=True))
+    assert graphed.worker.runner.mixed_graphs.num_replays == len(ARRIVALS) - 1
+    assert graphed.worker.runner.decode_graphs.num_replays == 1
+    for seq_id in graphed.seqs:
+        assert graphed.seqs[seq_id].token_ids == eager.seqs[seq_id].token_ids
+    assert graphed.recorder.logits.keys() == eager.recorder.logits.keys()
+    for key, row in graphed.recorder.logits.items():
+        torch.testing.assert_close(row, eager.recorder.logits[key], atol=1e-4, rtol=0,
+                                   msg=lambda m, k=key: f"(seq, position) {k}: {m}")

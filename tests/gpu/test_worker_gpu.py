@@ -90,7 +90,9 @@ def test_cuda_defaults_profile_and_swap(tiny_model_dir):
     assert profile.num_gpu_blocks > 0 and profile.num_cpu_blocks > 0
     worker.init_cache(min(profile.num_gpu_blocks, 64), min(profile.num_cpu_blocks, 8), 1)
     assert worker.cache_engine.cpu_cache[0].is_pinned()
-    assert worker.warm_up() == len(worker.runner.decode_graphs.graphs) == 35
+    runner = worker.runner
+    assert worker.warm_up() == len(runner.decode_graphs.graphs) + len(runner.mixed_graphs.graphs)
+    assert len(runner.decode_graphs.graphs) == 35 and len(runner.mixed_graphs.graphs) == 8
     for layer in worker.cache_engine.gpu_cache:
         layer.copy_(torch.randn_like(layer))
     before = [layer.clone() for layer in worker.cache_engine.gpu_cache]

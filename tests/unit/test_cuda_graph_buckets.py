@@ -10,13 +10,8 @@ import pytest
 import torch
 from pagedserve.kernels.backend import available_backends
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.worker_svc.cuda_graphs import (
-    DecodeBuffers,
-    DecodeGraphs,
-    capture_batch_sizes,
-    decode_batch_size,
-    pick_batch_size,
-)
+from pagedserve.worker_svc.cuda_graphs import DecodeBuffers, DecodeGraphs, decode_batch_size
+from pagedserve.worker_svc.graph_buckets import capture_batch_sizes, pick_batch_size
 from pagedserve.worker_svc.model_input import build_model_input
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 

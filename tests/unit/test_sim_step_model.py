@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedserve.worker_svc.cuda_graphs import capture_batch_sizes
+from pagedserve.worker_svc.cuda_graphs import MAX_CAPTURE_SEQ_LEN
+from pagedserve.worker_svc.graph_buckets import capture_buckets
 from pagedserve.worker_svc.sim.calibration import ENGINE_HOST_S
 from pagedserve.worker_svc.sim.roofline import GPUS, MODELS, ModelShape, Roofline
 from pagedserve.worker_svc.sim.step_model import (
@@ -28,11 +29,13 @@ SMALL = ModelShape("small", 512, 4, 8, 2, 64, 1408, 4096)
 
 
 def step_model(shape: ModelShape, max_num_seqs: int | None = None,
-               enable_fused_kernels: bool = False) -> StepModel:
-    """max_num_seqs None: eager steps only (enable_cuda_graph off)."""
+               enable_fused_kernels: bool = False, max_cuda_graph_tokens: int = 0) -> StepModel:
+    """max_num_seqs None: eager steps only (enable_cuda_graph off); max_cuda_graph_tokens 0:
+    decode-only graphs."""
     ops = traced_ops(hf_config_of(shape), torch.bfloat16, enable_fused_kernels)
-    sizes = capture_batch_sizes(max_num_seqs) if max_num_seqs else []
-    return StepModel(ops, Roofline(shape, H100), graph_batch_sizes=sizes)
+    buckets = (capture_buckets(max_num_seqs, 2048, max_cuda_graph_tokens, MAX_CAPTURE_SEQ_LEN)
+               if max_num_seqs else None)
+    return StepModel(ops, Roofline(shape, H100), graph_buckets=buckets)
 
 
 def decode(batch: int, context: int) -> tuple[list[int], list[int], int]:
@@ -146,11 +149,31 @@ def test_a_captured_step_launches_once_and_prefill_runs_eagerly():
     # a decode batch pads to its bucket: 20 → 24 rows of everything but attention
     padded = model.step(*decode(24, 300))
     assert padded.kernel_s - graph.kernel_s < 0.02 * graph.kernel_s
-    assert not model.step([40, 1], [0, 300], 2).is_graph  # a prefill chunk in the step
+    assert not model.step([40, 1], [0, 300], 2).is_graph  # a prefill chunk: mixed graphs off
     # a chunk that samples nothing launches no logits or sampling kernels
     assert (model.step([40], [0], 1).num_launches - model.step([40], [0], 0).num_launches
             == len(model.logits.names))
     assert not model.step(*decode(65, 300)).is_graph  # past the largest bucket
+
+
+def test_a_mixed_step_that_fits_a_token_bucket_replays_a_graph():
+    """The runner's rule and padding: 120 tokens (a 100-token prompt beside 20 decodes) run in
+    the 128-token graph, the 8 padding tokens one more prompt; the unified kernel alone serves
+    the graph's decodes."""
+    model = step_model(SMALL, max_num_seqs=64, max_cuda_graph_tokens=512)
+    eager = step_model(SMALL, max_num_seqs=64)
+    step = [100] + [1] * 20, [0] + [300] * 20, 21
+    graph = model.step(*step)
+    assert graph.is_graph and not eager.step(*step).is_graph
+    assert graph.host_s < eager.step(*step).host_s / 10
+    assert graph.device_s < eager.step(*step).device_s
+    padded = eager.step([100] + [1] * 20 + [8], [0] + [300] * 20 + [0], 21)
+    assert graph.kernel_s == pytest.approx(padded.kernel_s)
+    long_decodes = [108] + [1] * 20, [0] + [DECODE_PARTITION_SIZE + 100] * 20, 21  # 128 tokens
+    assert (eager.step(*long_decodes).num_kernels - model.step(*long_decodes).num_kernels
+            == 2 * SMALL.num_layers)
+    assert not model.step([600, 1], [0, 300], 2).is_graph  # past the largest bucket
+    assert model.step(*decode(20, 300)).num_kernels == eager.step(*decode(20, 300)).num_kernels
 
 
 def test_attention_is_priced_by_the_kv_it_reads():

@@ -8,9 +8,10 @@ lengths, launched as the Triton backend launches it.
 
 An eager step is a stream: the host issues each kernel eager_launch_s after the one before, and
 the GPU runs each when both it and the kernel before are done, so a step of many small kernels
-takes the host's time, not the GPU's. A decode-only step that fits a CUDA-graph bucket (the real
-runner's rule) runs its forward as one graph, padded to the bucket, graph_node_s between nodes;
-the logits and sampling after it stay eager, as in the real runner.
+takes the host's time, not the GPU's. A step that fits a CUDA-graph bucket (the real runner's
+rule, worker_svc/graph_buckets.py: decode-only steps by batch size, mixed steps by tokens) runs
+its forward as one graph, padded as the runner pads it, graph_node_s between nodes; the logits
+and sampling after it stay eager, as in the real runner.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from pagedserve.worker_svc.cuda_graphs import MAX_CAPTURE_SEQ_LEN, pick_batch_size
+from pagedserve.worker_svc.graph_buckets import GraphBucket, GraphBuckets, graph_bucket
 from pagedserve.worker_svc.sim.calibration import H100_CALIBRATION, Calibration
 from pagedserve.worker_svc.sim.roofline import Roofline
 from pagedserve.worker_svc.sim.trace import KernelOp, MetaModel
@@ -104,12 +105,12 @@ class StepModel:
 
     def __init__(self, ops: tuple[AffineOps, AffineOps], floor: Roofline,
                  calibration: Calibration = H100_CALIBRATION,
-                 graph_batch_sizes: list[int] | None = None) -> None:
+                 graph_buckets: GraphBuckets | None = None) -> None:
         self.forward, self.logits = ops
         self.floor = floor
         self.gpu = floor.gpu
         self.calibration = calibration
-        self.graph_batch_sizes = graph_batch_sizes or []
+        self.graph_buckets = graph_buckets
         shape = floor.model
         head_bytes = shape.head_size * floor.dtype_bytes
         self._kv_token_bytes = 2 * shape.num_kv_heads * head_bytes  # one layer's K and V
@@ -126,25 +127,25 @@ class StepModel:
                 np.array([self.gpu.memory_bandwidth * c.bandwidth_efficiency for c in costs]),
                 np.array([self.gpu.peak_flops * c.flops_efficiency for c in costs]))
 
-    def graph_batch_size(self, query_lens: list[int], context_lens: list[int]) -> int | None:
-        """The runner's rule: decode-only steps up to the largest bucket and the capture
-        length replay a graph."""
-        if not self.graph_batch_sizes or any(q != 1 for q in query_lens):
+    def graph_bucket(self, query_lens: list[int], context_lens: list[int]) -> GraphBucket | None:
+        """The runner's rule (a decode here: one new token, as the runner's step without a
+        prefill among its sequences)."""
+        if self.graph_buckets is None or not query_lens:
             return None
-        if max(c + 1 for c in context_lens) > MAX_CAPTURE_SEQ_LEN:
-            return None
-        return pick_batch_size(len(query_lens), self.graph_batch_sizes)
+        return graph_bucket(self.graph_buckets, len(query_lens), sum(query_lens),
+                            all(q == 1 for q in query_lens),
+                            max(q + c for q, c in zip(query_lens, context_lens, strict=True)))
 
     def step(self, query_lens: list[int], context_lens: list[int],
              num_logits_rows: int) -> StepCost:
         floor = self.floor.step(query_lens, context_lens, num_logits_rows).time_s
-        batch_size = self.graph_batch_size(query_lens, context_lens)
-        if batch_size is not None:  # padding rows attend to one key
-            pad = batch_size - len(query_lens)
-            query_lens, context_lens = query_lens + [1] * pad, context_lens + [0] * pad
+        bucket = self.graph_bucket(query_lens, context_lens)
+        if bucket is not None:
+            query_lens, context_lens = _padded(bucket, query_lens, context_lens)
         num_tokens = sum(query_lens)
         forward_s = self._price(is_forward=True, n=num_tokens).copy()
-        attention_s, attention_launches = self._attention(query_lens, context_lens)
+        attention_s, attention_launches = self._attention(
+            query_lens, context_lens, is_unified_only=bucket is not None and bucket.is_mixed)
         forward_s[self._attention_ops] = attention_s
         forward_launches = np.where(self._attention_ops, attention_launches, 1)
         # a chunk that samples nothing launches no logits kernels (cuBLAS skips an empty GEMM)
@@ -152,7 +153,7 @@ class StepModel:
                   else np.empty(0))
         c = self.calibration
         tail_issue = np.arange(1, len(tail_s) + 1) * c.eager_launch_s
-        if batch_size is None:
+        if bucket is None:
             issue = np.cumsum(forward_launches) * c.eager_launch_s
             durations = np.concatenate([forward_s, tail_s])
             issue = np.concatenate([issue, issue[-1] + tail_issue])
@@ -169,7 +170,7 @@ class StepModel:
             device_s=float(from_issue.max()), host_s=float(issue[-1]),
             kernel_s=float(forward_s.sum() + tail_s.sum()), num_launches=num_launches,
             num_kernels=int(forward_launches.sum()) + len(tail_s),
-            is_graph=batch_size is not None, roofline_floor_s=floor)
+            is_graph=bucket is not None, roofline_floor_s=floor)
 
     def _price(self, is_forward: bool, n: int) -> np.ndarray:
         """Each traced kernel's time at size n; the forward's attention ops are placeholders."""
@@ -184,15 +185,17 @@ class StepModel:
                 self._prices[is_forward, n] = prices
         return prices
 
-    def _attention(self, query_lens: list[int], context_lens: list[int]) -> tuple[float, int]:
-        """One layer's paged_attention: its time and its launches (triton_ops' launch plan)."""
+    def _attention(self, query_lens: list[int], context_lens: list[int],
+                   is_unified_only: bool) -> tuple[float, int]:
+        """One layer's paged_attention: its time and its launches (triton_ops' launch plan; a
+        mixed graph's is the unified kernel alone)."""
         q = np.array(query_lens, dtype=np.float64)
         ctx = np.array(context_lens, dtype=np.float64)
         attended = float((q * ctx + q * (q + 1) / 2).sum())
         num_bytes = ((ctx + q).sum() * self._kv_token_bytes
                      + 2 * q.sum() * self._q_token_bytes)
         is_decode = q == 1
-        is_split = (bool(is_decode.any())
+        is_split = (not is_unified_only and bool(is_decode.any())
                     and float((ctx + q)[is_decode].max()) > DECODE_PARTITION_SIZE)
         num_launches = (2 if is_split else 0) + int((~is_decode).any() or not is_split)
         cost = self.calibration.op_classes["attention"]
@@ -200,3 +203,14 @@ class StepModel:
             num_bytes / (self.gpu.memory_bandwidth * cost.bandwidth_efficiency),
             self._head_flops * attended / (self.gpu.peak_flops * cost.flops_efficiency))
         return time_s, num_launches
+
+
+def _padded(bucket: GraphBucket, query_lens: list[int],
+            context_lens: list[int]) -> tuple[list[int], list[int]]:
+    """The step as its graph runs it: a decode graph's padding rows attend to one key each; a
+    mixed graph's padding tokens are one sequence's prompt."""
+    if not bucket.is_mixed:
+        pad = bucket.size - len(query_lens)
+        return query_lens + [1] * pad, context_lens + [0] * pad
+    pad = bucket.size - sum(query_lens)
+    return (query_lens + [pad], context_lens + [0]) if pad else (query_lens, context_lens)

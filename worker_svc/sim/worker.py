@@ -13,7 +13,8 @@ from pagedserve.services.common.config import EngineConfig
 from pagedserve.services.common.errors import ConfigError
 from pagedserve.services.common.step_plan import MemoryProfile, WorkerInfo
 from pagedserve.worker_svc.cache_engine import KVCacheSpec
-from pagedserve.worker_svc.cuda_graphs import capture_batch_sizes
+from pagedserve.worker_svc.cuda_graphs import MAX_CAPTURE_SEQ_LEN
+from pagedserve.worker_svc.graph_buckets import capture_buckets
 from pagedserve.worker_svc.loader import eos_token_ids, load_hf_config
 from pagedserve.worker_svc.model_runner import ModelRunner
 from pagedserve.worker_svc.models.registry import resolve_architecture
@@ -71,12 +72,16 @@ class SimWorker(Worker):
         sampler = SimSampler(vocab_size, eos_ids, device.sim_eos_probability, model_config.seed)
         self.step_model = None
         if device.sim_step_model == "kernels":
-            graph_batch_sizes = (capture_batch_sizes(self.config.scheduler.max_num_seqs)
-                                 if device.enable_cuda_graph else [])
+            scheduler = self.config.scheduler
+            graph_buckets = (capture_buckets(scheduler.max_num_seqs,
+                                             scheduler.max_num_batched_tokens,
+                                             device.max_cuda_graph_tokens,
+                                             min(max_model_len, MAX_CAPTURE_SEQ_LEN))
+                             if device.enable_cuda_graph else None)
             ops = traced_ops(sim_hf_config(device.sim_model) if device.sim_model else hf_config,
                              self.dtype)
             self.step_model = StepModel(ops, Roofline(shape, gpu, dtype_bytes),
-                                        graph_batch_sizes=graph_batch_sizes)
+                                        graph_buckets=graph_buckets)
         model = SimModel(self.step_model, self.roofline, self.timeline, vocab_size)
         self.runner = ModelRunner(model, sampler,
                                   vocab_size, self.kv_spec.block_size, max_model_len, self.device,
