@@ -66,6 +66,10 @@ class ModelConfig:
     load_format: Literal["auto", "safetensors", "pt", "dummy"] = opt(
         "auto", "weights format; dummy = random weights of the real shapes (benchmarks)")
     seed: int = opt(0, "seed for dummy weights and unseeded sampling")
+    pooling_type: Literal["last", "mean"] = opt(
+        "last", "how an embedding request's prompt becomes one vector (vLLM's pooler "
+        "pooling_type, L2-normalized): last = the final hidden state of its last token, mean = "
+        "the mean over every prompt token's (such prompts skip the prefix cache)")
 
     def __post_init__(self) -> None:
         _check_choices(self)
