@@ -44,6 +44,10 @@ class ChatOptions:
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # chat_template_kwargs
 
 
+# an embedding request computes its prompt only; the context-length checks price one token
+EMBED_SAMPLING = SamplingParams(max_tokens=1)
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateInput:
     """Exactly one of text, token_ids, messages is set."""
@@ -85,6 +89,7 @@ class PreparedRequest:
     priority: int
     # time.monotonic() when the request reached the gateway: latency metrics count from here
     arrival_s: float = field(default_factory=time.monotonic)
+    is_pooling: bool = False  # an embedding request: the prompt pooled, nothing generated
 
 
 def tokenized(request: GenerateInput, tokenizer: Tokenizer, info: ServedModel

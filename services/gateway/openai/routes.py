@@ -11,6 +11,11 @@ from pagedserve.services.gateway.config import HttpConfig
 from pagedserve.services.gateway.openai.chat import create_chat_completion
 from pagedserve.services.gateway.openai.completions import create_completion
 from pagedserve.services.gateway.openai.convert import chat_messages, chat_options
+from pagedserve.services.gateway.openai.embeddings import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    create_embedding,
+)
 from pagedserve.services.gateway.openai.errors import install_error_handlers
 from pagedserve.services.gateway.openai.middleware import ApiKeyGuard, ArrivalTime, BodyLimit
 from pagedserve.services.gateway.openai.protocol import (
@@ -62,6 +67,10 @@ def build_app(serving: OpenAIServing, api_key: str = "",
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(serving, body, request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
+        return await create_embedding(serving, body, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
