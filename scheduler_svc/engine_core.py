@@ -300,7 +300,8 @@ class EngineCore:
             return
         stats = FinishedRequestStats.of(
             group.seqs[0].finish_reason or FinishReason.ABORT, group.arrival_time,
-            group.first_scheduled_time, group.first_token_time, time.monotonic())
+            group.first_scheduled_time, group.first_token_time, time.monotonic(),
+            _num_generation_tokens(group), group.sampling.n, group.sampling.max_tokens)
         for stat_logger in self.stat_loggers:
             stat_logger.record_finished(stats)
 
@@ -423,6 +424,12 @@ class EngineCore:
         # a copy of this thread's context keeps the step span the parent of each ExecuteStep
         contexts = [contextvars.copy_context() for _ in workers]
         return list(self._pool.map(lambda ctx, w: ctx.run(call, w), contexts, workers))
+
+
+def _num_generation_tokens(group: SequenceGroup) -> int:
+    """Of the group's longest output (beam search: of its longest finished beam too)."""
+    return max([s.num_output_tokens for s in group.seqs]
+               + [len(h.token_ids) for h in group.beam_hypotheses])
 
 
 def _touched_groups(steps: list[SentStep]) -> list[SequenceGroup]:

@@ -60,6 +60,10 @@ class ModelConfig:
     model: str = field(default_factory=default_model_dir, metadata={
         "help": "HF model folder (config.json, safetensors, tokenizer); default: SmolLM2 from make model"})
     tokenizer: str = opt("", "tokenizer folder; empty = the model folder")
+    served_model_name: str = opt(
+        "", "the model's name: what clients send as `model` and see, and the model_name label "
+        "of every service's metrics and traces (gateways take it from the scheduler); empty = "
+        "the model folder's name")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = opt(
         "auto", "weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA")
     max_model_len: int = opt(0, "longest prompt + output in tokens; 0 = the model's own limit")
@@ -79,6 +83,10 @@ class ModelConfig:
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or served_model_name(self.model)
 
 
 @dataclass(slots=True)

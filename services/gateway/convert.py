@@ -181,7 +181,8 @@ def served_model_from_info_proto(msg: gateway_pb2.GetModelInfoResponse) -> Serve
 
 def served_model_from_proto(msg: scheduler_pb2.GetServedModelResponse, has_chat_template: bool
                                  ) -> ServedModel:
-    return ServedModel(model=served_model_name(msg.model), architecture=msg.architecture,
+    return ServedModel(model=msg.served_model_name or served_model_name(msg.model),
+                       architecture=msg.architecture,
                        max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,
                        eos_token_ids=tuple(msg.eos_token_ids),
                        has_chat_template=has_chat_template, block_size=msg.block_size,

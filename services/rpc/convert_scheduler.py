@@ -170,8 +170,10 @@ def watch_load_request_from_proto(msg: scheduler_pb2.WatchLoadRequest) -> float:
 
 def served_model_to_proto(model: str, info: WorkerInfo, max_model_len: int, vocab_size: int,
                           eos_token_ids: list[int], block_size: int = 0, num_gpu_blocks: int = 0,
-                          max_num_seqs: int = 0) -> scheduler_pb2.GetServedModelResponse:
+                          max_num_seqs: int = 0, served_model_name: str = ""
+                          ) -> scheduler_pb2.GetServedModelResponse:
     return scheduler_pb2.GetServedModelResponse(
-        model=model, architecture=info.architecture, max_model_len=max_model_len,
+        model=model, served_model_name=served_model_name, architecture=info.architecture,
+        max_model_len=max_model_len,
         vocab_size=vocab_size, eos_token_ids=eos_token_ids, block_size=block_size,
         num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs)

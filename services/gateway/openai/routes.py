@@ -31,13 +31,16 @@ from pagedserve.services.gateway.openai.protocol import (
 )
 from pagedserve.services.gateway.openai.serving import OpenAIServing
 from pagedserve.services.gateway.validation import GenerateInput
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.responses import Response
 
 OPEN_PATHS = ("/health", "/metrics")
 
 
 def build_app(serving: OpenAIServing, api_key: str = "",
-              max_request_body_bytes: int | None = None, admin_token: str = "") -> FastAPI:
+              max_request_body_bytes: int | None = None, admin_token: str = "",
+              registry: CollectorRegistry | None = None) -> FastAPI:
+    """`registry`: the gateway's metrics, served on /metrics as vLLM's API server does."""
     if max_request_body_bytes is None:
         max_request_body_bytes = HttpConfig().max_request_body_bytes
     app = FastAPI(title="pagedserve OpenAI-compatible API", docs_url=None, redoc_url=None,
@@ -55,6 +58,11 @@ def build_app(serving: OpenAIServing, api_key: str = "",
     async def version() -> VersionResponse:
         return VersionResponse(version=_package_version())
 
+    if registry is not None:
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=serving.model_name, root=frontend.info.model,
@@ -71,6 +79,19 @@ def build_app(serving: OpenAIServing, api_key: str = "",
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
         return await create_embedding(serving, body, request)
+
+    _add_tokenize_routes(app, serving)
+
+    app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyGuard, api_key=api_key, open_paths=OPEN_PATHS,
+                           admin_token=admin_token)
+    app.add_middleware(ArrivalTime)  # the outermost
+    return app
+
+
+def _add_tokenize_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    frontend = serving.frontend
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -92,14 +113,6 @@ def build_app(serving: OpenAIServing, api_key: str = "",
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         serving.check_model(body.model)
         return DetokenizeResponse(prompt=await frontend.detokenize(body.tokens, "tokens"))
-
-    app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
-    if api_key:
-        app.add_middleware(ApiKeyGuard, api_key=api_key, open_paths=OPEN_PATHS,
-                           admin_token=admin_token)
-    app.add_middleware(ArrivalTime)  # the outermost
-    return app
-
 
 
 def _package_version() -> str:
