@@ -12,12 +12,14 @@ from typing import Any, Literal
 
 import numpy as np
 from pagedserve.services.common.errors import InvalidRequest, Reason
+from pagedserve.services.common.outputs import Usage
 from pagedserve.services.gateway.limits import (
     check_num_prompts,
     check_num_token_ids,
     check_token_ids_bytes,
 )
 from pagedserve.services.gateway.openai.generation import Submission, http_caller
+from pagedserve.services.gateway.openai.http_span import record_request, record_usage
 from pagedserve.services.gateway.openai.protocol import UsageInfo, now_s
 from pagedserve.services.gateway.openai.serving import OpenAIServing
 from pagedserve.services.gateway.validation import EMBED_SAMPLING, GenerateInput
@@ -105,6 +107,7 @@ async def create_embedding(serving: OpenAIServing, body: EmbeddingRequest,
     serving.check_model(body.model)
     _check_unsupported(body)
     request_id = f"embd-{uuid.uuid4().hex}"
+    record_request(request_id)
     inputs = embedding_inputs(body.input, serving)
     inputs = [dataclasses.replace(
         one, sampling=EMBED_SAMPLING, priority=body.priority,
@@ -118,6 +121,7 @@ async def create_embedding(serving: OpenAIServing, body: EmbeddingRequest,
     finally:
         submission.close()
     num_prompt_tokens = sum(len(p.prompt_token_ids) for p in submission.prepared)
+    record_usage(Usage(num_prompt_tokens, 0))
     return EmbeddingResponse(
         id=request_id, model=serving.model_name,
         data=[EmbeddingData(index=i, embedding=_encode(v, body.encoding_format))

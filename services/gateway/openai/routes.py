@@ -4,6 +4,7 @@ routes to the app it returns (they stay behind the API key unless listed in OPEN
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 
 from fastapi import FastAPI, Request
 from pagedserve.services.common.errors import InvalidRequest, Reason
@@ -17,6 +18,7 @@ from pagedserve.services.gateway.openai.embeddings import (
     create_embedding,
 )
 from pagedserve.services.gateway.openai.errors import install_error_handlers
+from pagedserve.services.gateway.openai.http_span import HttpTracing
 from pagedserve.services.gateway.openai.middleware import ApiKeyGuard, ArrivalTime, BodyLimit
 from pagedserve.services.gateway.openai.protocol import (
     ChatCompletionRequest,
@@ -31,10 +33,14 @@ from pagedserve.services.gateway.openai.protocol import (
 )
 from pagedserve.services.gateway.openai.serving import OpenAIServing
 from pagedserve.services.gateway.validation import GenerateInput
+from pagedserve.services.rpc.tracing import is_tracing_on
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.responses import Response
 
 OPEN_PATHS = ("/health", "/metrics")
+# FastAPI's own request spans (0.165 on) would be a second SERVER span beside HttpTracing's
+_NO_FASTAPI_TRACING = ({"telemetry": {"tracing": False}}
+                       if "telemetry" in inspect.signature(FastAPI).parameters else {})
 
 
 def build_app(serving: OpenAIServing, api_key: str = "",
@@ -44,7 +50,7 @@ def build_app(serving: OpenAIServing, api_key: str = "",
     if max_request_body_bytes is None:
         max_request_body_bytes = HttpConfig().max_request_body_bytes
     app = FastAPI(title="pagedserve OpenAI-compatible API", docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, **_NO_FASTAPI_TRACING)
     install_error_handlers(app)
     frontend = serving.frontend
 
@@ -86,6 +92,8 @@ def build_app(serving: OpenAIServing, api_key: str = "",
     if api_key:
         app.add_middleware(ApiKeyGuard, api_key=api_key, open_paths=OPEN_PATHS,
                            admin_token=admin_token)
+    if is_tracing_on():
+        app.add_middleware(HttpTracing, model=serving.model_name)
     app.add_middleware(ArrivalTime)  # the outermost
     return app
 
