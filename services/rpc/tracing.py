@@ -31,6 +31,7 @@ UNTRACED_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha
 
 OPERATION_NAME = "gen_ai.operation.name"  # "chat" (messages), "text_completion", "embeddings"
 PROVIDER_NAME = "gen_ai.provider.name"
+PROVIDER = "pagedserve"
 REQUEST_MODEL = "gen_ai.request.model"
 REQUEST_ID = "gen_ai.response.id"  # the request_id, which every response echoes
 N = "gen_ai.request.choice.count"
@@ -366,7 +367,8 @@ def _add_finish_reason(msg: Any, attributes: dict[str, Any]) -> None:
 def _generate_request(msg: Any) -> dict[str, Any]:
     """Unset sampling fields are not recorded."""
     attributes: dict[str, Any] = {
-        OPERATION_NAME: "chat" if msg.HasField("messages") else "text_completion"}
+        OPERATION_NAME: "chat" if msg.HasField("messages") else "text_completion",
+        PROVIDER_NAME: PROVIDER}
     if msg.request_id:
         attributes[REQUEST_ID] = msg.request_id
     for name, field in ((N, "n"), (MAX_TOKENS, "max_tokens"), (TEMPERATURE, "temperature"),
@@ -397,7 +399,7 @@ def _generate_response(msg: Any, attributes: dict[str, Any]) -> None:
 
 def _submit_request(msg: Any) -> dict[str, Any]:
     return {OPERATION_NAME: "embeddings" if msg.is_pooling else "text_completion",
-            REQUEST_ID: msg.request_id,
+            PROVIDER_NAME: PROVIDER, REQUEST_ID: msg.request_id,
             NUM_PROMPT_TOKENS: len(msg.prompt_token_ids), N: msg.sampling.n,
             MAX_TOKENS: msg.sampling.max_tokens, TEMPERATURE: msg.sampling.temperature,
             TOP_P: msg.sampling.top_p}
@@ -424,7 +426,7 @@ def _step_result(msg: Any, attributes: dict[str, Any]) -> None:
 
 
 def _embed_request(msg: Any) -> dict[str, Any]:
-    attributes: dict[str, Any] = {OPERATION_NAME: "embeddings"}
+    attributes: dict[str, Any] = {OPERATION_NAME: "embeddings", PROVIDER_NAME: PROVIDER}
     if msg.request_id:
         attributes[REQUEST_ID] = msg.request_id
     return attributes

@@ -135,6 +135,7 @@ def test_one_stream_is_one_trace_from_the_caller_down_to_the_worker(stack, gener
     # what each hop recorded about the request, on OpenTelemetry's GenAI conventions
     for span in (gateway, submit_out, submit_in):
         assert span.attributes["gen_ai.operation.name"] == "text_completion"
+        assert span.attributes["gen_ai.provider.name"] == "pagedserve"
         assert span.attributes["gen_ai.response.id"] == "traced-1"
         assert span.attributes["gen_ai.request.max_tokens"] == max_tokens
         assert span.attributes["gen_ai.request.temperature"] == 0.0

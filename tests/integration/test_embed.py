@@ -108,3 +108,28 @@ def test_default_model_embeddings_equal_hf(smollm2_dir):
     for out, want in zip(outputs, expected, strict=True):
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), want,
                                    atol=1e-4, rtol=1e-3)
+
+
+def test_a_mean_pooled_prompt_preempted_mid_prefill_is_recomputed_whole(tiny_model_dir):
+    """Its running sum lives in the worker's mirror: a preemption (even under preemption_mode
+    swap) recomputes the prompt from its first token."""
+    model_dir = tiny_model_dir("llama")
+    long_prompt = [(7 * i) % 250 + 3 for i in range(150)]
+    engine = LLMEngine.from_kwargs(
+        model=str(model_dir), pooling_type="mean", max_num_batched_tokens=4,
+        preemption_mode="swap", **{**OPTIONS, "num_gpu_blocks_override": 14})
+    try:
+        # the generation's decode outgrows the pool while the embedding is half prefilled
+        engine.add_request("g", list(range(3, 40)), SamplingParams(
+            temperature=0.0, max_tokens=100, ignore_eos=True))
+        engine.step()
+        engine.add_request("e", long_prompt, SamplingParams(), is_pooling=True)
+        results = run(engine)
+        num_preemptions = engine.core.get_load().num_preemptions
+    finally:
+        engine.close()
+    assert num_preemptions > 0
+    assert len(results["g"][0]) == 100
+    torch.testing.assert_close(torch.tensor(results["e"][1]),
+                               hf_embeddings(model_dir, [long_prompt], "mean")[0],
+                               atol=2e-5, rtol=1e-4)

@@ -20,6 +20,7 @@ from pagedserve.services.rpc.tracing import (
     NUM_OUTPUT_TOKENS,
     NUM_PROMPT_TOKENS,
     OPERATION_NAME,
+    PROVIDER,
     PROVIDER_NAME,
     REQUEST_ID,
     REQUEST_MODEL,
@@ -29,7 +30,6 @@ from pagedserve.services.rpc.tracing import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-PROVIDER = "pagedserve"
 OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion",
               "/v1/embeddings": "embeddings"}
 UNTRACED_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes would drown requests
