@@ -94,3 +94,13 @@ def test_grpc_embed_equals_http(stack, client, hf_last):
     close(list(response.embedding), hf_last(PROMPTS[1]))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert_idle(stack)
+
+
+def test_the_python_clients_embed(stack, hf_last):
+    from pagedserve.client import Client
+
+    with Client(stack.gateway_address) as client:
+        embedding = client.embed(PROMPTS[0], request_id="py-embed")
+    assert embedding.request_id == "py-embed"
+    assert embedding.num_prompt_tokens == len(PROMPTS[0])
+    close(embedding.embedding, hf_last(PROMPTS[0]))
