@@ -216,7 +216,8 @@ class Frontend:
         `on_stalled` is awaited with the error (a front door ends its call with it), and the
         task iterating this generator is cancelled."""
         buffer = DeltaBuffer(request.sampling.n, self.limits.stream_interval)
-        timer = None if self.metrics is None else self.metrics.start_request(request.arrival_s)
+        timer = None if self.metrics is None else self.metrics.start_request(
+            request.arrival_s, request.operation)
         text_stream = TextStream(request.prompt_token_ids, request.sampling, self.tokenizer)
         submission = ResumableSubmission(self.replicas, request, self.ownership.owner(caller),
                                          self.replicas.config.failover_timeout_s,
@@ -245,7 +246,8 @@ class Frontend:
         prompt-only request (is_pooling), failing over like a generation; nothing is generated
         and its blocks are freed when its prompt is computed. Leaving early cancels it."""
         request = dataclasses.replace(request, is_pooling=True)
-        timer = None if self.metrics is None else self.metrics.start_request(request.arrival_s)
+        timer = None if self.metrics is None else self.metrics.start_request(
+            request.arrival_s, "embeddings")
         submission = ResumableSubmission(self.replicas, request, self.ownership.owner(caller),
                                          self.replicas.config.failover_timeout_s,
                                          lambda _: False, self.metrics)

@@ -62,6 +62,8 @@ class GenerateInput:
     # BOS and the like on top of the prompt; None = a text's default (yes), a chat's (no: the
     # template writes its own)
     add_special_tokens: bool | None = None
+    # gen_ai.operation.name; empty = chat for messages, else text_completion
+    operation: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +92,7 @@ class PreparedRequest:
     # time.monotonic() when the request reached the gateway: latency metrics count from here
     arrival_s: float = field(default_factory=time.monotonic)
     is_pooling: bool = False  # an embedding request: the prompt pooled, nothing generated
+    operation: str = "text_completion"  # gen_ai.operation.name (metrics)
 
 
 def tokenized(request: GenerateInput, tokenizer: Tokenizer, info: ServedModel
@@ -197,7 +200,9 @@ def prepared_request(request: GenerateInput, request_id: str, token_ids: list[in
     return PreparedRequest(request_id=request_id, prompt_token_ids=token_ids,
                            sampling=request.sampling,
                            priority=request.priority,
-                           arrival_s=time.monotonic() if arrival_s is None else arrival_s)
+                           arrival_s=time.monotonic() if arrival_s is None else arrival_s,
+                           operation=request.operation or (
+                               "chat" if request.messages is not None else "text_completion"))
 
 
 def prompt_field(request: GenerateInput) -> str:

@@ -247,3 +247,26 @@ def test_ttft_counts_from_the_requests_arrival(stack, generation, monkeypatch, d
     for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
         assert value(after, f"{name}_count") - value(before, f"{name}_count") == 1
         assert value(after, f"{name}_sum") - value(before, f"{name}_sum") >= slow_s
+
+
+def test_the_gateway_records_gen_ai_server_metrics_by_operation(stack, generation):
+    before = scrape(stack, "gateway")
+    generation.Generate(request([5, 6, 7, 8], 4), timeout=60)
+    httpx.post(f"{stack.http_url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+        "ignore_eos": True}).raise_for_status()
+    httpx.post(f"{stack.http_url}/v1/embeddings", timeout=60,
+               json={"input": [[5, 6], [7, 8]]}).raise_for_status()
+    after = scrape(stack, "gateway")
+
+    def delta(name: str, operation: str) -> float:
+        labels = {"gen_ai_operation_name": operation, "gen_ai_provider_name": "pagedserve",
+                  "gen_ai_request_model": SERVED}
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    for operation, num_requests in (("text_completion", 1), ("chat", 1), ("embeddings", 2)):
+        assert delta("gen_ai_server_request_duration_seconds_count", operation) == num_requests
+    for operation in ("text_completion", "chat"):
+        assert delta("gen_ai_server_time_to_first_token_seconds_count", operation) == 1
+        assert delta("gen_ai_server_time_per_output_token_seconds_count", operation) == 1
+    assert delta("gen_ai_server_time_to_first_token_seconds_count", "embeddings") == 0

@@ -87,7 +87,7 @@ class _Chat:
         sampling = sampling_params(body, max_tokens, logprobs, limits=serving.frontend.limits)
         record_request(self.id, sampling)
         self.input = GenerateInput(request_id=self.id, token_ids=tuple(token_ids),
-                                   sampling=sampling, priority=body.priority)
+                                   sampling=sampling, priority=body.priority, operation="chat")
         self.texts = [""] * sampling.n
         self.logprobs = [ChatLogprobs() if logprobs is not None else None
                          for _ in range(sampling.n)]
