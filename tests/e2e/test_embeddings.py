@@ -53,6 +53,9 @@ def test_token_id_lists_equal_hf(stack, client, hf_last):
     assert response.usage.prompt_tokens == sum(map(len, PROMPTS))
     assert response.usage.total_tokens == response.usage.prompt_tokens
     assert response.model == MODEL and response.object == "list"
+    named = client.embeddings.create(model=MODEL, input=[5], encoding_format="float",
+                                     extra_body={"request_id": "mine", "normalize": True})
+    assert named.id == "mine"
     assert_idle(stack)
 
 
@@ -74,7 +77,9 @@ def test_unsupported_and_bad_fields_are_refused(client):
     for kwargs, param in (({"dimensions": 8}, "dimensions"), ({"input": []}, "input"),
                           ({"input": [[1, 2], "x"]}, "input"),
                           ({"extra_body": {"truncate_prompt_tokens": 3}},
-                           "truncate_prompt_tokens")):
+                           "truncate_prompt_tokens"),
+                          ({"extra_body": {"add_special_tokens": False}}, "add_special_tokens"),
+                          ({"extra_body": {"normalize": False}}, "normalize")):
         with pytest.raises(openai.BadRequestError) as info:
             client.embeddings.create(model=MODEL, **{"input": "hi", **kwargs})
         assert info.value.body["param"] == param

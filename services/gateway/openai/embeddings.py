@@ -38,7 +38,12 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = None
     user: str | None = None
     priority: int = 0
+    # vLLM's extras
+    request_id: str | None = None
     truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+    additional_data: Any = None  # vLLM carries it along unread; so does this
 
 
 class EmbeddingData(BaseModel):
@@ -94,6 +99,13 @@ def _check_unsupported(body: EmbeddingRequest) -> None:
     if body.truncate_prompt_tokens is not None:
         raise InvalidRequest(f"truncate_prompt_tokens={body.truncate_prompt_tokens} is not "
                              "supported for embeddings", field="truncate_prompt_tokens")
+    if not body.add_special_tokens:
+        raise InvalidRequest("add_special_tokens=false is not supported for embeddings: a text "
+                             "input is tokenized with the model's special tokens; send token ids "
+                             "instead", field="add_special_tokens")
+    if body.normalize is False:
+        raise InvalidRequest("normalize=false is not supported: embeddings are L2-normalized",
+                             field="normalize")
 
 
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
@@ -106,7 +118,7 @@ async def create_embedding(serving: OpenAIServing, body: EmbeddingRequest,
                            request: Request) -> EmbeddingResponse:
     serving.check_model(body.model)
     _check_unsupported(body)
-    request_id = f"embd-{uuid.uuid4().hex}"
+    request_id = body.request_id or f"embd-{uuid.uuid4().hex}"
     record_request(request_id)
     inputs = embedding_inputs(body.input, serving)
     inputs = [dataclasses.replace(
