@@ -142,7 +142,8 @@ class LLM:
         request_ids = [str(next(self._request_ids)) for _ in encoded]
         try:
             for request_id, (_, ids) in zip(request_ids, encoded, strict=True):
-                self.engine.add_request(request_id, ids, SamplingParams(), is_pooling=True)
+                self.engine.add_request(request_id, ids, SamplingParams(max_tokens=1),
+                                        is_pooling=True)
             with tqdm(total=len(encoded), desc="Embedding", unit="req",
                       disable=not use_tqdm) as progress:
                 while self.engine.has_unfinished_requests():
