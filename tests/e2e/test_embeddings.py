@@ -71,6 +71,12 @@ def test_text_token_ids_and_base64(stack, client, hf_last):
     vectors = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in raw["data"]]
     close(vectors[1].tolist(), hf_last(token_ids))
     assert raw["usage"]["prompt_tokens"] == 2 * len(token_ids)
+    bare_ids = httpx.post(f"{stack.http_url}/tokenize", json={
+        "prompt": text, "add_special_tokens": False}).json()["tokens"]
+    bare = client.embeddings.create(model=MODEL, input=text, encoding_format="float",
+                                    extra_body={"add_special_tokens": False})
+    close(bare.data[0].embedding, hf_last(bare_ids))
+    assert bare.usage.prompt_tokens == len(bare_ids)
 
 
 def test_unsupported_and_bad_fields_are_refused(client):
@@ -78,8 +84,8 @@ def test_unsupported_and_bad_fields_are_refused(client):
                           ({"input": [[1, 2], "x"]}, "input"),
                           ({"extra_body": {"truncate_prompt_tokens": 3}},
                            "truncate_prompt_tokens"),
-                          ({"extra_body": {"add_special_tokens": False}}, "add_special_tokens"),
-                          ({"extra_body": {"normalize": False}}, "normalize")):
+                          ({"extra_body": {"normalize": False}}, "normalize"),
+                          ({"extra_body": {"embed_dtype": "float16"}}, "embed_dtype")):
         with pytest.raises(openai.BadRequestError) as info:
             client.embeddings.create(model=MODEL, **{"input": "hi", **kwargs})
         assert info.value.body["param"] == param

@@ -21,6 +21,10 @@ from pagedserve.services.gateway.limits import (
 from pagedserve.services.gateway.openai.generation import Submission, http_caller
 from pagedserve.services.gateway.openai.http_span import record_request, record_usage
 from pagedserve.services.gateway.openai.protocol import UsageInfo, now_s
+from pagedserve.services.gateway.openai.request_fields import (
+    REFUSED_EMBEDDING_FIELDS,
+    check_undeclared_fields,
+)
 from pagedserve.services.gateway.openai.serving import OpenAIServing
 from pagedserve.services.gateway.validation import EMBED_SAMPLING, GenerateInput
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,7 +34,9 @@ _INPUT_SHAPES = "a string, a list of strings, a list of token ids or a list of t
 
 
 class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Undeclared fields: request_fields.py."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     input: str | list[Any]
@@ -92,6 +98,7 @@ def _is_token_id(value: Any) -> bool:
 
 
 def _check_unsupported(body: EmbeddingRequest) -> None:
+    check_undeclared_fields(body, REFUSED_EMBEDDING_FIELDS)
     if body.dimensions is not None:
         raise InvalidRequest(f"dimensions={body.dimensions} is not supported: the model's "
                              "embeddings are its full hidden size (no Matryoshka truncation)",
@@ -99,10 +106,6 @@ def _check_unsupported(body: EmbeddingRequest) -> None:
     if body.truncate_prompt_tokens is not None:
         raise InvalidRequest(f"truncate_prompt_tokens={body.truncate_prompt_tokens} is not "
                              "supported for embeddings", field="truncate_prompt_tokens")
-    if not body.add_special_tokens:
-        raise InvalidRequest("add_special_tokens=false is not supported for embeddings: a text "
-                             "input is tokenized with the model's special tokens; send token ids "
-                             "instead", field="add_special_tokens")
     if body.normalize is False:
         raise InvalidRequest("normalize=false is not supported: embeddings are L2-normalized",
                              field="normalize")
@@ -123,6 +126,7 @@ async def create_embedding(serving: OpenAIServing, body: EmbeddingRequest,
     inputs = embedding_inputs(body.input, serving)
     inputs = [dataclasses.replace(
         one, sampling=EMBED_SAMPLING, priority=body.priority,
+        add_special_tokens=body.add_special_tokens if one.text is not None else None,
         request_id=request_id if len(inputs) == 1 else f"{request_id}-{i}")
         for i, one in enumerate(inputs)]
     frontend = serving.frontend
