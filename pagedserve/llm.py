@@ -2,6 +2,7 @@
 
     llm = LLM(model="/path/to/model", enable_prefix_caching=True)
     outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
+    vectors = [o.outputs.embedding for o in llm.embed(["Hello", "Paris"])]
 
 A stop string finishes its output in the engine at once (LLMEngine.finish_sequence: its blocks
 freed, its siblings going on), as the gateway does over SubmitStream; beam search and best_of > n
@@ -10,6 +11,7 @@ rank their candidates only at the end, so there a stop string cuts the chosen ou
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
@@ -20,7 +22,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.llm_engine import LLMEngine, engine_config_from_kwargs
 from pagedserve.services.common.config import default_model_dir
-from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.errors import InvalidRequest, NotFound
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import TokenIdLogprob
@@ -54,6 +56,19 @@ class LLMOutput:
     outputs: list[LLMCompletion]
     num_cached_tokens: int = 0
     prompt_logprobs: list[list[TokenIdLogprob] | None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingOutput:
+    embedding: list[float]  # [hidden_size], L2-normalized
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt: str | None  # None when the prompt was given as token ids
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
 
 
 class _Request:
@@ -115,11 +130,45 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[LLMOutput]:
         """Outputs come back in input order."""
+        return self._run(self._encode(prompts), sampling_params, use_tqdm)
+
+    def embed(self, prompts: str | Sequence[Prompt],
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt, in input order: its final hidden states pooled as the
+        engine's pooling_type says (last token by default), L2-normalized. Each prompt is a
+        prompt-only request batched with the rest; nothing is generated."""
+        encoded = self._encode(prompts)
+        embeddings: dict[str, list[float]] = {}
+        request_ids = [str(next(self._request_ids)) for _ in encoded]
+        try:
+            for request_id, (_, ids) in zip(request_ids, encoded, strict=True):
+                self.engine.add_request(request_id, ids, SamplingParams(max_tokens=1),
+                                        is_pooling=True)
+            with tqdm(total=len(encoded), desc="Embedding", unit="req",
+                      disable=not use_tqdm) as progress:
+                while self.engine.has_unfinished_requests():
+                    for report in self.engine.step():
+                        if not report.finished:
+                            continue
+                        if report.embedding is None:
+                            raise RuntimeError(f"embedding request {report.request_id} failed: "
+                                               f"{report.outputs[0].error if report.outputs else ''}")
+                        embeddings[report.request_id] = report.embedding
+                        progress.update(1)
+        finally:
+            for request_id in request_ids:
+                if request_id not in embeddings and self.engine.has_unfinished_requests():
+                    with contextlib.suppress(NotFound):
+                        self.engine.abort_request(request_id)
+        return [EmbeddingRequestOutput(request_id, prompt, ids,
+                                       EmbeddingOutput(embeddings[request_id]))
+                for request_id, (prompt, ids) in zip(request_ids, encoded, strict=True)]
+
+    def _encode(self, prompts: str | Sequence[Prompt]) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
-        encoded = [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p))
-                   for p in prompts]
-        return self._run(encoded, sampling_params, use_tqdm)
+        return [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p))
+                for p in prompts]
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -92,8 +92,10 @@ class LLMEngine:
         return self.core.max_model_len
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
-        self.core.add_request(request_id, prompt_token_ids, sampling, priority, arrival_time)
+                    priority: int = 0, arrival_time: float | None = None,
+                    is_pooling: bool = False) -> None:
+        self.core.add_request(request_id, prompt_token_ids, sampling, priority, arrival_time,
+                              is_pooling=is_pooling)
 
     def abort_request(self, request_id: str) -> RequestOutput:
         return self.core.abort_request(request_id)

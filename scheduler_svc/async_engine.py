@@ -147,7 +147,8 @@ class AsyncEngine:
             self.core.add_request(request_id, request.prompt_token_ids, request.sampling,
                                   request.priority, owner=request.owner,
                                   resumed={o.index: o.token_ids
-                                           for o in request.resumed_outputs})
+                                           for o in request.resumed_outputs},
+                                  is_pooling=request.is_pooling)
             self._sinks[request_id] = sink
             if span_context.is_valid:
                 self._span_contexts[request_id] = span_context

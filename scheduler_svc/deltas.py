@@ -24,7 +24,7 @@ def sequence_deltas(
                 prompt_len=seq.prompt_len, block_ids=list(block_ids),
                 num_computed_tokens=seq.num_computed_tokens,
                 num_scheduled_tokens=num_scheduled_tokens, sampling=group.sampling,
-                seed=seq.seed, num_samples=num_samples))
+                seed=seq.seed, num_samples=num_samples, pooling_type=group.pooling_type))
         else:
             start = _first_difference(seq.worker_block_ids, block_ids)
             running_seqs.append(RunningSequence(
@@ -32,7 +32,8 @@ def sequence_deltas(
                 block_ids_start=start, block_ids=list(block_ids[start:]),
                 num_scheduled_tokens=num_scheduled_tokens, num_samples=num_samples))
         seq.worker_block_ids = list(block_ids)
-        seq.num_worker_tokens = len(seq.token_ids) + (is_sampling and num_samples == 1)
+        seq.num_worker_tokens = len(seq.token_ids) + (
+            is_sampling and num_samples == 1 and not group.pooling_type)
     return new_seqs, running_seqs
 
 

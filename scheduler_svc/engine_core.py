@@ -136,13 +136,20 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,
-                    owner: str = "", resumed: dict[int, list[int]] | None = None) -> None:
+                    owner: str = "", resumed: dict[int, list[int]] | None = None,
+                    is_pooling: bool = False) -> None:
         """`resumed`: output index → the tokens it already produced elsewhere (a gateway's
-        failover); only those indices run, each continuing where it stopped."""
+        failover); only those indices run, each continuing where it stopped. `is_pooling`: an
+        embedding request, its prompt computed and pooled (ModelConfig.pooling_type), nothing
+        generated; it reports RequestOutput.embedding and finishes."""
         if request_id in self._groups:
             raise InvalidRequest(f"request_id {request_id!r} is already in use",
                                  reason=Reason.REQUEST_ID_IN_USE, field="request_id")
         check_request(request_id, prompt_token_ids, sampling, priority, self._limits)
+        if is_pooling and (sampling.num_candidates != 1 or resumed):
+            raise InvalidRequest(f"an embedding request runs one sequence over its prompt, got "
+                                 f"n={sampling.n}, best_of={sampling.num_candidates} and "
+                                 f"{len(resumed or {})} resumed outputs", field="sampling.n")
         if resumed:
             check_resumed_outputs(len(prompt_token_ids), sampling, resumed, self._limits)
             group = SequenceGroup.from_resumed(request_id, list(prompt_token_ids), sampling,
@@ -151,6 +158,8 @@ class EngineCore:
             group = SequenceGroup.from_prompt(request_id, list(prompt_token_ids), sampling,
                                               next(self._seq_ids), priority, arrival_time)
         group.owner = owner
+        if is_pooling:
+            group.pooling_type = self.config.model.pooling_type
         self._groups[request_id] = group
         self.scheduler.add_group(group)
 
@@ -291,7 +300,8 @@ class EngineCore:
             return
         stats = FinishedRequestStats.of(
             group.seqs[0].finish_reason or FinishReason.ABORT, group.arrival_time,
-            group.first_scheduled_time, group.first_token_time, time.monotonic())
+            group.first_scheduled_time, group.first_token_time, time.monotonic(),
+            _num_generation_tokens(group), group.sampling.n, group.sampling.max_tokens)
         for stat_logger in self.stat_loggers:
             stat_logger.record_finished(stats)
 
@@ -414,6 +424,12 @@ class EngineCore:
         # a copy of this thread's context keeps the step span the parent of each ExecuteStep
         contexts = [contextvars.copy_context() for _ in workers]
         return list(self._pool.map(lambda ctx, w: ctx.run(call, w), contexts, workers))
+
+
+def _num_generation_tokens(group: SequenceGroup) -> int:
+    """Of the group's longest output (beam search: of its longest finished beam too)."""
+    return max([s.num_output_tokens for s in group.seqs]
+               + [len(h.token_ids) for h in group.beam_hypotheses])
 
 
 def _touched_groups(steps: list[SentStep]) -> list[SequenceGroup]:

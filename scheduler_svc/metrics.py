@@ -8,16 +8,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from pagedserve.scheduler_svc.stats import FinishedRequestStats, StepStats
+from pagedserve.services.common.config import CacheConfig
 from pagedserve.services.common.engine_api import EngineLoad
 from pagedserve.services.rpc.metrics import (
+    INTER_TOKEN_BUCKETS,
     ITERATION_TOKENS_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     STEP_TIME_BUCKETS,
+    tokens_buckets,
 )
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 MODEL = ["model_name"]
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 class SchedulerMetrics:
@@ -31,6 +35,7 @@ class SchedulerMetrics:
                              buckets=buckets).labels(model_name)
 
         self._model_name = model_name
+        self._registry = registry
         self._prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self._generation_tokens = counter("vllm:generation_tokens",
                                           "Number of generation tokens processed.")
@@ -53,6 +58,17 @@ class SchedulerMetrics:
         self._decode_time = histogram("vllm:request_decode_time_seconds",
                                       "Histogram of time spent in DECODE phase for request.",
                                       REQUEST_LATENCY_BUCKETS)
+        self._inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self._time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", INTER_TOKEN_BUCKETS)
+        self._params_n = histogram("vllm:request_params_n",
+                                   "Histogram of the n request parameter.", PARAMS_N_BUCKETS)
+        # their buckets run to max_model_len, known once the workers answered (on_engine_ready)
+        self._params_max_tokens: Histogram | None = None
+        self._max_num_generation_tokens: Histogram | None = None
         self._step_overhead = histogram(
             "pagedserve:scheduler_step_overhead_seconds",
             "Scheduler time per engine step: scheduling and output processing.", STEP_TIME_BUCKETS)
@@ -61,6 +77,19 @@ class SchedulerMetrics:
         self._swapped_in = swapped.labels(model_name, "in")
         self._swapped_out = swapped.labels(model_name, "out")
         registry.register(_LoadCollector(model_name, load))
+
+    def on_engine_ready(self, max_model_len: int, cache_info: dict[str, str]) -> None:
+        """`cache_info`: vLLM's cache_config_info labels (block_size, num_gpu_blocks, ...)."""
+        buckets = tokens_buckets(max_model_len)
+        self._params_max_tokens = Histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+            MODEL, registry=self._registry, buckets=buckets).labels(self._model_name)
+        self._max_num_generation_tokens = Histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", MODEL,
+            registry=self._registry, buckets=buckets).labels(self._model_name)
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+              list(cache_info), registry=self._registry).labels(**cache_info).set(1)
 
     def record_step(self, stats: StepStats) -> None:
         self._prompt_tokens.inc(stats.num_prompt_tokens)
@@ -82,6 +111,22 @@ class SchedulerMetrics:
         self._queue_time.observe(stats.queue_time_s)
         self._prefill_time.observe(stats.prefill_time_s)
         self._decode_time.observe(stats.decode_time_s)
+        self._inference_time.observe(stats.inference_time_s)
+        self._time_per_output_token.observe(stats.time_per_output_token_s)
+        self._params_n.observe(stats.n)
+        if self._params_max_tokens is not None:
+            self._params_max_tokens.observe(stats.max_tokens)
+            self._max_num_generation_tokens.observe(stats.num_generation_tokens)
+
+
+def cache_config_info(cache: CacheConfig, num_gpu_blocks: int, num_cpu_blocks: int
+                      ) -> dict[str, str]:
+    """The cache config as vLLM's vllm:cache_config_info labels, with the block counts found."""
+    return {"block_size": str(cache.block_size), "cache_dtype": "auto",
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+            "num_cpu_blocks": str(num_cpu_blocks), "num_gpu_blocks": str(num_gpu_blocks),
+            "swap_space": str(cache.swap_space_gib)}
 
 
 class _LoadCollector:

@@ -34,6 +34,7 @@ class OutputProcessor:
         schedule needs, once SentStep.take_in counted its tokens. Returns the groups the step
         touched, for report()."""
         by_seq_id = {out.seq_id: out for out in step_output.outputs}
+        pooled = {p.seq_id: p.embedding for p in step_output.pooled}
         groups: dict[int, SequenceGroup] = {}
         samples: dict[int, list[tuple[Sequence, SampledSequence]]] = {}
         for item in scheduled.scheduled:
@@ -50,6 +51,9 @@ class OutputProcessor:
                 self.scheduler.block_manager.mark_computed(seq.seq_id, seq.token_ids,
                                                            seq.num_computed_tokens)
             if not item.is_sampling:
+                continue
+            if group.pooling_type:
+                self._finish_pooled(group, seq, pooled.get(seq.seq_id))
                 continue
             if sampled is None or len(sampled.token_ids) != item.num_samples:
                 got = 0 if sampled is None else len(sampled.token_ids)
@@ -82,6 +86,19 @@ class OutputProcessor:
                     self._append(group, seq, sampled, 0)
             self.scheduler.free_finished(group)
         return list(groups.values())
+
+    def _finish_pooled(self, group: SequenceGroup, seq: Sequence,
+                       embedding: list[float] | None) -> None:
+        """An embedding request ends with its prompt: no token is sampled."""
+        if embedding is None:
+            self.scheduler.finish_group(group, FinishReason.ERROR, (
+                f"worker returned no embedding for seq_id {seq.seq_id}"))
+            return
+        group.embedding = embedding
+        group.first_token_time = time.monotonic()
+        self.num_prompt_tokens += group.prompt_len
+        seq.finish(FinishReason.STOP)
+        self.scheduler.free_finished(group)
 
     def report(self, groups: list[SequenceGroup]) -> list[RequestOutput]:
         return [r for g in groups if (r := make_request_output(g)) is not None]

@@ -25,7 +25,7 @@ def make_request_output(group: SequenceGroup) -> RequestOutput | None:
     return RequestOutput(request_id=group.request_id, outputs=outputs, finished=group.is_finished,
                          num_prompt_tokens=group.prompt_len,
                          num_cached_tokens=group.num_cached_tokens,
-                         prompt_logprobs=prompt_logprobs)
+                         prompt_logprobs=prompt_logprobs, embedding=group.embedding)
 
 
 def _sequence_delta(seq: Sequence) -> SequenceDelta | None:
@@ -80,6 +80,7 @@ def merge_request_outputs(first: RequestOutput, later: RequestOutput) -> Request
         earlier.finish_reason = output.finish_reason or earlier.finish_reason
         earlier.error = output.error or earlier.error
     first.finished = later.finished
+    first.embedding = later.embedding or first.embedding
     first.num_cached_tokens = later.num_cached_tokens
     if first.prompt_logprobs is None:
         first.prompt_logprobs = later.prompt_logprobs

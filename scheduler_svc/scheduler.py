@@ -253,8 +253,10 @@ class Scheduler:
                 continue
             if budget.remaining_seqs < len(live):
                 return
-            # a prefix hit would skip the positions whose prompt logprobs are still owed (vLLM)
-            use_prefix_cache = not group.is_collecting_prompt_logprobs
+            # a prefix hit would skip the positions whose prompt logprobs are still owed (vLLM),
+            # or whose hidden states a mean pooling sums
+            use_prefix_cache = (not group.is_collecting_prompt_logprobs
+                                and group.pooling_type != "mean")
             status = self._allocate(live, use_prefix_cache)
             while status is AllocStatus.LATER and self._preempt_paused(step):
                 status = self._allocate(live, use_prefix_cache)
@@ -383,7 +385,9 @@ class Scheduler:
         live = group.live_seqs()
         seq_ids = [s.seq_id for s in live]
         mode = mode or self.config.preemption_mode
-        if mode == "auto":
+        if group.pooling_type:  # a mean's running sum lives in the worker mirror a swap drops
+            mode = "recompute"
+        elif mode == "auto":
             mode = "recompute" if len(live) == 1 else "swap"
         if mode == "swap" and not self.block_manager.can_swap_out(seq_ids):
             logger.warning("no CPU swap space for request %s; preempting by recompute",

@@ -163,6 +163,8 @@ class SequenceGroup:
     num_reports: int = 0
     owner: str = ""  # who may abort it, besides an admin (the gateway's tag of its caller)
     is_paused: bool = False  # its consumer is behind: not scheduled, first preempted
+    pooling_type: str = ""  # an embedding request ("last", "mean"): its prompt only, pooled
+    embedding: list[float] | None = None  # the pooled vector, once its prompt is computed
 
     @classmethod
     def from_prompt(cls, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 from pagedserve.scheduler_svc.async_engine import AsyncEngine
 from pagedserve.scheduler_svc.engine_core import EngineCore
-from pagedserve.scheduler_svc.metrics import SchedulerMetrics
+from pagedserve.scheduler_svc.metrics import SchedulerMetrics, cache_config_info
 from pagedserve.scheduler_svc.stats import StatLogger
 from pagedserve.scheduler_svc.submit_stream import serve_submit_stream
 from pagedserve.scheduler_svc.worker_client import WorkerClient
@@ -40,9 +40,12 @@ logger = logging.getLogger(__name__)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
-    def __init__(self, model: str, engine: AsyncEngine | None = None) -> None:
-        """`engine` is set once the worker handshake is done; until then calls are UNAVAILABLE."""
+    def __init__(self, model: str, engine: AsyncEngine | None = None,
+                 name: str = "") -> None:
+        """`engine` is set once the worker handshake is done; until then calls are UNAVAILABLE.
+        `name`: --served-model-name (empty = the folder's name)."""
         self.model = model
+        self.name = name
         self.engine = engine
         self.metrics_server: MetricsServer | None = None
 
@@ -57,7 +60,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                            context: grpc.aio.ServicerContext
                            ) -> AsyncIterator[scheduler_pb2.SubmitStreamResponse]:
         engine = self._engine()
-        async for response in serve_submit_stream(engine, served_model_name(self.model),
+        async for response in serve_submit_stream(engine, self.name or served_model_name(self.model),
                                                   requests):
             yield response
 
@@ -100,12 +103,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                      core.vocab_size, core.eos_token_ids,
                                      block_size=core.block_manager.block_size,
                                      num_gpu_blocks=core.num_gpu_blocks,
-                                     max_num_seqs=core.config.scheduler.max_num_seqs)
+                                     max_num_seqs=core.config.scheduler.max_num_seqs,
+                                     served_model_name=self.name)
 
 
 def create_scheduler_server(config: EngineConfig, service_config: SchedulerServiceConfig
                             ) -> tuple[ServiceServer, SchedulerServicer]:
-    servicer = SchedulerServicer(config.model.model)
+    servicer = SchedulerServicer(config.model.model, name=config.model.served_model_name)
     server, _ = create_server(
         [ServiceBinding(servicer, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
                         "pagedserve.internal.v1.SchedulerService")],
@@ -143,12 +147,15 @@ async def start_scheduler(config: EngineConfig, service_config: SchedulerService
     logger.info("scheduler listening on %s:%d; handshake with workers %s", service_config.host,
                 server.port, ", ".join(service_config.worker_addresses))
     registry = CollectorRegistry()
-    metrics = SchedulerMetrics(registry, served_model_name(config.model.model),
+    metrics = SchedulerMetrics(registry, config.model.name,
                                lambda: None if servicer.engine is None else servicer.engine.load)
     try:
         servicer.metrics_server = start_metrics_server(
             registry, service_config.host, service_config.metrics, "scheduler")
         servicer.engine = await start_engine(config, service_config, [metrics])
+        core = servicer.engine.core
+        metrics.on_engine_ready(core.max_model_len, cache_config_info(
+            config.cache, core.num_gpu_blocks, core.num_cpu_blocks))
     except BaseException:
         await server.shutdown(0)  # its health-only port too
         if servicer.metrics_server is not None:

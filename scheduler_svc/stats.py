@@ -55,15 +55,32 @@ class FinishedRequestStats:
     queue_time_s: float  # arrival -> first scheduled
     prefill_time_s: float  # first scheduled -> first token
     decode_time_s: float  # first token -> finished
+    num_generation_tokens: int = 0  # of its longest output
+    n: int = 1  # the request's sampling parameters
+    max_tokens: int = 0
+
+    @property
+    def inference_time_s(self) -> float:
+        """First scheduled -> finished: prefill and decode."""
+        return self.prefill_time_s + self.decode_time_s
+
+    @property
+    def time_per_output_token_s(self) -> float:
+        """vLLM's: the decode time over the tokens after the first (0 for one token)."""
+        if self.num_generation_tokens < 2:
+            return 0.0
+        return self.decode_time_s / (self.num_generation_tokens - 1)
 
     @classmethod
     def of(cls, finish_reason: str, arrival_time: float, first_scheduled_time: float | None,
-           first_token_time: float | None, now: float) -> FinishedRequestStats:
+           first_token_time: float | None, now: float, num_generation_tokens: int = 0,
+           n: int = 1, max_tokens: int = 0) -> FinishedRequestStats:
         """A phase never reached ends when the request did."""
         scheduled = now if first_scheduled_time is None else first_scheduled_time
         first_token = now if first_token_time is None else first_token_time
         return cls(finish_reason, max(0.0, scheduled - arrival_time),
-                   max(0.0, first_token - scheduled), max(0.0, now - first_token))
+                   max(0.0, first_token - scheduled), max(0.0, now - first_token),
+                   num_generation_tokens, n, max_tokens)
 
 
 class StatLogger(Protocol):

@@ -65,7 +65,7 @@ class SentStep:
             if seq.is_finished:  # finished or aborted after the step was sent
                 continue
             seq.num_computed_tokens += item.num_scheduled_tokens
-            if item.is_sampling:
+            if item.is_sampling and not item.group.pooling_type:  # an embedding draws nothing
                 seq.add_placeholder()
         self.is_advanced = True
 

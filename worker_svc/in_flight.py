@@ -5,7 +5,7 @@ LaunchWindow's rule (worker_svc/launch_window.py)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Protocol
 
@@ -101,6 +101,7 @@ class InFlightStep:
     logits: torch.Tensor | None = None  # None on tensor-parallel ranks > 0
     samples: PendingSamples | None = None  # set by ModelRunner.sample
     fence: Fence = PASSED
+    pooled: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (seq_id, [hidden])
 
     def draws_by_seq(self) -> dict[int, int]:
         """seq_id → index into samples.token_ids, for the sequences drawing one token."""

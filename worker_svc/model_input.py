@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.services.common.cdiv import cdiv
+from pagedserve.worker_svc.pooler import PoolSpan
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 
 
@@ -31,6 +32,7 @@ class ModelInput:
     prompt_logprob_spans: list[PromptLogprobSpan]
     # (input row, index into the step in flight's draws): tokens the host has not read yet
     drawn_rows: list[tuple[int, int]]
+    pool_spans: list[PoolSpan] = field(default_factory=list)  # embedding requests' chunks
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +92,8 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
         sample_seqs=[seqs[i] for i in sample_rows],
         prompt_logprob_spans=spans,
         drawn_rows=drawn_rows,
+        pool_spans=[PoolSpan(s, int(query_start_loc[i]), int(query_start_loc[i + 1]),
+                             s.is_prompt_done) for i, s in enumerate(seqs) if s.pooling_type],
     )
 
 

@@ -18,6 +18,7 @@ from pagedserve.worker_svc.in_flight import Fence, InFlightStep, PhaseClock, dev
 from pagedserve.worker_svc.mixed_graphs import MixedGraphs
 from pagedserve.worker_svc.model_input import ModelInput, build_model_input
 from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
+from pagedserve.worker_svc.pooler import pool, pooled_to_host
 from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState, prompt_logprobs
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence, SequenceMirrors
 from torch import nn
@@ -71,9 +72,10 @@ class ModelRunner:
                 sources.to(self.device)]
         self.mirrors.mark_computed(scheduled)
         clock.mark()
-        logits = self._forward(model_input, cache_engine.gpu_cache)
+        logits, pooled = self._forward(model_input, cache_engine.gpu_cache)
         clock.mark()
-        return InFlightStep(plan.step_id, clock, scheduled, model_input=model_input, logits=logits)
+        return InFlightStep(plan.step_id, clock, scheduled, model_input=model_input, logits=logits,
+                            pooled=pooled)
 
     @torch.inference_mode()
     def sample(self, step: InFlightStep) -> None:
@@ -109,7 +111,7 @@ class ModelRunner:
             forward_ns = round(step.fence.device_s * 1e9)
         return StepOutput(step_id=step.step_id, outputs=outputs, timings=StepTimings(
             cache_ops_ns=cache_ops_ns, prepare_ns=prepare_ns, forward_ns=forward_ns,
-            sample_ns=sample_ns))
+            sample_ns=sample_ns), pooled=pooled_to_host(step.pooled))
 
     def new_fence(self) -> Fence:
         return self._new_fence() if self._new_fence is not None else device_fence(self.device)
@@ -121,10 +123,10 @@ class ModelRunner:
         rank 0's draws in a collective)."""
         return (self._new_fence is not None or self.device.type == "cuda") and self.tp.size == 1
 
-    def _forward(self, model_input: ModelInput,
-                 kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+    def _forward(self, model_input: ModelInput, kv_caches: list[torch.Tensor]
+                 ) -> tuple[torch.Tensor | None, list[tuple[int, torch.Tensor]]]:
         """[num_logits_rows, vocab] float32 on tensor-parallel rank 0, which samples; None on
-        the others."""
+        the others. Then the embeddings of the pooling sequences whose prompt is done."""
         graphs, mixed = self.decode_graphs, self.mixed_graphs
         batch_size = graphs.batch_size_for(model_input, kv_caches) if graphs else None
         num_tokens = (mixed.num_tokens_for(model_input, kv_caches)
@@ -136,7 +138,8 @@ class ModelRunner:
         else:
             hidden_states = self.model(model_input.input_ids, model_input.positions, kv_caches,
                                        model_input.meta)  # [num_tokens, hidden]
-        return self.model.compute_logits(hidden_states[model_input.logits_indices])
+        pooled = pool(hidden_states, model_input.pool_spans)
+        return self.model.compute_logits(hidden_states[model_input.logits_indices]), pooled
 
     def _sampled(self, step: InFlightStep) -> list[SampledSequence]:
         model_input = step.model_input

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.services.common.errors import InvalidRequest, NotFound
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import (
+    POOLING_TYPES,
     NewSequence,
     RunningSequence,
     SampledSequence,
@@ -28,14 +30,21 @@ class CachedSequence:
     seed: int | None
     num_samples: int
     num_scheduled_tokens: int = 0  # this step's tokens, from num_computed_tokens on
+    pooling_type: str = ""  # "last" or "mean": an embedding request, pooled and never sampled
+    pooled_sum: Any = None  # mean pooling: the float32 sum of the hidden states so far [hidden]
 
     @property
     def is_prefill(self) -> bool:
         return self.num_scheduled_tokens > 1
 
     @property
-    def is_sampling(self) -> bool:
+    def is_prompt_done(self) -> bool:
+        """This step computes up to the last known token."""
         return self.num_computed_tokens + self.num_scheduled_tokens >= len(self.token_ids)
+
+    @property
+    def is_sampling(self) -> bool:
+        return not self.pooling_type and self.is_prompt_done
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -91,6 +100,7 @@ class SequenceMirrors:
                            vocab_size)
                 _check_ids("bad_words_token_ids", new.seq_id,
                            [t for ids in sampling.bad_words_token_ids for t in ids], vocab_size)
+            _check_pooling(new)
             self._check_lengths(new.seq_id, len(new.token_ids), len(new.block_ids),
                                 new.num_computed_tokens, new.num_scheduled_tokens, new.prompt_len,
                                 new.num_samples)
@@ -145,7 +155,8 @@ class SequenceMirrors:
             seq_id=new.seq_id, request_id=new.request_id, token_ids=list(new.token_ids),
             prompt_len=new.prompt_len, block_table=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens, sampling=new.sampling, seed=new.seed,
-            num_samples=new.num_samples, num_scheduled_tokens=new.num_scheduled_tokens)
+            num_samples=new.num_samples, num_scheduled_tokens=new.num_scheduled_tokens,
+            pooling_type=new.pooling_type)
         self.seqs[new.seq_id] = seq
         return seq
 
@@ -177,6 +188,15 @@ class SequenceMirrors:
                                  f"[0, {num_tokens}]")
         if num_samples < 1:
             raise InvalidRequest(f"seq {seq_id}: num_samples must be >= 1, got {num_samples}")
+
+
+def _check_pooling(new: NewSequence) -> None:
+    if new.pooling_type not in POOLING_TYPES:
+        raise InvalidRequest(f"seq {new.seq_id}: pooling_type must be one of "
+                             f"{list(POOLING_TYPES)}, got {new.pooling_type!r}")
+    if new.pooling_type == "mean" and new.num_computed_tokens:
+        raise InvalidRequest(f"seq {new.seq_id}: mean pooling needs every prompt token's hidden "
+                             f"state, got num_computed_tokens={new.num_computed_tokens}")
 
 
 def _check_ids(name: str, seq_id: int, ids: list[int] | tuple[int, ...], limit: int | None) -> None:

@@ -20,7 +20,6 @@ import grpc
 from pagedserve.services.common.config import (
     EngineConfig,
     WorkerServiceConfig,
-    served_model_name,
 )
 from pagedserve.services.common.errors import (
     InvalidRequest,
@@ -247,7 +246,7 @@ async def start_worker(config: EngineConfig, service: WorkerServiceConfig
     logger.info("worker rank %d listening on %s:%d", service.rank, service.host, server.port)
     try:
         registry = CollectorRegistry()
-        servicer.metrics = WorkerMetrics(registry, served_model_name(config.model.model),
+        servicer.metrics = WorkerMetrics(registry, config.model.name,
                                          service.rank)
         servicer.metrics_server = start_metrics_server(
             registry, service.host, service.metrics, "worker")

@@ -8,6 +8,7 @@ from pagedserve.client.sync import Client, Stream
 from pagedserve.client.types import (
     Completion,
     CompletionOutput,
+    Embedding,
     ModelInfo,
     StreamDelta,
     Tokenized,
@@ -15,5 +16,5 @@ from pagedserve.client.types import (
 from pagedserve.services.common.outputs import TokenLogprob, Usage
 
 __all__ = ["AsyncClient", "AsyncStream", "Client", "ClientError", "Completion",
-           "CompletionOutput", "FieldViolation", "ModelInfo", "RetryPolicy", "Stream",
+           "CompletionOutput", "Embedding", "FieldViolation", "ModelInfo", "RetryPolicy", "Stream",
            "StreamDelta", "TokenLogprob", "Tokenized", "Usage"]

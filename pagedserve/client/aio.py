@@ -178,6 +178,13 @@ class AsyncClient:
         return types.tokenized_from_proto(
             await self._unary("Tokenize", self._generation.Tokenize, request, timeout_s))
 
+    async def embed(self, prompt: types.Prompt, *, request_id: str | None = None,
+                    priority: int = 0, timeout_s: float | None = None) -> types.Embedding:
+        """The prompt's embedding (the server's pooling, L2-normalized)."""
+        return types.embedding_from_proto(await self._unary(
+            "Embed", self._generation.Embed, types.embed_request(prompt, request_id, priority),
+            timeout_s))
+
     async def abort(self, request_id: str, *, timeout_s: float | None = None) -> None:
         await self._unary("Abort", self._generation.Abort, types.abort_request(request_id),
                           timeout_s)

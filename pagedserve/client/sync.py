@@ -169,6 +169,13 @@ class Client:
         return types.tokenized_from_proto(
             self._unary("Tokenize", self._generation.Tokenize, request, timeout_s))
 
+    def embed(self, prompt: types.Prompt, *, request_id: str | None = None, priority: int = 0,
+              timeout_s: float | None = None) -> types.Embedding:
+        """The prompt's embedding (the server's pooling, L2-normalized)."""
+        return types.embedding_from_proto(self._unary(
+            "Embed", self._generation.Embed, types.embed_request(prompt, request_id, priority),
+            timeout_s))
+
     def abort(self, request_id: str, *, timeout_s: float | None = None) -> None:
         """Ends a live request (its stream ends with finish_reason ABORT); NOT_FOUND if it is
         unknown or already finished."""

@@ -70,6 +70,13 @@ class Tokenized:
 
 
 @dataclass(frozen=True, slots=True)
+class Embedding:
+    request_id: str
+    embedding: list[float]  # [hidden_size], L2-normalized
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInfo:
     """GetModelInfo's answer (the gateway's ServedModel without the replicas' capacity)."""
 
@@ -120,6 +127,25 @@ def generate_request(prompt: Prompt | None, messages: Messages | None,
     else:
         raise InvalidRequest(f"prompt must be a str or a list of token ids, got {prompt!r}")
     return request
+
+
+def embed_request(prompt: Prompt, request_id: str | None, priority: int
+                  ) -> gateway_pb2.EmbedRequest:
+    request = gateway_pb2.EmbedRequest(request_id=request_id or uuid.uuid4().hex,
+                                       priority=priority)
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif (isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray)
+          and all(isinstance(t, int) for t in prompt)):
+        request.token_ids.SetInParent()
+        request.token_ids.token_ids.extend(prompt)
+    else:
+        raise InvalidRequest(f"prompt must be a str or a list of token ids, got {prompt!r}")
+    return request
+
+
+def embedding_from_proto(msg: gateway_pb2.EmbedResponse) -> Embedding:
+    return Embedding(msg.request_id, list(msg.embedding), msg.num_prompt_tokens)
 
 
 def stream_request(request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateStreamRequest:

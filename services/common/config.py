@@ -60,12 +60,20 @@ class ModelConfig:
     model: str = field(default_factory=default_model_dir, metadata={
         "help": "HF model folder (config.json, safetensors, tokenizer); default: SmolLM2 from make model"})
     tokenizer: str = opt("", "tokenizer folder; empty = the model folder")
+    served_model_name: str = opt(
+        "", "the model's name: what clients send as `model` and see, and the model_name label "
+        "of every service's metrics and traces (gateways take it from the scheduler); empty = "
+        "the model folder's name")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = opt(
         "auto", "weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA")
     max_model_len: int = opt(0, "longest prompt + output in tokens; 0 = the model's own limit")
     load_format: Literal["auto", "safetensors", "pt", "dummy"] = opt(
         "auto", "weights format; dummy = random weights of the real shapes (benchmarks)")
     seed: int = opt(0, "seed for dummy weights and unseeded sampling")
+    pooling_type: Literal["last", "mean"] = opt(
+        "last", "how an embedding request's prompt becomes one vector (vLLM's pooler "
+        "pooling_type, L2-normalized): last = the final hidden state of its last token, mean = "
+        "the mean over every prompt token's (such prompts skip the prefix cache)")
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -75,6 +83,10 @@ class ModelConfig:
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or served_model_name(self.model)
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ class SubmitRequest:
     priority: int = 0
     owner: str = ""  # who may abort it: the gateway's tag of its caller
     resumed_outputs: list[ResumedOutput] = field(default_factory=list)  # unfinished ones only
+    is_pooling: bool = False  # an embedding request: the prompt pooled, nothing generated
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ class RequestOutput:
     num_cached_tokens: int
     # positions 1.. of the prompt (None where the KV came from the prefix cache); first report only
     prompt_logprobs: list[list[TokenIdLogprob] | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's pooled vector, at its end
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 from pagedserve.services.common.sampling_params import SamplingParams
 
+POOLING_TYPES = ("", "last", "mean")  # "": a generating sequence
+
 
 @dataclass(frozen=True, slots=True)
 class NewSequence:
@@ -31,6 +33,8 @@ class NewSequence:
     sampling: SamplingParams
     seed: int | None = None  # per-sequence seed the scheduler derived; None = unseeded
     num_samples: int = 1  # tokens to sample (best_of at a group's fork; 2*beam at beam steps)
+    # a prompt-only (embedding) request: "last" or "mean"; pooled, never sampled. "": generates
+    pooling_type: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,14 @@ class SampledSequence:
 
 
 @dataclass(frozen=True, slots=True)
+class PooledSequence:
+    """A pooling sequence whose prompt was computed this step: its L2-normalized embedding."""
+
+    seq_id: int
+    embedding: list[float]  # [hidden_size]
+
+
+@dataclass(frozen=True, slots=True)
 class StepTimings:
     cache_ops_ns: int = 0
     prepare_ns: int = 0
@@ -101,6 +113,7 @@ class StepOutput:
     # (those have empty token_ids)
     outputs: list[SampledSequence] = field(default_factory=list)
     timings: StepTimings = field(default_factory=StepTimings)
+    pooled: list[PooledSequence] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

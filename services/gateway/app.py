@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -102,8 +101,6 @@ async def _join_replicas(config: GatewayConfig, resolve: Resolver | None
     except BaseException:
         await replicas.close()
         raise
-    if config.http.served_model_name:
-        info = dataclasses.replace(info, model=config.http.served_model_name)
     return replicas, tokenizer, info
 
 
@@ -136,7 +133,7 @@ async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) 
     http = None
     if config.http.http_port != 0:
         app = build_app(OpenAIServing(frontend, info.model), api_key,
-                        config.http.max_request_body_bytes, admin_token)
+                        config.http.max_request_body_bytes, admin_token, registry)
         http = HttpServer(app, bind_socket(config.host, max(config.http.http_port, 0)),
                           config.public_tls, config.connections)
     await server.start()

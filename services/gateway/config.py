@@ -33,8 +33,6 @@ class HttpConfig:
 
     http_port: int = opt(8000, "OpenAI-compatible HTTP port, on the gateway's host; 0 = off, "
                                "-1 = any free port")
-    served_model_name: str = opt("", "the model name clients send and see; empty = the name "
-                                     "of the model's folder")
     chat_template: str = opt("", "a Jinja chat template, or the path of a file holding one, in "
                                  "place of the model's, for chat requests at both doors; empty "
                                  "= the model's")

@@ -8,7 +8,12 @@ from collections.abc import Sequence
 from pagedserve.services.common.config import served_model_name
 from pagedserve.services.common.errors import InvalidRequest, Reason
 from pagedserve.services.common.outputs import TokenLogprob
-from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ServedModel
+from pagedserve.services.gateway.validation import (
+    EMBED_SAMPLING,
+    ChatMessage,
+    GenerateInput,
+    ServedModel,
+)
 from pagedserve.services.rpc.convert_public import (
     finish_reason_from_proto,
     finish_reason_to_proto,
@@ -53,6 +58,14 @@ def generate_request_from_proto(msg: gateway_pb2.GenerateRequest | gateway_pb2.G
         token_ids=tuple(msg.token_ids.token_ids) if prompt == "token_ids" else None,
         messages=_messages_from_proto(msg.messages) if prompt == "messages" else None,
         sampling=sampling, priority=msg.priority)
+
+
+def embed_request_from_proto(msg: gateway_pb2.EmbedRequest) -> GenerateInput:
+    prompt = msg.WhichOneof("prompt")
+    return GenerateInput(
+        request_id=msg.request_id, text=msg.text if prompt == "text" else None,
+        token_ids=tuple(msg.token_ids.token_ids) if prompt == "token_ids" else None,
+        sampling=EMBED_SAMPLING, priority=msg.priority)
 
 
 def generate_request_to_proto(request: GenerateInput) -> gateway_pb2.GenerateRequest:
@@ -168,7 +181,8 @@ def served_model_from_info_proto(msg: gateway_pb2.GetModelInfoResponse) -> Serve
 
 def served_model_from_proto(msg: scheduler_pb2.GetServedModelResponse, has_chat_template: bool
                                  ) -> ServedModel:
-    return ServedModel(model=served_model_name(msg.model), architecture=msg.architecture,
+    return ServedModel(model=msg.served_model_name or served_model_name(msg.model),
+                       architecture=msg.architecture,
                        max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,
                        eos_token_ids=tuple(msg.eos_token_ids),
                        has_chat_template=has_chat_template, block_size=msg.block_size,

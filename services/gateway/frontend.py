@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -30,6 +31,7 @@ from pagedserve.services.common.errors import (
     Reason,
     Unavailable,
 )
+from pagedserve.services.common.outputs import Usage
 from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.gateway.delta_buffer import DeltaBuffer
 from pagedserve.services.gateway.failover import ResumableSubmission
@@ -214,7 +216,8 @@ class Frontend:
         `on_stalled` is awaited with the error (a front door ends its call with it), and the
         task iterating this generator is cancelled."""
         buffer = DeltaBuffer(request.sampling.n, self.limits.stream_interval)
-        timer = None if self.metrics is None else self.metrics.start_request(request.arrival_s)
+        timer = None if self.metrics is None else self.metrics.start_request(
+            request.arrival_s, request.operation)
         text_stream = TextStream(request.prompt_token_ids, request.sampling, self.tokenizer)
         submission = ResumableSubmission(self.replicas, request, self.ownership.owner(caller),
                                          self.replicas.config.failover_timeout_s,
@@ -237,6 +240,30 @@ class Frontend:
         if errors:
             raise PagedServeError(f"request {request.request_id!r} failed: {'; '.join(errors)}",
                                   reason=Reason.GENERATION_FAILED)
+
+    async def embed(self, request: PreparedRequest, caller: Caller = ANONYMOUS) -> list[float]:
+        """An embedding request's vector: its prompt runs through a replica's scheduler as a
+        prompt-only request (is_pooling), failing over like a generation; nothing is generated
+        and its blocks are freed when its prompt is computed. Leaving early cancels it."""
+        request = dataclasses.replace(request, is_pooling=True)
+        timer = None if self.metrics is None else self.metrics.start_request(
+            request.arrival_s, "embeddings")
+        submission = ResumableSubmission(self.replicas, request, self.ownership.owner(caller),
+                                         self.replicas.config.failover_timeout_s,
+                                         lambda _: False, self.metrics)
+        async with contextlib.aclosing(submission.outputs()) as outputs:
+            async for output in outputs:
+                errors = [o.error for o in output.outputs if o.error]
+                if errors:
+                    raise PagedServeError(f"request {request.request_id!r} failed: "
+                                          f"{'; '.join(errors)}", reason=Reason.GENERATION_FAILED)
+                if output.embedding is not None:
+                    if timer is not None:
+                        timer.finished(Usage(output.num_prompt_tokens, 0,
+                                             output.num_cached_tokens))
+                    return output.embedding
+        raise Unavailable(f"the scheduler ended request {request.request_id!r} before its "
+                          "embedding", reason=Reason.SCHEDULER_UNAVAILABLE)
 
     async def _pump(self, request: PreparedRequest, text_stream: TextStream,
                     submission: ResumableSubmission, buffer: DeltaBuffer,

@@ -145,7 +145,7 @@ class SchedulerClient:
         msg = submit_request_to_proto(SubmitRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling=request.sampling, priority=request.priority, owner=owner,
-            resumed_outputs=resumed_outputs or []))
+            resumed_outputs=resumed_outputs or [], is_pooling=request.is_pooling))
         wants_prompt_logprobs = request.sampling.prompt_logprobs is not None
         span = RequestSpan.client(msg, self.address)
         code, details = grpc.StatusCode.CANCELLED, None  # unless it ends

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import grpc
 from pagedserve.services.common.errors import PagedServeError
 from pagedserve.services.gateway.convert import (
+    embed_request_from_proto,
     generate_request_from_proto,
     generate_response_to_proto,
     proto_field_path,
@@ -86,6 +87,19 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 deltas = [delta async for delta in self._frontend.generate(
                     prepared, caller=grpc_caller(context))]
         return generate_response_to_proto(prepared.request_id, deltas, prepared.sampling.n)
+
+    @map_errors(field_path=proto_field_path)
+    async def Embed(self, request: gateway_pb2.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> gateway_pb2.EmbedResponse:
+        arrival_s = time.monotonic()
+        set_request_model(self._frontend.info.model)
+        with self._track("Embed"):
+            embed = embed_request_from_proto(request)
+            with self._frontend.admit([embed]):
+                prepared = await self._frontend.prepare(embed, arrival_s)
+                embedding = await self._frontend.embed(prepared, grpc_caller(context))
+        return gateway_pb2.EmbedResponse(request_id=prepared.request_id, embedding=embedding,
+                                         num_prompt_tokens=len(prepared.prompt_token_ids))
 
     @map_errors(field_path=proto_field_path)
     async def Tokenize(self, request: gateway_pb2.TokenizeRequest,

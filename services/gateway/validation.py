@@ -44,6 +44,10 @@ class ChatOptions:
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # chat_template_kwargs
 
 
+# an embedding request computes its prompt only; the context-length checks price one token
+EMBED_SAMPLING = SamplingParams(max_tokens=1)
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateInput:
     """Exactly one of text, token_ids, messages is set."""
@@ -58,6 +62,8 @@ class GenerateInput:
     # BOS and the like on top of the prompt; None = a text's default (yes), a chat's (no: the
     # template writes its own)
     add_special_tokens: bool | None = None
+    # gen_ai.operation.name; empty = chat for messages, else text_completion
+    operation: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +91,8 @@ class PreparedRequest:
     priority: int
     # time.monotonic() when the request reached the gateway: latency metrics count from here
     arrival_s: float = field(default_factory=time.monotonic)
+    is_pooling: bool = False  # an embedding request: the prompt pooled, nothing generated
+    operation: str = "text_completion"  # gen_ai.operation.name (metrics)
 
 
 def tokenized(request: GenerateInput, tokenizer: Tokenizer, info: ServedModel
@@ -192,7 +200,9 @@ def prepared_request(request: GenerateInput, request_id: str, token_ids: list[in
     return PreparedRequest(request_id=request_id, prompt_token_ids=token_ids,
                            sampling=request.sampling,
                            priority=request.priority,
-                           arrival_s=time.monotonic() if arrival_s is None else arrival_s)
+                           arrival_s=time.monotonic() if arrival_s is None else arrival_s,
+                           operation=request.operation or (
+                               "chat" if request.messages is not None else "text_completion"))
 
 
 def prompt_field(request: GenerateInput) -> str:

@@ -41,7 +41,8 @@ def submit_request_to_proto(request: SubmitRequest) -> scheduler_pb2.SubmitReque
         sampling=sampling, priority=request.priority,
         owner=request.owner,
         resumed_outputs=[scheduler_pb2.ResumedOutput(index=o.index, token_ids=o.token_ids)
-                         for o in request.resumed_outputs])
+                         for o in request.resumed_outputs],
+        is_pooling=request.is_pooling)
 
 
 def submit_request_from_proto(msg: scheduler_pb2.SubmitRequest) -> SubmitRequest:
@@ -55,7 +56,7 @@ def submit_request_from_proto(msg: scheduler_pb2.SubmitRequest) -> SubmitRequest
     return SubmitRequest(
         request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
         sampling=_sampling_from_proto(msg), priority=msg.priority,
-        owner=msg.owner, resumed_outputs=resumed)
+        owner=msg.owner, resumed_outputs=resumed, is_pooling=msg.is_pooling)
 
 
 def sequence_delta_to_proto(output: SequenceDelta) -> scheduler_pb2.SequenceDelta:
@@ -86,6 +87,8 @@ def token_event_to_proto(output: RequestOutput, msg: scheduler_pb2.SubmitRespons
     msg.num_cached_tokens = output.num_cached_tokens
     if output.prompt_logprobs is not None:
         add_logprob_lists(msg.prompt_logprobs, [p or [] for p in output.prompt_logprobs])
+    if output.embedding is not None:
+        msg.embedding.extend(output.embedding)
     return msg
 
 
@@ -102,7 +105,7 @@ def token_event_from_proto(msg: scheduler_pb2.SubmitResponse, request_id: str,
         request_id=request_id, outputs=outputs,
         finished=bool(outputs) and all(o.finish_reason is not None for o in outputs),
         num_prompt_tokens=msg.num_prompt_tokens, num_cached_tokens=msg.num_cached_tokens,
-        prompt_logprobs=prompt_logprobs)
+        prompt_logprobs=prompt_logprobs, embedding=list(msg.embedding) or None)
 
 
 def abort_request_to_proto(request: AbortRequest) -> scheduler_pb2.AbortRequest:
@@ -167,8 +170,10 @@ def watch_load_request_from_proto(msg: scheduler_pb2.WatchLoadRequest) -> float:
 
 def served_model_to_proto(model: str, info: WorkerInfo, max_model_len: int, vocab_size: int,
                           eos_token_ids: list[int], block_size: int = 0, num_gpu_blocks: int = 0,
-                          max_num_seqs: int = 0) -> scheduler_pb2.GetServedModelResponse:
+                          max_num_seqs: int = 0, served_model_name: str = ""
+                          ) -> scheduler_pb2.GetServedModelResponse:
     return scheduler_pb2.GetServedModelResponse(
-        model=model, architecture=info.architecture, max_model_len=max_model_len,
+        model=model, served_model_name=served_model_name, architecture=info.architecture,
+        max_model_len=max_model_len,
         vocab_size=vocab_size, eos_token_ids=eos_token_ids, block_size=block_size,
         num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs)

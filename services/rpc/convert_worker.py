@@ -10,6 +10,7 @@ from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.step_plan import (
     MemoryProfile,
     NewSequence,
+    PooledSequence,
     RunningSequence,
     SampledSequence,
     StepOutput,
@@ -44,7 +45,8 @@ def new_sequence_to_proto(seq: NewSequence) -> worker_pb2.NewSequence:
         seq_id=seq.seq_id, request_id=seq.request_id, token_ids=seq.token_ids,
         prompt_len=seq.prompt_len, block_ids=seq.block_ids,
         num_computed_tokens=seq.num_computed_tokens, num_scheduled_tokens=seq.num_scheduled_tokens,
-        sampling=sampling_params_to_proto(seq.sampling), num_samples=seq.num_samples)
+        sampling=sampling_params_to_proto(seq.sampling), num_samples=seq.num_samples,
+        pooling_type=seq.pooling_type)
     if seq.seed is not None:
         msg.seed = seq.seed
     return msg
@@ -56,7 +58,8 @@ def new_sequence_from_proto(msg: worker_pb2.NewSequence) -> NewSequence:
         prompt_len=msg.prompt_len, block_ids=list(msg.block_ids),
         num_computed_tokens=msg.num_computed_tokens, num_scheduled_tokens=msg.num_scheduled_tokens,
         sampling=sampling_params_from_proto(msg.sampling),
-        seed=msg.seed if msg.HasField("seed") else None, num_samples=msg.num_samples)
+        seed=msg.seed if msg.HasField("seed") else None, num_samples=msg.num_samples,
+        pooling_type=msg.pooling_type)
 
 
 def running_sequence_to_proto(seq: RunningSequence) -> worker_pb2.RunningSequence:
@@ -157,7 +160,9 @@ def step_output_to_proto(output: StepOutput) -> worker_pb2.ExecuteStepResponse:
         timings=step_timings_to_proto(output.timings),
         sampled_seq_ids=[s.seq_id for s in single],
         sampled_token_ids=[s.token_ids[0] for s in single],
-        sampled_logprobs=[s.logprobs[0] for s in single])
+        sampled_logprobs=[s.logprobs[0] for s in single],
+        pooled=[worker_pb2.PooledSequence(seq_id=p.seq_id, embedding=p.embedding)
+                for p in output.pooled])
 
 
 def step_output_from_proto(msg: worker_pb2.ExecuteStepResponse) -> StepOutput:
@@ -170,7 +175,8 @@ def step_output_from_proto(msg: worker_pb2.ExecuteStepResponse) -> StepOutput:
     outputs += [SampledSequence(seq_id, [token_id], [logprob]) for seq_id, token_id, logprob
                 in zip(seq_ids, token_ids, logprobs, strict=True)]
     return StepOutput(step_id=msg.step_id, outputs=outputs,
-                      timings=step_timings_from_proto(msg.timings))
+                      timings=step_timings_from_proto(msg.timings),
+                      pooled=[PooledSequence(p.seq_id, list(p.embedding)) for p in msg.pooled])
 
 
 def worker_info_to_proto(info: WorkerInfo) -> worker_pb2.WorkerInfo:

@@ -29,7 +29,9 @@ INSTRUMENTATION_NAME = "pagedserve"
 UNTRACED_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                                "grpc.reflection.v1.ServerReflection"})
 
-OPERATION_NAME = "gen_ai.operation.name"  # "chat" (messages) or "text_completion"
+OPERATION_NAME = "gen_ai.operation.name"  # "chat" (messages), "text_completion", "embeddings"
+PROVIDER_NAME = "gen_ai.provider.name"
+PROVIDER = "pagedserve"
 REQUEST_MODEL = "gen_ai.request.model"
 REQUEST_ID = "gen_ai.response.id"  # the request_id, which every response echoes
 N = "gen_ai.request.choice.count"
@@ -365,7 +367,8 @@ def _add_finish_reason(msg: Any, attributes: dict[str, Any]) -> None:
 def _generate_request(msg: Any) -> dict[str, Any]:
     """Unset sampling fields are not recorded."""
     attributes: dict[str, Any] = {
-        OPERATION_NAME: "chat" if msg.HasField("messages") else "text_completion"}
+        OPERATION_NAME: "chat" if msg.HasField("messages") else "text_completion",
+        PROVIDER_NAME: PROVIDER}
     if msg.request_id:
         attributes[REQUEST_ID] = msg.request_id
     for name, field in ((N, "n"), (MAX_TOKENS, "max_tokens"), (TEMPERATURE, "temperature"),
@@ -395,7 +398,8 @@ def _generate_response(msg: Any, attributes: dict[str, Any]) -> None:
 
 
 def _submit_request(msg: Any) -> dict[str, Any]:
-    return {OPERATION_NAME: "text_completion", REQUEST_ID: msg.request_id,
+    return {OPERATION_NAME: "embeddings" if msg.is_pooling else "text_completion",
+            PROVIDER_NAME: PROVIDER, REQUEST_ID: msg.request_id,
             NUM_PROMPT_TOKENS: len(msg.prompt_token_ids), N: msg.sampling.n,
             MAX_TOKENS: msg.sampling.max_tokens, TEMPERATURE: msg.sampling.temperature,
             TOP_P: msg.sampling.top_p}
@@ -421,6 +425,18 @@ def _step_result(msg: Any, attributes: dict[str, Any]) -> None:
         attributes[f"pagedserve.{name}"] = getattr(msg.timings, name)
 
 
+def _embed_request(msg: Any) -> dict[str, Any]:
+    attributes: dict[str, Any] = {OPERATION_NAME: "embeddings", PROVIDER_NAME: PROVIDER}
+    if msg.request_id:
+        attributes[REQUEST_ID] = msg.request_id
+    return attributes
+
+
+def _embed_response(msg: Any, attributes: dict[str, Any]) -> None:
+    attributes[REQUEST_ID] = msg.request_id
+    attributes[NUM_PROMPT_TOKENS] = msg.num_prompt_tokens
+
+
 def _abort_request(msg: Any) -> dict[str, Any]:
     return {REQUEST_ID: msg.request_id}
 
@@ -430,6 +446,7 @@ _RPC_ATTRIBUTES: dict[str, _Recorded] = {
                                                                 _generate_stream_response),
     "pagedserve.v1.GenerationService/Generate": _Recorded(_generate_request, _generate_response),
     "pagedserve.v1.GenerationService/Abort": _Recorded(_abort_request),
+    "pagedserve.v1.GenerationService/Embed": _Recorded(_embed_request, _embed_response),
     # one request of a SubmitStream call (request_span)
     "pagedserve.internal.v1.SchedulerService/SubmitStream": _Recorded(_submit_request,
                                                                       _token_event),

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from pagedserve.services.common.config import CacheConfig, served_model_name
+from pagedserve.services.common.config import CacheConfig
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
 from pagedserve.services.text.tokenizer import Tokenizer
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,12 +18,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.e2e.stack import assert_idle
 
 NUM_GPU_BLOCKS = 16  # of 16 tokens: four 80-token requests do not fit side by side
+SERVED = "served-tiny"  # --served-model-name, set on the engine; the gateway learns it there
 
 
 @pytest.fixture(scope="module")
 def stack_config(stack_config):
-    return dataclasses.replace(stack_config, cache=CacheConfig(
-        kv_cache_memory_gib=0.01, swap_space_gib=0.01, num_gpu_blocks_override=NUM_GPU_BLOCKS))
+    return dataclasses.replace(
+        stack_config, model=dataclasses.replace(stack_config.model, served_model_name=SERVED),
+        cache=CacheConfig(kv_cache_memory_gib=0.01, swap_space_gib=0.01,
+                          num_gpu_blocks_override=NUM_GPU_BLOCKS))
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +72,27 @@ def test_every_service_serves_its_metrics_with_vllm_names(stack):
     assert {"vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_bucket",
             "vllm:request_prompt_tokens_sum"} <= names["gateway"]
     assert "pagedserve:worker_step_time_seconds_count" in names["worker"]
-    labels = {s.labels.get("model_name") for s in scrape(stack, "scheduler")
-              if s.name.startswith("vllm:")}
-    assert labels == {served_model_name(stack.scheduler[1].model)}
-    gateway_labels = {s.labels.get("model_name") for s in scrape(stack, "gateway")
-                      if s.name.startswith("vllm:")}
-    assert gateway_labels == labels
+    for service in ("worker", "scheduler", "gateway"):
+        labels = {s.labels.get("model_name") for s in scrape(stack, service)
+                  if s.name.startswith(("vllm:", "pagedserve:"))
+                  and s.name != "vllm:cache_config_info"}  # vLLM's has the cache's labels only
+        assert labels == {SERVED}, service
+    models = httpx.get(f"{stack.http_url}/v1/models").json()["data"]
+    assert [m["id"] for m in models] == [SERVED]
+    cache_info, = [s for s in scrape(stack, "scheduler") if s.name == "vllm:cache_config_info"]
+    assert cache_info.value == 1 and cache_info.labels["num_gpu_blocks"] == str(NUM_GPU_BLOCKS)
+    assert cache_info.labels["block_size"] == "16"
+
+
+def test_the_http_port_serves_the_gateways_metrics(stack, generation):
+    generation.Generate(request([5, 6, 7], 2), timeout=60)
+    response = httpx.get(f"{stack.http_url}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    over_http = {s.name for family in text_string_to_metric_families(response.text)
+                 for s in family.samples}
+    assert over_http == {s.name for s in scrape(stack, "gateway")}
+    assert "vllm:e2e_request_latency_seconds_count" in over_http
 
 
 def test_counters_equal_the_requests_usage_and_gauges_return_to_zero(stack, generation):
@@ -98,6 +116,17 @@ def test_counters_equal_the_requests_usage_and_gauges_return_to_zero(stack, gene
     assert delta("scheduler", "vllm:iteration_tokens_total_count") >= 6
     assert delta("scheduler", "vllm:iteration_tokens_total_sum") >= num_prompt_tokens + 10
     assert delta("scheduler", "pagedserve:scheduler_step_overhead_seconds_count") >= 6
+    for name in ("vllm:request_inference_time_seconds_count",
+                 "vllm:request_time_per_output_token_seconds_count",
+                 "vllm:request_params_n_count", "vllm:request_params_max_tokens_count",
+                 "vllm:request_max_num_generation_tokens_count"):
+        assert delta("scheduler", name) == 2, name
+    assert delta("scheduler", "vllm:request_params_n_sum") == 2
+    assert delta("scheduler", "vllm:request_params_max_tokens_sum") == 12
+    assert delta("scheduler", "vllm:request_max_num_generation_tokens_sum") == 12
+    assert delta("scheduler", "vllm:request_time_per_output_token_seconds_sum") > 0
+    assert (delta("scheduler", "vllm:request_inference_time_seconds_sum")
+            >= delta("scheduler", "vllm:request_decode_time_seconds_sum"))
 
     assert delta("gateway", "vllm:request_prompt_tokens_sum") == num_prompt_tokens
     assert delta("gateway", "vllm:request_generation_tokens_sum") == num_generation_tokens
@@ -212,9 +241,32 @@ def test_ttft_counts_from_the_requests_arrival(stack, generation, monkeypatch, d
             text="the fox", sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=60)
     else:
         httpx.post(f"{stack.http_url}/v1/completions", timeout=60, json={
-            "model": served_model_name(stack.scheduler[1].model), "prompt": "the fox",
+            "model": SERVED, "prompt": "the fox",
             "max_tokens": 2}).raise_for_status()
     after = scrape(stack, "gateway")
     for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
         assert value(after, f"{name}_count") - value(before, f"{name}_count") == 1
         assert value(after, f"{name}_sum") - value(before, f"{name}_sum") >= slow_s
+
+
+def test_the_gateway_records_gen_ai_server_metrics_by_operation(stack, generation):
+    before = scrape(stack, "gateway")
+    generation.Generate(request([5, 6, 7, 8], 4), timeout=60)
+    httpx.post(f"{stack.http_url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+        "ignore_eos": True}).raise_for_status()
+    httpx.post(f"{stack.http_url}/v1/embeddings", timeout=60,
+               json={"input": [[5, 6], [7, 8]]}).raise_for_status()
+    after = scrape(stack, "gateway")
+
+    def delta(name: str, operation: str) -> float:
+        labels = {"gen_ai_operation_name": operation, "gen_ai_provider_name": "pagedserve",
+                  "gen_ai_request_model": SERVED}
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    for operation, num_requests in (("text_completion", 1), ("chat", 1), ("embeddings", 2)):
+        assert delta("gen_ai_server_request_duration_seconds_count", operation) == num_requests
+    for operation in ("text_completion", "chat"):
+        assert delta("gen_ai_server_time_to_first_token_seconds_count", operation) == 1
+        assert delta("gen_ai_server_time_per_output_token_seconds_count", operation) == 1
+    assert delta("gen_ai_server_time_to_first_token_seconds_count", "embeddings") == 0

@@ -100,7 +100,9 @@ def test_error_statuses(http):
     unknown = http.post(COMPLETIONS, json={"model": "gpt-4o", "prompt": "x"})
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "MODEL_NOT_FOUND"
-    assert http.post("/v1/embeddings", json={}).status_code == 404
+    assert http.post("/v1/audio/transcriptions", json={}).status_code == 404
+    missing = http.post("/v1/embeddings", json={})  # served now: a body without its input
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "input"
     assert "error" in http.get("/v1/nothing").json()
     not_json = http.post(COMPLETIONS, content=b"{oops", headers={"content-type": "application/json"})
     assert not_json.status_code == 400 and not_json.json()["error"]["param"] == "body"

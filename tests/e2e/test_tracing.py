@@ -6,6 +6,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -24,6 +25,10 @@ GENERATE_STREAM = "pagedserve.v1.GenerationService/GenerateStream"
 SUBMIT = "pagedserve.internal.v1.SchedulerService/SubmitStream"  # one request's spans
 EXECUTE_STEP = "pagedserve.internal.v1.WorkerService/ExecuteStep"
 CALLER = TracerProvider().get_tracer("caller")  # the client's own tracing, apart from ours
+MODEL_NAME = "tiny-llama"  # the served model folder's name
+
+
+_EXPORTER: list[InMemorySpanExporter] = []  # the module's, for helpers
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +41,7 @@ def exporter():
         trace.set_tracer_provider(provider)
     exporter = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
+    _EXPORTER[:] = [exporter]
     yield exporter
     exporter.shutdown()  # keeps no spans of later tests
 
@@ -129,6 +135,7 @@ def test_one_stream_is_one_trace_from_the_caller_down_to_the_worker(stack, gener
     # what each hop recorded about the request, on OpenTelemetry's GenAI conventions
     for span in (gateway, submit_out, submit_in):
         assert span.attributes["gen_ai.operation.name"] == "text_completion"
+        assert span.attributes["gen_ai.provider.name"] == "pagedserve"
         assert span.attributes["gen_ai.response.id"] == "traced-1"
         assert span.attributes["gen_ai.request.max_tokens"] == max_tokens
         assert span.attributes["gen_ai.request.temperature"] == 0.0
@@ -215,3 +222,75 @@ def test_a_traced_request_ends_a_stopped_output_in_the_scheduler(stack, generati
     spans = wait_for_spans(exporter, {caller_span.get_span_context().trace_id},
                            lambda spans: len(named(spans, SUBMIT)) == 2)
     assert one(spans, SUBMIT, SpanKind.SERVER).attributes["gen_ai.response.id"] == "traced-stop"
+
+
+def http_traced(stack, path: str, body: dict, name: str):
+    """POST `body` with the caller's traceparent: (the caller's span, the trace's spans once the
+    HTTP span and the scheduler's span of each request ended)."""
+    with CALLER.start_as_current_span(name) as caller_span:
+        headers = dict(inject_metadata(None))
+        response = httpx.post(f"{stack.http_url}{path}", json=body, headers=headers, timeout=60)
+    response.raise_for_status()
+    spans = wait_for_spans(_EXPORTER[0], {caller_span.get_span_context().trace_id},
+                           lambda spans: named(spans, SUBMIT, SpanKind.SERVER)
+                           and any(s.kind == SpanKind.SERVER and s.name.endswith(MODEL_NAME)
+                                   for s in spans))
+    return caller_span, response.json(), spans
+
+
+def test_an_http_request_continues_the_callers_trace_down_to_the_worker(stack, generation,
+                                                                         exporter):
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+    caller_span, answer, spans = http_traced(stack, "/v1/chat/completions", body, "http-chat")
+    http = one(spans, f"chat {MODEL_NAME}", SpanKind.SERVER)
+    submit_out = one(spans, SUBMIT, SpanKind.CLIENT)
+    submit_in = one(spans, SUBMIT, SpanKind.SERVER)
+    assert http.parent.span_id == caller_span.get_span_context().span_id
+    assert submit_out.parent.span_id == http.context.span_id
+    assert submit_in.parent.span_id == submit_out.context.span_id
+    assert named(spans, STEP_SPAN) and named(spans, EXECUTE_STEP, SpanKind.SERVER)
+    assert [s for s in spans if s.kind == SpanKind.SERVER and s.parent.span_id
+            == caller_span.get_span_context().span_id] == [http]  # one HTTP server span
+    attributes = http.attributes
+    assert attributes["gen_ai.operation.name"] == "chat"
+    assert attributes["gen_ai.provider.name"] == "pagedserve"
+    assert attributes["gen_ai.request.model"] == MODEL_NAME
+    assert attributes["gen_ai.response.id"] == answer["id"]
+    assert attributes["gen_ai.request.max_tokens"] == 3
+    assert attributes["gen_ai.usage.input_tokens"] == answer["usage"]["prompt_tokens"]
+    assert attributes["gen_ai.usage.output_tokens"] == 3
+    assert attributes["gen_ai.response.finish_reasons"] == ("length",)
+    assert attributes["http.response.status_code"] == 200
+    assert http.status.status_code == StatusCode.UNSET
+
+
+def test_http_embeddings_and_completions_are_traced_by_their_operation(stack, generation,
+                                                                        exporter):
+    _, answer, spans = http_traced(stack, "/v1/embeddings",
+                                   {"input": [[5, 6, 7], [8, 9]]}, "http-embed")
+    http = one(spans, f"embeddings {MODEL_NAME}", SpanKind.SERVER)
+    assert http.attributes["gen_ai.operation.name"] == "embeddings"
+    assert http.attributes["gen_ai.usage.input_tokens"] == 5
+    assert {s.attributes["gen_ai.operation.name"]
+            for s in named(spans, SUBMIT)} == {"embeddings"}
+    assert all(s.parent.span_id == http.context.span_id
+               for s in named(spans, SUBMIT, SpanKind.CLIENT))
+    _, answer, spans = http_traced(stack, "/v1/completions", {
+        "prompt": [[5, 6], [7, 8]], "max_tokens": 2, "ignore_eos": True}, "http-complete")
+    http = one(spans, f"text_completion {MODEL_NAME}", SpanKind.SERVER)
+    assert http.attributes["gen_ai.usage.output_tokens"] == 4  # both prompts
+    assert http.attributes["gen_ai.response.finish_reasons"] == ("length", "length")
+
+
+def test_a_refused_http_request_is_the_clients_fault(stack, generation, exporter):
+    with CALLER.start_as_current_span("http-bad") as caller_span:
+        response = httpx.post(f"{stack.http_url}/v1/completions", timeout=60,
+                              headers=dict(inject_metadata(None)),
+                              json={"prompt": "x", "temperature": -1})
+    assert response.status_code == 400
+    spans = wait_for_spans(exporter, {caller_span.get_span_context().trace_id},
+                           lambda spans: bool(spans))
+    http = one(spans, f"text_completion {MODEL_NAME}", SpanKind.SERVER)
+    assert http.attributes["http.response.status_code"] == 400
+    assert http.status.status_code == StatusCode.UNSET

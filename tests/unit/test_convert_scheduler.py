@@ -64,6 +64,17 @@ def test_submit_request_round_trip():
     assert submit_request_from_proto(_wire(submit_request_to_proto(request))) == request
 
 
+def test_embedding_request_and_its_vector_round_trip():
+    request = SubmitRequest(request_id="e", prompt_token_ids=[4, 5], sampling=SamplingParams(),
+                            is_pooling=True)
+    assert submit_request_from_proto(_wire(submit_request_to_proto(request))) == request
+    output = RequestOutput(request_id="e", outputs=[SequenceDelta(index=0, token_ids=[],
+                                                                  finish_reason="stop")],
+                           finished=True, num_prompt_tokens=2, num_cached_tokens=0,
+                           embedding=[0.5, -0.75, 0.125])
+    assert token_event_from_proto(_wire(token_event_to_proto(output)), "e") == output
+
+
 def test_submit_request_with_resumed_outputs_round_trip():
     request = SubmitRequest(
         request_id="req-2", prompt_token_ids=[1, 2], sampling=SamplingParams(n=3, seed=7),

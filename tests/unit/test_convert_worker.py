@@ -8,6 +8,7 @@ from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import (
     MemoryProfile,
     NewSequence,
+    PooledSequence,
     RunningSequence,
     SampledSequence,
     StepOutput,
@@ -43,7 +44,8 @@ PLAN = StepPlan(
                     prompt_len=4, block_ids=[9, 4], num_computed_tokens=16,
                     num_scheduled_tokens=5, sampling=SAMPLING, seed=-(2**62), num_samples=3),
         NewSequence(seq_id=8, request_id="req-b", token_ids=[5], prompt_len=1, block_ids=[0],
-                    num_computed_tokens=0, num_scheduled_tokens=1, sampling=SamplingParams()),
+                    num_computed_tokens=0, num_scheduled_tokens=1, sampling=SamplingParams(),
+                    pooling_type="mean"),
     ],
     running_seqs=[
         RunningSequence(seq_id=11, new_token_ids=[42, 43], block_ids_start=2, block_ids=[12, 13],
@@ -72,6 +74,7 @@ OUTPUT = StepOutput(
         SampledSequence(seq_id=BIG + 2, token_ids=[4_000_000_001], logprobs=[-0.987654321]),
     ],
     timings=StepTimings(cache_ops_ns=11, prepare_ns=BIG, forward_ns=3_000_000_000, sample_ns=7),
+    pooled=[PooledSequence(seq_id=BIG + 3, embedding=[0.5, -0.25, 0.0])],
 )
 
 INFO = WorkerInfo(rank=3, device="cuda:3", dtype="bfloat16", architecture="LlamaForCausalLM",

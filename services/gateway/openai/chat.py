@@ -24,6 +24,7 @@ from pagedserve.services.gateway.openai.generation import (
     Submission,
     respond,
 )
+from pagedserve.services.gateway.openai.http_span import record_request
 from pagedserve.services.gateway.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -84,8 +85,9 @@ class _Chat:
         logprobs = chat_top_logprobs(body)
         max_tokens = chat_max_tokens(body, len(token_ids), serving.frontend.info)
         sampling = sampling_params(body, max_tokens, logprobs, limits=serving.frontend.limits)
+        record_request(self.id, sampling)
         self.input = GenerateInput(request_id=self.id, token_ids=tuple(token_ids),
-                                   sampling=sampling, priority=body.priority)
+                                   sampling=sampling, priority=body.priority, operation="chat")
         self.texts = [""] * sampling.n
         self.logprobs = [ChatLogprobs() if logprobs is not None else None
                          for _ in range(sampling.n)]

@@ -21,6 +21,7 @@ from pagedserve.services.gateway.openai.generation import (
     Submission,
     respond,
 )
+from pagedserve.services.gateway.openai.http_span import record_request
 from pagedserve.services.gateway.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -107,6 +108,7 @@ class _Completion:
         sampling = sampling_params(body, body.max_tokens, body.logprobs, echoed_logprobs,
                                    limits=frontend.limits)
         self.wants_prompt_logprobs = sampling.prompt_logprobs is not None
+        record_request(self.id, sampling)
         check_prompt_size(body.prompt, sampling, frontend.limits, frontend.info)
         prompts = completion_prompts(body.prompt)
         self.inputs = [dataclasses.replace(

@@ -12,6 +12,10 @@ from typing import TypeVar
 from pagedserve.services.common.errors import PagedServeError, Unavailable
 from pagedserve.services.gateway.frontend import Frontend
 from pagedserve.services.gateway.openai import sse
+from pagedserve.services.gateway.openai.http_span import (
+    record_finish_reason,
+    record_usage,
+)
 from pagedserve.services.gateway.ownership import Caller, caller_of
 from pagedserve.services.gateway.validation import GenerateInput, PreparedRequest
 from pagedserve.services.text.text_stream import TextDelta
@@ -73,7 +77,17 @@ class Submission:
             request, self._on_stalled, self._caller)
 
     async def deltas(self) -> AsyncGenerator[tuple[int, TextDelta], None]:
-        """(prompt index, delta) until every prompt has finished."""
+        """(prompt index, delta) until every prompt has finished; their usage and finish
+        reasons go on the request's span."""
+        async with contextlib.aclosing(self._deltas()) as deltas:
+            async for index, delta in deltas:
+                if delta.usage is not None:
+                    record_usage(delta.usage)
+                if delta.finish_reason is not None:
+                    record_finish_reason(delta.finish_reason)
+                yield index, delta
+
+    async def _deltas(self) -> AsyncGenerator[tuple[int, TextDelta], None]:
         if len(self.prepared) == 1:
             async with contextlib.aclosing(self._generate(self.prepared[0])) as deltas:
                 async for delta in deltas:

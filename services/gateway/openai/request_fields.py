@@ -39,6 +39,14 @@ REFUSED_CHAT_FIELDS: Mapping[str, tuple[Any, ...]] = {
     "include_reasoning": (None, True),
 }
 
+REFUSED_EMBEDDING_FIELDS: Mapping[str, tuple[Any, ...]] = {
+    "embed_dtype": (None, "float32"),
+    "endianness": (None, "native", "little"),
+    "use_activation": (None,),
+    "mm_processor_kwargs": (None,),
+    "cache_salt": (None,),
+}
+
 _MAX_LOGGED_NAMES = 256  # bounds the memory and the log that random names could fill
 _logged_names: set[str] = set()
 
