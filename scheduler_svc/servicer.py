@@ -11,6 +11,7 @@ import grpc
 from pagedserve.scheduler_svc.async_engine import AsyncEngine
 from pagedserve.scheduler_svc.engine_core import EngineCore
 from pagedserve.scheduler_svc.metrics import SchedulerMetrics
+from pagedserve.scheduler_svc.spec_decode_metrics import SpecDecodeCollector
 from pagedserve.scheduler_svc.stats import StatLogger
 from pagedserve.scheduler_svc.submit_stream import serve_submit_stream
 from pagedserve.scheduler_svc.worker_client import WorkerClient
@@ -145,6 +146,10 @@ async def start_scheduler(config: EngineConfig, service_config: SchedulerService
     registry = CollectorRegistry()
     metrics = SchedulerMetrics(registry, served_model_name(config.model.model),
                                lambda: None if servicer.engine is None else servicer.engine.load)
+    if config.scheduler.speculative is not None:
+        registry.register(SpecDecodeCollector(served_model_name(config.model.model), lambda: (
+            None if servicer.engine is None
+            else servicer.engine.core.scheduler.speculator.totals)))
     try:
         servicer.metrics_server = start_metrics_server(
             registry, service_config.host, service_config.metrics, "scheduler")
