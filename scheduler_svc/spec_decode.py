@@ -103,7 +103,7 @@ class Speculator:
         if not self.config.adaptive:
             return
         k = self.config.num_speculative_tokens
-        acceptance = self._acceptance.setdefault(seq.seq_id, _Acceptance(k / 2, k))
+        acceptance = self._acceptance.setdefault(seq.seq_id, _Acceptance(1.0, k))
         acceptance.accepted_per_step += _SMOOTHING * (num_accepted
                                                       - acceptance.accepted_per_step)
         if num_drafts:
