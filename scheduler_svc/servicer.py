@@ -10,8 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 from pagedserve.scheduler_svc.async_engine import AsyncEngine
 from pagedserve.scheduler_svc.engine_core import EngineCore
-from pagedserve.scheduler_svc.metrics import SchedulerMetrics
-from pagedserve.scheduler_svc.spec_decode_metrics import SpecDecodeCollector
+from pagedserve.scheduler_svc.metrics import SchedulerMetrics, SpecDecodeCollector
 from pagedserve.scheduler_svc.stats import StatLogger
 from pagedserve.scheduler_svc.submit_stream import serve_submit_stream
 from pagedserve.scheduler_svc.worker_client import WorkerClient

@@ -7,6 +7,7 @@ import json
 
 from pagedserve.scheduler_svc.prefix_cache import hash_prompt_blocks
 from pagedserve.scheduler_svc.sequence import SequenceGroup
+from pagedserve.scheduler_svc.step_window import SentStep
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import SampledSequence, StepOutput
 
@@ -99,7 +100,7 @@ def test_rejected_drafts_give_their_blocks_back_and_the_worker_table_is_trimmed(
     assert item.draft_token_ids == [2, 3, 4, 5]
     # tokens 13..17 (the last known one and 4 drafts) need a 4th and a 5th block
     assert len(h.bm.block_table(seq.seq_id)) == 5
-    h.processor.apply(out, h.sample(out))
+    h.take_in(SentStep(out, []))
     assert seq.num_computed_tokens == 13 and len(seq.token_ids) == 14
     assert len(h.bm.block_table(seq.seq_id)) == 4  # the 5th held rejected drafts only
     assert h.bm.num_free_gpu_blocks == 16 - 4
@@ -172,10 +173,10 @@ def test_a_speculating_step_holds_run_ahead_back_and_a_backed_off_one_does_not()
     h = SpecHarness(accept=lambda drafts: 0, speculative_config=config)
     group = h.add_prompt("r", list(range(100, 140)))  # nothing ever matches
     out, _ = h.step()
-    assert not h.scheduler.may_run_ahead(out)
+    assert not out.may_run_ahead
     for _ in range(30):
         out, _ = h.step()
-        if h.scheduler.may_run_ahead(out):
+        if out.may_run_ahead:
             break
     else:
         raise AssertionError("speculation never backed off a sequence with nothing to match")
