@@ -101,3 +101,15 @@ def test_smollm2_greedy_rewrite_equals_speculation_off(smollm2_dir):
     got, = on.generate([prompt], sampling, use_tqdm=False)
     assert got.outputs[0].token_ids == expected.outputs[0].token_ids
     assert on.engine.core.scheduler.speculator.totals.num_accepted_tokens > 0
+
+
+def test_the_simulated_gpu_keeps_its_outputs_with_speculation(llama_dir):
+    """The worker launches steps ahead on the simulated GPU: a verified step must not be."""
+    options = dict(model=str(llama_dir), device="sim", sim_model="Llama-3-8B", sim_time_scale=0.01,
+                   block_size=8, num_gpu_blocks_override=64, num_cpu_blocks_override=32)
+    config = json.dumps({**NGRAM, "prompt_lookup_min": 1, "adaptive": False})
+    prompts = prompts_with_repeats(4)
+    sampling = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    on = LLMEngine.from_kwargs(speculative_config=config, **options)
+    assert run(on, prompts, sampling) == run(LLMEngine.from_kwargs(**options), prompts, sampling)
+    assert speculator(on).totals.num_draft_tokens > 0
