@@ -9,6 +9,7 @@ from typing import Any
 from pagedserve.services.common.errors import ConfigError
 
 METHODS = ("ngram",)
+_TYPES = {"str": (str, "a string"), "int": (int, "an integer"), "bool": (bool, "true or false")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,7 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
         raise ConfigError(f"speculative_config has unknown keys {unknown}; known: "
                           f"{sorted(known)}")
     for name, item in value.items():
-        expected = {"str": str, "int": int, "bool": bool}[known[name]]
+        expected, described = _TYPES[known[name]]
         if type(item) is not expected:
-            raise ConfigError(f"speculative_config.{name} must be a {known[name]}, got {item!r}")
+            raise ConfigError(f"speculative_config.{name} must be {described}, got {item!r}")
     return SpeculativeConfig(**value)

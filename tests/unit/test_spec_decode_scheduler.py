@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from pagedserve.scheduler_svc.prefix_cache import hash_prompt_blocks
 from pagedserve.scheduler_svc.sequence import SequenceGroup
 from pagedserve.scheduler_svc.step_window import SentStep
+from pagedserve.services.common.config import SchedulerConfig
+from pagedserve.services.common.errors import ConfigError
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import SampledSequence, StepOutput
 
@@ -181,3 +184,22 @@ def test_a_speculating_step_holds_run_ahead_back_and_a_backed_off_one_does_not()
     else:
         raise AssertionError("speculation never backed off a sequence with nothing to match")
     assert not group.is_finished
+
+
+@pytest.mark.parametrize(("value", "match"), [
+    ('{"method": "eagle"}', "method must be one of"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"prompt_lookup_min": 5, "prompt_lookup_max": 3}', "prompt_lookup_min"),
+    ('{"num_speculative_tokens": "4"}', "num_speculative_tokens must be an integer"),
+    ('{"draft_model": "x"}', "unknown keys"),
+    ("ngram", "must be a JSON object"),
+])
+def test_a_bad_speculative_config_is_refused_by_name(value, match):
+    with pytest.raises(ConfigError, match=match):
+        SchedulerConfig(speculative_config=value)
+
+
+def test_the_speculative_config_may_be_a_dict():
+    config = SchedulerConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert config.speculative.num_speculative_tokens == 2
+    assert SchedulerConfig().speculative is None
