@@ -23,21 +23,25 @@ from pagedserve.scheduler_svc.scheduled_step import ScheduledSequence
 from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup
 from pagedserve.services.common.speculative_config import SpeculativeConfig
 
-# recent acceptance is an exponential average with this weight on the newest step
+# recent acceptance is an exponential average with this weight on the newest drafted step
 _SMOOTHING = 0.25
-# below this many accepted tokens per speculating step, on average, speculation backs off
-_MIN_ACCEPTED_PER_STEP = 0.5
+_FIRST_ACCEPTED_PER_DRAFT_STEP = 2.0
+# below this many kept drafts per drafted step, on average, the drafts cost more than they save
+_MIN_ACCEPTED_PER_DRAFT_STEP = 0.5
+# steps in a row without a match after which a sequence stops holding run-ahead back
+_MAX_MISSES = 16
 _FIRST_BACKOFF_STEPS = 8
 _MAX_BACKOFF_STEPS = 256
 
 
 @dataclass(slots=True)
 class _Acceptance:
-    """One sequence's recent record. `accepted_per_step` counts steps without a proposal as 0:
-    a sequence with nothing to match pays for holding run-ahead back and gains nothing."""
+    """One sequence's recent record. Rejected drafts cost verification; steps without a match
+    cost only run-ahead, so they back off later (a rewrite's preamble matches nothing before
+    the copied text does)."""
 
-    accepted_per_step: float
-    accepted_per_draft_step: float  # mean accepted length when it had drafts
+    accepted_per_draft_step: float = _FIRST_ACCEPTED_PER_DRAFT_STEP
+    num_misses: int = 0  # drafted nothing, steps in a row
     backoff_steps: int = _FIRST_BACKOFF_STEPS
     idle_steps: int = 0  # steps left without speculation
 
@@ -102,19 +106,27 @@ class Speculator:
                 totals.num_accepted_tokens_per_pos[pos] += 1
         if not self.config.adaptive:
             return
-        k = self.config.num_speculative_tokens
-        acceptance = self._acceptance.setdefault(seq.seq_id, _Acceptance(1.0, k))
-        acceptance.accepted_per_step += _SMOOTHING * (num_accepted
-                                                      - acceptance.accepted_per_step)
-        if num_drafts:
-            acceptance.accepted_per_draft_step += _SMOOTHING * (
-                num_accepted - acceptance.accepted_per_draft_step)
-        if acceptance.accepted_per_step < _MIN_ACCEPTED_PER_STEP:
-            acceptance.idle_steps = acceptance.backoff_steps
-            acceptance.backoff_steps = min(2 * acceptance.backoff_steps, _MAX_BACKOFF_STEPS)
-            acceptance.accepted_per_step = _MIN_ACCEPTED_PER_STEP  # a fresh chance after
+        acceptance = self._acceptance.setdefault(seq.seq_id, _Acceptance())
+        if not num_drafts:
+            acceptance.num_misses += 1
+            if acceptance.num_misses >= _MAX_MISSES:
+                self._back_off(acceptance)
+            return
+        acceptance.num_misses = 0
+        acceptance.accepted_per_draft_step += _SMOOTHING * (
+            num_accepted - acceptance.accepted_per_draft_step)
+        if acceptance.accepted_per_draft_step < _MIN_ACCEPTED_PER_DRAFT_STEP:
+            self._back_off(acceptance)
         elif num_accepted:
             acceptance.backoff_steps = _FIRST_BACKOFF_STEPS
+
+    @staticmethod
+    def _back_off(acceptance: _Acceptance) -> None:
+        """Idle for a while, twice as long as last time, then a fresh chance."""
+        acceptance.idle_steps = acceptance.backoff_steps
+        acceptance.backoff_steps = min(2 * acceptance.backoff_steps, _MAX_BACKOFF_STEPS)
+        acceptance.accepted_per_draft_step = _FIRST_ACCEPTED_PER_DRAFT_STEP
+        acceptance.num_misses = 0
 
     def forget(self, seq_id: int) -> None:
         self._acceptance.pop(seq_id, None)
