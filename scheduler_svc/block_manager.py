@@ -174,6 +174,17 @@ class BlockManager:
         seq.num_tokens = max(seq.num_tokens, num_total_tokens)
         return blocks_to_copy
 
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """The slots past num_tokens go back (rejected speculative tokens): whole blocks past the
+        last one needed are freed. Their KV was never hashed: only computed tokens are."""
+        seq = self._seqs[seq_id]
+        num_blocks = cdiv(num_tokens, self.block_size)
+        assert len(seq.block_hashes) <= num_blocks <= len(seq.block_ids), (
+            seq_id, num_tokens, len(seq.block_hashes), len(seq.block_ids))
+        while len(seq.block_ids) > num_blocks:
+            self._drop_reference(seq.device, seq.block_ids.pop())
+        seq.num_tokens = num_tokens
+
     def _shared_written_blocks(self, seq: _SeqBlocks, num_total_tokens: int) -> list[int]:
         """Written positions start at the old end of the table, or at the last token: those below
         are computed (or will be by whoever shares them)."""

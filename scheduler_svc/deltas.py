@@ -11,12 +11,15 @@ from pagedserve.services.common.step_plan import NewSequence, RunningSequence
 
 
 def sequence_deltas(
-    scheduled: list[tuple[SequenceGroup, Sequence, int, int, bool]], block_manager: BlockManager,
+    scheduled: list[tuple[SequenceGroup, Sequence, int, int, bool, list[int]]],
+    block_manager: BlockManager,
 ) -> tuple[list[NewSequence], list[RunningSequence]]:
-    """scheduled: (group, seq, num_scheduled_tokens, num_samples, is_sampling)."""
+    """scheduled: (group, seq, num_scheduled_tokens, num_samples, is_sampling, draft_token_ids).
+    The worker appends a verified step's accepted drafts too; the scheduler counts those when
+    the step's output comes (OutputProcessor)."""
     new_seqs: list[NewSequence] = []
     running_seqs: list[RunningSequence] = []
-    for group, seq, num_scheduled_tokens, num_samples, is_sampling in scheduled:
+    for group, seq, num_scheduled_tokens, num_samples, is_sampling, drafts in scheduled:
         block_ids = block_manager.block_table(seq.seq_id)
         if seq.worker_block_ids is None:
             new_seqs.append(NewSequence(
@@ -24,13 +27,15 @@ def sequence_deltas(
                 prompt_len=seq.prompt_len, block_ids=list(block_ids),
                 num_computed_tokens=seq.num_computed_tokens,
                 num_scheduled_tokens=num_scheduled_tokens, sampling=group.sampling,
-                seed=seq.seed, num_samples=num_samples, pooling_type=group.pooling_type))
+                seed=seq.seed, num_samples=num_samples, pooling_type=group.pooling_type,
+                draft_token_ids=drafts))
         else:
             start = _first_difference(seq.worker_block_ids, block_ids)
             running_seqs.append(RunningSequence(
                 seq_id=seq.seq_id, new_token_ids=seq.token_ids[seq.num_worker_tokens:],
                 block_ids_start=start, block_ids=list(block_ids[start:]),
-                num_scheduled_tokens=num_scheduled_tokens, num_samples=num_samples))
+                num_scheduled_tokens=num_scheduled_tokens, num_samples=num_samples,
+                draft_token_ids=drafts))
         seq.worker_block_ids = list(block_ids)
         seq.num_worker_tokens = len(seq.token_ids) + (
             is_sampling and num_samples == 1 and not group.pooling_type)

@@ -37,6 +37,7 @@ class OutputProcessor:
         pooled = {p.seq_id: p.embedding for p in step_output.pooled}
         groups: dict[int, SequenceGroup] = {}
         samples: dict[int, list[tuple[Sequence, SampledSequence]]] = {}
+        drafts: dict[int, list[int] | None] = {}  # seq_id → its proposal, where one was made
         for item in scheduled.scheduled:
             group, seq = item.group, item.seq
             groups[id(group)] = group
@@ -55,13 +56,16 @@ class OutputProcessor:
             if group.pooling_type:
                 self._finish_pooled(group, seq, pooled.get(seq.seq_id))
                 continue
-            if sampled is None or len(sampled.token_ids) != item.num_samples:
-                got = 0 if sampled is None else len(sampled.token_ids)
+            got = 0 if sampled is None else len(sampled.token_ids)
+            num_drafts = len(item.draft_token_ids or ())
+            if not (1 <= got <= num_drafts + 1 if num_drafts else got == item.num_samples):
+                expected = (f"1 to {num_drafts + 1}" if num_drafts else str(item.num_samples))
                 self.scheduler.finish_group(group, FinishReason.ERROR, (
                     f"worker returned {got} sampled tokens for seq_id {seq.seq_id}, "
-                    f"expected {item.num_samples}"))
+                    f"expected {expected}"))
                 continue
             samples.setdefault(id(group), []).append((seq, sampled))
+            drafts[seq.seq_id] = item.draft_token_ids
 
         now = time.monotonic()
         for key, sampled_seqs in samples.items():
@@ -83,7 +87,7 @@ class OutputProcessor:
                 self._fork_candidates(group, *sampled_seqs[0])
             else:
                 for seq, sampled in sampled_seqs:
-                    self._append(group, seq, sampled, 0)
+                    self._append_verified(group, seq, sampled, drafts.get(seq.seq_id))
             self.scheduler.free_finished(group)
         return list(groups.values())
 
@@ -111,6 +115,22 @@ class OutputProcessor:
         seq.append_token(token_id, sampled.logprobs[i], top)
         if reason is not None:
             seq.finish(reason)
+
+    def _append_verified(self, group: SequenceGroup, seq: Sequence, sampled: SampledSequence,
+                         drafts: list[int] | None) -> None:
+        """The accepted drafts and the next token, up to a stop; without drafts, the one token."""
+        for i in range(len(sampled.token_ids)):
+            self._append(group, seq, sampled, i)
+            if seq.is_finished:
+                break
+        self.num_generation_tokens += i
+        speculator = self.scheduler.speculator
+        if drafts is None or speculator is None:
+            return
+        num_accepted = len(sampled.token_ids) - 1
+        speculator.record(seq, len(drafts), num_accepted)
+        if not seq.is_finished:
+            self.scheduler.keep_verified(seq, num_accepted)
 
     def _fork_candidates(self, group: SequenceGroup, parent: Sequence,
                          sampled: SampledSequence) -> None:

@@ -18,6 +18,13 @@ class ScheduledSequence:
     num_scheduled_tokens: int
     num_samples: int
     is_sampling: bool  # the worker samples for it: this step computes up to its last known token
+    # speculative tokens after its last known one (in num_scheduled_tokens); None: not proposed
+    draft_token_ids: list[int] | None = None
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Its scheduled tokens less the drafts: those the step surely computes."""
+        return self.num_scheduled_tokens - len(self.draft_token_ids or ())
 
 
 @dataclass(slots=True)
@@ -26,6 +33,8 @@ class ScheduledStep:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     rejected: list[SequenceGroup] = field(default_factory=list)  # finished with an error here
     swapped_out: list[SequenceGroup] = field(default_factory=list)  # their KV moves this step
+    # speculation: False when it carries drafts or schedules a speculating sequence
+    may_run_ahead: bool = True
 
 
 @dataclass(slots=True)
@@ -53,8 +62,8 @@ class StepDraft:
                 preempted_seq_ids: list[int]) -> StepPlan:
         """Records in each sequence what its worker mirror will hold."""
         new_seqs, running_seqs = sequence_deltas(
-            [(i.group, i.seq, i.num_scheduled_tokens, i.num_samples, i.is_sampling)
-             for i in self.scheduled], block_manager)
+            [(i.group, i.seq, i.num_scheduled_tokens, i.num_samples, i.is_sampling,
+              i.draft_token_ids or []) for i in self.scheduled], block_manager)
         return StepPlan(
             scheduler_epoch=scheduler_epoch, step_id=step_id, previous_step_id=previous_step_id,
             new_seqs=new_seqs, running_seqs=running_seqs, finished_seq_ids=finished_seq_ids,

@@ -25,7 +25,9 @@ from pagedserve.scheduler_svc.queue_policy import (
 )
 from pagedserve.scheduler_svc.scheduled_step import ScheduledSequence, ScheduledStep, StepDraft
 from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedserve.scheduler_svc.spec_decode import Speculator
 from pagedserve.scheduler_svc.token_budget import TokenBudget, assign_tokens
+from pagedserve.services.common.cdiv import cdiv
 from pagedserve.services.common.config import SchedulerConfig
 from pagedserve.services.common.outputs import FinishReason
 
@@ -49,6 +51,9 @@ class Scheduler:
         # mirrors to drop, sent with the next plan that goes out
         self._finished_seq_ids: list[int] = []
         self._preempted_seq_ids: list[int] = []
+        speculative = config.speculative
+        self.speculator = (Speculator(speculative, max_model_len) if speculative is not None
+                           else None)
 
     def add_group(self, group: SequenceGroup) -> None:
         self.waiting.append(group)
@@ -86,6 +91,8 @@ class Scheduler:
             self._finished_seq_ids.append(seq.seq_id)
             seq.worker_block_ids = None
         self.block_manager.free(seq.seq_id)
+        if self.speculator is not None:
+            self.speculator.forget(seq.seq_id)
 
     def fork_seq(self, parent: Sequence, child: Sequence) -> None:
         self.block_manager.fork(parent.seq_id, child.seq_id)
@@ -112,6 +119,13 @@ class Scheduler:
         self.waiting.extendleft(reversed(groups))
         self.block_manager.reset_prefix_cache()
         return len(groups)
+
+    def keep_verified(self, seq: Sequence, num_accepted: int) -> None:
+        """After a verified step, for a sequence that goes on: its accepted drafts are computed
+        (the worker appended them with the next token) and the rejected ones' slots go back."""
+        seq.num_computed_tokens += num_accepted
+        seq.num_worker_tokens += num_accepted
+        self.block_manager.trim(seq.seq_id, seq.num_computed_tokens)
 
     def schedule(self) -> ScheduledStep:
         """Choose what runs in the next engine step and describe it as a StepPlan of deltas.
@@ -363,17 +377,36 @@ class Scheduler:
              budget: TokenBudget, step: StepDraft, is_long: bool = False) -> None:
         num_samples = group.num_samples()
         for seq, num_tokens in assignment:
+            drafts = self._propose(group, seq, num_tokens, budget)
+            num_scheduled = num_tokens + len(drafts or ())
             step.blocks_to_copy += self.block_manager.append_slots(
-                seq.seq_id, seq.num_computed_tokens + num_tokens)
+                seq.seq_id, seq.num_computed_tokens + num_scheduled)
             is_sampling = seq.num_computed_tokens + num_tokens == len(seq.token_ids)
-            step.scheduled.append(ScheduledSequence(group, seq, num_tokens, num_samples,
-                                                    is_sampling))
-            budget.num_tokens += num_tokens
+            step.scheduled.append(ScheduledSequence(group, seq, num_scheduled, num_samples,
+                                                    is_sampling, drafts))
+            budget.num_tokens += num_scheduled
         budget.num_seqs += len(assignment)
         if is_long:
             step.num_long_prefills += 1
             if len(group.live_seqs()) == 1:  # groups of several stop one token short
                 step.capped.append(step.scheduled[-1])
+
+    def _propose(self, group: SequenceGroup, seq: Sequence, num_tokens: int,
+                 budget: TokenBudget) -> list[int] | None:
+        """Drafts for a decoding sequence, within the step's token budget and only where their
+        extra blocks leave one free block per running group (speculation never preempts)."""
+        if self.speculator is None or num_tokens != 1 or seq.num_uncomputed_tokens != 1:
+            return None
+        drafts = self.speculator.propose(group, seq, budget.remaining_tokens - num_tokens)
+        if drafts:
+            bm = self.block_manager
+            num_tokens_after = len(seq.token_ids)
+            num_extra = (cdiv(num_tokens_after + len(drafts), bm.block_size)
+                         - cdiv(num_tokens_after, bm.block_size))
+            if num_extra and (bm.num_free_gpu_blocks - num_extra
+                              < len(self.running) + bm.watermark_blocks):
+                return None
+        return drafts
 
     def _top_up(self, budget: TokenBudget, step: StepDraft) -> None:
         blocks_to_copy, num_added = top_up(self.block_manager, step.capped,
@@ -430,6 +463,8 @@ class Scheduler:
     def _build(self, step: StepDraft) -> ScheduledStep:
         out = ScheduledStep(plan=None, scheduled=step.scheduled, rejected=step.rejected,
                             swapped_out=step.swapped_out)
+        if self.speculator is not None:
+            out.may_run_ahead = not self.speculator.holds_back_run_ahead(step.scheduled)
         if not step.has_work:
             return out
         self._step_id += 1

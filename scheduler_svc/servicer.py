@@ -10,7 +10,11 @@ from collections.abc import AsyncIterator
 import grpc
 from pagedserve.scheduler_svc.async_engine import AsyncEngine
 from pagedserve.scheduler_svc.engine_core import EngineCore
-from pagedserve.scheduler_svc.metrics import SchedulerMetrics, cache_config_info
+from pagedserve.scheduler_svc.metrics import (
+    SchedulerMetrics,
+    SpecDecodeCollector,
+    cache_config_info,
+)
 from pagedserve.scheduler_svc.stats import StatLogger
 from pagedserve.scheduler_svc.submit_stream import serve_submit_stream
 from pagedserve.scheduler_svc.worker_client import WorkerClient
@@ -149,6 +153,10 @@ async def start_scheduler(config: EngineConfig, service_config: SchedulerService
     registry = CollectorRegistry()
     metrics = SchedulerMetrics(registry, config.model.name,
                                lambda: None if servicer.engine is None else servicer.engine.load)
+    if config.scheduler.speculative is not None:
+        registry.register(SpecDecodeCollector(config.model.name, lambda: (
+            None if servicer.engine is None
+            else servicer.engine.core.scheduler.speculator.totals)))
     try:
         servicer.metrics_server = start_metrics_server(
             registry, service_config.host, service_config.metrics, "scheduler")

@@ -4,7 +4,9 @@ for it. Every rule of running ahead on the scheduler's side is here:
 
 - At most two steps are in flight. The second goes out only behind a step that draws one token
   per sampling sequence: a step whose outputs fork sequences (best_of at the end of a prompt) or
-  pick beams changes which sequences exist, so the step after it is planned from its outputs.
+  pick beams changes which sequences exist, so the step after it is planned from its outputs;
+  so does a step that speculation holds (ScheduledStep.may_run_ahead: a verified step appends
+  an unknown number of tokens, and drafts are proposed from known tokens).
 - Sending a step behind another advances that one first: its scheduled tokens count as computed
   and each sequence it samples for ends in a placeholder for the token being drawn, so the new
   plan is the one that follows it. Taking a step's outputs in drops its placeholders.
@@ -75,7 +77,7 @@ class SentStep:
             seq = item.seq
             seq.drop_placeholder()
             if not self.is_advanced and not seq.is_finished:
-                seq.num_computed_tokens += item.num_scheduled_tokens
+                seq.num_computed_tokens += item.num_known_tokens
 
     def drop_placeholders(self) -> None:
         for item in self.scheduled.scheduled:
@@ -102,7 +104,7 @@ class StepWindow:
         if len(self._steps) != 1 or not self.is_async:
             return
         oldest = self._steps[0]
-        if oldest.is_advanced or oldest.has_forks_or_beams:
+        if oldest.is_advanced or oldest.has_forks_or_beams or not oldest.scheduled.may_run_ahead:
             return  # advanced already: the plan sent behind it was empty
         oldest.advance()
         self._push(send())

@@ -26,9 +26,10 @@ class ModelInput:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
-    # the sampled sequences' last rows, then prompt-logprob rows
+    # the sampled sequences' last rows (a sequence with k drafts: its last k + 1), then
+    # prompt-logprob rows
     logits_indices: torch.Tensor  # [num_logits_rows] int64
-    sample_seqs: list[CachedSequence]  # logits row i ↔ sample_seqs[i]
+    sample_seqs: list[CachedSequence]  # in logits row order
     prompt_logprob_spans: list[PromptLogprobSpan]
     # (input row, index into the step in flight's draws): tokens the host has not read yet
     drawn_rows: list[tuple[int, int]]
@@ -83,6 +84,10 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
 
     sample_rows = [i for i, s in enumerate(seqs) if s.is_sampling]
     logits_indices = [int(query_start_loc[i + 1]) - 1 for i in sample_rows]
+    if any(seqs[i].draft_token_ids for i in sample_rows):
+        logits_indices = [row for i in sample_rows for row in range(
+            int(query_start_loc[i + 1]) - 1 - len(seqs[i].draft_token_ids),
+            int(query_start_loc[i + 1]))]
     spans = _prompt_logprob_spans(seqs, query_start_loc, logits_indices)
     return ModelInput(
         input_ids=_to_device(input_ids, device),
@@ -106,6 +111,8 @@ def _input_ids(seqs: list[CachedSequence], query_start_loc: np.ndarray,
                                query_start_loc[1:].tolist(), strict=True):
         nc = seq.num_computed_tokens
         known = seq.token_ids[nc:nc + end - start]
+        if seq.draft_token_ids:
+            known = known + seq.draft_token_ids
         if len(known) < end - start:
             if len(known) + 1 < end - start or drawn is None or seq.seq_id not in drawn:
                 raise ValueError(f"seq {seq.seq_id}: its token {nc + len(known)} is neither "

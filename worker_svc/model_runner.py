@@ -19,8 +19,9 @@ from pagedserve.worker_svc.mixed_graphs import MixedGraphs
 from pagedserve.worker_svc.model_input import ModelInput, build_model_input
 from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
 from pagedserve.worker_svc.pooler import pool, pooled_to_host
-from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState, prompt_logprobs
+from pagedserve.worker_svc.sampler import Sampler, prompt_logprobs
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence, SequenceMirrors
+from pagedserve.worker_svc.spec_decode import launch_samples
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -84,12 +85,8 @@ class ModelRunner:
             return
         step.clock.mark()  # the step before may have been finished since the launch
         if step.logits is not None:  # tensor-parallel rank 0
-            sample_seqs = step.model_input.sample_seqs
-            states = [SeqSamplingState(seq_id=s.seq_id, sampling=s.sampling,
-                                       token_ids=s.token_ids, prompt_len=s.prompt_len,
-                                       seed=s.seed, num_samples=s.num_samples)
-                      for s in sample_seqs]
-            step.samples = self.sampler.launch(step.logits[:len(sample_seqs)], states)
+            step.samples = launch_samples(self.sampler, step.logits,
+                                          step.model_input.sample_seqs)
         step.clock.mark()
         step.fence = self.new_fence()
 

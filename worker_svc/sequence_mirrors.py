@@ -4,7 +4,7 @@ V1's persistent batch). The scheduler is the truth."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.services.common.errors import InvalidRequest, NotFound
@@ -32,6 +32,8 @@ class CachedSequence:
     num_scheduled_tokens: int = 0  # this step's tokens, from num_computed_tokens on
     pooling_type: str = ""  # "last" or "mean": an embedding request, pooled and never sampled
     pooled_sum: Any = None  # mean pooling: the float32 sum of the hidden states so far [hidden]
+    # this step's speculative tokens after token_ids (in num_scheduled_tokens), to verify
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_prefill(self) -> bool:
@@ -101,9 +103,11 @@ class SequenceMirrors:
                 _check_ids("bad_words_token_ids", new.seq_id,
                            [t for ids in sampling.bad_words_token_ids for t in ids], vocab_size)
             _check_pooling(new)
-            self._check_lengths(new.seq_id, len(new.token_ids), len(new.block_ids),
-                                new.num_computed_tokens, new.num_scheduled_tokens, new.prompt_len,
-                                new.num_samples)
+            _check_drafts(new.seq_id, new.draft_token_ids, new.num_samples, sampling, vocab_size,
+                          len(new.token_ids), new.num_computed_tokens + new.num_scheduled_tokens)
+            self._check_lengths(new.seq_id, len(new.token_ids) + len(new.draft_token_ids),
+                                len(new.block_ids), new.num_computed_tokens,
+                                new.num_scheduled_tokens, new.prompt_len, new.num_samples)
         for delta in plan.running_seqs:
             seq = None if delta.seq_id in dropped else self.seqs.get(delta.seq_id)
             if seq is None:
@@ -115,11 +119,16 @@ class SequenceMirrors:
             _check_ids("block_ids", delta.seq_id, delta.block_ids, num_gpu_blocks)
             _check_ids("new_token_ids", delta.seq_id, delta.new_token_ids, vocab_size)
             num_drawing = self.drawing.get(delta.seq_id, 0)
-            if num_drawing and delta.new_token_ids:
+            if num_drawing and (delta.new_token_ids or delta.draft_token_ids):
                 raise InvalidRequest(f"seq {delta.seq_id}: new_token_ids={delta.new_token_ids} "
-                                     "would follow a token the worker has not drawn yet")
+                                     f"or draft_token_ids={delta.draft_token_ids} would follow "
+                                     "a token the worker has not drawn yet")
+            _check_drafts(delta.seq_id, delta.draft_token_ids, delta.num_samples, seq.sampling,
+                          vocab_size, len(seq.token_ids) + len(delta.new_token_ids),
+                          seq.num_computed_tokens + delta.num_scheduled_tokens)
             self._check_lengths(delta.seq_id,
-                                len(seq.token_ids) + num_drawing + len(delta.new_token_ids),
+                                len(seq.token_ids) + num_drawing + len(delta.new_token_ids)
+                                + len(delta.draft_token_ids),
                                 delta.block_ids_start + len(delta.block_ids),
                                 seq.num_computed_tokens, delta.num_scheduled_tokens,
                                 seq.prompt_len, delta.num_samples)
@@ -128,6 +137,10 @@ class SequenceMirrors:
         """The step is launched: its tokens' KV is (in device order) in the cache, and the
         sequences that sample one token are drawing it."""
         for seq in scheduled:
+            if seq.draft_token_ids:  # computed up to its last known token; the rest at finish
+                seq.num_computed_tokens += seq.num_scheduled_tokens - len(seq.draft_token_ids)
+                seq.num_scheduled_tokens = 0
+                continue
             if seq.num_samples == 1 and seq.is_sampling:
                 self.drawing[seq.seq_id] = self.drawing.get(seq.seq_id, 0) + 1
             seq.num_computed_tokens += seq.num_scheduled_tokens
@@ -141,6 +154,13 @@ class SequenceMirrors:
         launched = {seq.seq_id: seq for seq in scheduled}
         for out in sampled:
             seq_id = out.seq_id
+            seq = launched.get(seq_id)
+            if seq is not None and seq.draft_token_ids:
+                if self.seqs.get(seq_id) is seq:  # the accepted drafts' KV is computed
+                    seq.token_ids.extend(out.token_ids)
+                    seq.num_computed_tokens += len(out.token_ids) - 1
+                seq.draft_token_ids = []
+                continue
             if (len(out.token_ids) == 1 and self.drawing.get(seq_id)
                     and self.seqs.get(seq_id) is launched.get(seq_id)):
                 self.drawing[seq_id] -= 1
@@ -156,7 +176,7 @@ class SequenceMirrors:
             prompt_len=new.prompt_len, block_table=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens, sampling=new.sampling, seed=new.seed,
             num_samples=new.num_samples, num_scheduled_tokens=new.num_scheduled_tokens,
-            pooling_type=new.pooling_type)
+            pooling_type=new.pooling_type, draft_token_ids=list(new.draft_token_ids))
         self.seqs[new.seq_id] = seq
         return seq
 
@@ -166,6 +186,7 @@ class SequenceMirrors:
         seq.block_table[delta.block_ids_start:] = delta.block_ids
         seq.num_scheduled_tokens = delta.num_scheduled_tokens
         seq.num_samples = delta.num_samples
+        seq.draft_token_ids = list(delta.draft_token_ids)
         return seq
 
     def _check_lengths(self, seq_id: int, num_tokens: int, num_blocks: int,
@@ -197,6 +218,21 @@ def _check_pooling(new: NewSequence) -> None:
     if new.pooling_type == "mean" and new.num_computed_tokens:
         raise InvalidRequest(f"seq {new.seq_id}: mean pooling needs every prompt token's hidden "
                              f"state, got num_computed_tokens={new.num_computed_tokens}")
+
+
+def _check_drafts(seq_id: int, drafts: list[int], num_samples: int, sampling: SamplingParams,
+                  vocab_size: int | None, num_known: int, end: int) -> None:
+    """Drafts follow every known token and are all computed in the step that verifies them."""
+    if not drafts:
+        return
+    _check_ids("draft_token_ids", seq_id, drafts, vocab_size)
+    if num_samples != 1 or sampling.use_beam_search:
+        raise InvalidRequest(f"seq {seq_id}: draft_token_ids need num_samples=1 and no beam "
+                             f"search, got num_samples={num_samples}")
+    if end != num_known + len(drafts):
+        raise InvalidRequest(f"seq {seq_id}: its {len(drafts)} draft_token_ids must end the "
+                             f"step's tokens: the step computes up to {end}, its known tokens "
+                             f"and drafts end at {num_known + len(drafts)}")
 
 
 def _check_ids(name: str, seq_id: int, ids: list[int] | tuple[int, ...], limit: int | None) -> None:

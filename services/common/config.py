@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import types
 import typing
@@ -18,6 +19,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pagedserve.services.common.errors import ConfigError
+from pagedserve.services.common.speculative_config import (
+    SpeculativeConfig,
+    parse_speculative_config,
+)
 
 GiB = 1 << 30
 
@@ -140,6 +145,10 @@ class SchedulerConfig:
                            "more is INVALID_ARGUMENT, so no request takes every sequence slot")
     max_waiting_requests: int = opt(
         4096, "requests queued and not yet running; past it a new request is RESOURCE_EXHAUSTED")
+    speculative_config: str = opt(
+        "", "speculative decoding as vLLM's JSON object, e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'"
+        "; empty = off (docs/speculative-decoding.md)")
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -154,6 +163,13 @@ class SchedulerConfig:
         _check(self.max_best_of >= 1, f"max_best_of must be >= 1, got {self.max_best_of}")
         _check(self.max_waiting_requests >= 1,
                f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...})
+            self.speculative_config = json.dumps(self.speculative_config)
+        parse_speculative_config(self.speculative_config)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return parse_speculative_config(self.speculative_config)
 
 
 @dataclass(slots=True)

@@ -35,6 +35,8 @@ class NewSequence:
     num_samples: int = 1  # tokens to sample (best_of at a group's fork; 2*beam at beam steps)
     # a prompt-only (embedding) request: "last" or "mean"; pooled, never sampled. "": generates
     pooling_type: str = ""
+    # speculative tokens after the last known one, counted in num_scheduled_tokens and verified
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,7 @@ class RunningSequence:
     block_ids: list[int]
     num_scheduled_tokens: int
     num_samples: int = 1
+    draft_token_ids: list[int] = field(default_factory=list)  # as NewSequence's
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +86,8 @@ class SampledSequence:
     """What the worker sampled for one sequence this step."""
 
     seq_id: int
-    token_ids: list[int]  # num_samples tokens (beam search: best first)
+    # num_samples tokens (beam search: best first); after drafts, the accepted ones and the next
+    token_ids: list[int]
     logprobs: list[float]  # logprob of each sampled token under the processed distribution
     top_logprobs: list[list[TokenIdLogprob]] = field(default_factory=list)  # per token, if asked
     # prompt logprobs of the chunk computed this step, for positions 1.. of the prompt

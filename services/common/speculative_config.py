@@ -1,0 +1,57 @@
+"""Speculative decoding's settings, given as vLLM's `--speculative-config` JSON object."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+from pagedserve.services.common.errors import ConfigError
+
+METHODS = ("ngram",)
+_TYPES = {"str": (str, "a string"), "int": (int, "an integer"), "bool": (bool, "true or false")}
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # the most draft tokens one sequence verifies in a step
+    prompt_lookup_max: int = 4  # the longest suffix matched against the earlier tokens
+    prompt_lookup_min: int = 2  # the shortest
+    adaptive: bool = True  # per-sequence lookahead from its recent acceptance; off when it does not pay
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"speculative_config.method must be one of {list(METHODS)}, "
+                              f"got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError("speculative_config.num_speculative_tokens must be in [1, 16], "
+                              f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("speculative_config needs 1 <= prompt_lookup_min <= "
+                              f"prompt_lookup_max, got prompt_lookup_min={self.prompt_lookup_min}"
+                              f" and prompt_lookup_max={self.prompt_lookup_max}")
+
+
+def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+    """None for "" or None (speculation off)."""
+    if not value:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"speculative_config must be a JSON object, got {value!r}: "
+                              f"{exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"speculative_config must be a JSON object, got {value!r}")
+    known = {f.name: f.type for f in fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ConfigError(f"speculative_config has unknown keys {unknown}; known: "
+                          f"{sorted(known)}")
+    for name, item in value.items():
+        expected, described = _TYPES[known[name]]
+        if type(item) is not expected:
+            raise ConfigError(f"speculative_config.{name} must be {described}, got {item!r}")
+    return SpeculativeConfig(**value)

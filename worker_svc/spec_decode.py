@@ -1,0 +1,72 @@
+"""Speculative decoding, the worker's side: verifying a sequence's draft tokens.
+
+A sequence with k drafts has k + 1 logits rows this step: row j is the target model's next-token
+distribution after its known tokens and drafts[:j]. Each row is sampled exactly as a plain decode
+at that position would be (penalties, min_tokens, temperature, top-k/p, the (seed, position)
+noise); draft j is accepted while row j drew it, and the first row that drew something else, or
+row k, gives the next token.
+
+For a proposer that names one token (n-gram), this is rejection sampling: its draft distribution
+q is one-hot at d, so accepting with probability min(1, p(d) / q(d)) = p(d) and otherwise drawing
+from norm(max(0, p - q)) = p without d is what a draw from p that is kept if it equals d does.
+So greedy outputs equal speculation off token for token, and seeded random outputs are the same
+tokens too: the draws are those speculation off makes. Logprobs are the target model's.
+"""
+
+from __future__ import annotations
+
+import torch
+from pagedserve.services.common.step_plan import SampledSequence
+from pagedserve.worker_svc.sampler import PendingSamples, Sampler, SeqSamplingState
+from pagedserve.worker_svc.sequence_mirrors import CachedSequence
+
+
+def sampling_state(seq: CachedSequence, num_drafts: int = 0) -> SeqSamplingState:
+    """The state of `seq` after its first num_drafts drafts."""
+    token_ids = seq.token_ids + seq.draft_token_ids[:num_drafts] if num_drafts else seq.token_ids
+    return SeqSamplingState(seq_id=seq.seq_id, sampling=seq.sampling, token_ids=token_ids,
+                            prompt_len=seq.prompt_len, seed=seq.seed, num_samples=seq.num_samples)
+
+
+def launch_samples(sampler: Sampler, logits: torch.Tensor,
+                   seqs: list[CachedSequence]) -> PendingSamples:
+    """logits: the sampling rows of ModelInput.logits_indices first (then any others)."""
+    if not any(s.draft_token_ids for s in seqs):
+        return sampler.launch(logits[:len(seqs)], [sampling_state(s) for s in seqs])
+    states = [sampling_state(s, j) for s in seqs for j in range(len(s.draft_token_ids) + 1)]
+    return VerifiedSamples(sampler.launch(logits[:len(states)], states), seqs)
+
+
+class VerifiedSamples:
+    """One draw per row; result() keeps each sequence's accepted prefix and the next token."""
+
+    def __init__(self, rows: PendingSamples, seqs: list[CachedSequence]) -> None:
+        self._rows = rows
+        self._seqs = seqs
+        self._first_rows = []
+        row = 0
+        for seq in seqs:
+            self._first_rows.append(row)
+            row += len(seq.draft_token_ids) + 1
+        self.token_ids = rows.token_ids
+        self.offsets = [rows.offsets[row] for row in self._first_rows] + [rows.offsets[-1]]
+
+    def result(self) -> list[SampledSequence]:
+        rows = self._rows.result()
+        return [verify(seq, rows[first:first + len(seq.draft_token_ids) + 1])
+                for seq, first in zip(self._seqs, self._first_rows, strict=True)]
+
+
+def verify(seq: CachedSequence, rows: list[SampledSequence]) -> SampledSequence:
+    """rows: the draws after drafts[:j], j = 0..k."""
+    drafts = seq.draft_token_ids
+    if not drafts:
+        return rows[0]
+    num_accepted = 0
+    while num_accepted < len(drafts) and rows[num_accepted].token_ids[0] == drafts[num_accepted]:
+        num_accepted += 1
+    kept = rows[:num_accepted + 1]
+    return SampledSequence(
+        seq_id=seq.seq_id, token_ids=[r.token_ids[0] for r in kept],
+        logprobs=[r.logprobs[0] for r in kept],
+        top_logprobs=[top for r in kept for top in r.top_logprobs])
