@@ -10,7 +10,8 @@ import time
 
 from pagedserve.scheduler_svc.beam_search import beam_search_step
 from pagedserve.scheduler_svc.outputs import make_request_output
-from pagedserve.scheduler_svc.scheduler import ScheduledStep, Scheduler
+from pagedserve.scheduler_svc.scheduled_step import ScheduledSequence, ScheduledStep
+from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus, derive_seed
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
@@ -56,13 +57,9 @@ class OutputProcessor:
             if group.pooling_type:
                 self._finish_pooled(group, seq, pooled.get(seq.seq_id))
                 continue
-            got = 0 if sampled is None else len(sampled.token_ids)
-            num_drafts = len(item.draft_token_ids or ())
-            if not (1 <= got <= num_drafts + 1 if num_drafts else got == item.num_samples):
-                expected = (f"1 to {num_drafts + 1}" if num_drafts else str(item.num_samples))
-                self.scheduler.finish_group(group, FinishReason.ERROR, (
-                    f"worker returned {got} sampled tokens for seq_id {seq.seq_id}, "
-                    f"expected {expected}"))
+            error = _sample_count_error(item, sampled)
+            if error is not None:
+                self.scheduler.finish_group(group, FinishReason.ERROR, error)
                 continue
             samples.setdefault(id(group), []).append((seq, sampled))
             drafts[seq.seq_id] = item.draft_token_ids
@@ -157,3 +154,14 @@ class OutputProcessor:
         if num_output_tokens >= sampling.max_tokens or len(seq.token_ids) + 1 >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def _sample_count_error(item: ScheduledSequence, sampled: SampledSequence | None) -> str | None:
+    """A verification step returns 1 to k + 1 tokens for k drafts, any other exactly num_samples."""
+    got = 0 if sampled is None else len(sampled.token_ids)
+    num_drafts = len(item.draft_token_ids or ())
+    if (1 <= got <= num_drafts + 1) if num_drafts else got == item.num_samples:
+        return None
+    expected = f"1 to {num_drafts + 1}" if num_drafts else str(item.num_samples)
+    return (f"worker returned {got} sampled tokens for seq_id {item.seq.seq_id}, "
+            f"expected {expected}")
