@@ -51,8 +51,8 @@ class BlockManager:
         self.gpu_pool = BlockPool(Device.GPU, num_gpu_blocks)
         self.cpu_pool = BlockPool(Device.CPU, num_cpu_blocks)
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
-        # what the GPU prefix cache holds, for the gateways' routers
-        self.kv_events = KVEventLog(block_size) if enable_prefix_caching else None
+        # what the GPU prefix cache holds, for the gateways' routers (no events without it)
+        self.kv_events = KVEventLog(block_size)
         self._seqs: dict[int, _SeqBlocks] = {}
 
     @property
@@ -200,7 +200,6 @@ class BlockManager:
         if self.prefix_cache is not None:
             for block_id in self.prefix_cache.clear():
                 self.gpu_pool.free(block_id)
-            assert self.kv_events is not None
             self.kv_events.cleared()
 
     def can_swap_out(self, seq_ids: list[int]) -> bool:
@@ -290,7 +289,7 @@ class BlockManager:
         stored event."""
         if first >= len(block_hashes):
             return
-        assert self.prefix_cache is not None and self.kv_events is not None
+        assert self.prefix_cache is not None
         run: list[BlockHash] = []
         run_parent: BlockHash | None = None
         for i in range(first, len(block_hashes)):
@@ -310,7 +309,6 @@ class BlockManager:
         if self.gpu_pool.num_free_blocks or self.prefix_cache is None:
             return self.gpu_pool.allocate()
         assert self.prefix_cache.num_evictable_blocks, "no free gpu block"
-        assert self.kv_events is not None
         block_id, block_hash = self.prefix_cache.evict()
         self.kv_events.removed([block_hash])
         self.gpu_pool.incref(block_id)

@@ -2,9 +2,11 @@
 consistent-hash ring) bounded by load, least loaded, or round robin. Pure decisions over a snapshot
 of the replicas; the replica set owns the snapshot.
 
-Affinity sends a prompt where its earlier blocks went: a prompt that goes on past every branch
-point of what this gateway routed before (a chat's next turn: its history) follows the replica that
-got the deepest of its blocks. A prompt that branches off a known prefix (a new chat of a shared
+Affinity sends a prompt to the replica that holds the most of its leading KV blocks, as the
+replicas' KV events tell (kv_index.py; a block in host memory counts less than one on the GPU).
+Where none holds any, or several hold as much, it goes where its earlier blocks went: a prompt
+that goes on past every branch point of what this gateway routed before (a chat's next turn: its
+history) follows the replica that got the deepest of its blocks. A prompt that branches off a known prefix (a new chat of a shared
 system prompt) goes to the replica that last got that prefix, unless it got clearly more blocks
 from this gateway than another: then to the one that got the fewest. So the chats of one system
 prompt spread over the replicas and keep their caches about even, each chat then staying on its
@@ -24,6 +26,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedserve.services.common.block_hash import BlockHash, hash_block_tokens
+from pagedserve.services.gateway.kv_index import KVIndex
 from pagedserve.services.gateway.prefix_index import PrefixIndex, chained_block_hashes
 
 NUM_VIRTUAL_NODES = 64  # ring points per replica: evens out the arcs of a few replicas
@@ -86,11 +90,14 @@ class Router:
     """Not thread-safe (the gateway's event loop only)."""
 
     def __init__(self, policy: str, max_imbalance: float, prefix_blocks: int,
-                 index_blocks: int = 65536) -> None:
+                 index_blocks: int = 65536, use_kv_events: bool = True,
+                 offload_weight: float = 0.5) -> None:
         self.policy = policy
         self.max_imbalance = max_imbalance
         self.prefix_blocks = prefix_blocks
         self.index = PrefixIndex(index_blocks)
+        self.use_kv_events = use_kv_events
+        self.kv_index = KVIndex(offload_weight)
         self._ring = HashRing()
         self._turn = itertools.count()
 
@@ -106,10 +113,42 @@ class Router:
         hashes = chained_block_hashes(prompt_token_ids, max(block_size, 1), MAX_INDEXED_BLOCKS)
         if not hashes:
             return Decision(self._least_loaded(candidates).address, Reason.SHORT_PROMPT)
-        decision = self._bounded(candidates, self._preferred(candidates, hashes))
+        preferred = (self._holder(candidates, prompt_token_ids, block_size, hashes)
+                     or self._preferred(candidates, hashes))
+        decision = self._bounded(candidates, preferred)
         cache_blocks = [c.num_gpu_blocks for c in candidates]
         self.index.record(hashes, decision.address, sum(cache_blocks) if all(cache_blocks) else None)
         return decision
+
+    def _holder(self, candidates: Sequence[Candidate], prompt_token_ids: Sequence[int],
+                block_size: int, hashes: list[int]) -> str | None:
+        """The replica whose KV events say it holds the most of the prompt's leading blocks
+        (tiers weighted); of several equal ones, the one `_preferred` picks among them. None
+        when none holds any."""
+        live = [c.address for c in candidates if self.kv_index.is_live(c.address)]
+        if not self.use_kv_events or not live:
+            return None
+        scores = dict.fromkeys(live, 0.0)
+        matching = list(live)
+        parent: BlockHash | None = None
+        # a block short of the whole prompt, as the prefix cache matches
+        num_blocks = min((len(prompt_token_ids) - 1) // block_size, MAX_INDEXED_BLOCKS)
+        for i in range(num_blocks):
+            parent = hash_block_tokens(parent, prompt_token_ids[i * block_size:(i + 1) * block_size])
+            still = []
+            for address in matching:
+                weight = self.kv_index.weight(address, parent)
+                if weight:
+                    scores[address] += weight
+                    still.append(address)
+            if not still:
+                break
+            matching = still
+        best = max(scores.values())
+        if not best:
+            return None
+        tied = [c for c in candidates if scores.get(c.address) == best]
+        return tied[0].address if len(tied) == 1 else self._preferred(tied, hashes)
 
     def _preferred(self, candidates: Sequence[Candidate], hashes: list[int]) -> str:
         addresses = frozenset(c.address for c in candidates)
