@@ -113,18 +113,19 @@ class Router:
         hashes = chained_block_hashes(prompt_token_ids, max(block_size, 1), MAX_INDEXED_BLOCKS)
         if not hashes:
             return Decision(self._least_loaded(candidates).address, Reason.SHORT_PROMPT)
-        preferred = (self._holder(candidates, prompt_token_ids, block_size, hashes)
-                     or self._preferred(candidates, hashes))
-        decision = self._bounded(candidates, preferred)
+        preferred = self._preferred(candidates, hashes)
+        holder = self._holder(candidates, prompt_token_ids, block_size, hashes, preferred)
+        decision = self._bounded(candidates, holder or preferred)
         cache_blocks = [c.num_gpu_blocks for c in candidates]
         self.index.record(hashes, decision.address, sum(cache_blocks) if all(cache_blocks) else None)
         return decision
 
     def _holder(self, candidates: Sequence[Candidate], prompt_token_ids: Sequence[int],
-                block_size: int, hashes: list[int]) -> str | None:
+                block_size: int, hashes: list[int], guess: str) -> str | None:
         """The replica whose KV events say it holds the most of the prompt's leading blocks
-        (tiers weighted); of several equal ones, the one `_preferred` picks among them. None
-        when none holds any."""
+        (tiers weighted), where that is more than the `guess` of the gateway's own memory holds
+        and than the prefix the prompt shares with others (a new chat of a system prompt many
+        replicas hold still spreads as the memory spreads it). None: keep the guess."""
         live = [c.address for c in candidates if self.kv_index.is_live(c.address)]
         if not self.use_kv_events or not live:
             return None
@@ -145,7 +146,9 @@ class Router:
                 break
             matching = still
         best = max(scores.values())
-        if not best:
+        addresses = frozenset(c.address for c in candidates)
+        num_shared = self.index.match(hashes, addresses).num_shared_blocks
+        if best <= max(scores.get(guess, 0.0), num_shared):
             return None
         tied = [c for c in candidates if scores.get(c.address) == best]
         return tied[0].address if len(tied) == 1 else self._preferred(tied, hashes)

@@ -100,3 +100,16 @@ def test_affinity_on_held_blocks_still_yields_to_the_load_bound():
     holds(router, "a:1", chat, 6)
     decision = router.choose([Candidate("a:1", 10), Candidate("b:1", 0)], chat, BLOCK)
     assert decision == Decision("b:1", Reason.OVERLOADED)
+
+
+def test_new_chats_of_a_prefix_one_replica_holds_still_spread():
+    router = Router("affinity", 1.5, 4)
+    system = prompt(7, 4)[:-1]
+    replicas = idle("a:1", "b:1")
+    for i in range(6):  # the gateway learns the system prompt as a branch point
+        router.choose(replicas, [*system, *prompt(100 + i, 2)], BLOCK)
+    holds(router, "a:1", system, 4)
+    holds(router, "b:1", [], 0)
+    picks = {router.choose(replicas, [*system, *prompt(200 + i, 2)], BLOCK).address
+             for i in range(8)}
+    assert picks == {"a:1", "b:1"}
