@@ -230,10 +230,12 @@ class ReplicaSet:
         snapshot when it restarted (the router stops counting its blocks meanwhile)."""
         kv_index = self.router.kv_index
         while True:
+            num_batches = 0
             try:
                 async for batch in replica.client.watch_kv_events(
                         kv_index.resume_point(replica.address)):
                     kv_index.apply(replica.address, batch)
+                    num_batches += 1
             except PagedServeError as exc:
                 logger.debug("KV events of scheduler replica %s stopped: %s", replica.address, exc)
             except ValueError as exc:
@@ -241,7 +243,8 @@ class ReplicaSet:
                                exc)
                 kv_index.remove(replica.address)
             kv_index.mark_lost(replica.address)
-            await asyncio.sleep(RETRY_S)
+            # a scheduler without the stream (an older version) is asked again only rarely
+            await asyncio.sleep(RETRY_S if num_batches else self.config.replica_refresh_s)
 
     def _is_same_model(self, address: str, served: scheduler_pb2.GetServedModelResponse) -> bool:
         if self.served is None:
