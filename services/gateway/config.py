@@ -141,9 +141,10 @@ class RoutingConfig:
         "turn follows its history, and the chats of a shared system prompt spread over the "
         "replicas by their first blocks of their own")
     routing_kv_events: bool = opt(
-        True, "affinity follows the KV blocks each replica reports it holds (its KV events): "
-        "the replica holding the most of the prompt's leading blocks is preferred; off, or "
-        "where no replica holds any, the gateway's own memory of where it sent prompts decides")
+        True, "affinity corrects its guess by the KV blocks each replica reports it holds (its "
+        "KV events): a replica holding more of the prompt's leading blocks than the guessed one "
+        "and than the prefix the prompt shares with other chats is preferred; off: the "
+        "gateway's own memory of where it sent prompts decides alone")
     routing_offload_weight: float = opt(
         0.5, "what a prefix block a replica holds in host memory counts for against one on "
         "the GPU (a hit there costs a copy back)")

@@ -2,11 +2,9 @@
 consistent-hash ring) bounded by load, least loaded, or round robin. Pure decisions over a snapshot
 of the replicas; the replica set owns the snapshot.
 
-Affinity sends a prompt to the replica that holds the most of its leading KV blocks, as the
-replicas' KV events tell (kv_index.py; a block in host memory counts less than one on the GPU).
-Where none holds any, or several hold as much, it goes where its earlier blocks went: a prompt
-that goes on past every branch point of what this gateway routed before (a chat's next turn: its
-history) follows the replica that got the deepest of its blocks. A prompt that branches off a known prefix (a new chat of a shared
+Affinity guesses where a prompt's earlier blocks went: a prompt that goes on past every branch
+point of what this gateway routed before (a chat's next turn: its history) follows the replica that
+got the deepest of its blocks. A prompt that branches off a known prefix (a new chat of a shared
 system prompt) goes to the replica that last got that prefix, unless it got clearly more blocks
 from this gateway than another: then to the one that got the fewest. So the chats of one system
 prompt spread over the replicas and keep their caches about even, each chat then staying on its
@@ -14,7 +12,9 @@ own. A prompt with no known branch point is placed on the ring by its first `pre
 blocks, which every gateway agrees on; a replica joining or leaving moves only the keys of its own
 arcs of the ring. The load bound is that of consistent hashing with bounded loads: the preferred
 replica is taken while it would carry at most ceil(`max_imbalance` times the mean load), else the
-least loaded one.
+least loaded one. The replicas' KV events (kv_index.py) correct the guess: a replica that holds
+more of the prompt's leading blocks than the guessed one and than the prefix the prompt shares
+with other chats is preferred (a block in host memory counting less than one on the GPU).
 """
 
 from __future__ import annotations
