@@ -41,6 +41,7 @@ class Reason:
     """Why a replica was picked: the `reason` label of the routing metric."""
 
     AFFINITY = "affinity"
+    HELD_BLOCKS = "held_blocks"  # affinity, the KV events overruling the gateway's own guess
     OVERLOADED = "overloaded"  # affinity's preferred replica was over the bound
     SHORT_PROMPT = "short_prompt"  # no full block to key by: least loaded
     LEAST_LOADED = "least_loaded"
@@ -115,7 +116,8 @@ class Router:
             return Decision(self._least_loaded(candidates).address, Reason.SHORT_PROMPT)
         preferred = self._preferred(candidates, hashes)
         holder = self._holder(candidates, prompt_token_ids, block_size, hashes, preferred)
-        decision = self._bounded(candidates, holder or preferred)
+        decision = self._bounded(candidates, holder or preferred,
+                                 Reason.HELD_BLOCKS if holder else Reason.AFFINITY)
         cache_blocks = [c.num_gpu_blocks for c in candidates]
         self.index.record(hashes, decision.address, sum(cache_blocks) if all(cache_blocks) else None)
         return decision
@@ -171,11 +173,11 @@ class Router:
         assert address is not None
         return address
 
-    def _bounded(self, candidates: Sequence[Candidate], address: str) -> Decision:
+    def _bounded(self, candidates: Sequence[Candidate], address: str, reason: str) -> Decision:
         preferred = next(c for c in candidates if c.address == address)
         total = sum(c.num_requests for c in candidates) + 1
         if preferred.num_requests + 1 <= math.ceil(self.max_imbalance * total / len(candidates)):
-            return Decision(preferred.address, Reason.AFFINITY)
+            return Decision(preferred.address, reason)
         return Decision(self._least_loaded(candidates).address, Reason.OVERLOADED)
 
     def _least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:

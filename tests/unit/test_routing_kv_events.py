@@ -43,7 +43,7 @@ def test_the_replica_holding_the_longest_prefix_wins_over_the_ring_and_the_histo
     holds(router, first, chat, 2)
     holds(router, other, chat, 6)  # e.g. another gateway sent this chat there
     decision = router.choose(idle("a:1", "b:1"), chat, BLOCK)
-    assert decision == Decision(other, Reason.AFFINITY)
+    assert decision == Decision(other, Reason.HELD_BLOCKS)
 
 
 def test_a_host_memory_block_counts_less_than_a_gpu_block():
