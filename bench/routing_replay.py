@@ -21,15 +21,25 @@ affinity would hit if where a conversation runs did not matter.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 import statistics
 from collections import OrderedDict
+from collections.abc import Callable
 
+from pagedserve.services.common.block_hash import hash_prompt_blocks
+from pagedserve.services.common.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+)
 from pagedserve.services.gateway.config import RoutingConfig
-from pagedserve.services.gateway.prefix_index import chained_block_hashes
 from pagedserve.services.gateway.routing import Candidate, Router
 
+from bench.common import finish
 from bench.routing_report import PolicyResult, count_turn
 from bench.routing_workload import (
     BLOCK_SIZE,
@@ -44,20 +54,22 @@ from bench.routing_workload import (
 )
 
 DECODE_COST = 20.0  # an output token's time in prompt tokens' (a decode step is batched)
-ALL_BLOCKS = 1 << 20
 
 
 class CacheModel:
     """One replica's KV blocks by prefix hash: those of running turns (referenced), cached ones no
-    turn holds (LRU), and running turns' blocks not yet full or not yet named."""
+    turn holds (LRU), and running turns' blocks not yet full or not yet named. `on_event` gets
+    the KV events a scheduler would publish (blocks named, evicted, all dropped by a restart)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int,
+                 on_event: Callable[[KVEvent], None] | None = None) -> None:
         self.num_blocks = num_blocks
-        self._refs: dict[int, int] = {}
-        self._evictor: OrderedDict[int, None] = OrderedDict()
+        self._refs: dict[bytes, int] = {}
+        self._evictor: OrderedDict[bytes, None] = OrderedDict()
         self._num_unnamed = 0
+        self._on_event = on_event or (lambda event: None)
 
-    def admit(self, hashes: list[int], num_blocks: int, max_hit_blocks: int) -> int:
+    def admit(self, hashes: list[bytes], num_blocks: int, max_hit_blocks: int) -> int:
         """A turn of `num_blocks` (prompt and answer) starts: its cached blocks, the rest taken."""
         num_hit = 0
         for block_hash in hashes[:max_hit_blocks]:
@@ -70,11 +82,16 @@ class CacheModel:
         self._make_room()
         return num_hit
 
-    def finish(self, hashes: list[int], num_hit: int, num_blocks: int) -> None:
+    def finish(self, hashes: list[bytes], num_hit: int, num_blocks: int) -> None:
         """The turn ends: its full blocks (`hashes`, prompt and answer) stay cached."""
         self._num_unnamed -= num_blocks - num_hit
+        new = [h for h in hashes[num_hit:] if h not in self._refs and h not in self._evictor]
         for block_hash in hashes[num_hit:]:
             self._hold(block_hash)
+        if new:
+            first = hashes.index(new[0])
+            self._on_event(BlockStored(tuple(new), hashes[first - 1] if first else None,
+                                       BLOCK_SIZE))
         for block_hash in reversed(hashes):
             self._refs[block_hash] -= 1
             if not self._refs[block_hash]:
@@ -82,36 +99,65 @@ class CacheModel:
                 self._evictor[block_hash] = None
         self._make_room()
 
-    def _hold(self, block_hash: int) -> None:
+    def restart(self) -> None:
+        """Every cached block no running turn holds is lost (the running turns go on)."""
+        self._evictor.clear()
+        self._on_event(AllBlocksCleared())
+        self._on_event(BlockStored(tuple(self._refs), None, BLOCK_SIZE))
+
+    def _hold(self, block_hash: bytes) -> None:
         self._evictor.pop(block_hash, 0)
         self._refs[block_hash] = self._refs.get(block_hash, 0) + 1
 
     def _make_room(self) -> None:
         while self._evictor and (len(self._refs) + len(self._evictor) + self._num_unnamed
                                  > self.num_blocks):
-            self._evictor.popitem(last=False)
+            self._on_event(BlockRemoved((self._evictor.popitem(last=False)[0],)))
 
 
 def replay(policy: str, args: argparse.Namespace, salt: int, num_replicas: int = 2,
-           cache_scale: int = 1) -> PolicyResult:
+           cache_scale: int = 1, use_kv_events: bool = False,
+           restart_at: float | None = None, num_gateways: int = 1) -> PolicyResult:
+    """`use_kv_events`: affinity on what the replicas report holding; `restart_at`: after this
+    fraction of the turns started, replica r0 restarts; `num_gateways`: each turn reaches one
+    of them at random (each knows only what it routed, and every one gets the events)."""
     result = PolicyResult(policy)
     conversations = make_conversations(args, salt)
     open_chats, waiting = conversations[:num_open(args)], conversations[num_open(args):]
     rng = random.Random(args.seed)
     num_blocks = cache_scale * cache_blocks(args)
-    caches = {f"r{i}": CacheModel(num_blocks) for i in range(num_replicas)}
+    routers = [Router(policy, args.routing_max_imbalance, args.routing_prefix_blocks,
+                      use_kv_events=use_kv_events) for _ in range(num_gateways)]
+    gateway_rng = random.Random(args.seed + 1)
+    sequences = itertools.count(1)
+
+    def publisher(address: str) -> Callable[[KVEvent], None]:
+        def publish(event: KVEvent) -> None:
+            batch = KVEventBatch(f"{address}-{num_restarts if address == 'r0' else 0}",
+                                 next(sequences), (event,),
+                                 is_snapshot=isinstance(event, AllBlocksCleared))
+            for router in routers:
+                router.kv_index.apply(address, batch)
+        return publish
+
+    num_restarts = 0
+    caches = {f"r{i}": CacheModel(num_blocks, publisher(f"r{i}")) for i in range(num_replicas)}
+    for cache in caches.values():
+        cache.restart()  # the empty snapshot a gateway starts from
     work: dict[str, dict[int, float]] = {address: {} for address in caches}
-    router = Router(policy, args.routing_max_imbalance, args.routing_prefix_blocks)
+    num_turns = sum(len(c.user_turns) for c in conversations)
+    restart_turn = None if restart_at is None else int(restart_at * num_turns)
     turns: dict[int, tuple] = {}
     systems_seen: set[int] = set()
 
     def start_turn(turn_id: int) -> None:
         conversation = open_chats.pop(rng.randrange(len(open_chats)))
         prompt = next_prompt(conversation, systems_seen)
+        router = routers[gateway_rng.randrange(num_gateways)]
         decision = router.choose([Candidate(a, len(work[a]), num_blocks) for a in caches],
                                  prompt, BLOCK_SIZE)
         result.decisions[decision.reason] = result.decisions.get(decision.reason, 0) + 1
-        hashes = chained_block_hashes(prompt, BLOCK_SIZE, ALL_BLOCKS)
+        hashes = hash_prompt_blocks(prompt, BLOCK_SIZE, len(prompt) // BLOCK_SIZE)
         turn_blocks = math.ceil((len(prompt) + args.output_len) / BLOCK_SIZE)
         num_hit = caches[decision.address].admit(hashes, turn_blocks,
                                                  (len(prompt) - 1) // BLOCK_SIZE)
@@ -137,12 +183,16 @@ def replay(policy: str, args: argparse.Namespace, salt: int, num_replicas: int =
         answer = [rng.randrange(args.min_token_id, args.max_token_id)
                   for _ in range(args.output_len)]
         # the last answer token was sampled, never fed back: no KV
-        full = chained_block_hashes((prompt + answer)[:-1], BLOCK_SIZE, ALL_BLOCKS)
-        caches[address].finish(full, num_hit, turn_blocks)
+        full = (prompt + answer)[:-1]
+        caches[address].finish(hash_prompt_blocks(full, BLOCK_SIZE, len(full) // BLOCK_SIZE),
+                               num_hit, turn_blocks)
         if end_turn(conversation, answer, address):
             open_chats.append(conversation)
         elif waiting:
             open_chats.append(waiting.pop(0))
+        if next_id == restart_turn:
+            num_restarts += 1
+            caches["r0"].restart()
         if open_chats:
             start_turn(next_id)
             next_id += 1
@@ -168,6 +218,33 @@ def compare(args: argparse.Namespace, num_seeds: int) -> str:
             f"seed 0 x{ratios[0]:.2f}")
 
 
+def compare_kv_events(args: argparse.Namespace, num_seeds: int) -> tuple[str, dict]:
+    """Affinity on KV events against affinity on the gateway's own index, over seeds: as is, with
+    replica r0 restarted halfway, and behind two gateways: the line and the numbers."""
+    cases = (("steady", None, 1), ("restart", 0.5, 1), ("two_gateways", None, 2))
+    ratios: dict[str, list[float]] = {kind: [] for kind, _, _ in cases}
+    hits: dict[str, list[int]] = {f"{kind}_{source}": [] for kind in ratios
+                                  for source in ("index", "events")}
+    for seed in range(num_seeds):
+        run_args = argparse.Namespace(**{**vars(args), "seed": seed})
+        for kind, restart_at, num_gateways in cases:
+            index = replay("affinity", run_args, 0, restart_at=restart_at,
+                           num_gateways=num_gateways)
+            events = replay("affinity", run_args, 0, use_kv_events=True, restart_at=restart_at,
+                            num_gateways=num_gateways)
+            hits[f"{kind}_index"].append(index.num_cached_tokens)
+            hits[f"{kind}_events"].append(events.num_cached_tokens)
+            ratios[kind].append(events.num_cached_tokens / max(index.num_cached_tokens, 1))
+    line = (f"replay {args.workload} ({num_seeds} seeds, cache {cache_blocks(args)} blocks per "
+            f"replica): hit tokens KV events / own index: " + "; ".join(
+                f"{kind} mean x{statistics.mean(r):.2f}, worst x{min(r):.2f} "
+                f"({statistics.mean(hits[kind + '_events']):.0f} vs "
+                f"{statistics.mean(hits[kind + '_index']):.0f} tokens)"
+                for kind, r in ratios.items()))
+    return line, {"workload": args.workload, "cache_blocks": cache_blocks(args),
+                  "ratios": ratios, "hit_tokens": hits}
+
+
 def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", nargs="+", choices=sorted(PRESETS), default=list(PRESETS))
@@ -179,9 +256,20 @@ def main(argv: list[str] | None = None) -> list[str]:
                         default=RoutingConfig().routing_prefix_blocks)
     parser.add_argument("--routing-max-imbalance", type=float,
                         default=RoutingConfig().routing_max_imbalance)
+    parser.add_argument("--kv-events", action="store_true",
+                        help="compare affinity on KV events with affinity on the gateway's own "
+                        "index, steady and with one replica restarted halfway (recorded)")
+    parser.add_argument("--tag", default="", help="suffix of the record's file name")
     args = parser.parse_args(argv)
     base = argparse.Namespace(**vars(args), seed=0, kv_cache_memory_gib=0.0, min_token_id=3,
                               max_token_id=300, **dict.fromkeys(WORKLOAD_FLAGS))
+    if args.kv_events:
+        compared = [compare_kv_events(preset_args(base, preset), args.seeds)
+                    for preset in args.workload]
+        lines = [line for line, _ in compared]
+        finish("routing_replay", args, "\n".join(lines), [result for _, result in compared],
+               targets={"steady": 1.0, "restart": 1.2})
+        return lines
     lines = [compare(preset_args(base, preset), args.seeds) for preset in args.workload]
     print("\n".join(lines), flush=True)
     return lines

@@ -78,6 +78,7 @@ class AsyncEngine:
         self._is_accepting = True
         self._load = core.get_load()
         self._load_changed = asyncio.Event()  # set, then replaced, when _load changes
+        self._stepped = asyncio.Event()  # set, then replaced, after each step
         self._task: asyncio.Task | None = None
         self._stats_task: asyncio.Task | None = None
         self._tracer = trace.get_tracer(__name__)
@@ -294,7 +295,12 @@ class AsyncEngine:
                 return outputs
             loop.call_soon_threadsafe(self._after_step, outputs, self.core.get_load())
 
+    async def wait_for_step(self) -> None:
+        await self._stepped.wait()
+
     def _after_step(self, outputs: list[RequestOutput], load: EngineLoad | None = None) -> None:
+        self._stepped.set()
+        self._stepped = asyncio.Event()
         for output in outputs:
             self._push(output)
         if load is not None:

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 from pagedserve.scheduler_svc.block_pool import BlockPool, Device
+from pagedserve.scheduler_svc.kv_event_log import KVEventLog
 from pagedserve.scheduler_svc.prefix_cache import (
     BlockHash,
     PrefixCache,
@@ -50,6 +51,8 @@ class BlockManager:
         self.gpu_pool = BlockPool(Device.GPU, num_gpu_blocks)
         self.cpu_pool = BlockPool(Device.CPU, num_cpu_blocks)
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        # what the GPU prefix cache holds, for the gateways' routers (no events without it)
+        self.kv_events = KVEventLog(block_size)
         self._seqs: dict[int, _SeqBlocks] = {}
 
     @property
@@ -208,6 +211,7 @@ class BlockManager:
         if self.prefix_cache is not None:
             for block_id in self.prefix_cache.clear():
                 self.gpu_pool.free(block_id)
+            self.kv_events.cleared()
 
     def can_swap_out(self, seq_ids: list[int]) -> bool:
         return len(self._unique_blocks(seq_ids, Device.GPU)) <= self.num_free_cpu_blocks
@@ -225,8 +229,7 @@ class BlockManager:
         mapping = self._move(seq_ids, Device.CPU, Device.GPU)
         for seq_id in seq_ids:
             seq = self._seqs[seq_id]
-            for i, block_hash in enumerate(seq.block_hashes):
-                self._register(seq.block_ids[i], block_hash)
+            self._register(seq.block_ids, seq.block_hashes, 0)
         return mapping
 
     def _unique_blocks(self, seq_ids: list[int], device: Device) -> set[int]:
@@ -271,9 +274,8 @@ class BlockManager:
         parent_hash = seq.block_hashes[-1] if seq.block_hashes else None
         new_hashes = hash_prompt_blocks(token_ids, self.block_size, num_full, parent_hash,
                                         first_block=num_hashed)
-        for i, block_hash in enumerate(new_hashes, start=num_hashed):
-            self._register(seq.block_ids[i], block_hash)
         seq.block_hashes.extend(new_hashes)
+        self._register(seq.block_ids, seq.block_hashes, num_hashed)
 
     def _match_prefix(self, token_ids: list[int], use_prefix_cache: bool = True
                       ) -> tuple[list[BlockHash], list[int]]:
@@ -293,9 +295,23 @@ class BlockManager:
             block_ids.append(block_id)
         return hashes, block_ids
 
-    def _register(self, block_id: int, block_hash: BlockHash) -> None:
+    def _register(self, block_ids: list[int], block_hashes: list[BlockHash], first: int) -> None:
+        """Caches the blocks from index `first` on; each run of them new to the cache is one
+        stored event."""
+        if first >= len(block_hashes):
+            return
         assert self.prefix_cache is not None
-        self.prefix_cache.register(block_id, block_hash)
+        run: list[BlockHash] = []
+        run_parent: BlockHash | None = None
+        for i in range(first, len(block_hashes)):
+            if self.prefix_cache.register(block_ids[i], block_hashes[i]):
+                if not run:
+                    run_parent = block_hashes[i - 1] if i else None
+                run.append(block_hashes[i])
+            elif run:
+                self.kv_events.stored(run, run_parent)
+                run = []
+        self.kv_events.stored(run, run_parent)
 
     def _pool(self, device: Device) -> BlockPool:
         return self.gpu_pool if device is Device.GPU else self.cpu_pool
@@ -304,7 +320,8 @@ class BlockManager:
         if self.gpu_pool.num_free_blocks or self.prefix_cache is None:
             return self.gpu_pool.allocate()
         assert self.prefix_cache.num_evictable_blocks, "no free gpu block"
-        block_id = self.prefix_cache.evict()
+        block_id, block_hash = self.prefix_cache.evict()
+        self.kv_events.removed([block_hash])
         self.gpu_pool.incref(block_id)
         return block_id
 

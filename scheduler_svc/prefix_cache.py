@@ -4,30 +4,16 @@ evictor, reclaimed only when the free list is empty. Hit counters are in tokens.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
-BlockHash = bytes
+from pagedserve.services.common.block_hash import (
+    BlockHash,
+    hash_block_tokens,
+    hash_prompt_blocks,
+)
 
-
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """SHA-256, not `hash`: a collision would silently serve one prompt another's KV, and tuple
-    hashes are easy to collide on purpose."""
-    digest = hashlib.sha256(parent_hash or b"")
-    digest.update(array("q", token_ids).tobytes())
-    return digest.digest()
-
-
-def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, num_blocks: int,
-                       parent_hash: BlockHash | None = None,
-                       first_block: int = 0) -> list[BlockHash]:
-    hashes: list[BlockHash] = []
-    for i in range(first_block, num_blocks):
-        parent_hash = hash_block_tokens(parent_hash, token_ids[i * block_size:(i + 1) * block_size])
-        hashes.append(parent_hash)
-    return hashes
+__all__ = ["BlockHash", "PrefixCache", "hash_block_tokens", "hash_prompt_blocks"]
 
 
 class PrefixCache:
@@ -94,7 +80,8 @@ class PrefixCache:
         self._evictor.clear()
         return parked
 
-    def evict(self) -> int:
+    def evict(self) -> tuple[int, BlockHash]:
         block_id, _ = self._evictor.popitem(last=False)
-        del self._block_by_hash[self._hash_by_block.pop(block_id)]
-        return block_id
+        block_hash = self._hash_by_block.pop(block_id)
+        del self._block_by_hash[block_hash]
+        return block_id, block_hash

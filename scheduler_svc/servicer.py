@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 from pagedserve.scheduler_svc.async_engine import AsyncEngine
 from pagedserve.scheduler_svc.engine_core import EngineCore
+from pagedserve.scheduler_svc.kv_event_stream import watch_kv_events
 from pagedserve.scheduler_svc.metrics import (
     SchedulerMetrics,
     SpecDecodeCollector,
@@ -25,6 +26,10 @@ from pagedserve.services.common.config import (
 )
 from pagedserve.services.common.errors import ConfigError, Reason, Unavailable
 from pagedserve.services.common.gc_tuning import tune_gc_after_startup
+from pagedserve.services.rpc.convert_kv_events import (
+    kv_event_batch_to_proto,
+    watch_kv_events_request_from_proto,
+)
 from pagedserve.services.rpc.convert_scheduler import (
     abort_request_from_proto,
     load_to_proto,
@@ -97,6 +102,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                         ) -> AsyncIterator[scheduler_pb2.WatchLoadResponse]:
         async for load in self._engine().watch_load(watch_load_request_from_proto(request)):
             yield load_to_proto(load, scheduler_pb2.WatchLoadResponse)
+
+    @map_errors
+    async def WatchKvEvents(self, request: scheduler_pb2.WatchKvEventsRequest,
+                            context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[scheduler_pb2.WatchKvEventsResponse]:
+        engine = self._engine()
+        async for batch in watch_kv_events(engine.core.block_manager.kv_events,
+                                           watch_kv_events_request_from_proto(request),
+                                           engine.wait_for_step):
+            yield kv_event_batch_to_proto(batch)
 
     @map_errors
     async def GetServedModel(self, request: scheduler_pb2.GetServedModelRequest,

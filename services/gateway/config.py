@@ -140,6 +140,14 @@ class RoutingConfig:
         65536, "prompt prefixes (in KV blocks) a gateway remembers the replica of: a chat's next "
         "turn follows its history, and the chats of a shared system prompt spread over the "
         "replicas by their first blocks of their own")
+    routing_kv_events: bool = opt(
+        True, "affinity corrects its guess by the KV blocks each replica reports it holds (its "
+        "KV events): a replica holding more of the prompt's leading blocks than the guessed one "
+        "and than the prefix the prompt shares with other chats is preferred; off: the "
+        "gateway's own memory of where it sent prompts decides alone")
+    routing_offload_weight: float = opt(
+        0.5, "what a prefix block a replica holds in host memory counts for against one on "
+        "the GPU (a hit there costs a copy back)")
     replica_refresh_s: float = opt(
         10.0, "seconds between two resolutions of --scheduler-address (a DNS name may resolve "
         "to several replicas: replicas come and go without a restart)")
@@ -155,6 +163,8 @@ class RoutingConfig:
                f"routing_prefix_blocks must be >= 1, got {self.routing_prefix_blocks}")
         _check(self.routing_index_blocks >= 1,
                f"routing_index_blocks must be >= 1, got {self.routing_index_blocks}")
+        _check(0.0 <= self.routing_offload_weight <= 1.0,
+               f"routing_offload_weight must be in [0, 1], got {self.routing_offload_weight}")
         _check(self.replica_refresh_s > 0,
                f"replica_refresh_s must be > 0, got {self.replica_refresh_s}")
         _check(self.failover_timeout_s >= 0,

@@ -70,8 +70,8 @@ class GatewayMetrics:
             "(RESOURCE_EXHAUSTED).", MODEL, registry=registry).labels(model_name)
         self._routing = Counter(
             "pagedserve:gateway_routing_decisions", "Submissions to a scheduler replica, by "
-            "replica and reason (affinity, overloaded, short_prompt, least_loaded, round_robin; "
-            "a failover's resubmission counts again).", [*MODEL, "replica", "reason"],
+            "replica and reason (affinity, held_blocks, overloaded, short_prompt, least_loaded, "
+            "round_robin; a failover's resubmission counts again).", [*MODEL, "replica", "reason"],
             registry=registry)
         self._failovers = Counter(
             "pagedserve:gateway_failovers", "Requests moved off a scheduler replica whose stream "

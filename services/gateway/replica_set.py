@@ -66,7 +66,8 @@ class ReplicaSet:
         self.targets = scheduler_targets(scheduler_address)
         self.config = config
         self.router = Router(config.routing_policy, config.routing_max_imbalance,
-                             config.routing_prefix_blocks, config.routing_index_blocks)
+                             config.routing_prefix_blocks, config.routing_index_blocks,
+                             config.routing_kv_events, config.routing_offload_weight)
         # the first replica's: the model
         self.served: scheduler_pb2.GetServedModelResponse | None = None
         self.replicas: dict[str, Replica] = {}
@@ -183,6 +184,7 @@ class ReplicaSet:
         logger.info("scheduler replica %s removed (%d live requests finish there)",
                     replica.address, replica.num_live)
         replica.is_removed = True
+        self.router.kv_index.remove(replica.address)
         if replica.watcher is not None:
             replica.watcher.cancel()
         self._set_serving(replica, False)
@@ -209,13 +211,40 @@ class ReplicaSet:
                     await asyncio.sleep(self.config.replica_refresh_s)
                     continue
                 replica.served = served
-                async for load in replica.client.watch_load(LOAD_INTERVAL_S):
-                    replica.load = load
-                    self._set_serving(replica, True)
+                kv_events = asyncio.create_task(self._watch_kv_events(replica),
+                                                name=f"kv events {replica.address}")
+                try:
+                    async for load in replica.client.watch_load(LOAD_INTERVAL_S):
+                        replica.load = load
+                        self._set_serving(replica, True)
+                finally:
+                    kv_events.cancel()
+                    self.router.kv_index.mark_lost(replica.address)
             except PagedServeError as exc:
                 logger.info("scheduler replica %s is not serving: %s", replica.address, exc)
             self._set_serving(replica, False)
             await asyncio.sleep(RETRY_S)
+
+    async def _watch_kv_events(self, replica: Replica) -> None:
+        """What the replica holds, while its load streams in: resumed after a break, from a
+        snapshot when it restarted (the router stops counting its blocks meanwhile)."""
+        kv_index = self.router.kv_index
+        while True:
+            num_batches = 0
+            try:
+                async for batch in replica.client.watch_kv_events(
+                        kv_index.resume_point(replica.address)):
+                    kv_index.apply(replica.address, batch)
+                    num_batches += 1
+            except PagedServeError as exc:
+                logger.debug("KV events of scheduler replica %s stopped: %s", replica.address, exc)
+            except ValueError as exc:
+                logger.warning("KV events of scheduler replica %s dropped: %s", replica.address,
+                               exc)
+                kv_index.remove(replica.address)
+            kv_index.mark_lost(replica.address)
+            # a scheduler without the stream (an older version) is asked again only rarely
+            await asyncio.sleep(RETRY_S if num_batches else self.config.replica_refresh_s)
 
     def _is_same_model(self, address: str, served: scheduler_pb2.GetServedModelResponse) -> bool:
         if self.served is None:

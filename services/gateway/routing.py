@@ -2,7 +2,7 @@
 consistent-hash ring) bounded by load, least loaded, or round robin. Pure decisions over a snapshot
 of the replicas; the replica set owns the snapshot.
 
-Affinity sends a prompt where its earlier blocks went: a prompt that goes on past every branch
+Affinity guesses where a prompt's earlier blocks went: a prompt that goes on past every branch
 point of what this gateway routed before (a chat's next turn: its history) follows the replica that
 got the deepest of its blocks. A prompt that branches off a known prefix (a new chat of a shared
 system prompt) goes to the replica that last got that prefix, unless it got clearly more blocks
@@ -12,7 +12,9 @@ own. A prompt with no known branch point is placed on the ring by its first `pre
 blocks, which every gateway agrees on; a replica joining or leaving moves only the keys of its own
 arcs of the ring. The load bound is that of consistent hashing with bounded loads: the preferred
 replica is taken while it would carry at most ceil(`max_imbalance` times the mean load), else the
-least loaded one.
+least loaded one. The replicas' KV events (kv_index.py) correct the guess: a replica that holds
+more of the prompt's leading blocks than the guessed one and than the prefix the prompt shares
+with other chats is preferred (a block in host memory counting less than one on the GPU).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedserve.services.common.block_hash import BlockHash, hash_block_tokens
+from pagedserve.services.gateway.kv_index import KVIndex
 from pagedserve.services.gateway.prefix_index import PrefixIndex, chained_block_hashes
 
 NUM_VIRTUAL_NODES = 64  # ring points per replica: evens out the arcs of a few replicas
@@ -37,6 +41,7 @@ class Reason:
     """Why a replica was picked: the `reason` label of the routing metric."""
 
     AFFINITY = "affinity"
+    HELD_BLOCKS = "held_blocks"  # affinity, the KV events overruling the gateway's own guess
     OVERLOADED = "overloaded"  # affinity's preferred replica was over the bound
     SHORT_PROMPT = "short_prompt"  # no full block to key by: least loaded
     LEAST_LOADED = "least_loaded"
@@ -86,11 +91,14 @@ class Router:
     """Not thread-safe (the gateway's event loop only)."""
 
     def __init__(self, policy: str, max_imbalance: float, prefix_blocks: int,
-                 index_blocks: int = 65536) -> None:
+                 index_blocks: int = 65536, use_kv_events: bool = True,
+                 offload_weight: float = 0.5) -> None:
         self.policy = policy
         self.max_imbalance = max_imbalance
         self.prefix_blocks = prefix_blocks
         self.index = PrefixIndex(index_blocks)
+        self.use_kv_events = use_kv_events
+        self.kv_index = KVIndex(offload_weight)
         self._ring = HashRing()
         self._turn = itertools.count()
 
@@ -106,10 +114,46 @@ class Router:
         hashes = chained_block_hashes(prompt_token_ids, max(block_size, 1), MAX_INDEXED_BLOCKS)
         if not hashes:
             return Decision(self._least_loaded(candidates).address, Reason.SHORT_PROMPT)
-        decision = self._bounded(candidates, self._preferred(candidates, hashes))
+        preferred = self._preferred(candidates, hashes)
+        holder = self._holder(candidates, prompt_token_ids, block_size, hashes, preferred)
+        decision = self._bounded(candidates, holder or preferred,
+                                 Reason.HELD_BLOCKS if holder else Reason.AFFINITY)
         cache_blocks = [c.num_gpu_blocks for c in candidates]
         self.index.record(hashes, decision.address, sum(cache_blocks) if all(cache_blocks) else None)
         return decision
+
+    def _holder(self, candidates: Sequence[Candidate], prompt_token_ids: Sequence[int],
+                block_size: int, hashes: list[int], guess: str) -> str | None:
+        """The replica whose KV events say it holds the most of the prompt's leading blocks
+        (tiers weighted), where that is more than the `guess` of the gateway's own memory holds
+        and than the prefix the prompt shares with others (a new chat of a system prompt many
+        replicas hold still spreads as the memory spreads it). None: keep the guess."""
+        live = [c.address for c in candidates if self.kv_index.is_live(c.address)]
+        if not self.use_kv_events or not live:
+            return None
+        scores = dict.fromkeys(live, 0.0)
+        matching = list(live)
+        parent: BlockHash | None = None
+        # a block short of the whole prompt, as the prefix cache matches
+        num_blocks = min((len(prompt_token_ids) - 1) // block_size, MAX_INDEXED_BLOCKS)
+        for i in range(num_blocks):
+            parent = hash_block_tokens(parent, prompt_token_ids[i * block_size:(i + 1) * block_size])
+            still = []
+            for address in matching:
+                weight = self.kv_index.weight(address, parent)
+                if weight:
+                    scores[address] += weight
+                    still.append(address)
+            if not still:
+                break
+            matching = still
+        best = max(scores.values())
+        addresses = frozenset(c.address for c in candidates)
+        num_shared = self.index.match(hashes, addresses).num_shared_blocks
+        if best <= max(scores.get(guess, 0.0), num_shared):
+            return None
+        tied = [c for c in candidates if scores.get(c.address) == best]
+        return tied[0].address if len(tied) == 1 else self._preferred(tied, hashes)
 
     def _preferred(self, candidates: Sequence[Candidate], hashes: list[int]) -> str:
         addresses = frozenset(c.address for c in candidates)
@@ -129,11 +173,11 @@ class Router:
         assert address is not None
         return address
 
-    def _bounded(self, candidates: Sequence[Candidate], address: str) -> Decision:
+    def _bounded(self, candidates: Sequence[Candidate], address: str, reason: str) -> Decision:
         preferred = next(c for c in candidates if c.address == address)
         total = sum(c.num_requests for c in candidates) + 1
         if preferred.num_requests + 1 <= math.ceil(self.max_imbalance * total / len(candidates)):
-            return Decision(preferred.address, Reason.AFFINITY)
+            return Decision(preferred.address, reason)
         return Decision(self._least_loaded(candidates).address, Reason.OVERLOADED)
 
     def _least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:

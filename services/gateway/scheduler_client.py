@@ -23,9 +23,14 @@ from pagedserve.services.common.engine_api import (
     SubmitRequest,
 )
 from pagedserve.services.common.errors import PagedServeError, Reason, Unavailable
+from pagedserve.services.common.kv_events import KVEventBatch, WatchKVEventsRequest
 from pagedserve.services.common.outputs import RequestOutput
 from pagedserve.services.gateway.submit_stream import SubmitStreamClient
 from pagedserve.services.gateway.validation import PreparedRequest
+from pagedserve.services.rpc.convert_kv_events import (
+    kv_event_batch_from_proto,
+    watch_kv_events_request_to_proto,
+)
 from pagedserve.services.rpc.convert_scheduler import (
     abort_request_to_proto,
     load_from_proto,
@@ -135,6 +140,21 @@ class SchedulerClient:
         finally:
             call.cancel()
         raise Unavailable(f"{PEER} at {self.address} ended its load stream",
+                          reason=Reason.SCHEDULER_UNAVAILABLE,
+                          retry_after_s=SCHEDULER_RETRY_AFTER_S)
+
+    async def watch_kv_events(self, request: WatchKVEventsRequest
+                              ) -> AsyncIterator[KVEventBatch]:
+        """The scheduler's KV events from where `request` resumes, until the stream breaks."""
+        call = self._stub.WatchKvEvents(watch_kv_events_request_to_proto(request))
+        try:
+            async for msg in call:
+                yield kv_event_batch_from_proto(msg)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, PEER) from exc
+        finally:
+            call.cancel()
+        raise Unavailable(f"{PEER} at {self.address} ended its KV event stream",
                           reason=Reason.SCHEDULER_UNAVAILABLE,
                           retry_after_s=SCHEDULER_RETRY_AFTER_S)
 
