@@ -220,6 +220,7 @@ def serve_args(args: argparse.Namespace, port: int, http_port: int) -> list[str]
              for arg in (f"--{name.replace('_', '-')}", str(value))]
     return ["--port", str(port), "--http-port", str(http_port), *flags,
             "--stream-interval", str(args.stream_interval),
+            "--api-server-count", str(args.api_server_count),
             # N connections opened at once by one client: a loaded gateway must not close them
             # as idle or slow before their turn (at N = 1024 the defaults did)
             "--http-keep-alive-timeout-s", "600", "--http-header-timeout-s", "600",
@@ -409,6 +410,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="device sim: the calibrated kernel trace, or the roofline bound")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the gateway's: output tokens per streamed message")
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="gateway processes on the stack's ports (their CPU is summed)")
     parser.add_argument("--note", default="",
                         help="recorded beside the results (e.g. what else ran on the host)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
