@@ -127,11 +127,15 @@ class _Chat:
             if not (choice.delta.content or choice.logprobs or choice.finish_reason):
                 return None
             return self.chunk([choice])
+        text = delta.text
+        if not self.has_started[delta.index]:
+            self.has_started[delta.index] = True
+            text = self.echo + text
         if delta.usage is not None:
             self.usages.append(delta.usage)
-        if not (delta.text or delta.finish_reason):
+        if not (text or delta.finish_reason):
             return None
-        content = f'"content":{sse.json_string(delta.text)}' if delta.text else ""
+        content = f'"content":{sse.json_string(text)}' if text else ""
         return template.event(f'{{"index":{delta.index},"delta":{{{content}}},"logprobs":null,'
                               f'"finish_reason":{sse.json_string(delta.finish_reason)}}}')
 

@@ -180,10 +180,11 @@ class _Completion:
                 return None
             return sse.event(self.response([choice], False).model_dump_json())
         index = prompt_index * self.n + delta.index
+        choice = self.choices[index]
         text = delta.text
-        if self.body.echo and not self.choices[index].text:
+        if self.body.echo and not choice.has_started:
             text = self.echoes[prompt_index] + text
-            self.choices[index].text = text
+        choice.has_started = True
         if delta.usage is not None:
             self.usages.append(delta.usage)
         if not (text or delta.finish_reason):
