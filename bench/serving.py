@@ -30,6 +30,15 @@ default; it was 2) the p50 falls among requests that join a running batch.
 
 `--device cuda` runs both sides on one GPU, each with its own --gpu-memory-utilization share;
 `--shape` serves a model of that shape (bench/offline_gpu.py's configs) with random weights.
+`--device sim` runs both sides on the simulated worker (`--sim-model` on `--sim-gpu`, its step
+time from `--sim-step-model`): the doors at GPU speed on a CPU machine; its figures are models.
+
+    python -m bench.serving --device sim --api openai --concurrency 1 32 256 1024 --tag sim
+
+Each timed run through the stack records the CPU seconds of the gateway, scheduler and worker
+processes (/proc/<pid>/stat, every thread) and of the benchmark's own process (the clients),
+and each per streamed output token (`cpu_us_per_token`), with the gateway's tokens per CPU-second:
+on a shared host wall-clock rates move with the neighbours' load, CPU per token much less.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import functools
 import itertools
 import json
 import logging
+import os
 import subprocess
 import tempfile
 import time
@@ -72,6 +82,8 @@ log = logging.getLogger("bench.serving")
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 0.9
 MAX_TTFT_INCREASE = 0.1  # the HTTP door's TTFT p50 within 10% of gRPC's
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+SERVICES = ("gateway", "scheduler", "worker")
 
 
 @dataclass(slots=True)
@@ -94,15 +106,64 @@ ClientFn = Callable[[Workload, deque[int], list[RequestTrace]], Awaitable[None]]
 class RunResult:
     wall_s: float
     traces: list[RequestTrace]
+    cpu_s: dict[str, float] | None = None  # per process role, over the timed run
 
     def summary(self) -> dict:
         ttft_ms = [(t.chunk_times_s[0] - t.submit_s) * 1e3 for t in self.traces]
         itl_ms = [(b - a) * 1e3 for t in self.traces
                   for a, b in itertools.pairwise(t.chunk_times_s)]
         num_tokens = sum(t.num_tokens for t in self.traces)
-        return {"wall_s": self.wall_s, "num_output_tokens": num_tokens,
-                "output_tok_s": num_tokens / self.wall_s, "ttft_ms": percentiles(ttft_ms),
-                "itl_ms": percentiles(itl_ms)}
+        out = {"wall_s": self.wall_s, "num_output_tokens": num_tokens,
+               "output_tok_s": num_tokens / self.wall_s, "ttft_ms": percentiles(ttft_ms),
+               "itl_ms": percentiles(itl_ms),
+               "num_messages": sum(len(t.chunk_times_s) for t in self.traces)}
+        if self.cpu_s is not None:
+            out["cpu_s"] = self.cpu_s
+            out["cpu_us_per_token"] = {name: 1e6 * s / num_tokens
+                                       for name, s in self.cpu_s.items()}
+            gateway_s = self.cpu_s.get("gateway")
+            out["gateway_tok_per_cpu_s"] = num_tokens / gateway_s if gateway_s else None
+        return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def child_pids(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return children
+
+
+def service_pids(stack_pid: int) -> dict[str, list[int]]:
+    """The `serve` supervisor's children by role (their `pagedserve.cli <role>` command line)."""
+    pids: dict[str, list[int]] = {role: [] for role in SERVICES}
+    for pid in child_pids(stack_pid):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        for role in SERVICES:
+            if role.encode() in argv[:4]:
+                pids[role].append(pid)
+    return pids
+
+
+class CpuMeter:
+    """CPU seconds of each role's processes (summed) and of this process (the clients)."""
+
+    def __init__(self, stack_pid: int | None) -> None:
+        self._pids = service_pids(stack_pid) if stack_pid is not None else {}
+
+    def read(self) -> dict[str, float]:
+        out = {role: sum(cpu_seconds(pid) for pid in pids) for role, pids in self._pids.items()}
+        out["clients"] = cpu_seconds(os.getpid())
+        return out
+
+    def since(self, before: dict[str, float]) -> dict[str, float]:
+        now = self.read()
+        return {name: now[name] - before[name] for name in before}
 
 
 # --- the in-process baseline ----------------------------------------------------------------------
@@ -146,6 +207,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   swap_space_gib=0.25)
     if args.device == "cuda":
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    elif args.device == "sim":
+        kwargs.update(sim_model=args.sim_model, sim_gpu=args.sim_gpu,
+                      sim_step_model=args.sim_step_model, seed=args.seed)
     else:
         kwargs["kv_cache_memory_gib"] = args.kv_cache_memory_gib
     return kwargs
@@ -154,7 +218,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def serve_args(args: argparse.Namespace, port: int, http_port: int) -> list[str]:
     flags = [arg for name, value in engine_kwargs(args).items() if value != ""
              for arg in (f"--{name.replace('_', '-')}", str(value))]
-    return ["--port", str(port), "--http-port", str(http_port), *flags, "--log-level", "WARNING"]
+    return ["--port", str(port), "--http-port", str(http_port), *flags,
+            "--stream-interval", str(args.stream_interval),
+            "--api-server-count", str(args.api_server_count),
+            # N connections opened at once by one client: a loaded gateway must not close them
+            # as idle or slow before their turn (at N = 1024 the defaults did)
+            "--http-keep-alive-timeout-s", "600", "--http-header-timeout-s", "600",
+            "--max-http-connections-per-client", "0", "--log-level", "WARNING"]
 
 
 def wait_serving(address: str, stack: subprocess.Popen, timeout_s: float) -> None:
@@ -201,25 +271,29 @@ async def _closed_loop(client: ClientFn, wl: Workload, concurrency: int) -> RunR
 
 
 async def _timed(client: ClientFn, wl: Workload, concurrency: int, connect: Workload,
-                 settle_s: float) -> RunResult:
+                 settle_s: float, meter: CpuMeter | None = None) -> RunResult:
     """`connect` first, N at a time through the same client (its connections open, N of them
     over HTTP/1.1), then `settle_s` of quiet (the stack's last speculative step has ended), and
     only then the timed run: each door's burst of N first requests meets an idle scheduler."""
     await _closed_loop(client, connect, concurrency)
     await asyncio.sleep(settle_s)
-    return await _closed_loop(client, wl, concurrency)
+    before = meter.read() if meter is not None else None
+    result = await _closed_loop(client, wl, concurrency)
+    if meter is not None:
+        result.cpu_s = meter.since(before)
+    return result
 
 
 async def _run_stack(address: str, wl: Workload, concurrency: int, connect: Workload,
-                     settle_s: float) -> RunResult:
+                     settle_s: float, meter: CpuMeter | None) -> RunResult:
     async with grpc.aio.insecure_channel(address) as channel:
         client = functools.partial(_client, gateway_pb2_grpc.GenerationServiceStub(channel))
-        return await _timed(client, wl, concurrency, connect, settle_s)
+        return await _timed(client, wl, concurrency, connect, settle_s, meter)
 
 
 def run_stack(address: str, wl: Workload, concurrency: int, connect: Workload,
-              settle_s: float = 0.0) -> RunResult:
-    return asyncio.run(_run_stack(address, wl, concurrency, connect, settle_s))
+              settle_s: float = 0.0, meter: CpuMeter | None = None) -> RunResult:
+    return asyncio.run(_run_stack(address, wl, concurrency, connect, settle_s, meter))
 
 
 async def _http_client(http: httpx.AsyncClient, wl: Workload, queue: deque[int],
@@ -249,16 +323,16 @@ async def _http_client(http: httpx.AsyncClient, wl: Workload, queue: deque[int],
 
 
 async def _run_http(url: str, wl: Workload, concurrency: int, connect: Workload,
-                    settle_s: float) -> RunResult:
+                    settle_s: float, meter: CpuMeter | None) -> RunResult:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         client = functools.partial(_http_client, http)
-        return await _timed(client, wl, concurrency, connect, settle_s)
+        return await _timed(client, wl, concurrency, connect, settle_s, meter)
 
 
 def run_http(url: str, wl: Workload, concurrency: int, connect: Workload,
-             settle_s: float = 0.0) -> RunResult:
-    return asyncio.run(_run_http(url, wl, concurrency, connect, settle_s))
+             settle_s: float = 0.0, meter: CpuMeter | None = None) -> RunResult:
+    return asyncio.run(_run_http(url, wl, concurrency, connect, settle_s, meter))
 
 
 def openai_vs_grpc(openai: dict, grpc_door: dict) -> dict:
@@ -282,6 +356,7 @@ def run_all(args: argparse.Namespace, address: str, stack: subprocess.Popen,
     run_stack(address, warm, 2, warm)
     if http_url is not None:
         run_http(http_url, warm, 2, warm)
+    meter = CpuMeter(stack.pid)
     results = []
     for concurrency in args.concurrency:
         num_requests = max(args.min_requests, args.requests_per_client * concurrency)
@@ -294,10 +369,10 @@ def run_all(args: argparse.Namespace, address: str, stack: subprocess.Popen,
         # back to back, in alternating order, so that neither side always runs second
         runs = {"in_process": functools.partial(run_in_process, engine, wl, concurrency),
                 "stack": functools.partial(run_stack, address, wl, concurrency, connect,
-                                           args.settle_s)}
+                                           args.settle_s, meter)}
         if http_url is not None:
             runs["openai"] = functools.partial(run_http, http_url, wl, concurrency, connect,
-                                               args.settle_s)
+                                               args.settle_s, meter)
         order = list(runs) if len(results) % 2 == 0 else list(reversed(runs))
         summaries = {name: runs[name]().summary() for name in order}
         in_process, served = summaries["in_process"], summaries["stack"]
@@ -327,7 +402,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-prompt-len", type=int, default=128)
     parser.add_argument("--min-output-len", type=int, default=32)
     parser.add_argument("--max-output-len", type=int, default=96)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--device", choices=["cpu", "cuda", "sim"], default="cpu")
+    parser.add_argument("--sim-model", default="SmolLM2-1.7B",
+                        help="device sim: the preset whose step time is modelled")
+    parser.add_argument("--sim-gpu", default="H100-SXM", help="device sim: the modelled GPU")
+    parser.add_argument("--sim-step-model", choices=["kernels", "roofline"], default="kernels",
+                        help="device sim: the calibrated kernel trace, or the roofline bound")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the gateway's: output tokens per streamed message")
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="gateway processes on the stack's ports (their CPU is summed)")
+    parser.add_argument("--note", default="",
+                        help="recorded beside the results (e.g. what else ran on the host)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                         help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--shape", choices=sorted(MODEL_CONFIGS), default=None,
@@ -345,7 +431,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--api", choices=["grpc", "openai"], default="grpc",
                         help="openai: also the OpenAI-compatible HTTP door, against gRPC")
     args = parser.parse_args(argv)
-    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     args.load_format = "dummy" if args.shape else "auto"
     if args.shape and not args.tokenizer:
         args.tokenizer = DEFAULT_MODEL
@@ -366,6 +452,9 @@ def main(argv: list[str] | None = None) -> dict:
         with serve_process(serve_args(args, port, http_port), ROOT) as stack:
             results = run_all(args, address, stack, http_url)
     model = f"{args.shape} shape, dummy weights" if args.shape else args.model
+    if args.device == "sim":
+        model = (f"simulated {args.sim_model} on {args.sim_gpu} ({args.sim_step_model} step "
+                 f"model; figures are models, not measurements), tokenizer {args.model}")
 
     line = "serving: " + "; ".join(
         f"N={r['concurrency']} {r['stack']['output_tok_s']:.1f} tok/s "
@@ -376,8 +465,12 @@ def main(argv: list[str] | None = None) -> dict:
            f"{r['openai_vs_grpc']['throughput_ratio']:.2f}x gRPC, TTFT p50 "
            f"{r['openai_vs_grpc']['ttft_p50_ratio']:.2f}x"
            f"{'' if r['openai_vs_grpc']['met'] else ' (target MISSED)'}" if "openai" in r else "")
+        + "; gateway tok per CPU-s " + ", ".join(
+            f"{door} {r[door]['gateway_tok_per_cpu_s']:.0f}" for door in ("stack", "openai")
+            if r.get(door, {}).get("gateway_tok_per_cpu_s"))
         for r in results)
-    return finish("serving", args, line, results, model=model, dtype=args.dtype)
+    return finish("serving", args, line, results, model=model, dtype=args.dtype,
+                  note=args.note)
 
 
 if __name__ == "__main__":

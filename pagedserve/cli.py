@@ -75,7 +75,8 @@ def _serve(args: argparse.Namespace) -> int:
                                    admin=from_args(AdminConfig, args),
                                    data_parallel_size=args.data_parallel_size,
                                    connections=from_args(ConnectionLimitsConfig, args),
-                                   routing=from_args(RoutingConfig, args)))
+                                   routing=from_args(RoutingConfig, args),
+                                   api_server_count=args.api_server_count))
 
 
 def _setup_tracing(tracing: TracingConfig, service: str) -> None:
@@ -226,6 +227,19 @@ def _logit_bias_pair(text: str) -> tuple[int, float]:
 
 
 
+def _api_server_count(text: str) -> int:
+    """A count >= 1, or 0 / auto: as many as the CPUs allow (the supervisor decides)."""
+    if text == "auto":
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a count or 'auto', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 or 'auto', got {value}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -276,6 +290,11 @@ def _add_serve(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     serve.add_argument("--data-parallel-size", type=_positive_int, default=1,
                        help="engine replicas (a scheduler and its tensor-parallel workers each) "
                             "behind the gateway (default: 1)")
+    serve.add_argument("--api-server-count", type=_api_server_count, default=1,
+                       help="gateway processes, each with both doors, sharing --port and "
+                            "--http-port (SO_REUSEPORT: the kernel spreads connections over "
+                            "them); 0 or auto = one per CPU this command may use, less one per "
+                            "engine replica (default: 1)")
     serve.add_argument("--scheduler-port", type=int, default=0,
                        help="replica r's scheduler listens on this port + r; 0 = any free port")
     serve.add_argument("--worker-port", type=int, default=0,

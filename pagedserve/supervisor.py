@@ -264,8 +264,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
                       startup_timeout_s: float, drain_timeout_s: float,
                       tracing: Any = None, internal_tls: bool = True, metrics_port: int = -1,
                       log_format: str = "text", limits: Any = None, http: Any = None,
-                      data_parallel_size: int = 1, admin: Any = None,
-                      connections: Any = None, routing: Any = None) -> int:
+                      data_parallel_size: int = 1, admin: Any = None, connections: Any = None,
+                      routing: Any = None, api_server_count: int = 1) -> int:
     """Run the stack until Ctrl-C or SIGTERM (0), or until a child keeps dying (1).
     `data_parallel_size` replicas, each a scheduler and tensor_parallel_size workers: replica r's
     scheduler listens on scheduler_port + r and its rank-0 worker on worker_port + r (free ports
@@ -277,7 +277,7 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     RoutingConfig, `connections` its ConnectionLimitsConfig. `http` is the gateway's HttpConfig;
     an API key in it reaches the gateway through its environment, never its command line; so
     does `admin`'s token (an AdminConfig). Neither, nor the same variables of our own
-    environment, reach the schedulers and workers."""
+    environment, reach the schedulers and workers. `api_server_count`: see _start_gateways."""
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
     connect = _connect_host(host)
@@ -300,17 +300,18 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
             await _start_replica(supervisor, replica, config, host, scheduler_port, worker_port,
                                  startup_timeout_s, service_argv, watch_tls)
             for replica in range(data_parallel_size)]
-        await supervisor.start("gateway", f"{connect}:{port}", [
-            *service_argv("gateway", 0), "--host", host, "--port", str(port),
+        gateway_argv = [
+            *drain, "--host", host, "--port", str(port),
             "--scheduler-address", ",".join(scheduler_addresses),
-            "--tokenizer", config.model.tokenizer_path,
-            *(config_to_argv(limits) if limits is not None else []),
-            *(config_to_argv(routing) if routing is not None else []), *http_argv,
-            *(config_to_argv(connections) if connections is not None else [])],
-            restartable=True, secrets=gateway_secrets)
+            "--tokenizer", config.model.tokenizer_path, *http_argv,
+            *(arg for part in (limits, routing, connections) if part is not None
+              for arg in config_to_argv(part)), *_tls_argv(certificates, "gateway")]
+        count = await _start_gateways(supervisor, resolve_api_server_count(
+            api_server_count, data_parallel_size), f"{connect}:{port}", gateway_argv,
+            metrics_port, gateway_secrets)
         if not await supervisor.wait_serving(startup_timeout_s):
             return 0
-        _print_serving(config.model.model, f"{connect}:{port}", http_url, data_parallel_size)
+        _print_serving(config.model.model, f"{connect}:{port}", http_url, data_parallel_size, count)
         return await supervisor.run_until_stopped()
     except (RuntimeError, TimeoutError) as e:
         logger.error("%s", e)
@@ -319,6 +320,18 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
         await supervisor.stop()
         if certificates is not None:
             certificates.remove()
+
+
+async def _start_gateways(supervisor: Supervisor, count: int, address: str, argv: list[str],
+                          metrics_port: int, secrets: Mapping[str, str]) -> int:
+    """`count` gateway processes on one address, sharing its gRPC and HTTP ports (SO_REUSEPORT)
+    when more than one: the first with /metrics on metrics_port, the others on free ports."""
+    shared = ["--reuse-port"] if count > 1 else []
+    for index in range(count):
+        metrics = _metrics_argv(metrics_port if index == 0 else min(metrics_port, 0), 0)
+        await supervisor.start("gateway", address, [*argv, *shared, *metrics],
+                               restartable=True, secrets=secrets)
+    return count
 
 
 def _metrics_argv(metrics_port: int, offset: int) -> list[str]:
@@ -378,9 +391,19 @@ async def _start_replica(supervisor: Supervisor, replica: int, config: Any, host
     return scheduler_address
 
 
+def resolve_api_server_count(api_server_count: int, data_parallel_size: int) -> int:
+    """0 (auto): as many gateway processes as this process may use CPUs, less one per engine
+    replica (its scheduler's loop needs a core of its own at GPU speed); at least one."""
+    if api_server_count < 0:
+        raise ValueError(f"api_server_count must be >= 0, got {api_server_count}")
+    return api_server_count or max(1, len(os.sched_getaffinity(0)) - data_parallel_size)
+
+
 def _print_serving(model: str, address: str, http_url: str | None,
-                   data_parallel_size: int) -> None:
+                   data_parallel_size: int, api_server_count: int = 1) -> None:
     replicas = f" ({data_parallel_size} replicas)" if data_parallel_size > 1 else ""
+    if api_server_count > 1:
+        replicas += f" through {api_server_count} gateway processes"
     print(f"\npagedserve is serving {model}{replicas} on {address}\n", flush=True)
     if http_url is not None:
         print(f"OpenAI-compatible HTTP API on {http_url}/v1\n", flush=True)

@@ -134,7 +134,8 @@ async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) 
     if config.http.http_port != 0:
         app = build_app(OpenAIServing(frontend, info.model), api_key,
                         config.http.max_request_body_bytes, admin_token, registry)
-        http = HttpServer(app, bind_socket(config.host, max(config.http.http_port, 0)),
+        http = HttpServer(app, bind_socket(config.host, max(config.http.http_port, 0),
+                                           config.reuse_port),
                           config.public_tls, config.connections)
     await server.start()
     try:
@@ -159,12 +160,13 @@ def server_options(config: GatewayConfig) -> list[tuple[str, Any]]:
     """The shared server options, with requests larger than max_request_bytes refused by gRPC
     (RESOURCE_EXHAUSTED) before they are even parsed, and the public door's connection limits:
     a client that never finishes its handshake, or holds a connection with no call open, is
-    closed (gRPC's own defaults: 120 s and never)."""
+    closed (gRPC's own defaults: 120 s and never). The port is shared only with reuse_port."""
     limits = config.connections
     replaced = ("grpc.max_receive_message_length", "grpc.server_handshake_timeout_ms",
-                "grpc.max_connection_idle_ms")
+                "grpc.max_connection_idle_ms", "grpc.so_reuseport")
     options = [o for o in DEFAULT_OPTIONS if o[0] not in replaced]
     return [*options, ("grpc.max_receive_message_length", config.limits.max_request_bytes),
+            ("grpc.so_reuseport", int(config.reuse_port)),
             ("grpc.server_handshake_timeout_ms", round(limits.grpc_handshake_timeout_s * 1000)),
             ("grpc.max_connection_idle_ms", round(limits.grpc_max_connection_idle_s * 1000))]
 

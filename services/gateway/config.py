@@ -257,6 +257,10 @@ class GatewayConfig:
         "replica per address", repeatable=True)
     tokenizer: str = opt("", "folder with the tokenizer and chat template; empty = the model "
                              "folder the scheduler reports serving")
+    reuse_port: bool = opt(
+        False, "share the gRPC and HTTP ports with other gateway processes of this host "
+               "(SO_REUSEPORT): the kernel spreads new connections over them; `serve "
+               "--api-server-count` sets it")
     rpc_timeout_s: float = opt(10.0, "deadline of unary calls to the scheduler")
     max_concurrent_requests: int = opt(1024, "requests in flight before RESOURCE_EXHAUSTED")
     num_tokenizer_threads: int = opt(

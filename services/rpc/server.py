@@ -119,7 +119,8 @@ def create_server(bindings: Sequence[ServiceBinding], host: str = "127.0.0.1", p
                   interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
                   ) -> tuple[ServiceServer, int]:
     """Returns the server, not started, and the port it bound (`port` 0: any free one). A
-    `health_port` adds a plaintext server with Health alone, for probes that cannot speak TLS.
+    `health_port` adds a plaintext server with Health alone, for probes that cannot speak TLS
+    (its port shared as `options` share the main one).
     `interceptors` (who may call) run first: a call they refuse is never parsed."""
     server = grpc.aio.server(options=list(options),
                              interceptors=[*interceptors, MalformedRequestInterceptor(),
@@ -135,7 +136,8 @@ def create_server(bindings: Sequence[ServiceBinding], host: str = "127.0.0.1", p
     bound_port = _bind(server, host, port, credentials)
     health_server = None
     if health_port:
-        health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        reuse_port = dict(options).get("grpc.so_reuseport", 0)
+        health_server = grpc.aio.server(options=[("grpc.so_reuseport", reuse_port)])
         health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
         _bind(health_server, host, health_port, None)
     return ServiceServer(server, bound_port, names, health, health_server), bound_port

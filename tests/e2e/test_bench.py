@@ -8,7 +8,15 @@ import json
 import pytest
 
 import bench.common
-from bench import control_plane, hostile_clients, offline, routing, serving, step_anatomy
+from bench import (
+    control_plane,
+    hostile_clients,
+    offline,
+    routing,
+    serving,
+    sse_serialization,
+    step_anatomy,
+)
 
 
 @pytest.fixture
@@ -75,6 +83,27 @@ def test_serving(tiny_served_model_dir, results_dir):
         assert r["stack"]["num_output_tokens"] == r["in_process"]["num_output_tokens"] > 0
         assert r["openai"]["num_output_tokens"] == r["stack"]["num_output_tokens"]
         assert r["ratio_vs_in_process"] > 0 and r["openai_vs_grpc"]["throughput_ratio"] > 0
+
+
+def test_serving_on_the_simulated_worker_records_each_process_cpu(tiny_served_model_dir,
+                                                                   results_dir):
+    serving.main(["--model", str(tiny_served_model_dir), "--device", "sim", "--concurrency", "2",
+                  "--requests-per-client", "1", "--min-requests", "2", "--min-prompt-len", "4",
+                  "--max-prompt-len", "12", "--min-output-len", "2", "--max-output-len", "6",
+                  "--settle-s", "0.05", "--api", "openai", "--tag", "smoke"])
+    record = _record(results_dir, "serving")
+    assert "simulated SmolLM2-1.7B on H100-SXM" in record["model"]
+    (result,) = record["results"]
+    for door in ("stack", "openai"):
+        assert set(result[door]["cpu_s"]) == {"gateway", "scheduler", "worker", "clients"}
+        assert result[door]["num_output_tokens"] == result["in_process"]["num_output_tokens"]
+
+
+def test_sse_serialization(results_dir):
+    sse_serialization.main(["--num-events", "50", "--repeats", "1", "--tag", "smoke"])
+    results = _record(results_dir, "sse_serialization")["results"]
+    assert [r["chunk"] for r in results] == ["completion", "chat"]
+    assert all(r["pydantic_us"] > 0 and r["template_us"] > 0 for r in results)
 
 
 def test_control_plane(tiny_served_model_dir, results_dir):

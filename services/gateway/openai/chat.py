@@ -119,11 +119,34 @@ class _Chat:
         return ChatChunkChoice(index=delta.index, delta=ChatDelta(content=text or None),
                                logprobs=logprobs, finish_reason=delta.finish_reason)
 
+    def stream_event(self, template: sse.ChunkTemplate, delta: TextDelta) -> str | None:
+        """The delta's chunk event (None when it carries nothing to send); without logprobs
+        the choice is written straight to JSON, and its text is not kept (no whole message)."""
+        if self.body.logprobs:
+            choice = self.on_delta(delta)
+            if not (choice.delta.content or choice.logprobs or choice.finish_reason):
+                return None
+            return self.chunk([choice])
+        text = delta.text
+        if not self.has_started[delta.index]:
+            self.has_started[delta.index] = True
+            text = self.echo + text
+        if delta.usage is not None:
+            self.usages.append(delta.usage)
+        if not (text or delta.finish_reason):
+            return None
+        content = f'"content":{sse.json_string(text)}' if text else ""
+        return template.event(f'{{"index":{delta.index},"delta":{{{content}}},"logprobs":null,'
+                              f'"finish_reason":{sse.json_string(delta.finish_reason)}}}')
+
     def chunk(self, choices: list[ChatChunkChoice], with_usage: bool = False) -> str:
-        return sse.event(ChatCompletionChunk(
+        return sse.event(self.chunk_json(choices, with_usage))
+
+    def chunk_json(self, choices: list[ChatChunkChoice], with_usage: bool = False) -> str:
+        return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.serving.model_name,
             system_fingerprint=self.serving.system_fingerprint, choices=choices,
-            usage=usage_info(self.usages) if with_usage else None).model_dump_json())
+            usage=usage_info(self.usages) if with_usage else None).model_dump_json()
 
     async def whole(self, submission: Submission) -> ChatCompletionResponse:
         async with contextlib.aclosing(submission.deltas()) as deltas:
@@ -142,11 +165,12 @@ class _Chat:
             yield self.chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
                                                                        content=""))
                               for i in range(len(self.texts))])
+            template = sse.ChunkTemplate(self.chunk_json([]))
             async with contextlib.aclosing(deltas):
                 async for _, delta in deltas:
-                    choice = self.on_delta(delta)
-                    if choice.delta.content or choice.logprobs or choice.finish_reason:
-                        yield self.chunk([choice])
+                    event = self.stream_event(template, delta)
+                    if event is not None:
+                        yield event
             options = self.body.stream_options
             if options is not None and options.include_usage:
                 yield self.chunk([], with_usage=True)

@@ -170,6 +170,29 @@ class _Completion:
         return CompletionChoice(index=index, text=text, logprobs=logprobs,
                                 finish_reason=delta.finish_reason)
 
+    def stream_event(self, template: sse.ChunkTemplate, prompt_index: int,
+                     delta: TextDelta) -> str | None:
+        """The delta's chunk event (None when it carries nothing to send); without logprobs
+        the choice is written straight to JSON, and its text is not kept (no whole response)."""
+        if self.body.logprobs is not None:
+            choice = self.on_delta(prompt_index, delta)
+            if not (choice.text or choice.logprobs or choice.finish_reason):
+                return None
+            return sse.event(self.response([choice], False).model_dump_json())
+        index = prompt_index * self.n + delta.index
+        choice = self.choices[index]
+        text = delta.text
+        if self.body.echo and not choice.has_started:
+            text = self.echoes[prompt_index] + text
+        choice.has_started = True
+        if delta.usage is not None:
+            self.usages.append(delta.usage)
+        if not (text or delta.finish_reason):
+            return None
+        return template.event(f'{{"index":{index},"text":{sse.json_string(text)},'
+                              f'"logprobs":null,"finish_reason":'
+                              f'{sse.json_string(delta.finish_reason)}}}')
+
     def response(self, choices: list[CompletionChoice], with_usage: bool) -> CompletionResponse:
         return CompletionResponse(
             id=self.id, created=self.created, model=self.serving.model_name,
@@ -192,12 +215,13 @@ class _Completion:
         return prompt_logprobs_body(positions)
 
     async def events(self, deltas: StartedDeltas) -> AsyncIterator[str]:
+        template = sse.ChunkTemplate(self.response([], False).model_dump_json())
         try:
             async with contextlib.aclosing(deltas):
                 async for prompt_index, delta in deltas:
-                    choice = self.on_delta(prompt_index, delta)
-                    if choice.text or choice.logprobs or choice.finish_reason:
-                        yield sse.event(self.response([choice], False).model_dump_json())
+                    event = self.stream_event(template, prompt_index, delta)
+                    if event is not None:
+                        yield event
             options = self.body.stream_options
             if options is not None and options.include_usage:
                 yield sse.event(self.response([], True).model_dump_json())

@@ -28,13 +28,16 @@ _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _RESERVED_DESCRIPTORS = 1024
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port; port 0 = any free port. Its `proto` must say TCP:
-    asyncio sets TCP_NODELAY only on accepted sockets whose proto is IPPROTO_TCP, and
-    `socket.create_server` leaves it 0, so each SSE event written after the response headers
-    waited for the client's delayed ACK (~40 ms on Linux) under Nagle's algorithm."""
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening socket on host:port; port 0 = any free port; `reuse_port`: shared with the
+    other processes that bind it so (SO_REUSEPORT, the kernel balancing new connections). Its
+    `proto` must say TCP: asyncio sets TCP_NODELAY only on accepted sockets whose proto is
+    IPPROTO_TCP, and `socket.create_server` leaves it 0, so each SSE event written after the
+    response headers waited for the client's delayed ACK (~40 ms on Linux) under Nagle's
+    algorithm."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=2048)
+    sock = socket.create_server((host, port), family=family, backlog=2048,
+                                reuse_port=reuse_port)
     return socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fileno=sock.detach())
 
 
