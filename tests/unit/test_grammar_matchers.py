@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.structured_outputs import StructuredOutputsParams
