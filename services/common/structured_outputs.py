@@ -16,6 +16,7 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # compact JSON: a small model that may indent freely can spend its max_tokens on whitespace
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ANY_JSON_OBJECT = '{"type": "object"}'
+MAX_CONSTRAINT_CHARS = 65536  # a schema, regex, grammar or all choices together
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,11 @@ class StructuredOutputsParams:
         from llguidance import LLMatcher
 
         field = f"structured_outputs.{self.kind}"
+        value = getattr(self, self.kind)
+        num_chars = sum(map(len, value)) if self.choice is not None else len(str(value))
+        if num_chars > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequest(f"{field} must be at most {MAX_CONSTRAINT_CHARS} characters, "
+                                 f"got {num_chars}", reason=Reason.LIMIT_EXCEEDED, field=field)
         if self.choice is not None and (not self.choice or not all(self.choice)):
             raise InvalidRequest(f"{field} must list non-empty strings, got {list(self.choice)}",
                                  reason=Reason.INVALID_SAMPLING_PARAMS, field=field)

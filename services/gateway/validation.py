@@ -194,6 +194,17 @@ def check_request(request: GenerateInput, info: ServedModel) -> str:
     return request_id
 
 
+def check_structured_outputs(sampling: SamplingParams) -> None:
+    """Compiles the constraint without a vocabulary (milliseconds; more for a large schema, so
+    the Frontend calls it in its executor)."""
+    if sampling.structured_outputs is None:
+        return
+    try:
+        sampling.structured_outputs.verify()
+    except InvalidRequest as exc:
+        raise exc.nested("sampling") from None
+
+
 def prepared_request(request: GenerateInput, request_id: str, token_ids: list[int],
                      info: ServedModel, arrival_s: float | None = None) -> PreparedRequest:
     check_context_length(request, len(token_ids), info.max_model_len)
