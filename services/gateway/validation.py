@@ -64,6 +64,7 @@ class GenerateInput:
     add_special_tokens: bool | None = None
     # gen_ai.operation.name; empty = chat for messages, else text_completion
     operation: str = ""
+    tools: tuple[dict, ...] | None = None  # OpenAI's, for the chat template (messages only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +128,7 @@ def _all_prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: Se
         options = request.chat
         text = tokenizer.render_chat(
             [m.template_input() for m in request.messages], options.add_generation_prompt,
-            options.continue_final_message, options.template_kwargs)
+            options.continue_final_message, options.template_kwargs, request.tools)
         return tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens))
     if request.token_ids is not None:
         token_ids = list(request.token_ids)
