@@ -38,7 +38,7 @@ class GrammarCache:
         self._tokenizer: Future | None = None
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
         self._compiled: OrderedDict[StructuredOutputsParams, Future] = OrderedDict()
-        self._on_compiled = on_compiled
+        self.on_compiled = on_compiled
 
     def get(self, params: StructuredOutputsParams) -> Future:
         """The start matcher's future; its exception if the constraint does not compile."""
@@ -66,8 +66,8 @@ class GrammarCache:
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{params.kind} does not compile: "
                              f"{matcher.get_error()}")
-        if self._on_compiled is not None:
-            self._on_compiled(time.perf_counter() - start)
+        if self.on_compiled is not None:
+            self.on_compiled(time.perf_counter() - start)
         return matcher
 
     def shutdown(self) -> None:

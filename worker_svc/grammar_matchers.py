@@ -46,7 +46,7 @@ class GrammarMatchers:
         self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
         self._matchers: dict[int, _SeqMatcher] = {}
         self._executor: Any = None
-        self._on_mask = on_mask
+        self.on_mask = on_mask
 
     def __len__(self) -> int:
         return len(self._matchers)
@@ -79,8 +79,8 @@ class GrammarMatchers:
         for k, entry in enumerate(entries):
             if self._is_ended(entry):
                 self._allow_eos_only(bits[k])
-        if self._on_mask is not None:
-            self._on_mask(time.perf_counter() - start)
+        if self.on_mask is not None:
+            self.on_mask(time.perf_counter() - start)
         return TokenBitmask(rows, bits)
 
     def _is_ended(self, entry: _SeqMatcher) -> bool:

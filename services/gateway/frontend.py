@@ -159,6 +159,8 @@ class Frontend:
         request_id = check_request(request, self.info)
         if request.sampling.structured_outputs is not None:
             await self._run(self._executor, check_structured_outputs, request.sampling)
+            if self.metrics is not None:
+                self.metrics.record_structured_output(request.sampling.structured_outputs.kind)
         token_ids, sampling = await self._run(self._executor, tokenized, request,
                                               self.tokenizer, self.info)
         check_fits_replica(len(token_ids), sampling, self.info)
