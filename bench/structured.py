@@ -102,7 +102,8 @@ def check(outputs: list[tuple[str, str]], schemas: list[dict], door: str) -> dic
         except (json.JSONDecodeError, jsonschema.ValidationError) as e:
             failures.append({"schema": i, "finish_reason": finish_reason, "text": text[:200],
                              "error": str(e)[:200]})
-    log.info("%s: %d/%d valid", door, len(outputs) - len(failures), len(outputs))
+    log.info("%s: %d/%d valid; failures' finish reasons: %s", door,
+             len(outputs) - len(failures), len(outputs), [f["finish_reason"] for f in failures])
     return {"door": door, "num_outputs": len(outputs), "num_valid": len(outputs) - len(failures),
             "failures": failures}
 

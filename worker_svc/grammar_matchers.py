@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -61,15 +62,19 @@ class GrammarMatchers:
             if params is not None and seq.seq_id not in self._matchers:
                 self.cache.get(params)
 
-    def bitmask(self, sample_seqs: list[CachedSequence], live_seq_ids: set[int] | dict
-                ) -> TokenBitmask | None:
+    def bitmask(self, sample_seqs: list[CachedSequence], live_seq_ids: Container[int],
+                drawing: Mapping[int, int] = MappingProxyType({})) -> TokenBitmask | None:
         """The allowed tokens of the constrained rows (row i ↔ sample_seqs[i]); None: no row is
-        constrained. Forgets the matchers of sequences the mirror no longer holds."""
+        constrained. Forgets the matchers of sequences the mirror no longer holds. drawing: the
+        mirror's tokens drawn on the device and not yet appended, by seq_id."""
         for seq_id in [s for s in self._matchers if s not in live_seq_ids]:
             del self._matchers[seq_id]
         rows = [i for i, s in enumerate(sample_seqs) if s.sampling.structured_outputs is not None]
         if not rows:
             return None
+        # the step before has finished: only this step's own draw is still on the device
+        assert all(drawing.get(sample_seqs[i].seq_id, 0) <= 1 for i in rows), \
+            "a constrained mask was built before the previous token reached the host"
         start = time.perf_counter()
         entries = [self._synced(sample_seqs[i]) for i in rows]
         bits = torch.zeros(len(rows), num_bitmask_words(self.vocab_size), dtype=torch.int32)

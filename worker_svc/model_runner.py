@@ -91,7 +91,8 @@ class ModelRunner:
         if step.logits is not None:  # tensor-parallel rank 0
             sample_seqs = step.model_input.sample_seqs
             bitmask = (None if self.grammars is None
-                       else self.grammars.bitmask(sample_seqs, self.mirrors.seqs))
+                       else self.grammars.bitmask(sample_seqs, self.mirrors.seqs,
+                                                  self.mirrors.drawing))
             step.samples = launch_samples(self.sampler, step.logits, sample_seqs, bitmask)
         step.clock.mark()
         step.fence = self.new_fence()

@@ -167,3 +167,12 @@ def test_exactly_one_constraint_kind():
         StructuredOutputsParams(regex="a", json_object=True)
     schema = StructuredOutputsParams(json_schema={"b": 1, "a": 2}).json_schema
     assert list(json.loads(schema)) == ["b", "a"]  # the order of the output's keys
+
+
+def test_a_mask_is_never_built_while_the_previous_token_is_still_on_the_device(matchers):
+    """Run-ahead: step n+1 may be launched before step n's draw reaches the host, but its mask
+    waits for it (two draws outstanding = the one before this step's is missing)."""
+    seq = _seq(0, [], StructuredOutputsParams(choice=("yes", "no")))
+    with pytest.raises(AssertionError, match="previous token"):
+        matchers.bitmask([seq], {0: seq}, drawing={0: 2})
+    assert matchers.bitmask([seq], {0: seq}, drawing={0: 1}) is not None
