@@ -47,14 +47,16 @@ def _leaf(rng: random.Random) -> dict:
         return {"type": "string", "maxLength": rng.choice([8, 16, 24])}
     if kind == "pattern":
         return {"type": "string", "pattern": rng.choice(
-            [r"^[A-Z][a-z]{1,8}$", r"^\d{3}-\d{4}$", r"^[a-z]+@[a-z]+\.com$", r"^#[0-9a-f]{6}$"])}
+            [r"^[A-Z][a-z]{1,8}$", r"^\d{3}-\d{4}$", r"^[a-z]{1,8}@[a-z]{1,8}\.com$", r"^#[0-9a-f]{6}$"])}
     if kind == "enum":
         return {"enum": rng.sample(["red", "green", "blue", "small", "large", "yes", "no"], 3)}
     if kind == "integer":
         low = rng.choice([0, 1, 10, -5])
         return {"type": "integer", "minimum": low, "maximum": low + rng.choice([9, 100, 1000])}
     if kind == "number":
-        return {"type": "number", "minimum": 0, "maximum": rng.choice([1, 100])}
+        # without multipleOf a number's fraction has no end, and a small model may not stop
+        return {"type": "number", "minimum": 0, "maximum": rng.choice([1, 100]),
+                "multipleOf": 0.25}
     return {"type": "boolean"}
 
 
