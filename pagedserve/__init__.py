@@ -1,6 +1,7 @@
 """pagedserve: LLM serving with a paged KV cache, as gRPC microservices.
 
     from pagedserve import LLM, SamplingParams          # offline, in this process
+    from pagedserve import StructuredOutputsParams      # SamplingParams(structured_outputs=...)
     from pagedserve import Client, AsyncClient          # a client of a running gateway
 
 A wheel installs the layers (services, scheduler_svc, worker_svc, kernels) inside this package;
@@ -20,9 +21,10 @@ if TYPE_CHECKING:
     from pagedserve.client import AsyncClient, Client, ClientError, RetryPolicy
     from pagedserve.llm import LLM
     from pagedserve.services.common.sampling_params import SamplingParams
+    from pagedserve.services.common.structured_outputs import StructuredOutputsParams
 
 _CLIENT_NAMES = ("AsyncClient", "Client", "ClientError", "RetryPolicy")
-__all__ = ["LLM", "SamplingParams", "AsyncClient", "Client", "ClientError", "RetryPolicy"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "AsyncClient", "Client", "ClientError", "RetryPolicy"]
 
 
 def __getattr__(name: str) -> object:
@@ -33,6 +35,9 @@ def __getattr__(name: str) -> object:
     if name == "SamplingParams":
         from pagedserve.services.common.sampling_params import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from pagedserve.services.common.structured_outputs import StructuredOutputsParams
+        return StructuredOutputsParams
     if name in _CLIENT_NAMES:
         import pagedserve.client
 

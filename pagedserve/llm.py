@@ -196,6 +196,8 @@ class LLM:
             for (prompt, ids), sampling in zip(encoded, sampling_params, strict=True):
                 ids = truncated_prompt(ids, sampling)
                 sampling = with_bad_words_token_ids(sampling, self.tokenizer)
+                if sampling.structured_outputs is not None:
+                    sampling.structured_outputs.verify()
                 request_id = str(next(self._request_ids))
                 self.engine.add_request(request_id, ids, sampling)
                 requests[request_id] = _Request(request_id, prompt, ids, sampling,

@@ -23,6 +23,14 @@ class WorkerMetrics:
                           registry=registry)
         self._swapped_in = swapped.labels(model_name, str(rank), "in")
         self._swapped_out = swapped.labels(model_name, str(rank), "out")
+        self.grammar_compile_time = Histogram(
+            "pagedserve:structured_output_compile_time_seconds", "Time to compile one "
+            "structured-output constraint for the vocabulary (once per distinct constraint).",
+            labels, registry=registry, buckets=STEP_TIME_BUCKETS).labels(model_name, str(rank))
+        self.grammar_mask_time = Histogram(
+            "pagedserve:structured_output_mask_time_seconds", "Time to build one step's token "
+            "bitmask for its constrained sequences (steps without any are not counted).",
+            labels, registry=registry, buckets=STEP_TIME_BUCKETS).labels(model_name, str(rank))
 
     def record_step(self, plan: StepPlan, timings: StepTimings) -> None:
         for field, histogram in self._phases:

@@ -14,6 +14,7 @@ from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import SampledSequence, StepOutput, StepPlan, StepTimings
 from pagedserve.worker_svc.cache_engine import CacheEngine
 from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
+from pagedserve.worker_svc.grammar_matchers import GrammarMatchers
 from pagedserve.worker_svc.in_flight import Fence, InFlightStep, PhaseClock, device_fence
 from pagedserve.worker_svc.mixed_graphs import MixedGraphs
 from pagedserve.worker_svc.model_input import ModelInput, build_model_input
@@ -41,6 +42,7 @@ class ModelRunner:
         self.mirrors = SequenceMirrors(block_size, max_model_len)
         self.decode_graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        self.grammars: GrammarMatchers | None = None  # None: structured outputs unconstrained
         self._new_fence = new_fence
 
     def execute_step(self, plan: StepPlan, cache_engine: CacheEngine) -> StepOutput:
@@ -61,6 +63,8 @@ class ModelRunner:
         cache_engine.copy(plan.blocks_to_copy)
         clock.mark()
         scheduled = self.mirrors.apply(plan, is_checked=True)
+        if self.grammars is not None:
+            self.grammars.prepare(plan.new_seqs)
         if not scheduled:
             clock.mark()
             return InFlightStep(plan.step_id, clock, scheduled)
@@ -85,8 +89,11 @@ class ModelRunner:
             return
         step.clock.mark()  # the step before may have been finished since the launch
         if step.logits is not None:  # tensor-parallel rank 0
-            step.samples = launch_samples(self.sampler, step.logits,
-                                          step.model_input.sample_seqs)
+            sample_seqs = step.model_input.sample_seqs
+            bitmask = (None if self.grammars is None
+                       else self.grammars.bitmask(sample_seqs, self.mirrors.seqs,
+                                                  self.mirrors.drawing))
+            step.samples = launch_samples(self.sampler, step.logits, sample_seqs, bitmask)
         step.clock.mark()
         step.fence = self.new_fence()
 

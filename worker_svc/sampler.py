@@ -23,6 +23,7 @@ from pagedserve.worker_svc.logits_processor import (
     mask_tokens,
 )
 from pagedserve.worker_svc.penalties import apply_penalties
+from pagedserve.worker_svc.token_bitmask import TokenBitmask
 
 _MASK_64 = (1 << 64) - 1
 _PROMPT_LOGPROBS_CHUNK = 1024  # rows per log_softmax, bounds the extra memory of long prompts
@@ -98,21 +99,25 @@ class Sampler:
         # re-seeded before every use, so it carries no state from one step to the next
         self._generator = torch.Generator(device=self.device)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[SeqSamplingState]
-                 ) -> list[SampledSequence]:
-        return self.launch(logits, seqs).result()
+    def __call__(self, logits: torch.Tensor, seqs: list[SeqSamplingState],
+                 token_bitmask: TokenBitmask | None = None) -> list[SampledSequence]:
+        return self.launch(logits, seqs, token_bitmask).result()
 
     def launch(
         self,
         logits: torch.Tensor,  # [num_seqs, >= vocab_size] float32; row i ↔ seqs[i]
         seqs: list[SeqSamplingState],
+        token_bitmask: TokenBitmask | None = None,  # structured outputs' allowed tokens
     ) -> PendingSamples:
         """Queues the draws on the device; nothing waits for them."""
         self._verify(logits, seqs)
         if not seqs:
             none = torch.empty(0, dtype=torch.long, device=self.device)
             return _DeviceSamples([], [0], none, none.float(), [], None, None)
-        processed = self._process(logits[:, :self.vocab_size], seqs)  # [num_seqs, vocab_size]
+        logits = logits[:, :self.vocab_size]
+        if token_bitmask is not None:
+            logits = token_bitmask.apply(logits.to(torch.float32, copy=True))
+        processed = self._process(logits, seqs)  # [num_seqs, vocab_size]
 
         num_samples = [s.num_samples for s in seqs]
         offsets = list(itertools.accumulate(num_samples, initial=0))

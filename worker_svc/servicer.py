@@ -114,6 +114,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return worker, worker.load_model()
 
         worker, info = await self._run(load)
+        grammars = worker.runner.grammars if worker.runner is not None else None
+        if self.metrics is not None and grammars is not None:
+            grammars.on_mask = self.metrics.grammar_mask_time.observe
+            grammars.cache.on_compiled = self.metrics.grammar_compile_time.observe
         self._worker = worker
         tune_gc_after_load()  # the full collections of a process holding a model stall steps
         return info

@@ -19,6 +19,7 @@ import torch
 from pagedserve.services.common.step_plan import SampledSequence
 from pagedserve.worker_svc.sampler import PendingSamples, Sampler, SeqSamplingState
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
+from pagedserve.worker_svc.token_bitmask import TokenBitmask
 
 
 def sampling_state(seq: CachedSequence, num_drafts: int = 0) -> SeqSamplingState:
@@ -28,11 +29,18 @@ def sampling_state(seq: CachedSequence, num_drafts: int = 0) -> SeqSamplingState
                             prompt_len=seq.prompt_len, seed=seq.seed, num_samples=seq.num_samples)
 
 
-def launch_samples(sampler: Sampler, logits: torch.Tensor,
-                   seqs: list[CachedSequence]) -> PendingSamples:
-    """logits: the sampling rows of ModelInput.logits_indices first (then any others)."""
+def launch_samples(sampler: Sampler, logits: torch.Tensor, seqs: list[CachedSequence],
+                   token_bitmask: TokenBitmask | None = None) -> PendingSamples:
+    """logits: the sampling rows of ModelInput.logits_indices first (then any others);
+    token_bitmask: structured outputs' allowed tokens, row i ↔ seqs[i]."""
     if not any(s.draft_token_ids for s in seqs):
-        return sampler.launch(logits[:len(seqs)], [sampling_state(s) for s in seqs])
+        states = [sampling_state(s) for s in seqs]
+        if token_bitmask is None:  # samplers without structured outputs take two arguments
+            return sampler.launch(logits[:len(seqs)], states)
+        return sampler.launch(logits[:len(seqs)], states, token_bitmask)
+    if token_bitmask is not None:
+        raise ValueError("structured outputs are not served with speculative decoding: a "
+                         "draft's rows have no grammar masks")
     states = [sampling_state(s, j) for s in seqs for j in range(len(s.draft_token_ids) + 1)]
     return VerifiedSamples(sampler.launch(logits[:len(states)], states), seqs)
 

@@ -34,6 +34,8 @@ from pagedserve.worker_svc.cache_engine import (
     check_cache_ops,
 )
 from pagedserve.worker_svc.cuda_graphs import CAPTURABLE_BACKENDS, MAX_CAPTURE_SEQ_LEN
+from pagedserve.worker_svc.grammar_cache import GrammarCache, llguidance_tokenizer
+from pagedserve.worker_svc.grammar_matchers import GrammarMatchers
 from pagedserve.worker_svc.graph_buckets import GraphBuckets, capture_buckets
 from pagedserve.worker_svc.in_flight import InFlightStep
 from pagedserve.worker_svc.launch_window import LaunchWindow
@@ -139,6 +141,10 @@ class Worker:
         eos_ids = eos_token_ids(model_config.model, hf_config)
         self.runner = ModelRunner(model, Sampler(vocab_size, eos_ids, self.device), vocab_size,
                                   self.kv_spec.block_size, max_model_len, self.device, self.tp)
+        if self.rank == 0:  # the rank that samples
+            self.runner.grammars = GrammarMatchers(
+                GrammarCache(functools.partial(llguidance_tokenizer, model_config.model,
+                                               vocab_size, eos_ids)), vocab_size, eos_ids)
         self.info = WorkerInfo(
             rank=self.rank, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             architecture=architecture, vocab_size=vocab_size, max_model_len=max_model_len,
@@ -276,6 +282,8 @@ class Worker:
             self.model_thread = None
         if self.runner is not None:
             self.runner.decode_graphs = self.runner.mixed_graphs = None
+            if self.runner.grammars is not None:
+                self.runner.grammars.cache.shutdown()
         self.cache_engine = self.runner = self.info = self._memory_profile = None
         gc.collect()
         if self.device.type == "cuda":

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagedserve.services.common.errors import FieldViolation, InvalidRequest, Reason
+from pagedserve.services.common.structured_outputs import StructuredOutputsParams
 
 GREEDY_EPSILON = 1e-5  # temperature below this means greedy
 MAX_LOGPROBS = 20
@@ -66,6 +67,8 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # never generated; the gateway tokenizes them into:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    # the output follows this constraint; the worker masks every other token
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # lists become tuples so instances stay hashable

@@ -22,6 +22,7 @@ from pagedserve.services.gateway.metrics import GatewayMetrics
 from pagedserve.services.gateway.openai.routes import build_app
 from pagedserve.services.gateway.openai.server import HttpServer, bind_socket
 from pagedserve.services.gateway.openai.serving import OpenAIServing
+from pagedserve.services.gateway.openai.tools import parser_for_template
 from pagedserve.services.gateway.ownership import Ownership
 from pagedserve.services.gateway.replica_set import ReplicaSet, Resolver
 from pagedserve.services.gateway.servicer import GenerationServicer, ModelServicer
@@ -132,7 +133,9 @@ async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) 
         else ())
     http = None
     if config.http.http_port != 0:
-        app = build_app(OpenAIServing(frontend, info.model), api_key,
+        parser = config.http.tool_call_parser or parser_for_template(
+            tokenizer.hf_tokenizer.chat_template)
+        app = build_app(OpenAIServing(frontend, info.model, parser), api_key,
                         config.http.max_request_body_bytes, admin_token, registry)
         http = HttpServer(app, bind_socket(config.host, max(config.http.http_port, 0),
                                            config.reuse_port),

@@ -27,6 +27,9 @@ from pagedserve.services.common.sampling_params import MAX_LOGPROBS
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
+TOOL_CALL_PARSERS = ("", "hermes", "llama3_json")  # openai/tools.py's PARSERS, "" = none
+
+
 @dataclass(slots=True)
 class HttpConfig:
     """The gateway's OpenAI-compatible HTTP API, and the API key that guards it and gRPC alike."""
@@ -44,8 +47,14 @@ class HttpConfig:
         "help": "when set, every Generation/Models call and HTTP request but health and metrics "
                 "needs 'Authorization: Bearer KEY'; empty = api_key_file, else $" + API_KEY_ENV})
     api_key_file: str = opt("", "file holding the API key (its first line)")
+    tool_call_parser: str = opt("", "how `tool_choice: auto` reads the model's tool calls: "
+                                    "hermes (Hermes, Qwen2.5 <tool_call>) or llama3_json; "
+                                    "empty = the chat template's own format, else none")
 
     def __post_init__(self) -> None:
+        _check(self.tool_call_parser in TOOL_CALL_PARSERS,
+               f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got "
+               f"{self.tool_call_parser!r}")
         _check(-1 <= self.http_port < 65536,
                f"http_port must be in [-1, 65535], got {self.http_port}")
         _check(self.max_request_body_bytes >= 1024,

@@ -48,6 +48,7 @@ from pagedserve.services.gateway.validation import (
     ServedModel,
     check_request,
     check_request_id,
+    check_structured_outputs,
     check_token_ids,
     prepared_request,
     prompt_token_ids,
@@ -156,6 +157,10 @@ class Frontend:
         arrival_s = time.monotonic() if arrival_s is None else arrival_s
         check_request_cost(request, self.limits, self.info)
         request_id = check_request(request, self.info)
+        if request.sampling.structured_outputs is not None:
+            await self._run(self._executor, check_structured_outputs, request.sampling)
+            if self.metrics is not None:
+                self.metrics.record_structured_output(request.sampling.structured_outputs.kind)
         token_ids, sampling = await self._run(self._executor, tokenized, request,
                                               self.tokenizer, self.info)
         check_fits_replica(len(token_ids), sampling, self.info)

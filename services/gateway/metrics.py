@@ -73,6 +73,10 @@ class GatewayMetrics:
             "replica and reason (affinity, held_blocks, overloaded, short_prompt, least_loaded, "
             "round_robin; a failover's resubmission counts again).", [*MODEL, "replica", "reason"],
             registry=registry)
+        self._structured = Counter(
+            "pagedserve:structured_output_requests", "Requests whose output follows a "
+            "constraint, by kind (json_schema, json_object, regex, choice, grammar).",
+            [*MODEL, "kind"], registry=registry)
         self._failovers = Counter(
             "pagedserve:gateway_failovers", "Requests moved off a scheduler replica whose stream "
             "broke, by that replica.", [*MODEL, "replica"], registry=registry)
@@ -124,6 +128,9 @@ class GatewayMetrics:
                 self._rejections.inc()
             raise
         self._requests.labels(self._model_name, method, "OK").inc()
+
+    def record_structured_output(self, kind: str) -> None:
+        self._structured.labels(self._model_name, kind).inc()
 
 
 class RequestTimer:

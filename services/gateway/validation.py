@@ -64,6 +64,7 @@ class GenerateInput:
     add_special_tokens: bool | None = None
     # gen_ai.operation.name; empty = chat for messages, else text_completion
     operation: str = ""
+    tools: tuple[dict, ...] | None = None  # OpenAI's, for the chat template (messages only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +128,7 @@ def _all_prompt_token_ids(request: GenerateInput, tokenizer: Tokenizer, info: Se
         options = request.chat
         text = tokenizer.render_chat(
             [m.template_input() for m in request.messages], options.add_generation_prompt,
-            options.continue_final_message, options.template_kwargs)
+            options.continue_final_message, options.template_kwargs, request.tools)
         return tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens))
     if request.token_ids is not None:
         token_ids = list(request.token_ids)
@@ -192,6 +193,17 @@ def check_request(request: GenerateInput, info: ServedModel) -> str:
     except InvalidRequest as exc:
         raise exc.nested("sampling") from None
     return request_id
+
+
+def check_structured_outputs(sampling: SamplingParams) -> None:
+    """Compiles the constraint without a vocabulary (milliseconds; more for a large schema, so
+    the Frontend calls it in its executor)."""
+    if sampling.structured_outputs is None:
+        return
+    try:
+        sampling.structured_outputs.verify()
+    except InvalidRequest as exc:
+        raise exc.nested("sampling") from None
 
 
 def prepared_request(request: GenerateInput, request_id: str, token_ids: list[int],

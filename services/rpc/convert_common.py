@@ -12,6 +12,7 @@ from pagedserve.services.common.errors import InvalidRequest, Reason
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import TokenIdLogprob
+from pagedserve.services.common.structured_outputs import StructuredOutputsParams
 from pagedserve.services.rpc.internal.v1 import common_pb2
 
 # `optional` in the proto: unset means "vLLM's default", which differs from the zero value.
@@ -80,6 +81,8 @@ def fill_sampling_params(msg: Message, params: SamplingParams) -> None:
     msg.stop.extend(params.stop)
     _extend_ids(msg.stop_token_ids, "stop_token_ids", params.stop_token_ids)
     _extend_ids(msg.allowed_token_ids, "allowed_token_ids", params.allowed_token_ids or ())
+    if params.structured_outputs is not None:
+        _fill_structured_outputs(msg.structured_outputs, params.structured_outputs)
     try:
         msg.logit_bias.update(params.logit_bias)
     except (TypeError, ValueError) as e:
@@ -113,9 +116,30 @@ def sampling_params_from_proto(msg: Message) -> SamplingParams:
             kwargs["truncate_prompt_tokens"] = msg.truncate_prompt_tokens
     else:
         kwargs["bad_words_token_ids"] = tuple(tuple(w.token_ids) for w in msg.bad_words_token_ids)
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = _structured_outputs_from_proto(msg.structured_outputs)
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                           logit_bias=dict(msg.logit_bias),
                           allowed_token_ids=tuple(msg.allowed_token_ids) or None, **kwargs)
+
+
+def _fill_structured_outputs(msg: Message, params: StructuredOutputsParams) -> None:
+    if params.choice is not None:
+        msg.choice.choices.extend(params.choice)
+    else:
+        setattr(msg, params.kind, getattr(params, params.kind))
+
+
+def _structured_outputs_from_proto(msg: Message) -> StructuredOutputsParams:
+    kind = msg.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        raise InvalidRequest("sampling.structured_outputs must set one of json_schema, "
+                             "json_object (true), regex, choice, grammar",
+                             reason=Reason.INVALID_SAMPLING_PARAMS,
+                             field="structured_outputs")
+    if kind == "choice":
+        return StructuredOutputsParams(choice=tuple(msg.choice.choices))
+    return StructuredOutputsParams(**{kind: getattr(msg, kind)})
 
 
 def token_logprob_to_proto(logprob: TokenIdLogprob) -> common_pb2.TokenLogprob:

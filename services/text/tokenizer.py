@@ -88,9 +88,10 @@ class Tokenizer:
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    template_kwargs: Mapping[str, Any] | None = None) -> str:
+                    template_kwargs: Mapping[str, Any] | None = None,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """`template_kwargs` (chat_template_kwargs): variables the template reads, such as
-        Qwen3's enable_thinking."""
+        Qwen3's enable_thinking. `tools`: OpenAI's, as the template's `tools`."""
         if not self.has_chat_template:
             raise InvalidRequest("messages need a chat template, but the model has none; "
                                  "send a text prompt or token_ids instead",
@@ -110,7 +111,8 @@ class Tokenizer:
         try:
             return self.hf_tokenizer.apply_chat_template(
                 [dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=False, **kwargs)
+                continue_final_message=continue_final_message, tokenize=False,
+                tools=[dict(t) for t in tools] if tools else None, **kwargs)
         except jinja2.TemplateError as exc:  # e.g. a template's raise_exception("roles must alternate")
             raise InvalidRequest(f"messages rejected by the chat template: {exc}",
                                  reason=Reason.INVALID_CHAT_MESSAGE, field="messages") from exc

@@ -8,6 +8,7 @@ from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.outputs import FinishReason, Usage
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import TokenIdLogprob
+from pagedserve.services.common.structured_outputs import StructuredOutputsParams
 from pagedserve.services.rpc import convert_common, convert_public
 from pagedserve.services.rpc.convert_common import (
     add_logprob_lists,
@@ -47,9 +48,11 @@ BEAM = SamplingParams(
     seed=-7, stop=("###", "\n\n"), stop_token_ids=(7, 49151), include_stop_str_in_output=True,
     ignore_eos=True, max_tokens=33, min_tokens=2, logprobs=5, prompt_logprobs=0,
     skip_special_tokens=False, logit_bias={3: -100.0, 49151: 2.5}, allowed_token_ids=(3, 9),
-    bad_words=("bad", "worse"), bad_words_token_ids=((5,), (6, 7)), truncate_prompt_tokens=9)
+    bad_words=("bad", "worse"), bad_words_token_ids=((5,), (6, 7)), truncate_prompt_tokens=9,
+    structured_outputs=StructuredOutputsParams(choice=("a", "b")))
 RANDOM = dataclasses.replace(BEAM, use_beam_search=False, temperature=0.123456789, top_k=-1,
-                             seed=2**62, prompt_logprobs=20)
+                             seed=2**62, prompt_logprobs=20,
+                             structured_outputs=StructuredOutputsParams(json_schema='{"a": 1}'))
 
 
 @both_contracts
@@ -72,6 +75,25 @@ def test_sampling_params_round_trip_keeps_every_field(convert, common_pb2, param
     msg = _wire(convert.sampling_params_to_proto(params))
     assert isinstance(msg, common_pb2.SamplingParams)
     assert convert.sampling_params_from_proto(msg) == _carried(common_pb2, params)
+
+
+@both_contracts
+@pytest.mark.parametrize("structured", [
+    StructuredOutputsParams(json_object=True), StructuredOutputsParams(regex=r"\d+"),
+    StructuredOutputsParams(grammar='start: "x"')], ids=["json_object", "regex", "grammar"])
+def test_every_structured_outputs_kind_round_trips(convert, common_pb2, structured):
+    params = SamplingParams(structured_outputs=structured)
+    assert convert.sampling_params_from_proto(
+        _wire(convert.sampling_params_to_proto(params))) == params
+
+
+@both_contracts
+def test_an_empty_structured_outputs_names_the_field(convert, common_pb2):
+    msg = common_pb2.SamplingParams()
+    msg.structured_outputs.SetInParent()
+    with pytest.raises(InvalidRequest) as raised:
+        convert.sampling_params_from_proto(msg)
+    assert raised.value.violations[0].field == "structured_outputs"
 
 
 @both_contracts

@@ -57,3 +57,15 @@ def test_a_request_observes_ttft_each_gap_and_its_lengths(registry):
 def test_length_buckets_are_vllms_1_2_5_series_up_to_max_model_len():
     assert tokens_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
     assert tokens_buckets(2048)[-1] == 2000
+
+
+def test_constrained_requests_are_counted_by_kind(registry):
+    metrics = GatewayMetrics(registry, "m", 2048)
+    metrics.record_structured_output("json_schema")
+    metrics.record_structured_output("json_schema")
+    metrics.record_structured_output("regex")
+    count = registry.get_sample_value
+    assert count("pagedserve:structured_output_requests_total",
+                 {"model_name": "m", "kind": "json_schema"}) == 2
+    assert count("pagedserve:structured_output_requests_total",
+                 {"model_name": "m", "kind": "regex"}) == 1

@@ -88,7 +88,9 @@ class SimSampler:
             row += n
         return out
 
-    def launch(self, logits: object, seqs: list[SeqSamplingState]) -> _DrawnSamples:
+    def launch(self, logits: object, seqs: list[SeqSamplingState],
+               token_bitmask: object = None) -> _DrawnSamples:
+        """token_bitmask is not applied: simulated draws follow no grammar."""
         sampled = self(logits, seqs)
         offsets = list(itertools.accumulate((len(s.token_ids) for s in sampled), initial=0))
         token_ids = torch.tensor([t for s in sampled for t in s.token_ids], dtype=torch.long)

@@ -1,6 +1,7 @@
-"""POST /v1/chat/completions: the messages through the model's chat template, n choices,
-streamed as `chat.completion.chunk`s (the role first, then content, then the finish reason) or
-returned whole."""
+"""POST /v1/chat/completions: the messages (and tools) through the model's chat template, n
+choices, streamed as `chat.completion.chunk`s (the role first, then content, then the finish
+reason) or returned whole. A choice that may hold tool calls streams whole at its end: its text
+is a tool call or content only once it is complete."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ from pagedserve.services.gateway.openai.protocol import (
     ChatMessageOut,
     ChatTokenLogprob,
     PromptLogprobs,
+    ToolCall,
+    ToolCallDelta,
     now_s,
 )
 from pagedserve.services.gateway.openai.serving import (
@@ -45,6 +48,12 @@ from pagedserve.services.gateway.openai.serving import (
     token_label,
     top_logprob,
     usage_info,
+)
+from pagedserve.services.gateway.openai.tools import (
+    ToolUse,
+    parse_tool_calls,
+    tool_constraint,
+    tool_use,
 )
 from pagedserve.services.gateway.validation import GenerateInput
 from pagedserve.services.text.text_stream import TextDelta
@@ -63,28 +72,33 @@ def _logprobs(delta: TextDelta, label: Callable[[TokenLogprob], str]) -> ChatLog
     return ChatLogprobs(content=content)
 
 
-def _messages_input(serving: OpenAIServing, body: ChatCompletionRequest) -> GenerateInput:
+def _messages_input(serving: OpenAIServing, body: ChatCompletionRequest,
+                    use: ToolUse | None) -> GenerateInput:
     """The request as its messages, with the max tokens it asks for (at least 1): what its cost
     is checked and admitted by before the template renders them."""
     requested = chat_requested_max_tokens(body)
     sampling = sampling_params(body, 1 if requested is None else requested,
-                               chat_top_logprobs(body), limits=serving.frontend.limits)
+                               chat_top_logprobs(body), limits=serving.frontend.limits,
+                               constraint=tool_constraint(use, body.parallel_tool_calls))
     return GenerateInput(messages=chat_messages(body.messages), sampling=sampling,
                          priority=body.priority, chat=chat_options(body),
-                         add_special_tokens=body.add_special_tokens)
+                         add_special_tokens=body.add_special_tokens,
+                         tools=tuple(use.tools) if use else None)
 
 
 class _Chat:
     def __init__(self, serving: OpenAIServing, body: ChatCompletionRequest,
-                 token_ids: list[int]) -> None:
+                 token_ids: list[int], use: ToolUse | None) -> None:
         """`token_ids`: the messages through the chat template."""
         self.serving = serving
         self.body = body
+        self.tool_use = use if use is not None and use.parses_output else None
         self.id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         self.created = now_s()
         logprobs = chat_top_logprobs(body)
         max_tokens = chat_max_tokens(body, len(token_ids), serving.frontend.info)
-        sampling = sampling_params(body, max_tokens, logprobs, limits=serving.frontend.limits)
+        sampling = sampling_params(body, max_tokens, logprobs, limits=serving.frontend.limits,
+                                   constraint=tool_constraint(use, body.parallel_tool_calls))
         record_request(self.id, sampling)
         self.input = GenerateInput(request_id=self.id, token_ids=tuple(token_ids),
                                    sampling=sampling, priority=body.priority, operation="chat")
@@ -121,7 +135,11 @@ class _Chat:
 
     def stream_event(self, template: sse.ChunkTemplate, delta: TextDelta) -> str | None:
         """The delta's chunk event (None when it carries nothing to send); without logprobs
-        the choice is written straight to JSON, and its text is not kept (no whole message)."""
+        the choice is written straight to JSON, and its text is not kept (no whole message).
+        A choice that may hold tool calls is sent whole at its end."""
+        if self.tool_use is not None:
+            choice = self.on_delta(delta)
+            return self.chunk([self._final_chunk(delta.index)]) if choice.finish_reason else None
         if self.body.logprobs:
             choice = self.on_delta(delta)
             if not (choice.delta.content or choice.logprobs or choice.finish_reason):
@@ -148,16 +166,36 @@ class _Chat:
             system_fingerprint=self.serving.system_fingerprint, choices=choices,
             usage=usage_info(self.usages) if with_usage else None).model_dump_json()
 
+    def message(self, index: int) -> tuple[str | None, list[ToolCall], str | None]:
+        """A finished choice's content, tool calls and finish reason."""
+        text, finish_reason = self.texts[index], self.finish_reasons[index]
+        if self.tool_use is None:
+            return text, [], finish_reason
+        content, calls = parse_tool_calls(text, self.tool_use, self.serving.tool_call_parser)
+        if calls and self.tool_use.mode != "named":  # OpenAI: a named call stops
+            finish_reason = "tool_calls"
+        return content, calls, finish_reason
+
+    def _final_chunk(self, index: int) -> ChatChunkChoice:
+        content, calls, finish_reason = self.message(index)
+        deltas = [ToolCallDelta(index=k, **call.model_dump()) for k, call in enumerate(calls)]
+        return ChatChunkChoice(index=index, delta=ChatDelta(content=content or None,
+                                                            tool_calls=deltas or None),
+                               logprobs=self.logprobs[index], finish_reason=finish_reason)
+
     async def whole(self, submission: Submission) -> ChatCompletionResponse:
         async with contextlib.aclosing(submission.deltas()) as deltas:
             async for _, delta in deltas:
                 self.on_delta(delta)
+        choices = []
+        for i in range(len(self.texts)):
+            content, calls, finish_reason = self.message(i)
+            choices.append(ChatChoice(
+                index=i, message=ChatMessageOut(content=content, tool_calls=calls or None),
+                logprobs=self.logprobs[i], finish_reason=finish_reason))
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.serving.model_name,
-            system_fingerprint=self.serving.system_fingerprint,
-            choices=[ChatChoice(index=i, message=ChatMessageOut(content=text),
-                                logprobs=self.logprobs[i], finish_reason=self.finish_reasons[i])
-                     for i, text in enumerate(self.texts)],
+            system_fingerprint=self.serving.system_fingerprint, choices=choices,
             usage=usage_info(self.usages), prompt_logprobs=self.prompt_logprobs)
 
     async def events(self, deltas: StartedDeltas) -> AsyncIterator[str]:
@@ -182,10 +220,11 @@ class _Chat:
 async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest,
                                  request: Request) -> Response:
     serving.check_model(body.model)
-    messages = _messages_input(serving, body)
+    use = tool_use(body)
+    messages = _messages_input(serving, body, use)
     submission = Submission.admit(serving.frontend, [messages], request)
     try:
-        chat = _Chat(serving, body, await serving.frontend.prompt_token_ids(messages))
+        chat = _Chat(serving, body, await serving.frontend.prompt_token_ids(messages), use)
     except BaseException:
         submission.close()
         raise

@@ -11,6 +11,7 @@ from typing import Any
 
 from pagedserve.services.common.errors import InvalidRequest, Reason
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.structured_outputs import StructuredOutputsParams
 from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.gateway.limits import (
     check_list_lengths,
@@ -30,6 +31,7 @@ from pagedserve.services.gateway.openai.request_fields import (
     REFUSED_COMPLETION_FIELDS,
     check_undeclared_fields,
 )
+from pagedserve.services.gateway.openai.structured import structured_outputs
 from pagedserve.services.gateway.validation import (
     ChatMessage,
     ChatOptions,
@@ -57,15 +59,6 @@ def _reject_unsupported(request: GenerationRequest) -> None:
         raise InvalidRequest(f"prompt_logprobs are not available when stream=true, got "
                              f"prompt_logprobs={request.prompt_logprobs}",
                              reason=Reason.INVALID_SAMPLING_PARAMS, field="prompt_logprobs")
-    if is_chat:
-        if request.tools:
-            raise InvalidRequest(f"tools are not supported, got {len(request.tools)} tools",
-                                 reason=Reason.UNSUPPORTED_PARAMETER, field="tools")
-        kind = (request.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise InvalidRequest(f"response_format type must be 'text', got {kind!r}",
-                                 reason=Reason.UNSUPPORTED_PARAMETER,
-                                 field="response_format.type")
     if isinstance(request, CompletionRequest) and request.suffix:
         raise InvalidRequest(f"suffix is not supported, got {_brief(request.suffix)}",
                              reason=Reason.UNSUPPORTED_PARAMETER, field="suffix")
@@ -73,9 +66,11 @@ def _reject_unsupported(request: GenerationRequest) -> None:
 
 def sampling_params(request: GenerationRequest, max_tokens: int | None,
                     logprobs: int | None, prompt_logprobs: int | None = None,
-                    limits: RequestLimitsConfig | None = None) -> SamplingParams:
+                    limits: RequestLimitsConfig | None = None,
+                    constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     """Fields left unset (or null) keep SamplingParams' defaults; the stop lists are bounded by
-    `limits` (default: the config's defaults) before anything scans them."""
+    `limits` (default: the config's defaults) before anything scans them. `constraint`: the
+    tool calls' (chat), else the request's structured-output fields'."""
     _reject_unsupported(request)
     stop = [request.stop] if isinstance(request.stop, str) else request.stop
     check_list_lengths(stop or (), request.stop_token_ids or (),
@@ -96,7 +91,8 @@ def sampling_params(request: GenerationRequest, max_tokens: int | None,
         "prompt_logprobs": prompt_logprobs, "skip_special_tokens": request.skip_special_tokens,
         "logit_bias": _logit_bias(request.logit_bias),
         "allowed_token_ids": request.allowed_token_ids, "bad_words": request.bad_words,
-        "truncate_prompt_tokens": request.truncate_prompt_tokens}
+        "truncate_prompt_tokens": request.truncate_prompt_tokens,
+        "structured_outputs": _constraint(request, constraint)}
     return SamplingParams(**{k: v for k, v in values.items() if v is not None})
 
 
@@ -111,6 +107,17 @@ def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
                                  reason=Reason.INVALID_SAMPLING_PARAMS, field="logit_bias")
         bias[int(key)] = value
     return bias
+
+
+def _constraint(request: GenerationRequest, tool_constraint: StructuredOutputsParams | None
+                ) -> StructuredOutputsParams | None:
+    requested = structured_outputs(request)
+    if tool_constraint is not None and requested is not None:
+        raise InvalidRequest("tool_choice required or a named function constrains the output to "
+                             "tool calls; it cannot be combined with response_format, "
+                             "structured_outputs or guided_* fields",
+                             reason=Reason.INVALID_SAMPLING_PARAMS, field="tool_choice")
+    return tool_constraint or requested
 
 
 def check_prompt_size(prompt: str | list[Any], sampling: SamplingParams,

@@ -64,6 +64,14 @@ class GenerationRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
+    # structured outputs (openai/structured.py): OpenAI's, vLLM's, vLLM's older guided_*
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -92,12 +100,13 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False  # the answer starts with the last message when it is the assistant's
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(BaseModel):
@@ -197,9 +206,29 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    index: int  # the call's place in the choice's tool_calls
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_no_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if k != "tool_calls" or v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -233,6 +262,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -25,6 +25,7 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI's clients expect a number
 class OpenAIServing:
     frontend: Frontend
     model_name: str
+    tool_call_parser: str = ""  # tools.PARSERS' name for `tool_choice: auto`; "" = none
     system_fingerprint: str = field(init=False)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,178 @@
+"""Structured outputs in the worker: the compile cache, one matcher per sequence derived from its
+output tokens (replayed after preemption or a rebuild, rolled back, copied at a fork), and the
+bitmask the sampler applies."""
+
+import functools
+import json
+
+import pytest
+import torch
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.structured_outputs import StructuredOutputsParams
+from pagedserve.worker_svc.grammar_cache import GrammarCache, llguidance_tokenizer
+from pagedserve.worker_svc.grammar_matchers import GrammarMatchers
+from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState
+from pagedserve.worker_svc.sequence_mirrors import CachedSequence
+from pagedserve.worker_svc.token_bitmask import TokenBitmask
+
+EOS = 2
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+PROMPT = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def vocab_size(hf_tokenizer):
+    return len(hf_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def cache(smollm2_dir, vocab_size):
+    cache = GrammarCache(functools.partial(llguidance_tokenizer, str(smollm2_dir), vocab_size,
+                                           [EOS]))
+    yield cache
+    cache.shutdown()
+
+
+@pytest.fixture()
+def matchers(cache, vocab_size):
+    return GrammarMatchers(cache, vocab_size, [EOS])
+
+
+def _seq(seq_id, outputs, params, request_id="r"):
+    return CachedSequence(seq_id=seq_id, request_id=request_id, token_ids=PROMPT + list(outputs),
+                          prompt_len=len(PROMPT), block_table=[0], num_computed_tokens=0,
+                          sampling=SamplingParams(structured_outputs=params), seed=None,
+                          num_samples=1)
+
+
+def _allowed(mask: TokenBitmask, row: int, vocab_size: int) -> set[int]:
+    logits = torch.zeros(len(mask.rows), vocab_size)
+    TokenBitmask(list(range(len(mask.rows))), mask.bits).apply(logits)
+    return set(torch.nonzero(logits[row] == 0).flatten().tolist())
+
+
+def _mask_after(matchers, seq, vocab_size):
+    return _allowed(matchers.bitmask([seq], {seq.seq_id: seq}), 0, vocab_size)
+
+
+def test_a_schema_allows_each_token_of_valid_json_and_then_only_eos(matchers, hf_tokenizer,
+                                                                    vocab_size):
+    params = StructuredOutputsParams(json_schema=SCHEMA)
+    ids = hf_tokenizer.encode('{"name": "Ann", "age": 7}', add_special_tokens=False)
+    seq = _seq(0, [], params)
+    for token in ids:
+        assert token in _mask_after(matchers, seq, vocab_size)
+        seq.token_ids.append(token)
+    assert _mask_after(matchers, seq, vocab_size) == {EOS}
+
+
+def test_a_token_outside_the_grammar_is_masked(matchers, hf_tokenizer, vocab_size):
+    allowed = _mask_after(matchers, _seq(0, [], StructuredOutputsParams(json_object=True)),
+                          vocab_size)
+    assert hf_tokenizer.encode("{", add_special_tokens=False)[0] in allowed
+    assert hf_tokenizer.encode("Hello", add_special_tokens=False)[0] not in allowed
+    assert EOS not in allowed
+
+
+@pytest.mark.parametrize("outputs_after", ["same", "shorter", "different"])
+def test_a_resent_sequence_gets_the_mask_of_its_outputs(matchers, hf_tokenizer, vocab_size,
+                                                        outputs_after):
+    """Preemption, a scheduler takeover or a rebuilt worker send the sequence whole again: the
+    mask follows the outputs it arrives with, as a fresh matcher's would."""
+    params = StructuredOutputsParams(json_schema=SCHEMA)
+    ids = hf_tokenizer.encode('{"name": "Bo", "age": 31}', add_special_tokens=False)
+    seq = _seq(0, ids[:6], params)
+    _mask_after(matchers, seq, vocab_size)
+    resent_outputs = {"same": ids[:6], "shorter": ids[:3],
+                      "different": hf_tokenizer.encode('{"age": 4', add_special_tokens=False)}
+    resent = _seq(0, resent_outputs[outputs_after], params)
+    got = _mask_after(matchers, resent, vocab_size)
+    fresh = GrammarMatchers(matchers.cache, vocab_size, [EOS])
+    assert got == _mask_after(fresh, _seq(0, resent_outputs[outputs_after], params), vocab_size)
+
+
+def test_a_fork_starts_from_its_parents_matcher(matchers, hf_tokenizer, vocab_size):
+    params = StructuredOutputsParams(json_schema=SCHEMA)
+    ids = hf_tokenizer.encode('{"name": "Cy", "age": 5}', add_special_tokens=False)
+    parent, child = _seq(0, ids[:4], params), _seq(1, ids[:5], params)
+    mask = matchers.bitmask([parent, child], {0: parent, 1: child})
+    fresh = GrammarMatchers(matchers.cache, vocab_size, [EOS])
+    assert _allowed(mask, 1, vocab_size) == _mask_after(fresh, _seq(1, ids[:5], params),
+                                                        vocab_size)
+    # the parent's own matcher did not move with its copy
+    assert _allowed(mask, 0, vocab_size) == _mask_after(fresh, _seq(0, ids[:4], params),
+                                                        vocab_size)
+
+
+def test_matchers_of_sequences_gone_from_the_mirror_are_dropped(matchers, vocab_size):
+    seq = _seq(0, [], StructuredOutputsParams(choice=("yes", "no")))
+    matchers.bitmask([seq], {0: seq})
+    assert len(matchers) == 1
+    other = _seq(1, [], StructuredOutputsParams(choice=("yes", "no")))
+    matchers.bitmask([other], {1: other})
+    assert len(matchers) == 1
+
+
+def test_equal_constraints_compile_once(matchers):
+    num_cached = len(matchers.cache)
+    one = matchers.cache.get(StructuredOutputsParams(json_schema={"type": "array"}))
+    same = matchers.cache.get(StructuredOutputsParams(json_schema='{"type": "array"}'))
+    assert one is same and len(matchers.cache) == num_cached + 1
+    assert matchers.cache.get(StructuredOutputsParams(regex="a+")) is not one
+
+
+def test_a_choice_ends_after_one_of_its_strings(matchers, hf_tokenizer, vocab_size):
+    params = StructuredOutputsParams(choice=("yes", "no"))
+    seq = _seq(0, hf_tokenizer.encode("no", add_special_tokens=False), params)
+    assert _mask_after(matchers, seq, vocab_size) == {EOS}
+
+
+def test_unconstrained_rows_keep_their_logits_and_greedy_picks_an_allowed_token():
+    bits = torch.zeros(1, 1, dtype=torch.int32)
+    bits[0, 0] = 1 << 5  # only token 5
+    logits = torch.arange(32, dtype=torch.float32).repeat(2, 1)  # argmax 31 on both rows
+    seqs = [SeqSamplingState(seq_id=i, sampling=SamplingParams(temperature=0.0),
+                             token_ids=[0], prompt_len=1, seed=None, num_samples=1)
+            for i in range(2)]
+    sampled = Sampler(32, [], torch.device("cpu"))(logits, seqs, TokenBitmask([1], bits))
+    assert [s.token_ids for s in sampled] == [[31], [5]]
+
+
+@pytest.mark.parametrize(("params", "field"), [
+    (StructuredOutputsParams(json_schema="{not json"), "structured_outputs.json_schema"),
+    (StructuredOutputsParams(json_schema={"type": "object", "if": {}}),
+     "structured_outputs.json_schema"),
+    (StructuredOutputsParams(regex="[a-"), "structured_outputs.regex"),
+    (StructuredOutputsParams(grammar="start: undefined_rule"), "structured_outputs.grammar"),
+    (StructuredOutputsParams(choice=()), "structured_outputs.choice"),
+])
+def test_a_constraint_that_cannot_compile_is_refused_naming_the_field(params, field):
+    with pytest.raises(InvalidRequest) as raised:
+        params.verify()
+    assert raised.value.violations[0].field == field
+
+
+def test_exactly_one_constraint_kind():
+    with pytest.raises(InvalidRequest, match="exactly one"):
+        StructuredOutputsParams(regex="a", json_object=True)
+    schema = StructuredOutputsParams(json_schema={"b": 1, "a": 2}).json_schema
+    assert list(json.loads(schema)) == ["b", "a"]  # the order of the output's keys
+
+
+def test_a_mask_is_never_built_while_the_previous_token_is_still_on_the_device(matchers):
+    """Run-ahead: step n+1 may be launched before step n's draw reaches the host, but its mask
+    waits for it (two draws outstanding = the one before this step's is missing)."""
+    seq = _seq(0, [], StructuredOutputsParams(choice=("yes", "no")))
+    with pytest.raises(AssertionError, match="previous token"):
+        matchers.bitmask([seq], {0: seq}, drawing={0: 2})
+    assert matchers.bitmask([seq], {0: seq}, drawing={0: 1}) is not None

@@ -1,0 +1,74 @@
+"""Compiled grammars, one per constraint's content, built on a thread pool: never on the step's
+thread, which only waits where a sequence's first mask is due before its compile is done (the
+compile starts when the sequence arrives, so it overlaps the prefill's forward)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from pagedserve.services.common.structured_outputs import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 512
+
+
+def llguidance_tokenizer(model_path: str, vocab_size: int, eos_token_ids: list[int]) -> Any:
+    """The model's tokenizer as llguidance sees it: the bytes of each of the logits' columns."""
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                        eos_token=eos_token_ids or None)
+
+
+class GrammarCache:
+    """constraint → a matcher at the grammar's start, to deep_copy per sequence (the copies
+    share the compiled grammar)."""
+
+    def __init__(self, new_tokenizer: Callable[[], Any], max_workers: int = 2,
+                 on_compiled: Callable[[float], None] | None = None) -> None:
+        self._new_tokenizer = new_tokenizer
+        self._tokenizer: Future | None = None
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
+        self._compiled: OrderedDict[StructuredOutputsParams, Future] = OrderedDict()
+        self.on_compiled = on_compiled
+
+    def get(self, params: StructuredOutputsParams) -> Future:
+        """The start matcher's future; its exception if the constraint does not compile."""
+        future = self._compiled.get(params)
+        if future is not None:
+            self._compiled.move_to_end(params)
+            return future
+        if self._tokenizer is None:
+            self._tokenizer = self._pool.submit(self._new_tokenizer)
+        future = self._pool.submit(self._compile, params)
+        self._compiled[params] = future
+        if len(self._compiled) > MAX_CACHED_GRAMMARS:
+            self._compiled.popitem(last=False)
+        return future
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        from llguidance import LLMatcher
+
+        start = time.perf_counter()
+        tokenizer = self._tokenizer.result()
+        matcher = LLMatcher(tokenizer, params.to_grammar(), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{params.kind} does not compile: "
+                             f"{matcher.get_error()}")
+        if self.on_compiled is not None:
+            self.on_compiled(time.perf_counter() - start)
+        return matcher
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

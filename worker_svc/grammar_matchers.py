@@ -1,0 +1,160 @@
+"""One grammar matcher per constrained sequence, and the token bitmask of a step's sampled rows.
+
+A matcher's state is a function of its sequence's output tokens alone, so it is derived from the
+mirror at each mask, never sent: it consumes the outputs it has not seen; a sequence whose
+outputs no longer extend what it consumed (sent whole again after preemption, a scheduler that
+took over, a worker rebuilt) rolls back or replays from the start. A fork (another sequence of
+the same request whose outputs extend a matcher's) starts from a copy. So generation continues
+exactly as without the fault.
+
+Under run-ahead the next step is launched before this one's draws reach the host, but a step's
+mask is built in sample(), after the step before has finished and its tokens are in the mirror:
+a mask needs the previous token, and the forward it masks runs meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Container, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from pagedserve.services.common.step_plan import NewSequence
+from pagedserve.worker_svc.grammar_cache import GrammarCache
+from pagedserve.worker_svc.sequence_mirrors import CachedSequence
+from pagedserve.worker_svc.token_bitmask import TokenBitmask, num_bitmask_words
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _SeqMatcher:
+    request_id: str
+    seq: CachedSequence  # the mirror entry it follows; another object: the sequence was resent
+    matcher: Any  # llguidance.LLMatcher
+    consumed: list[int]  # the output tokens it has consumed
+    is_failed: bool = False
+
+
+class GrammarMatchers:
+    def __init__(self, cache: GrammarCache, vocab_size: int, eos_token_ids: list[int],
+                 on_mask: Callable[[float], None] | None = None) -> None:
+        self.cache = cache
+        self.vocab_size = vocab_size
+        self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
+        self._matchers: dict[int, _SeqMatcher] = {}
+        self._executor: Any = None
+        self.on_mask = on_mask
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def clear(self) -> None:
+        self._matchers.clear()
+
+    def prepare(self, new_seqs: list[NewSequence]) -> None:
+        """Starts compiling the constraints of sequences that have no matcher yet."""
+        for seq in new_seqs:
+            params = seq.sampling.structured_outputs
+            if params is not None and seq.seq_id not in self._matchers:
+                self.cache.get(params)
+
+    def bitmask(self, sample_seqs: list[CachedSequence], live_seq_ids: Container[int],
+                drawing: Mapping[int, int] = MappingProxyType({})) -> TokenBitmask | None:
+        """The allowed tokens of the constrained rows (row i ↔ sample_seqs[i]); None: no row is
+        constrained. Forgets the matchers of sequences the mirror no longer holds. drawing: the
+        mirror's tokens drawn on the device and not yet appended, by seq_id."""
+        for seq_id in [s for s in self._matchers if s not in live_seq_ids]:
+            del self._matchers[seq_id]
+        rows = [i for i, s in enumerate(sample_seqs) if s.sampling.structured_outputs is not None]
+        if not rows:
+            return None
+        # the step before has finished: only this step's own draw is still on the device
+        assert all(drawing.get(sample_seqs[i].seq_id, 0) <= 1 for i in rows), \
+            "a constrained mask was built before the previous token reached the host"
+        start = time.perf_counter()
+        entries = [self._synced(sample_seqs[i]) for i in rows]
+        bits = torch.zeros(len(rows), num_bitmask_words(self.vocab_size), dtype=torch.int32)
+        live = [(e.matcher, k) for k, e in enumerate(entries) if not self._is_ended(e)]
+        if live:
+            self._fill(live, bits)
+        for k, entry in enumerate(entries):
+            if self._is_ended(entry):
+                self._allow_eos_only(bits[k])
+        if self.on_mask is not None:
+            self.on_mask(time.perf_counter() - start)
+        return TokenBitmask(rows, bits)
+
+    def _is_ended(self, entry: _SeqMatcher) -> bool:
+        return entry.is_failed or entry.matcher.is_stopped()
+
+    def _fill(self, live: list[tuple[Any, int]], bits: torch.Tensor) -> None:
+        import llguidance.torch
+        from llguidance import LLExecutor
+
+        if len(live) == 1:
+            llguidance.torch.fill_next_token_bitmask(live[0][0], bits, live[0][1])
+            return
+        if self._executor is None:
+            self._executor = LLExecutor()
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, live, bits)
+
+    def _allow_eos_only(self, row: torch.Tensor) -> None:
+        row.zero_()
+        for t in self.eos_token_ids:
+            bit = 1 << (t % 32)
+            row[t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32's sign bit
+
+    def _synced(self, seq: CachedSequence) -> _SeqMatcher:
+        outputs = seq.token_ids[seq.prompt_len:]
+        entry = self._matchers.get(seq.seq_id)
+        if entry is not None and entry.seq is not seq:
+            if outputs[:len(entry.consumed)] != entry.consumed:
+                entry = self._rolled_back(entry, outputs)
+            entry.seq = seq
+        if entry is None:
+            entry = self._forked(seq, outputs) or self._started(seq)
+            self._matchers[seq.seq_id] = entry
+        new = outputs[len(entry.consumed):]
+        # a stopped matcher's sequence ends at its next token (EOS, the only one allowed): a
+        # step scheduled before that token reached the scheduler samples it once more, in vain
+        if new and not entry.is_failed and not entry.matcher.is_stopped():
+            if entry.matcher.consume_tokens(new):
+                entry.consumed.extend(new)
+            else:
+                logger.warning("seq %d: its outputs leave its grammar (%s); only EOS from here",
+                               seq.seq_id, entry.matcher.get_error())
+                entry.is_failed = True
+        return entry
+
+    def _rolled_back(self, entry: _SeqMatcher, outputs: list[int]) -> _SeqMatcher | None:
+        consumed = entry.consumed
+        common = 0
+        for a, b in zip(consumed, outputs, strict=False):
+            if a != b:
+                break
+            common += 1
+        if not entry.is_failed and entry.matcher.rollback(len(consumed) - common):
+            del consumed[common:]
+            return entry
+        return None
+
+    def _forked(self, seq: CachedSequence, outputs: list[int]) -> _SeqMatcher | None:
+        for other in self._matchers.values():
+            if (other.request_id == seq.request_id and not other.is_failed
+                    and other.seq.sampling.structured_outputs == seq.sampling.structured_outputs
+                    and outputs[:len(other.consumed)] == other.consumed):
+                return _SeqMatcher(seq.request_id, seq, other.matcher.deep_copy(),
+                                   list(other.consumed))
+        return None
+
+    def _started(self, seq: CachedSequence) -> _SeqMatcher:
+        try:
+            start = self.cache.get(seq.sampling.structured_outputs).result()
+        except Exception:
+            logger.exception("seq %d: its constraint does not compile; only EOS", seq.seq_id)
+            return _SeqMatcher(seq.request_id, seq, None, [], is_failed=True)
+        return _SeqMatcher(seq.request_id, seq, start.deep_copy(), [])
