@@ -66,8 +66,11 @@ class Speculator:
 
     def is_speculating(self, group: SequenceGroup, seq: Sequence) -> bool:
         """Proposes for this sequence when it decodes: never for beam search (its beams are
-        chosen from several samples each step) nor a sequence sampling several tokens."""
-        if group.is_beam_search or group.num_samples() != 1:
+        chosen from several samples each step), a sequence sampling several tokens, or one with
+        structured outputs (a draft's rows would need the grammar advanced through the drafts
+        before them)."""
+        if (group.is_beam_search or group.num_samples() != 1
+                or group.sampling.structured_outputs is not None):
             return False
         acceptance = self._acceptance.get(seq.seq_id)
         return acceptance is None or acceptance.idle_steps == 0

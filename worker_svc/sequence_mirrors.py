@@ -229,6 +229,9 @@ def _check_drafts(seq_id: int, drafts: list[int], num_samples: int, sampling: Sa
     if num_samples != 1 or sampling.use_beam_search:
         raise InvalidRequest(f"seq {seq_id}: draft_token_ids need num_samples=1 and no beam "
                              f"search, got num_samples={num_samples}")
+    if sampling.structured_outputs is not None:
+        raise InvalidRequest(f"seq {seq_id}: draft_token_ids are not verified under "
+                             f"structured_outputs")
     if end != num_known + len(drafts):
         raise InvalidRequest(f"seq {seq_id}: its {len(drafts)} draft_token_ids must end the "
                              f"step's tokens: the step computes up to {end}, its known tokens "

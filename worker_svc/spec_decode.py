@@ -15,6 +15,8 @@ tokens too: the draws are those speculation off makes. Logprobs are the target m
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from pagedserve.services.common.step_plan import SampledSequence
 from pagedserve.worker_svc.sampler import PendingSamples, Sampler, SeqSamplingState
@@ -38,11 +40,15 @@ def launch_samples(sampler: Sampler, logits: torch.Tensor, seqs: list[CachedSequ
         if token_bitmask is None:  # samplers without structured outputs take two arguments
             return sampler.launch(logits[:len(seqs)], states)
         return sampler.launch(logits[:len(seqs)], states, token_bitmask)
-    if token_bitmask is not None:
-        raise ValueError("structured outputs are not served with speculative decoding: a "
-                         "draft's rows have no grammar masks")
     states = [sampling_state(s, j) for s in seqs for j in range(len(s.draft_token_ids) + 1)]
-    return VerifiedSamples(sampler.launch(logits[:len(states)], states), seqs)
+    if token_bitmask is None:
+        return VerifiedSamples(sampler.launch(logits[:len(states)], states), seqs)
+    # constrained sequences carry no drafts (the mirror refuses them): one row each, moved to
+    # where its sequence's rows start among the verified rows
+    first_rows = list(itertools.accumulate((len(s.draft_token_ids) + 1 for s in seqs), initial=0))
+    token_bitmask = TokenBitmask([first_rows[row] for row in token_bitmask.rows],
+                                 token_bitmask.bits)
+    return VerifiedSamples(sampler.launch(logits[:len(states)], states, token_bitmask), seqs)
 
 
 class VerifiedSamples:

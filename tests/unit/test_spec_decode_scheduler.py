@@ -13,6 +13,7 @@ from pagedserve.services.common.config import SchedulerConfig
 from pagedserve.services.common.errors import ConfigError
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import SampledSequence, StepOutput
+from pagedserve.services.common.structured_outputs import StructuredOutputsParams
 
 from tests.unit.test_scheduler import Harness
 
@@ -155,6 +156,22 @@ def test_no_drafts_for_beam_search_or_before_a_fork_and_for_each_sibling_after()
     for seq in pair.seqs:  # each sibling went on by its own cycle, drafts and all
         outputs = seq.output_token_ids[1:]
         assert all(b == a % 6 + 1 for a, b in zip(outputs, outputs[1:], strict=False))
+
+
+def test_no_drafts_for_a_constrained_request_beside_one_that_speculates():
+    h = SpecHarness(accept=len)
+    constrained = h.add_prompt("json", PROMPT, SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(json_object=True)))
+    free = h.add_prompt("free", PROMPT, SamplingParams(temperature=0.0, max_tokens=8,
+                                                       ignore_eos=True))
+    drafted = set()
+    for _ in range(4):
+        out, _ = h.step()
+        drafted |= {item.group.request_id for item in out.scheduled if item.draft_token_ids}
+    assert drafted == {"free"}
+    h.run_to_end()
+    assert constrained.is_finished and free.is_finished and h.all_free()
 
 
 def test_speculation_survives_preemption_by_swap_and_by_recompute():

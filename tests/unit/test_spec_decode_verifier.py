@@ -9,6 +9,7 @@ from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.worker_svc.sampler import Sampler
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 from pagedserve.worker_svc.spec_decode import launch_samples, sampling_state
+from pagedserve.worker_svc.token_bitmask import TokenBitmask
 
 from tests.unit.test_sampler import CHI2_BOUND, chi_square
 
@@ -78,3 +79,19 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert len(accepted) / num_seqs == pytest.approx(0.3, abs=0.03)
     second = torch.tensor([o.token_ids[1] for o in accepted])
     assert chi_square(torch.bincount(second, minlength=5).float(), p1) < CHI2_BOUND
+
+
+def test_a_constrained_sequence_keeps_its_mask_beside_verified_drafts():
+    """Sequence 1 is constrained (no drafts); sequence 0's three verified rows come first, so its
+    one mask row moves from 1 to 3 and the drafts' rows stay unmasked."""
+    torch.manual_seed(2)
+    logits = torch.randn(5, 64)
+    best = logits.argmax(dim=-1).tolist()
+    seqs = [cached(0, [best[0], best[1]], temperature=0.0), cached(1, [], temperature=0.0)]
+    allowed = (best[3] + 1) % 64  # the grammar forbids the target's own choice
+    bits = torch.zeros(1, 2, dtype=torch.int32)
+    bits[0, allowed // 32] = 1 << (allowed % 32)
+    mask = TokenBitmask(rows=[1], bits=bits)
+    drafted, constrained = launch_samples(Sampler(64, [63], CPU), logits, seqs, mask).result()
+    assert drafted.token_ids == best[:3]  # both drafts kept, then the bonus token
+    assert constrained.token_ids == [allowed]
