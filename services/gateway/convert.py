@@ -3,7 +3,9 @@ only place they meet. Free functions, one pair per message."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from typing import Any
 
 from pagedserve.services.common.config import served_model_name
 from pagedserve.services.common.errors import InvalidRequest, Reason
@@ -11,8 +13,10 @@ from pagedserve.services.common.outputs import TokenLogprob
 from pagedserve.services.gateway.validation import (
     EMBED_SAMPLING,
     ChatMessage,
+    ChatOptions,
     GenerateInput,
     ServedModel,
+    template_tool_calls,
 )
 from pagedserve.services.rpc.convert_public import (
     finish_reason_from_proto,
@@ -28,19 +32,47 @@ from pagedserve.services.text.text_stream import TextDelta
 
 
 def _messages_from_proto(msg: common_pb2.ChatMessages) -> tuple[ChatMessage, ...]:
-    return tuple(ChatMessage(role=m.role, content=m.content) for m in msg.messages)
+    return tuple(
+        ChatMessage(role=m.role, content=m.content, tool_call_id=m.tool_call_id, name=m.name,
+                    tool_calls=template_tool_calls([_tool_call(c) for c in m.tool_calls], i))
+        for i, m in enumerate(msg.messages))
+
+
+def _tool_call(call: common_pb2.ChatToolCall) -> dict[str, Any]:
+    """OpenAI's shape, which chat templates read."""
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments or "{}"}}
+
+
+def _chat_options_from_proto(msg: common_pb2.ChatMessages) -> ChatOptions:
+    kwargs: Any = {}
+    if msg.chat_template_kwargs:
+        try:
+            kwargs = json.loads(msg.chat_template_kwargs)
+        except ValueError:
+            kwargs = None
+        if not isinstance(kwargs, dict):
+            raise InvalidRequest(
+                f"chat_template_kwargs must be a JSON object, got {msg.chat_template_kwargs[:80]!r}",
+                reason=Reason.INVALID_CHAT_MESSAGE, field="chat_template_kwargs")
+    add_generation_prompt = (msg.add_generation_prompt if msg.HasField("add_generation_prompt")
+                             else True)
+    return ChatOptions(add_generation_prompt=add_generation_prompt,
+                       continue_final_message=msg.continue_final_message, template_kwargs=kwargs)
 
 
 # GenerateInput's fields that sit one message deeper in the proto (TokenIds, ChatMessages)
-_WRAPPED_FIELDS = {"token_ids": "token_ids.token_ids", "messages": "messages.messages"}
+_WRAPPED_FIELDS = {"token_ids": "token_ids.token_ids", "messages": "messages.messages",
+                   "chat_template_kwargs": "messages.chat_template_kwargs"}
 
 
 def proto_field_path(path: str) -> str:
     """A GenerateInput field path ("token_ids[3]", "messages[0].role") as the path of the same
-    field in GenerateRequest / TokenizeRequest ("token_ids.token_ids[3]")."""
+    field in GenerateRequest / TokenizeRequest ("token_ids.token_ids[3]"); a tool call's
+    "function.arguments" is its ChatToolCall's "arguments"."""
     for name, proto_path in _WRAPPED_FIELDS.items():
         if path == name or path.startswith((f"{name}[", f"{name}.")):
-            return proto_path + path[len(name):]
+            return (proto_path + path[len(name):]).replace(".function.", ".")
     return path
 
 
@@ -57,6 +89,7 @@ def generate_request_from_proto(msg: gateway_pb2.GenerateRequest | gateway_pb2.G
         text=msg.text if prompt == "text" else None,
         token_ids=tuple(msg.token_ids.token_ids) if prompt == "token_ids" else None,
         messages=_messages_from_proto(msg.messages) if prompt == "messages" else None,
+        chat=_chat_options_from_proto(msg.messages) if prompt == "messages" else ChatOptions(),
         sampling=sampling, priority=msg.priority)
 
 
@@ -79,7 +112,16 @@ def generate_request_to_proto(request: GenerateInput) -> gateway_pb2.GenerateReq
     elif request.messages is not None:
         msg.messages.SetInParent()
         for m in request.messages:
-            msg.messages.messages.add(role=m.role, content=m.content)
+            msg.messages.messages.add(
+                role=m.role, content=m.content, tool_call_id=m.tool_call_id, name=m.name,
+                tool_calls=[common_pb2.ChatToolCall(
+                    id=c.get("id", ""), name=c["function"]["name"],
+                    arguments=json.dumps(c["function"]["arguments"])) for c in m.tool_calls])
+        chat = request.chat
+        if chat.template_kwargs:
+            msg.messages.chat_template_kwargs = json.dumps(dict(chat.template_kwargs))
+        msg.messages.add_generation_prompt = chat.add_generation_prompt
+        msg.messages.continue_final_message = chat.continue_final_message
     return msg
 
 
@@ -154,9 +196,10 @@ def tokenize_request_from_proto(msg: gateway_pb2.TokenizeRequest) -> GenerateInp
     if prompt is None:
         raise InvalidRequest("prompt must be set: one of text or messages",
                              reason=Reason.PROMPT_MISSING, field="prompt")
-    return GenerateInput(text=msg.text if prompt == "text" else None,
-                         messages=_messages_from_proto(msg.messages) if prompt == "messages"
-                         else None)
+    if prompt == "text":
+        return GenerateInput(text=msg.text)
+    return GenerateInput(messages=_messages_from_proto(msg.messages),
+                         chat=_chat_options_from_proto(msg.messages))
 
 
 def tokenize_response_to_proto(token_ids: Sequence[int], max_model_len: int

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -248,3 +249,33 @@ def prepare_request(request: GenerateInput, tokenizer: Tokenizer, info: ServedMo
     request_id = check_request(request, info)
     token_ids, sampling = tokenized(request, tokenizer, info)
     return prepared_request(replace(request, sampling=sampling), request_id, token_ids, info)
+
+
+def template_tool_calls(calls: Sequence[Mapping[str, Any]], index: int
+                        ) -> tuple[dict[str, Any], ...]:
+    """messages[index]'s tool calls (OpenAI's shape) as chat templates read them: the JSON
+    arguments parsed."""
+    checked = []
+    for j, call in enumerate(calls):
+        function = call.get("function")
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise InvalidRequest(f"messages[{index}].tool_calls[{j}].function.name must be a "
+                                 f"string, got {_brief(call)}", reason=Reason.INVALID_CHAT_MESSAGE,
+                                 field=f"messages[{index}].tool_calls[{j}].function.name")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise InvalidRequest(
+                    f"messages[{index}].tool_calls[{j}].function.arguments must be JSON, got "
+                    f"{_brief(arguments)}", reason=Reason.INVALID_CHAT_MESSAGE,
+                    field=f"messages[{index}].tool_calls[{j}].function.arguments") from None
+        checked.append({**call, "type": call.get("type", "function"),
+                        "function": {**function, "arguments": arguments}})
+    return tuple(checked)
+
+
+def _brief(value: Any, max_chars: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= max_chars else text[:max_chars] + "..."

@@ -7,6 +7,7 @@ from pagedserve.services.gateway.convert import (
     generate_request_from_proto,
     generate_request_to_proto,
     generate_response_to_proto,
+    proto_field_path,
     served_model_from_info_proto,
     served_model_from_proto,
     served_model_to_info_proto,
@@ -14,7 +15,12 @@ from pagedserve.services.gateway.convert import (
     text_delta_to_proto,
     tokenize_request_from_proto,
 )
-from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ServedModel
+from pagedserve.services.gateway.validation import (
+    ChatMessage,
+    ChatOptions,
+    GenerateInput,
+    ServedModel,
+)
 from pagedserve.services.rpc.convert_scheduler import served_model_to_proto
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
@@ -30,6 +36,14 @@ SAMPLING = SamplingParams(n=2, temperature=0.7, top_k=5, stop=("\n",), stop_toke
     GenerateInput(request_id="c", messages=(ChatMessage("system", "be brief"),
                                             ChatMessage("user", "hi"))),
     GenerateInput(token_ids=()),  # empty but set: validation rejects it by name later
+    GenerateInput(messages=(
+        ChatMessage("developer", "use tools"), ChatMessage("user", "weather in Oslo?"),
+        ChatMessage("assistant", "", tool_calls=({
+            "id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": {"city": "Oslo"}}},)),
+        ChatMessage("tool", "4 C", tool_call_id="call_1", name="weather")),
+        chat=ChatOptions(add_generation_prompt=False, continue_final_message=True,
+                         template_kwargs={"enable_thinking": False})),
 ])
 def test_generate_request_round_trip(request_input):
     assert generate_request_from_proto(generate_request_to_proto(request_input)) == request_input
@@ -44,6 +58,20 @@ def test_bad_sampling_names_field_and_value():
     msg = gateway_pb2.GenerateRequest(text="x", sampling=common_pb2.SamplingParams(top_p=1.5))
     with pytest.raises(InvalidRequest, match=r"top_p .* got 1.5"):
         generate_request_from_proto(msg)
+
+
+@pytest.mark.parametrize(("message", "field"), [
+    (common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(
+        role="assistant", tool_calls=[common_pb2.ChatToolCall(name="f", arguments="{oops")])]),
+     "messages.messages[0].tool_calls[0].arguments"),
+    (common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="user", content="q")],
+                             chat_template_kwargs="[1]"),
+     "messages.chat_template_kwargs"),
+])
+def test_bad_chat_fields_name_their_proto_field(message, field):
+    with pytest.raises(InvalidRequest) as caught:
+        generate_request_from_proto(gateway_pb2.GenerateRequest(messages=message))
+    assert [proto_field_path(v.field) for v in caught.value.violations] == [field]
 
 
 def test_text_delta_round_trip():

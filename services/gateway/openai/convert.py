@@ -6,7 +6,6 @@ rules themselves are SamplingParams' (one place), so its messages reach HTTP cli
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pagedserve.services.common.errors import InvalidRequest, Reason
@@ -37,6 +36,7 @@ from pagedserve.services.gateway.validation import (
     ChatOptions,
     GenerateInput,
     ServedModel,
+    template_tool_calls,
 )
 
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
@@ -164,7 +164,7 @@ def chat_messages(messages: list[ChatMessageIn]) -> tuple[ChatMessage, ...]:
     assistant's tool calls go to the template with their JSON arguments parsed, as templates
     read them."""
     return tuple(ChatMessage(role=m.role, content=_message_text(m.content, i),
-                             tool_calls=_tool_calls(m.tool_calls or [], i),
+                             tool_calls=template_tool_calls(m.tool_calls or [], i),
                              tool_call_id=m.tool_call_id or "", name=m.name or "")
                  for i, m in enumerate(messages))
 
@@ -173,28 +173,6 @@ def chat_options(request: ChatCompletionRequest | TokenizeRequest) -> ChatOption
     return ChatOptions(add_generation_prompt=request.add_generation_prompt,
                        continue_final_message=request.continue_final_message,
                        template_kwargs=request.chat_template_kwargs or {})
-
-
-def _tool_calls(calls: list[dict[str, Any]], index: int) -> tuple[dict[str, Any], ...]:
-    checked = []
-    for j, call in enumerate(calls):
-        function = call.get("function")
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise InvalidRequest(f"messages[{index}].tool_calls[{j}].function.name must be a "
-                                 f"string, got {_brief(call)}", reason=Reason.INVALID_CHAT_MESSAGE,
-                                 field=f"messages[{index}].tool_calls[{j}].function.name")
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                raise InvalidRequest(
-                    f"messages[{index}].tool_calls[{j}].function.arguments must be JSON, got "
-                    f"{_brief(arguments)}", reason=Reason.INVALID_CHAT_MESSAGE,
-                    field=f"messages[{index}].tool_calls[{j}].function.arguments") from None
-        checked.append({**call, "type": call.get("type", "function"),
-                        "function": {**function, "arguments": arguments}})
-    return tuple(checked)
 
 
 def _message_text(content: str | list[dict[str, Any]] | None, index: int) -> str:
