@@ -1,5 +1,5 @@
 """The host-memory KV tier through the in-process engine on a tiny random-weight model: prefixes
-that together hold three times the device's blocks come back from the host instead of being
+that together hold one and a half times the device's blocks come back from the host instead of being
 recomputed, and every greedy output is the one recomputing them gives."""
 
 from __future__ import annotations
