@@ -126,7 +126,7 @@ class EngineCore:
                                else min(p.num_cpu_blocks for p in profiles))
         bytes_per_block = max(p.kv_bytes_per_block for p in profiles)
         self.num_offload_blocks = (int(cache.kv_offload_gib * GiB // bytes_per_block)
-                                   if cache.enable_prefix_caching and bytes_per_block else 0)
+                                   if bytes_per_block else 0)
         if self.num_gpu_blocks < 1:
             raise ConfigError(f"no room for KV-cache blocks on the device "
                               f"(num_gpu_blocks={self.num_gpu_blocks}); lower the model size or "

@@ -7,7 +7,10 @@ in, then the forward."""
 from __future__ import annotations
 
 from pagedserve.scheduler_svc.block_manager import BlockManager
+from pagedserve.scheduler_svc.metrics import SchedulerMetrics
+from pagedserve.scheduler_svc.stats import StepStats, StepTotals
 from pagedserve.services.common.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
+from prometheus_client import CollectorRegistry
 
 BS = 4
 NUM_SWAP_BLOCKS = 4
@@ -132,3 +135,22 @@ def test_a_reset_forgets_the_host_tier():
     assert bm.host_tier.num_cached_blocks == 0
     assert bm.take_host_copies() == ([], [])
     assert _run(bm, worker, {3: A}) == {3: 0}
+
+
+def test_metrics_split_hits_by_tier_and_count_the_tier_copies_apart_from_swaps():
+    registry = CollectorRegistry()
+    metrics = SchedulerMetrics(registry, "m", lambda: None)
+    metrics.record_step(StepStats.between(
+        StepTotals(), StepTotals(num_prefix_cache_queries=64, num_prefix_cache_hits=48,
+                                 num_host_cache_hits=32),
+        num_scheduled_tokens=16, num_blocks_swapped_in=1, num_blocks_swapped_out=0,
+        schedule_time_s=0.001, num_blocks_offloaded=3, num_blocks_onloaded=4))
+
+    def value(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, {"model_name": "m", **labels})
+
+    assert value("pagedserve:prefix_cache_hits_by_tier_total", tier="gpu") == 16
+    assert value("pagedserve:prefix_cache_hits_by_tier_total", tier="cpu") == 32
+    assert value("pagedserve:kv_offload_blocks_total", direction="offload") == 3
+    assert value("pagedserve:kv_offload_blocks_total", direction="onload") == 4
+    assert value("pagedserve:swapped_blocks_total", direction="in") == 1
