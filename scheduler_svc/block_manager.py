@@ -300,6 +300,22 @@ class BlockManager:
         step being planned carries them."""
         return self.host_tier.take_copies() if self.host_tier is not None else ([], [])
 
+    def forget_host_copies(self, offloads: list[tuple[int, int]],
+                           onloads: list[tuple[int, int]]) -> None:
+        """A failed step's tier copies may not have run: the blocks they filled are forgotten on
+        both tiers, so no later hit reads them."""
+        if self.host_tier is None:
+            return
+        assert self.prefix_cache is not None
+        self.host_tier.forget({cpu for _, cpu in offloads})
+        for _, gpu in onloads:
+            block_hash = self.prefix_cache.forget(gpu)
+            if block_hash is None:
+                continue
+            self.kv_events.removed([block_hash])
+            if self.gpu_pool.ref_counts[gpu] == 0:  # it was parked
+                self.gpu_pool.free(gpu)
+
     def _match_prefix(self, token_ids: list[int], use_prefix_cache: bool = True
                       ) -> tuple[list[BlockHash], list[int | None]]:
         """Stops one block short of an exact full hit: the last token's logits are needed.

@@ -362,6 +362,12 @@ class EngineCore:
         """clear_state stays in the same epoch (only a handshake moves a worker to another);
         step ids keep growing, so no step sent before can follow one sent after."""
         steps = self._window.fail(failed)
+        for step in steps:
+            scheduled, plan = step.scheduled, step.scheduled.plan
+            num_swap_outs = len(plan.blocks_to_swap_out) - scheduled.num_blocks_offloaded
+            self.block_manager.forget_host_copies(
+                plan.blocks_to_swap_out[num_swap_outs:],
+                plan.blocks_to_swap_in[:scheduled.num_blocks_onloaded])
         step_ids = ", ".join(str(s.scheduled.plan.step_id) for s in steps)
         logger.error("step %s failed: %r", step_ids, exc, exc_info=exc)
         message = f"engine step {failed.scheduled.plan.step_id} failed: {exc}"

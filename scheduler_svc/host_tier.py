@@ -75,6 +75,13 @@ class HostTier:
         self._pinned.clear()
         return offloads, onloads
 
+    def forget(self, cpu_block_ids: set[int]) -> None:
+        """Drops the blocks whose copies may not have run."""
+        gone = [h for h, b in self._block_by_hash.items() if b in cpu_block_ids]
+        for block_hash in gone:
+            self._free_block_ids.append(self._block_by_hash.pop(block_hash))
+        self.kv_events.removed(gone, MEDIUM_CPU)
+
     def clear(self) -> None:
         """The workers lost their caches: nothing held survives, no copy is pending."""
         self._free_block_ids.extend(self._block_by_hash.values())

@@ -127,6 +127,22 @@ def test_preemption_swaps_into_its_own_blocks_beside_a_full_tier():
     assert bm.swap_in([2]) and not bm.is_swapped(2)
 
 
+def test_a_failed_step_forgets_the_blocks_its_copies_would_have_filled():
+    bm, worker = _manager(), FakeWorker()
+    _run(bm, worker, {1: A})
+    _run(bm, worker, {2: B})
+    assert bm.allocate(3, A) == 3 * BS  # onloads A, offloads B: the step fails before its copies
+    offloads, onloads = bm.take_host_copies()
+    assert len(offloads) == 3 and len(onloads) == 3
+    bm.forget_host_copies(offloads, onloads)
+    bm.free(3)
+    assert bm.num_free_gpu_blocks == 4
+    # A is copied back again (its host copy was good); B, never copied out, is recomputed
+    assert _run(bm, worker, {4: A}) == {4: 3 * BS}
+    assert _run(bm, worker, {5: B}) == {5: 0}
+    assert bm.kv_events.num_held_blocks(MEDIUM_GPU) == 3
+
+
 def test_a_reset_forgets_the_host_tier():
     bm, worker = _manager(), FakeWorker()
     _run(bm, worker, {1: A})
