@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 from pagedserve.scheduler_svc.block_pool import BlockPool, Device
+from pagedserve.scheduler_svc.host_tier import HostTier
 from pagedserve.scheduler_svc.kv_event_log import KVEventLog
 from pagedserve.scheduler_svc.prefix_cache import (
     BlockHash,
@@ -42,7 +43,9 @@ class _SeqBlocks:
 
 class BlockManager:
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
+                 watermark: float = 0.01, enable_prefix_caching: bool = False,
+                 num_offload_blocks: int = 0) -> None:
+        """`num_offload_blocks`: the host tier's CPU blocks, numbered after the swap space's."""
         assert block_size >= 1 and 0.0 <= watermark < 1.0, (block_size, watermark)
         self.block_size = block_size
         self.watermark = watermark
@@ -53,6 +56,8 @@ class BlockManager:
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         # what the GPU prefix cache holds, for the gateways' routers (no events without it)
         self.kv_events = KVEventLog(block_size)
+        self.host_tier = (HostTier(num_cpu_blocks, num_offload_blocks, block_size, self.kv_events)
+                          if enable_prefix_caching and num_offload_blocks else None)
         self._seqs: dict[int, _SeqBlocks] = {}
 
     @property
@@ -112,9 +117,9 @@ class BlockManager:
     def num_blocks_taken(self, token_ids: list[int], use_prefix_cache: bool = True) -> int:
         """A hit on an evictable block costs a free block just as a new block does."""
         _, hit_block_ids = self._match_prefix(token_ids, use_prefix_cache)
-        num_evictable_hits = sum(1 for b in hit_block_ids if self.gpu_pool.ref_counts[b] == 0)
-        return (cdiv(len(token_ids), self.block_size) - len(hit_block_ids)
-                + num_evictable_hits)
+        gpu_hits = [b for b in hit_block_ids if b is not None]
+        num_evictable_hits = sum(1 for b in gpu_hits if self.gpu_pool.ref_counts[b] == 0)
+        return cdiv(len(token_ids), self.block_size) - len(gpu_hits) + num_evictable_hits
 
     def allocate(self, seq_id: int, token_ids: list[int], use_prefix_cache: bool = True) -> int:
         """Returns num_cached_tokens. `use_prefix_cache` False: every token is computed (prompt
@@ -123,19 +128,30 @@ class BlockManager:
         assert token_ids, "a sequence has at least one token"
         hit_hashes, hit_block_ids = self._match_prefix(token_ids, use_prefix_cache)
         # claim the hits first so that allocating the rest cannot evict them
-        for block_id in hit_block_ids:
+        for block_hash, block_id in zip(hit_hashes, hit_block_ids, strict=True):
+            if block_id is None:
+                assert self.host_tier is not None
+                self.host_tier.pin(block_hash)
+                continue
             if self.gpu_pool.ref_counts[block_id] == 0:
                 assert self.prefix_cache is not None
                 self.prefix_cache.unpark(block_id)
             self.gpu_pool.incref(block_id)
-        block_ids = hit_block_ids + [
-            self._allocate_gpu_block()
-            for _ in range(cdiv(len(token_ids), self.block_size) - len(hit_block_ids))]
+        block_ids: list[int] = []
+        for block_hash, block_id in zip(hit_hashes, hit_block_ids, strict=True):
+            if block_id is None:
+                assert self.host_tier is not None
+                block_id = self._allocate_gpu_block()
+                self.host_tier.onload(block_hash, block_id)
+            block_ids.append(block_id)
+        block_ids += [self._allocate_gpu_block()
+                      for _ in range(cdiv(len(token_ids), self.block_size) - len(hit_block_ids))]
         self._seqs[seq_id] = _SeqBlocks(block_ids=block_ids, num_tokens=len(token_ids),
                                         block_hashes=hit_hashes)
         num_cached_tokens = len(hit_block_ids) * self.block_size
         if self.prefix_cache is not None:
             self.prefix_cache.record_query(len(token_ids), num_cached_tokens)
+            self._register(block_ids, hit_hashes, 0)  # the blocks copied back from the host
         return num_cached_tokens
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
@@ -211,6 +227,8 @@ class BlockManager:
         if self.prefix_cache is not None:
             for block_id in self.prefix_cache.clear():
                 self.gpu_pool.free(block_id)
+            if self.host_tier is not None:
+                self.host_tier.clear()
             self.kv_events.cleared()
 
     def can_swap_out(self, seq_ids: list[int]) -> bool:
@@ -277,19 +295,41 @@ class BlockManager:
         seq.block_hashes.extend(new_hashes)
         self._register(seq.block_ids, seq.block_hashes, num_hashed)
 
+    def take_host_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host tier's (gpu, cpu) offloads and (cpu, gpu) onloads since the last call: the
+        step being planned carries them."""
+        return self.host_tier.take_copies() if self.host_tier is not None else ([], [])
+
+    def forget_host_copies(self, offloads: list[tuple[int, int]],
+                           onloads: list[tuple[int, int]]) -> None:
+        """A failed step's tier copies may not have run: the blocks they filled are forgotten on
+        both tiers, so no later hit reads them."""
+        if self.host_tier is None:
+            return
+        assert self.prefix_cache is not None
+        self.host_tier.forget({cpu for _, cpu in offloads})
+        for _, gpu in onloads:
+            block_hash = self.prefix_cache.forget(gpu)
+            if block_hash is None:
+                continue
+            self.kv_events.removed([block_hash])
+            if self.gpu_pool.ref_counts[gpu] == 0:  # it was parked
+                self.gpu_pool.free(gpu)
+
     def _match_prefix(self, token_ids: list[int], use_prefix_cache: bool = True
-                      ) -> tuple[list[BlockHash], list[int]]:
-        """Stops one block short of an exact full hit: the last token's logits are needed."""
+                      ) -> tuple[list[BlockHash], list[int | None]]:
+        """Stops one block short of an exact full hit: the last token's logits are needed.
+        A hit's block id is None when only the host tier holds it."""
         if self.prefix_cache is None or not use_prefix_cache:
             return [], []
         hashes: list[BlockHash] = []
-        block_ids: list[int] = []
+        block_ids: list[int | None] = []
         parent_hash: BlockHash | None = None
         for i in range((len(token_ids) - 1) // self.block_size):
             parent_hash = hash_block_tokens(
                 parent_hash, token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_id = self.prefix_cache.lookup(parent_hash)
-            if block_id is None:
+            if block_id is None and not (self.host_tier and self.host_tier.holds(parent_hash)):
                 break
             hashes.append(parent_hash)
             block_ids.append(block_id)
@@ -321,6 +361,8 @@ class BlockManager:
             return self.gpu_pool.allocate()
         assert self.prefix_cache.num_evictable_blocks, "no free gpu block"
         block_id, block_hash = self.prefix_cache.evict()
+        if self.host_tier is not None:
+            self.host_tier.offload(block_hash, block_id, self.kv_events.parent(block_hash))
         self.kv_events.removed([block_hash])
         self.gpu_pool.incref(block_id)
         return block_id

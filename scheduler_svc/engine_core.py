@@ -31,7 +31,7 @@ from pagedserve.scheduler_svc.scheduler import ScheduledStep, Scheduler
 from pagedserve.scheduler_svc.sequence import SequenceGroup
 from pagedserve.scheduler_svc.stats import FinishedRequestStats, StatLogger, StepStats, StepTotals
 from pagedserve.scheduler_svc.step_window import SentStep, StepFuture, StepWindow
-from pagedserve.services.common.config import EngineConfig
+from pagedserve.services.common.config import EngineConfig, GiB
 from pagedserve.services.common.drain_rate import DrainRate
 from pagedserve.services.common.engine_api import EngineLoad
 from pagedserve.services.common.errors import ConfigError, InvalidRequest, NotFound, Reason
@@ -82,7 +82,7 @@ class EngineCore:
         cache = config.cache
         self.block_manager = BlockManager(cache.block_size, self.num_gpu_blocks,
                                           self.num_cpu_blocks, config.scheduler.watermark,
-                                          cache.enable_prefix_caching)
+                                          cache.enable_prefix_caching, self.num_offload_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    self.scheduler_epoch)
         self._limits = RequestLimits(
@@ -124,15 +124,20 @@ class EngineCore:
             p.num_gpu_blocks for p in profiles)
         self.num_cpu_blocks = (cache.num_cpu_blocks_override if cache.num_cpu_blocks_override >= 0
                                else min(p.num_cpu_blocks for p in profiles))
+        bytes_per_block = max(p.kv_bytes_per_block for p in profiles)
+        self.num_offload_blocks = (int(cache.kv_offload_gib * GiB // bytes_per_block)
+                                   if bytes_per_block else 0)
         if self.num_gpu_blocks < 1:
             raise ConfigError(f"no room for KV-cache blocks on the device "
                               f"(num_gpu_blocks={self.num_gpu_blocks}); lower the model size or "
                               f"raise gpu_memory_utilization / kv_cache_memory_gib")
-        self._on_all_workers(lambda w: w.init_cache(self.num_gpu_blocks, self.num_cpu_blocks,
-                                                    self.scheduler_epoch))
+        self._on_all_workers(lambda w: w.init_cache(
+            self.num_gpu_blocks, self.num_cpu_blocks + self.num_offload_blocks,
+            self.scheduler_epoch))
         self._on_all_workers(lambda w: w.warm_up())
-        logger.info("engine ready: %d GPU blocks, %d CPU blocks of %d tokens, max_model_len=%d",
-                    self.num_gpu_blocks, self.num_cpu_blocks, cache.block_size, self.max_model_len)
+        logger.info("engine ready: %d GPU blocks, %d CPU swap blocks, %d host-tier blocks of %d "
+                    "tokens, max_model_len=%d", self.num_gpu_blocks, self.num_cpu_blocks,
+                    self.num_offload_blocks, cache.block_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,
@@ -280,17 +285,22 @@ class EngineCore:
         return StepTotals(self.output_processor.num_prompt_tokens,
                           self.output_processor.num_generation_tokens,
                           self.scheduler.num_preemptions, bm.prefix_cache_queries,
-                          bm.prefix_cache_hits)
+                          bm.prefix_cache_hits,
+                          bm.host_tier.num_hit_tokens if bm.host_tier is not None else 0)
 
     def _record_step(self, step: SentStep, process_time_s: float) -> None:
         if not self.stat_loggers:
             return
         totals, before = self.totals(), self._totals
         self._totals = totals
-        plan = step.scheduled.plan
-        stats = StepStats.between(before, totals, plan.num_scheduled_tokens,
-                                  len(plan.blocks_to_swap_in), len(plan.blocks_to_swap_out),
-                                  step.schedule_time_s + process_time_s)
+        scheduled = step.scheduled
+        plan = scheduled.plan
+        stats = StepStats.between(
+            before, totals, plan.num_scheduled_tokens,
+            len(plan.blocks_to_swap_in) - scheduled.num_blocks_onloaded,
+            len(plan.blocks_to_swap_out) - scheduled.num_blocks_offloaded,
+            step.schedule_time_s + process_time_s, scheduled.num_blocks_offloaded,
+            scheduled.num_blocks_onloaded)
         for stat_logger in self.stat_loggers:
             stat_logger.record_step(stats)
 
@@ -352,6 +362,12 @@ class EngineCore:
         """clear_state stays in the same epoch (only a handshake moves a worker to another);
         step ids keep growing, so no step sent before can follow one sent after."""
         steps = self._window.fail(failed)
+        for step in steps:
+            scheduled, plan = step.scheduled, step.scheduled.plan
+            num_swap_outs = len(plan.blocks_to_swap_out) - scheduled.num_blocks_offloaded
+            self.block_manager.forget_host_copies(
+                plan.blocks_to_swap_out[num_swap_outs:],
+                plan.blocks_to_swap_in[:scheduled.num_blocks_onloaded])
         step_ids = ", ".join(str(s.scheduled.plan.step_id) for s in steps)
         logger.error("step %s failed: %r", step_ids, exc, exc_info=exc)
         message = f"engine step {failed.scheduled.plan.step_id} failed: {exc}"
@@ -402,7 +418,8 @@ class EngineCore:
         if _shape(info) != _shape(self.worker_info) or info.max_model_len < self.max_model_len:
             raise ConfigError(f"the restarted worker serves another model: {info}, "
                               f"the engine was built for {self.worker_info}")
-        worker.init_cache(self.num_gpu_blocks, self.num_cpu_blocks, self.scheduler_epoch)
+        worker.init_cache(self.num_gpu_blocks, self.num_cpu_blocks + self.num_offload_blocks,
+                          self.scheduler_epoch)
         worker.warm_up()
         self._num_worker_rebuilds += 1
         logger.info("worker rebuilt: %d GPU blocks, %d CPU blocks (scheduler epoch %d)",

@@ -43,6 +43,10 @@ class KVEventLog:
     def num_held_blocks(self, medium: str = MEDIUM_GPU) -> int:
         return len(self._held[medium])
 
+    def parent(self, block_hash: BlockHash, medium: str = MEDIUM_GPU) -> BlockHash | None:
+        with self._lock:
+            return self._held[medium].get(block_hash)
+
     def stored(self, block_hashes: Sequence[BlockHash], parent_block_hash: BlockHash | None,
                medium: str = MEDIUM_GPU) -> None:
         """`block_hashes`: a chain, each the child of the one before."""

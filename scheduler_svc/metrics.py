@@ -77,6 +77,14 @@ class SchedulerMetrics:
                           "device and CPU swap space.", [*MODEL, "direction"], registry=registry)
         self._swapped_in = swapped.labels(model_name, "in")
         self._swapped_out = swapped.labels(model_name, "out")
+        hits = Counter("pagedserve:prefix_cache_hits_by_tier", "Prefix-cache hit tokens by the "
+                       "tier that held them.", [*MODEL, "tier"], registry=registry)
+        self._gpu_hits = hits.labels(model_name, "gpu")
+        self._cpu_hits = hits.labels(model_name, "cpu")
+        offload = Counter("pagedserve:kv_offload_blocks", "KV-cache blocks copied between the "
+                          "device and the host tier.", [*MODEL, "direction"], registry=registry)
+        self._offloaded = offload.labels(model_name, "offload")
+        self._onloaded = offload.labels(model_name, "onload")
         registry.register(_LoadCollector(model_name, load))
 
     def on_engine_ready(self, max_model_len: int, cache_info: dict[str, str]) -> None:
@@ -102,10 +110,16 @@ class SchedulerMetrics:
         if stats.num_prefix_cache_queries:
             self._prefix_queries.inc(stats.num_prefix_cache_queries)
             self._prefix_hits.inc(stats.num_prefix_cache_hits)
+            self._gpu_hits.inc(stats.num_prefix_cache_hits - stats.num_host_cache_hits)
+            self._cpu_hits.inc(stats.num_host_cache_hits)
         if stats.num_blocks_swapped_in:
             self._swapped_in.inc(stats.num_blocks_swapped_in)
         if stats.num_blocks_swapped_out:
             self._swapped_out.inc(stats.num_blocks_swapped_out)
+        if stats.num_blocks_offloaded:
+            self._offloaded.inc(stats.num_blocks_offloaded)
+        if stats.num_blocks_onloaded:
+            self._onloaded.inc(stats.num_blocks_onloaded)
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
         self._request_success.labels(self._model_name, stats.finish_reason).inc()

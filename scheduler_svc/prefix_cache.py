@@ -80,6 +80,14 @@ class PrefixCache:
         self._evictor.clear()
         return parked
 
+    def forget(self, block_id: int) -> BlockHash | None:
+        """Unnames a block whose KV may be wrong; a parked one leaves the evictor."""
+        block_hash = self._hash_by_block.pop(block_id, None)
+        if block_hash is not None:
+            del self._block_by_hash[block_hash]
+            self._evictor.pop(block_id, None)
+        return block_hash
+
     def evict(self) -> tuple[int, BlockHash]:
         block_id, _ = self._evictor.popitem(last=False)
         block_hash = self._hash_by_block.pop(block_id)

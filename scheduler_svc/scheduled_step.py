@@ -33,6 +33,9 @@ class ScheduledStep:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     rejected: list[SequenceGroup] = field(default_factory=list)  # finished with an error here
     swapped_out: list[SequenceGroup] = field(default_factory=list)  # their KV moves this step
+    # the host tier's copies among the plan's swaps
+    num_blocks_offloaded: int = 0
+    num_blocks_onloaded: int = 0
     # speculation: False when it carries drafts or schedules a speculating sequence
     may_run_ahead: bool = True
 

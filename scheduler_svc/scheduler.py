@@ -461,8 +461,13 @@ class Scheduler:
         step.rejected.append(group)
 
     def _build(self, step: StepDraft) -> ScheduledStep:
+        # onloads first: a GPU block freed and reused within the step ends with its last owner's KV
+        offloads, onloads = self.block_manager.take_host_copies()
+        step.blocks_to_swap_out += offloads
+        step.blocks_to_swap_in[:0] = onloads
         out = ScheduledStep(plan=None, scheduled=step.scheduled, rejected=step.rejected,
-                            swapped_out=step.swapped_out)
+                            swapped_out=step.swapped_out, num_blocks_offloaded=len(offloads),
+                            num_blocks_onloaded=len(onloads))
         if self.speculator is not None:
             out.may_run_ahead = not self.speculator.holds_back_run_ahead(step.scheduled)
         if not step.has_work:

@@ -22,6 +22,7 @@ class StepTotals:
     num_preemptions: int = 0
     num_prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     num_prefix_cache_hits: int = 0  # among them, tokens whose KV was reused
+    num_host_cache_hits: int = 0  # among those, tokens copied back from the host tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,18 +36,24 @@ class StepStats:
     num_blocks_swapped_in: int
     num_blocks_swapped_out: int
     schedule_time_s: float  # the scheduler's own time: schedule() and output processing
+    num_host_cache_hits: int = 0
+    num_blocks_offloaded: int = 0  # to the host tier; not among the swapped blocks
+    num_blocks_onloaded: int = 0
 
     @classmethod
     def between(cls, before: StepTotals, after: StepTotals, num_scheduled_tokens: int,
                 num_blocks_swapped_in: int, num_blocks_swapped_out: int,
-                schedule_time_s: float) -> StepStats:
+                schedule_time_s: float, num_blocks_offloaded: int = 0,
+                num_blocks_onloaded: int = 0) -> StepStats:
         return cls(num_scheduled_tokens,
                    after.num_prompt_tokens - before.num_prompt_tokens,
                    after.num_generation_tokens - before.num_generation_tokens,
                    after.num_preemptions - before.num_preemptions,
                    after.num_prefix_cache_queries - before.num_prefix_cache_queries,
                    after.num_prefix_cache_hits - before.num_prefix_cache_hits,
-                   num_blocks_swapped_in, num_blocks_swapped_out, schedule_time_s)
+                   num_blocks_swapped_in, num_blocks_swapped_out, schedule_time_s,
+                   after.num_host_cache_hits - before.num_host_cache_hits,
+                   num_blocks_offloaded, num_blocks_onloaded)
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,6 +104,9 @@ class CacheConfig:
         0.0, "KV-cache size in GiB on any device; 0 = on CUDA what gpu_memory_utilization "
         "leaves, on CPU 1 GiB")
     swap_space_gib: float = opt(4.0, "CPU swap space for preempted KV blocks, in GiB")
+    kv_offload_gib: float = opt(
+        0.0, "host-memory KV tier for prefix-cache blocks evicted from the device, in GiB, "
+        "beside the swap space; 0 = off; needs enable_prefix_caching")
     num_gpu_blocks_override: int = opt(0, "force this many device blocks (tests); 0 = profile")
     num_cpu_blocks_override: int = opt(-1, "force this many swap blocks (tests); -1 = from swap_space")
     enable_prefix_caching: bool = opt(False, "reuse KV blocks of identical prompt prefixes")
@@ -116,6 +119,10 @@ class CacheConfig:
         _check(self.kv_cache_memory_gib >= 0,
                f"kv_cache_memory_gib must be >= 0, got {self.kv_cache_memory_gib}")
         _check(self.swap_space_gib >= 0, f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
+        _check(self.kv_offload_gib >= 0, f"kv_offload_gib must be >= 0, got {self.kv_offload_gib}")
+        _check(self.kv_offload_gib == 0 or self.enable_prefix_caching,
+               f"kv_offload_gib={self.kv_offload_gib} needs enable_prefix_caching: the host tier "
+               "holds prefix-cache blocks")
         _check(self.num_gpu_blocks_override >= 0,
                f"num_gpu_blocks_override must be >= 0, got {self.num_gpu_blocks_override}")
         _check(self.num_cpu_blocks_override >= -1,

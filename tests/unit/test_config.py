@@ -29,6 +29,8 @@ from pagedserve.services.gateway.config import (
     (CacheConfig, {"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1], got 1.5"),
     (CacheConfig, {"kv_cache_memory_gib": -1}, "kv_cache_memory_gib must be >= 0, got -1"),
     (CacheConfig, {"swap_space_gib": -1}, "swap_space_gib must be >= 0, got -1"),
+    (CacheConfig, {"kv_offload_gib": -1}, "kv_offload_gib must be >= 0, got -1"),
+    (CacheConfig, {"kv_offload_gib": 2.0}, "kv_offload_gib=2.0 needs enable_prefix_caching"),
     (CacheConfig, {"num_cpu_blocks_override": -2}, "num_cpu_blocks_override must be >= -1, got -2"),
     (SchedulerConfig, {"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
     (SchedulerConfig, {"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1, got 0"),

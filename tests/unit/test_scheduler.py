@@ -31,9 +31,10 @@ class Harness:
 
     def __init__(self, num_gpu_blocks: int = 64, num_cpu_blocks: int = 64, block_size: int = 4,
                  max_model_len: int = 256, enable_prefix_caching: bool = False,
-                 **scheduler_kw) -> None:
+                 num_offload_blocks: int = 0, **scheduler_kw) -> None:
         self.bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, watermark=0.0,
-                               enable_prefix_caching=enable_prefix_caching)
+                               enable_prefix_caching=enable_prefix_caching,
+                               num_offload_blocks=num_offload_blocks)
         self.scheduler = Scheduler(SchedulerConfig(**scheduler_kw), self.bm, max_model_len)
         self.seq_ids = itertools.count()
         self.processor = OutputProcessor(self.scheduler, [EOS], max_model_len, self.seq_ids)

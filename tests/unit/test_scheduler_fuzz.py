@@ -1,5 +1,5 @@
 """The scheduler under random workloads on small pools (hypothesis): whatever the policy,
-preemption mode, budgets, prefix caching, sampling (greedy, n/best_of forks, beam search) and
+preemption mode, budgets, prefix caching (with or without a host tier), sampling (greedy, n/best_of forks, beam search) and
 async scheduling (as EngineCore does: two steps in flight between engine steps, the next one
 scheduled once a step's tokens are in and before its reports are built) and
 pauses (backpressure: a paused group is never scheduled), every request ends -- with its tokens,
@@ -35,6 +35,7 @@ REQUESTS = st.lists(st.tuples(st.integers(1, 30),  # prompt length
        block_size=st.sampled_from([2, 4, 8]), policy=st.sampled_from(["fcfs", "priority"]),
        preemption_mode=st.sampled_from(["auto", "swap", "recompute"]),
        enable_chunked_prefill=st.booleans(), enable_prefix_caching=st.booleans(),
+       num_offload_blocks=st.integers(0, 8),
        max_num_seqs=st.integers(2, 8), max_num_batched_tokens=st.integers(8, 64),
        async_scheduling=st.booleans(), requests=REQUESTS,
        aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 7)), max_size=3),
@@ -44,12 +45,13 @@ REQUESTS = st.lists(st.tuples(st.integers(1, 30),  # prompt length
        max_long_partial_prefills=st.integers(1, 2))
 def test_every_request_ends_and_every_block_comes_back(
         num_gpu_blocks, num_cpu_blocks, block_size, policy, preemption_mode,
-        enable_chunked_prefill, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
-        async_scheduling, requests, aborts, pauses, long_prefill_token_threshold,
+        enable_chunked_prefill, enable_prefix_caching, num_offload_blocks, max_num_seqs,
+        max_num_batched_tokens, async_scheduling, requests, aborts, pauses, long_prefill_token_threshold,
         max_long_partial_prefills):
     assume(max_num_batched_tokens >= max_num_seqs)
     h = Harness(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                 block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                num_offload_blocks=num_offload_blocks,
                 policy=policy, preemption_mode=preemption_mode, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill,
