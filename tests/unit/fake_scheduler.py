@@ -198,6 +198,10 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def GetServedModel(self, request, context):
         return self.served_model
 
+    async def WatchKvEvents(self, request, context):
+        """A scheduler older than KV events: the gateway routes by its own index."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "WatchKvEvents")
+
 
 async def start_fake_scheduler(fake: FakeScheduler) -> ServiceServer:
     server, _ = create_server([ServiceBinding(
