@@ -118,14 +118,8 @@ def generate_request(prompt: Prompt | None, messages: Messages | None,
                                           sampling=sampling_params_to_proto(sampling))
     if messages is not None:
         _set_messages(request, messages)
-    elif isinstance(prompt, str):
-        request.text = prompt
-    elif (isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray)
-          and all(isinstance(t, int) for t in prompt)):
-        request.token_ids.SetInParent()
-        request.token_ids.token_ids.extend(prompt)
     else:
-        raise InvalidRequest(f"prompt must be a str or a list of token ids, got {prompt!r}")
+        _set_prompt(request, prompt)
     return request
 
 
@@ -133,6 +127,12 @@ def embed_request(prompt: Prompt, request_id: str | None, priority: int
                   ) -> gateway_pb2.EmbedRequest:
     request = gateway_pb2.EmbedRequest(request_id=request_id or uuid.uuid4().hex,
                                        priority=priority)
+    _set_prompt(request, prompt)
+    return request
+
+
+def _set_prompt(request: gateway_pb2.GenerateRequest | gateway_pb2.EmbedRequest,
+                prompt: Prompt | None) -> None:
     if isinstance(prompt, str):
         request.text = prompt
     elif (isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray)
@@ -141,7 +141,6 @@ def embed_request(prompt: Prompt, request_id: str | None, priority: int
         request.token_ids.token_ids.extend(prompt)
     else:
         raise InvalidRequest(f"prompt must be a str or a list of token ids, got {prompt!r}")
-    return request
 
 
 def embedding_from_proto(msg: gateway_pb2.EmbedResponse) -> Embedding:

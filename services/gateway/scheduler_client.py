@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -44,6 +45,8 @@ from pagedserve.services.rpc.request_span import RequestSpan
 from pagedserve.services.rpc.status import error_from_rpc, status_of
 from pagedserve.services.rpc.tls import internal_aio_channel
 from pagedserve.services.rpc.tracing import aio_client_interceptors
+
+T = TypeVar("T")
 
 PEER = "scheduler"
 MAX_RECONNECT_BACKOFF_MS = 2_000  # a restarted scheduler is used again within this
@@ -129,32 +132,26 @@ class SchedulerClient:
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, PEER) from exc
 
-    async def watch_load(self, min_interval_s: float) -> AsyncIterator[EngineLoad]:
+    def watch_load(self, min_interval_s: float) -> AsyncIterator[EngineLoad]:
         """The scheduler's load, pushed on change, until the stream breaks (Unavailable)."""
-        call = self._stub.WatchLoad(watch_load_request_to_proto(min_interval_s))
-        try:
-            async for msg in call:
-                yield load_from_proto(msg)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc, PEER) from exc
-        finally:
-            call.cancel()
-        raise Unavailable(f"{PEER} at {self.address} ended its load stream",
-                          reason=Reason.SCHEDULER_UNAVAILABLE,
-                          retry_after_s=SCHEDULER_RETRY_AFTER_S)
+        return self._follow(self._stub.WatchLoad(watch_load_request_to_proto(min_interval_s)),
+                            load_from_proto, "load stream")
 
-    async def watch_kv_events(self, request: WatchKVEventsRequest
-                              ) -> AsyncIterator[KVEventBatch]:
+    def watch_kv_events(self, request: WatchKVEventsRequest) -> AsyncIterator[KVEventBatch]:
         """The scheduler's KV events from where `request` resumes, until the stream breaks."""
-        call = self._stub.WatchKvEvents(watch_kv_events_request_to_proto(request))
+        return self._follow(self._stub.WatchKvEvents(watch_kv_events_request_to_proto(request)),
+                            kv_event_batch_from_proto, "KV event stream")
+
+    async def _follow(self, call, convert: Callable[[Any], T], what: str) -> AsyncIterator[T]:
+        """A server stream's messages, converted; its end or break is Unavailable."""
         try:
             async for msg in call:
-                yield kv_event_batch_from_proto(msg)
+                yield convert(msg)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, PEER) from exc
         finally:
             call.cancel()
-        raise Unavailable(f"{PEER} at {self.address} ended its KV event stream",
+        raise Unavailable(f"{PEER} at {self.address} ended its {what}",
                           reason=Reason.SCHEDULER_UNAVAILABLE,
                           retry_after_s=SCHEDULER_RETRY_AFTER_S)
 
