@@ -3,6 +3,7 @@ scheduler: each one reaches the scheduler as the sampler applies it (bias, allow
 as token ids, the prompt truncated), or is refused naming it."""
 
 import asyncio
+import json
 
 import grpc
 import httpx
@@ -239,6 +240,26 @@ def test_greedy_n_echo_logprobs_version_and_tokens_as_ids(model_dir):
     assert positions[0] is None and len(positions) == len(prompt_ids)
     assert positions[1][str(prompt_ids[1])]["logprob"] == -1.0
     assert version.status_code == 200 and version.json()["version"]
+
+
+def test_echo_with_max_tokens_zero_answers_the_prompt_alone(model_dir):
+    """vLLM's scoring call (lm-eval's loglikelihood): the prompt and its logprobs, no output."""
+    async def body(h, client):
+        whole = await client.post(COMPLETIONS, json=_body(COMPLETIONS, {
+            "echo": True, "logprobs": 1, "max_tokens": 0}))
+        streamed = await client.post(COMPLETIONS, json=_body(COMPLETIONS, {
+            "echo": True, "max_tokens": 0, "stream": True}))
+        return whole.json(), streamed.text
+
+    whole, streamed = http_run(model_dir, body)
+    choice, = whole["choices"]
+    assert choice["text"] == PROMPT
+    assert len(choice["logprobs"]["tokens"]) == len(TOKENIZER.encode(PROMPT))
+    assert choice["logprobs"]["token_logprobs"][1:3] == [-1.0, -1.0]
+    texts = [json.loads(line[len("data: "):])["choices"][0]["text"]
+             for line in streamed.splitlines()
+             if line.startswith("data: {") and json.loads(line[len("data: "):])["choices"]]
+    assert "".join(texts) == PROMPT
 
 
 TEMPLATE = ("{% for m in messages %}[{{ m.role }}{% if m.tool_calls %} calls "

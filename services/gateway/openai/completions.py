@@ -105,8 +105,10 @@ class _Completion:
         frontend = serving.frontend
         # echo with logprobs reports the prompt's tokens too (vLLM)
         echoed_logprobs = body.logprobs if body.echo and body.prompt_logprobs is None else None
-        sampling = sampling_params(body, body.max_tokens, body.logprobs, echoed_logprobs,
-                                   limits=frontend.limits)
+        # echo with max_tokens 0 answers the prompt alone (vLLM): one token is drawn, not shown
+        self.echo_only = bool(body.echo) and body.max_tokens == 0
+        sampling = sampling_params(body, 1 if self.echo_only else body.max_tokens,
+                                   body.logprobs, echoed_logprobs, limits=frontend.limits)
         self.wants_prompt_logprobs = sampling.prompt_logprobs is not None
         record_request(self.id, sampling)
         check_prompt_size(body.prompt, sampling, frontend.limits, frontend.info)
@@ -145,9 +147,11 @@ class _Completion:
         choice = self.choices[index]
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[prompt_index] = delta.prompt_logprobs
-        text = delta.text
-        logprobs = (_logprobs(delta, choice, self.label) if self.body.logprobs is not None
-                    else None)
+        text = "" if self.echo_only else delta.text
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs = (CompletionLogprobs() if self.echo_only
+                        else _logprobs(delta, choice, self.label))
         if self.body.echo and not choice.has_started:
             text = self.echoes[prompt_index] + text
             positions = self.prompt_logprobs[prompt_index]
@@ -181,7 +185,7 @@ class _Completion:
             return sse.event(self.response([choice], False).model_dump_json())
         index = prompt_index * self.n + delta.index
         choice = self.choices[index]
-        text = delta.text
+        text = "" if self.echo_only else delta.text
         if self.body.echo and not choice.has_started:
             text = self.echoes[prompt_index] + text
         choice.has_started = True
