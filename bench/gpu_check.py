@@ -38,7 +38,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 SITE_DIR = Path("/tmp/site")
 STUB_DIRS = (ROOT / "services/rpc/v1", ROOT / "services/rpc/internal/v1")
 PYTHON_VERSION = "3.12"
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+# the 2026-11-26 H100 machine ran Python 3.12.3 built by GCC 13.3 (Ubuntu 24.04, glibc 2.39);
+# llguidance ships manylinux_2_31 wheels only
+PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64")
 
 # What pagedserve needs at run time and a CUDA PyTorch image (torch, triton, transformers and
 # their kin) lacks: the 2026-11-26 H100 machine had none of these. grpcio and protobuf are there,
@@ -53,7 +56,7 @@ CARRIED = (
     "fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core", "annotated-types",
     "typing-inspection", "typing-extensions",
     "cryptography", "cffi", "pycparser",
-    "gguf",
+    "gguf", "llguidance",
 )
 # What such an image brings that pagedserve or a carried package needs (the check's premise).
 PROVIDED = (
