@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -40,10 +44,29 @@ def build(name: str, source: Path) -> ModuleType | None:
     cflags = ["-O3", "-fopenmp"]
     if features is not None:
         name, cflags = f"{name}_{features}", [*cflags, "-march=native"]
+    import torch
     from torch.utils import cpp_extension
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    version = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
+    build_directory = Path(root) / version / name
     try:
-        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,
-                                  extra_ldflags=["-fopenmp"])
+        build_directory.mkdir(parents=True, exist_ok=True)
+        with _only_builder(build_directory):
+            return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,
+                                      extra_ldflags=["-fopenmp"],
+                                      build_directory=str(build_directory))
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as exc:
         logger.warning("building %s failed (%s): torch ops stand in", name, exc)
         return None
+
+
+@contextlib.contextmanager
+def _only_builder(build_directory: Path) -> Iterator[None]:
+    """Holds the build directory alone. torch marks a build in progress with a `lock` file
+    that a killed build leaves behind, and every later load then waits on it forever (a CI run
+    hung in `make install` so); a flock dies with its process, so whoever holds it knows that
+    any `lock` file there is stale."""
+    with open(build_directory / "pagedserve.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build_directory / "lock").unlink(missing_ok=True)
+        yield

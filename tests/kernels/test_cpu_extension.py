@@ -3,6 +3,8 @@ test_cpu_linear and test_torch_ops cover those paths)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pagedserve.kernels import cpu_decode, cpu_extension, cpu_linear
 
 
@@ -10,3 +12,24 @@ def test_no_compiler_builds_nothing(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-pagedserve")
     assert cpu_extension.build(cpu_linear.EXTENSION_NAME, cpu_linear.SOURCE) is None
     assert cpu_extension.build(cpu_decode.EXTENSION_NAME, cpu_decode.SOURCE) is None
+
+
+def test_a_killed_builds_lock_does_not_hang_the_next(monkeypatch, tmp_path):
+    """torch's `lock` file, left by a build killed halfway, is cleared by the next builder:
+    torch would otherwise wait on it forever."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    loads = []
+
+    def load(name, sources, build_directory, **kwargs):
+        loads.append(name)
+        assert not (Path(build_directory) / "lock").exists()
+        return name
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    for attempt in range(2):  # the first leaves a stale lock behind, as a SIGKILL would
+        built = cpu_extension.build(cpu_linear.EXTENSION_NAME, cpu_linear.SOURCE)
+        (build_directory,) = tmp_path.glob(f"*/{built}")
+        (build_directory / "lock").touch()
+    assert loads == [built, built]
