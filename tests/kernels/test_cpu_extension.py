@@ -28,7 +28,7 @@ def test_a_killed_builds_lock_does_not_hang_the_next(monkeypatch, tmp_path):
         return name
 
     monkeypatch.setattr(cpp_extension, "load", load)
-    for attempt in range(2):  # the first leaves a stale lock behind, as a SIGKILL would
+    for _ in range(2):  # the first leaves a stale lock behind, as a SIGKILL would
         built = cpu_extension.build(cpu_linear.EXTENSION_NAME, cpu_linear.SOURCE)
         (build_directory,) = tmp_path.glob(f"*/{built}")
         (build_directory / "lock").touch()
