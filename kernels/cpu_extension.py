@@ -37,8 +37,9 @@ def build(name: str, source: Path) -> ModuleType | None:
     # cache shared with another kind of CPU never loads a binary built for this one, and by the
     # source, so checkouts of different versions sharing the cache do not rebuild in turn.
     features = _cpu_features()
+    headers = sorted(source.parent.glob("*.h"))  # the sources' shared helpers
     digest = hashlib.sha1(source.read_bytes())
-    for header in sorted(source.parent.glob("*.h")):  # the sources' shared helpers
+    for header in headers:
         digest.update(header.read_bytes())
     name = f"{name}_{digest.hexdigest()[:10]}"
     cflags = ["-O3", "-fopenmp"]
@@ -52,6 +53,11 @@ def build(name: str, source: Path) -> ModuleType | None:
     try:
         build_directory.mkdir(parents=True, exist_ok=True)
         with _only_builder(build_directory):
+            # built from copies, so that checkouts elsewhere with the same sources give ninja
+            # the same commands and reuse the build instead of redoing it in turn
+            for path in (source, *headers):
+                shutil.copyfile(path, build_directory / path.name)
+            source = build_directory / source.name
             return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,
                                       extra_ldflags=["-fopenmp"],
                                       build_directory=str(build_directory))

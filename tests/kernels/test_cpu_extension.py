@@ -25,6 +25,9 @@ def test_a_killed_builds_lock_does_not_hang_the_next(monkeypatch, tmp_path):
     def load(name, sources, build_directory, **kwargs):
         loads.append(name)
         assert not (Path(build_directory) / "lock").exists()
+        # built from copies there, so that another checkout's build commands are the same
+        assert [Path(source).parent for source in sources] == [Path(build_directory)]
+        assert (Path(build_directory) / "avx512_lanes.h").exists()
         return name
 
     monkeypatch.setattr(cpp_extension, "load", load)
