@@ -8,27 +8,40 @@ with its own random init. Per model:
   - HF generate, static left-padded batches of --batch-size (and, with --hf-sequential, one
     request at a time): tokens/s and the ratios;
   - decode MBU = (weight bytes + KV bytes read) per decode-only step ÷ step time ÷ peak HBM
-    bandwidth, as the median over those steps (also with the forward time alone).
+    bandwidth, as the median over those steps (also with the forward time alone), and the
+    steps' median host CPU time (all threads of this process);
+  - the workload's time with each step taking its forward time alone (`pagedserve_forward_s`):
+    the engine's time if its host work kept up with the device.
 The record goes to bench/results/offline_gpu-<tag>.json.
+
+`--device sim` runs the engine on the simulated GPU (`--sim-gpu`; the model's config.json is the
+simulated model, its step time the calibrated kernel model of docs/simulated-gpu.md) and models
+HF's padded batches with the same kernel prices (bench/hf_sim.py): every figure is a model. The
+host work is real, on this machine's CPU.
 
     python -m bench.offline_gpu                                  # Qwen2.5-0.5B and Llama-3-8B
     python -m bench.offline_gpu --device cpu --models tiny-llama --num-prompts 4 --tag smoke
+    python -m bench.offline_gpu --device sim --models llama-3-8b --tag sim-llama-3-8b
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
+import os
 import statistics
 import tempfile
 from pathlib import Path
 
 import torch
 import transformers
+from pagedserve.worker_svc.sim.roofline import resolve_gpu
 
 from bench.common import Timer, Workload, finish, hf_generate, make_workload, quiet_logging
+from bench.hf_sim import SimulatedHF
 from bench.kernels_gpu import peak_gbps
 from bench.step_anatomy import StepRecorder, is_decode_step
 from pagedserve.llm_engine import LLMEngine
@@ -89,9 +102,9 @@ def weight_bytes_read(model: torch.nn.Module) -> int:
     return total
 
 
-def run_pagedserve(engine: LLMEngine, wl: Workload) -> tuple[float, list[dict]]:
-    """Wall time of the whole workload, and per decode-only step: its time, forward time,
-    and KV bytes read."""
+def run_pagedserve(engine: LLMEngine, wl: Workload) -> tuple[float, float, list[dict]]:
+    """Wall time of the whole workload, the forward time of all its steps, and per decode-only
+    step: its time, forward time, the host's CPU time (every thread) and KV bytes read."""
     recorder = StepRecorder(engine.core)
     worker = engine.core.workers[0]
     spec = worker.kv_spec
@@ -100,19 +113,24 @@ def run_pagedserve(engine: LLMEngine, wl: Workload) -> tuple[float, list[dict]]:
     for i, (prompt, sampling) in enumerate(zip(wl.prompts, wl.sampling_params(), strict=True)):
         engine.add_request(f"{wl.name}-{i}", prompt, sampling)
     steps = []
+    forward_s = 0.0
     with Timer() as t:
         while engine.has_unfinished_requests():
             record = recorder.step()
             plan = record.get("plan")
-            if plan is None or not is_decode_step(plan, len(plan.running_seqs)):
+            if plan is None:
+                continue
+            forward_s += record["timings"].forward_ns / 1e9
+            if not is_decode_step(plan, len(plan.running_seqs)):
                 continue
             mirror = worker.runner.mirrors.seqs
             num_kv_tokens = sum(mirror[s.seq_id].num_computed_tokens for s in plan.running_seqs
                                 if s.seq_id in mirror)
             steps.append({"batch_size": len(plan.running_seqs), "step_s": record["step_ns"] / 1e9,
                           "forward_s": record["timings"].forward_ns / 1e9,
+                          "cpu_s": record["step_cpu_ns"] / 1e9,
                           "kv_bytes": num_kv_tokens * kv_bytes_per_token})
-    return t.elapsed_s, steps
+    return t.elapsed_s, forward_s, steps
 
 
 def decode_mbu(steps: list[dict], weight_bytes: int, peak: float | None) -> dict:
@@ -122,6 +140,8 @@ def decode_mbu(steps: list[dict], weight_bytes: int, peak: float | None) -> dict
     fwd_gbps = [(weight_bytes + s["kv_bytes"]) / s["forward_s"] / 1e9 for s in steps]
     out = {"num_decode_steps": len(steps),
            "median_step_ms": statistics.median(s["step_s"] for s in steps) * 1e3,
+           "median_forward_ms": statistics.median(s["forward_s"] for s in steps) * 1e3,
+           "median_host_cpu_ms": statistics.median(s["cpu_s"] for s in steps) * 1e3,
            "median_batch_size": statistics.median(s["batch_size"] for s in steps),
            "median_gbps": statistics.median(step_gbps),
            "median_forward_gbps": statistics.median(fwd_gbps), "peak_gbps": peak}
@@ -132,7 +152,6 @@ def decode_mbu(steps: list[dict], weight_bytes: int, peak: float | None) -> dict
 
 
 def bench_model(name: str, args: argparse.Namespace, root: Path) -> dict:
-    device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     model_dir = write_model_dir(name, args.dtype, root)
     vocab = MODEL_CONFIGS[name]["vocab_size"]
@@ -140,52 +159,85 @@ def bench_model(name: str, args: argparse.Namespace, root: Path) -> dict:
                        (args.min_output_len, args.max_output_len), vocab, args.seed)
     warm = make_workload("warmup", 4, (16, 64), (8, 8), vocab, seed=args.seed + 1)
     result = {"model": name, **wl.describe(), "batch_size": args.batch_size}
-
-    # HF first, then freed, so that the engine may take its share of the device memory.
     config = transformers.AutoConfig.from_pretrained(model_dir)
-    torch.manual_seed(args.seed)
-    with torch.device(device):
-        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    hf_generate(hf, warm.prompts, 8)
-    with Timer() as t:
-        for start in range(0, len(wl.prompts), args.batch_size):
-            stop = start + args.batch_size
-            hf_generate(hf, wl.prompts[start:stop], max(wl.output_lens[start:stop]))
-        _sync(device)
-    result.update(hf_padded_s=t.elapsed_s, hf_padded_tok_s=wl.num_output_tokens / t.elapsed_s)
-    if args.hf_sequential:
-        with Timer() as t:
-            for prompt, n in zip(wl.prompts, wl.output_lens, strict=True):
-                hf_generate(hf, [prompt], n)
-            _sync(device)
-        result.update(hf_sequential_s=t.elapsed_s,
-                      hf_sequential_tok_s=wl.num_output_tokens / t.elapsed_s)
-    del hf
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    if args.device == "sim":
+        hf_sim = SimulatedHF(config, dtype, resolve_gpu(args.sim_gpu))
+        result.update(hf_padded(wl, args, lambda prompts, n: hf_sim.generate_s(
+            [len(p) for p in prompts], n), hf_is_model=True))
+        weight_bytes = weight_bytes_read(hf_sim.model)
+        engine_kwargs = {"sim_model": str(model_dir), "sim_gpu": args.sim_gpu}
+        peak = resolve_gpu(args.sim_gpu).memory_bandwidth / 1e9
+    else:
+        result.update(hf_measured(wl, warm, config, dtype, args))
+        weight_bytes = None
+        engine_kwargs = {"kv_cache_memory_gib": 1.0} if args.device == "cpu" else {}
+        peak = peak_gbps(torch.device(args.device))
     log.info("%s: HF padded %.1f s", name, result["hf_padded_s"])
 
     engine = LLMEngine.from_kwargs(model=str(model_dir), load_format="dummy", dtype=args.dtype,
                                    device=args.device, max_num_seqs=args.batch_size,
-                                   seed=args.seed, **({"kv_cache_memory_gib": 1.0}
-                                                      if device.type == "cpu" else {}))
+                                   seed=args.seed, **engine_kwargs)
     run_pagedserve(engine, warm)
-    ours_s, steps = run_pagedserve(engine, wl)
+    ours_s, forward_s, steps = run_pagedserve(engine, wl)
     log.info("%s: pagedserve %.1f s", name, ours_s)
-    weight_bytes = weight_bytes_read(engine.core.workers[0].runner.model)
+    if weight_bytes is None:
+        weight_bytes = weight_bytes_read(engine.core.workers[0].runner.model)
     result.update(pagedserve_s=ours_s, pagedserve_tok_s=wl.num_output_tokens / ours_s,
                   ratio_vs_hf_padded=result["hf_padded_s"] / ours_s,
-                  weight_bytes=weight_bytes,
-                  decode=decode_mbu(steps, weight_bytes, peak_gbps(device)))
+                  pagedserve_forward_s=forward_s,
+                  ratio_vs_hf_padded_forward_only=result["hf_padded_s"] / forward_s,
+                  weight_bytes=weight_bytes, decode=decode_mbu(steps, weight_bytes, peak))
     if "hf_sequential_s" in result:
         result["ratio_vs_hf_sequential"] = result["hf_sequential_s"] / ours_s
     engine.close()
     del engine
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    _free(args.device)
     return result
+
+
+def hf_padded(wl: Workload, args: argparse.Namespace, generate, hf_is_model: bool = False
+              ) -> dict:
+    """Static batches of --batch-size, each generating its longest request's tokens;
+    `generate(prompts, num_new_tokens)` returns its seconds."""
+    total_s = sum(generate(wl.prompts[start:start + args.batch_size],
+                           max(wl.output_lens[start:start + args.batch_size]))
+                  for start in range(0, len(wl.prompts), args.batch_size))
+    return {"hf_padded_s": total_s, "hf_padded_tok_s": wl.num_output_tokens / total_s,
+            "hf_is_model": hf_is_model}
+
+
+def hf_measured(wl: Workload, warm: Workload, config: transformers.PretrainedConfig,
+                dtype: torch.dtype, args: argparse.Namespace) -> dict:
+    """HF generate on the device, then freed, so that the engine may take its share of the
+    device memory."""
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    hf_generate(hf, warm.prompts, 8)
+
+    result = hf_padded(wl, args, functools.partial(_timed_generate, hf))
+    if args.hf_sequential:
+        sequential_s = sum(_timed_generate(hf, [prompt], n) for prompt, n in
+                           zip(wl.prompts, wl.output_lens, strict=True))
+        result.update(hf_sequential_s=sequential_s,
+                      hf_sequential_tok_s=wl.num_output_tokens / sequential_s)
+    del hf
+    _free(args.device)
+    return result
+
+
+def _timed_generate(hf: torch.nn.Module, prompts: list[list[int]], num_new_tokens: int) -> float:
+    with Timer() as t:
+        hf_generate(hf, prompts, num_new_tokens)
+        _sync(hf.device)
+    return t.elapsed_s
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _sync(device: torch.device) -> None:
@@ -197,7 +249,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama-3-8b"],
                         choices=sorted(MODEL_CONFIGS))
-    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
+    parser.add_argument("--device", default="cuda",
+                        help="cuda; sim: the calibrated simulated GPU (a model); cpu: a smoke run")
+    parser.add_argument("--sim-gpu", default="H100-SXM", help="device sim: the modelled GPU")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=64,
@@ -223,11 +277,19 @@ def main(argv: list[str] | None = None) -> dict:
         results = [bench_model(name, args, Path(tmp)) for name in args.models]
 
     def describe(r: dict) -> str:
-        mbu = r["decode"].get("mbu")
+        d = r["decode"]
+        mbu = "n/a" if d.get("mbu") is None else f"{d['mbu']:.0%} ({d['mbu_forward_only']:.0%})"
         return (f"{r['model']} {r['pagedserve_tok_s']:.0f} tok/s = {r['ratio_vs_hf_padded']:.2f}x "
-                f"HF padded, decode MBU {'n/a' if mbu is None else f'{mbu:.0%}'}")
-    line = "offline gpu: " + "; ".join(map(describe, results))
-    return finish("offline_gpu", args, line, results, dtype=args.dtype)
+                f"HF padded ({r['ratio_vs_hf_padded_forward_only']:.2f}x), decode MBU {mbu}, "
+                f"median decode step {d.get('median_step_ms', 0):.2f} ms "
+                f"({d.get('median_forward_ms', 0):.2f}) at batch {d.get('median_batch_size')}")
+    forward_only = " (in brackets: the steps' forward time alone, as if the host kept up)"
+    line = ("offline gpu" + (f" (modelled: simulated {args.sim_gpu}, HF modelled too; "
+                             f"load average {os.getloadavg()[0]:.1f})"
+                             if args.device == "sim" else "") + forward_only + ": "
+            + "; ".join(map(describe, results)))
+    return finish("offline_gpu", args, line, results, dtype=args.dtype,
+                  is_model=args.device == "sim")
 
 
 if __name__ == "__main__":

@@ -37,9 +37,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
                          device_types="cuda")
 def rotary_write_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    q_norm_weight: torch.Tensor | None = None,
+                    k_norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """With q_norm_weight and k_norm_weight: Qwen3's per-head q/k RMSNorm in the same launch."""
     return _triton().rotary_write_kv(positions, query, key, value, cos_sin_cache, k_cache,
-                                     v_cache, slot_mapping)
+                                     v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
 
 
 rms_norm.register_kernel("cpu", ref.rms_norm)
@@ -65,7 +68,8 @@ def _(x):  # noqa: ANN001, ANN202
 
 
 @rotary_write_kv.register_fake
-def _(positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping):  # noqa: ANN001, ANN202
+def _(positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping,  # noqa: ANN001, ANN202
+      q_norm_weight=None, k_norm_weight=None, eps=0.0):  # noqa: ANN001
     head_size = k_cache.shape[3]
     shape = query.shape if query.dim() == 3 else (query.shape[0], query.shape[1] // head_size,
                                                    head_size)

@@ -99,14 +99,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def rotary_write_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    q_norm_weight: torch.Tensor | None = None,
+                    k_norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """Rotates query and key by their positions (cos_sin_cache: [max_position, head_size], the
     cosines then the sines), writes the rotated key and the value to the cache and returns the
     rotated query [num_tokens, num_heads, head_size]. query, key, value: [num_tokens, heads *
-    head_size] or [num_tokens, heads, head_size]."""
+    head_size] or [num_tokens, heads, head_size]. With q_norm_weight and k_norm_weight each
+    head is RMS-normalized (rms_norm) before it is rotated."""
     num_tokens, head_size = positions.shape[0], k_cache.shape[3]
     cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
-    query = rotate(query.reshape(num_tokens, -1, head_size), cos, sin)
-    key = rotate(key.reshape(num_tokens, -1, head_size), cos, sin)
+    query = query.reshape(num_tokens, -1, head_size)
+    key = key.reshape(num_tokens, -1, head_size)
+    if q_norm_weight is not None:
+        query, key = rms_norm(query, q_norm_weight, eps), rms_norm(key, k_norm_weight, eps)
+    query, key = rotate(query, cos, sin), rotate(key, cos, sin)
     write_kv(key, value.reshape(num_tokens, -1, head_size), k_cache, v_cache, slot_mapping)
     return query

@@ -188,8 +188,9 @@ LAYER_TOKENS = 32
 
 def layer_launches(dtype: torch.dtype, head_size: int, gqa: int,
                    has_model_ops: bool) -> list[tuple[str, Launch]]:
-    """The layer ops' launches: rotary + K/V write and the per-head (q/k) norm at this head
-    size, and with has_model_ops the hidden-size norms and SiLU-and-mul."""
+    """The layer ops' launches: rotary + K/V write, alone and with the per-head (q/k) norms
+    (Qwen3), and the per-head norm at this head size, and with has_model_ops the hidden-size
+    norms and SiLU-and-mul."""
     num_heads = NUM_KV_HEADS * gqa
     qkv = torch.empty(LAYER_TOKENS, (num_heads + 2 * NUM_KV_HEADS) * head_size, dtype=dtype)
     query, key, value = qkv.split([num_heads * head_size, NUM_KV_HEADS * head_size,
@@ -198,10 +199,14 @@ def layer_launches(dtype: torch.dtype, head_size: int, gqa: int,
     positions = torch.zeros(LAYER_TOKENS, dtype=torch.int64)
     cos_sin = torch.empty(8192, head_size, dtype=torch.float32)
     heads = query.unflatten(-1, (num_heads, head_size))
+    norm_weight = torch.empty(head_size, dtype=dtype)
     launches = [
         triton_layer_ops.rotary_write_kv_launch(
             torch.empty_like(heads), positions, query, key, value, cos_sin, kv_cache[0],
             kv_cache[1], positions),
+        triton_layer_ops.rotary_write_kv_launch(
+            torch.empty_like(heads), positions, query, key, value, cos_sin, kv_cache[0],
+            kv_cache[1], positions, norm_weight, norm_weight, 1e-6),
         triton_layer_ops.rms_norm_launch(torch.empty_like(heads), None, heads, None,
                                          torch.empty(head_size, dtype=dtype), 1e-6),
     ]

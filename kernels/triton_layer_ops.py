@@ -96,7 +96,11 @@ def _heads(x: torch.Tensor, head_size: int) -> torch.Tensor:
 def rotary_write_kv_launch(query_out: torch.Tensor, positions: torch.Tensor,
                            query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> Launch | None:
+                           v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           q_norm_weight: torch.Tensor | None = None,
+                           k_norm_weight: torch.Tensor | None = None,
+                           eps: float = 0.0) -> Launch | None:
+    """q_norm_weight and k_norm_weight, both or neither: each head RMS-normalized first."""
     check_cache_pair(k_cache, v_cache)
     num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
     num_tokens = positions.shape[0]
@@ -108,24 +112,36 @@ def rotary_write_kv_launch(query_out: torch.Tensor, positions: torch.Tensor,
     if cos_sin_cache.shape[1] != head_size or head_size % 2:
         raise ValueError(f"cos_sin_cache must be [max_position, {head_size}] for an even head "
                          f"size, got {tuple(cos_sin_cache.shape)}")
+    has_qk_norm = q_norm_weight is not None
+    if has_qk_norm != (k_norm_weight is not None):
+        raise ValueError("q_norm_weight and k_norm_weight go together")
+    for name, weight in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if weight is not None and weight.shape != (head_size,):
+            raise ValueError(f"{name} must be [{head_size}], got {tuple(weight.shape)}")
     if num_tokens == 0:
         return None
     num_heads = query.shape[1]
     return Launch(rotary_write_kv_kernel, (num_tokens, num_heads + num_kv_heads), (
         query_out, query, key, value, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        q_norm_weight if has_qk_norm else cos_sin_cache,
+        k_norm_weight if has_qk_norm else cos_sin_cache, eps,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0),
         value.stride(1), k_cache.stride(1), k_cache.stride(2),
     ), dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
-            HALF_P2=triton.next_power_of_2(head_size // 2), num_warps=1))
+            HALF_P2=triton.next_power_of_2(head_size // 2), HAS_QK_NORM=has_qk_norm,
+            num_warps=1))
 
 
 def rotary_write_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    q_norm_weight: torch.Tensor | None = None,
+                    k_norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     query_heads = _heads(query, k_cache.shape[3])
     query_out = torch.empty(query_heads.shape, dtype=query.dtype, device=query.device)
     launch = rotary_write_kv_launch(query_out, positions, query, key, value, cos_sin_cache,
-                                    k_cache, v_cache, slot_mapping)
+                                    k_cache, v_cache, slot_mapping, q_norm_weight,
+                                    k_norm_weight, eps)
     if launch is not None:
         launch()
     return query_out

@@ -16,6 +16,7 @@ Logits and sampling stay outside the graph.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,16 +136,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self, kv_caches: list[torch.Tensor], pool: tuple | None = None) -> None:
-        """Largest first, so the smaller graphs fit into the shared pool the largest left; the
-        buffers hold only padding, so capturing writes nothing into the cache."""
-        pool = pool or torch.cuda.graph_pool_handle()
-        for batch_size in reversed(self.batch_sizes):
-            self.graphs[batch_size], self.hidden_states[batch_size] = capture_graph(
-                lambda b=batch_size: self.run_static(b, kv_caches), pool, self.device)
+        """The buffers hold only padding, so capturing writes nothing into the cache."""
+        self.graphs, self.hidden_states = capture_largest_first(
+            self.batch_sizes, lambda b: self.run_static(b, kv_caches), pool, self.device)
         self.kv_caches = kv_caches
-        torch.cuda.synchronize(self.device)
-        # the warm-up runs' activations go back, so what stays reserved is the graphs'
-        torch.cuda.empty_cache()
         logger.info("captured %d decode CUDA graphs (batch sizes %s, seq len up to %d)",
                     len(self.graphs), self.batch_sizes, self.max_seq_len)
 
@@ -160,6 +155,21 @@ class DecodeGraphs:
         self.graphs[batch_size].replay()
         self.num_replays += 1
         return self.hidden_states[batch_size][:model_input.num_tokens]
+
+
+def capture_largest_first(sizes: list[int], run: Callable[[int], torch.Tensor],
+                          pool: tuple | None, device: torch.device
+                          ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
+    """One graph of `run(size)` per size, and its output, largest first into one pool, so the
+    smaller graphs fit into what the largest left; then the warm-up runs' activations go back,
+    so what stays reserved is the graphs'."""
+    pool = pool or torch.cuda.graph_pool_handle()
+    graphs, outputs = {}, {}
+    for size in sorted(sizes, reverse=True):
+        graphs[size], outputs[size] = capture_graph(functools.partial(run, size), pool, device)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return graphs, outputs
 
 
 def capture_graph(run: Callable[[], torch.Tensor], pool: tuple,

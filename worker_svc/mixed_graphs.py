@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.services.common.cdiv import cdiv
-from pagedserve.worker_svc.cuda_graphs import DecodeGraphs, capture_graph, is_decode_only
+from pagedserve.worker_svc.cuda_graphs import DecodeGraphs, capture_largest_first, is_decode_only
 from pagedserve.worker_svc.graph_buckets import GraphBuckets, graph_bucket, mixed_num_seqs
 from pagedserve.worker_svc.model_input import ModelInput
 from torch import nn
@@ -129,15 +129,11 @@ class MixedGraphs:
 
     @torch.inference_mode()
     def capture(self, kv_caches: list[torch.Tensor], pool: tuple | None = None) -> None:
-        """Largest first into one pool, as the decode graphs; the buffers hold only padding
-        (slot -1), so capturing writes nothing into the cache."""
-        pool = pool or torch.cuda.graph_pool_handle()
-        for num_tokens in reversed(self.num_tokens):
-            self.graphs[num_tokens], self.hidden_states[num_tokens] = capture_graph(
-                lambda t=num_tokens: self.run_static(t, kv_caches), pool, self.device)
+        """The buffers hold only padding (slot -1), so capturing writes nothing into the
+        cache."""
+        self.graphs, self.hidden_states = capture_largest_first(
+            self.num_tokens, lambda t: self.run_static(t, kv_caches), pool, self.device)
         self.kv_caches = kv_caches
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
         logger.info("captured %d mixed-step CUDA graphs (tokens %s, seq len up to %d)",
                     len(self.graphs), self.num_tokens, self.buckets.max_seq_len)
 

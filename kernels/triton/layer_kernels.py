@@ -72,16 +72,18 @@ def rotary_write_kv_kernel(
     k_cache_ptr,  # [num_blocks * block_size, num_kv_heads, head_size] (flat view), contiguous
     v_cache_ptr,
     slot_mapping_ptr,  # [num_tokens] int64, -1 = no cache write
+    q_norm_ptr, k_norm_ptr, eps,  # HAS_QK_NORM: the [head_size] RMSNorm weights of q and k
     stride_query_token, stride_query_head,
     stride_key_token, stride_key_head,
     stride_value_token, stride_value_head,
     stride_cache_slot, stride_cache_head,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
-    HALF_P2: tl.constexpr,
+    HALF_P2: tl.constexpr, HAS_QK_NORM: tl.constexpr,
 ):
     """Program (token, head): heads below NUM_HEADS rotate a query head into query_out, the
     rest rotate a key head and copy its value head into the cache slot (neox layout: the
-    first half of a head pairs with the second)."""
+    first half of a head pairs with the second). HAS_QK_NORM: each query and key head is first
+    RMS-normalized with its weight (Qwen3), rounded as kernels.ref.rms_norm rounds."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = HEAD_SIZE // 2
@@ -96,10 +98,12 @@ def rotary_write_kv_kernel(
     if head < NUM_HEADS:
         src = query_ptr + token * stride_query_token + head * stride_query_head
         dst = query_out_ptr + (token * NUM_HEADS + head) * HEAD_SIZE
+        norm_ptr = q_norm_ptr
     else:
         kv_head = head - NUM_HEADS
         src = key_ptr + token * stride_key_token + kv_head * stride_key_head
         dst = k_cache_ptr + slot * stride_cache_slot + kv_head * stride_cache_head
+        norm_ptr = k_norm_ptr
         full = tl.arange(0, 2 * HALF_P2)
         v = tl.load(value_ptr + token * stride_value_token + kv_head * stride_value_head + full,
                     mask=full < HEAD_SIZE)
@@ -108,6 +112,12 @@ def rotary_write_kv_kernel(
     x1 = tl.load(src + dim, mask=mask, other=0.0)
     x2 = tl.load(src + half + dim, mask=mask, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_QK_NORM:
+        rstd = 1.0 / tl.sqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / HEAD_SIZE + eps)
+        w1 = tl.load(norm_ptr + dim, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_ptr + half + dim, mask=mask, other=0.0).to(tl.float32)
+        a = ((a * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+        b = ((b * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
     cos, sin = cos.to(tl.float32), sin.to(tl.float32)
     tl.store(dst + dim, (a * cos - b * sin).to(x1.dtype), mask=mask)
     tl.store(dst + half + dim, (b * cos + a * sin).to(x1.dtype), mask=mask)

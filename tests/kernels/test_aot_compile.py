@@ -79,6 +79,8 @@ def test_every_worker_phase_is_compiled(reports):
                                        ("layer", "rms_norm_kernel"),
                                        ("layer", "silu_and_mul_kernel"),
                                        ("layer", "rotary_write_kv_kernel")}
+    assert any(r["constexprs"].get("HAS_QK_NORM") for r in reports
+               if r["kernel"] == "rotary_write_kv_kernel")  # Qwen3's q/k norms fused
     shapes = {(r["head_size"], r["block_size"], r["gqa"]) for r in reports}
     assert {h for h, _, _ in shapes} == {64, 128} and {b for _, b, _ in shapes} == {16, 32}
     assert {1, 8} <= {g for _, _, g in shapes}

@@ -115,6 +115,35 @@ def test_rotary_write_kv(impl_ops, device, dtype, head_size, num_heads, num_kv_h
     assert caches[0].isnan().sum() == caches[1].isnan().sum() > 0
 
 
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rotary_write_kv_with_qk_norm_is_the_norms_then_the_rotary(impl_ops, device, dtype):
+    """Qwen3's per-head q/k RMSNorms in the rotary kernel: the same query and cache as the
+    reference norms each head (rms_norm) and then turns it, in two launches."""
+    num_tokens, num_heads, num_kv_heads, head_size = 5, 4, 2, 128
+    qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, dtype=dtype,
+                 device=device, seed=7)
+    query, key, value = qkv.split([num_heads * head_size, num_kv_heads * head_size,
+                                   num_kv_heads * head_size], dim=-1)
+    q_weight, k_weight = (_randn(head_size, dtype=dtype, device=device, seed=s) for s in (8, 9))
+    rotary = RotaryEmbedding(head_size, max_position=64, base=10000.0).to(device)
+    positions = torch.tensor([0, 9, 40, 63, 2], device=device)
+    slot_mapping = torch.tensor([3, -1, 0, 9, 15], device=device)
+    caches = [torch.zeros(2, 2, 8, num_kv_heads, head_size, dtype=dtype, device=device)
+              for _ in range(2)]
+    out = impl_ops.rotary_write_kv(positions, query, key, value, rotary.cos_sin_cache,
+                                   caches[0][0], caches[0][1], slot_mapping, q_weight, k_weight,
+                                   1e-6)
+    normed_query = ref.rms_norm(query.unflatten(-1, (num_heads, head_size)), q_weight, 1e-6)
+    normed_key = ref.rms_norm(key.unflatten(-1, (num_kv_heads, head_size)), k_weight, 1e-6)
+    expected = ref.rotary_write_kv(positions, normed_query, normed_key, value,
+                                   rotary.cos_sin_cache, caches[1][0], caches[1][1],
+                                   slot_mapping)
+    _close(out, expected, dtype)
+    _close(caches[0], caches[1], dtype)
+    assert caches[0][0].abs().sum() > 0
+
+
 def test_the_reference_rotary_is_the_layers():
     """fp32: the fused path's reference turns query and key as RotaryEmbedding does."""
     rotary = RotaryEmbedding(64, max_position=32, base=10000.0)

@@ -6,6 +6,8 @@ states and writes no KV for padding, and that mixed steps through the runner kee
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from pagedserve.kernels.backend import available_backends
@@ -18,8 +20,9 @@ from pagedserve.worker_svc.graph_buckets import (
     graph_bucket,
     mixed_num_seqs,
 )
-from pagedserve.worker_svc.mixed_graphs import MixedBuffers, MixedGraphs
+from pagedserve.worker_svc.mixed_graphs import MixedBuffers, MixedGraphs, capture_graphs
 from pagedserve.worker_svc.model_input import build_model_input
+from torch import nn
 
 from tests.integration.worker_driver import Driver, make_worker
 from tests.unit.test_cuda_graph_buckets import _decodes, _seq
@@ -190,3 +193,47 @@ def test_mixed_steps_take_the_graph_path_and_keep_their_tokens(tiny_model_dir):
     assert graphed.recorder.logits.keys() == eager.recorder.logits.keys()
     for key, row in graphed.recorder.logits.items():
         torch.testing.assert_close(row, eager.recorder.logits[key], atol=1e-4, rtol=0)
+
+
+class _ShapeRecorder(nn.Module):
+    """A model that notes each forward's token count and the pool being captured into."""
+
+    def __init__(self, capturing: dict) -> None:
+        super().__init__()
+        self.capturing = capturing
+        self.calls: list[tuple[int, object]] = []
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        self.calls.append((input_ids.shape[0], self.capturing.get("pool")))
+        return torch.zeros(input_ids.shape[0], 4)
+
+
+def test_both_kinds_capture_largest_first_into_one_pool_after_a_warm_up(monkeypatch):
+    """The memory profile reserves the largest graph's peak only: every graph of both kinds
+    goes into one pool, the largest first (here the 16-token mixed graph), each after an
+    eager run outside the capture."""
+    capturing: dict = {}
+
+    @contextlib.contextmanager
+    def graph(_graph, pool):
+        capturing["pool"] = pool
+        yield
+        capturing.pop("pool")
+
+    pools = iter(["pool-0", "pool-1"])
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(pools))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    buckets = capture_buckets(max_num_seqs=4, max_num_batched_tokens=2048,
+                              max_cuda_graph_tokens=16, max_seq_len=48)
+    model = _ShapeRecorder(capturing)
+    kv_caches = [torch.zeros(1)]
+    decode, mixed = capture_graphs(model, buckets, BLOCK_SIZE, kv_caches, CPU)
+    assert model.calls == [(16, None), (16, "pool-0"), (8, None), (8, "pool-0"),
+                           (4, None), (4, "pool-0"), (2, None), (2, "pool-0"),
+                           (1, None), (1, "pool-0")]
+    assert sorted(decode.graphs) == [1, 2, 4] and sorted(mixed.graphs) == [8, 16]
+    assert decode.kv_caches is kv_caches and mixed.kv_caches is kv_caches
+    assert mixed.hidden_states[16].shape == (16, 4)

@@ -214,3 +214,11 @@ def test_op_shapes_are_affine_in_the_token_count():
     assert flops.tolist() == [op.flops for op in traced]
     with pytest.raises(ValueError, match="different ops"):
         AffineOps.fit(meta_model.trace_forward(16), meta_model.trace_logits(16, 16), 16, 32)
+
+
+def test_qwen3_q_k_norms_ride_in_the_rotary_kernel(tiny_model_dir):
+    """Qwen3's per-head RMSNorms of query and key add no launch: its layers trace as Llama's
+    (the rotary + K/V write kernel normalizes each head first)."""
+    qwen3, _ = traced_ops(sim_hf_config(str(tiny_model_dir("qwen3"))), torch.bfloat16)
+    llama, _ = traced_ops(sim_hf_config(str(tiny_model_dir("llama"))), torch.bfloat16)
+    assert qwen3.names == llama.names

@@ -78,11 +78,8 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states)  # [num_tokens, q_size], [num_tokens, kv_size] ×2
-        if self.has_qk_norm:
-            num_tokens = q.shape[0]
-            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_size))
-            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_size))
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta, positions))
+        qk_norm = (self.q_norm, self.k_norm) if self.has_qk_norm else None
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta, positions, qk_norm))
 
 
 class LlamaDecoderLayer(nn.Module):

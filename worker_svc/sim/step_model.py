@@ -164,10 +164,8 @@ class StepModel:
             durations = np.concatenate([[graph_s], tail_s])
             issue = np.concatenate([[c.graph_launch_s], c.graph_launch_s + tail_issue])
             num_launches = 1 + len(tail_s)
-        # one stream: kernel i ends at max over j <= i of (issue_j + the durations j..i)
-        from_issue = issue + np.cumsum(durations[::-1])[::-1]
         return StepCost(
-            device_s=float(from_issue.max()), host_s=float(issue[-1]),
+            device_s=stream_end_s(issue, durations), host_s=float(issue[-1]),
             kernel_s=float(forward_s.sum() + tail_s.sum()), num_launches=num_launches,
             num_kernels=int(forward_launches.sum()) + len(tail_s),
             is_graph=bucket is not None, roofline_floor_s=floor)
@@ -203,6 +201,17 @@ class StepModel:
             num_bytes / (self.gpu.memory_bandwidth * cost.bandwidth_efficiency),
             self._head_flops * attended / (self.gpu.peak_flops * cost.flops_efficiency))
         return time_s, num_launches
+
+
+def stream_end_s(issue: np.ndarray, durations: np.ndarray) -> float:
+    """When the last of one stream's kernels ends, kernel i issued at issue[i]: kernel i ends
+    at max over j <= i of (issue_j + the durations j..i)."""
+    return float((issue + np.cumsum(durations[::-1])[::-1]).max())
+
+
+def eager_stream_s(durations: np.ndarray, launch_s: float) -> float:
+    """An eager stream whose host launches one kernel every launch_s."""
+    return stream_end_s(np.arange(1, len(durations) + 1) * launch_s, durations)
 
 
 def _padded(bucket: GraphBucket, query_lens: list[int],

@@ -98,10 +98,12 @@ def _flops(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -
 
 def _rotary_write_kv_bytes(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                            value: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[int, int]:
-    """(bytes read, bytes written to the cache): one table row per token, not the table."""
+                           v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           *qk_norm: Any) -> tuple[int, int]:
+    """(bytes read, bytes written to the cache): one table row per token, not the table;
+    qk_norm: the q/k norm weights (and eps) where the kernel normalizes the heads too."""
     row_bytes = cos_sin_cache.shape[1] * cos_sin_cache.element_size()
-    read = (sum(map(_bytes_read, (positions, query, key, value, slot_mapping)))
+    read = (sum(map(_bytes_read, (positions, query, key, value, slot_mapping, *_tensors(qk_norm))))
             + positions.numel() * row_bytes)
     return read, _bytes_read(key) + _bytes_read(value)
 
@@ -124,7 +126,7 @@ class OpRecorder(TorchDispatchMode):
         if op_class == "gather":  # reads the rows it writes and the indices, not the table
             read = written + sum(_bytes_read(t) for t in inputs if not t.is_floating_point())
         elif name == "pagedserve::rotary_write_kv":
-            read, cache_written = _rotary_write_kv_bytes(*args)
+            read, cache_written = _rotary_write_kv_bytes(*args, *(kwargs or {}).values())
             written += cache_written
         else:
             read = sum(map(_bytes_read, inputs))
