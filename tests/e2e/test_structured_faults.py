@@ -1,19 +1,33 @@
 """Constrained streams (a JSON schema and a regex, greedy and seeded) over gRPC, each equal token
 for token to its undisturbed run across a fault in the middle: a worker that dies and comes back
 (the scheduler rebuilds it and recomputes) and a scheduler replica that dies (the gateway
-resubmits each stream to the survivor with the outputs it already streamed)."""
+resubmits each stream to the survivor with the outputs it already streamed); and a scheduler
+that takes a live worker over masks each request by its own grammar."""
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from pagedserve.services.common.config import WorkerServiceConfig
+from pagedserve.scheduler_svc.engine_core import EngineCore
+from pagedserve.scheduler_svc.worker_client import WorkerClient
+from pagedserve.services.common.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    WorkerServiceConfig,
+)
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.structured_outputs import StructuredOutputsParams
 from pagedserve.services.gateway.config import RoutingConfig
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
 from pagedserve.worker_svc.servicer import start_worker
+from transformers import AutoTokenizer
 
+from tests.e2e.background import BackgroundLoop
 from tests.e2e.replica_stack import start_replica_stack
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
 from tests.e2e.test_replicas import stream, wait_idle
@@ -91,3 +105,45 @@ def test_constrained_streams_survive_a_scheduler_replica_killed_unchanged(tiny_s
         wait_idle(next(r for r in stack.replicas if r is not victims[0]))
     finally:
         stack.close()
+
+
+def test_a_scheduler_taking_the_worker_over_masks_each_request_by_its_own_grammar(
+        tiny_served_model_dir):
+    """Each new scheduler numbers its sequences from 0 again: its first sequence is another
+    request than the old scheduler's sequence 0, whose matcher the worker still holds."""
+    config = EngineConfig(model=ModelConfig(model=str(tiny_served_model_dir)),
+                          cache=CacheConfig(block_size=16, kv_cache_memory_gib=0.01,
+                                            swap_space_gib=0.01),
+                          device=DeviceConfig(device="cpu"))
+    digits, letters = (SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=(
+        StructuredOutputsParams(regex=regex))) for regex in (r"[0-9]{40}", r"[a-z]{40}"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_served_model_dir)
+    loop = BackgroundLoop()
+    server, servicer = loop.run(start_worker(config, WorkerServiceConfig(port=0)))
+    clients = []
+
+    def core() -> EngineCore:
+        clients.append(WorkerClient(f"127.0.0.1:{server.port}", config, step_timeout_s=30,
+                                    startup_timeout_s=120))
+        return EngineCore(config, clients[-1:])
+
+    def generate(engine: EngineCore, request_id: str, sampling: SamplingParams) -> list[int]:
+        engine.add_request(request_id, [5, 6, 7], sampling)
+        token_ids = []
+        while engine.has_unfinished_requests():
+            token_ids += [t for r in engine.step() for t in r.outputs[0].token_ids]
+        return token_ids
+
+    try:
+        expected = generate(core(), "letters", letters)
+        old = core()
+        old.add_request("digits", [5, 6, 7], digits)
+        token_ids = [t for _ in range(4) for r in old.step() for t in r.outputs[0].token_ids]
+        assert re.fullmatch("[0-9]+", tokenizer.decode(token_ids)), tokenizer.decode(token_ids)
+        assert generate(core(), "letters-again", letters) == expected
+    finally:
+        for client in clients:
+            client.close()
+        loop.run(server.shutdown(0))
+        servicer.close()
+        loop.close()
