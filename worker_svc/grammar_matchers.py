@@ -111,6 +111,10 @@ class GrammarMatchers:
     def _synced(self, seq: CachedSequence) -> _SeqMatcher:
         outputs = seq.token_ids[seq.prompt_len:]
         entry = self._matchers.get(seq.seq_id)
+        if entry is not None and (entry.request_id != seq.request_id
+                                  or entry.seq.sampling.structured_outputs
+                                  != seq.sampling.structured_outputs):
+            entry = None  # a scheduler that took over numbers its sequences from 0 again
         if entry is not None and entry.seq is not seq:
             if outputs[:len(entry.consumed)] != entry.consumed:
                 entry = self._rolled_back(entry, outputs)

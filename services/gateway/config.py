@@ -27,7 +27,7 @@ from pagedserve.services.common.sampling_params import MAX_LOGPROBS
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
-TOOL_CALL_PARSERS = ("", "hermes", "llama3_json")  # openai/tools.py's PARSERS, "" = none
+TOOL_CALL_PARSERS = ("", "hermes", "llama3_json")  # openai/tool_parser.py's formats, "" = none
 
 
 @dataclass(slots=True)

@@ -123,19 +123,38 @@ def test_tool_choice_required_calls_listed_tools_with_valid_arguments(client, sm
         jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
 
 
-def test_a_named_tool_is_called_and_streams_as_tool_call_deltas(client, smollm2_dir):
-    request = {"model": smollm2_dir.name, "temperature": 0, "max_tokens": 60, "tools": TOOLS,
-               "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+def _streamed_calls(chunks) -> list[tuple[str, str]]:
+    """(name, arguments) of each call, its arguments joined from the fragments."""
+    calls: list[list[str]] = []
+    for delta in (d for c in chunks for d in (c.choices[0].delta.tool_calls or [])):
+        if delta.index == len(calls):
+            assert delta.id and delta.type == "function" and delta.function.arguments == ""
+            calls.append([delta.function.name, ""])
+        else:
+            assert delta.function.name is None
+            calls[delta.index][1] += delta.function.arguments
+    return [tuple(c) for c in calls]
+
+
+@pytest.mark.parametrize("tool_choice", [
+    {"type": "function", "function": {"name": "get_time"}}, "required"], ids=["named", "required"])
+def test_streamed_tool_call_arguments_join_into_the_returned_ones(client, smollm2_dir,
+                                                                  tool_choice):
+    request = {"model": smollm2_dir.name, "temperature": 0, "max_tokens": 120, "tools": TOOLS,
+               "tool_choice": tool_choice,
                "messages": [{"role": "user", "content": "What time is it in Tokyo?"}]}
     whole = client.chat.completions.create(**request).choices[0]
-    assert [c.function.name for c in whole.message.tool_calls] == ["get_time"]
-    jsonschema.validate(json.loads(whole.message.tool_calls[0].function.arguments),
-                        PARAMETERS["get_time"])
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    if tool_choice != "required":
+        assert [name for name, _ in calls] == ["get_time"]
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), PARAMETERS[name])
     chunks = list(client.chat.completions.create(stream=True, **request))
-    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
-    assert [(d.index, d.function.name) for d in deltas] == [(0, "get_time")]
-    assert deltas[0].function.arguments == whole.message.tool_calls[0].function.arguments
-    assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "stop"
+    assert _streamed_calls(chunks) == calls
+    num_fragments = sum(len(c.choices[0].delta.tool_calls or []) for c in chunks)
+    assert num_fragments > 2 * len(calls)  # the arguments come as they are generated
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+    assert whole.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
 
 
 def test_parallel_tool_calls_false_makes_one_call(client, smollm2_dir):

@@ -101,6 +101,21 @@ def test_a_resent_sequence_gets_the_mask_of_its_outputs(matchers, hf_tokenizer, 
     assert got == _mask_after(fresh, _seq(0, resent_outputs[outputs_after], params), vocab_size)
 
 
+def test_a_seq_id_taken_by_another_request_gets_its_own_grammar(matchers, hf_tokenizer,
+                                                               vocab_size):
+    """A scheduler that takes a worker over numbers its sequences from 0 again: a sequence of
+    another request under a seq_id the worker still has a matcher for (the old scheduler's,
+    left after ClearState) is masked by its own constraint, not by the old one rolled back."""
+    old = _seq(0, hf_tokenizer.encode('{"name": "Di', add_special_tokens=False),
+               StructuredOutputsParams(json_schema=SCHEMA))
+    _mask_after(matchers, old, vocab_size)
+    choice = StructuredOutputsParams(choice=("yes", "no"))
+    new = _seq(0, [], choice, request_id="after-takeover")
+    fresh = GrammarMatchers(matchers.cache, vocab_size, [EOS])
+    assert _mask_after(matchers, new, vocab_size) == _mask_after(fresh, _seq(0, [], choice),
+                                                                 vocab_size)
+
+
 def test_a_fork_starts_from_its_parents_matcher(matchers, hf_tokenizer, vocab_size):
     params = StructuredOutputsParams(json_schema=SCHEMA)
     ids = hf_tokenizer.encode('{"name": "Cy", "age": 5}', add_special_tokens=False)

@@ -13,8 +13,7 @@ from pagedserve.services.gateway.openai.protocol import (
 )
 from pagedserve.services.gateway.openai.structured import structured_outputs
 from pagedserve.services.gateway.openai.tools import (
-    parse_hermes,
-    parse_llama3_json,
+    ToolUse,
     parse_tool_calls,
     parser_for_template,
     tool_constraint,
@@ -26,6 +25,7 @@ WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "time"}}
 USER = [{"role": "user", "content": "hi"}]
+AUTO = ToolUse([WEATHER, TIME], "auto")
 
 
 def _completion(**fields):
@@ -109,21 +109,22 @@ def test_a_named_function_constrains_to_its_arguments_and_auto_to_nothing():
 def test_hermes_calls_after_content():
     text = ('Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n'
             '</tool_call>\n<tool_call>{"name": "time", "arguments": {}}</tool_call>')
-    content, calls = parse_hermes(text)
+    content, calls = parse_tool_calls(text, AUTO, "hermes")
     assert content == "Let me check."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("weather", {"city": "Oslo"}), ("time", {})]
     assert len({c.id for c in calls}) == 2
-    assert parse_hermes("<tool_call>{not json</tool_call>") == (
+    assert parse_tool_calls("<tool_call>{not json</tool_call>", AUTO, "hermes") == (
         "<tool_call>{not json</tool_call>", [])
 
 
 def test_llama3_json_calls_and_plain_text():
-    content, calls = parse_llama3_json(
+    content, calls = parse_tool_calls(
         '<|python_tag|>{"name": "weather", "parameters": {"city": "Rome"}}; '
-        '{"name": "time", "parameters": {}}')
-    assert content == "" and [c.function.name for c in calls] == ["weather", "time"]
-    assert parse_llama3_json("The weather is fine.") == ("The weather is fine.", [])
+        '{"name": "time", "parameters": {}}', AUTO, "llama3_json")
+    assert content is None and [c.function.name for c in calls] == ["weather", "time"]
+    assert parse_tool_calls("The weather is fine.", AUTO, "llama3_json") == (
+        "The weather is fine.", [])
 
 
 def test_auto_without_a_parser_keeps_content_and_templates_pick_theirs():

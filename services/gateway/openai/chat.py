@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: the messages (and tools) through the model's chat template, n
 choices, streamed as `chat.completion.chunk`s (the role first, then content, then the finish
-reason) or returned whole. A choice that may hold tool calls streams whole at its end: its text
-is a tool call or content only once it is complete."""
+reason) or returned whole. A choice that may hold tool calls streams them as the OpenAI API does:
+a call's first delta names it, the next ones carry its arguments as they are generated."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from pagedserve.services.gateway.openai.protocol import (
     ChatLogprobs,
     ChatMessageOut,
     ChatTokenLogprob,
+    FunctionCallDelta,
     PromptLogprobs,
     ToolCall,
     ToolCallDelta,
@@ -49,9 +50,11 @@ from pagedserve.services.gateway.openai.serving import (
     top_logprob,
     usage_info,
 )
+from pagedserve.services.gateway.openai.tool_parser import CallStart, Piece
 from pagedserve.services.gateway.openai.tools import (
     ToolUse,
     parse_tool_calls,
+    tool_call_parser,
     tool_constraint,
     tool_use,
 )
@@ -70,6 +73,26 @@ def _logprobs(delta: TextDelta, label: Callable[[TokenLogprob], str]) -> ChatLog
             token=token, logprob=logprob_value(sampled.logprob), bytes=list(token.encode()),
             top_logprobs=[top_logprob(c, label) for c in top]))
     return ChatLogprobs(content=content)
+
+
+def _tool_deltas(pieces: list[Piece]) -> list[tuple[str, list[ToolCallDelta]]]:
+    """The content and tool-call deltas of a parser's pieces, one chunk's each: a call's start
+    has a chunk of its own (its arguments ""), as OpenAI sends it."""
+    chunks: list[tuple[str, list[ToolCallDelta]]] = [("", [])]
+    for piece in pieces:
+        content, calls = chunks[-1]
+        if isinstance(piece, str):
+            chunks[-1] = (content + piece, calls)
+        elif isinstance(piece, CallStart):
+            start = ToolCallDelta(index=piece.index, id=piece.id, type="function",
+                                  function=FunctionCallDelta(name=piece.name, arguments=""))
+            chunks[-1:] = [c for c in (chunks[-1],) if c[0] or c[1]] + [("", [start]), ("", [])]
+        elif calls and calls[-1].index == piece.index:
+            calls[-1].function.arguments += piece.text
+        elif piece.text:
+            calls.append(ToolCallDelta(index=piece.index,
+                                       function=FunctionCallDelta(arguments=piece.text)))
+    return chunks
 
 
 def _messages_input(serving: OpenAIServing, body: ChatCompletionRequest,
@@ -93,6 +116,7 @@ class _Chat:
         self.serving = serving
         self.body = body
         self.tool_use = use if use is not None and use.parses_output else None
+        self.tool_parsers = []
         self.id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         self.created = now_s()
         logprobs = chat_top_logprobs(body)
@@ -103,6 +127,9 @@ class _Chat:
         self.input = GenerateInput(request_id=self.id, token_ids=tuple(token_ids),
                                    sampling=sampling, priority=body.priority, operation="chat")
         self.texts = [""] * sampling.n
+        if self.tool_use is not None:
+            self.tool_parsers = [tool_call_parser(self.tool_use, serving.tool_call_parser)
+                                 for _ in range(sampling.n)]
         self.logprobs = [ChatLogprobs() if logprobs is not None else None
                          for _ in range(sampling.n)]
         self.finish_reasons: list[str | None] = [None] * sampling.n
@@ -136,10 +163,9 @@ class _Chat:
     def stream_event(self, template: sse.ChunkTemplate, delta: TextDelta) -> str | None:
         """The delta's chunk event (None when it carries nothing to send); without logprobs
         the choice is written straight to JSON, and its text is not kept (no whole message).
-        A choice that may hold tool calls is sent whole at its end."""
+        A choice that may hold tool calls goes through its parser."""
         if self.tool_use is not None:
-            choice = self.on_delta(delta)
-            return self.chunk([self._final_chunk(delta.index)]) if choice.finish_reason else None
+            return self._tool_event(self.on_delta(delta))
         if self.body.logprobs:
             choice = self.on_delta(delta)
             if not (choice.delta.content or choice.logprobs or choice.finish_reason):
@@ -166,22 +192,35 @@ class _Chat:
             system_fingerprint=self.serving.system_fingerprint, choices=choices,
             usage=usage_info(self.usages) if with_usage else None).model_dump_json()
 
+    def _tool_event(self, choice: ChatChunkChoice) -> str | None:
+        parser = self.tool_parsers[choice.index]
+        pieces = parser.feed(choice.delta.content or "")
+        if choice.finish_reason is not None:
+            pieces += parser.finish()
+        chunks = _tool_deltas(pieces)
+        finish_reason = self._finish_reason(choice.finish_reason, parser.num_calls)
+        if not (chunks[-1][0] or chunks[-1][1] or choice.logprobs or finish_reason):
+            chunks.pop()
+        last = len(chunks) - 1
+        return "".join(self.chunk([ChatChunkChoice(
+            index=choice.index, delta=ChatDelta(content=content or None, tool_calls=calls or None),
+            logprobs=choice.logprobs if i == last else None,
+            finish_reason=finish_reason if i == last else None)])
+            for i, (content, calls) in enumerate(chunks)) or None
+
+    def _finish_reason(self, finish_reason: str | None, num_calls: int) -> str | None:
+        # OpenAI: a named call stops; one cut off by max_tokens keeps its length
+        if num_calls and finish_reason == "stop" and self.tool_use.mode != "named":
+            return "tool_calls"
+        return finish_reason
+
     def message(self, index: int) -> tuple[str | None, list[ToolCall], str | None]:
         """A finished choice's content, tool calls and finish reason."""
         text, finish_reason = self.texts[index], self.finish_reasons[index]
         if self.tool_use is None:
             return text, [], finish_reason
         content, calls = parse_tool_calls(text, self.tool_use, self.serving.tool_call_parser)
-        if calls and self.tool_use.mode != "named":  # OpenAI: a named call stops
-            finish_reason = "tool_calls"
-        return content, calls, finish_reason
-
-    def _final_chunk(self, index: int) -> ChatChunkChoice:
-        content, calls, finish_reason = self.message(index)
-        deltas = [ToolCallDelta(index=k, **call.model_dump()) for k, call in enumerate(calls)]
-        return ChatChunkChoice(index=index, delta=ChatDelta(content=content or None,
-                                                            tool_calls=deltas or None),
-                               logprobs=self.logprobs[index], finish_reason=finish_reason)
+        return content, calls, self._finish_reason(finish_reason, len(calls))
 
     async def whole(self, submission: Submission) -> ChatCompletionResponse:
         async with contextlib.aclosing(submission.deltas()) as deltas:

@@ -217,8 +217,26 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class ToolCallDelta(ToolCall):
+class FunctionCallDelta(BaseModel):
+    name: str | None = None  # in a call's first delta
+    arguments: str | None = None  # the arguments' text generated since the last delta
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(BaseModel):
+    """A call's first delta carries its id, type and name; the later ones its arguments."""
+
     index: int  # the call's place in the choice's tool_calls
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatMessageOut(BaseModel):
@@ -258,7 +276,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    """Only the fields a chunk changes: the role once, then content."""
+    """Only the fields a chunk changes: the role once, then content and tool calls."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None

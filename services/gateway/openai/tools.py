@@ -4,10 +4,6 @@ tool-call format under `auto` (vLLM's --tool-call-parser names)."""
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +14,13 @@ from pagedserve.services.gateway.openai.protocol import (
     FunctionCall,
     ToolCall,
 )
-
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-_PYTHON_TAG = "<|python_tag|>"
+from pagedserve.services.gateway.openai.tool_parser import (
+    HERMES_TAG,
+    PYTHON_TAG,
+    CallStart,
+    Piece,
+    ToolCallParser,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,87 +98,37 @@ def tool_constraint(use: ToolUse | None, parallel_tool_calls: bool
     return StructuredOutputsParams(json_schema=schema)
 
 
-def _call(name: str, arguments: Any) -> ToolCall:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                    function=FunctionCall(name=name, arguments=text))
-
-
-def _calls_of(objects: list[Any]) -> list[ToolCall]:
-    calls = []
-    for obj in objects:
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return []
-        arguments = obj.get("arguments", obj.get("parameters", {}))
-        calls.append(_call(obj["name"], arguments))
-    return calls
-
-
-def _json_values(text: str) -> list[Any]:
-    """Consecutive JSON values, separated by whitespace or ';' (Llama 3.x's parallel calls)."""
-    decoder, values, i = json.JSONDecoder(), [], 0
-    while i < len(text):
-        while i < len(text) and text[i] in " \t\r\n;":
-            i += 1
-        if i == len(text):
-            break
-        try:
-            value, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return []
-        values.append(value)
-    return values
-
-
-def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
-    """Hermes, Qwen2.5: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks after
-    optional content."""
-    start = text.find("<tool_call>")
-    if start < 0:
-        return text, []
-    objects = []
-    for body in _HERMES_CALL.findall(text[start:]):
-        values = _json_values(body)
-        if len(values) != 1:
-            return text, []
-        objects.append(values[0])
-    calls = _calls_of(objects)
-    return (text[:start].strip(), calls) if calls else (text, [])
-
-
-def parse_llama3_json(text: str) -> tuple[str, list[ToolCall]]:
-    """Llama 3.x: the whole output is `{"name": ..., "parameters": {...}}` (several joined by
-    ';'), optionally after <|python_tag|>."""
-    body = text.strip().removeprefix(_PYTHON_TAG).strip()
-    if not body.startswith("{"):
-        return text, []
-    calls = _calls_of(_json_values(body))
-    return ("", calls) if calls else (text, [])
-
-
-PARSERS: dict[str, Callable[[str], tuple[str, list[ToolCall]]]] = {
-    "hermes": parse_hermes, "llama3_json": parse_llama3_json}
-
-
 def parser_for_template(chat_template: str | None) -> str:
     """The parser a chat template's own tool-call format needs; "" if it shows none."""
     template = chat_template or ""
-    if "<tool_call>" in template:
+    if HERMES_TAG in template:
         return "hermes"
-    if "<|python_tag|>" in template or "ipython" in template:
+    if PYTHON_TAG in template or "ipython" in template:
         return "llama3_json"
     return ""
 
 
+def tool_call_parser(use: ToolUse, parser: str) -> ToolCallParser:
+    """A choice's parser; `parser` reads `auto`'s calls ("": none, all is content)."""
+    return ToolCallParser(use.mode, parser, use.named)
+
+
+def tool_calls_of(pieces: list[Piece]) -> tuple[str, list[ToolCall]]:
+    """The content and the calls a parser's pieces make."""
+    content, calls = [], []
+    for piece in pieces:
+        if isinstance(piece, str):
+            content.append(piece)
+        elif isinstance(piece, CallStart):
+            calls.append(ToolCall(id=piece.id, function=FunctionCall(name=piece.name,
+                                                                     arguments="")))
+        else:
+            calls[piece.index].function.arguments += piece.text
+    return "".join(content), calls
+
+
 def parse_tool_calls(text: str, use: ToolUse, parser: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of one finished choice."""
-    if use.mode == "named":
-        return None, [_call(use.named, text)]
-    if use.mode == "required":
-        values = _json_values(text)
-        calls = _calls_of(values[0]) if len(values) == 1 and isinstance(values[0], list) else []
-        return (None, calls) if calls else (text, [])
-    if use.mode == "auto" and parser:
-        content, calls = PARSERS[parser](text)
-        return (content or None, calls) if calls else (text, [])
-    return text, []
+    """(content, calls) of one finished choice: what its streamed pieces add up to."""
+    reader = tool_call_parser(use, parser)
+    content, calls = tool_calls_of(reader.feed(text) + reader.finish())
+    return (content or None, calls) if calls else (content, [])

@@ -1,0 +1,144 @@
+"""Constrained outputs (a JSON schema and a regex, greedy and seeded, n=2) are token-exact under
+what moves a sequence: swap and recompute preemption, the scheduler planning ahead, the worker
+launching a step before the one in flight is finished, and a request resumed with the outputs a
+gateway already streamed (its failover). A tiny random-weight Llama with a real tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import NewSequence, RunningSequence, StepPlan
+from pagedserve.services.common.structured_outputs import StructuredOutputsParams
+
+from pagedserve.llm import LLM
+from tests import tiny_models
+from tests.integration.worker_driver import make_worker
+from tests.unit.tiny_tokenizers import byte_level_bpe
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 8},
+    "n": {"type": "integer", "minimum": 0}},
+    "required": ["name", "tags", "n"], "additionalProperties": False}
+REGEX = r"([a-z]{2,9} [0-9]{1,3}\. ){2,12}"
+CONSTRAINTS = {"json": StructuredOutputsParams(json_schema=SCHEMA),
+               "regex": StructuredOutputsParams(regex=REGEX)}
+SAMPLINGS = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=c)
+             for c in CONSTRAINTS.values()] + [
+    SamplingParams(temperature=1.0, seed=7, max_tokens=40, structured_outputs=c)
+    for c in CONSTRAINTS.values()] + [
+    SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=40,
+                   structured_outputs=CONSTRAINTS["json"])]
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+BLOCK_SIZE = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """vocab 512 covers the tokenizer's 400 ids, which the grammars are compiled against."""
+    path = tmp_path_factory.mktemp("constrained") / "tiny-llama"
+    config = tiny_models.tiny_config("llama")
+    config.vocab_size = 512
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    byte_level_bpe().hf_tokenizer.save_pretrained(path)
+    return path
+
+
+def _generate(model_dir, num_gpu_blocks: int, **kw) -> tuple[list, int]:
+    """Every prompt with every sampling in one batch; and how many preemptions there were."""
+    with LLM(str(model_dir), device="cpu", attention_backend="torch", num_threads=1,
+             block_size=BLOCK_SIZE, num_gpu_blocks_override=num_gpu_blocks,
+             num_cpu_blocks_override=64, **kw) as llm:
+        outputs = llm.generate([p for p in PROMPTS for _ in SAMPLINGS],
+                               [s for _ in PROMPTS for s in SAMPLINGS], use_tqdm=False)
+        num_preemptions = llm.engine.core.scheduler.num_preemptions
+    return [[(c.index, c.token_ids, c.finish_reason) for c in out.outputs]
+            for out in outputs], num_preemptions
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(model_dir):
+    """Room for every sequence, steps run one at a time: the undisturbed outputs."""
+    outputs, num_preemptions = _generate(model_dir, 128, async_scheduling=False)
+    assert num_preemptions == 0
+    assert any(len(tokens) > 16 for out in outputs for _, tokens, _ in out)
+    return outputs
+
+
+@pytest.mark.parametrize(("num_gpu_blocks", "kw"), [
+    (128, {}),
+    (16, {"preemption_mode": "swap"}),
+    (16, {"preemption_mode": "recompute"}),
+], ids=["run_ahead", "swap", "recompute"])
+def test_constrained_outputs_are_those_of_an_undisturbed_run(model_dir, one_at_a_time,
+                                                             num_gpu_blocks, kw):
+    outputs, num_preemptions = _generate(model_dir, num_gpu_blocks, **kw)
+    assert outputs == one_at_a_time
+    assert (num_preemptions > 0) == ("preemption_mode" in kw)
+
+
+def test_a_resumed_constrained_request_continues_token_identically(model_dir, one_at_a_time):
+    """What the scheduler a gateway fails over to is given: the outputs already streamed."""
+    with LLM(str(model_dir), device="cpu", attention_backend="torch", num_threads=1,
+             block_size=BLOCK_SIZE, num_gpu_blocks_override=128,
+             num_cpu_blocks_override=8) as llm:
+        engine = llm.engine
+        for i, sampling in enumerate(SAMPLINGS):
+            expected = {index: tokens for index, tokens, _ in one_at_a_time[i]}
+            for cut in (1, 7):
+                resumed = {index: tokens[:cut] for index, tokens in expected.items()
+                           if len(tokens) > cut}
+                engine.core.add_request(f"r{i}-{cut}", PROMPTS[0], sampling, resumed=resumed)
+                got = {index: list(tokens) for index, tokens in resumed.items()}
+                while engine.has_unfinished_requests():
+                    for report in engine.step():
+                        for out in report.outputs:
+                            got[out.index].extend(out.token_ids)
+                assert got == {index: expected[index] for index in resumed}, (i, cut)
+
+
+def _plans(samplings: list[SamplingParams], num_steps: int) -> list[StepPlan]:
+    num_blocks = -(-(len(PROMPTS[1]) + num_steps + 1) // BLOCK_SIZE)
+    new_seqs = [NewSequence(seq_id=i, request_id=f"r{i}", token_ids=list(PROMPTS[1]),
+                            prompt_len=len(PROMPTS[1]),
+                            block_ids=list(range(i * num_blocks, (i + 1) * num_blocks)),
+                            num_computed_tokens=0, num_scheduled_tokens=len(PROMPTS[1]),
+                            sampling=sampling, seed=1234 + i)
+                for i, sampling in enumerate(samplings)]
+    plans = [StepPlan(1, 1, new_seqs=new_seqs)]
+    for step_id in range(2, num_steps + 2):
+        plans.append(StepPlan(1, step_id, previous_step_id=step_id - 1, running_seqs=[
+            RunningSequence(i, [], num_blocks, [], 1) for i in range(len(samplings))]))
+    return plans
+
+
+def test_steps_launched_ahead_mask_with_the_tokens_of_the_step_before(model_dir):
+    """The worker's run-ahead: step n+1 is launched before step n is finished, and its mask is
+    built once step n's draws reached the mirror (the CPU worker driven as the CUDA one runs)."""
+    samplings = [dataclasses.replace(s, ignore_eos=True) for s in SAMPLINGS if s.n == 1]
+    plans = _plans(samplings, 24)
+    reference = make_worker(model_dir, block_size=BLOCK_SIZE)
+    expected = [reference.execute_step(plan).outputs for plan in plans]
+    worker = make_worker(model_dir, block_size=BLOCK_SIZE)
+    in_flight = worker.launch_step(plans[0])
+    worker.sample_step(in_flight)
+    outputs = []
+    for plan in plans[1:]:
+        ahead = worker.launch_step(plan, ahead_of=in_flight)
+        outputs.append(worker.finish_step(in_flight).outputs)
+        worker.sample_step(ahead)
+        in_flight = ahead
+    outputs.append(worker.finish_step(in_flight).outputs)
+    assert [[(s.seq_id, s.token_ids) for s in out] for out in outputs] == \
+        [[(s.seq_id, s.token_ids) for s in out] for out in expected]
+    assert len(worker.runner.grammars) == len(samplings)
