@@ -1,12 +1,13 @@
 """The draft model's KV bookkeeping in the worker: which tokens it computes at which positions and
 slots (each known token once; prompt chunks, each step's new tokens, the last accepted draft,
-a rejected draft's position again), its greedy drafts, and lookahead slots refused where no draft
-model runs."""
+a rejected draft's position again), its greedy drafts, lookahead slots refused where no draft model
+runs, and its cache layers moving with the target's blocks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from pagedserve.kernels.backend import get_backend
 from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import (
@@ -15,6 +16,7 @@ from pagedserve.services.common.step_plan import (
     SampledSequence,
     StepPlan,
 )
+from pagedserve.worker_svc.cache_engine import CacheEngine, KVCacheSpec
 from pagedserve.worker_svc.draft_proposer import DraftProposer
 from pagedserve.worker_svc.sequence_mirrors import SequenceMirrors
 from torch import nn
@@ -113,3 +115,20 @@ def test_lookahead_slots_are_refused_without_a_draft_model():
         new_seq(num_scheduled_tokens=7, num_lookahead_slots=2)])
     with pytest.raises(InvalidRequest, match="num_lookahead_slots=2 needs a worker with a draft"):
         h.mirrors.check(plan)
+
+
+def test_the_draft_models_kv_moves_with_its_blocks():
+    """Copy-on-write and swaps carry the draft model's layers with the target's."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_size=4, block_size=BLOCK_SIZE,
+                       dtype=torch.float32, num_draft_layers=1)
+    cpu = torch.device("cpu")
+    engine = CacheEngine(spec, num_gpu_blocks=4, num_cpu_blocks=2, device=cpu,
+                         backend=get_backend("ref", cpu))
+    assert (len(engine.gpu_cache), len(engine.draft_gpu_cache)) == (2, 1)
+    assert spec.bytes_per_block == 2 * 3 * BLOCK_SIZE * 4 * 4
+    engine.draft_gpu_cache[0][:, 0] = 7.0
+    engine.copy([(0, 1)])
+    engine.swap_out([(1, 0)])
+    engine.swap_in([(0, 3)])
+    assert (engine.draft_gpu_cache[0][:, 3] == 7.0).all()
+    assert not engine.gpu_cache[1][:, 3].any()
