@@ -6,7 +6,7 @@ A single sampled token is appended by the worker itself, so it counts as known."
 from __future__ import annotations
 
 from pagedserve.scheduler_svc.block_manager import BlockManager
-from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup
+from pagedserve.scheduler_svc.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup
 from pagedserve.services.common.step_plan import NewSequence, RunningSequence
 
 
@@ -20,6 +20,9 @@ def sequence_deltas(
     new_seqs: list[NewSequence] = []
     running_seqs: list[RunningSequence] = []
     for group, seq, num_scheduled_tokens, num_samples, is_sampling, drafts in scheduled:
+        num_lookahead_slots = 0
+        if drafts and drafts[0] == PLACEHOLDER_TOKEN_ID:  # the worker's draft model proposes
+            num_lookahead_slots, drafts = len(drafts), []
         block_ids = block_manager.block_table(seq.seq_id)
         if seq.worker_block_ids is None:
             new_seqs.append(NewSequence(
@@ -28,14 +31,14 @@ def sequence_deltas(
                 num_computed_tokens=seq.num_computed_tokens,
                 num_scheduled_tokens=num_scheduled_tokens, sampling=group.sampling,
                 seed=seq.seed, num_samples=num_samples, pooling_type=group.pooling_type,
-                draft_token_ids=drafts))
+                draft_token_ids=drafts, num_lookahead_slots=num_lookahead_slots))
         else:
             start = _first_difference(seq.worker_block_ids, block_ids)
             running_seqs.append(RunningSequence(
                 seq_id=seq.seq_id, new_token_ids=seq.token_ids[seq.num_worker_tokens:],
                 block_ids_start=start, block_ids=list(block_ids[start:]),
                 num_scheduled_tokens=num_scheduled_tokens, num_samples=num_samples,
-                draft_token_ids=drafts))
+                draft_token_ids=drafts, num_lookahead_slots=num_lookahead_slots))
         seq.worker_block_ids = list(block_ids)
         seq.num_worker_tokens = len(seq.token_ids) + (
             is_sampling and num_samples == 1 and not group.pooling_type)

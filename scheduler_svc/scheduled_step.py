@@ -18,7 +18,8 @@ class ScheduledSequence:
     num_scheduled_tokens: int
     num_samples: int
     is_sampling: bool  # the worker samples for it: this step computes up to its last known token
-    # speculative tokens after its last known one (in num_scheduled_tokens); None: not proposed
+    # speculative tokens after its last known one (in num_scheduled_tokens); None: not proposed;
+    # PLACEHOLDER_TOKEN_ID each where the worker's draft model proposes them
     draft_token_ids: list[int] | None = None
 
     @property

@@ -6,7 +6,8 @@ Proposals are made here, not in the worker: the n-gram proposer needs only token
 scheduler holds for every sequence, and the scheduler must know the draft count anyway to size
 the step's token budget and the sequence's block table. So the step protocol carries k token ids
 per sequence and the worker answers with the accepted ones plus the target's next token; no
-vocabulary-sized data crosses it.
+vocabulary-sized data crosses it. With a draft model the worker proposes: the scheduler plans
+the same k slots, as k placeholders, and the plan carries their number (num_lookahead_slots).
 
 A step carrying drafts, or scheduling a sequence that is speculating, is not run ahead (the next
 step waits for its tokens): how many tokens it appends is known only once verified, and drafts
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.scheduler_svc.ngram_proposer import propose_ngram
 from pagedserve.scheduler_svc.scheduled_step import ScheduledSequence
-from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup
+from pagedserve.scheduler_svc.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup
 from pagedserve.services.common.speculative_config import SpeculativeConfig
 
 # recent acceptance is an exponential average with this weight on the newest drafted step
@@ -91,6 +92,8 @@ class Speculator:
                          self.max_model_len - len(seq.token_ids) - 1)
         if num_tokens < 1:
             return None
+        if self.config.method == "draft_model":  # the worker's draft model fills them in
+            return [PLACEHOLDER_TOKEN_ID] * num_tokens
         return propose_ngram(seq.token_ids, num_tokens, self.config.prompt_lookup_min,
                              self.config.prompt_lookup_max)
 

@@ -23,24 +23,28 @@ class KVCacheSpec:
     head_size: int
     block_size: int
     dtype: torch.dtype
+    # a draft model's layers, of the same KV shape, in the same blocks (speculative decoding)
+    num_draft_layers: int = 0
 
     @property
     def bytes_per_block(self) -> int:
         """Across all layers, K and V."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * elem
+        return 2 * (self.num_layers + self.num_draft_layers) * self.block_size * self.num_kv_heads * self.head_size * elem
 
     def block_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
 
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device,
-                       pin_memory: bool = False, zeroed: bool = True) -> list[torch.Tensor]:
-    """Per layer: [2, num_blocks, block_size, num_kv_heads, head_size]"""
+                       pin_memory: bool = False, zeroed: bool = True,
+                       num_layers: int | None = None) -> list[torch.Tensor]:
+    """Per layer (the target model's unless num_layers):
+    [2, num_blocks, block_size, num_kv_heads, head_size]"""
     alloc = torch.zeros if zeroed else torch.empty
     return [alloc(spec.block_shape(num_blocks), dtype=spec.dtype, device=device,
                   pin_memory=pin_memory)
-            for _ in range(spec.num_layers)]
+            for _ in range(spec.num_layers if num_layers is None else num_layers)]
 
 
 def check_block_pairs(pairs: list[tuple[int, int]], num_src: int, num_dst: int) -> None:
@@ -68,11 +72,16 @@ class CacheEngine:
         self.num_cpu_blocks = num_cpu_blocks
         self.device = device
         self.backend = backend
-        self.gpu_cache = allocate_kv_caches(spec, num_gpu_blocks, device)
+        num_layers = spec.num_layers + spec.num_draft_layers
+        # every layer's blocks move together: a draft model's KV follows its sequence's
+        self._gpu_layers = allocate_kv_caches(spec, num_gpu_blocks, device, num_layers=num_layers)
+        self.gpu_cache = self._gpu_layers[:spec.num_layers]  # the target model's
+        self.draft_gpu_cache = self._gpu_layers[spec.num_layers:]
         # Unzeroed: a swap block is only read after a swap-out wrote it, so start-up need not
         # touch gigabytes of host memory.
         self.cpu_cache = allocate_kv_caches(spec, num_cpu_blocks, torch.device("cpu"),
-                                            pin_memory=device.type == "cuda", zeroed=False)
+                                            pin_memory=device.type == "cuda", zeroed=False,
+                                            num_layers=num_layers)
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         logger.info("KV cache: %d device blocks, %d CPU blocks, %d bytes per block",
                     num_gpu_blocks, num_cpu_blocks, spec.bytes_per_block)
@@ -88,11 +97,11 @@ class CacheEngine:
             return
         if self.swap_stream is not None:
             check_block_pairs(pairs, self.num_gpu_blocks, self.num_cpu_blocks)
-            self._swap_async(self.gpu_cache, self.cpu_cache, pairs)
+            self._swap_async(self._gpu_layers, self.cpu_cache, pairs)
             return
         mapping = self._mapping(pairs, self.num_gpu_blocks, self.num_cpu_blocks,
                                 torch.device("cpu"))
-        for gpu_layer, cpu_layer in zip(self.gpu_cache, self.cpu_cache, strict=True):
+        for gpu_layer, cpu_layer in zip(self._gpu_layers, self.cpu_cache, strict=True):
             self.backend.swap_blocks(gpu_layer, cpu_layer, mapping)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
@@ -101,11 +110,11 @@ class CacheEngine:
             return
         if self.swap_stream is not None:
             check_block_pairs(pairs, self.num_cpu_blocks, self.num_gpu_blocks)
-            self._swap_async(self.cpu_cache, self.gpu_cache, pairs)
+            self._swap_async(self.cpu_cache, self._gpu_layers, pairs)
             return
         mapping = self._mapping(pairs, self.num_cpu_blocks, self.num_gpu_blocks,
                                 torch.device("cpu"))
-        for gpu_layer, cpu_layer in zip(self.gpu_cache, self.cpu_cache, strict=True):
+        for gpu_layer, cpu_layer in zip(self._gpu_layers, self.cpu_cache, strict=True):
             self.backend.swap_blocks(cpu_layer, gpu_layer, mapping)
 
     def _swap_async(self, src_cache: list[torch.Tensor], dst_cache: list[torch.Tensor],
@@ -126,4 +135,4 @@ class CacheEngine:
         if not pairs:
             return
         mapping = self._mapping(pairs, self.num_gpu_blocks, self.num_gpu_blocks, self.device)
-        self.backend.copy_blocks(self.gpu_cache, mapping)
+        self.backend.copy_blocks(self._gpu_layers, mapping)

@@ -14,6 +14,7 @@ from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import SampledSequence, StepOutput, StepPlan, StepTimings
 from pagedserve.worker_svc.cache_engine import CacheEngine
 from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
+from pagedserve.worker_svc.draft_proposer import DraftProposer
 from pagedserve.worker_svc.grammar_matchers import GrammarMatchers
 from pagedserve.worker_svc.in_flight import Fence, InFlightStep, PhaseClock, device_fence
 from pagedserve.worker_svc.mixed_graphs import MixedGraphs
@@ -31,8 +32,10 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model: nn.Module, sampler: Sampler, vocab_size: int, block_size: int,
                  max_model_len: int, device: torch.device, tp: TensorParallel = SINGLE,
-                 new_fence: Callable[[], Fence] | None = None) -> None:
-        """new_fence: the work queued on the device so far (default: device_fence)."""
+                 new_fence: Callable[[], Fence] | None = None,
+                 drafter: DraftProposer | None = None) -> None:
+        """new_fence: the work queued on the device so far (default: device_fence); drafter:
+        speculative decoding's draft model."""
         self.model = model
         self.tp = tp
         self.sampler = sampler
@@ -40,6 +43,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.mirrors = SequenceMirrors(block_size, max_model_len)
+        self.drafter = drafter
+        self.mirrors.has_draft_model = drafter is not None
         self.decode_graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self.grammars: GrammarMatchers | None = None  # None: structured outputs unconstrained
@@ -68,6 +73,8 @@ class ModelRunner:
         if not scheduled:
             clock.mark()
             return InFlightStep(plan.step_id, clock, scheduled)
+        if self.drafter is not None:
+            self.drafter.propose(scheduled, cache_engine.draft_gpu_cache)
         drawn = ahead_of.draws_by_seq() if ahead_of is not None else {}
         model_input = build_model_input(scheduled, self.block_size, self.device, drawn)
         if model_input.drawn_rows:

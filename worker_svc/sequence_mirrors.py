@@ -34,6 +34,8 @@ class CachedSequence:
     pooled_sum: Any = None  # mean pooling: the float32 sum of the hidden states so far [hidden]
     # this step's speculative tokens after token_ids (in num_scheduled_tokens), to verify
     draft_token_ids: list[int] = field(default_factory=list)
+    num_lookahead_slots: int = 0  # this step's drafts the draft model proposes into draft_token_ids
+    num_draft_computed: int = 0  # tokens whose draft-model KV is in the cache
 
     @property
     def is_prefill(self) -> bool:
@@ -58,6 +60,7 @@ class SequenceMirrors:
     def __init__(self, block_size: int, max_model_len: int) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.has_draft_model = False  # num_lookahead_slots are refused without one
         self.seqs: dict[int, CachedSequence] = {}
         # seq_id → its tokens drawn on the device but not appended yet (1, or 2 while a step
         # is launched ahead of the one before, whose draw it reads there)
@@ -103,9 +106,12 @@ class SequenceMirrors:
                 _check_ids("bad_words_token_ids", new.seq_id,
                            [t for ids in sampling.bad_words_token_ids for t in ids], vocab_size)
             _check_pooling(new)
-            _check_drafts(new.seq_id, new.draft_token_ids, new.num_samples, sampling, vocab_size,
-                          len(new.token_ids), new.num_computed_tokens + new.num_scheduled_tokens)
-            self._check_lengths(new.seq_id, len(new.token_ids) + len(new.draft_token_ids),
+            self._check_lookahead(new.seq_id, new.draft_token_ids, new.num_lookahead_slots)
+            _check_drafts(new.seq_id, new.draft_token_ids, new.num_lookahead_slots,
+                          new.num_samples, sampling, vocab_size, len(new.token_ids),
+                          new.num_computed_tokens + new.num_scheduled_tokens)
+            self._check_lengths(new.seq_id, len(new.token_ids) + len(new.draft_token_ids)
+                                + new.num_lookahead_slots,
                                 len(new.block_ids), new.num_computed_tokens,
                                 new.num_scheduled_tokens, new.prompt_len, new.num_samples)
         for delta in plan.running_seqs:
@@ -119,16 +125,20 @@ class SequenceMirrors:
             _check_ids("block_ids", delta.seq_id, delta.block_ids, num_gpu_blocks)
             _check_ids("new_token_ids", delta.seq_id, delta.new_token_ids, vocab_size)
             num_drawing = self.drawing.get(delta.seq_id, 0)
-            if num_drawing and (delta.new_token_ids or delta.draft_token_ids):
-                raise InvalidRequest(f"seq {delta.seq_id}: new_token_ids={delta.new_token_ids} "
-                                     f"or draft_token_ids={delta.draft_token_ids} would follow "
-                                     "a token the worker has not drawn yet")
-            _check_drafts(delta.seq_id, delta.draft_token_ids, delta.num_samples, seq.sampling,
-                          vocab_size, len(seq.token_ids) + len(delta.new_token_ids),
+            if num_drawing and (delta.new_token_ids or delta.draft_token_ids
+                                or delta.num_lookahead_slots):
+                raise InvalidRequest(f"seq {delta.seq_id}: new_token_ids={delta.new_token_ids}, "
+                                     f"draft_token_ids={delta.draft_token_ids} or "
+                                     f"num_lookahead_slots={delta.num_lookahead_slots} would "
+                                     "follow a token the worker has not drawn yet")
+            self._check_lookahead(delta.seq_id, delta.draft_token_ids, delta.num_lookahead_slots)
+            _check_drafts(delta.seq_id, delta.draft_token_ids, delta.num_lookahead_slots,
+                          delta.num_samples, seq.sampling, vocab_size,
+                          len(seq.token_ids) + len(delta.new_token_ids),
                           seq.num_computed_tokens + delta.num_scheduled_tokens)
             self._check_lengths(delta.seq_id,
                                 len(seq.token_ids) + num_drawing + len(delta.new_token_ids)
-                                + len(delta.draft_token_ids),
+                                + len(delta.draft_token_ids) + delta.num_lookahead_slots,
                                 delta.block_ids_start + len(delta.block_ids),
                                 seq.num_computed_tokens, delta.num_scheduled_tokens,
                                 seq.prompt_len, delta.num_samples)
@@ -159,6 +169,8 @@ class SequenceMirrors:
                 if self.seqs.get(seq_id) is seq:  # the accepted drafts' KV is computed
                     seq.token_ids.extend(out.token_ids)
                     seq.num_computed_tokens += len(out.token_ids) - 1
+                    # the draft model's KV past them holds rejected drafts
+                    seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
                 seq.draft_token_ids = []
                 continue
             if (len(out.token_ids) == 1 and self.drawing.get(seq_id)
@@ -176,7 +188,12 @@ class SequenceMirrors:
             prompt_len=new.prompt_len, block_table=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens, sampling=new.sampling, seed=new.seed,
             num_samples=new.num_samples, num_scheduled_tokens=new.num_scheduled_tokens,
-            pooling_type=new.pooling_type, draft_token_ids=list(new.draft_token_ids))
+            pooling_type=new.pooling_type, draft_token_ids=list(new.draft_token_ids),
+            num_lookahead_slots=new.num_lookahead_slots,
+            # a sequence's last computed token may have passed the draft model by (its run-ahead
+            # draw, or a last accepted draft): recomputed; the earlier ones' draft KV came with
+            # the target's (swap, copy-on-write and the prefix cache move every layer's blocks)
+            num_draft_computed=max(0, new.num_computed_tokens - 1))
         self.seqs[new.seq_id] = seq
         return seq
 
@@ -187,7 +204,15 @@ class SequenceMirrors:
         seq.num_scheduled_tokens = delta.num_scheduled_tokens
         seq.num_samples = delta.num_samples
         seq.draft_token_ids = list(delta.draft_token_ids)
+        seq.num_lookahead_slots = delta.num_lookahead_slots
         return seq
+
+    def _check_lookahead(self, seq_id: int, drafts: list[int], num_lookahead_slots: int) -> None:
+        if num_lookahead_slots and (drafts or not self.has_draft_model):
+            raise InvalidRequest(f"seq {seq_id}: num_lookahead_slots={num_lookahead_slots} needs "
+                                 "a worker with a draft model (speculative_config method "
+                                 "'draft_model') and no draft_token_ids, got draft_token_ids="
+                                 f"{drafts}")
 
     def _check_lengths(self, seq_id: int, num_tokens: int, num_blocks: int,
                        num_computed_tokens: int, num_scheduled_tokens: int, prompt_len: int,
@@ -220,22 +245,24 @@ def _check_pooling(new: NewSequence) -> None:
                              f"state, got num_computed_tokens={new.num_computed_tokens}")
 
 
-def _check_drafts(seq_id: int, drafts: list[int], num_samples: int, sampling: SamplingParams,
-                  vocab_size: int | None, num_known: int, end: int) -> None:
+def _check_drafts(seq_id: int, drafts: list[int], num_lookahead_slots: int, num_samples: int,
+                  sampling: SamplingParams, vocab_size: int | None, num_known: int,
+                  end: int) -> None:
     """Drafts follow every known token and are all computed in the step that verifies them."""
-    if not drafts:
+    if not drafts and not num_lookahead_slots:
         return
     _check_ids("draft_token_ids", seq_id, drafts, vocab_size)
+    num_drafts = len(drafts) + num_lookahead_slots
     if num_samples != 1 or sampling.use_beam_search:
-        raise InvalidRequest(f"seq {seq_id}: draft_token_ids need num_samples=1 and no beam "
+        raise InvalidRequest(f"seq {seq_id}: drafts need num_samples=1 and no beam "
                              f"search, got num_samples={num_samples}")
     if sampling.structured_outputs is not None:
-        raise InvalidRequest(f"seq {seq_id}: draft_token_ids are not verified under "
+        raise InvalidRequest(f"seq {seq_id}: drafts are not verified under "
                              f"structured_outputs")
-    if end != num_known + len(drafts):
-        raise InvalidRequest(f"seq {seq_id}: its {len(drafts)} draft_token_ids must end the "
-                             f"step's tokens: the step computes up to {end}, its known tokens "
-                             f"and drafts end at {num_known + len(drafts)}")
+    if end != num_known + num_drafts:
+        raise InvalidRequest(f"seq {seq_id}: its {num_drafts} drafts must end the step's tokens: "
+                             f"the step computes up to {end}, its known tokens and drafts end "
+                             f"at {num_known + num_drafts}")
 
 
 def _check_ids(name: str, seq_id: int, ids: list[int] | tuple[int, ...], limit: int | None) -> None:

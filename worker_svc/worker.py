@@ -34,6 +34,7 @@ from pagedserve.worker_svc.cache_engine import (
     check_cache_ops,
 )
 from pagedserve.worker_svc.cuda_graphs import CAPTURABLE_BACKENDS, MAX_CAPTURE_SEQ_LEN
+from pagedserve.worker_svc.draft_proposer import load_draft_proposer
 from pagedserve.worker_svc.grammar_cache import GrammarCache, llguidance_tokenizer
 from pagedserve.worker_svc.grammar_matchers import GrammarMatchers
 from pagedserve.worker_svc.graph_buckets import GraphBuckets, capture_buckets
@@ -139,8 +140,15 @@ class Worker:
                                    block_size=self.config.cache.block_size, dtype=self.dtype)
         vocab_size = int(hf_config.vocab_size)
         eos_ids = eos_token_ids(model_config.model, hf_config)
+        speculative = self.config.scheduler.speculative
+        drafter = None
+        if speculative is not None and speculative.method == "draft_model":
+            drafter, self.kv_spec = load_draft_proposer(
+                speculative.model, model_config, self.kv_spec, vocab_size, self.device,
+                self.backend, max_model_len, parallel.tensor_parallel_size)
         self.runner = ModelRunner(model, Sampler(vocab_size, eos_ids, self.device), vocab_size,
-                                  self.kv_spec.block_size, max_model_len, self.device, self.tp)
+                                  self.kv_spec.block_size, max_model_len, self.device, self.tp,
+                                  drafter=drafter)
         if self.rank == 0:  # the rank that samples
             self.runner.grammars = GrammarMatchers(
                 GrammarCache(functools.partial(llguidance_tokenizer, model_config.model,

@@ -8,13 +8,14 @@ from typing import Any
 
 from pagedserve.services.common.errors import ConfigError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 _TYPES = {"str": (str, "a string"), "int": (int, "an integer"), "bool": (bool, "true or false")}
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     method: str = "ngram"
+    model: str = ""  # draft_model: the draft's checkpoint dir, of the target's tokenizer
     num_speculative_tokens: int = 4  # the most draft tokens one sequence verifies in a step
     prompt_lookup_max: int = 4  # the longest suffix matched against the earlier tokens
     prompt_lookup_min: int = 2  # the shortest
@@ -24,6 +25,10 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ConfigError(f"speculative_config.method must be one of {list(METHODS)}, "
                               f"got {self.method!r}")
+        if (self.method == "draft_model") != bool(self.model):
+            raise ConfigError("speculative_config.model names the draft model, needed with "
+                              f"method 'draft_model' only; got method={self.method!r} and "
+                              f"model={self.model!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError("speculative_config.num_speculative_tokens must be in [1, 16], "
                               f"got {self.num_speculative_tokens}")

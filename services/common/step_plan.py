@@ -37,6 +37,8 @@ class NewSequence:
     pooling_type: str = ""
     # speculative tokens after the last known one, counted in num_scheduled_tokens and verified
     draft_token_ids: list[int] = field(default_factory=list)
+    # speculative tokens the worker's draft model proposes in this step, in their place
+    num_lookahead_slots: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,7 @@ class RunningSequence:
     num_scheduled_tokens: int
     num_samples: int = 1
     draft_token_ids: list[int] = field(default_factory=list)  # as NewSequence's
+    num_lookahead_slots: int = 0  # as NewSequence's
 
 
 @dataclass(frozen=True, slots=True)

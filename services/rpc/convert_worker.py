@@ -46,7 +46,8 @@ def new_sequence_to_proto(seq: NewSequence) -> worker_pb2.NewSequence:
         prompt_len=seq.prompt_len, block_ids=seq.block_ids,
         num_computed_tokens=seq.num_computed_tokens, num_scheduled_tokens=seq.num_scheduled_tokens,
         sampling=sampling_params_to_proto(seq.sampling), num_samples=seq.num_samples,
-        pooling_type=seq.pooling_type, draft_token_ids=seq.draft_token_ids)
+        pooling_type=seq.pooling_type, draft_token_ids=seq.draft_token_ids,
+        num_lookahead_slots=seq.num_lookahead_slots)
     if seq.seed is not None:
         msg.seed = seq.seed
     return msg
@@ -59,14 +60,16 @@ def new_sequence_from_proto(msg: worker_pb2.NewSequence) -> NewSequence:
         num_computed_tokens=msg.num_computed_tokens, num_scheduled_tokens=msg.num_scheduled_tokens,
         sampling=sampling_params_from_proto(msg.sampling),
         seed=msg.seed if msg.HasField("seed") else None, num_samples=msg.num_samples,
-        pooling_type=msg.pooling_type, draft_token_ids=list(msg.draft_token_ids))
+        pooling_type=msg.pooling_type, draft_token_ids=list(msg.draft_token_ids),
+        num_lookahead_slots=msg.num_lookahead_slots)
 
 
 def running_sequence_to_proto(seq: RunningSequence) -> worker_pb2.RunningSequence:
     return worker_pb2.RunningSequence(
         seq_id=seq.seq_id, new_token_ids=seq.new_token_ids, block_ids_start=seq.block_ids_start,
         block_ids=seq.block_ids, num_scheduled_tokens=seq.num_scheduled_tokens,
-        num_samples=seq.num_samples, draft_token_ids=seq.draft_token_ids)
+        num_samples=seq.num_samples, draft_token_ids=seq.draft_token_ids,
+        num_lookahead_slots=seq.num_lookahead_slots)
 
 
 def running_sequence_from_proto(msg: worker_pb2.RunningSequence) -> RunningSequence:
@@ -74,7 +77,7 @@ def running_sequence_from_proto(msg: worker_pb2.RunningSequence) -> RunningSeque
         seq_id=msg.seq_id, new_token_ids=list(msg.new_token_ids),
         block_ids_start=msg.block_ids_start, block_ids=list(msg.block_ids),
         num_scheduled_tokens=msg.num_scheduled_tokens, num_samples=msg.num_samples,
-        draft_token_ids=list(msg.draft_token_ids))
+        draft_token_ids=list(msg.draft_token_ids), num_lookahead_slots=msg.num_lookahead_slots)
 
 
 def _is_plain_decode(seq: RunningSequence) -> bool:

@@ -42,14 +42,15 @@ PLAN = StepPlan(
     new_seqs=[
         NewSequence(seq_id=BIG + 1, request_id="req-a", token_ids=[1, 2, 3, 49151, 7],
                     prompt_len=4, block_ids=[9, 4], num_computed_tokens=16,
-                    num_scheduled_tokens=5, sampling=SAMPLING, seed=-(2**62), num_samples=3),
+                    num_scheduled_tokens=5, sampling=SAMPLING, seed=-(2**62), num_samples=3,
+                    num_lookahead_slots=2),
         NewSequence(seq_id=8, request_id="req-b", token_ids=[5], prompt_len=1, block_ids=[0],
                     num_computed_tokens=0, num_scheduled_tokens=1, sampling=SamplingParams(),
                     pooling_type="mean"),
     ],
     running_seqs=[
         RunningSequence(seq_id=11, new_token_ids=[42, 43], block_ids_start=2, block_ids=[12, 13],
-                        num_scheduled_tokens=2, num_samples=4),
+                        num_scheduled_tokens=2, num_samples=4, num_lookahead_slots=1),
         RunningSequence(seq_id=12, new_token_ids=[], block_ids_start=0, block_ids=[],
                         num_scheduled_tokens=1),
     ],

@@ -42,6 +42,10 @@ class SimWorker(Worker):
         if config.parallel.tensor_parallel_size != 1:
             raise ConfigError(f"device='sim' models one GPU: tensor_parallel_size must be 1, "
                               f"got {config.parallel.tensor_parallel_size}")
+        speculative = config.scheduler.speculative
+        if speculative is not None and speculative.method == "draft_model":
+            raise ConfigError("device='sim' does not model a draft model: speculative_config "
+                              "method must be 'ngram' there, got 'draft_model'")
         self.dtype = _DTYPES[config.model.dtype]
         device = config.device
         self.timeline = GpuTimeline(device.sim_time_scale)

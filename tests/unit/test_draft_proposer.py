@@ -1,0 +1,134 @@
+"""The draft model's KV bookkeeping in the worker: which tokens it computes at which positions and
+slots (each known token once; prompt chunks, each step's new tokens, the last accepted draft,
+a rejected draft's position again), its greedy drafts, lookahead slots refused where no draft model
+runs, and its cache layers moving with the target's blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagedserve.kernels.backend import get_backend
+from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import (
+    NewSequence,
+    RunningSequence,
+    SampledSequence,
+    StepPlan,
+)
+from pagedserve.worker_svc.cache_engine import CacheEngine, KVCacheSpec
+from pagedserve.worker_svc.draft_proposer import DraftProposer
+from pagedserve.worker_svc.sequence_mirrors import SequenceMirrors
+from torch import nn
+
+VOCAB = 64
+BLOCK_SIZE = 4
+
+
+class NextTokenModel(nn.Module):
+    """Proposes token + 1 after each token; records what each forward computed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[list[tuple[int, int, int]]] = []  # (token, position, slot) per forward
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        self.calls.append(list(zip(input_ids.tolist(), positions.tolist(),
+                                   meta.slot_mapping.tolist(), strict=True)))
+        return input_ids.float().unsqueeze(-1)  # [num_tokens, 1]
+
+    def compute_logits(self, hidden_states):
+        return nn.functional.one_hot((hidden_states[:, 0].long() + 1) % VOCAB, VOCAB).float()
+
+
+class Harness:
+    def __init__(self) -> None:
+        self.mirrors = SequenceMirrors(BLOCK_SIZE, max_model_len=64)
+        self.mirrors.has_draft_model = True
+        self.model = NextTokenModel()
+        self.proposer = DraftProposer(self.model, BLOCK_SIZE, torch.device("cpu"))
+        self.step_id = 0
+
+    def step(self, new=(), running=(), sampled: list[int] | None = None):
+        """One step; returns what the draft model computed and the sequence's drafts."""
+        self.step_id += 1
+        plan = StepPlan(scheduler_epoch=1, step_id=self.step_id, new_seqs=list(new),
+                        running_seqs=list(running), previous_step_id=self.step_id - 1)
+        self.mirrors.check(plan, num_gpu_blocks=16, vocab_size=VOCAB)
+        scheduled = self.mirrors.apply(plan, is_checked=True)
+        self.model.calls.clear()
+        self.proposer.propose(scheduled, [])
+        drafts = list(scheduled[0].draft_token_ids)
+        self.mirrors.mark_computed(scheduled)
+        if sampled is not None:
+            self.mirrors.append_drawn(scheduled, [SampledSequence(
+                1, sampled, [0.0] * len(sampled))])
+        return self.model.calls, drafts
+
+
+def new_seq(**fields) -> NewSequence:
+    seq = dict(seq_id=1, request_id="r", token_ids=[10, 11, 12, 13, 14], prompt_len=5,
+               block_ids=[3, 7, 9], num_computed_tokens=0, num_scheduled_tokens=3,
+               sampling=SamplingParams(temperature=0.0))
+    seq.update(fields)
+    return NewSequence(**seq)
+
+
+def decode(num_lookahead_slots: int) -> RunningSequence:
+    return RunningSequence(seq_id=1, new_token_ids=[], block_ids_start=3, block_ids=[],
+                           num_scheduled_tokens=1 + num_lookahead_slots,
+                           num_lookahead_slots=num_lookahead_slots)
+
+
+def test_the_draft_model_computes_each_known_token_once_then_proposes_greedily():
+    h = Harness()
+    calls, drafts = h.step(new=[new_seq()])  # a prompt chunk: no proposal
+    assert calls == [[(10, 0, 12), (11, 1, 13), (12, 2, 14)]] and drafts == []
+    calls, _ = h.step(running=[RunningSequence(1, [], 3, [], num_scheduled_tokens=2)],
+                      sampled=[20])
+    assert calls == [[(13, 3, 15), (14, 4, 28)]]
+    # the sampled token, then one forward per further draft at the reserved slots
+    calls, drafts = h.step(running=[decode(3)], sampled=[21, 30])
+    assert calls == [[(20, 5, 29)], [(21, 6, 30)], [(22, 7, 31)]]
+    assert drafts == [21, 22, 23]
+    # one draft kept: the position of the rejected 22 is computed again, with the token kept
+    calls, drafts = h.step(running=[decode(2)], sampled=[31, 32, 33])
+    assert calls == [[(30, 7, 31)], [(31, 8, 36)]] and drafts == [31, 32]
+    # all kept: the last draft (32), which the draft model never computed, comes first
+    calls, drafts = h.step(running=[decode(1)], sampled=[34])
+    assert calls == [[(32, 9, 37), (33, 10, 38)]] and drafts == [34]
+
+
+def test_a_sequence_sent_whole_recomputes_its_last_computed_token():
+    """After a swap-in or a prefix hit the blocks hold the draft model's KV too, but its last
+    token may have passed the draft model by."""
+    h = Harness()
+    calls, drafts = h.step(new=[new_seq(num_computed_tokens=4, num_scheduled_tokens=3,
+                                        num_lookahead_slots=2)])
+    assert calls == [[(13, 3, 15), (14, 4, 28)], [(15, 5, 29)]] and drafts == [15, 16]
+
+
+def test_lookahead_slots_are_refused_without_a_draft_model():
+    h = Harness()
+    h.mirrors.has_draft_model = False
+    plan = StepPlan(scheduler_epoch=1, step_id=1, new_seqs=[
+        new_seq(num_scheduled_tokens=7, num_lookahead_slots=2)])
+    with pytest.raises(InvalidRequest, match="num_lookahead_slots=2 needs a worker with a draft"):
+        h.mirrors.check(plan)
+
+
+def test_the_draft_models_kv_moves_with_its_blocks():
+    """Copy-on-write and swaps carry the draft model's layers with the target's."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_size=4, block_size=BLOCK_SIZE,
+                       dtype=torch.float32, num_draft_layers=1)
+    cpu = torch.device("cpu")
+    engine = CacheEngine(spec, num_gpu_blocks=4, num_cpu_blocks=2, device=cpu,
+                         backend=get_backend("ref", cpu))
+    assert (len(engine.gpu_cache), len(engine.draft_gpu_cache)) == (2, 1)
+    assert spec.bytes_per_block == 2 * 3 * BLOCK_SIZE * 4 * 4
+    engine.draft_gpu_cache[0][:, 0] = 7.0
+    engine.copy([(0, 1)])
+    engine.swap_out([(1, 0)])
+    engine.swap_in([(0, 3)])
+    assert (engine.draft_gpu_cache[0][:, 3] == 7.0).all()
+    assert not engine.gpu_cache[1][:, 3].any()

@@ -1,0 +1,112 @@
+"""Speculative decoding with a draft model: a small model of the target's tokenizer, run by the
+worker inside each step, proposes the drafts the target verifies in that same step.
+
+Its KV cache is a second set of per-layer tensors in the target's blocks, indexed by the same
+block tables and slot mapping (CacheEngine.draft_gpu_cache), as vLLM's drafters do: the
+scheduler's block accounting, swaps, copy-on-write and the prefix cache cover it with no
+bookkeeping of their own. The draft model computes each sequence's known tokens once
+(CachedSequence.num_draft_computed): prefill chunks, recomputed prompts and each step's new
+tokens, before it proposes; the KV of drafts the target rejected is overwritten as the sequence
+goes on. Drafts are its greedy choices: the verifier keeps a draft while the target's own draw
+equals it, so the outputs are the target's whatever the draft model proposes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from types import ModuleType
+
+import torch
+from pagedserve.services.common.config import ModelConfig
+from pagedserve.services.common.errors import ConfigError
+from pagedserve.worker_svc.cache_engine import KVCacheSpec
+from pagedserve.worker_svc.layers.attention import Attention
+from pagedserve.worker_svc.loader import load_hf_config, load_model
+from pagedserve.worker_svc.model_input import build_model_input
+from pagedserve.worker_svc.sequence_mirrors import CachedSequence
+from torch import nn
+
+
+def load_draft_proposer(path: str, target: ModelConfig, spec: KVCacheSpec, vocab_size: int,
+                        device: torch.device, backend: ModuleType, max_model_len: int,
+                        tensor_parallel_size: int) -> tuple[DraftProposer, KVCacheSpec]:
+    """The draft model at `path` and the KV cache spec with its layers added. Its KV shares the
+    target's blocks, so its layers must have the target's KV shape."""
+    if tensor_parallel_size > 1:
+        raise ConfigError("speculative_config method 'draft_model' runs on one worker, got "
+                          f"tensor_parallel_size={tensor_parallel_size}")
+    hf_config = load_hf_config(path)
+    if int(hf_config.vocab_size) != vocab_size:
+        raise ConfigError(f"speculative_config.model={path!r} has vocab_size="
+                          f"{hf_config.vocab_size}, the target model {vocab_size}: a draft model "
+                          "shares the target's tokenizer")
+    model = load_model(dataclasses.replace(target, model=path), hf_config, spec.dtype, device,
+                       backend=backend, max_position=max_model_len)
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    shape = (layers[0].num_kv_heads, layers[0].head_size)
+    if shape != (spec.num_kv_heads, spec.head_size):
+        raise ConfigError(f"speculative_config.model={path!r} has (num_kv_heads, head_size)="
+                          f"{shape}, the target model {(spec.num_kv_heads, spec.head_size)}: "
+                          "the draft model's KV lives in the target's blocks")
+    return (DraftProposer(model, spec.block_size, device),
+            dataclasses.replace(spec, num_draft_layers=len(layers)))
+
+
+class DraftProposer:
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+
+    @torch.inference_mode()
+    def propose(self, scheduled: list[CachedSequence], kv_caches: list[torch.Tensor]) -> None:
+        """Brings the draft model's KV up to date with the step's known tokens, then fills the
+        draft_token_ids of every sequence with num_lookahead_slots: one forward per draft
+        position. scheduled: this step's sequences, before their tokens are marked computed."""
+        catch_up = []
+        for seq in scheduled:
+            if seq.pooling_type:
+                continue
+            end = min(len(seq.token_ids), seq.num_computed_tokens + seq.num_scheduled_tokens
+                      - seq.num_lookahead_slots)  # a token still being drawn is not known
+            if seq.num_draft_computed < end:
+                catch_up.append(dataclasses.replace(
+                    seq, num_computed_tokens=seq.num_draft_computed,
+                    num_scheduled_tokens=end - seq.num_draft_computed, draft_token_ids=[]))
+                seq.num_draft_computed = end
+        proposing = [s for s in scheduled if s.num_lookahead_slots]
+        if not catch_up:
+            return
+        catch_up.sort(key=lambda s: not s.is_prefill)
+        drafts = {seq_id: [token] for seq_id, token in self._next_tokens(
+            catch_up, {s.seq_id for s in proposing}, kv_caches).items()}
+        for j in range(1, max((s.num_lookahead_slots for s in proposing), default=0)):
+            inputs = [dataclasses.replace(
+                s, token_ids=s.token_ids + drafts[s.seq_id],
+                num_computed_tokens=len(s.token_ids) + j - 1, num_scheduled_tokens=1,
+                draft_token_ids=[]) for s in proposing if s.num_lookahead_slots > j]
+            next_tokens = self._next_tokens(inputs, {s.seq_id for s in inputs}, kv_caches)
+            for seq_id, token in next_tokens.items():
+                drafts[seq_id].append(token)
+        for seq in proposing:
+            seq.draft_token_ids = drafts[seq.seq_id]
+            # KV of its last known token and all drafts but the last
+            seq.num_draft_computed = len(seq.token_ids) + seq.num_lookahead_slots - 1
+            seq.num_lookahead_slots = 0
+
+    def _next_tokens(self, seqs: list[CachedSequence], seq_ids: set[int],
+                     kv_caches: list[torch.Tensor]) -> dict[int, int]:
+        """One forward over seqs (prefills first); the greedy next token after the last
+        computed one of each sequence in seq_ids."""
+        model_input = build_model_input(seqs, self.block_size, self.device)
+        hidden_states = self.model(model_input.input_ids, model_input.positions,
+                                   kv_caches, model_input.meta)  # [num_tokens, hidden]
+        ends = itertools.accumulate(model_input.meta.query_lens_cpu)
+        rows = [(s.seq_id, end - 1) for s, end in zip(seqs, ends, strict=True)
+                if s.seq_id in seq_ids]
+        if not rows:
+            return {}
+        index = torch.tensor([row for _, row in rows], device=hidden_states.device)
+        tokens = self.model.compute_logits(hidden_states[index]).argmax(dim=-1).tolist()
+        return {seq_id: token for (seq_id, _), token in zip(rows, tokens, strict=True)}
