@@ -265,7 +265,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
                       tracing: Any = None, internal_tls: bool = True, metrics_port: int = -1,
                       log_format: str = "text", limits: Any = None, http: Any = None,
                       data_parallel_size: int = 1, admin: Any = None, connections: Any = None,
-                      routing: Any = None, api_server_count: int = 1) -> int:
+                      routing: Any = None, api_server_count: int = 1,
+                      roles: Sequence[str] = ()) -> int:
     """Run the stack until Ctrl-C or SIGTERM (0), or until a child keeps dying (1).
     `data_parallel_size` replicas, each a scheduler and tensor_parallel_size workers: replica r's
     scheduler listens on scheduler_port + r and its rank-0 worker on worker_port + r (free ports
@@ -277,9 +278,15 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     RoutingConfig, `connections` its ConnectionLimitsConfig. `http` is the gateway's HttpConfig;
     an API key in it reaches the gateway through its environment, never its command line; so
     does `admin`'s token (an AdminConfig). Neither, nor the same variables of our own
-    environment, reach the schedulers and workers. `api_server_count`: see _start_gateways."""
+    environment, reach the schedulers and workers. `api_server_count`: see _start_gateways.
+    `roles`: each replica's --role (prefill/decode disaggregation, with the prefix cache on),
+    in place of `data_parallel_size` replicas of role both."""
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+    if roles:
+        data_parallel_size = len(roles)
+        config = dataclasses.replace(config, cache=dataclasses.replace(
+            config.cache, enable_prefix_caching=True))
     connect = _connect_host(host)
     port = port or free_port(host)
     http_argv, http_url, gateway_secrets = _http_argv(http, admin, host, connect)
@@ -298,7 +305,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     try:
         scheduler_addresses = [
             await _start_replica(supervisor, replica, config, host, scheduler_port, worker_port,
-                                 startup_timeout_s, service_argv, watch_tls)
+                                 startup_timeout_s, service_argv, watch_tls,
+                                 roles[replica] if roles else "both")
             for replica in range(data_parallel_size)]
         gateway_argv = [
             *drain, "--host", host, "--port", str(port),
@@ -367,8 +375,9 @@ def _http_argv(http: Any, admin: Any, host: str, connect: str
 
 async def _start_replica(supervisor: Supervisor, replica: int, config: Any, host: str,
                          scheduler_port: int, worker_port: int, startup_timeout_s: float,
-                         service_argv: Callable[[str, int], list[str]], watch_tls: TlsConfig | None) -> str:
-    """Replica `replica`'s workers, then its scheduler; the scheduler's address."""
+                         service_argv: Callable[[str, int], list[str]], watch_tls: TlsConfig | None,
+                         role: str = "both") -> str:
+    """Replica `replica`'s workers, then its scheduler (of `role`); the scheduler's address."""
     connect = _connect_host(host)
     num_ranks = config.parallel.tensor_parallel_size
     worker_ports = [replica_port(worker_port, replica, host)] + [
@@ -386,7 +395,7 @@ async def _start_replica(supervisor: Supervisor, replica: int, config: Any, host
     await supervisor.start("scheduler", scheduler_address, [
         *engine_argv, *service_argv("scheduler", metrics_offset),
         "--host", host, "--port", str(scheduler_replica_port),
-        "--worker-addresses", *worker_addresses,
+        "--worker-addresses", *worker_addresses, "--role", role,
         "--startup-timeout-s", str(startup_timeout_s)], restartable=True, tls=watch_tls)
     return scheduler_address
 
