@@ -27,7 +27,7 @@ def generate(stack: ReplicaStack, token_ids: list[int]) -> tuple[list[int], int]
                 token_ids=common_pb2.TokenIds(token_ids=token_ids),
                 sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=8,
                                                    ignore_eos=True)), timeout=120)
-    return list(response.choices[0].token_ids), response.usage.cached_tokens
+    return list(response.outputs[0].token_ids), response.usage.cached_tokens
 
 
 def route_to(stack: ReplicaStack, *replicas) -> None:
@@ -66,6 +66,8 @@ def stack(tiny_served_model_dir):
 def test_disaggregated_greedy_outputs_equal_a_colocated_replica_and_a_failed_transfer_falls_back(
         stack: ReplicaStack):
     colocated, prefill, decode, unreachable = stack.replicas
+    transfers = []
+    decode.scheduler[1].kv_transfers.on_transfer.append(transfers.append)
     route_to(stack, colocated)
     expected = [generate(stack, p) for p in PROMPTS]
     assert all(num_cached == 0 for _, num_cached in expected)
@@ -75,7 +77,9 @@ def test_disaggregated_greedy_outputs_equal_a_colocated_replica_and_a_failed_tra
         got, num_cached = generate(stack, prompt)
         assert got == tokens
         assert num_cached == (len(prompt) - 1) // BLOCK * BLOCK  # pulled: all but the last token
-    assert prefill.load().prefix_cache_hit_rate == 0.0
+    assert [(t.is_ok, t.num_blocks) for t in transfers] == [
+        (True, (len(p) - 1) // BLOCK) for p in PROMPTS]
+    assert all(t.num_bytes > 0 for t in transfers)
     wait_idle(prefill)
     wait_idle(decode)
 
@@ -88,6 +92,7 @@ def test_disaggregated_greedy_outputs_equal_a_colocated_replica_and_a_failed_tra
         got, num_cached = generate(stack, prompt)
         assert got == tokens
         assert num_cached == 0  # the pull failed: computed on the decode replica
+    assert [t.is_ok for t in transfers[len(PROMPTS):]] == [False] * len(other)
     wait_idle(unreachable)
     wait_idle(decode)
 
