@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation, the gateway's part: while a replica of role prefill serves, a
-new request's prompt runs there first (max_tokens 1, greedy), its computed blocks are pinned
+new request's prompt (longer than --max-local-prefill-tokens) runs there first (max_tokens 1, greedy), its computed blocks are pinned
 (ExportKvBlocks), and the request then goes to a decode replica with `kv_transfer` naming them:
 that replica pulls them worker from worker and finds the whole prompt in its prefix cache but
 for its last token. The pin is released once the decode replica answered (or after its lease).
@@ -54,10 +54,13 @@ class RemotePrefill:
                          self.replica.address, exc)
 
 
-def wants_remote_prefill(request: PreparedRequest, block_size: int) -> bool:
-    """A prompt with a full block before its last token, whose logprobs are not asked for (they
-    need every position computed where the request runs)."""
-    return (block_size > 0 and (len(request.prompt_token_ids) - 1) // block_size >= 1
+def wants_remote_prefill(request: PreparedRequest, block_size: int,
+                         max_local_prefill_tokens: int) -> bool:
+    """A prompt longer than max_local_prefill_tokens, with a full block before its last token,
+    whose logprobs are not asked for (they need every position computed where it runs)."""
+    num_tokens = len(request.prompt_token_ids)
+    return (block_size > 0 and num_tokens > max_local_prefill_tokens
+            and (num_tokens - 1) // block_size >= 1
             and not request.is_pooling and request.sampling.prompt_logprobs is None)
 
 
@@ -65,7 +68,8 @@ async def prefill_remotely(replicas: ReplicaSet, request: PreparedRequest, owner
                            timeout_s: float) -> RemotePrefill | None:
     """The prompt computed on a prefill replica and its blocks pinned there; None when no
     prefill replica serves or anything failed."""
-    if not wants_remote_prefill(request, replicas.block_size):
+    if not wants_remote_prefill(request, replicas.block_size,
+                                replicas.config.max_local_prefill_tokens):
         return None
     replica = replicas.choose_prefill(request.prompt_token_ids)
     if replica is None:

@@ -58,7 +58,7 @@ def stack(tiny_served_model_dir):
         config, 4, replica_kw=[{}, {"role": "prefill"}, {"role": "decode"},
                                {"role": "prefill", "kv_transfer_addresses": ["127.0.0.1:1"],
                                 "kv_transfer_timeout_s": 5.0}],
-        routing=RoutingConfig(failover_timeout_s=30.0))
+        routing=RoutingConfig(failover_timeout_s=30.0, max_local_prefill_tokens=0))
     yield stack
     stack.close()
 

@@ -12,7 +12,7 @@ from pagedserve.services.common.engine_api import PauseRequest
 from pagedserve.services.common.errors import Unavailable
 from pagedserve.services.common.outputs import RequestOutput, SequenceDelta
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.gateway.config import RequestLimitsConfig
+from pagedserve.services.gateway.config import RequestLimitsConfig, RoutingConfig
 from pagedserve.services.gateway.failover import ResumableSubmission
 from pagedserve.services.gateway.replica_set import Replica
 from pagedserve.services.gateway.routing import Decision
@@ -97,6 +97,7 @@ class TwoReplicas:
 
     retry_after_s = 2.0
     block_size = 0  # no prefix: no prefill replica is asked
+    config = RoutingConfig()
 
     def __init__(self, first: ScriptedClient, second: ScriptedClient) -> None:
         self.replicas = [Replica("a", first), Replica("b", second)]

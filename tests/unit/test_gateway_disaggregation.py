@@ -11,6 +11,7 @@ from pagedserve.services.common.engine_api import ROLE_DECODE, ROLE_PREFILL, KVT
 from pagedserve.services.common.errors import Unavailable
 from pagedserve.services.common.outputs import RequestOutput, SequenceDelta
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.gateway.config import RoutingConfig
 from pagedserve.services.gateway.disaggregation import PREFILL_SUFFIX, prefill_remotely
 from pagedserve.services.gateway.failover import ResumableSubmission
 from pagedserve.services.gateway.replica_set import Replica
@@ -50,6 +51,7 @@ class Replicas:
 
     retry_after_s = 1.0
     block_size = 4
+    config = RoutingConfig(max_local_prefill_tokens=6)
 
     def __init__(self, prefill: Client | None, decode: Client) -> None:
         self.prefill = None if prefill is None else Replica("p", prefill, role=ROLE_PREFILL)
@@ -103,7 +105,7 @@ def test_a_prefill_replica_that_dies_leaves_the_prompt_to_the_decode_replica():
 
 def test_no_prefill_replica_short_prompts_and_prompt_logprobs_go_straight_to_decode():
     for replicas, request in [(Replicas(None, Client()), _request()),
-                              (Replicas(Client(), Client()), _request(num_prompt_tokens=4)),
+                              (Replicas(Client(), Client()), _request(num_prompt_tokens=6)),
                               (Replicas(Client(), Client()), _request(prompt_logprobs=1))]:
         assert _run(replicas, request) == [0, 1, 2]
         assert replicas.decode.client.submitted == [("r", None)]
