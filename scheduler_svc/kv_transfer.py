@@ -81,7 +81,8 @@ class KvTransfers:
 
     async def pull(self, prompt_token_ids: list[int], params: KVTransferParams) -> int:
         """The prompt's blocks this replica lacks, from the prefill replica's workers into its
-        prefix cache; the number of blocks adopted (0 on any failure: they are computed here)."""
+        prefix cache; the number of blocks copied (0 when none was: they are computed here).
+        The adoption is queued before anything the caller queues next."""
         if len(params.worker_addresses) != len(self._workers) or not params.block_ids:
             if params.block_ids:
                 logger.warning("no KV transfer: the prefill replica has %d workers, this one %d",
