@@ -29,7 +29,8 @@ TRANSFER_SPAN = "kv_transfer"
 
 class KvPuller(Protocol):
     def pull_kv_blocks(self, source_address: str, src_block_ids: list[int],
-                       dst_block_ids: list[int], timeout_s: float) -> int: ...
+                       dst_block_ids: list[int], scheduler_epoch: int, timeout_s: float
+                       ) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,7 @@ class KvTransfers:
             # go back only once no worker can still write them
             pulls = asyncio.gather(*(
                 asyncio.to_thread(worker.pull_kv_blocks, address, src_block_ids,
-                                  kv_import.block_ids, self._timeout_s)
+                                  kv_import.block_ids, core.scheduler_epoch, self._timeout_s)
                 for worker, address in zip(self._workers, params.worker_addresses, strict=True)))
             pulls.add_done_callback(lambda done: self._finish(done, kv_import, num_rebuilds))
             try:

@@ -241,7 +241,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @map_errors
     async def PullKvBlocks(self, request: worker_pb2.PullKvBlocksRequest,
                            context: grpc.aio.ServicerContext) -> worker_pb2.PullKvBlocksResponse:
-        self._loaded()
+        self._loaded().check_epoch(request.scheduler_epoch, "PullKvBlocks")
         remaining_s = context.time_remaining()
         num_bytes = await self.kv_transport.pull(
             request.source_address, list(request.src_block_ids), list(request.dst_block_ids),

@@ -23,8 +23,9 @@ class Engine:
     def __init__(self) -> None:
         self.num_worker_rebuilds = 0
         block_manager = BlockManager(BS, 8, 2, watermark=0.0, enable_prefix_caching=True)
-        self.core = SimpleNamespace(block_manager=block_manager, get_load=lambda: SimpleNamespace(
-            num_worker_rebuilds=self.num_worker_rebuilds))
+        self.core = SimpleNamespace(
+            block_manager=block_manager, scheduler_epoch=42,
+            get_load=lambda: SimpleNamespace(num_worker_rebuilds=self.num_worker_rebuilds))
 
     def call(self, fn):
         future = asyncio.get_running_loop().create_future()
@@ -40,7 +41,9 @@ class Puller:
         self.engine, self.fails, self.rebuilds = engine, fails, rebuilds
         self.pulls: list[tuple[str, list[int], list[int]]] = []
 
-    def pull_kv_blocks(self, source_address, src_block_ids, dst_block_ids, timeout_s) -> int:
+    def pull_kv_blocks(self, source_address, src_block_ids, dst_block_ids, scheduler_epoch,
+                       timeout_s) -> int:
+        assert scheduler_epoch == 42
         self.pulls.append((source_address, src_block_ids, dst_block_ids))
         if self.rebuilds:
             self.engine.num_worker_rebuilds += 1
