@@ -35,12 +35,15 @@ class KvTransport(Protocol):
 async def read_block_messages(block_ids: list[int], bytes_per_block: int, read: ReadBlocks
                               ) -> AsyncIterator[worker_pb2.ReadKvBlocksResponse]:
     """ReadKvBlocks' answer: whole blocks, at most MAX_MESSAGE_BYTES a message (one block at
-    least)."""
+    least). They are read at once: one wait between two of the model thread's steps, not one
+    per message."""
+    data = await read(block_ids)
     per_message = max(1, MAX_MESSAGE_BYTES // max(bytes_per_block, 1))
     for i in range(0, len(block_ids), per_message):
-        ids = block_ids[i:i + per_message]
-        yield worker_pb2.ReadKvBlocksResponse(data=await read(ids), num_blocks=len(ids),
-                                              bytes_per_block=bytes_per_block)
+        num_blocks = min(per_message, len(block_ids) - i)
+        yield worker_pb2.ReadKvBlocksResponse(
+            data=data[i * bytes_per_block:(i + num_blocks) * bytes_per_block] if data else b"",
+            num_blocks=num_blocks, bytes_per_block=bytes_per_block)
 
 
 class GrpcKvTransport:
@@ -59,6 +62,7 @@ class GrpcKvTransport:
                                  f"{len(dst_block_ids)}; they pair up", field="dst_block_ids")
         own_bytes = self._bytes_per_block()
         num_done = 0
+        chunks: list[bytes] = []
         async with internal_aio_channel(source_address, self._tls, _CHANNEL_OPTIONS) as channel:
             call = worker_pb2_grpc.WorkerServiceStub(channel).ReadKvBlocks(
                 worker_pb2.ReadKvBlocksRequest(block_ids=src_block_ids), timeout=timeout_s)
@@ -69,14 +73,13 @@ class GrpcKvTransport:
                             f"worker {source_address} has KV blocks of {msg.bytes_per_block} "
                             f"bytes, this worker of {own_bytes}: another model, dtype, block "
                             "size or tensor-parallel split", field="source_address")
-                    if num_done + msg.num_blocks > len(dst_block_ids):
-                        break
-                    await self._write(dst_block_ids[num_done:num_done + msg.num_blocks],
-                                      msg.data)
+                    chunks.append(msg.data)
                     num_done += msg.num_blocks
             except grpc.aio.AioRpcError as exc:
                 raise error_from_rpc(exc, f"worker {source_address}") from exc
         if num_done != len(dst_block_ids):
             raise InvalidRequest(f"worker {source_address} sent {num_done} KV blocks of the "
                                  f"{len(dst_block_ids)} asked", field="source_address")
+        # one write: one wait between two of the model thread's steps
+        await self._write(dst_block_ids, b"".join(chunks))
         return num_done * own_bytes
