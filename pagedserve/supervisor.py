@@ -276,17 +276,10 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     S = P + 1 + r * (1 + tensor_parallel_size): S (scheduler) and S + 1 + rank (workers); 0 on
     free ports each; -1 not at all. `limits`: the gateway's RequestLimitsConfig, `routing` its
     RoutingConfig, `connections` its ConnectionLimitsConfig. `http` is the gateway's HttpConfig;
-    an API key in it reaches the gateway through its environment, never its command line; so
-    does `admin`'s token (an AdminConfig). Neither, nor the same variables of our own
-    environment, reach the schedulers and workers. `api_server_count`: see _start_gateways.
-    `roles`: each replica's --role (prefill/decode disaggregation, with the prefix cache on),
-    in place of `data_parallel_size` replicas of role both."""
-    if data_parallel_size < 1:
-        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
-    if roles:
-        data_parallel_size = len(roles)
-        config = dataclasses.replace(config, cache=dataclasses.replace(
-            config.cache, enable_prefix_caching=True))
+    an API key in it reaches the gateway through its environment, never its command line; so does
+    `admin`'s token (an AdminConfig). Neither, nor the same variables of our own environment, reach
+    the schedulers and workers. `api_server_count`, `roles`: _start_gateways, _replica_roles."""
+    config, replica_roles = _replica_roles(config, data_parallel_size, roles)
     connect = _connect_host(host)
     port = port or free_port(host)
     http_argv, http_url, gateway_secrets = _http_argv(http, admin, host, connect)
@@ -305,9 +298,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     try:
         scheduler_addresses = [
             await _start_replica(supervisor, replica, config, host, scheduler_port, worker_port,
-                                 startup_timeout_s, service_argv, watch_tls,
-                                 roles[replica] if roles else "both")
-            for replica in range(data_parallel_size)]
+                                 startup_timeout_s, service_argv, watch_tls, role)
+            for replica, role in enumerate(replica_roles)]
         gateway_argv = [
             *drain, "--host", host, "--port", str(port),
             "--scheduler-address", ",".join(scheduler_addresses),
@@ -315,11 +307,11 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
             *(arg for part in (limits, routing, connections) if part is not None
               for arg in config_to_argv(part)), *_tls_argv(certificates, "gateway")]
         count = await _start_gateways(supervisor, resolve_api_server_count(
-            api_server_count, data_parallel_size), f"{connect}:{port}", gateway_argv,
+            api_server_count, len(replica_roles)), f"{connect}:{port}", gateway_argv,
             metrics_port, gateway_secrets)
         if not await supervisor.wait_serving(startup_timeout_s):
             return 0
-        _print_serving(config.model.model, f"{connect}:{port}", http_url, data_parallel_size, count)
+        _print_serving(config.model.model, f"{connect}:{port}", http_url, len(replica_roles), count)
         return await supervisor.run_until_stopped()
     except (RuntimeError, TimeoutError) as e:
         logger.error("%s", e)
@@ -328,6 +320,18 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
         await supervisor.stop()
         if certificates is not None:
             certificates.remove()
+
+
+def _replica_roles(config: Any, data_parallel_size: int, roles: Sequence[str]
+                   ) -> tuple[Any, list[str]]:
+    """Each replica's --role: `roles` (prefill/decode disaggregation, the prefix cache then on)
+    in place of `data_parallel_size` replicas of role both."""
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+    if not roles:
+        return config, ["both"] * data_parallel_size
+    return dataclasses.replace(config, cache=dataclasses.replace(
+        config.cache, enable_prefix_caching=True)), list(roles)
 
 
 async def _start_gateways(supervisor: Supervisor, count: int, address: str, argv: list[str],
