@@ -12,6 +12,7 @@ import pytest
 from pagedserve.services.gateway.config import RoutingConfig
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
+from pagedserve.certificates import ThrowAwayCertificates
 from tests.e2e.replica_stack import ReplicaStack, start_replica_stack
 from tests.e2e.stack import tiny_config
 
@@ -107,3 +108,29 @@ def test_a_request_completes_when_its_prefill_replica_was_killed(stack: ReplicaS
     got, _ = generate(stack, prompt)
     assert got == expected
     wait_idle(decode)
+
+
+def test_blocks_travel_between_workers_under_internal_tls(tiny_served_model_dir):
+    """Worker to worker with the workers' own certificates (role worker), as `serve` runs it."""
+    certificates = ThrowAwayCertificates(("gateway", "scheduler", "worker"))
+    config = tiny_config(tiny_served_model_dir)
+    config.cache.enable_prefix_caching = True
+    stack = start_replica_stack(
+        config, 2, tls={role: certificates.tls(role) for role in ("gateway", "scheduler",
+                                                                 "worker")},
+        replica_kw=[{"role": "prefill"}, {"role": "decode"}],
+        routing=RoutingConfig(failover_timeout_s=30.0, max_local_prefill_tokens=0))
+    try:
+        prefill, decode = stack.replicas
+        transfers = []
+        decode.scheduler[1].kv_transfers.on_transfer.append(transfers.append)
+        deadline = time.monotonic() + 60
+        while len(stack.gateway.replicas.serving()) < 2:
+            assert time.monotonic() < deadline, "the gateway never served with both replicas"
+            time.sleep(0.05)
+        _, num_cached = generate(stack, PROMPTS[2])
+        assert num_cached == (len(PROMPTS[2]) - 1) // BLOCK * BLOCK
+        assert [t.is_ok for t in transfers] == [True]
+    finally:
+        stack.close()
+        certificates.remove()
