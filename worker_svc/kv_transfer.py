@@ -54,6 +54,15 @@ class GrpcKvTransport:
         self._bytes_per_block = bytes_per_block
         self._write = write
         self._tls = tls
+        # one channel per source worker, kept: no connection (nor TLS handshake) per transfer
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = internal_aio_channel(address, self._tls,
+                                                                     _CHANNEL_OPTIONS)
+        return channel
 
     async def pull(self, source_address: str, src_block_ids: list[int],
                    dst_block_ids: list[int], timeout_s: float) -> int:
@@ -63,20 +72,21 @@ class GrpcKvTransport:
         own_bytes = self._bytes_per_block()
         num_done = 0
         chunks: list[bytes] = []
-        async with internal_aio_channel(source_address, self._tls, _CHANNEL_OPTIONS) as channel:
-            call = worker_pb2_grpc.WorkerServiceStub(channel).ReadKvBlocks(
-                worker_pb2.ReadKvBlocksRequest(block_ids=src_block_ids), timeout=timeout_s)
-            try:
-                async for msg in call:
-                    if msg.bytes_per_block != own_bytes:
-                        raise InvalidRequest(
-                            f"worker {source_address} has KV blocks of {msg.bytes_per_block} "
-                            f"bytes, this worker of {own_bytes}: another model, dtype, block "
-                            "size or tensor-parallel split", field="source_address")
-                    chunks.append(msg.data)
-                    num_done += msg.num_blocks
-            except grpc.aio.AioRpcError as exc:
-                raise error_from_rpc(exc, f"worker {source_address}") from exc
+        call = worker_pb2_grpc.WorkerServiceStub(self._channel(source_address)).ReadKvBlocks(
+            worker_pb2.ReadKvBlocksRequest(block_ids=src_block_ids), timeout=timeout_s)
+        try:
+            async for msg in call:
+                if msg.bytes_per_block != own_bytes:
+                    raise InvalidRequest(
+                        f"worker {source_address} has KV blocks of {msg.bytes_per_block} "
+                        f"bytes, this worker of {own_bytes}: another model, dtype, block size "
+                        "or tensor-parallel split", field="source_address")
+                chunks.append(msg.data)
+                num_done += msg.num_blocks
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, f"worker {source_address}") from exc
+        finally:
+            call.cancel()
         if num_done != len(dst_block_ids):
             raise InvalidRequest(f"worker {source_address} sent {num_done} KV blocks of the "
                                  f"{len(dst_block_ids)} asked", field="source_address")
