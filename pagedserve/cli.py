@@ -76,7 +76,22 @@ def _serve(args: argparse.Namespace) -> int:
                                    data_parallel_size=args.data_parallel_size,
                                    connections=from_args(ConnectionLimitsConfig, args),
                                    routing=from_args(RoutingConfig, args),
-                                   api_server_count=args.api_server_count))
+                                   api_server_count=args.api_server_count,
+                                   roles=_disaggregated_roles(args)))
+
+
+def _disaggregated_roles(args: argparse.Namespace) -> list[str]:
+    """--prefill-replicas P --decode-replicas D: P replicas of role prefill, then D of role
+    decode; none when neither is given."""
+    if not (args.prefill_replicas or args.decode_replicas):
+        return []
+    if not (args.prefill_replicas > 0 and args.decode_replicas > 0):
+        raise InvalidRequest(f"--prefill-replicas {args.prefill_replicas} and --decode-replicas "
+                             f"{args.decode_replicas}: disaggregation needs at least one of each")
+    if args.data_parallel_size != 1:
+        raise InvalidRequest(f"--data-parallel-size {args.data_parallel_size} with "
+                             "--prefill-replicas/--decode-replicas: those set the replicas")
+    return ["prefill"] * args.prefill_replicas + ["decode"] * args.decode_replicas
 
 
 def _setup_tracing(tracing: TracingConfig, service: str) -> None:
@@ -290,6 +305,14 @@ def _add_serve(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     serve.add_argument("--data-parallel-size", type=_positive_int, default=1,
                        help="engine replicas (a scheduler and its tensor-parallel workers each) "
                             "behind the gateway (default: 1)")
+    serve.add_argument("--prefill-replicas", type=int, default=0,
+                       help="prefill/decode disaggregation: this many replicas of role prefill "
+                            "(new requests' prompts), with --decode-replicas, in place of "
+                            "--data-parallel-size; turns on --enable-prefix-caching (default: 0)")
+    serve.add_argument("--decode-replicas", type=int, default=0,
+                       help="prefill/decode disaggregation: this many replicas of role decode "
+                            "(the requests, their prompt blocks pulled from a prefill replica) "
+                            "(default: 0)")
     serve.add_argument("--api-server-count", type=_api_server_count, default=1,
                        help="gateway processes, each with both doors, sharing --port and "
                             "--http-port (SO_REUSEPORT: the kernel spreads connections over "

@@ -265,7 +265,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
                       tracing: Any = None, internal_tls: bool = True, metrics_port: int = -1,
                       log_format: str = "text", limits: Any = None, http: Any = None,
                       data_parallel_size: int = 1, admin: Any = None, connections: Any = None,
-                      routing: Any = None, api_server_count: int = 1) -> int:
+                      routing: Any = None, api_server_count: int = 1,
+                      roles: Sequence[str] = ()) -> int:
     """Run the stack until Ctrl-C or SIGTERM (0), or until a child keeps dying (1).
     `data_parallel_size` replicas, each a scheduler and tensor_parallel_size workers: replica r's
     scheduler listens on scheduler_port + r and its rank-0 worker on worker_port + r (free ports
@@ -275,11 +276,10 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     S = P + 1 + r * (1 + tensor_parallel_size): S (scheduler) and S + 1 + rank (workers); 0 on
     free ports each; -1 not at all. `limits`: the gateway's RequestLimitsConfig, `routing` its
     RoutingConfig, `connections` its ConnectionLimitsConfig. `http` is the gateway's HttpConfig;
-    an API key in it reaches the gateway through its environment, never its command line; so
-    does `admin`'s token (an AdminConfig). Neither, nor the same variables of our own
-    environment, reach the schedulers and workers. `api_server_count`: see _start_gateways."""
-    if data_parallel_size < 1:
-        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+    an API key in it reaches the gateway through its environment, never its command line; so does
+    `admin`'s token (an AdminConfig). Neither, nor the same variables of our own environment, reach
+    the schedulers and workers. `api_server_count`, `roles`: _start_gateways, _replica_roles."""
+    config, replica_roles = _replica_roles(config, data_parallel_size, roles)
     connect = _connect_host(host)
     port = port or free_port(host)
     http_argv, http_url, gateway_secrets = _http_argv(http, admin, host, connect)
@@ -298,8 +298,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     try:
         scheduler_addresses = [
             await _start_replica(supervisor, replica, config, host, scheduler_port, worker_port,
-                                 startup_timeout_s, service_argv, watch_tls)
-            for replica in range(data_parallel_size)]
+                                 startup_timeout_s, service_argv, watch_tls, role)
+            for replica, role in enumerate(replica_roles)]
         gateway_argv = [
             *drain, "--host", host, "--port", str(port),
             "--scheduler-address", ",".join(scheduler_addresses),
@@ -307,11 +307,11 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
             *(arg for part in (limits, routing, connections) if part is not None
               for arg in config_to_argv(part)), *_tls_argv(certificates, "gateway")]
         count = await _start_gateways(supervisor, resolve_api_server_count(
-            api_server_count, data_parallel_size), f"{connect}:{port}", gateway_argv,
+            api_server_count, len(replica_roles)), f"{connect}:{port}", gateway_argv,
             metrics_port, gateway_secrets)
         if not await supervisor.wait_serving(startup_timeout_s):
             return 0
-        _print_serving(config.model.model, f"{connect}:{port}", http_url, data_parallel_size, count)
+        _print_serving(config.model.model, f"{connect}:{port}", http_url, len(replica_roles), count)
         return await supervisor.run_until_stopped()
     except (RuntimeError, TimeoutError) as e:
         logger.error("%s", e)
@@ -320,6 +320,18 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
         await supervisor.stop()
         if certificates is not None:
             certificates.remove()
+
+
+def _replica_roles(config: Any, data_parallel_size: int, roles: Sequence[str]
+                   ) -> tuple[Any, list[str]]:
+    """Each replica's --role: `roles` (prefill/decode disaggregation, the prefix cache then on)
+    in place of `data_parallel_size` replicas of role both."""
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+    if not roles:
+        return config, ["both"] * data_parallel_size
+    return dataclasses.replace(config, cache=dataclasses.replace(
+        config.cache, enable_prefix_caching=True)), list(roles)
 
 
 async def _start_gateways(supervisor: Supervisor, count: int, address: str, argv: list[str],
@@ -367,8 +379,9 @@ def _http_argv(http: Any, admin: Any, host: str, connect: str
 
 async def _start_replica(supervisor: Supervisor, replica: int, config: Any, host: str,
                          scheduler_port: int, worker_port: int, startup_timeout_s: float,
-                         service_argv: Callable[[str, int], list[str]], watch_tls: TlsConfig | None) -> str:
-    """Replica `replica`'s workers, then its scheduler; the scheduler's address."""
+                         service_argv: Callable[[str, int], list[str]], watch_tls: TlsConfig | None,
+                         role: str = "both") -> str:
+    """Replica `replica`'s workers, then its scheduler (of `role`); the scheduler's address."""
     connect = _connect_host(host)
     num_ranks = config.parallel.tensor_parallel_size
     worker_ports = [replica_port(worker_port, replica, host)] + [
@@ -386,7 +399,7 @@ async def _start_replica(supervisor: Supervisor, replica: int, config: Any, host
     await supervisor.start("scheduler", scheduler_address, [
         *engine_argv, *service_argv("scheduler", metrics_offset),
         "--host", host, "--port", str(scheduler_replica_port),
-        "--worker-addresses", *worker_addresses,
+        "--worker-addresses", *worker_addresses, "--role", role,
         "--startup-timeout-s", str(startup_timeout_s)], restartable=True, tls=watch_tls)
     return scheduler_address
 

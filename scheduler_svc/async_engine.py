@@ -229,6 +229,14 @@ class AsyncEngine:
             logger.warning("the engine thread is still busy after %.1f s", self._stop_timeout_s)
         return bool(done)
 
+    def call(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """`fn` on the engine thread's turn before the next step; its result (or exception)."""
+        return self._call(fn)
+
+    def queue(self, fn: Callable[[], None]) -> None:
+        """`fn` before the next step, in order with `call`; nobody waits for it."""
+        self._queue(fn)
+
     def _call(self, fn: Callable[[], Any]) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
         self._pending.append((fn, future))

@@ -41,6 +41,16 @@ class _SeqBlocks:
     block_hashes: list[BlockHash] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class KvImport:
+    """Blocks a transfer from a prefill replica fills: `block_ids` new, for the chain's last
+    hashes; `held_block_ids`, cached already, for the first ones."""
+
+    block_hashes: list[BlockHash]
+    held_block_ids: list[int]
+    block_ids: list[int]
+
+
 class BlockManager:
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  watermark: float = 0.01, enable_prefix_caching: bool = False,
@@ -315,6 +325,63 @@ class BlockManager:
             self.kv_events.removed([block_hash])
             if self.gpu_pool.ref_counts[gpu] == 0:  # it was parked
                 self.gpu_pool.free(gpu)
+
+    def pin_prefix(self, token_ids: list[int]) -> list[int]:
+        """An export for a decode replica: the device blocks holding the prompt's leading full
+        blocks (as `_match_prefix` matches, up to the first block not on the device), each held
+        by one more reference so that it is not evicted until `unpin`."""
+        hashes, block_ids = self._match_prefix(token_ids)
+        pinned: list[int] = []
+        for block_id in block_ids:
+            if block_id is None:
+                break
+            if self.gpu_pool.ref_counts[block_id] == 0:
+                assert self.prefix_cache is not None
+                self.prefix_cache.unpark(block_id)
+            self.gpu_pool.incref(block_id)
+            pinned.append(block_id)
+        return pinned
+
+    def unpin(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):
+            self._drop_reference(Device.GPU, block_id)
+
+    def reserve_import(self, token_ids: list[int], num_offered_blocks: int) -> KvImport | None:
+        """Device blocks for the prompt's leading full blocks that a prefill replica offers and
+        the prefix cache lacks, held (with the cached blocks before them) until `adopt_import`
+        or `cancel_import`. None: nothing is missing, or taking them would leave fewer free
+        blocks than the watermark."""
+        if self.prefix_cache is None:
+            return None
+        num_blocks = min(num_offered_blocks, (len(token_ids) - 1) // self.block_size)
+        hashes = hash_prompt_blocks(token_ids, self.block_size, max(num_blocks, 0))
+        held: list[int] = []
+        for block_hash in hashes:
+            block_id = self.prefix_cache.lookup(block_hash)
+            if block_id is None:
+                break
+            if self.gpu_pool.ref_counts[block_id] == 0:
+                self.prefix_cache.unpark(block_id)
+            self.gpu_pool.incref(block_id)
+            held.append(block_id)
+        num_new = len(hashes) - len(held)
+        if not num_new or self.num_free_gpu_blocks - num_new < self.watermark_blocks:
+            self.unpin(held)
+            return None
+        return KvImport(hashes, held, [self._allocate_gpu_block() for _ in range(num_new)])
+
+    def adopt_import(self, kv_import: KvImport) -> None:
+        """The new blocks hold their KV now: they enter the prefix cache (stored events) and
+        wait in it, evictable, for the request. A hash cached meanwhile keeps its block; the
+        duplicate is freed."""
+        self._register(kv_import.held_block_ids + kv_import.block_ids, kv_import.block_hashes,
+                       len(kv_import.held_block_ids))
+        self.cancel_import(kv_import)
+
+    def cancel_import(self, kv_import: KvImport) -> None:
+        """Every block goes back: the new ones, unnamed, to the free list."""
+        self.unpin(kv_import.block_ids)
+        self.unpin(kv_import.held_block_ids)
 
     def _match_prefix(self, token_ids: list[int], use_prefix_cache: bool = True
                       ) -> tuple[list[BlockHash], list[int | None]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from pagedserve.scheduler_svc.kv_transfer import TransferStats
 from pagedserve.scheduler_svc.spec_decode import SpecDecodeTotals
 from pagedserve.scheduler_svc.stats import FinishedRequestStats, StepStats
 from pagedserve.services.common.config import CacheConfig
@@ -23,6 +24,35 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 MODEL = ["model_name"]
 PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+KV_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                       10.0, 30.0)
+
+
+class KvTransferMetrics:
+    """Prefill/decode disaggregation, on the decode replica that pulls."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        def counter(name: str, documentation: str) -> Counter:
+            return Counter(name, documentation, MODEL, registry=registry).labels(model_name)
+
+        self._time = Histogram(
+            "pagedserve:kv_transfer_time_seconds", "Time a decode replica spent pulling one "
+            "request's prompt blocks from a prefill replica (failed pulls included).", MODEL,
+            registry=registry, buckets=KV_TRANSFER_BUCKETS).labels(model_name)
+        self._bytes = counter("pagedserve:kv_transfer_bytes",
+                              "KV-cache bytes pulled from prefill replicas.")
+        self._blocks = counter("pagedserve:kv_transfer_blocks",
+                               "KV-cache blocks pulled from prefill replicas.")
+        self._failures = counter("pagedserve:kv_transfer_failures", "Pulls from a prefill "
+                                 "replica that failed (the prompt was computed here instead).")
+
+    def record(self, stats: TransferStats) -> None:
+        self._time.observe(stats.duration_s)
+        if not stats.is_ok:
+            self._failures.inc()
+            return
+        self._bytes.inc(stats.num_bytes)
+        self._blocks.inc(stats.num_blocks)
 
 
 class SchedulerMetrics:

@@ -11,7 +11,9 @@ import grpc
 from pagedserve.scheduler_svc.async_engine import AsyncEngine
 from pagedserve.scheduler_svc.engine_core import EngineCore
 from pagedserve.scheduler_svc.kv_event_stream import watch_kv_events
+from pagedserve.scheduler_svc.kv_transfer import KvTransfers
 from pagedserve.scheduler_svc.metrics import (
+    KvTransferMetrics,
     SchedulerMetrics,
     SpecDecodeCollector,
     cache_config_info,
@@ -24,7 +26,8 @@ from pagedserve.services.common.config import (
     SchedulerServiceConfig,
     served_model_name,
 )
-from pagedserve.services.common.errors import ConfigError, Reason, Unavailable
+from pagedserve.services.common.engine_api import ROLE_BOTH
+from pagedserve.services.common.errors import ConfigError, InvalidRequest, Reason, Unavailable
 from pagedserve.services.common.gc_tuning import tune_gc_after_startup
 from pagedserve.services.rpc.convert_kv_events import (
     kv_event_batch_to_proto,
@@ -32,6 +35,7 @@ from pagedserve.services.rpc.convert_kv_events import (
 )
 from pagedserve.services.rpc.convert_scheduler import (
     abort_request_from_proto,
+    kv_transfer_params_to_proto,
     load_to_proto,
     pause_request_from_proto,
     served_model_to_proto,
@@ -50,12 +54,14 @@ logger = logging.getLogger(__name__)
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, model: str, engine: AsyncEngine | None = None,
-                 name: str = "") -> None:
+                 name: str = "", role: str = ROLE_BOTH) -> None:
         """`engine` is set once the worker handshake is done; until then calls are UNAVAILABLE.
-        `name`: --served-model-name (empty = the folder's name)."""
+        `name`: --served-model-name (empty = the folder's name). `role`: --role."""
         self.model = model
         self.name = name
+        self.role = role
         self.engine = engine
+        self.kv_transfers: KvTransfers | None = None  # set with the engine
         self.metrics_server: MetricsServer | None = None
 
     def _engine(self) -> AsyncEngine:
@@ -70,7 +76,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                            ) -> AsyncIterator[scheduler_pb2.SubmitStreamResponse]:
         engine = self._engine()
         async for response in serve_submit_stream(engine, self.name or served_model_name(self.model),
-                                                  requests):
+                                                  requests, self.kv_transfers):
             yield response
 
     @map_errors
@@ -123,12 +129,36 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                      block_size=core.block_manager.block_size,
                                      num_gpu_blocks=core.num_gpu_blocks,
                                      max_num_seqs=core.config.scheduler.max_num_seqs,
-                                     served_model_name=self.name)
+                                     served_model_name=self.name, role=self.role)
+
+    @map_errors
+    async def ExportKvBlocks(self, request: scheduler_pb2.ExportKvBlocksRequest,
+                             context: grpc.aio.ServicerContext
+                             ) -> scheduler_pb2.ExportKvBlocksResponse:
+        self._engine()
+        assert self.kv_transfers is not None
+        if request.lease_ttl_s < 0:
+            raise InvalidRequest(f"lease_ttl_s must be >= 0, got {request.lease_ttl_s}",
+                                 field="lease_ttl_s")
+        lease_id, params = await self.kv_transfers.export(list(request.prompt_token_ids),
+                                                          request.lease_ttl_s)
+        return scheduler_pb2.ExportKvBlocksResponse(
+            lease_id=lease_id, kv_transfer=kv_transfer_params_to_proto(params))
+
+    @map_errors
+    async def ReleaseKvBlocks(self, request: scheduler_pb2.ReleaseKvBlocksRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> scheduler_pb2.ReleaseKvBlocksResponse:
+        self._engine()
+        assert self.kv_transfers is not None
+        self.kv_transfers.release(request.lease_id)
+        return scheduler_pb2.ReleaseKvBlocksResponse()
 
 
 def create_scheduler_server(config: EngineConfig, service_config: SchedulerServiceConfig
                             ) -> tuple[ServiceServer, SchedulerServicer]:
-    servicer = SchedulerServicer(config.model.model, name=config.model.served_model_name)
+    servicer = SchedulerServicer(config.model.model, name=config.model.served_model_name,
+                                 role=service_config.role)
     server, _ = create_server(
         [ServiceBinding(servicer, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
                         "pagedserve.internal.v1.SchedulerService")],
@@ -175,7 +205,17 @@ async def start_scheduler(config: EngineConfig, service_config: SchedulerService
     try:
         servicer.metrics_server = start_metrics_server(
             registry, service_config.host, service_config.metrics, "scheduler")
-        servicer.engine = await start_engine(config, service_config, [metrics])
+        if service_config.role != ROLE_BOTH and not config.cache.enable_prefix_caching:
+            raise ConfigError(f"role={service_config.role} needs enable_prefix_caching: the "
+                              "prefill replica's computed blocks reach the decode replica's "
+                              "prefix cache")
+        engine = await start_engine(config, service_config, [metrics])
+        servicer.kv_transfers = KvTransfers(
+            engine, service_config.kv_transfer_addresses or service_config.worker_addresses,
+            service_config.kv_transfer_timeout_s)
+        servicer.kv_transfers.on_transfer.append(
+            KvTransferMetrics(registry, config.model.name).record)
+        servicer.engine = engine
         core = servicer.engine.core
         metrics.on_engine_ready(core.max_model_len, cache_config_info(
             config.cache, core.num_gpu_blocks, core.num_cpu_blocks))

@@ -17,7 +17,9 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry import trace
 from pagedserve.scheduler_svc.async_engine import AsyncEngine
+from pagedserve.scheduler_svc.kv_transfer import KvTransfers
 from pagedserve.scheduler_svc.outputs import merge_request_outputs
+from pagedserve.services.common.engine_api import SubmitRequest
 from pagedserve.services.common.errors import InvalidRequest, PagedServeError, Reason
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
 from pagedserve.services.rpc.convert_scheduler import (
@@ -49,9 +51,12 @@ class _Sink:
 
 
 class SubmitStreamCall:
-    def __init__(self, engine: AsyncEngine, model: str) -> None:
-        """`model`: the served model's name, on each traced request's span."""
+    def __init__(self, engine: AsyncEngine, model: str,
+                 kv_transfers: KvTransfers | None = None) -> None:
+        """`model`: the served model's name, on each traced request's span; `kv_transfers`:
+        what pulls the prompt blocks a request's kv_transfer names."""
         self._engine = engine
+        self._kv_transfers = kv_transfers
         self._model = model
         self._pending: dict[str, list[_Item]] = {}
         self._ready = asyncio.Event()
@@ -136,11 +141,11 @@ class SubmitStreamCall:
         request_id = msg.request_id
         try:
             if span is None:
-                await self._engine.submit(submit_request_from_proto(msg), sink)
+                await self._submit(submit_request_from_proto(msg), sink)
             else:
                 with trace.use_span(span.span):
                     set_request_model(self._model)
-                    await self._engine.submit(submit_request_from_proto(msg), sink)
+                    await self._submit(submit_request_from_proto(msg), sink)
         except Exception as exc:
             self.put(request_id, exc, sink)
         else:
@@ -151,6 +156,11 @@ class SubmitStreamCall:
         finally:
             if self._adding.get(request_id) is asyncio.current_task():
                 del self._adding[request_id]
+
+    async def _submit(self, request: SubmitRequest, sink: _Sink) -> None:
+        if request.kv_transfer is not None and self._kv_transfers is not None:
+            await self._kv_transfers.pull(request.prompt_token_ids, request.kv_transfer)
+        await self._engine.submit(request, sink)
 
     def _cancel(self, request_id: str) -> None:
         if request_id in self._sinks:
@@ -225,9 +235,10 @@ def _messages(events: list[scheduler_pb2.RequestEvent]
 
 
 async def serve_submit_stream(engine: AsyncEngine, model: str,
-                              requests: AsyncIterator[scheduler_pb2.SubmitStreamRequest]
+                              requests: AsyncIterator[scheduler_pb2.SubmitStreamRequest],
+                              kv_transfers: KvTransfers | None = None
                               ) -> AsyncIterator[scheduler_pb2.SubmitStreamResponse]:
-    call = SubmitStreamCall(engine, model)
+    call = SubmitStreamCall(engine, model, kv_transfers)
     async with contextlib.aclosing(call.run(requests)) as responses:
         async for response in responses:
             yield response

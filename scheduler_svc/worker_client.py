@@ -103,6 +103,13 @@ class WorkerClient:
         logger.info("worker %s cleared %d sequences (epoch %d)", self.address,
                     response.num_cleared_seqs, scheduler_epoch)
 
+    def pull_kv_blocks(self, source_address: str, src_block_ids: list[int],
+                       dst_block_ids: list[int], scheduler_epoch: int, timeout_s: float) -> int:
+        """The worker copies blocks of another replica's worker into its own; the bytes."""
+        return self._call("PullKvBlocks", worker_pb2.PullKvBlocksRequest(
+            source_address=source_address, src_block_ids=src_block_ids,
+            dst_block_ids=dst_block_ids, scheduler_epoch=scheduler_epoch), timeout_s).num_bytes
+
 
 class PendingStep:
     """One ExecuteStep call as a StepFuture (scheduler_svc/step_window.py): `result()` has the

@@ -49,7 +49,7 @@ ALLOWED: dict[str, set[str]] = {
 # the modules of scheduler_svc/ and worker_svc/ that speak gRPC; the rest is core
 EDGE_MODULES = {"scheduler_svc.servicer", "scheduler_svc.submit_stream",
                 "scheduler_svc.worker_client", "scheduler_svc.metrics",
-                "worker_svc.servicer", "worker_svc.metrics"}
+                "worker_svc.servicer", "worker_svc.metrics", "worker_svc.kv_transfer"}
 # transport-free although their layer is not
 TRANSPORT_FREE_MODULES = {"services.gateway.frontend"}
 WIRE_PACKAGES = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "prometheus_client",

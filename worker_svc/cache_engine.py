@@ -136,3 +136,28 @@ class CacheEngine:
             return
         mapping = self._mapping(pairs, self.num_gpu_blocks, self.num_gpu_blocks, self.device)
         self.backend.copy_blocks(self._gpu_layers, mapping)
+
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        """Device blocks as bytes, block after block: per layer (a draft model's after the
+        target's), K then V, each [block_size, num_kv_heads, head_size] (what `write_blocks`
+        takes)."""
+        check_block_pairs([(b, b) for b in block_ids], self.num_gpu_blocks, self.num_gpu_blocks)
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        # [num_layers, 2, n, block_size, num_kv_heads, head_size] -> block-major
+        blocks = torch.stack([layer.index_select(1, index) for layer in self._gpu_layers])
+        blocks = blocks.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+        return blocks.view(torch.uint8).numpy().tobytes()
+
+    def write_blocks(self, block_ids: list[int], data: bytes) -> None:
+        num_bytes = len(block_ids) * self.spec.bytes_per_block
+        if len(data) != num_bytes:
+            raise InvalidRequest(f"{len(block_ids)} KV blocks need {num_bytes} bytes, got "
+                                 f"{len(data)}")
+        check_block_pairs([(b, b) for b in block_ids], self.num_gpu_blocks, self.num_gpu_blocks)
+        spec = self.spec
+        blocks = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(spec.dtype).view(
+            len(block_ids), len(self._gpu_layers), 2, spec.block_size, spec.num_kv_heads,
+            spec.head_size).to(self.device)
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for i, layer in enumerate(self._gpu_layers):
+            layer.index_copy_(1, index, blocks[:, i].transpose(0, 1))

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 from pagedserve.services.common.config import (
     EngineConfig,
+    TlsConfig,
     WorkerServiceConfig,
 )
 from pagedserve.services.common.errors import (
@@ -40,6 +41,7 @@ from pagedserve.services.rpc.roles import WORKER_CALLERS, RoleInterceptor
 from pagedserve.services.rpc.server import ServiceBinding, ServiceServer, create_server
 from pagedserve.services.rpc.status import map_errors
 from pagedserve.services.rpc.tls import internal_server_credentials
+from pagedserve.worker_svc.kv_transfer import GrpcKvTransport, KvTransport, read_block_messages
 from pagedserve.worker_svc.metrics import WorkerMetrics
 from pagedserve.worker_svc.model_thread import ModelThread
 from pagedserve.worker_svc.parallel import leave_tensor_parallel
@@ -50,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 STEP_ORDER_WAIT_S = 60.0  # how long a step waits for its predecessor's RPC to arrive
+KV_PULL_TIMEOUT_S = 60.0  # a PullKvBlocks call without a deadline
 
 
 def merge_load_request(config: EngineConfig, msg: worker_pb2.LoadModelRequest) -> EngineConfig:
@@ -74,7 +77,10 @@ def _check_matches(field: str, requested: float, own: float) -> None:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, config: EngineConfig, rank: int = 0,
-                 on_ready: Callable[[bool], Awaitable[None]] | None = None) -> None:
+                 on_ready: Callable[[bool], Awaitable[None]] | None = None,
+                 tls: TlsConfig | None = None) -> None:
+        """`tls`: this worker's own certificate, what it pulls KV blocks from other workers
+        with."""
         self.config = config
         self.rank = rank
         self.on_ready = on_ready
@@ -84,6 +90,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._step_order = asyncio.Condition()
         self.metrics: WorkerMetrics | None = None
         self.metrics_server: MetricsServer | None = None
+        self.kv_transport: KvTransport = GrpcKvTransport(
+            lambda: self._loaded().bytes_per_kv_block,
+            lambda block_ids, data: self._run(self._loaded().write_kv_blocks, block_ids, data),
+            tls)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.wrap_future(self._model_thread.submit(fn, *args))
@@ -228,10 +238,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         num_cleared_seqs = await self._run(clear)
         return worker_pb2.ClearStateResponse(num_cleared_seqs=num_cleared_seqs)
 
+    @map_errors
+    async def PullKvBlocks(self, request: worker_pb2.PullKvBlocksRequest,
+                           context: grpc.aio.ServicerContext) -> worker_pb2.PullKvBlocksResponse:
+        self._loaded().check_epoch(request.scheduler_epoch, "PullKvBlocks")
+        remaining_s = context.time_remaining()
+        num_bytes = await self.kv_transport.pull(
+            request.source_address, list(request.src_block_ids), list(request.dst_block_ids),
+            remaining_s if remaining_s is not None else KV_PULL_TIMEOUT_S)
+        return worker_pb2.PullKvBlocksResponse(num_bytes=num_bytes)
+
+    @map_errors
+    async def ReadKvBlocks(self, request: worker_pb2.ReadKvBlocksRequest,
+                           context: grpc.aio.ServicerContext
+                           ) -> AsyncIterator[worker_pb2.ReadKvBlocksResponse]:
+        worker = self._loaded()
+        async for msg in read_block_messages(
+                list(request.block_ids), worker.bytes_per_kv_block,
+                lambda block_ids: self._run(worker.read_kv_blocks, block_ids)):
+            yield msg
+
 
 def create_worker_server(config: EngineConfig, service: WorkerServiceConfig
                          ) -> tuple[ServiceServer, WorkerServicer]:
-    servicer = WorkerServicer(config, service.rank)
+    servicer = WorkerServicer(config, service.rank, tls=service.tls)
     server, _ = create_server(
         [ServiceBinding(servicer, worker_pb2_grpc.add_WorkerServiceServicer_to_server,
                         "pagedserve.internal.v1.WorkerService")], service.host, service.port,

@@ -305,6 +305,17 @@ class Worker:
         self.check_epoch(scheduler_epoch, "clear_state")
         self._reset_steps()
 
+    @property
+    def bytes_per_kv_block(self) -> int:
+        return self._cache_engine().spec.bytes_per_block
+
+    def read_kv_blocks(self, block_ids: list[int]) -> bytes:
+        """For another worker's pull (prefill/decode disaggregation)."""
+        return self._cache_engine().read_blocks(block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], data: bytes) -> None:
+        self._cache_engine().write_blocks(block_ids, data)
+
     def check_epoch(self, scheduler_epoch: int, what: str, is_handshake: bool = False) -> None:
         """The worker serves only the scheduler whose handshake set its epoch; a later one (a
         larger epoch) takes over by doing the handshake. The message leaves out the worker's

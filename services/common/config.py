@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pagedserve.services.common.engine_api import REPLICA_ROLES
 from pagedserve.services.common.errors import ConfigError
 from pagedserve.services.common.speculative_config import (
     SpeculativeConfig,
@@ -384,6 +385,16 @@ class SchedulerServiceConfig:
         "waited for before its requests fail")
     stats_interval_s: float = opt(10.0, "seconds between two stats log lines (throughput, "
                                         "queues, KV-cache usage); 0 = none")
+    role: Literal["both", "prefill", "decode"] = opt("both", "prefill/decode disaggregation: what gateways send this replica; "
+                    "prefill (only the prompts of new requests, whose KV blocks decode replicas "
+                    "pull), decode (requests whose prompt a prefill replica computed, and every "
+                    "request while none serves) or both; prefill and decode need "
+                    "--enable-prefix-caching")
+    kv_transfer_addresses: list[str] = opt(
+        [], "host:port of each worker, by rank, as decode replicas reach them to pull KV blocks "
+        "(a prefill replica's workers seen from other hosts); empty = worker_addresses")
+    kv_transfer_timeout_s: float = opt(30.0, "deadline of one KV block transfer from a prefill "
+                                              "replica; past it the prompt is computed here")
     tls: TlsConfig = field(default_factory=TlsConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -395,6 +406,14 @@ class SchedulerServiceConfig:
         _check(self.step_timeout_s > 0, f"step_timeout_s must be > 0, got {self.step_timeout_s}")
         _check(self.stats_interval_s >= 0,
                f"stats_interval_s must be >= 0, got {self.stats_interval_s}")
+        _check(self.role in REPLICA_ROLES,
+               f"role must be one of {', '.join(REPLICA_ROLES)}, got {self.role!r}")
+        _check(not self.kv_transfer_addresses
+               or len(self.kv_transfer_addresses) == len(self.worker_addresses),
+               f"kv_transfer_addresses names {len(self.kv_transfer_addresses)} workers, "
+               f"worker_addresses {len(self.worker_addresses)}; one per rank")
+        _check(self.kv_transfer_timeout_s > 0,
+               f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
 
 
 @dataclass(slots=True)

@@ -9,6 +9,11 @@ from pagedserve.services.common.sampling_params import SamplingParams
 
 MAX_REQUEST_ID_CHARS = 256
 PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)  # int32, as the protos carry it
+# what a replica does with new requests (--role): prefill/decode disaggregation
+ROLE_BOTH = "both"
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+REPLICA_ROLES = (ROLE_BOTH, ROLE_PREFILL, ROLE_DECODE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +26,15 @@ class ResumedOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class KVTransferParams:
+    """Where a prefill replica holds a prompt's computed leading blocks (prefill/decode
+    disaggregation): its workers by rank, and the block ids there in prompt order."""
+
+    worker_addresses: list[str]
+    block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class SubmitRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -29,6 +43,8 @@ class SubmitRequest:
     owner: str = ""  # who may abort it: the gateway's tag of its caller
     resumed_outputs: list[ResumedOutput] = field(default_factory=list)  # unfinished ones only
     is_pooling: bool = False  # an embedding request: the prompt pooled, nothing generated
+    # its prompt's blocks are pulled from a prefill replica first (a failed pull computes them)
+    kv_transfer: KVTransferParams | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -163,6 +163,10 @@ class RoutingConfig:
     failover_timeout_s: float = opt(
         30.0, "how long a request whose replica failed waits for a serving replica (another "
         "one, or the same once back) before it ends with UNAVAILABLE")
+    max_local_prefill_tokens: int = opt(
+        512, "prefill/decode disaggregation: a prompt of at most this many tokens is computed "
+        "on the decode replica itself (its prefill costs less there than a trip through a "
+        "prefill replica); 0 = every prompt of a full block or more goes to a prefill replica")
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -178,6 +182,8 @@ class RoutingConfig:
                f"replica_refresh_s must be > 0, got {self.replica_refresh_s}")
         _check(self.failover_timeout_s >= 0,
                f"failover_timeout_s must be >= 0, got {self.failover_timeout_s}")
+        _check(self.max_local_prefill_tokens >= 0,
+               f"max_local_prefill_tokens must be >= 0, got {self.max_local_prefill_tokens}")
 
 
 @dataclass(slots=True)

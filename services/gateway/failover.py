@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from pagedserve.services.common.engine_api import PauseRequest, ResumedOutput
 from pagedserve.services.common.errors import PagedServeError, Reason, Unavailable
 from pagedserve.services.common.outputs import RequestOutput
+from pagedserve.services.gateway.disaggregation import RemotePrefill, prefill_remotely
 from pagedserve.services.gateway.validation import PreparedRequest
 
 if TYPE_CHECKING:  # the transport: passed in, never loaded here
@@ -61,6 +62,17 @@ class ResumableSubmission:
         self._pausing = asyncio.Lock()  # one Pause/Resume at a time, so they arrive in order
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
+        remote = await prefill_remotely(self._replicas, self._request, self._owner,
+                                        self._timeout_s)
+        try:
+            async for output in self._outputs(remote):
+                yield output
+        finally:
+            if remote is not None:
+                remote.release()
+
+    async def _outputs(self, remote: RemotePrefill | None) -> AsyncIterator[RequestOutput]:
+        """`remote`: the prompt's blocks on a prefill replica, for the first submission."""
         avoid: set[str] = set()
         while True:
             resumed = self._resumed_outputs()
@@ -68,11 +80,16 @@ class ResumableSubmission:
                 self._request.prompt_token_ids, avoid, self._timeout_s, self.num_failovers)
             if self._metrics is not None:
                 self._metrics.on_routed(decision.address, decision.reason)
+            kv_transfer = None
+            if remote is not None and not self.num_failovers:
+                kv_transfer = remote.kv_transfer
             try:
                 with self._replicas.holding(replica):
                     async with contextlib.aclosing(replica.client.submit(
-                            self._request, self._owner, resumed)) as events:
+                            self._request, self._owner, resumed, kv_transfer)) as events:
                         async for output in events:
+                            if remote is not None:
+                                remote.release()  # pulled: the decode replica answered
                             if self._replica is not replica:
                                 self._replica, self._is_paused_there = replica, False
                                 await self._sync_paused()

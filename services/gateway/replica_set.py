@@ -20,11 +20,17 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 from pagedserve.services.common.config import TlsConfig
-from pagedserve.services.common.engine_api import AbortRequest, EngineLoad
+from pagedserve.services.common.engine_api import (
+    ROLE_BOTH,
+    ROLE_PREFILL,
+    AbortRequest,
+    EngineLoad,
+)
 from pagedserve.services.common.errors import NotFound, PagedServeError, Reason, Unavailable
 from pagedserve.services.gateway.config import RoutingConfig, scheduler_targets
 from pagedserve.services.gateway.routing import Candidate, Decision, Router
 from pagedserve.services.gateway.scheduler_client import SCHEDULER_RETRY_AFTER_S, SchedulerClient
+from pagedserve.services.rpc.convert_scheduler import role_from_proto
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2
 from pagedserve.services.rpc.tracing import set_routing_decision
 
@@ -45,6 +51,7 @@ class Replica:
     served: scheduler_pb2.GetServedModelResponse | None = None
     num_live: int = 0  # this gateway's requests on it
     watcher: asyncio.Task[None] | None = None
+    role: str = ROLE_BOTH  # as its scheduler reports it (--role)
 
     @property
     def num_requests(self) -> int:
@@ -92,6 +99,10 @@ class ReplicaSet:
     def serving(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.is_serving]
 
+    def serving_prefill(self) -> list[Replica]:
+        """The serving replicas of role prefill: new requests' prompts go there first."""
+        return [r for r in self.serving() if r.role == ROLE_PREFILL]
+
     @property
     def block_size(self) -> int:
         return self.served.block_size if self.served is not None else 0
@@ -122,7 +133,19 @@ class ReplicaSet:
                               f"failover_timeout_s={timeout_s:g}",
                               reason=Reason.SCHEDULER_UNAVAILABLE,
                               retry_after_s=SCHEDULER_RETRY_AFTER_S) from None
+        # prefill replicas take whole requests only while nothing else serves
+        serving = [r for r in serving if r.role != ROLE_PREFILL] or serving
         candidates = [r for r in serving if r.address not in avoid] or serving
+        return self._choose(candidates, prompt_token_ids, num_failovers)
+
+    def choose_prefill(self, prompt_token_ids: list[int]) -> Replica | None:
+        """A serving prefill replica for the prompt (prefix affinity among them, bounded by
+        load); None while none serves."""
+        candidates = self.serving_prefill()
+        return self._choose(candidates, prompt_token_ids, 0)[0] if candidates else None
+
+    def _choose(self, candidates: list[Replica], prompt_token_ids: list[int],
+                num_failovers: int) -> tuple[Replica, Decision]:
         decision = self.router.choose(
             [Candidate(r.address, r.num_requests,
                        r.served.num_gpu_blocks if r.served is not None else 0)
@@ -211,6 +234,7 @@ class ReplicaSet:
                     await asyncio.sleep(self.config.replica_refresh_s)
                     continue
                 replica.served = served
+                replica.role = role_from_proto(served)
                 kv_events = asyncio.create_task(self._watch_kv_events(replica),
                                                 name=f"kv events {replica.address}")
                 try:

@@ -19,6 +19,7 @@ from pagedserve.services.common.config import TlsConfig
 from pagedserve.services.common.engine_api import (
     AbortRequest,
     EngineLoad,
+    KVTransferParams,
     PauseRequest,
     ResumedOutput,
     SubmitRequest,
@@ -34,6 +35,7 @@ from pagedserve.services.rpc.convert_kv_events import (
 )
 from pagedserve.services.rpc.convert_scheduler import (
     abort_request_to_proto,
+    kv_transfer_params_from_proto,
     load_from_proto,
     pause_request_to_proto,
     submit_request_to_proto,
@@ -155,14 +157,34 @@ class SchedulerClient:
                           reason=Reason.SCHEDULER_UNAVAILABLE,
                           retry_after_s=SCHEDULER_RETRY_AFTER_S)
 
+    async def export_kv_blocks(self, prompt_token_ids: list[int]
+                               ) -> tuple[str, KVTransferParams]:
+        """Pins the prompt's computed blocks there for a decode replica (lease id, where)."""
+        try:
+            response = await self._stub.ExportKvBlocks(scheduler_pb2.ExportKvBlocksRequest(
+                prompt_token_ids=prompt_token_ids), timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, PEER) from exc
+        return response.lease_id, kv_transfer_params_from_proto(response.kv_transfer)
+
+    async def release_kv_blocks(self, lease_id: str) -> None:
+        try:
+            await self._stub.ReleaseKvBlocks(scheduler_pb2.ReleaseKvBlocksRequest(
+                lease_id=lease_id), timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, PEER) from exc
+
     async def submit(self, request: PreparedRequest, owner: str = "",
-                     resumed_outputs: list[ResumedOutput] | None = None
+                     resumed_outputs: list[ResumedOutput] | None = None,
+                     kv_transfer: KVTransferParams | None = None
                      ) -> AsyncIterator[RequestOutput]:
+        """`kv_transfer`: the prompt's blocks are pulled from a prefill replica first."""
         await self._ensure_connected()
         msg = submit_request_to_proto(SubmitRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling=request.sampling, priority=request.priority, owner=owner,
-            resumed_outputs=resumed_outputs or [], is_pooling=request.is_pooling))
+            resumed_outputs=resumed_outputs or [], is_pooling=request.is_pooling,
+            kv_transfer=kv_transfer))
         wants_prompt_logprobs = request.sampling.prompt_logprobs is not None
         span = RequestSpan.client(msg, self.address)
         code, details = grpc.StatusCode.CANCELLED, None  # unless it ends

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from pagedserve.services.common.engine_api import (
+    ROLE_BOTH,
+    ROLE_DECODE,
+    ROLE_PREFILL,
     AbortRequest,
     EngineLoad,
+    KVTransferParams,
     PauseRequest,
     ResumedOutput,
     SubmitRequest,
@@ -42,7 +46,18 @@ def submit_request_to_proto(request: SubmitRequest) -> scheduler_pb2.SubmitReque
         owner=request.owner,
         resumed_outputs=[scheduler_pb2.ResumedOutput(index=o.index, token_ids=o.token_ids)
                          for o in request.resumed_outputs],
-        is_pooling=request.is_pooling)
+        is_pooling=request.is_pooling,
+        kv_transfer=(None if request.kv_transfer is None
+                     else kv_transfer_params_to_proto(request.kv_transfer)))
+
+
+def kv_transfer_params_to_proto(params: KVTransferParams) -> scheduler_pb2.KvTransferParams:
+    return scheduler_pb2.KvTransferParams(worker_addresses=params.worker_addresses,
+                                          block_ids=params.block_ids)
+
+
+def kv_transfer_params_from_proto(msg: scheduler_pb2.KvTransferParams) -> KVTransferParams:
+    return KVTransferParams(list(msg.worker_addresses), list(msg.block_ids))
 
 
 def submit_request_from_proto(msg: scheduler_pb2.SubmitRequest) -> SubmitRequest:
@@ -56,7 +71,9 @@ def submit_request_from_proto(msg: scheduler_pb2.SubmitRequest) -> SubmitRequest
     return SubmitRequest(
         request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
         sampling=_sampling_from_proto(msg), priority=msg.priority,
-        owner=msg.owner, resumed_outputs=resumed, is_pooling=msg.is_pooling)
+        owner=msg.owner, resumed_outputs=resumed, is_pooling=msg.is_pooling,
+        kv_transfer=(kv_transfer_params_from_proto(msg.kv_transfer)
+                     if msg.HasField("kv_transfer") else None))
 
 
 def sequence_delta_to_proto(output: SequenceDelta) -> scheduler_pb2.SequenceDelta:
@@ -170,10 +187,22 @@ def watch_load_request_from_proto(msg: scheduler_pb2.WatchLoadRequest) -> float:
 
 def served_model_to_proto(model: str, info: WorkerInfo, max_model_len: int, vocab_size: int,
                           eos_token_ids: list[int], block_size: int = 0, num_gpu_blocks: int = 0,
-                          max_num_seqs: int = 0, served_model_name: str = ""
-                          ) -> scheduler_pb2.GetServedModelResponse:
+                          max_num_seqs: int = 0, served_model_name: str = "",
+                          role: str = ROLE_BOTH) -> scheduler_pb2.GetServedModelResponse:
     return scheduler_pb2.GetServedModelResponse(
         model=model, served_model_name=served_model_name, architecture=info.architecture,
         max_model_len=max_model_len,
         vocab_size=vocab_size, eos_token_ids=eos_token_ids, block_size=block_size,
-        num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs)
+        num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
+        role=_ROLE_TO_PROTO[role])
+
+
+_ROLE_TO_PROTO = {ROLE_BOTH: scheduler_pb2.REPLICA_ROLE_BOTH,
+                  ROLE_PREFILL: scheduler_pb2.REPLICA_ROLE_PREFILL,
+                  ROLE_DECODE: scheduler_pb2.REPLICA_ROLE_DECODE}
+_ROLE_FROM_PROTO = {v: k for k, v in _ROLE_TO_PROTO.items()}
+
+
+def role_from_proto(msg: scheduler_pb2.GetServedModelResponse) -> str:
+    """A scheduler older than roles (or one with a role this gateway does not know) is BOTH."""
+    return _ROLE_FROM_PROTO.get(msg.role, ROLE_BOTH)

@@ -26,7 +26,9 @@ WORKER = "worker"
 SUPERVISOR = "supervisor"  # `pagedserve serve` watching its children's Health
 ROLES = (GATEWAY, SCHEDULER, WORKER, SUPERVISOR)
 
-WORKER_CALLERS = {"pagedserve.internal.v1.WorkerService": (SCHEDULER,)}
+# a method's own entry overrides its service's: workers read each other's KV blocks
+WORKER_CALLERS = {"pagedserve.internal.v1.WorkerService": (SCHEDULER,),
+                  "pagedserve.internal.v1.WorkerService/ReadKvBlocks": (WORKER,)}
 SCHEDULER_CALLERS = {"pagedserve.internal.v1.SchedulerService": (GATEWAY,)}
 
 
@@ -116,7 +118,8 @@ def _streaming(behavior: Callable[..., Any], method: str, allowed: Collection[st
 
 
 class RoleInterceptor(grpc.aio.ServerInterceptor):
-    """`callers`: service full name -> the roles that may call its methods."""
+    """`callers`: service full name (or `service/method`) -> the roles that may call its
+    methods (that method)."""
 
     def __init__(self, callers: Mapping[str, Collection[str]]) -> None:
         self._callers = dict(callers)
@@ -126,7 +129,8 @@ class RoleInterceptor(grpc.aio.ServerInterceptor):
                                 ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        allowed = self._callers.get(method.lstrip("/").partition("/")[0])
+        name = method.lstrip("/")
+        allowed = self._callers.get(name) or self._callers.get(name.partition("/")[0])
         if handler is None or allowed is None:
             return handler
         return _guarded(handler, method, allowed)

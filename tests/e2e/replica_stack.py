@@ -55,10 +55,11 @@ class ReplicaStack:
     def gateway_address(self) -> str:
         return f"127.0.0.1:{self.gateway.port}"
 
-    def add_replica(self, config: EngineConfig | None = None) -> Replica:
-        """`config`: another engine config than the stack's (another model)."""
+    def add_replica(self, config: EngineConfig | None = None, **scheduler_kw) -> Replica:
+        """`config`: another engine config than the stack's (another model); `scheduler_kw`:
+        SchedulerServiceConfig fields (a role)."""
         replica = self.loop.run(_start_replica(config or self.config, self.tls.get("worker"),
-                                               self.tls.get("scheduler")))
+                                               self.tls.get("scheduler"), **scheduler_kw))
         self.replicas.append(replica)
         self.resolved.append(replica.address)
         return replica
@@ -90,24 +91,25 @@ class ReplicaStack:
 
 
 async def _start_replica(config: EngineConfig, worker_tls: TlsConfig | None,
-                         scheduler_tls: TlsConfig | None) -> Replica:
+                         scheduler_tls: TlsConfig | None, **scheduler_kw) -> Replica:
     worker = await start_worker(config, WorkerServiceConfig(port=0, tls=worker_tls or TlsConfig()))
     scheduler = await start_scheduler(config, SchedulerServiceConfig(
         port=0, worker_addresses=[f"127.0.0.1:{worker[0].port}"], stats_interval_s=0,
-        tls=scheduler_tls or TlsConfig()))
+        tls=scheduler_tls or TlsConfig(), **scheduler_kw))
     return Replica(worker, scheduler)
 
 
 def start_replica_stack(config: EngineConfig, num_replicas: int,
                         tls: dict[str, TlsConfig] | None = None, server_name: str = "",
-                        **gateway_kw) -> ReplicaStack:
+                        replica_kw: list[dict] | None = None, **gateway_kw) -> ReplicaStack:
     """`tls`: the TlsConfig of each role (worker, scheduler, gateway); `server_name`: what the
-    gateway's resolution names each address by (the name certificates carry). `gateway_kw`:
-    more GatewayConfig fields (the HTTP API is off by default)."""
+    gateway's resolution names each address by (the name certificates carry); `replica_kw`:
+    each replica's SchedulerServiceConfig fields. `gateway_kw`: more GatewayConfig fields (the
+    HTTP API is off by default)."""
     stack = ReplicaStack(BackgroundLoop(), config, [], tls=tls or {}, server_name=server_name)
     try:
-        for _ in range(num_replicas):
-            stack.add_replica()
+        for i in range(num_replicas):
+            stack.add_replica(**(replica_kw[i] if replica_kw else {}))
 
         async def resolve(target: str) -> dict[str, str]:
             return dict.fromkeys(stack.resolved, stack.server_name)

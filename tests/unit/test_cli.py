@@ -13,11 +13,12 @@ from pagedserve.services.common.config import (
     TracingConfig,
     from_args,
 )
+from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.gateway.config import GatewayConfig
 
 import pagedserve.supervisor
-from pagedserve.cli import _sampling, build_parser, main
+from pagedserve.cli import _disaggregated_roles, _sampling, build_parser, main
 from pagedserve.supervisor import config_to_argv
 
 
@@ -118,3 +119,17 @@ def test_metrics_and_log_flags():
         assert args.metrics_port == 0
     with pytest.raises(Exception, match=r"metrics_port must be -1 \(off\) .* got -2"):
         MetricsConfig(-2)
+
+
+def test_serve_disaggregation_flags_name_each_replicas_role_and_refuse_half_a_pair():
+    args = build_parser().parse_args(["serve", "--prefill-replicas", "1", "--decode-replicas", "2"])
+    assert _disaggregated_roles(args) == ["prefill", "decode", "decode"]
+    assert _disaggregated_roles(build_parser().parse_args(["serve"])) == []
+    with pytest.raises(InvalidRequest, match="--decode-replicas 0"):
+        _disaggregated_roles(build_parser().parse_args(["serve", "--prefill-replicas", "1"]))
+    with pytest.raises(InvalidRequest, match="--data-parallel-size 2"):
+        _disaggregated_roles(build_parser().parse_args([
+            "serve", "--prefill-replicas", "1", "--decode-replicas", "1",
+            "--data-parallel-size", "2"]))
+    scheduler = build_parser().parse_args(["scheduler", "--role", "decode"])
+    assert from_args(SchedulerServiceConfig, scheduler).role == "decode"

@@ -12,7 +12,7 @@ from pagedserve.services.common.engine_api import PauseRequest
 from pagedserve.services.common.errors import Unavailable
 from pagedserve.services.common.outputs import RequestOutput, SequenceDelta
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.gateway.config import RequestLimitsConfig
+from pagedserve.services.gateway.config import RequestLimitsConfig, RoutingConfig
 from pagedserve.services.gateway.failover import ResumableSubmission
 from pagedserve.services.gateway.replica_set import Replica
 from pagedserve.services.gateway.routing import Decision
@@ -77,7 +77,7 @@ class ScriptedClient:
         self.num_unavailable = num_unavailable
         self.pauses: list[bool] = []
 
-    async def submit(self, request, owner, resumed):
+    async def submit(self, request, owner, resumed, kv_transfer=None):
         for i in range(self.num_events):
             yield RequestOutput(request.request_id, [SequenceDelta(0, [i])], finished=False,
                                 num_prompt_tokens=3, num_cached_tokens=0)
@@ -96,6 +96,8 @@ class TwoReplicas:
     """The part of a ReplicaSet a submission uses: `first` until it fails, then `second`."""
 
     retry_after_s = 2.0
+    block_size = 0  # no prefix: no prefill replica is asked
+    config = RoutingConfig()
 
     def __init__(self, first: ScriptedClient, second: ScriptedClient) -> None:
         self.replicas = [Replica("a", first), Replica("b", second)]

@@ -45,7 +45,7 @@ SERVICE_CONFIGS = {"gateway": GatewayConfig, "scheduler": SchedulerServiceConfig
 WORKLOADS = {"gateway": "gateway-deployment.yaml", "scheduler": "engine-statefulset.yaml",
              "worker": "engine-statefulset.yaml"}
 # engine.* keys that are chart settings, not flags ("pagedserve.engineFlags" omits them)
-ENGINE_CHART_KEYS = ("replicas", "gpuResource", "shmSizeLimit", "pod", "podDisruptionBudget",
+ENGINE_CHART_KEYS = ("replicas", "prefillReplicas", "gpuResource", "shmSizeLimit", "pod", "podDisruptionBudget",
                      "autoscaling")
 
 _VALUES_REF = re.compile(r"\.Values((?:\.[A-Za-z_]\w*)+)")
@@ -436,3 +436,33 @@ def test_rendered_internal_tls_mounts_the_certificate_and_names_the_dialled_host
     assert workloads["worker"][0]["readinessProbe"]["grpc"] == {"port": 8083}
     assert gateway_config.tls.health_port == 0  # its own, public, port stays plaintext
     assert workloads["gateway"][0]["readinessProbe"]["grpc"] == {"port": gateway_config.port}
+
+
+def test_prefill_replicas_start_a_prefill_statefulset_whose_ranks_decode_pods_can_reach():
+    values = {"engine": {"replicas": 3, "prefillReplicas": 2, "tensorParallelSize": 2},
+              "networkPolicy": {"enabled": True}}
+    objects = by_name(render(values))
+    decode = objects[("StatefulSet", f"{FULLNAME}-engine")]["spec"]
+    prefill = objects[("StatefulSet", f"{FULLNAME}-engine-prefill")]["spec"]
+    assert (decode["replicas"], prefill["replicas"]) == (3, 2)
+    assert decode["serviceName"] == prefill["serviceName"] == f"{FULLNAME}-engine"
+    for spec, role in ((decode, "decode"), (prefill, "prefill")):
+        assert spec["selector"]["matchLabels"]["pagedserve.io/role"] == role
+        assert spec["template"]["metadata"]["labels"]["pagedserve.io/role"] == role
+        scheduler = spec["template"]["spec"]["containers"][0]
+        config = from_args(SchedulerServiceConfig, _parse("scheduler", scheduler["args"]))
+        engine = from_args(EngineConfig, _parse("scheduler", scheduler["args"]))
+        assert config.role == role and engine.cache.enable_prefix_caching
+        assert "POD_NAME" in {e["name"] for e in scheduler["env"]}
+    addresses = from_args(SchedulerServiceConfig, _parse(
+        "scheduler", prefill["template"]["spec"]["containers"][0]["args"])).kv_transfer_addresses
+    assert addresses == [f"$(POD_NAME).{FULLNAME}-engine.llm.svc.cluster.local:{50053 + rank}"
+                         for rank in range(2)]
+    service = objects[("Service", f"{FULLNAME}-engine")]["spec"]["selector"]
+    assert "pagedserve.io/role" not in service  # gateways resolve both roles
+    ingress = objects[("NetworkPolicy", f"{FULLNAME}-engine")]["spec"]["ingress"]
+    assert {"from": [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/instance": "demo",
+        "app.kubernetes.io/component": "engine"}}}],
+        "ports": [{"port": 50053, "protocol": "TCP"}, {"port": 50054, "protocol": "TCP"}]} in ingress
+    assert ("StatefulSet", f"{FULLNAME}-engine-prefill") not in by_name(render({}))

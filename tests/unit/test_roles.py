@@ -38,6 +38,10 @@ class Worker(worker_pb2_grpc.WorkerServiceServicer):
         self.calls.append(f"InitCache {request.scheduler_epoch}")
         return worker_pb2.InitCacheResponse()
 
+    async def ReadKvBlocks(self, request, context):
+        self.calls.append(f"ReadKvBlocks {list(request.block_ids)}")
+        yield worker_pb2.ReadKvBlocksResponse(num_blocks=len(request.block_ids))
+
 
 class Scheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def GetLoad(self, request, context):
@@ -125,6 +129,24 @@ def test_only_a_scheduler_may_call_the_worker(certificates, role):
     assert not isinstance(run(certificates, worker_binding(servicer), WORKER_CALLERS,
                               "scheduler", init_cache), grpc.aio.AioRpcError)
     assert servicer.calls == [f"InitCache {2**64 - 1}"]
+
+
+@pytest.mark.parametrize("role", ["gateway", "scheduler", "worker"])
+def test_only_a_worker_may_read_another_workers_kv_blocks(certificates, role):
+    """A decode replica's worker pulls a prefill replica's blocks: the one worker method a
+    scheduler may not call, and the only one a worker may."""
+    async def read(channel):
+        call = worker_pb2_grpc.WorkerServiceStub(channel).ReadKvBlocks(
+            worker_pb2.ReadKvBlocksRequest(block_ids=[3]), timeout=10)
+        return [msg async for msg in call]
+
+    servicer = Worker()
+    result = run(certificates, worker_binding(servicer), WORKER_CALLERS, role, read)
+    if role == "worker":
+        assert [msg.num_blocks for msg in result] == [1] and servicer.calls == ["ReadKvBlocks [3]"]
+        return
+    assert result.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "only 'worker' may" in result.details() and servicer.calls == []
 
 
 def test_a_certificate_without_a_role_is_told_to_get_one(certificates):

@@ -95,3 +95,26 @@ def test_only_the_gateway_gets_the_api_key_and_the_admin_token(monkeypatch):
                             http=HttpConfig(), admin=AdminConfig()))
     assert envs["gateway"][API_KEY_ENV] == "inherited-key"  # what the gateway read before
     assert API_KEY_ENV not in envs["scheduler"]
+
+
+def test_serve_starts_prefill_and_decode_replicas_with_the_prefix_cache_on(monkeypatch):
+    spawned = []
+
+    async def spawn(role, address, argv, secrets):
+        spawned.append((role, address, list(argv)))
+        return _Exited()
+
+    async def not_serving(self, timeout_s):
+        return False
+
+    monkeypatch.setattr(supervisor, "_spawn", spawn)
+    monkeypatch.setattr(supervisor.Supervisor, "wait_serving", not_serving)
+    config = EngineConfig(model=ModelConfig(model="m"))
+    assert asyncio.run(serve_stack(config, "127.0.0.1", 0, 0, 0, 10.0, 1.0, internal_tls=False,
+                                   roles=["prefill", "decode", "decode"])) == 0
+    schedulers = [argv for role, _, argv in spawned if role == "scheduler"]
+    assert [argv[argv.index("--role") + 1] for argv in schedulers] == [
+        "prefill", "decode", "decode"]
+    assert all("--enable-prefix-caching" in argv for argv in schedulers)
+    [gateway] = [argv for role, _, argv in spawned if role == "gateway"]
+    assert len(gateway[gateway.index("--scheduler-address") + 1].split(",")) == 3

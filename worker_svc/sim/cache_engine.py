@@ -40,3 +40,13 @@ class SimCacheEngine:
             n = len(pairs)
             self.timeline.enqueue(self.roofline.block_moves_s(
                 n if is_swap else 0, 0 if is_swap else n, self.spec.bytes_per_block))
+
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        """No data: a pulling simulated worker prices the bytes when it writes them."""
+        check_block_pairs([(b, b) for b in block_ids], self.num_gpu_blocks, self.num_gpu_blocks)
+        return b""
+
+    def write_blocks(self, block_ids: list[int], data: bytes) -> None:
+        """The blocks cost what a swap-in of as many blocks would (one host link each way)."""
+        self._move([(b, b) for b in block_ids], self.num_gpu_blocks, self.num_gpu_blocks,
+                   is_swap=True)

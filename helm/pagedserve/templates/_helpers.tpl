@@ -69,7 +69,7 @@ listens on scheduler.port. The gateways' --scheduler-address.
 
 {{/* Engine values that are chart settings rather than flags. */}}
 {{- define "pagedserve.engineFlags" -}}
-{{ include "pagedserve.flags" (omit .Values.engine "replicas" "gpuResource" "shmSizeLimit" "pod" "podDisruptionBudget" "autoscaling") }}
+{{ include "pagedserve.flags" (omit .Values.engine "replicas" "prefillReplicas" "gpuResource" "shmSizeLimit" "pod" "podDisruptionBudget" "autoscaling") }}
 {{- end }}
 
 {{- define "pagedserve.serviceAccountName" -}}
