@@ -116,7 +116,7 @@ class Sampler:
             return _DeviceSamples([], [0], none, none.float(), [], None, None)
         logits = logits[:, :self.vocab_size]
         if token_bitmask is not None:
-            logits = token_bitmask.apply(logits.to(torch.float32, copy=True))
+            logits = token_bitmask.apply(logits)
         processed = self._process(logits, seqs)  # [num_seqs, vocab_size]
 
         num_samples = [s.num_samples for s in seqs]

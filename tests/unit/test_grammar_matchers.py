@@ -56,8 +56,8 @@ def _seq(seq_id, outputs, params, request_id="r"):
 
 
 def _allowed(mask: TokenBitmask, row: int, vocab_size: int) -> set[int]:
-    logits = torch.zeros(len(mask.rows), vocab_size)
-    TokenBitmask(list(range(len(mask.rows))), mask.bits).apply(logits)
+    logits = TokenBitmask(list(range(len(mask.rows))), mask.bits).apply(
+        torch.zeros(len(mask.rows), vocab_size))
     return set(torch.nonzero(logits[row] == 0).flatten().tolist())
 
 
@@ -191,3 +191,17 @@ def test_a_mask_is_never_built_while_the_previous_token_is_still_on_the_device(m
     with pytest.raises(AssertionError, match="previous token"):
         matchers.bitmask([seq], {0: seq}, drawing={0: 2})
     assert matchers.bitmask([seq], {0: seq}, drawing={0: 1}) is not None
+
+
+def test_a_bitmask_masks_exactly_the_tokens_whose_bits_are_clear():
+    vocab_size, num_words = 70, 3  # the last word half used; bit 31 is int32's sign bit
+    generator = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (2, num_words), dtype=torch.int32,
+                         generator=generator)
+    logits = torch.randn(3, vocab_size, generator=generator)
+    masked = TokenBitmask([2, 0], bits).apply(logits)
+    for row, mask_row in ((2, 0), (0, 1)):
+        for t in range(vocab_size):
+            is_allowed = (int(bits[mask_row, t // 32]) >> (t % 32)) & 1
+            assert masked[row, t] == (logits[row, t] if is_allowed else float("-inf"))
+    assert torch.equal(masked[1], logits[1])  # a row without a mask is left alone
