@@ -14,6 +14,7 @@ a mask needs the previous token, and the forward it masks runs meanwhile.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Container, Mapping
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 from pagedserve.services.common.step_plan import NewSequence
-from pagedserve.worker_svc.grammar_cache import GrammarCache
+from pagedserve.worker_svc.grammar_cache import GrammarCache, llguidance_tokenizer
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 from pagedserve.worker_svc.token_bitmask import TokenBitmask, num_bitmask_words
 
@@ -48,6 +49,13 @@ class GrammarMatchers:
         self._matchers: dict[int, _SeqMatcher] = {}
         self._executor: Any = None
         self.on_mask = on_mask
+
+    @classmethod
+    def for_model(cls, model_path: str, vocab_size: int,
+                  eos_token_ids: list[int]) -> GrammarMatchers:
+        """With the tokenizer of the model folder; it is read at the first constraint."""
+        return cls(GrammarCache(functools.partial(llguidance_tokenizer, model_path, vocab_size,
+                                                  eos_token_ids)), vocab_size, eos_token_ids)
 
     def __len__(self) -> int:
         return len(self._matchers)

@@ -35,7 +35,6 @@ from pagedserve.worker_svc.cache_engine import (
 )
 from pagedserve.worker_svc.cuda_graphs import CAPTURABLE_BACKENDS, MAX_CAPTURE_SEQ_LEN
 from pagedserve.worker_svc.draft_proposer import load_draft_proposer
-from pagedserve.worker_svc.grammar_cache import GrammarCache, llguidance_tokenizer
 from pagedserve.worker_svc.grammar_matchers import GrammarMatchers
 from pagedserve.worker_svc.graph_buckets import GraphBuckets, capture_buckets
 from pagedserve.worker_svc.in_flight import InFlightStep
@@ -150,9 +149,8 @@ class Worker:
                                   self.kv_spec.block_size, max_model_len, self.device, self.tp,
                                   drafter=drafter)
         if self.rank == 0:  # the rank that samples
-            self.runner.grammars = GrammarMatchers(
-                GrammarCache(functools.partial(llguidance_tokenizer, model_config.model,
-                                               vocab_size, eos_ids)), vocab_size, eos_ids)
+            self.runner.grammars = GrammarMatchers.for_model(model_config.model, vocab_size,
+                                                             eos_ids)
         self.info = WorkerInfo(
             rank=self.rank, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             architecture=architecture, vocab_size=vocab_size, max_model_len=max_model_len,

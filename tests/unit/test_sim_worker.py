@@ -4,9 +4,12 @@ every block comes back, and no step takes less wall time than its model says."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 import time
 
+import jsonschema
 import pytest
 from pagedserve.services.common.config import (
     CacheConfig,
@@ -17,6 +20,7 @@ from pagedserve.services.common.config import (
 from pagedserve.services.common.errors import ConfigError, InvalidRequest, StepOutOfOrder
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import NewSequence, RunningSequence, StepPlan
+from pagedserve.services.common.structured_outputs import StructuredOutputsParams
 from pagedserve.worker_svc.sampler import SeqSamplingState
 from pagedserve.worker_svc.sim.sampler import SimSampler, sim_token
 from pagedserve.worker_svc.sim.timeline import GpuTimeline
@@ -224,3 +228,29 @@ def test_the_sampler_draws_what_sim_token_says_for_every_kind_of_row():
                         for j in range(s.num_samples)]
             assert (got.token_ids, got.logprobs) == ([t for t, _ in expected],
                                                      [lp for _, lp in expected])
+
+
+def test_constrained_draws_on_sim_follow_their_schema_and_the_others_stay_sim_tokens(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    schema = {"type": "object", "properties": {"size": {"enum": ["small", "large"]},
+                                               "count": {"type": "integer", "minimum": 0,
+                                                         "maximum": 9}},
+              "required": ["size", "count"], "additionalProperties": False}
+    constrained = SamplingParams(temperature=1.0, seed=3, max_tokens=60,
+                                 structured_outputs=StructuredOutputsParams(json_schema=schema))
+    engine = sim_engine(smollm2_dir)
+    requests = {"free": (PROMPTS[0], GREEDY), "a": (PROMPTS[1], constrained),
+                "b": (PROMPTS[2], dataclasses.replace(constrained, seed=4))}
+    for request_id, (ids, sampling) in requests.items():
+        engine.add_request(request_id, ids, sampling)
+    outputs = {request_id: [] for request_id in requests}
+    while engine.has_unfinished_requests():
+        for report in engine.step():
+            for completion in report.outputs:
+                outputs[report.request_id] += completion.token_ids
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    for request_id in ("a", "b"):
+        text = tokenizer.decode(outputs[request_id], skip_special_tokens=True)
+        jsonschema.validate(json.loads(text), schema)
+    assert outputs["free"] == expected_greedy(PROMPTS[0], 20, engine.core.vocab_size)

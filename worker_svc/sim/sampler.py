@@ -2,11 +2,14 @@
 tokens of the context), so a test can predict every output through the whole stack. Greedy rows
 ignore the seed, like argmax. EOS has a fixed probability per token once min_tokens are out, so
 output lengths are geometric; other tokens come from the middle of the vocabulary, away from
-special tokens.
+special tokens. A constrained row's draw that its grammar's mask refuses becomes the next allowed
+token after it (a function of the draw, so still predictable), so constrained outputs follow
+their grammar.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -14,6 +17,7 @@ import numpy as np
 import torch
 from pagedserve.services.common.step_plan import SampledSequence, TokenIdLogprob
 from pagedserve.worker_svc.sampler import SeqSamplingState
+from pagedserve.worker_svc.token_bitmask import TokenBitmask
 
 _MASK_64 = (1 << 64) - 1
 _CONTEXT_WINDOW = 4  # context tokens a draw depends on
@@ -89,12 +93,32 @@ class SimSampler:
         return out
 
     def launch(self, logits: object, seqs: list[SeqSamplingState],
-               token_bitmask: object = None) -> _DrawnSamples:
-        """token_bitmask is not applied: simulated draws follow no grammar."""
+               token_bitmask: TokenBitmask | None = None) -> _DrawnSamples:
         sampled = self(logits, seqs)
+        if token_bitmask is not None:
+            for k, row in enumerate(token_bitmask.rows):
+                sampled[row] = self._allowed(sampled[row], token_bitmask.bits[k].numpy(),
+                                             seqs[row].sampling.logprobs)
         offsets = list(itertools.accumulate((len(s.token_ids) for s in sampled), initial=0))
         token_ids = torch.tensor([t for s in sampled for t in s.token_ids], dtype=torch.long)
         return _DrawnSamples(token_ids, offsets, sampled)
+
+    def _allowed(self, s: SampledSequence, words: np.ndarray,
+                 num_top: int | None) -> SampledSequence:
+        """words: the row's bitmask [num_words] int32."""
+        if all((int(words[t >> 5]) >> (t & 31)) & 1 for t in s.token_ids):
+            return s
+        is_allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:self.vocab_size]
+        token_ids = []
+        for t in s.token_ids:
+            if not is_allowed[t]:
+                after = is_allowed[t:].argmax()
+                t = t + int(after) if is_allowed[t + after] else int(is_allowed.argmax())
+            token_ids.append(t)
+        top_logprobs = ([self._top(t, lp, num_top) for t, lp in zip(token_ids, s.logprobs,
+                                                                      strict=True)]
+                        if num_top is not None else s.top_logprobs)
+        return dataclasses.replace(s, token_ids=token_ids, top_logprobs=top_logprobs)
 
     def _draw(self, seeds: list[int], positions: list[int], num_samples: list[int],
               contexts: list[list[int]], eos_ok: list[bool],

@@ -14,6 +14,7 @@ from pagedserve.services.common.errors import ConfigError
 from pagedserve.services.common.step_plan import MemoryProfile, WorkerInfo
 from pagedserve.worker_svc.cache_engine import KVCacheSpec
 from pagedserve.worker_svc.cuda_graphs import MAX_CAPTURE_SEQ_LEN
+from pagedserve.worker_svc.grammar_matchers import GrammarMatchers
 from pagedserve.worker_svc.graph_buckets import capture_buckets
 from pagedserve.worker_svc.loader import eos_token_ids, load_hf_config
 from pagedserve.worker_svc.model_runner import ModelRunner
@@ -90,6 +91,8 @@ class SimWorker(Worker):
         self.runner = ModelRunner(model, sampler,
                                   vocab_size, self.kv_spec.block_size, max_model_len, self.device,
                                   new_fence=self.timeline.fence)
+        # the real matchers on the served folder's tokenizer: their host time is real
+        self.runner.grammars = GrammarMatchers.for_model(model_config.model, vocab_size, eos_ids)
         architecture = resolve_architecture(getattr(hf_config, "architectures", None) or [])
         self.info = WorkerInfo(
             rank=self.rank, device=f"sim:{gpu.name}", dtype=str(self.dtype).removeprefix("torch."),
