@@ -289,7 +289,7 @@ class Worker:
         if self.runner is not None:
             self.runner.decode_graphs = self.runner.mixed_graphs = None
             if self.runner.grammars is not None:
-                self.runner.grammars.cache.shutdown()
+                self.runner.grammars.shutdown()
         self.cache_engine = self.runner = self.info = self._memory_profile = None
         gc.collect()
         if self.device.type == "cuda":

@@ -205,3 +205,15 @@ def test_a_bitmask_masks_exactly_the_tokens_whose_bits_are_clear():
             is_allowed = (int(bits[mask_row, t // 32]) >> (t % 32)) & 1
             assert masked[row, t] == (logits[row, t] if is_allowed else float("-inf"))
     assert torch.equal(masked[1], logits[1])  # a row without a mask is left alone
+
+
+def test_a_resent_sequence_whose_matcher_had_failed_starts_over(matchers, hf_tokenizer,
+                                                                 vocab_size):
+    """Its old matcher cannot roll back; the resent outputs get a fresh one (the step failed)."""
+    params = StructuredOutputsParams(json_schema=SCHEMA)
+    ids = hf_tokenizer.encode('{"name": "Di', add_special_tokens=False)
+    outside = ids[:2] + hf_tokenizer.encode("Hello", add_special_tokens=False)
+    assert _mask_after(matchers, _seq(0, outside, params), vocab_size) == {EOS}
+    fresh = GrammarMatchers(matchers.cache, vocab_size, [EOS])
+    assert (_mask_after(matchers, _seq(0, ids, params), vocab_size)
+            == _mask_after(fresh, _seq(0, ids, params), vocab_size))
