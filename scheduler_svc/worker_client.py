@@ -3,12 +3,15 @@
 Calls are synchronous (EngineCore runs on the engine thread) except submit_step. Every call has
 a deadline, so a worker that is gone fails a step fast (Unavailable) instead of hanging. The
 handshake waits for the worker to come up, so the scheduler may start first and a rebuild waits
-for a restarted worker.
+for a restarted worker. A step sent while the one before it still runs (async scheduling) starts
+on the worker only when that one ends, so its step_timeout_s counts from the deadline of the
+one ahead: each step has step_timeout_s of its own, however long the one ahead took of its own.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 from pagedserve.services.common.config import EngineConfig, TlsConfig
@@ -46,6 +49,7 @@ class WorkerClient:
             internal_channel(address, tls, _CHANNEL_OPTIONS),
             *client_interceptors(address))
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        self._last_step: PendingStep | None = None
 
     def close(self) -> None:
         self._channel.close()
@@ -93,8 +97,13 @@ class WorkerClient:
                           self.startup_timeout_s).num_graphs_captured
 
     def submit_step(self, plan: StepPlan) -> PendingStep:
-        call = self._stub.ExecuteStep.future(step_plan_to_proto(plan), timeout=self.step_timeout_s)
-        return PendingStep(call, self.address)
+        now = time.monotonic()
+        ahead = self._last_step
+        starts_by = ahead.deadline if ahead is not None and not ahead.done() else now
+        deadline = starts_by + self.step_timeout_s
+        call = self._stub.ExecuteStep.future(step_plan_to_proto(plan), timeout=deadline - now)
+        self._last_step = PendingStep(call, self.address, deadline)
+        return self._last_step
 
     def clear_state(self, scheduler_epoch: int) -> None:
         response = self._call("ClearState",
@@ -115,9 +124,13 @@ class PendingStep:
     """One ExecuteStep call as a StepFuture (scheduler_svc/step_window.py): `result()` has the
     concurrent.futures.Future signature."""
 
-    def __init__(self, call: grpc.Future, address: str) -> None:
+    def __init__(self, call: grpc.Future, address: str, deadline: float) -> None:
         self._call = call
         self._address = address
+        self.deadline = deadline  # time.monotonic()
+
+    def done(self) -> bool:
+        return self._call.done()
 
     def result(self, timeout: float | None = None) -> StepOutput:
         try:
