@@ -8,10 +8,14 @@
 2. Throughput: a batch of --batch-size requests constrained by the schemas against the same
    batch unconstrained, offline, with the same output lengths (the constrained run's lengths,
    reproduced with ignore_eos), so the ratio is the cost of the masks alone.
+3. With --device sim (bench/structured_sim.py): the grammar mask's share of a step at batch
+   --sim-batch-size on the simulated --sim-gpu (a model: the forward is simulated, the masks are
+   llguidance's real work on this host), against the target of 10%.
 Record: bench/results/structured-<tag>.json.
 
     python -m bench.structured                      # 56 schemas, offline, batch 32
     python -m bench.structured --doors --tag doors  # both doors as well
+    python -m bench.structured --device sim --tag sim  # batch 256 on a simulated H100
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from bench.common import DEFAULT_MODEL, Timer, finish, quiet_logging, serve_process
 from bench.serving import wait_serving
+from bench.structured_sim import TARGET_MASK_SHARE, mask_share
 from pagedserve.llm import LLM
 
 log = logging.getLogger("bench.structured")
@@ -210,10 +215,26 @@ def main() -> None:
     parser.add_argument("--throughput-max-tokens", type=int, default=48)
     parser.add_argument("--doors", action="store_true", help="also through a served stack")
     parser.add_argument("--startup-timeout-s", type=float, default=300)
+    parser.add_argument("--device", choices=("cpu", "sim"), default="cpu",
+                        help="sim: the mask's share of a step on the simulated GPU alone")
+    parser.add_argument("--sim-gpu", default="H100-SXM")
+    parser.add_argument("--sim-model", default="Llama-3-8B")
+    parser.add_argument("--sim-batch-size", type=int, default=256)
+    parser.add_argument("--sim-max-tokens", type=int, default=64)
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
     quiet_logging()
     schemas = make_schemas(args.num_schemas)
+    if args.device == "sim":
+        sim = mask_share(args, schemas, lambda schema, i, max_tokens, ignore_eos: _sampling(
+            schema, False, i, max_tokens, ignore_eos))
+        line = (f"structured (model: {args.sim_model} on a simulated {args.sim_gpu}): batch "
+                f"{args.sim_batch_size}, mask {sim['mask_ms_median']:.2f} ms of a "
+                f"{sim['step_ms_median']:.2f} ms step = {sim['mask_share_of_step']:.1%} (target "
+                f"<= {TARGET_MASK_SHARE:.0%}{'' if sim['target']['met'] else ' MISSED'}); "
+                f"throughput {sim['throughput_ratio']:.2f}x unconstrained")
+        finish("structured", args, line, [], sim=sim, schemas=schemas)
+        return
     llm = LLM(model=args.model, device="cpu")
     validity = offline_validity(llm, schemas, args.max_tokens)
     speed = throughput(llm, schemas, args.batch_size, args.throughput_max_tokens)
