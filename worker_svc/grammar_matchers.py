@@ -9,9 +9,7 @@ exactly as without the fault.
 
 Under run-ahead the next step is launched before this one's draws reach the host, but a step's
 mask is built in sample(), after the step before has finished and its tokens are in the mirror:
-a mask needs the previous token, and the forward it masks runs meanwhile on the device. A step
-launched with no step in flight has every token it needs at launch: its mask is built on a
-thread beside the forward (bitmask_soon), which on a CPU device is the host's own work.
+a mask needs the previous token, and the forward it masks runs meanwhile on the device.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Container, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -55,7 +52,6 @@ class GrammarMatchers:
         self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
         self._matchers: dict[int, _SeqMatcher] = {}
         self._executor: Any = None
-        self._pool: ThreadPoolExecutor | None = None
         self.on_mask = on_mask
 
     @classmethod
@@ -73,8 +69,6 @@ class GrammarMatchers:
 
     def shutdown(self) -> None:
         self.cache.shutdown()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
 
     def prepare(self, new_seqs: list[NewSequence]) -> None:
         """Starts compiling the constraints of sequences that have no matcher yet."""
@@ -82,17 +76,6 @@ class GrammarMatchers:
             params = seq.sampling.structured_outputs
             if params is not None and seq.seq_id not in self._matchers:
                 self.cache.get(params)
-
-    def bitmask_soon(self, sample_seqs: list[CachedSequence], live_seq_ids: Container[int],
-                     drawing: Mapping[int, int] = MappingProxyType({})
-                     ) -> Future[TokenBitmask | None] | None:
-        """bitmask() on a thread, for a step whose forward runs meanwhile; nothing may change
-        the sequences or the matchers until it is done. None: no row is constrained."""
-        if all(s.sampling.structured_outputs is None for s in sample_seqs):
-            return None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        return self._pool.submit(self.bitmask, sample_seqs, live_seq_ids, drawing)
 
     def bitmask(self, sample_seqs: list[CachedSequence], live_seq_ids: Container[int],
                 drawing: Mapping[int, int] = MappingProxyType({})) -> TokenBitmask | None:

@@ -5,7 +5,6 @@ LaunchWindow's rule (worker_svc/launch_window.py)."""
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Protocol
@@ -14,7 +13,6 @@ import torch
 from pagedserve.worker_svc.model_input import ModelInput
 from pagedserve.worker_svc.sampler import PendingSamples
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
-from pagedserve.worker_svc.token_bitmask import TokenBitmask
 
 _POLL_S = 1e-4  # between looks at a CUDA event that is not reached yet
 
@@ -102,7 +100,6 @@ class InFlightStep:
     model_input: ModelInput | None = None
     logits: torch.Tensor | None = None  # None on tensor-parallel ranks > 0
     samples: PendingSamples | None = None  # set by ModelRunner.sample
-    bitmask: Future[TokenBitmask | None] | None = None  # built beside the forward
     fence: Fence = PASSED
     pooled: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (seq_id, [hidden])
 

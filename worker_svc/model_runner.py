@@ -83,15 +83,11 @@ class ModelRunner:
             model_input.input_ids[rows.to(self.device)] = ahead_of.samples.token_ids[
                 sources.to(self.device)]
         self.mirrors.mark_computed(scheduled)
-        # no step in flight: every token the mask needs is in the mirror already
-        bitmask = (self.grammars.bitmask_soon(model_input.sample_seqs, self.mirrors.seqs,
-                                              self.mirrors.drawing)
-                   if self.grammars is not None and ahead_of is None else None)
         clock.mark()
         logits, pooled = self._forward(model_input, cache_engine.gpu_cache)
         clock.mark()
         return InFlightStep(plan.step_id, clock, scheduled, model_input=model_input, logits=logits,
-                            pooled=pooled, bitmask=bitmask)
+                            pooled=pooled)
 
     @torch.inference_mode()
     def sample(self, step: InFlightStep) -> None:
@@ -101,12 +97,9 @@ class ModelRunner:
         step.clock.mark()  # the step before may have been finished since the launch
         if step.logits is not None:  # tensor-parallel rank 0
             sample_seqs = step.model_input.sample_seqs
-            if step.bitmask is not None:
-                bitmask = step.bitmask.result()
-            else:
-                bitmask = (None if self.grammars is None
-                           else self.grammars.bitmask(sample_seqs, self.mirrors.seqs,
-                                                      self.mirrors.drawing))
+            bitmask = (None if self.grammars is None
+                       else self.grammars.bitmask(sample_seqs, self.mirrors.seqs,
+                                                  self.mirrors.drawing))
             step.samples = launch_samples(self.sampler, step.logits, sample_seqs, bitmask)
         step.clock.mark()
         step.fence = self.new_fence()

@@ -217,17 +217,3 @@ def test_a_resent_sequence_whose_matcher_had_failed_starts_over(matchers, hf_tok
     fresh = GrammarMatchers(matchers.cache, vocab_size, [EOS])
     assert (_mask_after(matchers, _seq(0, ids, params), vocab_size)
             == _mask_after(fresh, _seq(0, ids, params), vocab_size))
-
-
-def test_a_mask_built_beside_the_forward_equals_the_one_built_at_sampling(matchers, cache,
-                                                                         hf_tokenizer,
-                                                                         vocab_size):
-    params = StructuredOutputsParams(json_schema=SCHEMA)
-    ids = hf_tokenizer.encode('{"name": "Ed", "age": 4', add_special_tokens=False)
-    seqs = [_seq(0, ids[:3], params), _seq(1, [], None), _seq(2, ids[:5], params)]
-    live = {s.seq_id: s for s in seqs}
-    soon = matchers.bitmask_soon(seqs, live).result()
-    at_sampling = GrammarMatchers(cache, vocab_size, [EOS]).bitmask(seqs, live)
-    assert soon.rows == at_sampling.rows == [0, 2]
-    assert torch.equal(soon.bits, at_sampling.bits)
-    assert matchers.bitmask_soon([seqs[1]], live) is None  # nothing constrained: no thread
