@@ -29,7 +29,13 @@ from pagedserve.scheduler_svc.request_checks import (
 )
 from pagedserve.scheduler_svc.scheduler import ScheduledStep, Scheduler
 from pagedserve.scheduler_svc.sequence import SequenceGroup
-from pagedserve.scheduler_svc.stats import FinishedRequestStats, StatLogger, StepStats, StepTotals
+from pagedserve.scheduler_svc.stats import (
+    FinishedRequestStats,
+    HostCopyStats,
+    StatLogger,
+    StepStats,
+    StepTotals,
+)
 from pagedserve.scheduler_svc.step_window import SentStep, StepFuture, StepWindow
 from pagedserve.services.common.config import EngineConfig, GiB
 from pagedserve.services.common.drain_rate import DrainRate
@@ -37,7 +43,13 @@ from pagedserve.services.common.engine_api import EngineLoad
 from pagedserve.services.common.errors import ConfigError, InvalidRequest, NotFound, Reason
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
+from pagedserve.services.common.step_plan import (
+    MemoryProfile,
+    StepOutput,
+    StepPlan,
+    StepTimings,
+    WorkerInfo,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +137,7 @@ class EngineCore:
         self.num_cpu_blocks = (cache.num_cpu_blocks_override if cache.num_cpu_blocks_override >= 0
                                else min(p.num_cpu_blocks for p in profiles))
         bytes_per_block = max(p.kv_bytes_per_block for p in profiles)
+        self.kv_bytes_per_block = sum(p.kv_bytes_per_block for p in profiles)  # every rank's
         self.num_offload_blocks = (int(cache.kv_offload_gib * GiB // bytes_per_block)
                                    if bytes_per_block else 0)
         if self.num_gpu_blocks < 1:
@@ -288,19 +301,22 @@ class EngineCore:
                           bm.prefix_cache_hits,
                           bm.host_tier.num_hit_tokens if bm.host_tier is not None else 0)
 
-    def _record_step(self, step: SentStep, process_time_s: float) -> None:
+    def _record_step(self, step: SentStep, timings: StepTimings, process_time_s: float) -> None:
         if not self.stat_loggers:
             return
         totals, before = self.totals(), self._totals
         self._totals = totals
         scheduled = step.scheduled
         plan = scheduled.plan
+        num_swapped_in, num_swapped_out = len(plan.blocks_to_swap_in), len(plan.blocks_to_swap_out)
         stats = StepStats.between(
             before, totals, plan.num_scheduled_tokens,
-            len(plan.blocks_to_swap_in) - scheduled.num_blocks_onloaded,
-            len(plan.blocks_to_swap_out) - scheduled.num_blocks_offloaded,
+            num_swapped_in - scheduled.num_blocks_onloaded,
+            num_swapped_out - scheduled.num_blocks_offloaded,
             step.schedule_time_s + process_time_s, scheduled.num_blocks_offloaded,
-            scheduled.num_blocks_onloaded)
+            scheduled.num_blocks_onloaded, HostCopyStats.of(
+                scheduled.num_blocks_offloaded, num_swapped_out, scheduled.num_blocks_onloaded,
+                num_swapped_in, self.kv_bytes_per_block, timings))
         for stat_logger in self.stat_loggers:
             stat_logger.record_step(stats)
 
@@ -350,7 +366,7 @@ class EngineCore:
             self._window.send_behind(lambda: self._schedule(outputs))
         start = time.perf_counter()
         outputs += self.output_processor.report(groups)
-        self._record_step(step, process_time_s + time.perf_counter() - start)
+        self._record_step(step, step_output.timings, process_time_s + time.perf_counter() - start)
         self._step_done(step, outputs)
         return outputs
 

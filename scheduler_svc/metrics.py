@@ -107,14 +107,7 @@ class SchedulerMetrics:
                           "device and CPU swap space.", [*MODEL, "direction"], registry=registry)
         self._swapped_in = swapped.labels(model_name, "in")
         self._swapped_out = swapped.labels(model_name, "out")
-        hits = Counter("pagedserve:prefix_cache_hits_by_tier", "Prefix-cache hit tokens by the "
-                       "tier that held them.", [*MODEL, "tier"], registry=registry)
-        self._gpu_hits = hits.labels(model_name, "gpu")
-        self._cpu_hits = hits.labels(model_name, "cpu")
-        offload = Counter("pagedserve:kv_offload_blocks", "KV-cache blocks copied between the "
-                          "device and the host tier.", [*MODEL, "direction"], registry=registry)
-        self._offloaded = offload.labels(model_name, "offload")
-        self._onloaded = offload.labels(model_name, "onload")
+        self._tiers = _TierMetrics(registry, model_name)
         registry.register(_LoadCollector(model_name, load))
 
     def on_engine_ready(self, max_model_len: int, cache_info: dict[str, str]) -> None:
@@ -140,16 +133,12 @@ class SchedulerMetrics:
         if stats.num_prefix_cache_queries:
             self._prefix_queries.inc(stats.num_prefix_cache_queries)
             self._prefix_hits.inc(stats.num_prefix_cache_hits)
-            self._gpu_hits.inc(stats.num_prefix_cache_hits - stats.num_host_cache_hits)
-            self._cpu_hits.inc(stats.num_host_cache_hits)
+            self._tiers.record_hits(stats)
         if stats.num_blocks_swapped_in:
             self._swapped_in.inc(stats.num_blocks_swapped_in)
         if stats.num_blocks_swapped_out:
             self._swapped_out.inc(stats.num_blocks_swapped_out)
-        if stats.num_blocks_offloaded:
-            self._offloaded.inc(stats.num_blocks_offloaded)
-        if stats.num_blocks_onloaded:
-            self._onloaded.inc(stats.num_blocks_onloaded)
+        self._tiers.record_copies(stats)
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
         self._request_success.labels(self._model_name, stats.finish_reason).inc()
@@ -172,6 +161,47 @@ def cache_config_info(cache: CacheConfig, num_gpu_blocks: int, num_cpu_blocks: i
             "gpu_memory_utilization": str(cache.gpu_memory_utilization),
             "num_cpu_blocks": str(num_cpu_blocks), "num_gpu_blocks": str(num_gpu_blocks),
             "swap_space": str(cache.swap_space_gib)}
+
+
+class _TierMetrics:
+    """Hits by the tier that held them, and the host tier's copies (vLLM's KV offloading
+    names for their bytes and time)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        def counter(name: str, documentation: str) -> Counter:
+            return Counter(name, documentation, MODEL, registry=registry).labels(model_name)
+
+        hits = Counter("pagedserve:prefix_cache_hits_by_tier", "Prefix-cache hit tokens by the "
+                       "tier that held them.", [*MODEL, "tier"], registry=registry)
+        self._gpu_hits = hits.labels(model_name, "gpu")
+        self._cpu_hits = hits.labels(model_name, "cpu")
+        offload = Counter("pagedserve:kv_offload_blocks", "KV-cache blocks copied between the "
+                          "device and the host tier.", [*MODEL, "direction"], registry=registry)
+        self._offloaded = offload.labels(model_name, "offload")
+        self._onloaded = offload.labels(model_name, "onload")
+        self._offload_bytes = counter("vllm:kv_offload_store_bytes",
+                                      "Total bytes stored from GPU to the host tier.")
+        self._offload_time = counter("vllm:kv_offload_store_time", "Total store time from GPU "
+                                     "to the host tier, in seconds, as the worker measured it.")
+        self._onload_bytes = counter("vllm:kv_offload_load_bytes",
+                                     "Total bytes loaded from the host tier to GPU.")
+        self._onload_time = counter("vllm:kv_offload_load_time", "Total load time from the "
+                                    "host tier to GPU, in seconds, as the worker measured it.")
+
+    def record_hits(self, stats: StepStats) -> None:
+        self._gpu_hits.inc(stats.num_prefix_cache_hits - stats.num_host_cache_hits)
+        self._cpu_hits.inc(stats.num_host_cache_hits)
+
+    def record_copies(self, stats: StepStats) -> None:
+        copies = stats.host_copies
+        if stats.num_blocks_offloaded:
+            self._offloaded.inc(stats.num_blocks_offloaded)
+            self._offload_bytes.inc(copies.offload_bytes)
+            self._offload_time.inc(copies.offload_time_s)
+        if stats.num_blocks_onloaded:
+            self._onloaded.inc(stats.num_blocks_onloaded)
+            self._onload_bytes.inc(copies.onload_bytes)
+            self._onload_time.inc(copies.onload_time_s)
 
 
 class _LoadCollector:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pagedserve.services.common.engine_api import EngineLoad
+from pagedserve.services.common.step_plan import StepTimings
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,30 @@ class StepTotals:
     num_prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     num_prefix_cache_hits: int = 0  # among them, tokens whose KV was reused
     num_host_cache_hits: int = 0  # among those, tokens copied back from the host tier
+
+
+@dataclass(frozen=True, slots=True)
+class HostCopyStats:
+    """A step's host-tier copies: their bytes, and their time as the worker measured it. The
+    worker times a step's swap-out (swap-in) as a whole, preemption swaps included; the tier's
+    blocks get their share of it (every block moves the same bytes)."""
+
+    offload_bytes: int = 0
+    onload_bytes: int = 0
+    offload_time_s: float = 0.0
+    onload_time_s: float = 0.0
+
+    @classmethod
+    def of(cls, num_offloaded: int, num_swapped_out: int, num_onloaded: int,
+           num_swapped_in: int, bytes_per_block: int, timings: StepTimings) -> HostCopyStats:
+        """`num_swapped_*`: every block the step swapped that way, the tier's included."""
+        return cls(num_offloaded * bytes_per_block, num_onloaded * bytes_per_block,
+                   _share(timings.swap_out_ns, num_offloaded, num_swapped_out),
+                   _share(timings.swap_in_ns, num_onloaded, num_swapped_in))
+
+
+def _share(time_ns: int, num_blocks: int, num_all_blocks: int) -> float:
+    return time_ns * 1e-9 * num_blocks / num_all_blocks if num_blocks else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +64,14 @@ class StepStats:
     num_host_cache_hits: int = 0
     num_blocks_offloaded: int = 0  # to the host tier; not among the swapped blocks
     num_blocks_onloaded: int = 0
+    host_copies: HostCopyStats = HostCopyStats()
 
     @classmethod
     def between(cls, before: StepTotals, after: StepTotals, num_scheduled_tokens: int,
                 num_blocks_swapped_in: int, num_blocks_swapped_out: int,
                 schedule_time_s: float, num_blocks_offloaded: int = 0,
-                num_blocks_onloaded: int = 0) -> StepStats:
+                num_blocks_onloaded: int = 0,
+                host_copies: HostCopyStats = HostCopyStats()) -> StepStats:
         return cls(num_scheduled_tokens,
                    after.num_prompt_tokens - before.num_prompt_tokens,
                    after.num_generation_tokens - before.num_generation_tokens,
@@ -53,7 +80,7 @@ class StepStats:
                    after.num_prefix_cache_hits - before.num_prefix_cache_hits,
                    num_blocks_swapped_in, num_blocks_swapped_out, schedule_time_s,
                    after.num_host_cache_hits - before.num_host_cache_hits,
-                   num_blocks_offloaded, num_blocks_onloaded)
+                   num_blocks_offloaded, num_blocks_onloaded, host_copies)
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,31 +91,34 @@ class CacheEngine:
         check_block_pairs(pairs, num_src, num_dst)
         return torch.tensor(pairs, dtype=torch.int64, device=device).view(-1, 2)  # [n, 2]
 
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """(device block, CPU block) pairs."""
+    def swap_out(self, pairs: list[tuple[int, int]]) -> float | None:
+        """(device block, CPU block) pairs. Returns None: the caller's clock times the copies
+        (a simulated cache returns their modelled seconds instead)."""
         if not pairs:
-            return
+            return None
         if self.swap_stream is not None:
             check_block_pairs(pairs, self.num_gpu_blocks, self.num_cpu_blocks)
             self._swap_async(self._gpu_layers, self.cpu_cache, pairs)
-            return
+            return None
         mapping = self._mapping(pairs, self.num_gpu_blocks, self.num_cpu_blocks,
                                 torch.device("cpu"))
         for gpu_layer, cpu_layer in zip(self._gpu_layers, self.cpu_cache, strict=True):
             self.backend.swap_blocks(gpu_layer, cpu_layer, mapping)
+        return None
 
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """(CPU block, device block) pairs."""
+    def swap_in(self, pairs: list[tuple[int, int]]) -> float | None:
+        """(CPU block, device block) pairs; returns as swap_out."""
         if not pairs:
-            return
+            return None
         if self.swap_stream is not None:
             check_block_pairs(pairs, self.num_cpu_blocks, self.num_gpu_blocks)
             self._swap_async(self.cpu_cache, self._gpu_layers, pairs)
-            return
+            return None
         mapping = self._mapping(pairs, self.num_cpu_blocks, self.num_gpu_blocks,
                                 torch.device("cpu"))
         for gpu_layer, cpu_layer in zip(self._gpu_layers, self.cpu_cache, strict=True):
             self.backend.swap_blocks(cpu_layer, gpu_layer, mapping)
+        return None
 
     def _swap_async(self, src_cache: list[torch.Tensor], dst_cache: list[torch.Tensor],
                     pairs: list[tuple[int, int]]) -> None:

@@ -102,6 +102,8 @@ class InFlightStep:
     samples: PendingSamples | None = None  # set by ModelRunner.sample
     fence: Fence = PASSED
     pooled: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (seq_id, [hidden])
+    # the swaps' modelled seconds (out, in) on a simulated cache; None: the clock times them
+    modelled_swap_s: tuple[float | None, float | None] = (None, None)
 
     def draws_by_seq(self) -> dict[int, int]:
         """seq_id → index into samples.token_ids, for the sequences drawing one token."""

@@ -63,8 +63,10 @@ class ModelRunner:
         sequences that it sampled; they reach the inputs on the device (the host has not read
         them yet). Then sample(), then finish()."""
         clock = PhaseClock(self.device)
-        cache_engine.swap_out(plan.blocks_to_swap_out)
-        cache_engine.swap_in(plan.blocks_to_swap_in)
+        modelled_out_s = cache_engine.swap_out(plan.blocks_to_swap_out)
+        clock.mark()
+        modelled_swap_s = (modelled_out_s, cache_engine.swap_in(plan.blocks_to_swap_in))
+        clock.mark()
         cache_engine.copy(plan.blocks_to_copy)
         clock.mark()
         scheduled = self.mirrors.apply(plan, is_checked=True)
@@ -72,7 +74,7 @@ class ModelRunner:
             self.grammars.prepare(plan.new_seqs)
         if not scheduled:
             clock.mark()
-            return InFlightStep(plan.step_id, clock, scheduled)
+            return InFlightStep(plan.step_id, clock, scheduled, modelled_swap_s=modelled_swap_s)
         if self.drafter is not None:
             self.drafter.propose(scheduled, cache_engine.draft_gpu_cache)
         drawn = ahead_of.draws_by_seq() if ahead_of is not None else {}
@@ -87,7 +89,7 @@ class ModelRunner:
         logits, pooled = self._forward(model_input, cache_engine.gpu_cache)
         clock.mark()
         return InFlightStep(plan.step_id, clock, scheduled, model_input=model_input, logits=logits,
-                            pooled=pooled)
+                            pooled=pooled, modelled_swap_s=modelled_swap_s)
 
     @torch.inference_mode()
     def sample(self, step: InFlightStep) -> None:
@@ -109,19 +111,20 @@ class ModelRunner:
         """Waits for the step's draws and appends them to the mirror."""
         if step.model_input is None:
             # no result comes to the host, so no sync to read events after: host times
-            cache_ops_ns, prepare_ns = step.clock.host_phases_ns()
-            return StepOutput(step_id=step.step_id, timings=StepTimings(
-                cache_ops_ns=cache_ops_ns, prepare_ns=prepare_ns))
+            swap_out_ns, swap_in_ns, copy_ns, prepare_ns = step.clock.host_phases_ns()
+            return StepOutput(step_id=step.step_id, timings=_cache_op_timings(
+                step, swap_out_ns, swap_in_ns, copy_ns, prepare_ns=prepare_ns))
         step.fence.wait()
         outputs = self._sampled(step)
         self.mirrors.append_drawn(step.scheduled, outputs)
         step.clock.mark(on_device=False)
-        cache_ops_ns, prepare_ns, launch_ns, _, sample_ns, wait_ns = step.clock.phases_ns()
+        (swap_out_ns, swap_in_ns, copy_ns, prepare_ns, launch_ns, _, sample_ns,
+         wait_ns) = step.clock.phases_ns()
         forward_ns = launch_ns + wait_ns
         if step.fence.device_s is not None:  # a modelled device: its time, not the host's
             forward_ns = round(step.fence.device_s * 1e9)
-        return StepOutput(step_id=step.step_id, outputs=outputs, timings=StepTimings(
-            cache_ops_ns=cache_ops_ns, prepare_ns=prepare_ns, forward_ns=forward_ns,
+        return StepOutput(step_id=step.step_id, outputs=outputs, timings=_cache_op_timings(
+            step, swap_out_ns, swap_in_ns, copy_ns, prepare_ns=prepare_ns, forward_ns=forward_ns,
             sample_ns=sample_ns), pooled=pooled_to_host(step.pooled))
 
     def new_fence(self) -> Fence:
@@ -193,3 +196,15 @@ class ModelRunner:
 
 def dummy_num_blocks(query_lens: list[int], block_size: int) -> int:
     return sum(cdiv(n, block_size) for n in query_lens)
+
+
+def _cache_op_timings(step: InFlightStep, swap_out_ns: int, swap_in_ns: int, copy_ns: int,
+                      **phases_ns: int) -> StepTimings:
+    """A simulated cache's swaps take their modelled time, not the host's."""
+    modelled_out_s, modelled_in_s = step.modelled_swap_s
+    if modelled_out_s is not None:
+        swap_out_ns = round(modelled_out_s * 1e9)
+    if modelled_in_s is not None:
+        swap_in_ns = round(modelled_in_s * 1e9)
+    return StepTimings(cache_ops_ns=swap_out_ns + swap_in_ns + copy_ns, swap_out_ns=swap_out_ns,
+                       swap_in_ns=swap_in_ns, **phases_ns)

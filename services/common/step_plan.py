@@ -107,10 +107,12 @@ class PooledSequence:
 
 @dataclass(frozen=True, slots=True)
 class StepTimings:
-    cache_ops_ns: int = 0
+    cache_ops_ns: int = 0  # swap out + swap in + copy
     prepare_ns: int = 0
     forward_ns: int = 0
     sample_ns: int = 0
+    swap_out_ns: int = 0  # of cache_ops_ns: device -> CPU blocks (preemption and host tier)
+    swap_in_ns: int = 0  # CPU -> device blocks
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,8 +6,10 @@ swap and worker restarts beside the tier."""
 from __future__ import annotations
 
 import pytest
+from pagedserve.scheduler_svc.metrics import SchedulerMetrics
 from pagedserve.services.common.config import GiB
 from pagedserve.services.common.sampling_params import SamplingParams
+from prometheus_client import CollectorRegistry
 
 from tests.integration.test_engine import (
     FlakyWorker,
@@ -53,6 +55,26 @@ def test_prefixes_past_the_device_cache_come_back_from_the_host(llama_dir):
     assert core.block_manager.prefix_cache_hits == 4 * 48
     assert core.block_manager.num_free_cpu_blocks == core.num_cpu_blocks  # swap space untouched
     assert_all_blocks_free(tiered)
+
+
+def test_the_tier_copies_are_metered_in_bytes_and_in_the_workers_time(llama_dir):
+    engine = make_engine(llama_dir, num_gpu_blocks_override=NUM_GPU_BLOCKS,
+                         enable_prefix_caching=True, kv_offload_gib=OFFLOAD_GIB)
+    registry = CollectorRegistry()
+    engine.core.stat_loggers.append(SchedulerMetrics(registry, "m", lambda: None))
+    _run(engine, _workload())
+    host = engine.core.block_manager.host_tier
+    bytes_per_block = engine.core.workers[0].kv_spec.bytes_per_block
+
+    def value(name: str) -> float:
+        return registry.get_sample_value(name, {"model_name": "m"})
+
+    assert value("vllm:kv_offload_load_bytes_total") == host.num_onloaded_blocks * bytes_per_block
+    assert value("vllm:kv_offload_store_bytes_total") == (host.num_offloaded_blocks
+                                                          * bytes_per_block)
+    # the CPU worker's copies take time it measures; none of it is a preemption swap's here
+    assert value("vllm:kv_offload_load_time_total") > 0
+    assert value("vllm:kv_offload_store_time_total") > 0
 
 
 @pytest.mark.parametrize("restarts", [False, True], ids=["steady", "worker-restarts"])

@@ -6,10 +6,12 @@ in, then the forward."""
 
 from __future__ import annotations
 
+import pytest
 from pagedserve.scheduler_svc.block_manager import BlockManager
 from pagedserve.scheduler_svc.metrics import SchedulerMetrics
-from pagedserve.scheduler_svc.stats import StepStats, StepTotals
+from pagedserve.scheduler_svc.stats import HostCopyStats, StepStats, StepTotals
 from pagedserve.services.common.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
+from pagedserve.services.common.step_plan import StepTimings
 from prometheus_client import CollectorRegistry
 
 BS = 4
@@ -170,3 +172,25 @@ def test_metrics_split_hits_by_tier_and_count_the_tier_copies_apart_from_swaps()
     assert value("pagedserve:kv_offload_blocks_total", direction="offload") == 3
     assert value("pagedserve:kv_offload_blocks_total", direction="onload") == 4
     assert value("pagedserve:swapped_blocks_total", direction="in") == 1
+
+
+def test_the_tier_copies_get_their_bytes_and_their_share_of_the_workers_swap_time():
+    """Three offloads beside one preemption swap-out share the step's 8 ms swap-out; the four
+    onloads are the whole swap-in."""
+    copies = HostCopyStats.of(num_offloaded=3, num_swapped_out=4, num_onloaded=4,
+                              num_swapped_in=4, bytes_per_block=1024,
+                              timings=StepTimings(swap_out_ns=8_000_000, swap_in_ns=2_000_000))
+    registry = CollectorRegistry()
+    metrics = SchedulerMetrics(registry, "m", lambda: None)
+    metrics.record_step(StepStats.between(
+        StepTotals(), StepTotals(), num_scheduled_tokens=16, num_blocks_swapped_in=0,
+        num_blocks_swapped_out=1, schedule_time_s=0.001, num_blocks_offloaded=3,
+        num_blocks_onloaded=4, host_copies=copies))
+
+    def value(name: str) -> float:
+        return registry.get_sample_value(name, {"model_name": "m"})
+
+    assert value("vllm:kv_offload_store_bytes_total") == 3 * 1024
+    assert value("vllm:kv_offload_load_bytes_total") == 4 * 1024
+    assert value("vllm:kv_offload_store_time_total") == pytest.approx(0.006)
+    assert value("vllm:kv_offload_load_time_total") == pytest.approx(0.002)

@@ -254,3 +254,18 @@ def test_constrained_draws_on_sim_follow_their_schema_and_the_others_stay_sim_to
         text = tokenizer.decode(outputs[request_id], skip_special_tokens=True)
         jsonschema.validate(json.loads(text), schema)
     assert outputs["free"] == expected_greedy(PROMPTS[0], 20, engine.core.vocab_size)
+
+
+def test_swaps_report_their_modelled_time_by_direction(tiny_model_dir):
+    """A prefill that swaps two blocks out and three in: each direction's time is its blocks'
+    bytes over the host link, and both are in cache_ops_ns."""
+    worker = _worker(tiny_model_dir("llama"), sim_time_scale=0.0)
+    plan = StepPlan(scheduler_epoch=1, step_id=1, new_seqs=[NewSequence(
+        seq_id=1, request_id="r", token_ids=list(range(70, 86)), prompt_len=16,
+        block_ids=[0, 1], num_computed_tokens=0, num_scheduled_tokens=16, sampling=GREEDY)],
+        blocks_to_swap_out=[(5, 0), (6, 1)], blocks_to_swap_in=[(2, 7), (3, 8), (4, 9)])
+    timings = worker.execute_step(plan).timings
+    block_s = worker.roofline.block_moves_s(1, 0, worker.kv_spec.bytes_per_block)
+    assert timings.swap_out_ns == pytest.approx(2 * block_s * 1e9, abs=1)
+    assert timings.swap_in_ns == pytest.approx(3 * block_s * 1e9, abs=1)
+    assert timings.cache_ops_ns >= timings.swap_out_ns + timings.swap_in_ns

@@ -24,22 +24,26 @@ class SimCacheEngine:
         logger.info("simulated KV cache: %d device blocks, %d CPU blocks, %d bytes per block",
                     num_gpu_blocks, num_cpu_blocks, spec.bytes_per_block)
 
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        self._move(pairs, self.num_gpu_blocks, self.num_cpu_blocks, is_swap=True)
+    def swap_out(self, pairs: list[tuple[int, int]]) -> float:
+        """The copies' modelled seconds."""
+        return self._move(pairs, self.num_gpu_blocks, self.num_cpu_blocks, is_swap=True)
 
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        self._move(pairs, self.num_cpu_blocks, self.num_gpu_blocks, is_swap=True)
+    def swap_in(self, pairs: list[tuple[int, int]]) -> float:
+        return self._move(pairs, self.num_cpu_blocks, self.num_gpu_blocks, is_swap=True)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         self._move(pairs, self.num_gpu_blocks, self.num_gpu_blocks, is_swap=False)
 
     def _move(self, pairs: list[tuple[int, int]], num_src: int, num_dst: int,
-              is_swap: bool) -> None:
+              is_swap: bool) -> float:
         check_block_pairs(pairs, num_src, num_dst)
-        if pairs:
-            n = len(pairs)
-            self.timeline.enqueue(self.roofline.block_moves_s(
-                n if is_swap else 0, 0 if is_swap else n, self.spec.bytes_per_block))
+        if not pairs:
+            return 0.0
+        n = len(pairs)
+        seconds = self.roofline.block_moves_s(n if is_swap else 0, 0 if is_swap else n,
+                                              self.spec.bytes_per_block)
+        self.timeline.enqueue(seconds)
+        return seconds
 
     def read_blocks(self, block_ids: list[int]) -> bytes:
         """No data: a pulling simulated worker prices the bytes when it writes them."""
