@@ -196,6 +196,9 @@ class Scheduler:
             if group.is_paused:
                 skipped.append(group)
                 continue
+            if self._is_drawing_last_token(group):
+                kept.append(group)
+                continue
             cap = self._long_prefill_cap(group)
             if self._is_deferred(cap, step):
                 skipped.append(group)
@@ -220,6 +223,16 @@ class Scheduler:
                 self._add(group, assignment, budget, step, is_long=cap is not None)
                 kept.append(group)
         self.running = deque(kept + skipped)
+
+    def _is_drawing_last_token(self, group: SequenceGroup) -> bool:
+        """The step in flight draws each live sequence's last token (its length ends it once
+        taken in): a step behind it would compute a token no one reads, and the room it takes
+        would hold a waiting prompt back a step."""
+        live = group.live_seqs()
+        return bool(live) and all(
+            seq.has_placeholder and (seq.num_output_tokens >= group.sampling.max_tokens
+                                     or len(seq.token_ids) >= self.max_model_len)
+            for seq in live)
 
     def _schedule_swapped(self, budget: TokenBudget, step: StepDraft) -> None:
         for group in [g for g in self.swapped if not g.is_paused]:

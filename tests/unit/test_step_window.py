@@ -40,6 +40,27 @@ def test_a_step_is_sent_behind_one_that_draws_one_token_per_sequence():
     assert len(sent) == 2  # never a third
 
 
+def test_nothing_is_planned_behind_the_step_that_draws_a_sequences_last_token():
+    """max_tokens=4: the prefill draws the first token, three decodes the rest; a fifth step
+    would compute a token the length limit drops, and keep a waiting prompt out meanwhile."""
+    h, sent = Harness(num_gpu_blocks=2), []
+    h.add("a", 5)
+    h.add("b", 5)  # no room beside "a" (two blocks each) until "a" ends
+    window = StepWindow(is_async=True)
+    send = _sender(h, sent)
+    finished_at = None
+    while finished_at is None:
+        window.fill(send)
+        reports = h.processor.report(h.take_in(window.pop_oldest()))
+        if any(r.finished for r in reports):
+            finished_at = len(sent)
+    assert [len(s.scheduled.scheduled) for s in sent] == [1, 1, 1, 1]
+    assert h.groups["a"].seqs[0].num_output_tokens == 4
+    # the step that follows is the waiting prompt's, not a decode of "a"
+    window.fill(send)
+    assert [item.group.request_id for item in sent[-1].scheduled.scheduled] == ["b"]
+
+
 def test_nothing_is_sent_behind_a_step_that_forks_or_picks_beams():
     for sampling in (BEST_OF, BEAM):
         h, sent = Harness(), []
