@@ -20,6 +20,7 @@ import random
 import time
 from collections import deque
 
+from pagedserve.scheduler_svc.stats import FinishedRequestStats, StepStats
 from pagedserve.services.common.sampling_params import SamplingParams
 
 from bench.common import finish, percentiles, quiet_logging
@@ -36,6 +37,20 @@ def workload(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
     return [p + tokens(args.tail_len) for _ in range(args.rounds) for p in prefixes]
 
 
+class QueueTimes:
+    """A StatLogger of the time each request waited before its first step (for KV blocks, at
+    more in flight than the device holds): the part of TTFT no tier shortens."""
+
+    def __init__(self) -> None:
+        self.queue_s: list[float] = []
+
+    def record_step(self, stats: StepStats) -> None:
+        pass
+
+    def record_finished(self, stats: FinishedRequestStats) -> None:
+        self.queue_s.append(stats.queue_time_s)
+
+
 def run(args: argparse.Namespace, offload_gib: float) -> dict:
     engine = LLMEngine.from_kwargs(
         device="sim", sim_gpu=args.gpu, sim_model=args.sim_model, sim_time_scale=1.0,
@@ -43,6 +58,8 @@ def run(args: argparse.Namespace, offload_gib: float) -> dict:
         enable_prefix_caching=True, kv_offload_gib=offload_gib, swap_space_gib=1.0,
         max_num_seqs=args.concurrency, seed=args.seed)
     core = engine.core
+    queued = QueueTimes()
+    core.stat_loggers.append(queued)
     prompts = workload(args, core.vocab_size)
     sampling = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     queue = deque(range(len(prompts)))
@@ -74,7 +91,7 @@ def run(args: argparse.Namespace, offload_gib: float) -> dict:
             "host_hit_tokens": host.num_hit_tokens if host else 0,
             "offloaded_blocks": host.num_offloaded_blocks if host else 0,
             "onloaded_blocks": host.num_onloaded_blocks if host else 0,
-            "ttft_s": percentiles(list(ttft.values()))}
+            "ttft_s": percentiles(list(ttft.values())), "queue_s": percentiles(queued.queue_s)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -113,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"{without['prefix_cache_hits']} without the tier "
             f"({'none without' if hits is None else f'{hits:.1f}x'}), TTFT p50 "
             f"{tiered['ttft_s']['p50'] * 1e3:.1f} ms vs {without['ttft_s']['p50'] * 1e3:.1f} ms "
-            f"({ttft:.2f}x)")
+            f"({ttft:.2f}x); of it queued for KV blocks (p50) "
+            f"{tiered['queue_s']['p50'] * 1e3:.1f} ms vs {without['queue_s']['p50'] * 1e3:.1f} ms")
     return finish("host_tier", args, line, [without, tiered],
                   hit_tokens_ratio=hits and round(hits, 3), ttft_p50_ratio=round(ttft, 3),
                   load_average_1m_at_start=load_at_start)
