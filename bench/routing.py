@@ -38,9 +38,16 @@ robin (targets: >= 1.8x hit tokens, throughput not lower, routing p50 <= 1 ms).
 One run is one draw of which conversations grow long on which replica; bench/routing_replay.py
 replays the same workload over a model of the caches for many seeds, to compare routing changes.
 
+`--compare kv-events` runs affinity twice instead: on the replicas' KV events (the gateway's
+default) and on the gateway's own index alone (`--no-routing-kv-events`); target: events >= the
+index's hit tokens. `--restart-at F` restarts replica r0's scheduler (same port, same worker: a
+new epoch, an empty prefix cache) once F of the turns are answered, in each run; the turns it was
+running fail over to r1; target with a restart: events >= 1.2x the index.
+
     python -m bench.routing --tag cpu            # both presets, SmolLM2, 8 clients
     python -m bench.routing --quick --tag quick  # both, small
     python -m bench.routing --workload agent --cache-fraction 0.7
+    python -m bench.routing --workload agent --compare kv-events --restart-at 0.5 --tag restart
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ import logging
 import random
 import time
 from collections import Counter, deque
+from collections.abc import Awaitable, Callable
 
 import grpc
 from pagedserve.scheduler_svc.servicer import start_scheduler, stop_scheduler
@@ -69,7 +77,7 @@ from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pagedserve.worker_svc.servicer import start_worker
 
 from bench.common import DEFAULT_MODEL, finish, percentiles, quiet_logging
-from bench.routing_report import PolicyResult, count_turn, summarize
+from bench.routing_report import PolicyResult, count_turn, summarize, summarize_kv_events
 from bench.routing_workload import (
     BLOCK_SIZE,
     PRESETS,
@@ -84,12 +92,16 @@ from bench.routing_workload import (
 )
 
 POLICIES = ("affinity", "round-robin")
+# (name, routing policy, routing on KV events) of each gateway, by --compare
+ARMS = {"policies": (("affinity", "affinity", True), ("round-robin", "round-robin", True)),
+        "kv-events": (("kv-events", "affinity", True), ("index", "affinity", False))}
 
 
 async def _client(stub, open_chats: list[Conversation], waiting: deque[Conversation],
                   rng: random.Random, args: argparse.Namespace, result: PolicyResult,
                   routed: dict[int, str], systems_seen: set[int],
-                  live: dict[int, Conversation], live_samples: list[int]) -> None:
+                  live: dict[int, Conversation], live_samples: list[int],
+                  answered: Callable[[int], None]) -> None:
     """Runs the next turn of an open conversation picked at random (its user is the next one
     back) and puts it back among the open ones; one that is over makes room for a waiting one."""
     while open_chats:
@@ -101,6 +113,7 @@ async def _client(stub, open_chats: list[Conversation], waiting: deque[Conversat
             sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=args.output_len,
                                                ignore_eos=True)), timeout=600)
         result.num_requests += 1
+        answered(result.num_requests)
         result.num_prompt_tokens += response.usage.prompt_tokens
         result.num_cached_tokens += response.usage.cached_tokens
         result.num_output_tokens += response.usage.completion_tokens
@@ -145,8 +158,18 @@ def stop_counting(gateway: Gateway) -> None:
 
 
 async def run_policy(gateway: Gateway, conversations: list[Conversation], args: argparse.Namespace,
-                     policy: str) -> PolicyResult:
+                     policy: str, restart: Callable[[], Awaitable[None]] | None = None
+                     ) -> PolicyResult:
+    """`restart` runs once --restart-at of the conversations' turns are answered, beside them."""
     result = PolicyResult(policy)
+    num_turns = sum(len(c.user_turns) for c in conversations)
+    restart_after = None if restart is None else int(args.restart_at * num_turns)
+    restarts: list[asyncio.Task] = []
+
+    def answered(num_requests: int) -> None:
+        if num_requests == restart_after:
+            restarts.append(asyncio.create_task(restart()))
+
     open_chats = conversations[:num_open(args)]
     waiting = deque(conversations[num_open(args):])
     rng = random.Random(args.seed)
@@ -158,9 +181,11 @@ async def run_policy(gateway: Gateway, conversations: list[Conversation], args: 
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         start = time.perf_counter()
         await asyncio.gather(*(_client(stub, open_chats, waiting, rng, args, result, routed,
-                                       systems_seen, live, live_samples)
+                                       systems_seen, live, live_samples, answered)
                                for _ in range(args.concurrency)))
         result.elapsed_s = time.perf_counter() - start
+        await asyncio.gather(*restarts)
+        result.num_restarts = len(restarts)
     result.live_blocks_mean = sum(live_samples) / max(len(live_samples), 1)
     stop_counting(gateway)
     result.decisions = dict(reasons)
@@ -196,22 +221,43 @@ async def run(args: argparse.Namespace) -> list[PolicyResult]:
     config = engine_config(args)
     replicas = []
     gateways: list[Gateway] = []
+
+    def scheduler_config(port: int, worker) -> SchedulerServiceConfig:
+        # a shared CPU host may take long over a step: the run measures hits, not deadlines
+        return SchedulerServiceConfig(port=port, worker_addresses=[f"127.0.0.1:{worker[0].port}"],
+                                      stats_interval_s=0, step_timeout_s=600)
+
+    async def restart_r0() -> None:
+        """Replica r0's scheduler stops at once and a new one takes its port and worker."""
+        worker, scheduler = replicas[0]
+        port = scheduler[0].port
+        await stop_scheduler(*scheduler)
+        replicas[0] = (worker, await start_scheduler(config, scheduler_config(port, worker)))
+
+    async def all_serving() -> None:
+        for gateway in gateways:
+            while len(gateway.replicas.serving()) < 2:
+                await asyncio.sleep(0.05)
+
     try:
         for _ in range(2):
             worker = await start_worker(config, WorkerServiceConfig(port=0))
-            scheduler = await start_scheduler(config, SchedulerServiceConfig(
-                port=0, worker_addresses=[f"127.0.0.1:{worker[0].port}"], stats_interval_s=0))
-            replicas.append((worker, scheduler))
+            replicas.append((worker, await start_scheduler(config, scheduler_config(0, worker))))
         addresses = ",".join(f"127.0.0.1:{s[0].port}" for _, s in replicas)
-        for policy in POLICIES:
+        arms = ARMS[args.compare]
+        for _, policy, use_kv_events in arms:
             gateways.append(await start_gateway(GatewayConfig(
                 port=0, scheduler_address=addresses, http=HttpConfig(http_port=-1),
                 routing=RoutingConfig(routing_policy=policy,
-                                      routing_prefix_blocks=args.routing_prefix_blocks))))
-            while len(gateways[-1].replicas.serving()) < 2:
-                await asyncio.sleep(0.05)
-        return [await run_policy(gateway, make_conversations(args, salt), args, policy)
-                for salt, (policy, gateway) in enumerate(zip(POLICIES, gateways, strict=True))]
+                                      routing_prefix_blocks=args.routing_prefix_blocks,
+                                      routing_kv_events=use_kv_events))))
+        results = []
+        for salt, ((name, _, _), gateway) in enumerate(zip(arms, gateways, strict=True)):
+            await all_serving()
+            results.append(await run_policy(
+                gateway, make_conversations(args, salt), args, name,
+                restart_r0 if args.restart_at is not None else None))
+        return results
     finally:
         for gateway in gateways:
             await gateway.stop(grace_s=0)
@@ -246,9 +292,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         default=RoutingConfig().routing_prefix_blocks)
     parser.add_argument("--min-token-id", type=int, default=3)
     parser.add_argument("--max-token-id", type=int, default=300)
+    parser.add_argument("--compare", choices=sorted(ARMS), default="policies",
+                        help="policies: affinity vs round robin; kv-events: affinity on KV events "
+                        "vs on the gateway's own index")
+    parser.add_argument("--restart-at", type=float,
+                        help="restart replica r0's scheduler once this fraction of the turns is "
+                        "answered, in each run (0 < F < 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
+    if args.restart_at is not None and not 0 < args.restart_at < 1:
+        parser.error(f"--restart-at must be in (0, 1), got {args.restart_at}")
     for preset in args.workload:
         run_args = preset_args(args, preset)
         if num_open(run_args) < run_args.concurrency:
@@ -263,15 +317,17 @@ def main(argv: list[str] | None = None) -> dict:
     quiet_logging()
     logging.getLogger("pagedserve").setLevel(logging.WARNING)
     lines, records = [], []
+    summary = summarize if args.compare == "policies" else summarize_kv_events
     for preset in args.workload:
         run_args = preset_args(args, preset)
-        line, record = summarize(run_args, *asyncio.run(run(run_args)))
+        line, record = summary(run_args, *asyncio.run(run(run_args)))
         logging.getLogger("bench.routing").info("%s", line)
         lines.append(line)
         records.append(record)
-    return finish("routing", args, "\n".join(lines), records,
-                  targets={"hit_token_ratio": 1.8, "throughput_ratio": 1.0,
-                           "routing_p50_us": 1000})
+    targets = ({"hit_token_ratio": 1.8, "throughput_ratio": 1.0, "routing_p50_us": 1000}
+               if args.compare == "policies"
+               else {"hit_token_ratio": 1.0 if args.restart_at is None else 1.2})
+    return finish("routing", args, "\n".join(lines), records, targets=targets)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ class PolicyResult:
     # the blocks the open conversations' histories took, mean over the turns after the first
     # `num_open` while conversations still wait (the steady state): footprint_blocks, measured
     live_blocks_mean: float = 0.0
+    num_restarts: int = 0  # of replica r0 during the run
 
     @property
     def output_tok_s(self) -> float:
@@ -95,4 +96,25 @@ def summarize(args: argparse.Namespace, affinity: PolicyResult,
               "throughput_ratio": throughput_ratio,
               "ratio_when_moves_miss": round_robin.ratio_when_moves_miss,
               "summary": line, "policies": [affinity, round_robin]}
+    return line, record
+
+
+def summarize_kv_events(args: argparse.Namespace, events: PolicyResult,
+                        index: PolicyResult) -> tuple[str, dict]:
+    """One preset's line and record: affinity on KV events over affinity on the own index."""
+    hit_ratio = events.num_cached_tokens / max(index.num_cached_tokens, 1)
+    restart = ("" if args.restart_at is None
+               else f", replica r0 restarted once {args.restart_at:.0%} of the turns were answered")
+    target = 1.0 if args.restart_at is None else 1.2
+    line = (f"routing {args.workload}{restart}: KV events {events.num_cached_tokens} hit tokens "
+            f"({events.hit_share:.0%} of the reusable), {events.output_tok_s:.1f} tok/s; own index "
+            f"{index.num_cached_tokens} ({index.hit_share:.0%}), {index.output_tok_s:.1f} tok/s; "
+            f"hit tokens x{hit_ratio:.2f} (target >= {target}); decisions: KV events "
+            f"{events.decisions}, index {index.decisions}; missed by kind of turn: KV events "
+            f"{events.missed_tokens}, index {index.missed_tokens}; cache {cache_blocks(args)} "
+            f"blocks per replica")
+    record = {"workload": args.workload,
+              "workload_args": {name: getattr(args, name) for name in WORKLOAD_FLAGS},
+              "cache_blocks": cache_blocks(args), "restart_at": args.restart_at,
+              "hit_token_ratio": hit_ratio, "summary": line, "policies": [events, index]}
     return line, record
