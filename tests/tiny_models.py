@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from tests.unit.tiny_tokenizers import byte_level_bpe
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "opt")
 
 _COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, max_position_embeddings=512,
@@ -35,15 +37,26 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 
-def make_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
+def make_tiny_model(arch: str, path: Path, seed: int = 0, vocab_size: int | None = None) -> Path:
     """Random weights (std large enough that greedy decoding does not collapse), saved to path."""
+    config = tiny_config(arch)
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch), torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
+    return Path(path)
+
+
+def make_served_model(path: Path, vocab_size: int = 512) -> Path:
+    """A tiny Llama with a real (tiny, byte-level BPE) tokenizer and a chat template, so a
+    gateway can serve it and grammars compile against it: vocab 512 covers its 400 ids."""
+    make_tiny_model("llama", path, vocab_size=vocab_size)
+    byte_level_bpe().hf_tokenizer.save_pretrained(path)
     return Path(path)
 
 

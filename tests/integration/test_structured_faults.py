@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
-import transformers
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import NewSequence, RunningSequence, StepPlan
 from pagedserve.services.common.structured_outputs import StructuredOutputsParams
@@ -17,7 +15,6 @@ from pagedserve.services.common.structured_outputs import StructuredOutputsParam
 from pagedserve.llm import LLM
 from tests import tiny_models
 from tests.integration.worker_driver import make_worker
-from tests.unit.tiny_tokenizers import byte_level_bpe
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -40,18 +37,7 @@ BLOCK_SIZE = 8
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """vocab 512 covers the tokenizer's 400 ids, which the grammars are compiled against."""
-    path = tmp_path_factory.mktemp("constrained") / "tiny-llama"
-    config = tiny_models.tiny_config("llama")
-    config.vocab_size = 512
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(path, safe_serialization=True)
-    byte_level_bpe().hf_tokenizer.save_pretrained(path)
-    return path
+    return tiny_models.make_served_model(tmp_path_factory.mktemp("constrained") / "tiny-llama")
 
 
 def _generate(model_dir, num_gpu_blocks: int, **kw) -> tuple[list, int]:

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-import transformers
 from pagedserve.services.common.sampling_params import SamplingParams
 
 from pagedserve.llm import LLM
 from pagedserve.llm_engine import LLMEngine
 from tests import tiny_models
-from tests.unit.tiny_tokenizers import byte_level_bpe
 
 PROMPT = [5, 17, 99, 42, 7, 150, 33]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -60,16 +57,7 @@ def test_each_constraint_holds_and_leaves_its_batch_alone(llama_dir):
 
 def test_the_offline_llm_tokenizes_bad_words_and_truncates_prompts(tmp_path):
     """LLM(...).generate with SamplingParams' text fields, as the gateway applies them."""
-    config = tiny_models.tiny_config("llama")
-    config.vocab_size = 512
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    byte_level_bpe().hf_tokenizer.save_pretrained(tmp_path)
+    tiny_models.make_served_model(tmp_path)
     with LLM(str(tmp_path), device="cpu", attention_backend="torch", block_size=8,
              num_gpu_blocks_override=64, num_cpu_blocks_override=8, num_threads=1) as llm:
         prompt = "the quick brown fox jumps"
