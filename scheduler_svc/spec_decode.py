@@ -14,7 +14,9 @@ learned from the workers' timings) and is worth the chance it is kept (the seque
 acceptance). drafts_that_pay keeps those that raise the step's expected tokens per second.
 
 A step carrying drafts is not run ahead (the next step waits for its tokens): how many tokens it
-appends is known only once verified. A step without drafts runs ahead as any other; the step
+appends is known only once verified. With n-gram lookup a step without drafts runs ahead as any
+other (a draft model's step holds back for any speculating sequence: it drafts from known
+tokens only); the step
 sent behind it proposes past the token still being drawn, from the known tokens' match: its
 first token guesses the one being drawn, the rest are the drafts (the verifier keeps only what
 the model draws, so a wrong guess costs the drafts, never the outputs). A sequence whose
