@@ -357,6 +357,8 @@ class EngineCore:
             return self._fail_steps(step, exc)
         self.last_scheduled = step.scheduled
         self._num_rebuilds_in_a_row = 0
+        if self.scheduler.speculator is not None:
+            self.scheduler.speculator.record_step(step.scheduled.scheduled, step_output.timings)
         start = time.perf_counter()
         step.take_in()
         groups = self.output_processor.apply(step.scheduled, step_output)

@@ -126,7 +126,8 @@ class OutputProcessor:
             return
         num_accepted = len(sampled.token_ids) - 1
         speculator.record(seq, len(drafts), num_accepted)
-        if not seq.is_finished:
+        # without drafts no slot is given back: a step sent behind this one may hold the next
+        if drafts and not seq.is_finished:
             self.scheduler.keep_verified(seq, num_accepted)
 
     def _fork_candidates(self, group: SequenceGroup, parent: Sequence,

@@ -410,7 +410,8 @@ class Scheduler:
         extra blocks leave one free block per running group (speculation never preempts)."""
         if self.speculator is None or num_tokens != 1 or seq.num_uncomputed_tokens != 1:
             return None
-        drafts = self.speculator.propose(group, seq, budget.remaining_tokens - num_tokens)
+        drafts = self.speculator.propose(group, seq, budget.remaining_tokens - num_tokens,
+                                         len(self.running))
         if drafts:
             bm = self.block_manager
             num_tokens_after = len(seq.token_ids)
@@ -420,6 +421,18 @@ class Scheduler:
                               < len(self.running) + bm.watermark_blocks):
                 return None
         return drafts
+
+    def _keep_drafts_that_pay(self, scheduled: list[ScheduledSequence]) -> None:
+        """Cuts the drafts the step's cost says do not pay; their slots go back."""
+        kept = self.speculator.drafts_that_pay(scheduled)
+        for item, num_kept in zip(scheduled, kept, strict=True):
+            drafts = item.draft_token_ids
+            if drafts is None or num_kept == len(drafts):
+                continue
+            item.num_scheduled_tokens -= len(drafts) - num_kept
+            item.draft_token_ids = drafts[:num_kept]
+            self.block_manager.trim(item.seq.seq_id,
+                                    item.seq.num_computed_tokens + item.num_scheduled_tokens)
 
     def _top_up(self, budget: TokenBudget, step: StepDraft) -> None:
         blocks_to_copy, num_added = top_up(self.block_manager, step.capped,
@@ -482,6 +495,7 @@ class Scheduler:
                             swapped_out=step.swapped_out, num_blocks_offloaded=len(offloads),
                             num_blocks_onloaded=len(onloads))
         if self.speculator is not None:
+            self._keep_drafts_that_pay(step.scheduled)
             out.may_run_ahead = not self.speculator.holds_back_run_ahead(step.scheduled)
         if not step.has_work:
             return out

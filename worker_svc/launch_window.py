@@ -9,7 +9,8 @@ ahead on the worker's side is here:
   before that one is finished, so the host's work on step n+1 (deltas, inputs, launch) overlaps
   the device's work on step n; its inputs read step n's draws on the device. Not a step that
   adds a token after one still being drawn: forks and beams draw several tokens per sequence,
-  and the scheduler sends the tokens it chose only once it has read the draws.
+  and the scheduler sends the tokens it chose only once it has read the draws; nor drafts
+  proposed past a token still being drawn (they are verified after it).
 - Finish order: the step in flight finishes before the one launched ahead of it is sampled;
   a step that cannot go ahead finishes the one in flight first; so does an idle queue once the
   device is done. Where the host is the device, every step finishes at once.
@@ -86,7 +87,8 @@ class LaunchWindow:
         drawing = runner.mirrors.drawing
         return (runner.runs_apart and plan.previous_step_id == in_flight.step_id
                 and not self.has_failed
-                and not any(s.new_token_ids and s.seq_id in drawing for s in plan.running_seqs))
+                and not any((s.new_token_ids or s.draft_token_ids) and s.seq_id in drawing
+                            for s in plan.running_seqs))
 
     @property
     def has_step_in_flight(self) -> bool:

@@ -20,6 +20,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # the longest suffix matched against the earlier tokens
     prompt_lookup_min: int = 2  # the shortest
     adaptive: bool = True  # per-sequence lookahead from its recent acceptance; off when it does not pay
+    disable_by_batch_size: int = 0  # no drafts while this many requests run (0: no such limit)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -36,6 +37,9 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config needs 1 <= prompt_lookup_min <= "
                               f"prompt_lookup_max, got prompt_lookup_min={self.prompt_lookup_min}"
                               f" and prompt_lookup_max={self.prompt_lookup_max}")
+        if self.disable_by_batch_size < 0:
+            raise ConfigError("speculative_config.disable_by_batch_size must be >= 0 (0: no "
+                              f"limit), got {self.disable_by_batch_size}")
 
 
 def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:

@@ -3,20 +3,29 @@ request resumes, by recomputation, with the output it would have had. One that s
 the requests with an error status that says what failed, every block is freed, and the scheduler
 and gateway keep answering."""
 
+import dataclasses
+import json
+
 import grpc
 import pytest
-from pagedserve.services.common.config import WorkerServiceConfig
+from pagedserve.services.common.config import SchedulerConfig, WorkerServiceConfig
+from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.rpc.internal.v1 import common_pb2 as internal_common_pb2
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pagedserve.worker_svc.servicer import start_worker
 
+from pagedserve.llm_engine import LLMEngine
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
 from tests.e2e.submit_call import SubmitCall
+from tests.integration.test_engine import all_outputs
 
 # long enough that the requests are still running when the worker dies
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11], [4, 5]]
+# random weights echo little: single tokens match, every lookup is verified
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+               "adaptive": False}
 
 
 def _stream(stub, token_ids, sampling=GREEDY):
@@ -28,14 +37,25 @@ def _tokens(responses) -> list[int]:
     return [t for r in responses for t in r.token_ids]
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
 def test_a_restarted_worker_is_rebuilt_and_every_stream_completes_unchanged(
-        tiny_served_model_dir):
+        tiny_served_model_dir, speculative):
+    """With speculation, as the run without it: greedy outputs do not depend on speculation,
+    nor on the drafts lost with the worker."""
     config = tiny_config(tiny_served_model_dir)
+    if speculative:
+        off = LLMEngine.from_kwargs(model=str(tiny_served_model_dir), device="cpu",
+                                    num_threads=1)
+        expected = [out[0] for out in all_outputs(off, PROMPTS, SamplingParams(
+            temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True)).values()]
+        config = dataclasses.replace(config, scheduler=SchedulerConfig(
+            speculative_config=json.dumps(SPECULATIVE)))
     stack = start_stack(config)
     try:
         with grpc.insecure_channel(stack.gateway_address) as channel:
             stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-            expected = [_tokens(_stream(stub, ids)) for ids in PROMPTS]
+            if not speculative:
+                expected = [_tokens(_stream(stub, ids)) for ids in PROMPTS]
             calls = [_stream(stub, ids) for ids in PROMPTS]
             firsts = [next(call) for call in calls]  # every request is running
             server, servicer = stack.worker
@@ -46,6 +66,8 @@ def test_a_restarted_worker_is_rebuilt_and_every_stream_completes_unchanged(
             outputs = [_tokens([first, *call]) for first, call in zip(firsts, calls, strict=True)]
         assert outputs == expected
         assert assert_idle(stack).num_worker_rebuilds == 1
+        if speculative:
+            assert stack.scheduler[1].engine.core.scheduler.speculator.totals.num_drafts > 0
     finally:
         stack.close()
 

@@ -8,6 +8,7 @@ from pagedserve.services.common.errors import InvalidRequest
 from pagedserve.services.common.sampling_params import SamplingParams
 
 from tests.integration.test_engine import all_outputs, assert_all_blocks_free, make_engine, prompts
+from tests.integration.test_spec_decode import prompts_with_repeats
 
 
 def resumed_outputs(engine, prompt: list[int], sampling: SamplingParams,
@@ -47,6 +48,25 @@ def test_only_the_resumed_indices_run(llama_dir):
     expected = all_outputs(make_engine(llama_dir), [prompt], sampling)["r0"]
     got = resumed_outputs(make_engine(llama_dir), prompt, sampling, {1: expected[1][:4]})
     assert got == {1: expected[1]}
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["every_lookup", "adaptive"])
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_a_request_resumed_with_speculation_continues_as_the_run_without_it(llama_dir, sampling,
+                                                                            adaptive):
+    prompt = prompts_with_repeats(1)[0]
+    expected = all_outputs(make_engine(llama_dir), [prompt], sampling)["r0"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "adaptive": adaptive}
+    engine = make_engine(llama_dir, speculative_config=spec)
+    for cut in (1, 9):
+        got = resumed_outputs(engine, prompt, sampling, {0: expected[0][:cut]})
+        assert got[0] == expected[0]
+    assert engine.core.scheduler.speculator.totals.num_draft_tokens > 0
+    assert_all_blocks_free(engine)
 
 
 @pytest.mark.parametrize(("sampling", "resumed", "match"), [

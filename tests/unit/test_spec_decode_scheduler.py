@@ -188,19 +188,56 @@ def test_speculation_survives_preemption_by_swap_and_by_recompute():
             assert all(b == a % 6 + 1 for a, b in zip(outputs, outputs[1:], strict=False)), mode
 
 
-def test_a_speculating_step_holds_run_ahead_back_and_a_backed_off_one_does_not():
+def test_only_a_step_with_drafts_holds_run_ahead_back():
     config = json.dumps({"method": "ngram", "num_speculative_tokens": 2})
-    h = SpecHarness(accept=lambda drafts: 0, speculative_config=config)
-    group = h.add_prompt("r", list(range(100, 140)))  # nothing ever matches
+    h = SpecHarness(accept=len, speculative_config=config)
+    h.add_prompt("free", list(range(100, 140)))  # nothing ever matches
+    h.step()
     out, _ = h.step()
+    assert out.scheduled[0].draft_token_ids == [] and out.may_run_ahead
+    h.add_prompt("copy", PROMPT)
+    h.step()
+    out, _ = h.step()
+    assert [item.draft_token_ids for item in out.scheduled] == [[], [2, 3]]
     assert not out.may_run_ahead
-    for _ in range(30):
-        out, _ = h.step()
-        if out.may_run_ahead:
-            break
-    else:
-        raise AssertionError("speculation never backed off a sequence with nothing to match")
-    assert not group.is_finished
+
+
+def test_a_step_sent_behind_one_in_flight_drafts_past_the_token_being_drawn():
+    h = SpecHarness(accept=len)
+    group = h.add_prompt("r", PROMPT)
+    in_flight = SentStep(h.scheduler.schedule(), [])  # the prompt, drawing its first token
+    assert in_flight.scheduled.may_run_ahead
+    in_flight.advance()
+    behind = h.scheduler.schedule()
+    item, = behind.scheduled
+    # the prompt's match guesses the token being drawn (1) and drafts what followed it
+    assert item.draft_token_ids == [2, 3, 4, 5] and item.num_scheduled_tokens == 5
+    assert not behind.may_run_ahead
+    h.take_in(in_flight)
+    h.take_in(SentStep(behind, []))
+    assert group.seqs[0].output_token_ids == [1, 2, 3, 4, 5, 6]
+    h.run_to_end()
+    assert h.all_free()
+
+
+def test_a_step_whose_drafts_did_not_pay_runs_ahead_and_keeps_the_slots_behind_it():
+    h = SpecHarness(accept=len)
+    group = h.add_prompt("r", PROMPT)
+    h.step()  # the prompt samples 1
+    speculator = h.scheduler.speculator
+    speculator.drafts_that_pay = lambda scheduled: [0] * len(scheduled)
+    in_flight = SentStep(h.scheduler.schedule(), [])
+    assert in_flight.scheduled.scheduled[0].draft_token_ids == []
+    assert in_flight.scheduled.may_run_ahead
+    in_flight.advance()
+    del speculator.drafts_that_pay
+    behind = h.scheduler.schedule()
+    assert behind.scheduled[0].draft_token_ids == [3, 4, 5, 6]
+    h.take_in(in_flight)
+    h.take_in(SentStep(behind, []))
+    assert group.seqs[0].output_token_ids == [1, 2, 3, 4, 5, 6, 1]
+    h.run_to_end()
+    assert h.all_free()
 
 
 @pytest.mark.parametrize(("value", "match"), [
@@ -209,6 +246,7 @@ def test_a_speculating_step_holds_run_ahead_back_and_a_backed_off_one_does_not()
     ('{"prompt_lookup_min": 5, "prompt_lookup_max": 3}', "prompt_lookup_min"),
     ('{"num_speculative_tokens": "4"}', "num_speculative_tokens must be an integer"),
     ('{"draft_model": "x"}', "unknown keys"),
+    ('{"disable_by_batch_size": -1}', "disable_by_batch_size must be >= 0"),
     ("ngram", "must be a JSON object"),
 ])
 def test_a_bad_speculative_config_is_refused_by_name(value, match):

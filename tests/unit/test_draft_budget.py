@@ -1,0 +1,80 @@
+"""The batch-aware draft budget: the step's cost per token learned from timings, drafts cut where
+they cost more than they are likely to save, and vLLM's disable_by_batch_size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pagedserve.scheduler_svc.step_cost import StepCostModel
+from pagedserve.scheduler_svc.step_window import SentStep
+
+from tests.unit.test_spec_decode_scheduler import PROMPT, SpecHarness
+
+ADAPTIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
+
+
+def test_the_cost_line_is_learned_from_step_times():
+    model = StepCostModel()
+    assert model.line() == (0.0, 0.0)
+    for _ in range(5):
+        model.record(8, 0.040)
+    assert model.line() == pytest.approx((0.040, 0.0))  # one token count: no slope yet
+    for _ in range(20):
+        for n in (8, 16, 24, 40):
+            model.record(n, 0.010 + 0.004 * n)
+    assert model.line() == pytest.approx((0.010, 0.004), rel=0.05)
+
+
+def _decoding(h: SpecHarness, num_requests: int):
+    for i in range(num_requests):
+        h.add_prompt(f"r{i}", PROMPT)
+    h.step()  # the prompts, each sampling 1
+    return h.scheduler.schedule()
+
+
+def _with_cost(fixed_s: float, per_token_s: float, accept):
+    h = SpecHarness(accept=accept, speculative_config=json.dumps(ADAPTIVE))
+    for _ in range(20):
+        for n in (8, 16, 24, 40):
+            h.scheduler.speculator.step_cost.record(n, fixed_s + per_token_s * n)
+    return h
+
+
+@pytest.mark.parametrize("num_requests", [1, 8])
+def test_drafts_that_are_likely_kept_are_verified_where_a_token_costs_little(num_requests):
+    h = _with_cost(0.100, 0.001, accept=len)  # memory-bound
+    out = _decoding(h, num_requests)
+    assert [len(item.draft_token_ids) for item in out.scheduled] == [4] * num_requests
+
+
+def test_where_a_token_costs_its_share_only_drafts_likely_kept_are_verified():
+    # compute-bound: a draft pays at batch 8 only if kept with probability > 2/3
+    h = _with_cost(0.040, 0.010, accept=lambda drafts: 0)
+    speculator = h.scheduler.speculator
+    out = _decoding(h, 8)
+    # no record yet: the optimistic prior verifies one draft each
+    assert [len(item.draft_token_ids) for item in out.scheduled] == [1] * 8
+    for _ in range(3):  # every draft rejected: the rate falls
+        h.take_in(_sent(out))
+        out = h.scheduler.schedule()
+    assert [item.draft_token_ids for item in out.scheduled] == [[]] * 8
+    assert out.plan.num_scheduled_tokens == 8 and out.may_run_ahead
+    assert speculator.totals.num_accepted_tokens == 0
+    h.run_to_end()
+    assert h.all_free()
+
+
+def _sent(out) -> SentStep:
+    return SentStep(out, [])
+
+
+@pytest.mark.parametrize(("limit", "num_requests", "drafted"), [(3, 3, False), (4, 3, True),
+                                                                  (0, 8, True)])
+def test_disable_by_batch_size_turns_drafts_off_from_that_many_running(limit, num_requests,
+                                                                       drafted):
+    config = {**ADAPTIVE, "adaptive": False, "disable_by_batch_size": limit}
+    h = SpecHarness(accept=len, speculative_config=json.dumps(config))
+    out = _decoding(h, num_requests)
+    assert all(bool(item.draft_token_ids) is drafted for item in out.scheduled)
+    assert out.may_run_ahead is not drafted
