@@ -54,9 +54,11 @@ def build(name: str, source: Path) -> ModuleType | None:
         build_directory.mkdir(parents=True, exist_ok=True)
         with _only_builder(build_directory):
             # built from copies, so that checkouts elsewhere with the same sources give ninja
-            # the same commands and reuse the build instead of redoing it in turn
+            # the same commands and reuse the build instead of redoing it in turn; copied once
+            # (the directory is named by their digest), as a new copy's time makes ninja rebuild
             for path in (source, *headers):
-                shutil.copyfile(path, build_directory / path.name)
+                if not (build_directory / path.name).exists():
+                    shutil.copyfile(path, build_directory / path.name)
             source = build_directory / source.name
             return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,
                                       extra_ldflags=["-fopenmp"],

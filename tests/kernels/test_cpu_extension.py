@@ -3,6 +3,7 @@ test_cpu_linear and test_torch_ops cover those paths)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pagedserve.kernels import cpu_decode, cpu_extension, cpu_linear
@@ -36,3 +37,23 @@ def test_a_killed_builds_lock_does_not_hang_the_next(monkeypatch, tmp_path):
         (build_directory,) = tmp_path.glob(f"*/{built}")
         (build_directory / "lock").touch()
     assert loads == [built, built]
+
+
+def test_a_built_kernel_is_loaded_without_a_rebuild(monkeypatch, tmp_path):
+    """The sources are copied into the build directory once: a fresh copy's time would make
+    ninja compile again in every process."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    times = []
+
+    def load(name, sources, build_directory, **kwargs):
+        times.append([Path(source).stat().st_mtime_ns for source in sources])
+        return name
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    cpu_extension.build(cpu_decode.EXTENSION_NAME, cpu_decode.SOURCE)
+    (copied,) = tmp_path.glob("*/*/paged_decode_cpu.cpp")
+    os.utime(copied, ns=(1, 1))
+    cpu_extension.build(cpu_decode.EXTENSION_NAME, cpu_decode.SOURCE)
+    assert times[1] == [1]
