@@ -20,7 +20,7 @@ SAMPLINGS = [
     SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0, max_tokens=12),
 ]
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30, 31]]
-DEVICES = {"sim": dict(device="sim", sim_model="Llama-3-8B"),
+DEVICES = {"sim": dict(device="sim", sim_model="Llama-3-8B", sim_time_scale=10.0),
            "cpu": dict(device="cpu", attention_backend="torch", num_threads=1)}
 
 

@@ -5,6 +5,7 @@ ahead's; a step that takes longer than its own still fails, as from a hung worke
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,17 +16,22 @@ from pagedserve.services.common.errors import Unavailable
 from pagedserve.services.common.step_plan import StepPlan
 from pagedserve.services.rpc.internal.v1 import worker_pb2, worker_pb2_grpc
 
-STEP_S = 0.6  # each step's time on the fake worker, which runs steps one at a time
+STEP_S = 1.0  # each step's time on the fake worker, which runs steps one at a time
 
 
 class _SerialWorker(worker_pb2_grpc.WorkerServiceServicer):
+    """Runs steps one at a time in step order, as a worker does, whatever order they arrive in."""
+
     def __init__(self) -> None:
-        self._one_at_a_time = threading.Lock()
-        self._done = threading.Event()
+        self._turn = threading.Condition()
+        self._next_step_id = 1
 
     def ExecuteStep(self, request, context):
-        with self._one_at_a_time:
-            self._done.wait(STEP_S)  # the step's work
+        with self._turn:
+            self._turn.wait_for(lambda: request.step_id == self._next_step_id)
+            time.sleep(STEP_S)  # the step's work
+            self._next_step_id += 1
+            self._turn.notify_all()
         return worker_pb2.ExecuteStepResponse(step_id=request.step_id)
 
 
@@ -44,8 +50,9 @@ def _plan(step_id: int) -> StepPlan:
 
 
 def test_a_step_sent_behind_another_has_its_own_deadline(address):
-    """Each step takes 0.6 s of a 1 s deadline; the second ends 1.2 s after it was sent."""
-    client = WorkerClient(address, EngineConfig(), step_timeout_s=1.0, startup_timeout_s=5)
+    """Each step takes 1 s of a 1.6 s deadline; the second ends 2 s after it was sent (past a
+    deadline counted from its sending), 1.2 s before its own."""
+    client = WorkerClient(address, EngineConfig(), step_timeout_s=1.6, startup_timeout_s=5)
     first, second = client.submit_step(_plan(1)), client.submit_step(_plan(2))
     assert first.result().step_id == 1
     assert second.result().step_id == 2
