@@ -30,22 +30,23 @@ def prompt(seed: int, length: int, vocab: int = 256) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(length)]
 
 
-def cuda_worker(model_dir: Path, *, backend: str = "triton", dtype: str = "float32",
-                enable_cuda_graph: bool = False, max_num_seqs: int = 8,
-                max_cuda_graph_tokens: int = DeviceConfig.max_cuda_graph_tokens,
-                num_gpu_blocks: int = 128, num_cpu_blocks: int = 32,
-                block_size: int = 8) -> Worker:
-    """A worker through the whole handshake: load, profile, init_cache, warm_up (which captures
-    the CUDA graphs when enable_cuda_graph is on)."""
-    config = EngineConfig(
+def cuda_config(model_dir: Path, *, backend: str = "triton", dtype: str = "float32",
+                max_num_seqs: int = 8, num_gpu_blocks: int = 128, num_cpu_blocks: int = 32,
+                block_size: int = 8, **device: object) -> EngineConfig:
+    """A CUDA worker's config; `device` holds DeviceConfig's other fields (enable_cuda_graph,
+    max_cuda_graph_tokens...), their defaults where not given."""
+    return EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype=dtype),
         cache=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_gpu_blocks,
                           num_cpu_blocks_override=num_cpu_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
-        device=DeviceConfig(device="cuda", attention_backend=backend,
-                            enable_cuda_graph=enable_cuda_graph,
-                            max_cuda_graph_tokens=max_cuda_graph_tokens))
-    worker = Worker(config)
+        device=DeviceConfig(device="cuda", attention_backend=backend, **device))
+
+
+def cuda_worker(model_dir: Path, **options: object) -> Worker:
+    """A worker through the whole handshake: load, profile, init_cache, warm_up (which captures
+    the CUDA graphs when enable_cuda_graph is on). `options` are cuda_config's."""
+    worker = Worker(cuda_config(model_dir, **options))
     worker.load_model()
     profile = worker.profile_memory()
     worker.init_cache(profile.num_gpu_blocks, profile.num_cpu_blocks, 1)

@@ -108,3 +108,16 @@ def test_serving_on_cuda_gives_each_side_its_share_of_the_device():
     flags = serving.serve_args(args, 1, 2)
     assert flags[flags.index("--device") + 1] == "cuda"
     assert flags[flags.index("--tokenizer") + 1] == "/tok"
+
+
+def test_the_gpu_tests_worker_config_builds_on_cpu(tmp_path):
+    """tests/gpu only runs on a lent GPU: its config helper, at its defaults and with the knobs the
+    GPU tests turn, is checked here (a slots dataclass's class attribute, once its default, made
+    every CUDA-graph test fail on the 2026-11-27 H100 before a step ran)."""
+    from tests.gpu.gpu_worker import cuda_config
+
+    assert cuda_config(tmp_path).device.max_cuda_graph_tokens > 0
+    config = cuda_config(tmp_path, backend="torch", dtype="bfloat16", max_num_seqs=256,
+                         enable_cuda_graph=True, max_cuda_graph_tokens=0)
+    assert (config.device.device, config.device.attention_backend) == ("cuda", "torch")
+    assert config.device.max_cuda_graph_tokens == 0 and config.scheduler.max_num_seqs == 256
