@@ -107,7 +107,9 @@ def test_llama_3_8b_decode_step_launches_at_most_ten_kernels_a_layer():
     launches_per_layer = (after.num_kernels - num_tail - 2) / shape.num_layers
     assert launches_per_layer == 10
     assert (before.num_kernels - num_tail - 10) / shape.num_layers > 40
-    assert after.kernel_s < before.kernel_s - 2e-3  # the profile's ~2.5 ms of small kernels
+    # the profile's ~2.5 ms of small kernels, less the 97 fused kernels in their place
+    # (8.9 us each since the 2026-11-27 fit: test_sim_calibration.py)
+    assert after.kernel_s < before.kernel_s - 1.5e-3
 
 
 @pytest.mark.parametrize("max_num_seqs", [None, 32])

@@ -224,12 +224,16 @@ class MetaModel:
         return self._record(lambda: self.model(ids, ids, [kv_cache] * self.num_layers, meta))
 
     @torch.no_grad()
-    def trace_logits(self, num_tokens: int, num_rows: int) -> list[KernelOp]:
+    def trace_logits(self, num_tokens: int, num_rows: int, sample: bool = True
+                     ) -> list[KernelOp]:
         """The rows' hidden states picked, the logits, and greedy sampling with logprobs of the
-        drawn tokens (the sampler's fast path)."""
+        drawn tokens (the sampler's fast path); sample off: up to the float32 logits, the end
+        of a GPU worker's timed forward."""
         hidden = torch.empty(num_tokens, self.model.config.hidden_size, dtype=self.dtype,
                              device=META)
         rows = torch.zeros(num_rows, dtype=torch.long, device=META)
+        if not sample:
+            return self._record(lambda: self.model.compute_logits(hidden[rows]))
         sampler = Sampler(self.vocab_size, [], torch.device("cpu"))
         sampler.device = META  # its generator stays on the host: greedy rows never draw
         seqs = [SeqSamplingState(seq_id=i, sampling=SamplingParams(temperature=0.0), token_ids=[0], prompt_len=1,
