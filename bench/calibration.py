@@ -8,9 +8,10 @@ checked against the Qwen2.5-0.5B record of the same bench, which it never saw:
     step's forward, modelled at the record's median batch and context with graphs, through the
     float32 logits (a GPU worker's timed forward; the sampler is timed apart);
   - HF's host time per launch (bench/hf_sim.py): HF generate's padded batches.
-Figures of a whole simulated run (its tokens/s, wall times) come from bench.offline_gpu's sim
-records, the previous ones and those rerun after the refit (tag sim-calib-<model>); their wall
-times are this machine's host, not the GPU's, and are marked so.
+Figures of a whole simulated run (its tokens/s, wall times) come from the sim records of
+bench.offline_gpu, bench.serving and bench.step_graphs, the previous ones and those rerun after
+the refit (tag sim-calib-<model>); their wall times are this machine's host, not the GPU's, and
+are marked so.
 
     python -m bench.calibration        # writes bench/results/calibration-2026-11-27-h100.json
 """
@@ -236,6 +237,45 @@ def offline_rows(model: str, results_dir: Path) -> list[dict]:
     return rows
 
 
+def serving_rows(results_dir: Path) -> list[dict]:
+    """bench.serving's 1.7B-shape run against the simulator's: the gRPC stack's figures are wall
+    clock, host-bound on this machine (not rerun after the refit); the in-process engine's
+    tokens/s against bench.step_graphs' modelled device time alone (mixed-step graphs, as the
+    H100 ran), an upper bound of a wall figure."""
+    name = f"serving-{DEVICE_TAG}"
+    measured = {r["workload"]: r for r in load_record(name, results_dir)["results"]}
+    stack = _sim_record("serving-sim-smollm2-1.7b", results_dir)
+    simulated = {r["workload"]: r for r in stack["results"]} if stack else {}
+    graphs = [_sim_record(f"step_graphs-{tag}-smollm2-1.7b", results_dir)
+              for tag in ("sim", "sim-calib")]
+    rows = []
+    for workload, result in measured.items():
+        concurrency = result["concurrency"]
+        sim = simulated.get(workload)
+        for key, label in () if sim is None else (("output_tok_s", "gRPC stack tok/s"), ("ttft_ms", "TTFT p50 (ms)"),
+                           ("itl_ms", "ITL p50 (ms)")):
+            value = result["stack"][key]
+            modelled = sim["stack"][key]
+            if isinstance(value, dict):
+                value, modelled = value["p50"], modelled["p50"]
+            rows.append(row(name, f"N={concurrency} {label}", value, modelled, None, "compared",
+                            "wall clock: this machine's host (2 shared cores), not rerun"))
+        modelled = [_graph_tok_s(g, concurrency) for g in graphs]
+        if any(modelled):
+            rows.append(row(name, f"N={concurrency} in-process engine tok/s",
+                            result["in_process"]["output_tok_s"], *modelled, "compared",
+                            "modelled: device time alone (bench.step_graphs, mixed graphs; "
+                            "3 requests a client), an upper bound of the measured wall"))
+    return rows
+
+
+def _graph_tok_s(record: dict | None, concurrency: int) -> float | None:
+    if record is None:
+        return None
+    return next((r["output_tok_per_modelled_s"] for r in record["results"]
+                 if r["concurrency"] == concurrency and r["setting"] == "mixed"), None)
+
+
 def _sim_record(name: str, results_dir: Path) -> dict | None:
     path = results_dir / f"{name}.json"
     return json.loads(path.read_text()) if path.is_file() else None
@@ -250,8 +290,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     fitted = fit()
-    rows = kernel_rows(RESULTS_DIR) + offline_rows(FIT_MODEL, RESULTS_DIR) + offline_rows(
-        HELD_OUT_MODEL, RESULTS_DIR)
+    rows = (kernel_rows(RESULTS_DIR) + offline_rows(FIT_MODEL, RESULTS_DIR)
+            + offline_rows(HELD_OUT_MODEL, RESULTS_DIR) + serving_rows(RESULTS_DIR))
     held_out = [r for r in rows if r["role"] == "held out" and "MBU" not in r["quantity"]]
     line = (f"calibration {RUN}: fused fixed {fitted['fused_fixed_s'] * 1e6:.2f} us, HF launch "
             f"{fitted['hf_launch_s'] * 1e6:.1f} us (fitted to {FIT_MODEL}); held out "

@@ -29,7 +29,6 @@ def point(model: str) -> DecodePoint:
 def test_llama_3_8b_median_decode_forward_matches_its_record():
     """The record the constant was fitted to: this shows the fit, not the model."""
     llama = point(FIT_MODEL)
-    assert llama.batch == pytest.approx(30, abs=4)  # the record's median decode batch
     assert modelled_forward_s(llama, H100_CALIBRATION) == pytest.approx(
         llama.measured_forward_s, rel=0.03)
 
