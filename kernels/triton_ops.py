@@ -25,6 +25,9 @@ _DERIVED_KEY = "triton"
 # Decodes whose context is longer than one partition use the split-KV path: a short batch of long
 # sequences otherwise leaves most of the GPU idle, one program per (sequence, KV head).
 DECODE_PARTITION_SIZE = 512
+# Partitions the split-KV reduce combines per loop iteration: a fixed width, so the number of
+# partitions (which grows with the step's longest context) never selects a compiled variant.
+REDUCE_CHUNK = 16
 
 
 @dataclass(slots=True)
@@ -154,24 +157,26 @@ def attention_launches(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Te
 
     if plan.num_split_decodes:
         num_decodes, max_parts = plan.num_split_decodes, plan.max_num_partitions
-        stats = torch.empty(2, num_decodes, num_heads, max_parts, dtype=torch.float32,
-                            device=query.device)  # softmax max, softmax sum
+        # Two allocations, not one split in two: the second half's address would change its
+        # 16-byte alignment, which Triton specializes on, with the step's shape.
+        partial_max, partial_sum = (
+            torch.empty(num_decodes, num_heads, max_parts, dtype=torch.float32,
+                        device=query.device) for _ in range(2))
         partial_out = torch.empty(num_decodes, num_heads, max_parts, head_p2,
                                   dtype=torch.float32, device=query.device)
         first_seq, first_token = meta.num_prefills, meta.num_prefill_tokens
         launches.append(Launch(decode_partition_kernel, (num_decodes, num_kv_heads, max_parts), (
-            partial_out, stats[0], stats[1], query, k_cache, v_cache, meta.block_tables,
-            meta.seq_lens, scale, first_seq, first_token, query.stride(0), query.stride(1),
-            *cache_strides, meta.block_tables.stride(0),
+            partial_out, partial_max, partial_sum, query, k_cache, v_cache, meta.block_tables,
+            meta.seq_lens, scale, first_seq, first_token, max_parts, query.stride(0),
+            query.stride(1), *cache_strides, meta.block_tables.stride(0),
         ), dict(NUM_QUERIES_PER_KV=group, BLOCK_M=max(16, triton.next_power_of_2(group)),
-                MAX_NUM_PARTITIONS=max_parts, PARTITION_SIZE=DECODE_PARTITION_SIZE,
-                TILE_N=config.decode_tile_n, **common,
+                PARTITION_SIZE=DECODE_PARTITION_SIZE, TILE_N=config.decode_tile_n, **common,
                 num_warps=config.decode.num_warps, num_stages=config.decode.num_stages)))
         launches.append(Launch(decode_reduce_kernel, (num_decodes, num_heads), (
-            out, partial_out, stats[0], stats[1], meta.seq_lens, first_seq, first_token,
-            out.stride(0), out.stride(1),
-        ), dict(MAX_NUM_PARTITIONS=max_parts, PARTITIONS_P2=triton.next_power_of_2(max_parts),
-                HEAD_SIZE=head_size, HEAD_P2=head_p2, PARTITION_SIZE=DECODE_PARTITION_SIZE,
+            out, partial_out, partial_max, partial_sum, meta.seq_lens, first_seq, first_token,
+            max_parts, out.stride(0), out.stride(1),
+        ), dict(CHUNK=REDUCE_CHUNK, HEAD_SIZE=head_size, HEAD_P2=head_p2,
+                PARTITION_SIZE=DECODE_PARTITION_SIZE,
                 num_warps=config.reduce.num_warps, num_stages=config.reduce.num_stages)))
     return launches
 

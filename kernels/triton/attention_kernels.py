@@ -1,7 +1,12 @@
 """Triton paged attention: a unified kernel for prefills and decodes, and a split-KV
 (flash-decoding) pair for decodes over long contexts. A TILE_N tile may span several cache blocks,
 so each key position looks up its own block. A GQA group's heads are extra rows of one program's
-query tile (row = query_token * GROUP_P2 + head_in_group), so each K/V tile loads once per group."""
+query tile (row = query_token * GROUP_P2 + head_in_group), so each K/V tile loads once per group.
+
+No constexpr or specialized argument varies from step to step: Triton compiles a variant per
+constexpr value and per integer argument's class (== 1, divisible by 16, other), so a step-varying
+one would compile anew in the middle of serving. Step-varying integers are `do_not_specialize`d;
+constexprs are fixed per model and launch table (docs/gpu-readiness.md)."""
 
 from __future__ import annotations
 
@@ -61,7 +66,7 @@ def _find_seq(query_start_loc_ptr, q_block_index, num_seqs, BLOCK_Q: tl.constexp
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_block_table"])
 def unified_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_size]
     query_ptr,  # [num_tokens, num_heads, head_size], last dim contiguous
@@ -124,7 +129,8 @@ def unified_attention_kernel(
              mask=is_row[:, None] & is_dim[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq", "first_token", "max_num_partitions",
+                               "stride_block_table"])
 def decode_partition_kernel(
     partial_out_ptr,  # [num_decodes, num_heads, max_num_partitions, HEAD_P2] fp32, normalized
     partial_max_ptr,  # [num_decodes, num_heads, max_num_partitions] fp32: softmax max m
@@ -133,11 +139,11 @@ def decode_partition_kernel(
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     block_tables_ptr,  # [num_seqs, max_num_blocks]: decode d is sequence first_seq + d
     seq_lens_ptr,  # [num_seqs]
-    scale, first_seq, first_token,
+    scale, first_seq, first_token, max_num_partitions,
     stride_query_token, stride_query_head,
     stride_cache_block, stride_cache_pos, stride_cache_head,
     stride_block_table,
-    NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, MAX_NUM_PARTITIONS: tl.constexpr,
+    NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -173,38 +179,49 @@ def decode_partition_kernel(
             HEAD_SIZE, HEAD_P2, BLOCK_SIZE, TILE_N, DOT_PRECISION)
 
     stat = (decode.to(tl.int64) * (tl.num_programs(1) * NUM_QUERIES_PER_KV) + head) \
-        * MAX_NUM_PARTITIONS + partition  # [BLOCK_M]
+        * max_num_partitions + partition  # [BLOCK_M]
     tl.store(partial_max_ptr + stat, m_i, mask=is_row)
     tl.store(partial_sum_ptr + stat, l_i, mask=is_row)
     tl.store(partial_out_ptr + stat[:, None] * HEAD_P2 + dim[None, :], acc / l_i[:, None],
              mask=is_row[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq", "first_token", "max_num_partitions"])
 def decode_reduce_kernel(
     out_ptr,  # [num_tokens, num_heads, head_size]
     partial_out_ptr, partial_max_ptr, partial_sum_ptr,  # as written by decode_partition_kernel
-    seq_lens_ptr, first_seq, first_token,
+    seq_lens_ptr, first_seq, first_token, max_num_partitions,
     stride_out_token, stride_out_head,
-    MAX_NUM_PARTITIONS: tl.constexpr, PARTITIONS_P2: tl.constexpr,
-    HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, PARTITION_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_P2: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
 ):
-    """Program (decode, head): partition p weighs l_p * exp(m_p - max m)."""
+    """Program (decode, head): partition p weighs l_p * exp(m_p - max m), CHUNK partitions at a
+    time with the running max rescaling what was summed before, so any context length runs the
+    same compiled kernel."""
     decode = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + first_seq + decode)
     num_partitions = tl.cdiv(seq_len, PARTITION_SIZE)
-    partition = tl.arange(0, PARTITIONS_P2)
-    is_partition = partition < num_partitions
-    stat = (decode.to(tl.int64) * tl.num_programs(1) + head) * MAX_NUM_PARTITIONS + partition
-    part_max = tl.load(partial_max_ptr + stat, mask=is_partition, other=float("-inf"))  # [P2]
-    part_sum = tl.load(partial_sum_ptr + stat, mask=is_partition, other=0.0)  # [P2]
-    # unused partitions: 0 * exp(-inf) = 0
-    weight = part_sum * tl.exp(part_max - tl.max(part_max, 0))
+    row = (decode.to(tl.int64) * tl.num_programs(1) + head) * max_num_partitions
     dim = tl.arange(0, HEAD_P2)
-    partial = tl.load(partial_out_ptr + stat[:, None] * HEAD_P2 + dim[None, :],
-                      mask=is_partition[:, None], other=0.0)  # [P2, HEAD_P2]
-    out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)  # [HEAD_P2]
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_P2], tl.float32)
+    for start in range(0, num_partitions, CHUNK):
+        partition = start + tl.arange(0, CHUNK)
+        is_partition = partition < num_partitions
+        stat = row + partition
+        part_max = tl.load(partial_max_ptr + stat, mask=is_partition, other=float("-inf"))
+        part_sum = tl.load(partial_sum_ptr + stat, mask=is_partition, other=0.0)  # [CHUNK]
+        partial = tl.load(partial_out_ptr + stat[:, None] * HEAD_P2 + dim[None, :],
+                          mask=is_partition[:, None], other=0.0)  # [CHUNK, HEAD_P2]
+        m_new = tl.maximum(m_i, tl.max(part_max, 0))
+        alpha = tl.exp(m_i - m_new)  # the first chunk holds partition 0, so m_new is finite
+        weight = part_sum * tl.exp(part_max - m_new)  # unused partitions: 0 * exp(-inf) = 0
+        acc = acc * alpha + tl.sum(partial * weight[:, None], 0)
+        l_i = l_i * alpha + tl.sum(weight, 0)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)  # [HEAD_P2]
     token = (first_token + decode).to(tl.int64)
     tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dim,
              out.to(out_ptr.dtype.element_ty), mask=dim < HEAD_SIZE)

@@ -3,8 +3,9 @@
 A test takes `backend` and `target` parameters and the `ops` fixture, which imports the backend
 module or skips the case with the reason it cannot run here. CPU runs fp32; CUDA cases (fp16,
 bf16) carry the `gpu` marker. Triton runs on CUDA, or on CPU under `TRITON_INTERPRET=1`.
-"triton-split" is the Triton backend with a 32-token decode partition, so that small CPU cases
-take the split-KV (flash-decoding) path too.
+"triton-split" is the Triton backend with a 32-token decode partition and a 1-partition reduce
+chunk, so that small CPU cases take the split-KV (flash-decoding) path too, and its reduce
+combines several chunks.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ ALL_BACKENDS = ["ref", *FAST_BACKENDS]
 # Ops outside attention are the same code in "triton" and "triton-split".
 CACHE_OP_BACKENDS = ["ref", "torch", "triton", "flash_attn"]
 SPLIT_PARTITION_SIZE = 32
+SPLIT_REDUCE_CHUNK = 1
 
 TARGETS = [
     pytest.param(("cpu", torch.float32), id="cpu-fp32"),
@@ -56,6 +58,7 @@ def ops(backend: str, device: torch.device, monkeypatch) -> ModuleType:
     module = get_backend(name, device)
     if backend == "triton-split":
         monkeypatch.setattr(module, "DECODE_PARTITION_SIZE", SPLIT_PARTITION_SIZE)
+        monkeypatch.setattr(module, "REDUCE_CHUNK", SPLIT_REDUCE_CHUNK)
     return module
 
 
