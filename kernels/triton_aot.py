@@ -9,6 +9,7 @@ binder, so each compile is the one a GPU would JIT. Needs the compiler: not `TRI
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import subprocess
@@ -25,7 +26,7 @@ from pagedserve.kernels.triton_config import KernelLaunch
 from pagedserve.kernels.triton_ops import Launch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, CompiledKernel, make_backend
-from triton.runtime.jit import create_function_from_signature
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 ARCHS = (80, 90)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -98,6 +99,24 @@ def compile_launch(launch: Launch, arch: int, **overrides: object) -> CompiledKe
                           options=options.__dict__)
 
 
+@functools.cache
+def _binder(kernel: object, arch: int) -> tuple[JITFunction, object]:
+    """The compiler's view of a kernel (under TRITON_INTERPRET=1 the decorator wraps it for the
+    interpreter, with the same options) and Triton's argument binder for arch."""
+    fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    return fn, create_function_from_signature(fn.signature, fn.params, backend)
+
+
+def compile_key(launch: Launch, arch: int = 90) -> tuple:
+    """What Triton's JIT keys its compiled kernels by (kernel, each argument's type and
+    specialization, constexprs, launch options): two launches with one key run one compiled
+    kernel, a new key compiles. Needs no compiler, so it also runs under TRITON_INTERPRET=1."""
+    fn, bind = _binder(launch.kernel, arch)
+    _, specialization, options = bind(*launch.args, **launch.kwargs)
+    return fn.__name__, tuple(specialization), tuple(sorted(options.items()))
+
+
 _RES_USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
@@ -127,7 +146,9 @@ def programs_per_sm(arch: int, registers: int, shared_bytes: int, num_warps: int
     return min(by_registers, by_shared, by_warps, limits.max_programs_per_sm)
 
 
-def _metadata(query_lens: list[int], seq_lens: list[int], block_size: int) -> AttentionMetadata:
+def step_metadata(query_lens: list[int], seq_lens: list[int], block_size: int) -> AttentionMetadata:
+    """A step as worker_svc.model_input builds it (prefills first, block tables as wide as the
+    longest sequence needs), on CPU tensors."""
     num_prefills = sum(q > 1 for q in query_lens)  # the batches list prompts first
     max_blocks = triton.cdiv(max(seq_lens), block_size)
     starts = [0]
@@ -164,7 +185,7 @@ def worker_launches(arch: int, dtype: torch.dtype, head_size: int, block_size: i
     kv_cache = torch.empty(2, 4, block_size, NUM_KV_HEADS, head_size, dtype=dtype)
     launches = []
     for phase, query_lens, seq_lens in BATCHES:
-        meta = _metadata(query_lens, seq_lens, block_size)
+        meta = step_metadata(query_lens, seq_lens, block_size)
         num_tokens = sum(query_lens)
         qkv = torch.empty(num_tokens, num_heads + 2 * NUM_KV_HEADS, head_size, dtype=dtype)
         query, key = qkv[:, :num_heads], qkv[:, num_heads:num_heads + NUM_KV_HEADS]

@@ -17,7 +17,7 @@ from pagedserve.kernels.triton.attention_kernels import (
     unified_attention_kernel,
 )
 from pagedserve.kernels.triton.cache_kernels import copy_blocks_kernel, write_kv_kernel
-from pagedserve.kernels.triton_config import device_arch, launch_config
+from pagedserve.kernels.triton_config import LAUNCH_CONFIGS, device_arch, launch_config
 
 __all__ = ["write_kv", "paged_attention", "swap_blocks", "copy_blocks"]
 
@@ -179,6 +179,17 @@ def attention_launches(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Te
                 PARTITION_SIZE=DECODE_PARTITION_SIZE,
                 num_warps=config.reduce.num_warps, num_stages=config.reduce.num_stages)))
     return launches
+
+
+def warm_up_batches(max_model_len: int) -> list[tuple[list[int], list[int]]]:
+    """(query lens, context lens) of steps whose launches together are every compiled variant
+    `attention_launches` has for a model: the unified kernel with decode tiles and with prefill
+    tiles, and the split-KV pair. Every other launch argument that varies from step to step is
+    unspecialized, so once a worker has run these no step compiles. Steps past max_model_len
+    cannot happen, so are left out."""
+    prefill_len = min(max(c.prefill_block_m for c in LAUNCH_CONFIGS.values()), max_model_len)
+    batches = [([1], [0]), ([prefill_len], [0]), ([1], [DECODE_PARTITION_SIZE])]
+    return [(q, c) for q, c in batches if q[0] + c[0] <= max_model_len]
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
