@@ -1,4 +1,6 @@
-"""A backend is a module with the four ops of `kernels.ref`, imported lazily by name."""
+"""A backend is a module with the four ops of `kernels.ref`, imported lazily by name. Optional:
+`prepare(device)` (below) and `warm_up_batches(max_model_len)`, the steps a CUDA worker's warm-up
+runs so that its kernels compile then and not while serving (kernels/triton_ops.py)."""
 
 from __future__ import annotations
 

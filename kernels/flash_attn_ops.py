@@ -12,9 +12,10 @@ import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 from pagedserve.kernels import triton_ops
 from pagedserve.kernels.metadata import AttentionMetadata
-from pagedserve.kernels.triton_ops import copy_blocks, swap_blocks, write_kv
+from pagedserve.kernels.triton_ops import copy_blocks, swap_blocks, warm_up_batches, write_kv
 
-__all__ = ["write_kv", "paged_attention", "swap_blocks", "copy_blocks"]
+# warm_up_batches: the Triton kernels run where flash-attn cannot
+__all__ = ["write_kv", "paged_attention", "swap_blocks", "copy_blocks", "warm_up_batches"]
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from pagedserve.kernels.triton.attention_kernels import (
 from pagedserve.kernels.triton.cache_kernels import copy_blocks_kernel, write_kv_kernel
 from pagedserve.kernels.triton_config import LAUNCH_CONFIGS, device_arch, launch_config
 
-__all__ = ["write_kv", "paged_attention", "swap_blocks", "copy_blocks"]
+__all__ = ["write_kv", "paged_attention", "swap_blocks", "copy_blocks", "warm_up_batches"]
 
 _DERIVED_KEY = "triton"
 # Decodes whose context is longer than one partition use the split-KV path: a short batch of long

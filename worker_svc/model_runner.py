@@ -177,16 +177,20 @@ class ModelRunner:
         return list(by_seq.values())
 
     @torch.inference_mode()
-    def dummy_run(self, query_lens: list[int], kv_caches: list[torch.Tensor]) -> None:
-        """Prompts of these lengths, block after block: the memory profile and the warm-up."""
+    def dummy_run(self, query_lens: list[int], kv_caches: list[torch.Tensor],
+                  context_lens: list[int] | None = None) -> None:
+        """Prompts of these lengths, block after block, each after its context_lens tokens
+        (none by default) already cached: the memory profile and the warm-up."""
         seqs, next_block = [], 0
-        for i, query_len in enumerate(query_lens):
-            num_blocks = cdiv(query_len, self.block_size)
+        for i, (query_len, context_len) in enumerate(
+                zip(query_lens, context_lens or [0] * len(query_lens), strict=True)):
+            seq_len = context_len + query_len
+            num_blocks = cdiv(seq_len, self.block_size)
             seqs.append(CachedSequence(
-                seq_id=i, request_id="dummy", token_ids=[0] * query_len, prompt_len=query_len,
+                seq_id=i, request_id="dummy", token_ids=[0] * seq_len, prompt_len=seq_len,
                 block_table=list(range(next_block, next_block + num_blocks)),
-                num_computed_tokens=0, sampling=SamplingParams(temperature=0.0), seed=None,
-                num_samples=1, num_scheduled_tokens=query_len))
+                num_computed_tokens=context_len, sampling=SamplingParams(temperature=0.0),
+                seed=None, num_samples=1, num_scheduled_tokens=query_len))
             next_block += num_blocks
         seqs.sort(key=lambda s: not s.is_prefill)
         self._forward(build_model_input(seqs, self.block_size, self.device), kv_caches)
@@ -194,8 +198,10 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
 
-def dummy_num_blocks(query_lens: list[int], block_size: int) -> int:
-    return sum(cdiv(n, block_size) for n in query_lens)
+def dummy_num_blocks(query_lens: list[int], block_size: int,
+                     context_lens: list[int] | None = None) -> int:
+    contexts = context_lens or [0] * len(query_lens)
+    return sum(cdiv(c + q, block_size) for q, c in zip(query_lens, contexts, strict=True))
 
 
 def _cache_op_timings(step: InFlightStep, swap_out_ns: int, swap_in_ns: int, copy_ns: int,

@@ -208,12 +208,12 @@ class Worker:
         """Returns the number of CUDA graphs captured, none above the default largest size: the
         memory profile reserved for those."""
         runner = self._runner()
-        query_lens = [min(8, self.get_info().max_model_len), 1]
-        kv_caches = allocate_kv_caches(self.kv_spec, dummy_num_blocks(query_lens,
-                                                                      self.kv_spec.block_size),
-                                       self.device)
-        runner.dummy_run(query_lens, kv_caches)
-        del kv_caches
+        for query_lens, context_lens in self._warm_up_batches():
+            kv_caches = allocate_kv_caches(
+                self.kv_spec, dummy_num_blocks(query_lens, self.kv_spec.block_size, context_lens),
+                self.device)
+            runner.dummy_run(query_lens, kv_caches, context_lens)
+            del kv_caches
         default = self._graph_buckets()
         if default is None:
             return 0
@@ -332,6 +332,17 @@ class Worker:
     def _new_cache_engine(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheEngine:
         return CacheEngine(self.kv_spec, num_gpu_blocks, num_cpu_blocks, self.device,
                            self.backend)
+
+    def _warm_up_batches(self) -> list[tuple[list[int], list[int]]]:
+        """(query lens, context lens) of the eager warm-up steps: a prompt beside a one-token
+        one, and on CUDA the backend's steps that compile each of its kernel variants (so no
+        step compiles one mid-serving; kernels/triton_ops.py)."""
+        max_model_len = self.get_info().max_model_len
+        batches = [([min(8, max_model_len), 1], [0, 0])]
+        backend_batches = getattr(self.backend, "warm_up_batches", None)
+        if self.device.type == "cuda" and backend_batches is not None:
+            batches += backend_batches(max_model_len)
+        return batches
 
     def _graph_buckets(self) -> GraphBuckets | None:
         """None under tensor parallelism (the all-reduces run eagerly) or with a backend whose
