@@ -16,7 +16,15 @@ import torch
 pytest.importorskip("triton")
 
 from pagedserve.kernels import triton_layer_ops, triton_ops  # noqa: E402
+from pagedserve.kernels.metadata import AttentionMetadata  # noqa: E402
 from pagedserve.kernels.triton_aot import ARCHS, compile_key, step_metadata  # noqa: E402
+from pagedserve.worker_svc.cuda_graphs import MAX_CAPTURE_SEQ_LEN, DecodeBuffers  # noqa: E402
+from pagedserve.worker_svc.graph_buckets import (  # noqa: E402
+    capture_batch_sizes,
+    capture_num_tokens,
+    mixed_num_seqs,
+)
+from pagedserve.worker_svc.mixed_graphs import MixedBuffers  # noqa: E402
 
 MAX_MODEL_LEN = 32768
 # (num_heads, num_kv_heads, head_size, hidden, intermediate): Qwen2.5-0.5B, Llama-3-8B
@@ -24,6 +32,8 @@ MODELS = {"qwen2.5-0.5b": (14, 2, 64, 896, 4864), "llama-3-8b": (32, 8, 128, 409
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 NUM_CACHE_BLOCKS = 4  # the kernels' keys do not depend on the cache's size
+MAX_NUM_SEQS = 256
+MAX_GRAPH_TOKENS = 512
 
 DECODE_CONTEXTS = (1, 2, 15, 16, 17, 100, 511, 512, 513, 1000, 1024, 2047, 4095, 8192, 8193,
                    16384, 32767)
@@ -32,13 +42,16 @@ PREFILLS = ((1, 0), (2, 0), (7, 0), (8, 0), (16, 0), (17, 3), (63, 0), (64, 0), 
             (512, 0), (1000, 513), (2048, 0), (4095, 1), (4096, 8192))  # (query, context)
 
 
-def _step_launches(model: str, arch: int, query_lens: list[int],
-                   context_lens: list[int]) -> list[triton_ops.Launch]:
-    """Every Triton launch of one decoder layer in a step of these sequences (prefills first)."""
-    num_heads, num_kv_heads, head_size, hidden, intermediate = MODELS[model]
+def _step(query_lens: list[int], context_lens: list[int]) -> AttentionMetadata:
+    """An eager step of these sequences (prefills first)."""
     seq_lens = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
-    meta = step_metadata(query_lens, seq_lens, BLOCK_SIZE)
-    num_tokens = sum(query_lens)
+    return step_metadata(query_lens, seq_lens, BLOCK_SIZE)
+
+
+def _step_launches(model: str, arch: int, meta: AttentionMetadata) -> list[triton_ops.Launch]:
+    """Every Triton launch of one decoder layer in this step."""
+    num_heads, num_kv_heads, head_size, hidden, intermediate = MODELS[model]
+    num_tokens = meta.slot_mapping.shape[0]
     kv_cache = torch.empty(2, NUM_CACHE_BLOCKS, BLOCK_SIZE, num_kv_heads, head_size, dtype=DTYPE)
     qkv = torch.empty(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, dtype=DTYPE)
     query, key, value = qkv.split([num_heads * head_size, num_kv_heads * head_size,
@@ -67,29 +80,41 @@ def _step_launches(model: str, arch: int, query_lens: list[int],
 
 
 def _keys(model: str, arch: int, steps) -> set[tuple]:
-    return {compile_key(launch, arch) for query_lens, context_lens in steps
-            for launch in _step_launches(model, arch, query_lens, context_lens)}
+    return {compile_key(launch, arch) for meta in steps
+            for launch in _step_launches(model, arch, meta)}
 
 
-def _warm_up_steps() -> list[tuple[list[int], list[int]]]:
-    return [([8, 1], [0, 0]), *triton_ops.warm_up_batches(MAX_MODEL_LEN)]  # the worker's
+def _warm_up_steps() -> list[AttentionMetadata]:
+    """The worker's eager warm-up steps (worker_svc/worker.py)."""
+    return [_step(q, c) for q, c in [([8, 1], [0, 0]),
+                                      *triton_ops.warm_up_batches(MAX_MODEL_LEN)]]
+
+
+def _graph_captures():
+    """The decode and mixed graphs' capture metadata (host fields at their bounds)."""
+    max_blocks = MAX_CAPTURE_SEQ_LEN // BLOCK_SIZE
+    decode = DecodeBuffers.allocate(MAX_NUM_SEQS, max_blocks, torch.device("cpu"))
+    for batch in capture_batch_sizes(MAX_NUM_SEQS):
+        yield decode.metadata(batch, MAX_CAPTURE_SEQ_LEN)
+    buckets = capture_num_tokens(MAX_GRAPH_TOKENS, MAX_GRAPH_TOKENS)
+    mixed = MixedBuffers.allocate(buckets[-1], mixed_num_seqs(buckets[-1], MAX_NUM_SEQS),
+                                  max_blocks, torch.device("cpu"))
+    for tokens in buckets:
+        yield mixed.metadata(tokens, mixed_num_seqs(tokens, MAX_NUM_SEQS), MAX_CAPTURE_SEQ_LEN)
 
 
 def _serving_steps():
     """Decode-only steps, prefills alone and beside decodes (whose first token is then odd or
-    even), and the decode and mixed graphs' capture metadata (host fields at their bounds)."""
+    even), and the graph captures."""
     contexts = itertools.cycle(DECODE_CONTEXTS)
     for num_decodes in NUM_DECODES:
         for longest in DECODE_CONTEXTS:
             decodes = [longest] + [next(contexts) % longest for _ in range(num_decodes - 1)]
             if num_decodes:
-                yield [1] * num_decodes, decodes
+                yield _step([1] * num_decodes, decodes)
             for query, context in PREFILLS[num_decodes % 3::3]:
-                yield [query] + [1] * num_decodes, [context] + decodes[:num_decodes]
-    for batch in (1, 2, 4, 8, 16, 24, 256):
-        yield [1] * batch, [8191] * batch  # a decode graph: seq lens at the capture bound
-    for tokens, num_seqs in ((8, 9), (16, 17), (256, 257), (512, 257)):
-        yield [tokens] * num_seqs, [8192 - tokens] * num_seqs  # a mixed graph
+                yield _step([query] + [1] * num_decodes, [context] + decodes[:num_decodes])
+    yield from _graph_captures()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
