@@ -1,8 +1,10 @@
 """The worker's KV cache: per-layer device tensors, a CPU swap cache, and block moves.
 
-On CUDA, swaps run asynchronously on a side stream, ordered at both ends against compute: a swap
-starts after everything queued before it, and compute queued after waits for it. Host code that
-inspects the swap cache must synchronize first."""
+On CUDA, swaps run asynchronously on a side stream, in the order they were issued, and compute
+queued after a swap waits for it. A swap starts after the compute queued before it too, unless
+its caller knows that compute touches none of its device blocks (`wait_for_compute=False`): then
+it overlaps the step still running. Host code that inspects the swap cache must synchronize
+first."""
 
 from __future__ import annotations
 
@@ -91,14 +93,15 @@ class CacheEngine:
         check_block_pairs(pairs, num_src, num_dst)
         return torch.tensor(pairs, dtype=torch.int64, device=device).view(-1, 2)  # [n, 2]
 
-    def swap_out(self, pairs: list[tuple[int, int]]) -> float | None:
+    def swap_out(self, pairs: list[tuple[int, int]], wait_for_compute: bool = True
+                 ) -> float | None:
         """(device block, CPU block) pairs. Returns None: the caller's clock times the copies
         (a simulated cache returns their modelled seconds instead)."""
         if not pairs:
             return None
         if self.swap_stream is not None:
             check_block_pairs(pairs, self.num_gpu_blocks, self.num_cpu_blocks)
-            self._swap_async(self._gpu_layers, self.cpu_cache, pairs)
+            self._swap_async(self._gpu_layers, self.cpu_cache, pairs, wait_for_compute)
             return None
         mapping = self._mapping(pairs, self.num_gpu_blocks, self.num_cpu_blocks,
                                 torch.device("cpu"))
@@ -106,13 +109,14 @@ class CacheEngine:
             self.backend.swap_blocks(gpu_layer, cpu_layer, mapping)
         return None
 
-    def swap_in(self, pairs: list[tuple[int, int]]) -> float | None:
+    def swap_in(self, pairs: list[tuple[int, int]], wait_for_compute: bool = True
+                ) -> float | None:
         """(CPU block, device block) pairs; returns as swap_out."""
         if not pairs:
             return None
         if self.swap_stream is not None:
             check_block_pairs(pairs, self.num_cpu_blocks, self.num_gpu_blocks)
-            self._swap_async(self.cpu_cache, self._gpu_layers, pairs)
+            self._swap_async(self.cpu_cache, self._gpu_layers, pairs, wait_for_compute)
             return None
         mapping = self._mapping(pairs, self.num_cpu_blocks, self.num_gpu_blocks,
                                 torch.device("cpu"))
@@ -121,11 +125,12 @@ class CacheEngine:
         return None
 
     def _swap_async(self, src_cache: list[torch.Tensor], dst_cache: list[torch.Tensor],
-                    pairs: list[tuple[int, int]]) -> None:
+                    pairs: list[tuple[int, int]], wait_for_compute: bool) -> None:
         """One copy per contiguous [block_size, num_kv_heads, head_size] slab keeps every transfer
         a direct async copy between pinned host and device memory."""
         compute_stream = torch.cuda.current_stream(self.device)
-        self.swap_stream.wait_stream(compute_stream)
+        if wait_for_compute:
+            self.swap_stream.wait_stream(compute_stream)
         with torch.cuda.stream(self.swap_stream):
             for src_layer, dst_layer in zip(src_cache, dst_cache, strict=True):
                 for src, dst in pairs:

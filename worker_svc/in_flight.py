@@ -104,6 +104,15 @@ class InFlightStep:
     pooled: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (seq_id, [hidden])
     # the swaps' modelled seconds (out, in) on a simulated cache; None: the clock times them
     modelled_swap_s: tuple[float | None, float | None] = (None, None)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+
+    def block_ids(self) -> set[int]:
+        """The device blocks the step reads or writes: its sequences' block tables (as they
+        stand until the next step's deltas) and its copy-on-write pairs."""
+        block_ids = {b for pair in self.blocks_to_copy for b in pair}
+        for seq in self.scheduled:
+            block_ids.update(seq.block_table)
+        return block_ids
 
     def draws_by_seq(self) -> dict[int, int]:
         """seq_id → index into samples.token_ids, for the sequences drawing one token."""

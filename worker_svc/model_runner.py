@@ -61,11 +61,14 @@ class ModelRunner:
         """Cache ops, the mirror's deltas, the inputs and the forward, queued on the device.
         `ahead_of`: the step still in flight, whose draws are the last tokens of this step's
         sequences that it sampled; they reach the inputs on the device (the host has not read
-        them yet). Then sample(), then finish()."""
+        them yet); this step's swaps overlap it unless they touch its blocks. Then sample(),
+        then finish()."""
         clock = PhaseClock(self.device)
-        modelled_out_s = cache_engine.swap_out(plan.blocks_to_swap_out)
+        wait_for_compute = ahead_of is None or swaps_touch(plan, ahead_of)
+        modelled_out_s = cache_engine.swap_out(plan.blocks_to_swap_out, wait_for_compute)
         clock.mark()
-        modelled_swap_s = (modelled_out_s, cache_engine.swap_in(plan.blocks_to_swap_in))
+        modelled_swap_s = (modelled_out_s,
+                           cache_engine.swap_in(plan.blocks_to_swap_in, wait_for_compute))
         clock.mark()
         cache_engine.copy(plan.blocks_to_copy)
         clock.mark()
@@ -74,7 +77,8 @@ class ModelRunner:
             self.grammars.prepare(plan.new_seqs)
         if not scheduled:
             clock.mark()
-            return InFlightStep(plan.step_id, clock, scheduled, modelled_swap_s=modelled_swap_s)
+            return InFlightStep(plan.step_id, clock, scheduled, modelled_swap_s=modelled_swap_s,
+                                blocks_to_copy=plan.blocks_to_copy)
         if self.drafter is not None:
             self.drafter.propose(scheduled, cache_engine.draft_gpu_cache)
         drawn = ahead_of.draws_by_seq() if ahead_of is not None else {}
@@ -89,7 +93,8 @@ class ModelRunner:
         logits, pooled = self._forward(model_input, cache_engine.gpu_cache)
         clock.mark()
         return InFlightStep(plan.step_id, clock, scheduled, model_input=model_input, logits=logits,
-                            pooled=pooled, modelled_swap_s=modelled_swap_s)
+                            pooled=pooled, modelled_swap_s=modelled_swap_s,
+                            blocks_to_copy=plan.blocks_to_copy)
 
     @torch.inference_mode()
     def sample(self, step: InFlightStep) -> None:
@@ -196,6 +201,17 @@ class ModelRunner:
         self._forward(build_model_input(seqs, self.block_size, self.device), kv_caches)
         if self.device.type == "cuda":  # the profile and the warm-up measure the finished work
             torch.cuda.synchronize(self.device)
+
+
+def swaps_touch(plan: StepPlan, in_flight: InFlightStep) -> bool:
+    """Whether the plan's swaps read or write a device block the step in flight may still read or
+    write. If not, they need not wait for it: a hit's blocks come back from the host while the
+    step before runs (copies off the critical path)."""
+    if not plan.blocks_to_swap_out and not plan.blocks_to_swap_in:
+        return False
+    busy = in_flight.block_ids()
+    return (any(gpu in busy for gpu, _ in plan.blocks_to_swap_out)
+            or any(gpu in busy for _, gpu in plan.blocks_to_swap_in))
 
 
 def dummy_num_blocks(query_lens: list[int], block_size: int,

@@ -24,25 +24,26 @@ class SimCacheEngine:
         logger.info("simulated KV cache: %d device blocks, %d CPU blocks, %d bytes per block",
                     num_gpu_blocks, num_cpu_blocks, spec.bytes_per_block)
 
-    def swap_out(self, pairs: list[tuple[int, int]]) -> float:
-        """The copies' modelled seconds."""
-        return self._move(pairs, self.num_gpu_blocks, self.num_cpu_blocks, is_swap=True)
+    def swap_out(self, pairs: list[tuple[int, int]], wait_for_compute: bool = True) -> float:
+        """The copies' modelled seconds, on the copy engine (the real cache's side stream)."""
+        return self._swap(pairs, self.num_gpu_blocks, self.num_cpu_blocks, wait_for_compute)
 
-    def swap_in(self, pairs: list[tuple[int, int]]) -> float:
-        return self._move(pairs, self.num_cpu_blocks, self.num_gpu_blocks, is_swap=True)
+    def swap_in(self, pairs: list[tuple[int, int]], wait_for_compute: bool = True) -> float:
+        return self._swap(pairs, self.num_cpu_blocks, self.num_gpu_blocks, wait_for_compute)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
-        self._move(pairs, self.num_gpu_blocks, self.num_gpu_blocks, is_swap=False)
+        check_block_pairs(pairs, self.num_gpu_blocks, self.num_gpu_blocks)
+        if pairs:
+            self.timeline.enqueue(self.roofline.block_moves_s(0, len(pairs),
+                                                              self.spec.bytes_per_block))
 
-    def _move(self, pairs: list[tuple[int, int]], num_src: int, num_dst: int,
-              is_swap: bool) -> float:
+    def _swap(self, pairs: list[tuple[int, int]], num_src: int, num_dst: int,
+              wait_for_compute: bool) -> float:
         check_block_pairs(pairs, num_src, num_dst)
         if not pairs:
             return 0.0
-        n = len(pairs)
-        seconds = self.roofline.block_moves_s(n if is_swap else 0, 0 if is_swap else n,
-                                              self.spec.bytes_per_block)
-        self.timeline.enqueue(seconds)
+        seconds = self.roofline.block_moves_s(len(pairs), 0, self.spec.bytes_per_block)
+        self.timeline.enqueue_copy(seconds, wait_for_compute)
         return seconds
 
     def read_blocks(self, block_ids: list[int]) -> bytes:
@@ -52,5 +53,6 @@ class SimCacheEngine:
 
     def write_blocks(self, block_ids: list[int], data: bytes) -> None:
         """The blocks cost what a swap-in of as many blocks would (one host link each way)."""
-        self._move([(b, b) for b in block_ids], self.num_gpu_blocks, self.num_gpu_blocks,
-                   is_swap=True)
+        check_block_pairs([(b, b) for b in block_ids], self.num_gpu_blocks, self.num_gpu_blocks)
+        self.timeline.enqueue(self.roofline.block_moves_s(len(block_ids), 0,
+                                                          self.spec.bytes_per_block))

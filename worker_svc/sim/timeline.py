@@ -2,6 +2,10 @@
 by sleeping to an absolute deadline, never busy-looping, so the waiting thread leaves the CPU to
 the scheduler and the gateway. The wait never ends early; it ends late by the wake-up latency,
 kept low by a 1 ns timer slack (Linux's default is 50 us).
+
+Host-link copies run on a lane of their own (the copy engine, a real worker's swap stream): in
+issue order, after the queued compute only when asked to, and compute queued after a copy waits
+for it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class GpuTimeline:
     def __init__(self, time_scale: float = 1.0) -> None:
         self.time_scale = time_scale
         self._busy_until = 0.0  # perf_counter time at which the queued work is done
+        self._copies_until = 0.0  # perf_counter time at which the queued copies are done
         self._queued_s = 0.0  # the queued work's time, idle gaps within it included
         self._busy_s = 0.0  # the part of it spent running kernels
         self._fenced_s = 0.0  # _queued_s at the last fence
@@ -54,6 +59,18 @@ class GpuTimeline:
         self._busy_until = start + seconds
         self._queued_s += seconds
         self._busy_s += seconds if busy_s is None else busy_s * self.time_scale
+
+    def enqueue_copy(self, seconds: float, wait_for_compute: bool = True) -> None:
+        """A copy over the host link of `seconds`; the compute queued after it waits for it, and
+        what compute waits for the copy counts as queued work, not as kernels."""
+        seconds *= self.time_scale
+        now = time.perf_counter()
+        start = max(now, self._copies_until, self._busy_until if wait_for_compute else 0.0)
+        self._copies_until = start + seconds
+        compute_free_at = max(now, self._busy_until)
+        if self._copies_until > compute_free_at:
+            self._queued_s += self._copies_until - compute_free_at
+            self._busy_until = self._copies_until
 
     def synchronize(self) -> None:
         self.wait_until(self._busy_until)
