@@ -50,6 +50,32 @@ def test_swaps_wait_for_queued_compute_and_compute_waits_for_them(tiny_model_dir
         assert torch.equal(cpu_layer[:, cpu_blocks], value[:, old_blocks].cpu())
 
 
+def test_a_swap_in_that_need_not_wait_overlaps_queued_compute_and_compute_after_waits(
+        tiny_model_dir):
+    """What a step launched ahead does with a host-tier hit whose blocks the step in flight does
+    not use: the copy runs while that step's compute is still queued, and what is queued after
+    reads the copied blocks."""
+    worker = cuda_worker(tiny_model_dir("llama"), num_gpu_blocks=64, num_cpu_blocks=16)
+    engine = worker.cache_engine
+    cpu_blocks, gpu_blocks = list(range(8)), list(range(40, 48))
+    generator = torch.Generator().manual_seed(0)
+    for layer in engine.cpu_cache:
+        layer[:, cpu_blocks] = torch.randn(layer[:, cpu_blocks].shape, generator=generator
+                                           ).to(layer.dtype)
+    torch.cuda.synchronize()
+
+    torch.cuda._sleep(LONG_KERNEL_CYCLES)  # the step in flight
+    engine.swap_in(list(zip(cpu_blocks, gpu_blocks, strict=True)), wait_for_compute=False)
+    copied = torch.cuda.Event()
+    copied.record(engine.swap_stream)
+    copied.synchronize()
+    assert not torch.cuda.current_stream().query(), "the swap-in waited for the queued compute"
+    snapshot = [layer[:, gpu_blocks].clone() for layer in engine.gpu_cache]
+    torch.cuda.synchronize()
+    for after, cpu_layer in zip(snapshot, engine.cpu_cache, strict=True):
+        assert torch.equal(after.cpu(), cpu_layer[:, cpu_blocks])
+
+
 def _blocks(worker, block_ids: list[int], num_tokens: int) -> list[torch.Tensor]:
     """Every layer's K and V of these device blocks' first num_tokens slots."""
     index = torch.tensor(block_ids, device=worker.device)
