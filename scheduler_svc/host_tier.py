@@ -1,7 +1,8 @@
 """The host-memory KV tier (`--kv-offload-gib`): a prefix-cache block evicted from the GPU keeps
 its KV in a CPU block of the tier's own, past the swap space for preemption, and a later hit on
 its hash copies it back instead of recomputing it. The copies ride the step that evicts or hits,
-in its swap lists, so the worker moves them before that step's forward.
+in its swap lists, so the worker moves them before that step's forward (while the step before
+still runs, where they touch none of its blocks).
 
 The tier is inclusive: a block copied back keeps its host copy, so evicting it again costs no
 copy. Host blocks a step copies to or from are pinned until that step's copies are taken, so a
