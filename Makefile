@@ -11,7 +11,7 @@ BUF     := tools/node_modules/.bin/buf
 MODEL_DIR ?= $(HOME)/.cache/pagedserve/models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: install proto model run test test-gpu gpu-wheels gpu-check lint bench bench-gpu helm-test image clean fuzz node-example
+.PHONY: install proto model run test test-gpu test-gpu-kernels test-gpu-engine gpu-wheels gpu-check lint bench bench-gpu helm-test image clean fuzz node-example
 
 install: $(STAMP)
 
@@ -67,16 +67,26 @@ fuzz: install proto
 		tests/e2e/test_fuzz_api.py
 
 # Runs on a GPU machine with its own python, no install step: only kernels and worker core.
+# The kernel tests are small and independent: GPU_TEST_PROCS pytest-xdist processes share the GPU
+# (where make gpu-check has not installed .whl/ into /tmp/site, pip install pytest-xdist first,
+# or PYTHONPATH=/tmp/site). tests/gpu size the KV cache from the GPU's free memory: one process.
+GPU_TEST_PROCS ?= 8
 test-gpu:
-	$(PY) -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/gpu
+	$(MAKE) -k -j1 test-gpu-kernels test-gpu-engine
+
+test-gpu-kernels:
+	$(PY) -m pytest -q -p no:cacheprovider -m gpu -n $(GPU_TEST_PROCS) tests/kernels
+
+test-gpu-engine:
+	$(PY) -m pytest -q -p no:cacheprovider -m gpu tests/gpu
 
 # Where a package index is reachable: .whl/ gets the wheels (Python 3.12, manylinux x86-64) and
 # the tokenizer that `make gpu-check` needs on a GPU machine without network (docs/gpu-readiness.md).
 gpu-wheels: install proto model
 	$(VPY) -m bench.gpu_check wheels
 
-# On a GPU machine with its own python (CUDA torch): installs .whl/ into /tmp/site, then test-gpu,
-# the GPU benches and bench.serving on CUDA; records to bench/results/ (~5 min on an H100).
+# On a GPU machine with its own python (CUDA torch): installs .whl/ into /tmp/site, then the GPU
+# benches, bench.serving on CUDA and test-gpu; records to bench/results/ (~7 min on an H100).
 gpu-check:
 	$(PY) -m bench.gpu_check run
 

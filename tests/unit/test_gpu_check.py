@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -19,11 +25,13 @@ GPU_MACHINE = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_p
 
 def test_every_runtime_dependency_travels_or_is_on_the_gpu_machine():
     """A new dependency must join CARRIED (or PROVIDED, if a CUDA image has it), else the GPU
-    machine, which has no index, fails to import pagedserve."""
+    machine, which has no index, fails to import pagedserve (or to run make test-gpu-kernels,
+    which needs pytest-xdist)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
     todo = [Requirement(r) for r in project["dependencies"]]
-    todo += [Requirement(r) for r in project["optional-dependencies"]["smollm2"]
-             if Requirement(r).name == "gguf"]
+    todo += [Requirement(r) for r in extras["smollm2"] if Requirement(r).name == "gguf"]
+    todo += [Requirement(r) for r in extras["test"] if Requirement(r).name == "pytest-xdist"]
     carried = {gpu_check.normalize(n) for n in gpu_check.CARRIED}
     provided = {gpu_check.normalize(n) for n in gpu_check.PROVIDED}
     seen, missing = set(), []
@@ -53,9 +61,12 @@ def test_check_wheels_names_a_missing_and_a_doubled_package():
         "grpcio-1.0.1-cp312-cp312-manylinux_2_17_x86_64.whl"]
 
 
-def test_plan_runs_the_tests_first_each_offline_model_alone_and_fits_in_8_minutes():
+def test_plan_runs_the_benches_first_each_offline_model_alone_and_fits_in_9_minutes():
+    """A 600 s command holds the steps' limits and a minute for the install."""
     steps = gpu_check.plan("python3", "nvidia-h100")
-    assert steps[0].argv == ["make", "test-gpu", "PY=python3"]
+    assert [s.argv for s in steps[-2:]] == [["make", "test-gpu-kernels", "PY=python3"],
+                                            ["make", "test-gpu-engine", "PY=python3"]]
+    assert all(s.argv[:2] == ["python3", "-m"] for s in steps[:-2])
     offline = [s.argv for s in steps if "bench.offline_gpu" in s.argv]
     assert [a[a.index("--models") + 1:a.index("--tag")] for a in offline] == [
         [m] for m in gpu_check.OFFLINE_MODELS]
@@ -63,7 +74,18 @@ def test_plan_runs_the_tests_first_each_offline_model_alone_and_fits_in_8_minute
     assert serve[serve.index("--device") + 1] == "cuda"
     assert serve[serve.index("--api") + 1] == "openai"  # both doors
     assert all(a[a.index("--tag") + 1].startswith("nvidia-h100") for a in [*offline, serve])
-    assert sum(s.timeout_s for s in steps) <= 8 * 60
+    assert sum(s.timeout_s for s in steps) <= 9 * 60
+
+
+def test_make_test_gpu_shares_the_gpu_among_kernel_tests_only():
+    """tests/gpu size the KV cache from the GPU's free memory: they must run in one process."""
+    done = subprocess.run(["make", "-s", "-n", "test-gpu", "PY=python3"], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    commands = [line for line in done.stdout.splitlines() if "pytest" in line]
+    assert len(commands) == 2
+    kernels, engine = (command.split() for command in commands)
+    assert kernels[-3:] == ["-n", "8", "tests/kernels"]
+    assert engine[-1] == "tests/gpu" and "-n" not in engine
 
 
 @pytest.fixture
@@ -89,7 +111,56 @@ def test_dry_run_prints_the_offline_install_then_the_steps(checkout, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "--no-index --no-deps" in lines[0] and "--target /tmp/site" in lines[0]
     assert lines[0].endswith(f".whl/*.whl ({len(gpu_check.CARRIED)})")
-    assert lines[1] == f"make test-gpu PY={gpu_check.sys.executable}"
+    assert lines[1] == f"{gpu_check.sys.executable} -m bench.kernels_gpu"
+    assert lines[-1] == f"make test-gpu-engine PY={gpu_check.sys.executable}"
+
+
+def test_the_record_holds_each_step_as_it_ends(checkout, monkeypatch):
+    """A command killed during the tests still leaves the benches' statuses."""
+    monkeypatch.setattr(gpu_check.subprocess, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(gpu_check, "device_slug", lambda python, env: "gpu")
+    record = checkout / "bench" / "results" / "gpu_check-gpu.json"
+    seen = []
+
+    def run_step(step, env):
+        seen.append([s["step"] for s in json.loads(record.read_text())["steps"]]
+                    if record.exists() else [])
+        return 0
+
+    monkeypatch.setattr(gpu_check, "run_step", run_step)
+    assert gpu_check.main(["run"]) == 0
+    names = [s.name for s in gpu_check.plan("python3", "gpu")]
+    assert seen == [names[:i] for i in range(len(names))]
+
+
+def test_a_step_past_its_limit_is_killed_with_what_it_started_in_other_sessions(tmp_path):
+    """bench.serving's stack puts each service in a session of its own, which killpg misses:
+    such a service would keep its share of the GPU from the steps after."""
+    pid_file = tmp_path / "pid"
+    service = "import time; time.sleep(60)"
+    bench = (f"import subprocess, sys, time, pathlib; p = subprocess.Popen([sys.executable, '-c', "
+             f"{service!r}], start_new_session=True); "
+             f"pathlib.Path({str(pid_file)!r}).write_text(str(p.pid)); time.sleep(60)")
+    step = gpu_check.Step("bench", [sys.executable, "-c", bench], 3)
+    assert gpu_check.run_step(step, dict(os.environ)) == "timeout"
+    pid = int(pid_file.read_text())
+    try:
+        for _ in range(100):
+            if not is_running(pid):
+                break
+            time.sleep(0.05)
+        assert not is_running(pid)
+    finally:
+        if is_running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def is_running(pid: int) -> bool:
+    """Neither gone nor a zombie that nobody reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_run_stops_before_anything_when_the_stubs_did_not_travel(checkout, capsys):
