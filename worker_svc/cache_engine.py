@@ -29,10 +29,16 @@ class KVCacheSpec:
     num_draft_layers: int = 0
 
     @property
+    def num_cache_layers(self) -> int:
+        """The target's layers and the draft's: every one holds a tensor in the cache."""
+        return self.num_layers + self.num_draft_layers
+
+    @property
     def bytes_per_block(self) -> int:
         """Across all layers, K and V."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * (self.num_layers + self.num_draft_layers) * self.block_size * self.num_kv_heads * self.head_size * elem
+        return (2 * self.num_cache_layers * self.block_size * self.num_kv_heads * self.head_size
+                * elem)
 
     def block_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
@@ -74,16 +80,16 @@ class CacheEngine:
         self.num_cpu_blocks = num_cpu_blocks
         self.device = device
         self.backend = backend
-        num_layers = spec.num_layers + spec.num_draft_layers
         # every layer's blocks move together: a draft model's KV follows its sequence's
-        self._gpu_layers = allocate_kv_caches(spec, num_gpu_blocks, device, num_layers=num_layers)
+        self._gpu_layers = allocate_kv_caches(spec, num_gpu_blocks, device,
+                                              num_layers=spec.num_cache_layers)
         self.gpu_cache = self._gpu_layers[:spec.num_layers]  # the target model's
         self.draft_gpu_cache = self._gpu_layers[spec.num_layers:]
         # Unzeroed: a swap block is only read after a swap-out wrote it, so start-up need not
         # touch gigabytes of host memory.
         self.cpu_cache = allocate_kv_caches(spec, num_cpu_blocks, torch.device("cpu"),
                                             pin_memory=device.type == "cuda", zeroed=False,
-                                            num_layers=num_layers)
+                                            num_layers=spec.num_cache_layers)
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         logger.info("KV cache: %d device blocks, %d CPU blocks, %d bytes per block",
                     num_gpu_blocks, num_cpu_blocks, spec.bytes_per_block)

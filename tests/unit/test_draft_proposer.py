@@ -125,7 +125,7 @@ def test_the_draft_models_kv_moves_with_its_blocks():
     engine = CacheEngine(spec, num_gpu_blocks=4, num_cpu_blocks=2, device=cpu,
                          backend=get_backend("ref", cpu))
     assert (len(engine.gpu_cache), len(engine.draft_gpu_cache)) == (2, 1)
-    assert spec.bytes_per_block == 2 * 3 * BLOCK_SIZE * 4 * 4
+    assert spec.num_cache_layers == 3 and spec.bytes_per_block == 2 * 3 * BLOCK_SIZE * 4 * 4
     engine.draft_gpu_cache[0][:, 0] = 7.0
     engine.copy([(0, 1)])
     engine.swap_out([(1, 0)])
