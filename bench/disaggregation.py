@@ -10,9 +10,9 @@ sim_time_scale 1: each step takes its kernels' modelled time), driven over gRPC
 and --decode-output-len outputs run throughout; a --prefill-len prompt (--prefill-output-len
 outputs) arrives every --prefill-interval-s (modelled) for --duration-s (host seconds). With
 --sim-time-scale S every modelled time is S times longer, so that the host's own delays (a
-shared CPU) weigh S times less; latencies and throughputs are reported in modelled time. A transferred block costs the
-decode replica what a swap-in of it would (the simulated cache prices it on the device's
-timeline, beside nothing). Its figures are models. The record goes to
+shared CPU) weigh S times less; latencies and throughputs are reported in modelled time. A
+transferred block costs the decode replica what a swap-in of it would (the simulated cache
+prices it on the device's timeline, beside nothing). Its figures are models. The record goes to
 bench/results/disaggregation-<tag>.json.
 
     python -m bench.disaggregation

@@ -108,7 +108,8 @@ def download_command(dest: Path, versions: dict[str, str]) -> list[str]:
             *(f"{name}=={version}" for name, version in versions.items())]
 
 
-def install_command(wheels: list[Path], target: Path, *, for_python: str | None = None) -> list[str]:
+def install_command(wheels: list[Path], target: Path, *,
+                    for_python: str | None = None) -> list[str]:
     """The offline install; for_python installs another interpreter's wheels (a check here)."""
     cross = _target_args(for_python) if for_python else []
     return [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",

@@ -57,7 +57,8 @@ def _sdpa_as_one_kernel(recorder: OpRecorder):
         out = query.new_empty((*query.shape[:-1], value.shape[-1]))
         read = sum(_tensor_bytes(t) for t in (query, key, value) if t is not None)
         read += 0 if attn_mask is None else _tensor_bytes(attn_mask)
-        flops = 4.0 * query.shape[0] * query.shape[1] * query.shape[2] * key.shape[2] * query.shape[3]
+        flops = (4.0 * query.shape[0] * query.shape[1] * query.shape[2] * key.shape[2]
+                 * query.shape[3])
         recorder.ops.append(KernelOp("sdpa", "attention", flops, float(read + _tensor_bytes(out))))
         return out
 
@@ -83,7 +84,8 @@ class SimulatedHF:
         self.recorder = OpRecorder()
         text = config.get_text_config()
         self.num_kv_heads = text.num_key_value_heads or text.num_attention_heads
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.head_dim = (getattr(text, "head_dim", None)
+                         or text.hidden_size // text.num_attention_heads)
         self._decode: dict[int, AffineOps] = {}
 
     def generate_s(self, prompt_lens: list[int], num_new_tokens: int) -> float:

@@ -64,7 +64,8 @@ def _check_choices(config: Any) -> None:
 @dataclass(slots=True)
 class ModelConfig:
     model: str = field(default_factory=default_model_dir, metadata={
-        "help": "HF model folder (config.json, safetensors, tokenizer); default: SmolLM2 from make model"})
+        "help": "HF model folder (config.json, safetensors, tokenizer); default: SmolLM2 from "
+                "make model"})
     tokenizer: str = opt("", "tokenizer folder; empty = the model folder")
     served_model_name: str = opt(
         "", "the model's name: what clients send as `model` and see, and the model_name label "
@@ -109,7 +110,8 @@ class CacheConfig:
         0.0, "host-memory KV tier for prefix-cache blocks evicted from the device, in GiB, "
         "beside the swap space; 0 = off; needs enable_prefix_caching")
     num_gpu_blocks_override: int = opt(0, "force this many device blocks (tests); 0 = profile")
-    num_cpu_blocks_override: int = opt(-1, "force this many swap blocks (tests); -1 = from swap_space")
+    num_cpu_blocks_override: int = opt(-1, "force this many swap blocks (tests); "
+                                           "-1 = from swap_space")
     enable_prefix_caching: bool = opt(False, "reuse KV blocks of identical prompt prefixes")
 
     def __post_init__(self) -> None:
@@ -385,11 +387,11 @@ class SchedulerServiceConfig:
         "waited for before its requests fail")
     stats_interval_s: float = opt(10.0, "seconds between two stats log lines (throughput, "
                                         "queues, KV-cache usage); 0 = none")
-    role: Literal["both", "prefill", "decode"] = opt("both", "prefill/decode disaggregation: what gateways send this replica; "
-                    "prefill (only the prompts of new requests, whose KV blocks decode replicas "
-                    "pull), decode (requests whose prompt a prefill replica computed, and every "
-                    "request while none serves) or both; prefill and decode need "
-                    "--enable-prefix-caching")
+    role: Literal["both", "prefill", "decode"] = opt(
+        "both", "prefill/decode disaggregation: what gateways send this replica; prefill (only "
+        "the prompts of new requests, whose KV blocks decode replicas pull), decode (requests "
+        "whose prompt a prefill replica computed, and every request while none serves) or "
+        "both; prefill and decode need --enable-prefix-caching")
     kv_transfer_addresses: list[str] = opt(
         [], "host:port of each worker, by rank, as decode replicas reach them to pull KV blocks "
         "(a prefill replica's workers seen from other hosts); empty = worker_addresses")

@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation, the gateway's part: while a replica of role prefill serves, a
-new request's prompt (longer than --max-local-prefill-tokens) runs there first (max_tokens 1, greedy), its computed blocks are pinned
-(ExportKvBlocks), and the request then goes to a decode replica with `kv_transfer` naming them:
+new request's prompt (longer than --max-local-prefill-tokens) runs there first (max_tokens 1,
+greedy), its computed blocks are pinned (ExportKvBlocks), and the request then goes to a decode
+replica with `kv_transfer` naming them:
 that replica pulls them worker from worker and finds the whole prompt in its prefix cache but
 for its last token. The pin is released once the decode replica answered (or after its lease).
 

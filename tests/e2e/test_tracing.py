@@ -128,7 +128,8 @@ def test_one_stream_is_one_trace_from_the_caller_down_to_the_worker(stack, gener
         assert (execution.start_time >= call.start_time >= step.start_time
                 and execution.end_time <= call.end_time <= step.end_time)
     assert steps[0].attributes["pagedserve.num_scheduled_tokens"] == len(prompt)
-    assert [s.attributes["pagedserve.num_scheduled_tokens"] for s in steps[1:]] == [1] * (max_tokens - 1)
+    assert ([s.attributes["pagedserve.num_scheduled_tokens"] for s in steps[1:]]
+            == [1] * (max_tokens - 1))
     assert {(s.attributes["pagedserve.num_seqs"], s.attributes["pagedserve.num_preempted"])
             for s in steps} == {(1, 0)}
 

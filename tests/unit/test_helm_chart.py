@@ -45,8 +45,8 @@ SERVICE_CONFIGS = {"gateway": GatewayConfig, "scheduler": SchedulerServiceConfig
 WORKLOADS = {"gateway": "gateway-deployment.yaml", "scheduler": "engine-statefulset.yaml",
              "worker": "engine-statefulset.yaml"}
 # engine.* keys that are chart settings, not flags ("pagedserve.engineFlags" omits them)
-ENGINE_CHART_KEYS = ("replicas", "prefillReplicas", "gpuResource", "shmSizeLimit", "pod", "podDisruptionBudget",
-                     "autoscaling")
+ENGINE_CHART_KEYS = ("replicas", "prefillReplicas", "gpuResource", "shmSizeLimit", "pod",
+                     "podDisruptionBudget", "autoscaling")
 
 _VALUES_REF = re.compile(r"\.Values((?:\.[A-Za-z_]\w*)+)")
 _FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
@@ -282,7 +282,8 @@ def test_public_tls_passes_the_secrets_files_to_the_gateway():
     text = _template("gateway-deployment.yaml")
     for flag, name in (("--public-tls-cert", "tls.crt"), ("--public-tls-key", "tls.key"),
                        ("--public-tls-client-ca", "ca.crt")):
-        assert f'- {flag}\n            - {{{{ printf "%s/{name}" $public.mountPath | quote }}}}' in text
+        mounted = f'{{{{ printf "%s/{name}" $public.mountPath | quote }}}}'
+        assert f"- {flag}\n            - {mounted}" in text
     argv = [*_service_argv(values, "gateway"), "--health-port", "8081",
             "--public-tls-cert", f"{public['mountPath']}/tls.crt",
             "--public-tls-key", f"{public['mountPath']}/tls.key",
@@ -464,5 +465,6 @@ def test_prefill_replicas_start_a_prefill_statefulset_whose_ranks_decode_pods_ca
     assert {"from": [{"podSelector": {"matchLabels": {
         "app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/instance": "demo",
         "app.kubernetes.io/component": "engine"}}}],
-        "ports": [{"port": 50053, "protocol": "TCP"}, {"port": 50054, "protocol": "TCP"}]} in ingress
+        "ports": [{"port": 50053, "protocol": "TCP"},
+                  {"port": 50054, "protocol": "TCP"}]} in ingress
     assert ("StatefulSet", f"{FULLNAME}-engine-prefill") not in by_name(render({}))

@@ -53,8 +53,8 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("kind", sorted(REPLIES))
 def test_streamed_tool_calls_add_up_to_the_returned_ones(model_dir, kind):
     reply, tool_choice = REPLIES[kind]
-    request = {"model": Path(model_dir).name, "messages": USER, "tools": TOOLS, "tool_choice": tool_choice,
-               "max_tokens": 200}
+    request = {"model": Path(model_dir).name, "messages": USER, "tools": TOOLS,
+               "tool_choice": tool_choice, "max_tokens": 200}
 
     async def body(client):
         whole = await client.chat.completions.create(**request)
