@@ -70,6 +70,13 @@ def count_turn(result: PolicyResult, conversation: Conversation, prompt: list[in
                                   + max(reusable - num_cached_tokens, 0))
 
 
+def record_head(args: argparse.Namespace) -> dict:
+    """What every preset's record starts with: the workload and the caches it ran on."""
+    return {"workload": args.workload,
+            "workload_args": {name: getattr(args, name) for name in WORKLOAD_FLAGS},
+            "cache_blocks": cache_blocks(args)}
+
+
 def summarize(args: argparse.Namespace, affinity: PolicyResult,
               round_robin: PolicyResult) -> tuple[str, dict]:
     """One preset's result line and record: affinity over round robin, and the ratio when round
@@ -86,13 +93,12 @@ def summarize(args: argparse.Namespace, affinity: PolicyResult,
             f"{round_robin.num_shared_reusable_tokens} in system prompts) affinity hit "
             f"{affinity.hit_share:.0%}, round robin {round_robin.hit_share:.0%} (x"
             f"{round_robin.ratio_when_moves_miss:.2f} when moves miss); missed by kind of turn: "
-            f"affinity {affinity.missed_tokens}, round robin {round_robin.missed_tokens}; footprint "
-            f"{footprint_blocks(args)} blocks estimated, {round_robin.live_blocks_mean:.0f} "
-            f"measured, cache {cache_blocks(args)} blocks per replica")
-    record = {"workload": args.workload,
-              "workload_args": {name: getattr(args, name) for name in WORKLOAD_FLAGS},
-              "max_prompt_len": max_prompt_len(args), "footprint_blocks": footprint_blocks(args),
-              "cache_blocks": cache_blocks(args), "hit_token_ratio": hit_ratio,
+            f"affinity {affinity.missed_tokens}, round robin {round_robin.missed_tokens}; "
+            f"footprint {footprint_blocks(args)} blocks estimated, "
+            f"{round_robin.live_blocks_mean:.0f} measured, cache {cache_blocks(args)} blocks per "
+            f"replica")
+    record = {**record_head(args), "max_prompt_len": max_prompt_len(args),
+              "footprint_blocks": footprint_blocks(args), "hit_token_ratio": hit_ratio,
               "throughput_ratio": throughput_ratio,
               "ratio_when_moves_miss": round_robin.ratio_when_moves_miss,
               "summary": line, "policies": [affinity, round_robin]}
@@ -113,8 +119,6 @@ def summarize_kv_events(args: argparse.Namespace, events: PolicyResult,
             f"{events.decisions}, index {index.decisions}; missed by kind of turn: KV events "
             f"{events.missed_tokens}, index {index.missed_tokens}; cache {cache_blocks(args)} "
             f"blocks per replica")
-    record = {"workload": args.workload,
-              "workload_args": {name: getattr(args, name) for name in WORKLOAD_FLAGS},
-              "cache_blocks": cache_blocks(args), "restart_at": args.restart_at,
-              "hit_token_ratio": hit_ratio, "summary": line, "policies": [events, index]}
+    record = {**record_head(args), "restart_at": args.restart_at, "hit_token_ratio": hit_ratio,
+              "summary": line, "policies": [events, index]}
     return line, record
