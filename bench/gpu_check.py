@@ -69,7 +69,7 @@ PROVIDED = (
     "pytest", "hypothesis",
 )
 # each with its time limit (s): HF's padded batches take most of it
-OFFLINE_MODELS = {"qwen2.5-0.5b": 80, "llama-3-8b": 80}
+OFFLINE_MODELS = {"qwen2.5-0.5b": 75, "llama-3-8b": 80}
 SERVING_SHAPE = "smollm2-1.7b"
 
 
@@ -154,23 +154,25 @@ def plan(python: str, device: str) -> list[Step]:
     """Every step after the install; device names the records (bench/results/*-<device>.json).
 
     Each limit is the 2026-11-27 H100's time with a margin (kernels_gpu 14 s, offline_gpu 64 and
-    66 s, serving 114 s, tests/gpu 126 s; tests/kernels took 84 s in one process). Together they
-    come to 540 s, which leaves a 600 s command a minute for the install and the device query.
-    The benches go first: their records are what a GPU session is for and nothing else makes
-    them. The tests go last because their time is the least known (tests/kernels in 8 processes
-    had never run when these limits were set) and a command cut short, by a session with less
-    device time left than the limits add up to, then loses only tests, which `make test-gpu`
-    reruns by hand. tests/gpu run alone: they size the KV cache from the GPU's free memory."""
+    66 s, serving 114 s, tests/gpu 125 s; tests/kernels took most of the 209 s that both test
+    folders took in one process, where 24 of tests/gpu failed early). Together they come to
+    540 s, which leaves a 600 s command a minute for the install and the device query; run_check
+    lets a step use what the steps before it left unused. The benches go first: their records
+    are what a GPU session is for and nothing else makes them. The tests go last because their
+    time is the least known (tests/kernels in 8 processes had not run when these limits were
+    set): they get the benches' unused time, and a command cut short, by a session with less
+    device time left than the limits add up to, loses only tests, which `make test-gpu` reruns
+    by hand. tests/gpu run alone: they size the KV cache from the GPU's free memory."""
     bench = [python, "-m"]
-    steps = [Step("kernels_gpu", [*bench, "bench.kernels_gpu"], 30)]
+    steps = [Step("kernels_gpu", [*bench, "bench.kernels_gpu"], 25)]
     steps += [Step(f"offline_gpu {model}", [*bench, "bench.offline_gpu", "--models", model,
                                             "--tag", f"{device}-{model}"], timeout_s)
               for model, timeout_s in OFFLINE_MODELS.items()]
     steps.append(Step("serving", [
         *bench, "bench.serving", "--device", "cuda", "--shape", SERVING_SHAPE,
         "--tokenizer", str(TOKENIZER_DIR), "--api", "openai", "--concurrency", "1", "32", "256",
-        "--requests-per-client", "2", "--min-requests", "8", "--tag", device], 140))
-    steps += [Step("tests/kernels", ["make", "test-gpu-kernels", f"PY={python}"], 60),
+        "--requests-per-client", "2", "--min-requests", "8", "--tag", device], 135))
+    steps += [Step("tests/kernels", ["make", "test-gpu-kernels", f"PY={python}"], 75),
               Step("tests/gpu", ["make", "test-gpu-engine", f"PY={python}"], 150)]
     return steps
 
@@ -199,13 +201,14 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def run_step(step: Step, env: dict[str, str]) -> int | str:
-    """The step's exit status, or "timeout": then its process group and every process it
-    started are killed (a stack's services run in sessions of their own, where killpg does not
-    reach, and would keep their share of the GPU from the steps after), and the check goes on."""
+def run_step(step: Step, env: dict[str, str], limit_s: float) -> int | str:
+    """The step's exit status, or "timeout" after limit_s: then its process group and every
+    process it started are killed (a stack's services run in sessions of their own, where killpg
+    does not reach, and would keep their share of the GPU from the steps after), and the check
+    goes on."""
     proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, start_new_session=True)
     try:
-        return proc.wait(step.timeout_s)
+        return proc.wait(limit_s)
     except subprocess.TimeoutExpired:
         started = descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
@@ -246,11 +249,17 @@ def run_check(dry_run: bool) -> int:
     out = ROOT / "bench" / "results" / f"gpu_check-{device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     results, start = [], time.monotonic()
+    deadline = start
     for step in steps:
-        print(f"== {step.name}", flush=True)
+        # a step may also take the time the steps before it left unused: the tests, last,
+        # get what the benches did not need, and the check still ends by the limits' sum
+        deadline += step.timeout_s
         began = time.monotonic()
-        rc = run_step(step, env)
-        results.append({"step": step.name, "rc": rc, "s": round(time.monotonic() - began, 1)})
+        limit_s = round(deadline - began, 1)
+        print(f"== {step.name} (limit {limit_s} s)", flush=True)
+        rc = run_step(step, env, limit_s)
+        results.append({"step": step.name, "rc": rc, "s": round(time.monotonic() - began, 1),
+                        "limit_s": limit_s})
         print(f"== {step.name}: {rc} in {results[-1]['s']} s", flush=True)
         # a command killed before the last step still leaves the steps that ended
         record = {"device": device, "total_s": round(time.monotonic() - start, 1),

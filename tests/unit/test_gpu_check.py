@@ -122,7 +122,7 @@ def test_the_record_holds_each_step_as_it_ends(checkout, monkeypatch):
     record = checkout / "bench" / "results" / "gpu_check-gpu.json"
     seen = []
 
-    def run_step(step, env):
+    def run_step(step, env, limit_s):
         seen.append([s["step"] for s in json.loads(record.read_text())["steps"]]
                     if record.exists() else [])
         return 0
@@ -133,6 +133,28 @@ def test_the_record_holds_each_step_as_it_ends(checkout, monkeypatch):
     assert seen == [names[:i] for i in range(len(names))]
 
 
+def test_a_step_gets_the_time_the_steps_before_it_left_unused(checkout, monkeypatch):
+    """The tests, last, may run past their own limit by what the benches did not use; the
+    check still ends by the sum of the limits."""
+    monkeypatch.setattr(gpu_check.subprocess, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(gpu_check, "device_slug", lambda python, env: "gpu")
+    monkeypatch.setattr(gpu_check, "plan", lambda python, device: [
+        gpu_check.Step(name, [name], 100) for name in ("bench", "slow bench", "tests")])
+    now = [0.0]
+    monkeypatch.setattr(gpu_check.time, "monotonic", lambda: now[0])
+    used = {"bench": 40, "slow bench": 130, "tests": 0}
+    limits = {}
+
+    def run_step(step, env, limit_s):
+        limits[step.name] = limit_s
+        now[0] += min(used[step.name], limit_s)
+        return 0 if used[step.name] < limit_s else "timeout"
+
+    monkeypatch.setattr(gpu_check, "run_step", run_step)
+    assert gpu_check.main(["run"]) == 0
+    assert limits == {"bench": 100, "slow bench": 160, "tests": 130}
+
+
 def test_a_step_past_its_limit_is_killed_with_what_it_started_in_other_sessions(tmp_path):
     """bench.serving's stack puts each service in a session of its own, which killpg misses:
     such a service would keep its share of the GPU from the steps after."""
@@ -141,8 +163,8 @@ def test_a_step_past_its_limit_is_killed_with_what_it_started_in_other_sessions(
     bench = (f"import subprocess, sys, time, pathlib; p = subprocess.Popen([sys.executable, '-c', "
              f"{service!r}], start_new_session=True); "
              f"pathlib.Path({str(pid_file)!r}).write_text(str(p.pid)); time.sleep(60)")
-    step = gpu_check.Step("bench", [sys.executable, "-c", bench], 3)
-    assert gpu_check.run_step(step, dict(os.environ)) == "timeout"
+    step = gpu_check.Step("bench", [sys.executable, "-c", bench], 60)
+    assert gpu_check.run_step(step, dict(os.environ), 3) == "timeout"
     pid = int(pid_file.read_text())
     try:
         for _ in range(100):
