@@ -53,7 +53,8 @@ def _profile_cuda(runner: ModelRunner, spec: KVCacheSpec, query_lens: list[int],
     num_blocks = dummy_num_blocks(query_lens, spec.block_size)
     kv_caches = allocate_kv_caches(spec, num_blocks, device)
     runner.dummy_run(query_lens, kv_caches)
-    peak = torch.cuda.max_memory_allocated(device) - baseline - num_blocks * spec.bytes_per_block
+    kv_bytes = sum(c.numel() * c.element_size() for c in kv_caches)  # the target's layers only
+    peak = torch.cuda.max_memory_allocated(device) - baseline - kv_bytes
     del kv_caches
     gc.collect()
     torch.cuda.empty_cache()
