@@ -115,3 +115,32 @@ def test_a_share_that_does_not_fit_is_refused_with_the_numbers(config, free, mes
 def test_cpu_cache_is_1_gib_unless_kv_cache_memory_gib_says(tiny_model_dir):
     profile = _worker(tiny_model_dir("llama")).profile_memory()
     assert profile.num_gpu_blocks == int(CPU_KV_CACHE_GIB * GiB) // profile.kv_bytes_per_block
+
+
+def test_cuda_profile_subtracts_only_the_kv_bytes_it_allocated(monkeypatch):
+    """The dummy run allocates the target's layers only: with a draft model, subtracting
+    bytes_per_block (which counts the draft's layers) hid activation memory from the profile."""
+    from pagedserve.worker_svc import memory
+    from pagedserve.worker_svc.cache_engine import KVCacheSpec
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=8, block_size=4,
+                       dtype=torch.float32, num_draft_layers=3)
+    activations = 1 << 20
+    allocated = []
+
+    def allocate(spec, num_blocks, device):
+        caches = allocate_kv_caches(spec, num_blocks, torch.device("cpu"))
+        allocated.append(sum(c.numel() * c.element_size() for c in caches))
+        return caches
+
+    class Runner:
+        def dummy_run(self, query_lens, kv_caches):
+            pass
+
+    for name in ("empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated",
+                        lambda device: allocated[-1] + activations)
+    monkeypatch.setattr(memory, "allocate_kv_caches", allocate)
+    assert memory._profile_cuda(Runner(), spec, [16], torch.device("cuda")) == activations
