@@ -35,34 +35,38 @@ time from `--sim-step-model`): the doors at GPU speed on a CPU machine; its figu
 
     python -m bench.serving --device sim --api openai --concurrency 1 32 256 1024 --tag sim
 
+The clients are the load generator, and it must not bound what it measures: one Python process
+streaming to 256 clients used ~0.9 (gRPC) to 1 (HTTP) core on the H100 run. They run in
+`--client-processes` K processes (default: one per 32 streams, on at most half the cores), each
+with its own event loop and its own channel or HTTP client, all taking prompts from one shared
+counter: the closed loop and the request count are those of one process. Each process connects
+first (the warm-up above, for its own streams) and they start together.
+
 Each timed run through the stack records the CPU seconds of the gateway, scheduler and worker
-processes (/proc/<pid>/stat, every thread) and of the benchmark's own process (the clients),
-and each per streamed output token (`cpu_us_per_token`), with the gateway's tokens per CPU-second:
-on a shared host wall-clock rates move with the neighbours' load, CPU per token much less.
+processes (/proc/<pid>/stat, every thread) and of the client processes (summed as `clients`, and
+each process's CPU seconds and busy fraction under `client_processes`), and each per streamed
+output token (`cpu_us_per_token`), with the gateway's tokens per CPU-second: on a shared host
+wall-clock rates move with the neighbours' load, CPU per token much less. A client process busier
+than 0.8 of a core sets `is_client_saturated` and is named in the result line: that run may have
+measured its load generator.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import itertools
-import json
 import logging
 import os
 import subprocess
 import tempfile
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pagedserve.services.rpc.convert_public import sampling_params_to_proto
-from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from bench.common import (
     DEFAULT_MODEL,
@@ -74,6 +78,14 @@ from bench.common import (
     serve_process,
 )
 from bench.offline_gpu import MODEL_CONFIGS, write_model_dir
+from bench.serving_clients import (
+    SATURATED_BUSY,
+    ClientProcesses,
+    ClientReport,
+    Requests,
+    RequestTrace,
+    default_client_processes,
+)
 from pagedserve.llm_engine import LLMEngine
 from pagedserve.supervisor import free_port
 
@@ -87,26 +99,11 @@ SERVICES = ("gateway", "scheduler", "worker")
 
 
 @dataclass(slots=True)
-class RequestTrace:
-    """Arrival times (perf_counter seconds) of one request's messages that carry text or the
-    finish reason: the one event both doors show (an OpenAI chunk has no token ids, and a gRPC
-    message may carry ids whose text the detokenizer still holds back). The in-process baseline
-    times the steps that bring token ids."""
-
-    submit_s: float
-    chunk_times_s: list[float] = field(default_factory=list)
-    num_tokens: int = 0
-
-
-# one closed-loop client: takes prompt indices off the shared queue until it is empty
-ClientFn = Callable[[Workload, deque[int], list[RequestTrace]], Awaitable[None]]
-
-
-@dataclass(slots=True)
 class RunResult:
     wall_s: float
     traces: list[RequestTrace]
     cpu_s: dict[str, float] | None = None  # per process role, over the timed run
+    clients: list[ClientReport] = field(default_factory=list)
 
     def summary(self) -> dict:
         ttft_ms = [(t.chunk_times_s[0] - t.submit_s) * 1e3 for t in self.traces]
@@ -123,6 +120,12 @@ class RunResult:
                                        for name, s in self.cpu_s.items()}
             gateway_s = self.cpu_s.get("gateway")
             out["gateway_tok_per_cpu_s"] = num_tokens / gateway_s if gateway_s else None
+        if self.clients:
+            out["client_processes"] = [
+                {"num_streams": c.num_streams, "num_requests": len(c.traces), "cpu_s": c.cpu_s,
+                 "busy": c.busy} for c in self.clients]
+            out["max_client_busy"] = max(c.busy for c in self.clients)
+            out["is_client_saturated"] = out["max_client_busy"] > SATURATED_BUSY
         return out
 
 
@@ -151,15 +154,13 @@ def service_pids(stack_pid: int) -> dict[str, list[int]]:
 
 
 class CpuMeter:
-    """CPU seconds of each role's processes (summed) and of this process (the clients)."""
+    """CPU seconds of each role's processes (summed); the client processes time their own."""
 
     def __init__(self, stack_pid: int | None) -> None:
         self._pids = service_pids(stack_pid) if stack_pid is not None else {}
 
     def read(self) -> dict[str, float]:
-        out = {role: sum(cpu_seconds(pid) for pid in pids) for role, pids in self._pids.items()}
-        out["clients"] = cpu_seconds(os.getpid())
-        return out
+        return {role: sum(cpu_seconds(pid) for pid in pids) for role, pids in self._pids.items()}
 
     def since(self, before: dict[str, float]) -> dict[str, float]:
         now = self.read()
@@ -244,95 +245,30 @@ def wait_serving(address: str, stack: subprocess.Popen, timeout_s: float) -> Non
     raise TimeoutError(f"the stack at {address} did not serve within {timeout_s:.0f} s")
 
 
-async def _client(stub, wl: Workload, queue: deque[int], traces: list[RequestTrace]) -> None:
-    params = wl.sampling_params()
-    while queue:
-        i = queue.popleft()
-        request = gateway_pb2.GenerateStreamRequest(
-            token_ids=common_pb2.TokenIds(token_ids=wl.prompts[i]),
-            sampling=sampling_params_to_proto(params[i]))
-        trace = RequestTrace(time.perf_counter())
-        async for delta in stub.GenerateStream(request, timeout=600):
-            if delta.text or delta.finish_reason:
-                trace.chunk_times_s.append(time.perf_counter())
-            trace.num_tokens += len(delta.token_ids)
-        if trace.num_tokens != wl.output_lens[i]:
-            raise RuntimeError(f"request {i} streamed {trace.num_tokens} tokens, "
-                               f"asked for {wl.output_lens[i]}")
-        traces.append(trace)
-
-
-async def _closed_loop(client: ClientFn, wl: Workload, concurrency: int) -> RunResult:
-    queue = deque(range(len(wl.prompts)))
-    traces: list[RequestTrace] = []
-    start = time.perf_counter()
-    await asyncio.gather(*(client(wl, queue, traces) for _ in range(concurrency)))
-    return RunResult(time.perf_counter() - start, traces)
-
-
-async def _timed(client: ClientFn, wl: Workload, concurrency: int, connect: Workload,
-                 settle_s: float, meter: CpuMeter | None = None) -> RunResult:
-    """`connect` first, N at a time through the same client (its connections open, N of them
-    over HTTP/1.1), then `settle_s` of quiet (the stack's last speculative step has ended), and
-    only then the timed run: each door's burst of N first requests meets an idle scheduler."""
-    await _closed_loop(client, connect, concurrency)
-    await asyncio.sleep(settle_s)
-    before = meter.read() if meter is not None else None
-    result = await _closed_loop(client, wl, concurrency)
+def run_clients(door: str, target: str, wl: Workload, concurrency: int, connect: Workload,
+                num_processes: int, settle_s: float = 0.0,
+                meter: CpuMeter | None = None) -> RunResult:
+    """N closed-loop clients in `num_processes` processes through one door (`grpc`: address,
+    `openai`: base URL). Every process connects first (`connect`, one one-token request per
+    stream: its connections open, N of them over HTTP/1.1), then `settle_s` of quiet (the
+    stack's last speculative step has ended), and only then the timed run: each door's burst of
+    N first requests meets an idle scheduler."""
+    clients = ClientProcesses(door, target, Requests(wl.prompts, wl.output_lens),
+                              Requests(connect.prompts, connect.output_lens), concurrency,
+                              num_processes)
+    try:
+        clients.start()
+        time.sleep(settle_s)
+        before = meter.read() if meter is not None else None
+        start = time.perf_counter()
+        reports = clients.run()
+    finally:
+        clients.close()
+    result = RunResult(max(r.end_s for r in reports) - start,
+                       [t for r in reports for t in r.traces], clients=reports)
     if meter is not None:
-        result.cpu_s = meter.since(before)
+        result.cpu_s = {**meter.since(before), "clients": sum(r.cpu_s for r in reports)}
     return result
-
-
-async def _run_stack(address: str, wl: Workload, concurrency: int, connect: Workload,
-                     settle_s: float, meter: CpuMeter | None) -> RunResult:
-    async with grpc.aio.insecure_channel(address) as channel:
-        client = functools.partial(_client, gateway_pb2_grpc.GenerationServiceStub(channel))
-        return await _timed(client, wl, concurrency, connect, settle_s, meter)
-
-
-def run_stack(address: str, wl: Workload, concurrency: int, connect: Workload,
-              settle_s: float = 0.0, meter: CpuMeter | None = None) -> RunResult:
-    return asyncio.run(_run_stack(address, wl, concurrency, connect, settle_s, meter))
-
-
-async def _http_client(http: httpx.AsyncClient, wl: Workload, queue: deque[int],
-                       traces: list[RequestTrace]) -> None:
-    """Token counts come from the last chunk's usage; chunk times from the chunks with text (or
-    the finish reason), as the gRPC client's."""
-    while queue:
-        i = queue.popleft()
-        body = {"prompt": wl.prompts[i], "max_tokens": wl.output_lens[i], "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        trace = RequestTrace(time.perf_counter())
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                choices = chunk["choices"]
-                if choices and (choices[0]["text"] or choices[0]["finish_reason"]):
-                    trace.chunk_times_s.append(time.perf_counter())
-                if chunk.get("usage"):
-                    trace.num_tokens = chunk["usage"]["completion_tokens"]
-        if trace.num_tokens != wl.output_lens[i]:
-            raise RuntimeError(f"request {i} streamed {trace.num_tokens} tokens over HTTP, "
-                               f"asked for {wl.output_lens[i]}")
-        traces.append(trace)
-
-
-async def _run_http(url: str, wl: Workload, concurrency: int, connect: Workload,
-                    settle_s: float, meter: CpuMeter | None) -> RunResult:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-        client = functools.partial(_http_client, http)
-        return await _timed(client, wl, concurrency, connect, settle_s, meter)
-
-
-def run_http(url: str, wl: Workload, concurrency: int, connect: Workload,
-             settle_s: float = 0.0, meter: CpuMeter | None = None) -> RunResult:
-    return asyncio.run(_run_http(url, wl, concurrency, connect, settle_s, meter))
 
 
 def openai_vs_grpc(openai: dict, grpc_door: dict) -> dict:
@@ -353,9 +289,9 @@ def run_all(args: argparse.Namespace, address: str, stack: subprocess.Popen,
     vocab = engine.core.vocab_size
     warm = make_workload("warmup", 2, (16, 32), (8, 8), vocab, seed=args.seed + 1)
     run_in_process(engine, warm, 2)
-    run_stack(address, warm, 2, warm)
+    run_clients("grpc", address, warm, 2, warm, 1)
     if http_url is not None:
-        run_http(http_url, warm, 2, warm)
+        run_clients("openai", http_url, warm, 2, warm, 1)
     meter = CpuMeter(stack.pid)
     results = []
     for concurrency in args.concurrency:
@@ -366,13 +302,15 @@ def run_all(args: argparse.Namespace, address: str, stack: subprocess.Popen,
                            seed=args.seed + concurrency)
         connect = make_workload(f"connect{concurrency}", concurrency, (8, 8), (1, 1), vocab,
                                 seed=args.seed + concurrency + 1)
+        num_processes = args.client_processes or default_client_processes(
+            concurrency, len(os.sched_getaffinity(0)))
         # back to back, in alternating order, so that neither side always runs second
         runs = {"in_process": functools.partial(run_in_process, engine, wl, concurrency),
-                "stack": functools.partial(run_stack, address, wl, concurrency, connect,
-                                           args.settle_s, meter)}
+                "stack": functools.partial(run_clients, "grpc", address, wl, concurrency,
+                                           connect, num_processes, args.settle_s, meter)}
         if http_url is not None:
-            runs["openai"] = functools.partial(run_http, http_url, wl, concurrency, connect,
-                                               args.settle_s, meter)
+            runs["openai"] = functools.partial(run_clients, "openai", http_url, wl, concurrency,
+                                               connect, num_processes, args.settle_s, meter)
         order = list(runs) if len(results) % 2 == 0 else list(reversed(runs))
         summaries = {name: runs[name]().summary() for name in order}
         in_process, served = summaries["in_process"], summaries["stack"]
@@ -412,6 +350,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the gateway's: output tokens per streamed message")
     parser.add_argument("--api-server-count", type=int, default=1,
                         help="gateway processes on the stack's ports (their CPU is summed)")
+    parser.add_argument("--client-processes", type=int, default=0,
+                        help="processes the N clients are spread over, each with its own "
+                             "channel or HTTP client; 0: one per 32 streams on at most half the "
+                             "cores")
     parser.add_argument("--note", default="",
                         help="recorded beside the results (e.g. what else ran on the host)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
@@ -431,6 +373,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--api", choices=["grpc", "openai"], default="grpc",
                         help="openai: also the OpenAI-compatible HTTP door, against gRPC")
     args = parser.parse_args(argv)
+    if args.client_processes < 0:
+        parser.error(f"--client-processes must be >= 0, got {args.client_processes}")
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     args.load_format = "dummy" if args.shape else "auto"
     if args.shape and not args.tokenizer:
@@ -468,6 +412,9 @@ def main(argv: list[str] | None = None) -> dict:
         + "; gateway tok per CPU-s " + ", ".join(
             f"{door} {r[door]['gateway_tok_per_cpu_s']:.0f}" for door in ("stack", "openai")
             if r.get(door, {}).get("gateway_tok_per_cpu_s"))
+        + "".join(f"; {door} client process SATURATED ({r[door]['max_client_busy']:.0%} of a "
+                  f"core: the load generator may have bounded this run)"
+                  for door in ("stack", "openai") if r.get(door, {}).get("is_client_saturated"))
         for r in results)
     return finish("serving", args, line, results, model=model, dtype=args.dtype,
                   note=args.note)
