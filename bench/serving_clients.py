@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import httpx
+from pagedserve.services.common.gc_tuning import tune_gc_after_startup
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.rpc.convert_public import sampling_params_to_proto
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -155,6 +156,7 @@ async def _run_client(door: str, target: str, reqs: Requests, connect: Requests,
                       num_streams: int, ready, go) -> ClientReport:
     async def timed(stream: StreamFn) -> ClientReport:
         await _streams(stream, connect, _local_taker(len(connect.prompts)), num_streams)
+        tune_gc_after_startup()
         ready.put(os.getpid())
         await asyncio.get_running_loop().run_in_executor(None, go.wait)
         start_s, start_cpu_s = time.perf_counter(), time.process_time()
