@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import itertools
 import logging
 import os
@@ -326,6 +327,7 @@ def run_all(args: argparse.Namespace, address: str, stack: subprocess.Popen,
         if http_url is not None:
             results[-1]["openai"] = summaries["openai"]
             results[-1]["openai_vs_grpc"] = openai_vs_grpc(summaries["openai"], served)
+    gc.unfreeze()  # the engine is freed at exit as before (nanobind reports what is not)
     return results
 
 

@@ -96,6 +96,9 @@ def test_serving_on_the_simulated_worker_records_each_process_cpu(tiny_served_mo
     (result,) = record["results"]
     for door in ("stack", "openai"):
         assert set(result[door]["cpu_s"]) == {"gateway", "scheduler", "worker", "clients"}
+        (client,) = result[door]["client_processes"]
+        assert client["num_streams"] == 2 and client["num_requests"] == 2
+        assert result[door]["cpu_s"]["clients"] == client["cpu_s"] > 0
         assert result[door]["num_output_tokens"] == result["in_process"]["num_output_tokens"]
 
 
