@@ -2,10 +2,13 @@
 run as one batched SDPA call over K/V gathered whole blocks at a time; a mask is built only where
 lengths differ, once per step (`meta.derived`). Decodes on CPU go to the compiled kernel that
 reads the blocks in place (`cpu_decode`), elsewhere (or without a compiler) through SDPA the same
-way as prefills."""
+way as prefills. There a sequence with a few query tokens (a decode verifying drafts) goes to the
+kernel too, one row per query token seeing the keys up to its own position, instead of having
+its whole K/V gathered for SDPA in every layer."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -16,6 +19,8 @@ from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.services.common.cdiv import cdiv
 
 _DERIVED_KEY = "torch"
+# the longest query the CPU decode kernel takes row by row (a decode and 16 drafts)
+_MAX_KERNEL_QUERY_LEN = 17
 
 
 @dataclass(slots=True)
@@ -67,6 +72,10 @@ class DecodePlan:
 class AttentionPlan:
     prefill: PrefillPlan | None
     decode: DecodePlan | None
+    # the query rows each part computes: the prefill tokens then the rest, unless short
+    # prefills joined the decodes (then index tensors where long prefills stay apart)
+    prefill_rows: slice | torch.Tensor
+    decode_rows: slice | torch.Tensor
 
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -175,14 +184,60 @@ def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> DecodePlan:
     return DecodePlan(kv, attn_mask, block_tables, seq_lens)
 
 
+def _select(meta: AttentionMetadata, seq_ids: list[int]) -> AttentionMetadata:
+    """The metadata of the prefills `seq_ids` alone."""
+    query_lens = [meta.query_lens_cpu[i] for i in seq_ids]
+    seq_lens_cpu = [meta.seq_lens_cpu[i] for i in seq_ids]
+    index = torch.tensor(seq_ids, device=meta.seq_lens.device)
+    query_start_loc = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32,
+                                   device=meta.seq_lens.device)
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping[:0], block_tables=meta.block_tables[index],
+        seq_lens=meta.seq_lens[index], query_start_loc=query_start_loc,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens_cpu), num_prefills=len(seq_ids),
+        num_prefill_tokens=sum(query_lens), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens_cpu)
+
+
+def _kernel_rows_plan(meta: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tensor,
+                      kernel: ModuleType) -> AttentionPlan:
+    """Every sequence of at most _MAX_KERNEL_QUERY_LEN query tokens to the decode kernel, query
+    row j of a sequence as a decode at its position (its K/V is written before attention)."""
+    query_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
+    long_ids = [i for i in range(meta.num_seqs) if query_lens[i] > _MAX_KERNEL_QUERY_LEN]
+    short_ids = [i for i in range(meta.num_seqs) if query_lens[i] <= _MAX_KERNEL_QUERY_LEN]
+    device = meta.seq_lens.device
+    row_seq_lens = [seq_lens[i] - query_lens[i] + 1 + j for i in short_ids
+                    for j in range(query_lens[i])]
+    block_tables = meta.block_tables[torch.tensor(short_ids, device=device)].repeat_interleave(
+        torch.tensor([query_lens[i] for i in short_ids], device=device), dim=0)
+    decode = DecodePlan(None, None, block_tables.to(torch.int32),
+                        torch.tensor(row_seq_lens, dtype=torch.int32, device=device), kernel)
+    if not long_ids:
+        return AttentionPlan(None, decode, slice(0), slice(None))
+    starts = [0, *itertools.accumulate(query_lens)]
+
+    def rows(seq_ids: list[int]) -> torch.Tensor:
+        return torch.tensor([r for i in seq_ids for r in range(starts[i], starts[i + 1])],
+                            device=device)
+
+    return AttentionPlan(_prefill_plan(_select(meta, long_ids), query, k_cache), decode,
+                         rows(long_ids), rows(short_ids))
+
+
 def attention_plan(meta: AttentionMetadata, query: torch.Tensor,
                    k_cache: torch.Tensor) -> AttentionPlan:
     plan = meta.derived.get(_DERIVED_KEY)
     if plan is None:
-        plan = AttentionPlan(
-            _prefill_plan(meta, query, k_cache) if meta.num_prefills else None,
-            _decode_plan(meta, k_cache) if meta.num_decode_tokens else None,
-        )
+        kernel = cpu_decode.load() if k_cache.device.type == "cpu" else None
+        num_prefills, num_prefill_tokens = meta.num_prefills, meta.num_prefill_tokens
+        if kernel is not None and any(q <= _MAX_KERNEL_QUERY_LEN
+                                      for q in meta.query_lens_cpu[:num_prefills]):
+            plan = _kernel_rows_plan(meta, query, k_cache, kernel)
+        else:
+            plan = AttentionPlan(
+                _prefill_plan(meta, query, k_cache) if num_prefills else None,
+                _decode_plan(meta, k_cache) if meta.num_decode_tokens else None,
+                slice(0, num_prefill_tokens), slice(num_prefill_tokens, None))
         meta.derived[_DERIVED_KEY] = plan
     return plan
 
@@ -224,17 +279,24 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out_dtype = query.dtype
     query = query.to(k_cache.dtype)
     plan = attention_plan(meta, query, k_cache)
-    num_prefill_tokens = meta.num_prefill_tokens
-    outs = []
+    parts = []
     if plan.prefill is not None:
-        outs.append(_prefill_attention(
-            query[:num_prefill_tokens], k_cache, v_cache, plan.prefill, meta.num_prefills, scale))
+        parts.append((plan.prefill_rows, _prefill_attention(
+            query[plan.prefill_rows], k_cache, v_cache, plan.prefill, plan.prefill.kv.num_seqs,
+            scale)))
     if plan.decode is not None:
-        outs.append(_decode_attention(
-            query[num_prefill_tokens:], k_cache, v_cache, plan.decode, scale))
-    if not outs:
+        parts.append((plan.decode_rows, _decode_attention(
+            query[plan.decode_rows], k_cache, v_cache, plan.decode, scale)))
+    if not parts:
         return torch.empty_like(query, dtype=out_dtype)
-    return (outs[0] if len(outs) == 1 else torch.cat(outs)).to(out_dtype)
+    if len(parts) == 1:
+        return parts[0][1].to(out_dtype)
+    if isinstance(plan.prefill_rows, slice):
+        return torch.cat([part for _, part in parts]).to(out_dtype)
+    out = torch.empty_like(query, dtype=out_dtype)
+    for rows, part in parts:
+        out[rows] = part.to(out_dtype)
+    return out
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 """Paths of the torch backend that the shared batch kinds leave out: decodes of one length (no
-mask), uniform prefill chunks, one step's plan reused by every layer's cache, and decodes both
-through the compiled CPU kernel and through the gather + SDPA path taken without a compiler."""
+mask), uniform prefill chunks, one step's plan reused by every layer's cache, and decodes (with
+short prefills, as verification's few query tokens per sequence) both through the compiled CPU
+kernel and through the gather + SDPA path taken without a compiler."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ PREFILLS = {
     "fresh_one_length": [(0, 9), (0, 9)],
     "chunks_one_length": [(17, 8), (17, 8)],
     "ragged": [(0, 6), (13, 5)],
+    # verifications (a decode and drafts) around a prompt chunk too long for the kernel
+    "verify_and_long": [(20, 5), (3, 24), (31, 2)],
 }
 DECODES = {
     "none": [],
@@ -55,5 +58,11 @@ def test_one_plan_serves_every_layer(prefills, decodes, block_size, decode_path)
         assert (plan.decode.kv is None) == (decode_path == "in_place")
     if decodes == "one_length" and decode_path == "gather":
         assert plan.decode.attn_mask is None and plan.decode.kv.pad_rows is None
-    if prefills == "fresh_one_length":
-        assert plan.prefill.attn_mask is None
+    if decode_path == "gather":
+        if prefills == "fresh_one_length":
+            assert plan.prefill.attn_mask is None
+        return
+    long_ids = [i for i, (_, q) in enumerate(PREFILLS[prefills]) if q > 17]
+    assert (plan.prefill is None) == (not long_ids)
+    if long_ids:
+        assert plan.prefill.kv.num_seqs == len(long_ids)
