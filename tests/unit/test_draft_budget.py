@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from pagedserve.scheduler_svc.scheduled_step import ScheduledSequence
+from pagedserve.scheduler_svc.sequence import SequenceGroup
+from pagedserve.scheduler_svc.spec_decode import Speculator
 from pagedserve.scheduler_svc.step_cost import StepCostModel
 from pagedserve.scheduler_svc.step_window import SentStep
+from pagedserve.services.common.speculative_config import SpeculativeConfig
 
-from tests.unit.test_spec_decode_scheduler import PROMPT, SpecHarness
+from tests.unit.test_spec_decode_scheduler import LONG, PROMPT, SpecHarness
 
 ADAPTIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
 
@@ -78,3 +82,32 @@ def test_disable_by_batch_size_turns_drafts_off_from_that_many_running(limit, nu
     out = _decoding(h, num_requests)
     assert all(bool(item.draft_token_ids) is drafted for item in out.scheduled)
     assert out.may_run_ahead is not drafted
+
+
+def _speculator_with_cost(fixed_s: float, per_token_s: float) -> Speculator:
+    speculator = Speculator(SpeculativeConfig(**ADAPTIVE), max_model_len=1024)
+    for _ in range(20):
+        for n in (8, 16, 24, 40):
+            speculator.step_cost.record(n, fixed_s + per_token_s * n)
+    return speculator
+
+
+def _verifying(num_seqs: int) -> list[ScheduledSequence]:
+    items = []
+    for i in range(num_seqs):
+        group = SequenceGroup.from_prompt(f"r{i}", PROMPT, LONG, seq_id=i, arrival_time=0.0)
+        items.append(ScheduledSequence(group, group.seqs[0], 5, 1, True, [1, 2, 3, 4]))
+    return items
+
+
+def test_each_sequence_keeps_drafts_by_its_own_acceptance():
+    """A compute-bound step at batch 8 (a token costs a quarter of the fixed part): the four
+    sequences whose drafts were all kept verify all four again, the four whose drafts were all
+    rejected verify none, whatever the engine's rate over all of them."""
+    speculator = _speculator_with_cost(0.040, 0.010)
+    items = _verifying(8)
+    for _ in range(6):
+        for item in items:
+            speculator.record(item.seq, 4, 4 if item.seq.seq_id < 4 else 0)
+    assert speculator.drafts_that_pay(items) == [4] * 4 + [0] * 4
+
