@@ -14,8 +14,13 @@ import torch
 
 def to_device(values: np.ndarray | Sequence, dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return torch.as_tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+    if device.type not in ("cpu", "cuda"):  # the simulator's trace: meta
+        return torch.as_tensor(values, dtype=dtype, device=device)
+    if isinstance(values, np.ndarray):
+        tensor = torch.from_numpy(values)
+        tensor = tensor if tensor.dtype == dtype else tensor.to(dtype)
+    else:
+        tensor = torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
-        return torch.as_tensor(values, dtype=dtype)
-    return torch.as_tensor(values, dtype=dtype, device=device)  # the simulator's trace: meta
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -65,8 +65,8 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
     meta = AttentionMetadata(
         slot_mapping=to_device(slot_mapping, torch.int64, device),
         block_tables=to_device(block_tables, torch.int32, device),
-        seq_lens=to_device(seq_lens, torch.int32, device),
-        query_start_loc=to_device(query_start_loc, torch.int32, device),
+        seq_lens=to_device(seq_lens.astype(np.int32), torch.int32, device),
+        query_start_loc=to_device(query_start_loc.astype(np.int32), torch.int32, device),
         max_query_len=max(query_lens_list, default=0),
         max_seq_len=max(seq_lens_list, default=0),
         num_prefills=num_prefills,
