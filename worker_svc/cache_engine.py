@@ -14,6 +14,7 @@ from types import ModuleType
 
 import torch
 from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.worker_svc.host_to_device import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class CacheEngine:
     def _mapping(self, pairs: list[tuple[int, int]], num_src: int, num_dst: int,
                  device: torch.device) -> torch.Tensor:
         check_block_pairs(pairs, num_src, num_dst)
-        return torch.tensor(pairs, dtype=torch.int64, device=device).view(-1, 2)  # [n, 2]
+        return to_device(pairs, torch.int64, device).view(-1, 2)  # [n, 2]
 
     def swap_out(self, pairs: list[tuple[int, int]], wait_for_compute: bool = True
                  ) -> float | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from pagedserve.worker_svc.host_to_device import to_device
 
 
 def mask_tokens(
@@ -15,8 +16,8 @@ def mask_tokens(
     token_ids: list[int],  # rows[i] loses token_ids[i]
 ) -> torch.Tensor:
     if rows:
-        row_index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        token_index = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+        row_index = to_device(rows, torch.long, logits.device)
+        token_index = to_device(token_ids, torch.long, logits.device)
         logits[row_index, token_index] = float("-inf")
     return logits
 
@@ -28,9 +29,9 @@ def add_logit_bias(
     biases: list[float],  # rows[i] gains biases[i] at token_ids[i]
 ) -> torch.Tensor:
     if rows:
-        index = (torch.tensor(rows, dtype=torch.long, device=logits.device),
-                 torch.tensor(token_ids, dtype=torch.long, device=logits.device))
-        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device),
+        index = (to_device(rows, torch.long, logits.device),
+                 to_device(token_ids, torch.long, logits.device))
+        logits.index_put_(index, to_device(biases, logits.dtype, logits.device),
                           accumulate=True)
     return logits
 
@@ -44,9 +45,9 @@ def keep_only(
         device = logits.device
         row_set = sorted(set(rows))
         hidden = torch.zeros(logits.shape, dtype=torch.bool, device=device)
-        hidden[torch.tensor(row_set, dtype=torch.long, device=device)] = True
-        hidden[torch.tensor(rows, dtype=torch.long, device=device),
-               torch.tensor(token_ids, dtype=torch.long, device=device)] = False
+        hidden[to_device(row_set, torch.long, device)] = True
+        hidden[to_device(rows, torch.long, device),
+               to_device(token_ids, torch.long, device)] = False
         logits.masked_fill_(hidden, float("-inf"))
     return logits
 

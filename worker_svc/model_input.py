@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.services.common.cdiv import cdiv
+from pagedserve.worker_svc.host_to_device import to_device
 from pagedserve.worker_svc.pooler import PoolSpan
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 
@@ -40,14 +41,6 @@ class ModelInput:
         return self.input_ids.shape[0]
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    if device.type == "cpu":
-        return tensor
-    # pinned staging (torch caches pinned blocks) lets the copy run without blocking the host
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch.device,
                       drawn: dict[int, int] | None = None) -> ModelInput:
     """seqs: prefills first. drawn: seq_id → index into the draws of the step in flight, for
@@ -70,10 +63,10 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
     query_lens_list = query_lens.tolist()
     seq_lens_list = seq_lens.tolist()
     meta = AttentionMetadata(
-        slot_mapping=_to_device(slot_mapping, device),
-        block_tables=_to_device(block_tables, device),
-        seq_lens=_to_device(seq_lens.astype(np.int32), device),
-        query_start_loc=_to_device(query_start_loc.astype(np.int32), device),
+        slot_mapping=to_device(slot_mapping, torch.int64, device),
+        block_tables=to_device(block_tables, torch.int32, device),
+        seq_lens=to_device(seq_lens.astype(np.int32), torch.int32, device),
+        query_start_loc=to_device(query_start_loc.astype(np.int32), torch.int32, device),
         max_query_len=max(query_lens_list, default=0),
         max_seq_len=max(seq_lens_list, default=0),
         num_prefills=num_prefills,
@@ -90,10 +83,10 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
             int(query_start_loc[i + 1]))]
     spans = _prompt_logprob_spans(seqs, query_start_loc, logits_indices)
     return ModelInput(
-        input_ids=_to_device(input_ids, device),
-        positions=_to_device(positions, device),
+        input_ids=to_device(input_ids, torch.int64, device),
+        positions=to_device(positions, torch.int64, device),
         meta=meta,
-        logits_indices=_to_device(np.asarray(logits_indices, np.int64), device),
+        logits_indices=to_device(logits_indices, torch.int64, device),
         sample_seqs=[seqs[i] for i in sample_rows],
         prompt_logprob_spans=spans,
         drawn_rows=drawn_rows,

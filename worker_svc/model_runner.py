@@ -16,6 +16,7 @@ from pagedserve.worker_svc.cache_engine import CacheEngine
 from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
 from pagedserve.worker_svc.draft_proposer import DraftProposer
 from pagedserve.worker_svc.grammar_matchers import GrammarMatchers
+from pagedserve.worker_svc.host_to_device import to_device
 from pagedserve.worker_svc.in_flight import Fence, InFlightStep, PhaseClock, device_fence
 from pagedserve.worker_svc.mixed_graphs import MixedGraphs
 from pagedserve.worker_svc.model_input import ModelInput, build_model_input
@@ -84,10 +85,9 @@ class ModelRunner:
         drawn = ahead_of.draws_by_seq() if ahead_of is not None else {}
         model_input = build_model_input(scheduled, self.block_size, self.device, drawn)
         if model_input.drawn_rows:
-            rows, sources = (torch.tensor(x, dtype=torch.long) for x in zip(
+            rows, sources = (to_device(x, torch.long, self.device) for x in zip(
                 *model_input.drawn_rows, strict=True))
-            model_input.input_ids[rows.to(self.device)] = ahead_of.samples.token_ids[
-                sources.to(self.device)]
+            model_input.input_ids[rows] = ahead_of.samples.token_ids[sources]
         self.mirrors.mark_computed(scheduled)
         clock.mark()
         logits, pooled = self._forward(model_input, cache_engine.gpu_cache)

@@ -1,11 +1,12 @@
 """Repetition, frequency and presence penalties (vLLM's semantics), counted with one
-`scatter_add_` over the flattened ids: no per-token loop, no device→host sync."""
+`scatter_add_` over the flattened ids: no per-token loop, no sync with the device."""
 
 from __future__ import annotations
 
 import itertools
 
 import torch
+from pagedserve.worker_svc.host_to_device import to_device
 
 
 def apply_penalties(
@@ -20,13 +21,14 @@ def apply_penalties(
     num_rows, vocab_size = logits.shape
     device = logits.device
     seq_lens = [len(ids) for ids in token_ids]
-    flat_ids = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.long,
-                            device=device)  # [num_tokens]
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.long, device=device)  # [num_rows]
-    row_of = torch.repeat_interleave(torch.arange(num_rows, device=device), seq_lens_t)
+    flat_ids = to_device(list(itertools.chain.from_iterable(token_ids)), torch.long,
+                         device)  # [num_tokens]
+    seq_lens_t = to_device(seq_lens, torch.long, device)  # [num_rows]
+    row_of = torch.repeat_interleave(torch.arange(num_rows, device=device), seq_lens_t,
+                                     output_size=flat_ids.numel())  # [num_tokens]
     starts = torch.cumsum(seq_lens_t, dim=0) - seq_lens_t  # [num_rows]
     positions = torch.arange(flat_ids.numel(), device=device) - starts[row_of]  # [num_tokens]
-    prompt_lens_t = torch.tensor(prompt_lens, dtype=torch.long, device=device)
+    prompt_lens_t = to_device(prompt_lens, torch.long, device)
     is_output = (positions >= prompt_lens_t[row_of]).to(torch.float32)  # [num_tokens]
     flat_keys = row_of * vocab_size + flat_ids  # [num_tokens]
 
@@ -38,7 +40,7 @@ def apply_penalties(
     output_counts = output_counts.view(num_rows, vocab_size)
 
     def column(values: list[float]) -> torch.Tensor:  # [num_rows, 1]
-        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+        return to_device(values, torch.float32, device).unsqueeze(1)
 
     if any(p != 1.0 for p in repetition_penalties):
         repetition = column(repetition_penalties)

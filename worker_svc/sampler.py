@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import SampledSequence, TokenIdLogprob
+from pagedserve.worker_svc.host_to_device import to_device
 from pagedserve.worker_svc.logits_processor import (
     add_logit_bias,
     apply_min_p,
@@ -75,7 +76,7 @@ def _on_rows(logits: torch.Tensor, rows: list[int],
              fn: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
     if len(rows) == logits.shape[0]:
         return fn(logits, rows)
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    index = to_device(rows, torch.long, logits.device)
     logits[index] = fn(logits[index], rows)
     return logits
 
@@ -283,7 +284,7 @@ class Sampler:
         sampled[self._tensor(positions, torch.long)] = values
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        return to_device(values, dtype, self.device)
 
     def _column(self, values: list[float]) -> torch.Tensor:  # [num_rows, 1]
         return self._tensor(values, torch.float32).unsqueeze(1)

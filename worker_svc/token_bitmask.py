@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from pagedserve.worker_svc.host_to_device import to_device
 
 
 def num_bitmask_words(vocab_size: int) -> int:
@@ -35,7 +36,7 @@ class TokenBitmask:
         allowed = self.allowed(logits.shape[1], logits.device)
         if self.rows == list(range(logits.shape[0])):
             return torch.where(allowed, logits, float("-inf"))
-        index = torch.tensor(self.rows, dtype=torch.long, device=logits.device)
+        index = to_device(self.rows, torch.long, logits.device)
         masked = logits.clone()
         masked[index] = torch.where(allowed, logits[index], float("-inf"))
         return masked
