@@ -45,6 +45,27 @@ def make_worker(model_dir: Path, num_gpu_blocks: int = 96, num_cpu_blocks: int =
     return worker
 
 
+
+def prefill_then_decodes(prompts: list[list[int]], samplings: list[SamplingParams],
+                         num_decode_steps: int, block_size: int,
+                         epoch: int = 1) -> list[StepPlan]:
+    """A step prefilling every prompt (sequence i: prompts[i], samplings[i], seed 1234 + i, room
+    for num_decode_steps + 1 tokens), then decode steps that add nothing to what the worker drew:
+    each may be sent while the one before runs."""
+    num_blocks = [-(-(len(p) + num_decode_steps + 1) // block_size) for p in prompts]
+    starts = [sum(num_blocks[:i]) for i in range(len(prompts))]
+    new_seqs = [NewSequence(seq_id=i, request_id=f"r{i}", token_ids=list(prompt),
+                            prompt_len=len(prompt),
+                            block_ids=list(range(starts[i], starts[i] + num_blocks[i])),
+                            num_computed_tokens=0, num_scheduled_tokens=len(prompt),
+                            sampling=samplings[i], seed=1234 + i)
+                for i, prompt in enumerate(prompts)]
+    plans = [StepPlan(epoch, 1, new_seqs=new_seqs)]
+    for step_id in range(2, num_decode_steps + 2):
+        plans.append(StepPlan(epoch, step_id, previous_step_id=step_id - 1, running_seqs=[
+            RunningSequence(i, [], num_blocks[i], [], 1) for i in range(len(prompts))]))
+    return plans
+
 @dataclass
 class DrivenSeq:
     seq_id: int

@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 import torch
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import NewSequence, RunningSequence, StepPlan
 from pagedserve.worker_svc.host_to_device import to_device
 from torch.overrides import TorchFunctionMode
 
-from tests.integration.worker_driver import make_worker
+from tests.integration.worker_driver import make_worker, prefill_then_decodes
 
 BLOCK_SIZE = 8
 NUM_DECODE_STEPS = 6
@@ -50,25 +49,9 @@ class BlockingCopies(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _plans() -> list[StepPlan]:
-    num_blocks = [-(-(len(p) + NUM_DECODE_STEPS + 1) // BLOCK_SIZE) for p in PROMPTS]
-    starts = np.cumsum([0, *num_blocks]).tolist()
-    new_seqs = [NewSequence(seq_id=i, request_id=f"r{i}", token_ids=list(prompt),
-                            prompt_len=len(prompt),
-                            block_ids=list(range(starts[i], starts[i] + num_blocks[i])),
-                            num_computed_tokens=0, num_scheduled_tokens=len(prompt),
-                            sampling=SAMPLINGS[i], seed=1234 + i)
-                for i, prompt in enumerate(PROMPTS)]
-    plans = [StepPlan(1, 1, new_seqs=new_seqs)]
-    for step_id in range(2, NUM_DECODE_STEPS + 2):
-        plans.append(StepPlan(1, step_id, previous_step_id=step_id - 1, running_seqs=[
-            RunningSequence(i, [], num_blocks[i], [], 1) for i in range(len(PROMPTS))]))
-    return plans
-
-
 def test_steps_launched_ahead_and_their_sampling_never_wait_for_the_device(tiny_model_dir):
     worker = make_worker(tiny_model_dir("llama"), block_size=BLOCK_SIZE)
-    plans = _plans()
+    plans = prefill_then_decodes(PROMPTS, SAMPLINGS, NUM_DECODE_STEPS, BLOCK_SIZE)
     in_flight = worker.launch_step(plans[0])
     worker.sample_step(in_flight)
     outputs = []

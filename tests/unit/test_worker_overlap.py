@@ -11,12 +11,12 @@ import pytest
 from pagedserve.services.common.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
 from pagedserve.services.common.errors import InvalidRequest, StepOutOfOrder
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import NewSequence, RunningSequence, StepPlan
+from pagedserve.services.common.step_plan import RunningSequence, StepPlan
 from pagedserve.worker_svc.sequence_mirrors import SequenceMirrors
 from pagedserve.worker_svc.sim.worker import SimWorker
 
 from pagedserve.llm_engine import LLMEngine
-from tests.integration.worker_driver import make_worker
+from tests.integration.worker_driver import make_worker, prefill_then_decodes
 
 BLOCK_SIZE = 8
 SAMPLINGS = [SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
@@ -26,20 +26,7 @@ NUM_DECODE_STEPS = 10
 
 
 def _plans(epoch: int = 1) -> list[StepPlan]:
-    """A prefill of both prompts, then decode steps that add nothing to what the worker drew."""
-    num_blocks = [-(-(len(p) + NUM_DECODE_STEPS + 1) // BLOCK_SIZE) for p in PROMPTS]
-    starts = [0, num_blocks[0]]
-    new_seqs = [NewSequence(seq_id=i, request_id=f"r{i}", token_ids=list(prompt),
-                            prompt_len=len(prompt),
-                            block_ids=list(range(starts[i], starts[i] + num_blocks[i])),
-                            num_computed_tokens=0, num_scheduled_tokens=len(prompt),
-                            sampling=SAMPLINGS[i], seed=1234 + i)
-                for i, prompt in enumerate(PROMPTS)]
-    plans = [StepPlan(epoch, 1, new_seqs=new_seqs)]
-    for step_id in range(2, NUM_DECODE_STEPS + 2):
-        plans.append(StepPlan(epoch, step_id, previous_step_id=step_id - 1, running_seqs=[
-            RunningSequence(i, [], num_blocks[i], [], 1) for i in range(len(PROMPTS))]))
-    return plans
+    return prefill_then_decodes(PROMPTS, SAMPLINGS, NUM_DECODE_STEPS, BLOCK_SIZE, epoch)
 
 
 def _tokens(outputs) -> list[dict[int, tuple]]:
