@@ -8,19 +8,23 @@ for the start signal; the parent starts all processes at once and merges their t
 process times its own CPU (every thread) over the timed run, so a record shows whether a client
 process, rather than the stack, was the bottleneck.
 
-This module imports neither torch nor the engine: a client process stays small.
+This module imports neither torch nor the engine, and a client process does not re-import the
+parent's __main__ (see `start_processes`): it starts in a fraction of a second and stays small.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
 import multiprocessing
 import os
 import queue as queue_mod
+import sys
 import time
+import types
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -34,6 +38,7 @@ from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 STREAMS_PER_PROCESS = 32
 SATURATED_BUSY = 0.8  # a client process busier than this may have bounded what it measured
 _START_TIMEOUT_S = 300.0
+_RUN_TIMEOUT_S = 1800.0  # a timed run's wall limit: a hung client must not hang the bench
 
 
 @dataclass(slots=True)
@@ -185,12 +190,35 @@ def client_process(door: str, target: str, reqs: Requests, connect: Requests, co
         ready.put(os.getpid())
 
 
+@contextlib.contextmanager
+def _bare_main():
+    """spawn has each child re-import the parent's __main__ (by `__main__.__spec__.name` under
+    `python -m`, else by its `__file__`): under `python -m bench.serving` that is torch and the
+    engine, seconds of CPU and hundreds of MB per child, while the stack serves. A __main__ with
+    neither has the child import only what unpickling its target and arguments needs."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def start_processes(procs: list[multiprocessing.process.BaseProcess]) -> None:
+    """Starts spawn-context processes whose targets live in modules that import no torch."""
+    with _bare_main():
+        for proc in procs:
+            proc.start()
+
+
 class ClientProcesses:
     """K client processes for one timed run: `start()` returns once every process has connected
     (and its stack has been idle since), `run()` starts them together and merges their reports."""
 
     def __init__(self, door: str, target: str, reqs: Requests, connect: Requests,
-                 concurrency: int, num_processes: int) -> None:
+                 concurrency: int, num_processes: int, start_timeout_s: float = _START_TIMEOUT_S,
+                 run_timeout_s: float = _RUN_TIMEOUT_S) -> None:
+        self._start_timeout_s, self._run_timeout_s = start_timeout_s, run_timeout_s
         self._ctx = multiprocessing.get_context("spawn")
         self._counter = self._ctx.Value("q", 0)
         self._ready, self._results = self._ctx.Queue(), self._ctx.Queue()
@@ -206,14 +234,16 @@ class ClientProcesses:
             for j, share in enumerate(shares)]
 
     def start(self) -> None:
-        for proc in self._procs:
-            proc.start()
+        start_processes(self._procs)
+        deadline = time.monotonic() + self._start_timeout_s
         for _ in self._procs:
-            self._get(self._ready, _START_TIMEOUT_S)
+            self._get(self._ready, "connected", self._start_timeout_s, deadline)
 
     def run(self) -> list[ClientReport]:
         self._go.set()
-        reports = [self._get(self._results, math.inf) for _ in self._procs]
+        deadline = time.monotonic() + self._run_timeout_s
+        reports = [self._get(self._results, "reported its run", self._run_timeout_s, deadline)
+                   for _ in self._procs]
         for proc in self._procs:
             proc.join(60)
         errors = [r for r in reports if isinstance(r, Exception)]
@@ -227,13 +257,19 @@ class ClientProcesses:
                 proc.kill()
             proc.join(10)
 
-    def _get(self, source, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
+    def _get(self, source, what: str, limit_s: float, deadline: float):
+        """The next message from `source`; a clear error, and no wait past `deadline`, when a
+        client process dies or hangs."""
         while True:
             try:
-                return source.get(timeout=1.0)
+                return source.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
             except queue_mod.Empty:
-                dead = [p.exitcode for p in self._procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"client processes failed (exit codes {dead})") from None
+                dead = {p.pid: p.exitcode for p in self._procs if p.exitcode not in (None, 0)}
+                if dead:
+                    raise RuntimeError(f"client process died before it {what} "
+                                       f"(pid: exit code {dead})") from None
+                if time.monotonic() >= deadline:
+                    alive = [p.pid for p in self._procs if p.is_alive()]
+                    raise RuntimeError(f"client processes {alive} hung: not every one {what} "
+                                       f"within {limit_s:.0f} s") from None
 

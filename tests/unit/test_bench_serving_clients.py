@@ -3,7 +3,11 @@ against a stand-in gateway that streams one token per message."""
 
 from __future__ import annotations
 
+import importlib.util
+import multiprocessing
+import sys
 import threading
+import types
 from concurrent import futures
 
 import grpc
@@ -12,20 +16,30 @@ from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from bench.common import make_workload
 from bench.serving import RunResult, parse_args, run_clients
-from bench.serving_clients import ClientReport, RequestTrace, default_client_processes
+from bench.serving_clients import (
+    ClientProcesses,
+    ClientReport,
+    Requests,
+    RequestTrace,
+    default_client_processes,
+    start_processes,
+)
 
 
 class _CountingGateway(gateway_pb2_grpc.GenerationServiceServicer):
     """Streams max_tokens one-token messages; remembers every prompt it was sent."""
 
-    def __init__(self, short_by: int = 0) -> None:
+    def __init__(self, short_by: int = 0, hold: threading.Event | None = None) -> None:
         self.prompts: list[tuple[int, ...]] = []
         self._lock = threading.Lock()
         self._short_by = short_by
+        self._hold = hold  # when set, every request but the one-token connects waits on it
 
     def GenerateStream(self, request, context):
         with self._lock:
             self.prompts.append(tuple(request.token_ids.token_ids))
+        if self._hold is not None and request.sampling.max_tokens > 1:
+            self._hold.wait(30)
         num_tokens = request.sampling.max_tokens - self._short_by
         for k in range(num_tokens):
             last = k == num_tokens - 1
@@ -95,3 +109,42 @@ def test_negative_client_processes_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--client-processes", "-1"])
     assert "--client-processes must be >= 0, got -1" in capsys.readouterr().err
+
+
+_PROBE = ("import sys, bench.serving_clients\n"
+          "found.put(sorted({'torch', 'pagedserve.llm_engine', 'bench.serving'} & set(sys.modules)))")
+
+
+def test_a_client_process_imports_neither_torch_nor_the_parents_main(monkeypatch):
+    """As under `python -m bench.serving`: spawn would re-import __main__ (torch, the engine) in
+    every client process by its spec's name."""
+    main = types.ModuleType("__main__")
+    main.__spec__ = importlib.util.find_spec("bench.serving")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    ctx = multiprocessing.get_context("spawn")
+    found = ctx.Queue()
+    proc = ctx.Process(target=exec, args=(_PROBE, {"found": found}))
+    start_processes([proc])
+    try:
+        assert found.get(timeout=60) == []
+    finally:
+        proc.join(10)
+    assert sys.modules["__main__"] is main
+
+
+def test_a_hung_client_process_fails_the_run_instead_of_hanging_it():
+    hold = threading.Event()
+    server, address = _serve(_CountingGateway(hold=hold))
+    wl = make_workload("n2", 2, (3, 3), (3, 3), 5000)
+    connect = make_workload("connect2", 2, (2, 2), (1, 1), 5000)
+    clients = ClientProcesses("grpc", address, Requests(wl.prompts, wl.output_lens),
+                              Requests(connect.prompts, connect.output_lens), 2, 1,
+                              run_timeout_s=1.0)
+    try:
+        clients.start()
+        with pytest.raises(RuntimeError, match=r"hung: not every one reported its run within 1 s"):
+            clients.run()
+    finally:
+        clients.close()
+        hold.set()
+        server.stop(None)
