@@ -40,7 +40,9 @@ streaming to 256 clients used ~0.9 (gRPC) to 1 (HTTP) core on the H100 run. They
 `--client-processes` K processes (default: one per 32 streams, on at most half the cores), each
 with its own event loop and its own channel or HTTP client, all taking prompts from one shared
 counter: the closed loop and the request count are those of one process. Each process connects
-first (the warm-up above, for its own streams) and they start together.
+first (the warm-up above, for its own streams) and they start together. A client process imports
+neither torch nor this module (docs/performance.md, the load generator: K = 4 ready in ~3 s
+rather than ~22 s on the 2-core dev host), and a dead or hung one fails the run.
 
 Each timed run through the stack records the CPU seconds of the gateway, scheduler and worker
 processes (/proc/<pid>/stat, every thread) and of the client processes (summed as `clients`, and
