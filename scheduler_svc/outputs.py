@@ -9,20 +9,20 @@ from pagedserve.services.common.outputs import RequestOutput, SequenceDelta
 
 def make_request_output(group: SequenceGroup) -> RequestOutput | None:
     """The report for `group` now, or None if nothing new happened since the last one."""
+    is_finished = group.is_finished
     if group.is_streamed:
-        outputs = [_sequence_delta(seq) for seq in group.seqs]
-        outputs = [o for o in outputs if o is not None]
-    elif group.is_finished and group.num_reports == 0:
+        outputs = [o for seq in group.seqs if (o := _sequence_delta(seq)) is not None]
+    elif is_finished and group.num_reports == 0:
         outputs = _final_outputs(group)
     else:
         outputs = []
-    if not outputs and not (group.is_finished and group.num_reports == 0):
+    if not outputs and not (is_finished and group.num_reports == 0):
         return None
     prompt_logprobs = None
     if group.num_reports == 0 and group.sampling.prompt_logprobs is not None:
         prompt_logprobs = list(group.prompt_logprobs)
     group.num_reports += 1
-    return RequestOutput(request_id=group.request_id, outputs=outputs, finished=group.is_finished,
+    return RequestOutput(request_id=group.request_id, outputs=outputs, finished=is_finished,
                          num_prompt_tokens=group.prompt_len,
                          num_cached_tokens=group.num_cached_tokens,
                          prompt_logprobs=prompt_logprobs, embedding=group.embedding)

@@ -86,7 +86,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISH_REASONS
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -216,18 +216,21 @@ class SequenceGroup:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        return all(s.status in _FINISH_REASONS for s in self.seqs)
 
     @property
     def is_streamed(self) -> bool:
         """Beam search and best_of > n report only at the end, when the winners are known."""
         return not self.is_beam_search and self.sampling.num_candidates == self.sampling.n
 
+    # the scheduler asks these of every running group several times a step: the statuses are
+    # read inline rather than through the properties
     def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]
+        return [s for s in self.seqs if s.status not in _FINISH_REASONS]
 
     def is_decode_phase(self) -> bool:
-        return all(s.num_uncomputed_tokens == 1 for s in self.live_seqs())
+        return all(len(s.token_ids) - s.num_computed_tokens == 1 for s in self.seqs
+                   if s.status not in _FINISH_REASONS)
 
     def num_samples(self) -> int:
         if self.is_beam_search:
