@@ -25,6 +25,7 @@ def sequence_deltas(
             num_lookahead_slots, drafts = len(drafts), []
         block_ids = block_manager.block_table(seq.seq_id)
         if seq.worker_block_ids is None:
+            seq.worker_block_ids = list(block_ids)
             new_seqs.append(NewSequence(
                 seq_id=seq.seq_id, request_id=group.request_id, token_ids=list(seq.token_ids),
                 prompt_len=seq.prompt_len, block_ids=list(block_ids),
@@ -34,12 +35,13 @@ def sequence_deltas(
                 draft_token_ids=drafts, num_lookahead_slots=num_lookahead_slots))
         else:
             start = _first_difference(seq.worker_block_ids, block_ids)
+            changed = block_ids[start:]
             running_seqs.append(RunningSequence(
                 seq_id=seq.seq_id, new_token_ids=seq.token_ids[seq.num_worker_tokens:],
-                block_ids_start=start, block_ids=list(block_ids[start:]),
+                block_ids_start=start, block_ids=changed,
                 num_scheduled_tokens=num_scheduled_tokens, num_samples=num_samples,
                 draft_token_ids=drafts, num_lookahead_slots=num_lookahead_slots))
-        seq.worker_block_ids = list(block_ids)
+            seq.worker_block_ids[start:] = changed  # the mirror's copy, updated where it changed
         seq.num_worker_tokens = len(seq.token_ids) + (
             is_sampling and num_samples == 1 and not group.pooling_type)
     return new_seqs, running_seqs
