@@ -48,8 +48,7 @@ def build(name: str, source: Path) -> ModuleType | None:
     import torch
     from torch.utils import cpp_extension
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    version = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
-    build_directory = Path(root) / version / name
+    build_directory = Path(root) / _torch_build_key(torch.__version__, cpp_extension) / name
     try:
         build_directory.mkdir(parents=True, exist_ok=True)
         with _only_builder(build_directory):
@@ -66,6 +65,16 @@ def build(name: str, source: Path) -> ModuleType | None:
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as exc:
         logger.warning("building %s failed (%s): torch ops stand in", name, exc)
         return None
+
+
+def _torch_build_key(torch_version: str, cpp_extension: ModuleType) -> str:
+    """Python and torch versions, and where this torch lies: its include and library paths are
+    in ninja's commands, so two virtual environments sharing one build (CI's clone beside a
+    checkout, worktrees with their own .venv path) would each see the other's command as new and
+    compile again, in turn, every time either loaded the kernel."""
+    paths = "\n".join([*cpp_extension.include_paths(), *cpp_extension.library_paths()])
+    where = hashlib.sha1(paths.encode()).hexdigest()[:8]
+    return f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch_version}_{where}"
 
 
 @contextlib.contextmanager

@@ -57,3 +57,20 @@ def test_a_built_kernel_is_loaded_without_a_rebuild(monkeypatch, tmp_path):
     os.utime(copied, ns=(1, 1))
     cpu_extension.build(cpu_decode.EXTENSION_NAME, cpu_decode.SOURCE)
     assert times[1] == [1]
+
+
+def test_each_torch_install_builds_in_its_own_directory(monkeypatch, tmp_path):
+    """ninja's commands name torch's include and library paths: two environments sharing one
+    build directory made each rebuild the kernel every time the other had loaded it."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, build_directory, **kw:
+                        Path(build_directory))
+    directories = []
+    for venv in ("/a/.venv", "/b/.venv", "/a/.venv"):
+        monkeypatch.setattr(cpp_extension, "include_paths", lambda *a, v=venv: [f"{v}/include"])
+        monkeypatch.setattr(cpp_extension, "library_paths", lambda *a, v=venv: [f"{v}/lib"])
+        directories.append(cpu_extension.build(cpu_decode.EXTENSION_NAME, cpu_decode.SOURCE))
+    assert directories[0] == directories[2] != directories[1]
+    assert directories[0].name == directories[1].name  # the same sources, another torch
