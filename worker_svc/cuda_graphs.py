@@ -35,11 +35,6 @@ logger = logging.getLogger(__name__)
 MAX_CAPTURE_SEQ_LEN = 8192
 # Backends whose decode kernels need only the device seq_lens to be correct (see above).
 CAPTURABLE_BACKENDS = ("triton", "flash_attn")
-# Headroom the memory profile reserves beyond the measured forward, estimates rather than
-# measurements: once for the capture stream's cuBLAS workspace and allocator rounding, and per
-# graph for the instantiated graph and its kernel parameters.
-GRAPH_BASE_HEADROOM_BYTES = 64 << 20
-GRAPH_HEADROOM_BYTES = 2 << 20
 
 
 def is_decode_only(meta: AttentionMetadata) -> bool:

@@ -9,6 +9,10 @@ bookkeeping of their own. The draft model computes each sequence's known tokens 
 tokens, before it proposes; the KV of drafts the target rejected is overwritten as the sequence
 goes on. Drafts are its greedy choices: the verifier keeps a draft while the target's own draw
 equals it, so the outputs are the target's whatever the draft model proposes.
+
+Where the target replays CUDA graphs, the draft model has its own decode graphs (warm-up captures
+them on its KV layers for the target's batch-size buckets): its proposing forwards after the
+first are one token a sequence, launch-bound for a small model, and replay them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from pagedserve.services.common.config import ModelConfig
 from pagedserve.services.common.errors import ConfigError
 from pagedserve.worker_svc.cache_engine import KVCacheSpec
+from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
 from pagedserve.worker_svc.layers.attention import Attention
 from pagedserve.worker_svc.loader import load_hf_config, load_model
 from pagedserve.worker_svc.model_input import build_model_input
@@ -58,6 +63,14 @@ class DraftProposer:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_graphs(self, batch_sizes: list[int], max_seq_len: int,
+                       kv_caches: list[torch.Tensor]) -> None:
+        """Decode graphs of the draft model on its KV layers, in a pool of their own."""
+        self.graphs = DecodeGraphs(self.model, batch_sizes, max_seq_len, self.block_size,
+                                   self.device)
+        self.graphs.capture(kv_caches)
 
     @torch.inference_mode()
     def propose(self, scheduled: list[CachedSequence], kv_caches: list[torch.Tensor]) -> None:
@@ -100,8 +113,13 @@ class DraftProposer:
         """One forward over seqs (prefills first); the greedy next token after the last
         computed one of each sequence in seq_ids."""
         model_input = build_model_input(seqs, self.block_size, self.device)
-        hidden_states = self.model(model_input.input_ids, model_input.positions,
-                                   kv_caches, model_input.meta)  # [num_tokens, hidden]
+        graphs = self.graphs
+        batch_size = graphs.batch_size_for(model_input, kv_caches) if graphs else None
+        if batch_size is not None:
+            hidden_states = graphs.replay(model_input, batch_size)  # [num_tokens, hidden]
+        else:
+            hidden_states = self.model(model_input.input_ids, model_input.positions,
+                                       kv_caches, model_input.meta)  # [num_tokens, hidden]
         ends = itertools.accumulate(model_input.meta.query_lens_cpu)
         rows = [(s.seq_id, end - 1) for s, end in zip(seqs, ends, strict=True)
                 if s.seq_id in seq_ids]

@@ -96,6 +96,13 @@ class ModelRunner:
                             pooled=pooled, modelled_swap_s=modelled_swap_s,
                             blocks_to_copy=plan.blocks_to_copy)
 
+    def drop_graphs(self) -> None:
+        """The target's and the draft model's CUDA graphs: they read the KV cache they were
+        captured on."""
+        self.decode_graphs = self.mixed_graphs = None
+        if self.drafter is not None:
+            self.drafter.graphs = None
+
     @torch.inference_mode()
     def sample(self, step: InFlightStep) -> None:
         """Queues the draws; the sequences' histories must hold every earlier step's tokens."""

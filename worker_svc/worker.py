@@ -195,8 +195,7 @@ class Worker:
         is_kept = (cache is not None and cache.num_gpu_blocks == num_gpu_blocks
                    and cache.num_cpu_blocks == num_cpu_blocks)
         if not is_kept:
-            # they read the old cache; warm_up captures new ones
-            runner.decode_graphs = runner.mixed_graphs = None
+            runner.drop_graphs()  # warm_up captures new ones
             self.cache_engine = None
             gc.collect()
             self.cache_engine = self._new_cache_engine(num_gpu_blocks, num_cpu_blocks)
@@ -223,12 +222,15 @@ class Worker:
                                  f"{batch_sizes}")
         buckets = dataclasses.replace(default, batch_sizes=sizes)
         cache_engine = self._cache_engine()
-        num_graphs = len(sizes) + len(buckets.num_tokens)
+        drafter = runner.drafter
+        num_graphs = (len(sizes) * (1 if drafter is None else 2)) + len(buckets.num_tokens)
         if runner.decode_graphs is not None and runner.decode_graphs.batch_sizes == sizes:
             return num_graphs  # captured on this very cache (init_cache kept it)
-        runner.decode_graphs = runner.mixed_graphs = None
+        runner.drop_graphs()
         runner.decode_graphs, runner.mixed_graphs = capture_graphs(
             runner.model, buckets, self.kv_spec.block_size, cache_engine.gpu_cache, self.device)
+        if drafter is not None:
+            drafter.capture_graphs(sizes, buckets.max_seq_len, cache_engine.draft_gpu_cache)
         return num_graphs
 
     def execute_step(self, plan: StepPlan) -> StepOutput:
@@ -287,7 +289,7 @@ class Worker:
             self._close_thread()
             self.model_thread = None
         if self.runner is not None:
-            self.runner.decode_graphs = self.runner.mixed_graphs = None
+            self.runner.drop_graphs()
             if self.runner.grammars is not None:
                 self.runner.grammars.shutdown()
         self.cache_engine = self.runner = self.info = self._memory_profile = None

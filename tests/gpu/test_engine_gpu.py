@@ -1,14 +1,18 @@
 """The in-process engine on CUDA with each backend: greedy output is HF's (float32), and swap
 preemption through the side stream does not change it; a closed engine gives its memory back,
-and gpu_memory_utilization is each engine's own share. Skipped without CUDA."""
+gpu_memory_utilization is each engine's own share, and a draft model replays its own CUDA
+graphs. Skipped without CUDA."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 from pagedserve.services.common.config import GiB
 from pagedserve.services.common.sampling_params import SamplingParams
 
+from bench.draft_model import truncate
 from pagedserve.llm_engine import LLMEngine
 from tests.gpu.gpu_worker import CUDA_BACKENDS, prompt
 from tests.integration.worker_driver import hf_logits
@@ -100,3 +104,22 @@ def test_kv_cache_memory_gib_sizes_the_cuda_cache(tiny_model_dir):
     with _profiled(tiny_model_dir("llama"), kv_cache_memory_gib=0.25) as engine:
         worker = engine.core.workers[0]
         assert engine.core.num_gpu_blocks == int(0.25 * GiB) // worker.kv_spec.bytes_per_block
+
+
+def test_draft_model_graphs_give_the_eager_drafts(tiny_model_dir, tmp_path):
+    """The draft model's proposing forwards replay its own decode graphs, and the outputs are
+    speculation off's (and eager drafting's: the same drafts accepted)."""
+    path = tiny_model_dir("llama")
+    draft = truncate(path, tmp_path / "draft", num_layers=1)
+    speculative = json.dumps({"method": "draft_model", "model": str(draft),
+                              "num_speculative_tokens": 3, "adaptive": False})
+    prompts = [prompt(i, n) for i, n in enumerate(PROMPT_LENS)]
+    expected = _generate(_engine(path, "triton"), prompts)
+    eager = _engine(path, "triton", speculative_config=speculative, enable_cuda_graph=False)
+    graphed = _engine(path, "triton", speculative_config=speculative)
+    assert _generate(eager, prompts) == _generate(graphed, prompts) == expected
+    drafter = graphed.core.workers[0].runner.drafter
+    assert eager.core.workers[0].runner.drafter.graphs is None
+    assert drafter.graphs.num_replays > 0
+    totals = (engine.core.scheduler.speculator.totals for engine in (eager, graphed))
+    assert len({(t.num_draft_tokens, t.num_accepted_tokens) for t in totals}) == 1

@@ -182,3 +182,42 @@ def test_decode_steps_take_the_graph_path_and_keep_their_tokens(tiny_model_dir):
     assert graphed.recorder.logits.keys() == eager.recorder.logits.keys()
     for key, row in graphed.recorder.logits.items():
         torch.testing.assert_close(row, eager.recorder.logits[key], atol=1e-4, rtol=0)
+
+
+def _stand_in_graphs(model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> DecodeGraphs:
+    graphs = DecodeGraphs(model, [1, 2, 4], max_seq_len=64, block_size=BLOCK_SIZE, device=CPU)
+    with torch.inference_mode():
+        for batch_size in graphs.batch_sizes:
+            graphs.hidden_states[batch_size] = graphs.run_static(batch_size, kv_caches)
+            graphs.graphs[batch_size] = EagerReplay(graphs, batch_size, kv_caches)
+    graphs.kv_caches = kv_caches
+    return graphs
+
+
+def test_a_draft_models_proposing_forwards_take_its_graphs(tiny_model_dir, tmp_path):
+    """With its decode graphs stood in for by EagerReplay, the draft model proposes the drafts
+    it proposes eagerly: same outputs, same drafts accepted, its one-token forwards replayed."""
+    if "triton" not in available_backends(CPU):
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    from bench.draft_model import truncate
+    from pagedserve.llm_engine import LLMEngine
+    from tests.integration.test_draft_model import draft_config
+    from tests.integration.test_spec_decode import prompts_with_repeats, run
+
+    path = tiny_model_dir("llama")
+    draft = truncate(path, tmp_path / "draft", num_layers=1)
+    sampling = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    results = []
+    for is_graphed in (False, True):
+        engine = LLMEngine.from_kwargs(
+            model=str(path), device="cpu", attention_backend="triton", block_size=BLOCK_SIZE,
+            num_threads=1, num_gpu_blocks_override=64, speculative_config=draft_config(draft))
+        drafter = engine.core.workers[0].runner.drafter
+        if is_graphed:
+            cache = engine.core.workers[0].cache_engine.draft_gpu_cache
+            drafter.graphs = _stand_in_graphs(drafter.model, cache)
+        totals = engine.core.scheduler.speculator.totals
+        outputs = run(engine, prompts_with_repeats(2), sampling)
+        results.append((outputs, totals.num_draft_tokens, totals.num_accepted_tokens))
+    assert results[0] == results[1]
+    assert drafter.graphs.num_replays > 0
