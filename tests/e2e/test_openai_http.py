@@ -10,7 +10,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.scheduler_svc.servicer import stop_scheduler
-from pagedserve.services.gateway.config import HttpConfig
+from pagedserve.services.gateway.config import HttpConfig, RoutingConfig
 from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from tests.e2e.stack import assert_idle, start_stack, tiny_config
@@ -282,7 +282,10 @@ def test_past_the_limit_is_429_then_draining_is_503(guarded):
 
 
 def test_scheduler_gone_is_503(tiny_served_model_dir):
-    stack = start_stack(tiny_config(tiny_served_model_dir))
+    """After failover_timeout_s without a serving replica (half a second here: a test of the
+    answer, not of the wait, which tests/unit/test_gateway_servicer.py times)."""
+    stack = start_stack(tiny_config(tiny_served_model_dir),
+                        routing=RoutingConfig(failover_timeout_s=0.5))
     try:
         stack.loop.run(stop_scheduler(*stack.scheduler))
         with httpx.Client(base_url=stack.http_url, timeout=60) as http:
