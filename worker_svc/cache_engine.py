@@ -26,34 +26,47 @@ class KVCacheSpec:
     head_size: int
     block_size: int
     dtype: torch.dtype
-    # a draft model's layers, of the same KV shape, in the same blocks (speculative decoding)
+    # a draft model's layers (speculative decoding): in the same blocks, each of its own KV shape
     num_draft_layers: int = 0
+    draft_num_kv_heads: int = 0
+    draft_head_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_draft_layers and not (self.draft_num_kv_heads and self.draft_head_size):
+            raise ValueError("a KV cache spec with draft layers needs their KV shape")
 
     @property
     def num_cache_layers(self) -> int:
         """The target's layers and the draft's: every one holds a tensor in the cache."""
         return self.num_layers + self.num_draft_layers
 
+    def layer_shapes(self, with_draft: bool = True) -> list[tuple[int, int]]:
+        """(num_kv_heads, head_size) of each cache layer: the target's, then the draft's."""
+        draft = [(self.draft_num_kv_heads, self.draft_head_size)] * self.num_draft_layers
+        return [(self.num_kv_heads, self.head_size)] * self.num_layers + (
+            draft if with_draft else [])
+
+    def draft_spec(self) -> KVCacheSpec:
+        """The draft model's layers alone, as a model's own cache."""
+        return KVCacheSpec(self.num_draft_layers, self.draft_num_kv_heads, self.draft_head_size,
+                           self.block_size, self.dtype)
+
     @property
     def bytes_per_block(self) -> int:
         """Across all layers, K and V."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return (2 * self.num_cache_layers * self.block_size * self.num_kv_heads * self.head_size
-                * elem)
-
-    def block_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        return 2 * self.block_size * elem * sum(h * d for h, d in self.layer_shapes())
 
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device,
                        pin_memory: bool = False, zeroed: bool = True,
-                       num_layers: int | None = None) -> list[torch.Tensor]:
-    """Per layer (the target model's unless num_layers):
+                       with_draft: bool = False) -> list[torch.Tensor]:
+    """Per layer (the target model's, then the draft's if with_draft):
     [2, num_blocks, block_size, num_kv_heads, head_size]"""
     alloc = torch.zeros if zeroed else torch.empty
-    return [alloc(spec.block_shape(num_blocks), dtype=spec.dtype, device=device,
-                  pin_memory=pin_memory)
-            for _ in range(spec.num_layers if num_layers is None else num_layers)]
+    return [alloc((2, num_blocks, spec.block_size, num_kv_heads, head_size), dtype=spec.dtype,
+                  device=device, pin_memory=pin_memory)
+            for num_kv_heads, head_size in spec.layer_shapes(with_draft)]
 
 
 def check_block_pairs(pairs: list[tuple[int, int]], num_src: int, num_dst: int) -> None:
@@ -82,15 +95,14 @@ class CacheEngine:
         self.device = device
         self.backend = backend
         # every layer's blocks move together: a draft model's KV follows its sequence's
-        self._gpu_layers = allocate_kv_caches(spec, num_gpu_blocks, device,
-                                              num_layers=spec.num_cache_layers)
+        self._gpu_layers = allocate_kv_caches(spec, num_gpu_blocks, device, with_draft=True)
         self.gpu_cache = self._gpu_layers[:spec.num_layers]  # the target model's
         self.draft_gpu_cache = self._gpu_layers[spec.num_layers:]
         # Unzeroed: a swap block is only read after a swap-out wrote it, so start-up need not
         # touch gigabytes of host memory.
         self.cpu_cache = allocate_kv_caches(spec, num_cpu_blocks, torch.device("cpu"),
                                             pin_memory=device.type == "cuda", zeroed=False,
-                                            num_layers=spec.num_cache_layers)
+                                            with_draft=True)
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         logger.info("KV cache: %d device blocks, %d CPU blocks, %d bytes per block",
                     num_gpu_blocks, num_cpu_blocks, spec.bytes_per_block)
@@ -150,7 +162,8 @@ class CacheEngine:
         if not pairs:
             return
         mapping = self._mapping(pairs, self.num_gpu_blocks, self.num_gpu_blocks, self.device)
-        self.backend.copy_blocks(self._gpu_layers, mapping)
+        for layers in (self.gpu_cache, self.draft_gpu_cache):  # one KV shape per call
+            self.backend.copy_blocks(layers, mapping)
 
     def read_blocks(self, block_ids: list[int]) -> bytes:
         """Device blocks as bytes, block after block: per layer (a draft model's after the
@@ -158,9 +171,9 @@ class CacheEngine:
         takes)."""
         check_block_pairs([(b, b) for b in block_ids], self.num_gpu_blocks, self.num_gpu_blocks)
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        # [num_layers, 2, n, block_size, num_kv_heads, head_size] -> block-major
-        blocks = torch.stack([layer.index_select(1, index) for layer in self._gpu_layers])
-        blocks = blocks.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+        # each layer's [2, n, block_size, num_kv_heads, head_size] -> [n, its bytes]
+        blocks = torch.cat([layer.index_select(1, index).transpose(0, 1).reshape(len(block_ids), -1)
+                            for layer in self._gpu_layers], dim=1).cpu()
         return blocks.view(torch.uint8).numpy().tobytes()
 
     def write_blocks(self, block_ids: list[int], data: bytes) -> None:
@@ -169,10 +182,12 @@ class CacheEngine:
             raise InvalidRequest(f"{len(block_ids)} KV blocks need {num_bytes} bytes, got "
                                  f"{len(data)}")
         check_block_pairs([(b, b) for b in block_ids], self.num_gpu_blocks, self.num_gpu_blocks)
-        spec = self.spec
-        blocks = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(spec.dtype).view(
-            len(block_ids), len(self._gpu_layers), 2, spec.block_size, spec.num_kv_heads,
-            spec.head_size).to(self.device)
+        blocks = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.spec.dtype).view(
+            len(block_ids), -1).to(self.device)  # [n, elements of a block across layers]
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        for i, layer in enumerate(self._gpu_layers):
-            layer.index_copy_(1, index, blocks[:, i].transpose(0, 1))
+        start = 0
+        for layer in self._gpu_layers:
+            end = start + layer[:, 0].numel()
+            layer.index_copy_(1, index, blocks[:, start:end].reshape(
+                len(block_ids), 2, *layer.shape[2:]).transpose(0, 1))
+            start = end

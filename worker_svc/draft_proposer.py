@@ -1,14 +1,15 @@
 """Speculative decoding with a draft model: a small model of the target's tokenizer, run by the
 worker inside each step, proposes the drafts the target verifies in that same step.
 
-Its KV cache is a second set of per-layer tensors in the target's blocks, indexed by the same
-block tables and slot mapping (CacheEngine.draft_gpu_cache), as vLLM's drafters do: the
-scheduler's block accounting, swaps, copy-on-write and the prefix cache cover it with no
-bookkeeping of their own. The draft model computes each sequence's known tokens once
-(CachedSequence.num_draft_computed): prefill chunks, recomputed prompts and each step's new
-tokens, before it proposes; the KV of drafts the target rejected is overwritten as the sequence
-goes on. Drafts are its greedy choices: the verifier keeps a draft while the target's own draw
-equals it, so the outputs are the target's whatever the draft model proposes.
+Its KV cache is a second set of per-layer tensors, in its own KV shape (a Llama-3.2-1B draft has
+half a Llama-3-8B's head size), with the target's blocks: indexed by the same block tables and slot
+mapping (CacheEngine.draft_gpu_cache), as vLLM's drafters do, so a block's bytes are the target's
+and the draft's layers together. The scheduler's block accounting, swaps, copy-on-write and the
+prefix cache cover it with no bookkeeping of their own. The draft model computes each sequence's
+known tokens once (CachedSequence.num_draft_computed): prefill chunks, recomputed prompts and each
+step's new tokens, before it proposes; the KV of drafts the target rejected is overwritten as the
+sequence goes on. Drafts are its greedy choices: the verifier keeps a draft while the target's own
+draw equals it, so the outputs are the target's whatever the draft model proposes.
 
 Where the target replays CUDA graphs, the draft model has its own decode graphs (warm-up captures
 them on its KV layers for the target's batch-size buckets): its proposing forwards after the
@@ -36,8 +37,8 @@ from torch import nn
 def load_draft_proposer(path: str, target: ModelConfig, spec: KVCacheSpec, vocab_size: int,
                         device: torch.device, backend: ModuleType, max_model_len: int,
                         tensor_parallel_size: int) -> tuple[DraftProposer, KVCacheSpec]:
-    """The draft model at `path` and the KV cache spec with its layers added. Its KV shares the
-    target's blocks, so its layers must have the target's KV shape."""
+    """The draft model at `path` and the KV cache spec with its layers added: they share the
+    target's blocks (block ids, tables, slots), each layer in its own KV shape."""
     if tensor_parallel_size > 1:
         raise ConfigError("speculative_config method 'draft_model' runs on one worker, got "
                           f"tensor_parallel_size={tensor_parallel_size}")
@@ -49,13 +50,10 @@ def load_draft_proposer(path: str, target: ModelConfig, spec: KVCacheSpec, vocab
     model = load_model(dataclasses.replace(target, model=path), hf_config, spec.dtype, device,
                        backend=backend, max_position=max_model_len)
     layers = [m for m in model.modules() if isinstance(m, Attention)]
-    shape = (layers[0].num_kv_heads, layers[0].head_size)
-    if shape != (spec.num_kv_heads, spec.head_size):
-        raise ConfigError(f"speculative_config.model={path!r} has (num_kv_heads, head_size)="
-                          f"{shape}, the target model {(spec.num_kv_heads, spec.head_size)}: "
-                          "the draft model's KV lives in the target's blocks")
     return (DraftProposer(model, spec.block_size, device),
-            dataclasses.replace(spec, num_draft_layers=len(layers)))
+            dataclasses.replace(spec, num_draft_layers=len(layers),
+                                draft_num_kv_heads=layers[0].num_kv_heads,
+                                draft_head_size=layers[0].head_size))
 
 
 class DraftProposer:

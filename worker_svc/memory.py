@@ -162,8 +162,9 @@ def profile_memory(runner: ModelRunner, model: nn.Module, spec: KVCacheSpec,
         if graph_buckets is not None:
             graphs = graph_memory_bytes(model, spec, graph_buckets, device)
             if runner.drafter is not None:  # its decode graphs, in a pool of their own
-                graphs += graph_memory_bytes(runner.drafter.model, spec, dataclasses.replace(
-                    graph_buckets, num_tokens=[]), device)
+                graphs += graph_memory_bytes(runner.drafter.model, spec.draft_spec(),
+                                             dataclasses.replace(graph_buckets, num_tokens=[]),
+                                             device)
         free, total = torch.cuda.mem_get_info(device)
         memory = DeviceMemory(total=total, free=free, weights=model_bytes,
                               activations=activations, graphs=graphs,

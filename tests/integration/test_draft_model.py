@@ -4,15 +4,16 @@ prefill, preemption by recompute and by swap, prefix caching and n > 1."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
-from pagedserve.services.common.errors import ConfigError
 from pagedserve.services.common.sampling_params import SamplingParams
 
 from bench.draft_model import truncate
 from pagedserve.llm_engine import LLMEngine
 from tests.integration.test_spec_decode import TINY, prompts_with_repeats, run, speculator
+from tests.tiny_models import load_hf
 
 
 def draft_config(path, k: int = 3) -> str:
@@ -74,8 +75,36 @@ def test_seeded_sampling_and_n_greater_than_one_equal_speculation_off(off, llama
     assert speculator(on).totals.num_draft_tokens > 0
 
 
-def test_a_draft_model_whose_kv_does_not_fit_the_targets_blocks_is_refused(llama_dir,
-                                                                          tiny_model_dir):
-    with pytest.raises(ConfigError, match=r"speculative_config.model=.*num_kv_heads, head_size"):
-        LLMEngine.from_kwargs(model=str(tiny_model_dir("opt")),
-                              speculative_config=draft_config(llama_dir), **TINY)
+def as_multi_head(path, out):
+    """The same model with every key/value head repeated for each query head it serves: equal
+    outputs, a KV cache of twice the heads."""
+    model = load_hf(path)
+    config = copy.deepcopy(model.config)
+    groups = config.num_attention_heads // config.num_key_value_heads
+    config.num_key_value_heads = config.num_attention_heads
+    state = model.state_dict()
+    for name in [n for n in state if n.endswith(("k_proj.weight", "v_proj.weight"))]:
+        weight = state[name]  # [kv_heads * head_dim, hidden]
+        heads = weight.view(-1, config.head_dim, weight.shape[1])
+        state[name] = heads.repeat_interleave(groups, dim=0).reshape(-1, weight.shape[1])
+    wide = type(model)(config)
+    wide.load_state_dict(state)
+    wide.save_pretrained(out)
+    return out
+
+
+def test_a_draft_model_of_another_kv_shape_keeps_its_own_kv(off, llama_dir, tmp_path):
+    """Its layers hold twice the target's KV heads in the same blocks: nearly every draft is kept
+    (it is the target's function) only if its KV follows through chunks, preemption by swap and
+    copy-on-write (n > 1) in its own shape."""
+    draft = as_multi_head(llama_dir, tmp_path / "mha")
+    on = under_pressure(llama_dir, draft, "swap")
+    worker = on.core.workers[0]
+    assert worker.cache_engine.draft_gpu_cache[0].shape[3] == 2 * worker.kv_spec.num_kv_heads
+    prompts = prompts_with_repeats(6)
+    for sampling in (SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                     SamplingParams(n=2, temperature=0.0, max_tokens=16, ignore_eos=True)):
+        assert run(on, prompts, sampling) == run(off, prompts, sampling)
+    totals = speculator(on).totals
+    assert totals.num_accepted_tokens >= 0.95 * totals.num_draft_tokens > 0
+    assert on.core.scheduler.num_preemptions > 0

@@ -117,15 +117,21 @@ def test_lookahead_slots_are_refused_without_a_draft_model():
         h.mirrors.check(plan)
 
 
-def test_the_draft_models_kv_moves_with_its_blocks():
-    """Copy-on-write and swaps carry the draft model's layers with the target's."""
+@pytest.mark.parametrize("backend", ["ref", "torch"])
+def test_the_draft_models_kv_moves_with_its_blocks(backend):
+    """Copy-on-write and swaps carry the draft model's layers, of their own KV shape, with the
+    target's."""
     spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_size=4, block_size=BLOCK_SIZE,
-                       dtype=torch.float32, num_draft_layers=1)
+                       dtype=torch.float32, num_draft_layers=1, draft_num_kv_heads=2,
+                       draft_head_size=2)
     cpu = torch.device("cpu")
     engine = CacheEngine(spec, num_gpu_blocks=4, num_cpu_blocks=2, device=cpu,
-                         backend=get_backend("ref", cpu))
+                         backend=get_backend(backend, cpu))
     assert (len(engine.gpu_cache), len(engine.draft_gpu_cache)) == (2, 1)
-    assert spec.num_cache_layers == 3 and spec.bytes_per_block == 2 * 3 * BLOCK_SIZE * 4 * 4
+    assert engine.draft_gpu_cache[0].shape == (2, 4, BLOCK_SIZE, 2, 2)
+    assert engine.cpu_cache[2].shape == (2, 2, BLOCK_SIZE, 2, 2)
+    assert spec.num_cache_layers == 3
+    assert spec.bytes_per_block == 2 * BLOCK_SIZE * 4 * (2 * 1 * 4 + 1 * 2 * 2)
     engine.draft_gpu_cache[0][:, 0] = 7.0
     engine.copy([(0, 1)])
     engine.swap_out([(1, 0)])

@@ -124,7 +124,8 @@ def test_cuda_profile_subtracts_only_the_kv_bytes_it_allocated(monkeypatch):
     from pagedserve.worker_svc.cache_engine import KVCacheSpec
 
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=8, block_size=4,
-                       dtype=torch.float32, num_draft_layers=3)
+                       dtype=torch.float32, num_draft_layers=3, draft_num_kv_heads=2,
+                       draft_head_size=8)
     activations = 1 << 20
     allocated = []
 
