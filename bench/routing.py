@@ -7,8 +7,9 @@ grow a turn at a time, each turn's prompt the previous one plus the answer it go
 message; `--num-open` of them are open at any time, and when one ends the next one starts. Each of
 the `--concurrency` clients runs the next turn of an open conversation picked at random (seeded).
 A conversation takes half to 1.5x `--num-turns` turns, so the open ones are at all depths. Both
-policies get conversations of the same shapes (their own tokens, so that neither finds the
-other's blocks). Presets (`--workload`, both by default, one record; bench/routing_workload.py):
+policies get the same conversations and seeded turn picks, each on fresh replicas (their
+schedulers restarted between the runs: empty caches), so the runs differ only in routing and
+timing. Presets (`--workload`, both by default, one record; bench/routing_workload.py):
 
 - `chat`: 12 system prompts (apps, personas) of 128 tokens, 32 chats of 6 turns on average,
   64-token user messages and 32-token answers, 16 open.
@@ -227,36 +228,39 @@ async def run(args: argparse.Namespace) -> list[PolicyResult]:
         return SchedulerServiceConfig(port=port, worker_addresses=[f"127.0.0.1:{worker[0].port}"],
                                       stats_interval_s=0, step_timeout_s=600)
 
-    async def restart_r0() -> None:
-        """Replica r0's scheduler stops at once and a new one takes its port and worker."""
-        worker, scheduler = replicas[0]
+    async def restart(i: int) -> None:
+        """Replica i's scheduler stops at once and a new one takes its port and worker."""
+        worker, scheduler = replicas[i]
         port = scheduler[0].port
         await stop_scheduler(*scheduler)
-        replicas[0] = (worker, await start_scheduler(config, scheduler_config(port, worker)))
+        replicas[i] = (worker, await start_scheduler(config, scheduler_config(port, worker)))
 
-    async def all_serving() -> None:
-        for gateway in gateways:
-            while len(gateway.replicas.serving()) < 2:
-                await asyncio.sleep(0.05)
+    async def restart_r0() -> None:
+        await restart(0)
 
     try:
         for _ in range(2):
             worker = await start_worker(config, WorkerServiceConfig(port=0))
             replicas.append((worker, await start_scheduler(config, scheduler_config(0, worker))))
         addresses = ",".join(f"127.0.0.1:{s[0].port}" for _, s in replicas)
-        arms = ARMS[args.compare]
-        for _, policy, use_kv_events in arms:
-            gateways.append(await start_gateway(GatewayConfig(
+        results = []
+        for i, (name, policy, use_kv_events) in enumerate(ARMS[args.compare]):
+            if i:  # empty caches: the arm before left its blocks
+                for r in range(len(replicas)):
+                    await restart(r)
+            gateway = await start_gateway(GatewayConfig(
                 port=0, scheduler_address=addresses, http=HttpConfig(http_port=-1),
                 routing=RoutingConfig(routing_policy=policy,
                                       routing_prefix_blocks=args.routing_prefix_blocks,
-                                      routing_kv_events=use_kv_events))))
-        results = []
-        for salt, ((name, _, _), gateway) in enumerate(zip(arms, gateways, strict=True)):
-            await all_serving()
+                                      routing_kv_events=use_kv_events)))
+            gateways.append(gateway)
+            while len(gateway.replicas.serving()) < len(replicas):
+                await asyncio.sleep(0.05)
             results.append(await run_policy(
-                gateway, make_conversations(args, salt), args, name,
+                gateway, make_conversations(args, 0), args, name,
                 restart_r0 if args.restart_at is not None else None))
+            await gateway.stop(grace_s=0)
+            gateways.remove(gateway)
         return results
     finally:
         for gateway in gateways:

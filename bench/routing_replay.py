@@ -54,6 +54,7 @@ from bench.routing_workload import (
 )
 
 DECODE_COST = 20.0  # an output token's time in prompt tokens' (a decode step is batched)
+RESTART_TURNS = 2  # turns that start while a restarted replica is down (its new scheduler starts)
 
 
 class CacheModel:
@@ -99,11 +100,10 @@ class CacheModel:
                 self._evictor[block_hash] = None
         self._make_room()
 
-    def restart(self) -> None:
-        """Every cached block no running turn holds is lost (the running turns go on)."""
-        self._evictor.clear()
+    def clear(self) -> None:
+        """The snapshot of an empty cache (a new scheduler's, under a new log)."""
+        assert not self._refs and not self._evictor, "clear a cache no turn used"
         self._on_event(AllBlocksCleared())
-        self._on_event(BlockStored(tuple(self._refs), None, BLOCK_SIZE))
 
     def _hold(self, block_hash: bytes) -> None:
         self._evictor.pop(block_hash, 0)
@@ -119,8 +119,11 @@ def replay(policy: str, args: argparse.Namespace, salt: int, num_replicas: int =
            cache_scale: int = 1, use_kv_events: bool = False,
            restart_at: float | None = None, num_gateways: int = 1) -> PolicyResult:
     """`use_kv_events`: affinity on what the replicas report holding; `restart_at`: after this
-    fraction of the turns started, replica r0 restarts; `num_gateways`: each turn reaches one
-    of them at random (each knows only what it routed, and every one gets the events)."""
+    fraction of the turns started, replica r0 restarts as in bench.routing: its cache is lost,
+    the turns it ran fail over (routed again among the others, computed there from what they
+    hold), and it takes no turn and streams no events for the next RESTART_TURNS turns;
+    `num_gateways`: each turn reaches one of them at random (each knows only what it routed,
+    and every one gets the events)."""
     result = PolicyResult(policy)
     conversations = make_conversations(args, salt)
     open_chats, waiting = conversations[:num_open(args)], conversations[num_open(args):]
@@ -143,30 +146,53 @@ def replay(policy: str, args: argparse.Namespace, salt: int, num_replicas: int =
     num_restarts = 0
     caches = {f"r{i}": CacheModel(num_blocks, publisher(f"r{i}")) for i in range(num_replicas)}
     for cache in caches.values():
-        cache.restart()  # the empty snapshot a gateway starts from
+        cache.clear()  # the empty snapshot a gateway starts from
+    down_until = -1  # r0 is down while turns before this one start
     work: dict[str, dict[int, float]] = {address: {} for address in caches}
     num_turns = sum(len(c.user_turns) for c in conversations)
     restart_turn = None if restart_at is None else int(restart_at * num_turns)
     turns: dict[int, tuple] = {}
     systems_seen: set[int] = set()
 
-    def start_turn(turn_id: int) -> None:
-        conversation = open_chats.pop(rng.randrange(len(open_chats)))
-        prompt = next_prompt(conversation, systems_seen)
-        router = routers[gateway_rng.randrange(num_gateways)]
-        decision = router.choose([Candidate(a, len(work[a]), num_blocks) for a in caches],
+    def route(turn_id: int, conversation, prompt: list[int], router: Router) -> int:
+        """The turn runs on the replica the router picks: its hit tokens."""
+        serving = [a for a in caches if a != "r0" or turn_id >= down_until]
+        decision = router.choose([Candidate(a, len(work[a]), num_blocks) for a in serving],
                                  prompt, BLOCK_SIZE)
         result.decisions[decision.reason] = result.decisions.get(decision.reason, 0) + 1
         hashes = hash_prompt_blocks(prompt, BLOCK_SIZE, len(prompt) // BLOCK_SIZE)
         turn_blocks = math.ceil((len(prompt) + args.output_len) / BLOCK_SIZE)
         num_hit = caches[decision.address].admit(hashes, turn_blocks,
                                                  (len(prompt) - 1) // BLOCK_SIZE)
-        result.num_requests += 1
-        result.num_cached_tokens += num_hit * BLOCK_SIZE
-        count_turn(result, conversation, prompt, num_hit * BLOCK_SIZE, decision.address)
         work[decision.address][turn_id] = (len(prompt) - num_hit * BLOCK_SIZE
                                            + DECODE_COST * args.output_len)
-        turns[turn_id] = (conversation, decision.address, prompt, num_hit, turn_blocks)
+        turns[turn_id] = (conversation, decision.address, prompt, num_hit, turn_blocks, router)
+        return num_hit * BLOCK_SIZE
+
+    def start_turn(turn_id: int) -> None:
+        conversation = open_chats.pop(rng.randrange(len(open_chats)))
+        prompt = next_prompt(conversation, systems_seen)
+        num_hit_tokens = route(turn_id, conversation, prompt,
+                               routers[gateway_rng.randrange(num_gateways)])
+        result.num_requests += 1
+        result.num_cached_tokens += num_hit_tokens
+        count_turn(result, conversation, prompt, num_hit_tokens, turns[turn_id][1])
+
+    def restart_r0(next_turn: int) -> None:
+        """What r0 held and ran is lost; its running turns fail over, counted as they end
+        (a client sees the hit tokens of the replica that answered)."""
+        nonlocal num_restarts, down_until
+        num_restarts += 1
+        down_until = next_turn + RESTART_TURNS
+        for router in routers:
+            router.kv_index.mark_lost("r0")
+        failed = list(work["r0"])
+        work["r0"].clear()
+        caches["r0"] = CacheModel(num_blocks, publisher("r0"))
+        for turn_id in failed:
+            conversation, _, prompt, num_hit, _, router = turns.pop(turn_id)
+            result.num_cached_tokens += route(turn_id, conversation, prompt, router) - (
+                num_hit * BLOCK_SIZE)
 
     for turn_id in range(min(args.concurrency, len(open_chats))):
         start_turn(turn_id)
@@ -179,7 +205,7 @@ def replay(policy: str, args: argparse.Namespace, salt: int, num_replicas: int =
             for turn_id in running:
                 running[turn_id] -= elapsed / len(running)
         del work[address][done]
-        conversation, address, prompt, num_hit, turn_blocks = turns.pop(done)
+        conversation, address, prompt, num_hit, turn_blocks, _ = turns.pop(done)
         answer = [rng.randrange(args.min_token_id, args.max_token_id)
                   for _ in range(args.output_len)]
         # the last answer token was sampled, never fed back: no KV
@@ -191,8 +217,9 @@ def replay(policy: str, args: argparse.Namespace, salt: int, num_replicas: int =
         elif waiting:
             open_chats.append(waiting.pop(0))
         if next_id == restart_turn:
-            num_restarts += 1
-            caches["r0"].restart()
+            restart_r0(next_id)
+        if next_id == down_until:
+            caches["r0"].clear()  # serving again, under a new log
         if open_chats:
             start_turn(next_id)
             next_id += 1

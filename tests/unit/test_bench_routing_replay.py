@@ -41,3 +41,18 @@ def test_affinity_hits_more_than_round_robin_under_cache_pressure_and_all_withou
     assert replay("affinity", roomy, 0).hit_share == 1.0
     # round robin only misses what a moved turn's history gained since its last visit there
     assert replay("round-robin", roomy, 1).missed_tokens.get("same_replica") == 0
+
+
+def test_a_restart_fails_over_the_running_turns_and_loses_what_the_replica_held():
+    # seed 2: r0 runs two turns when it restarts
+    small = _args(num_conversations=8, num_open=4, num_turns=4, concurrency=4, seed=2)
+    num_turns = sum(len(c.user_turns) for c in make_conversations(small, 0))
+    steady = replay("affinity", small, 0)
+    restarted = replay("affinity", small, 0, restart_at=0.5)
+    assert restarted.num_requests == steady.num_requests == num_turns
+    assert restarted.num_cached_tokens < steady.num_cached_tokens
+    assert sum(steady.decisions.values()) == num_turns
+    assert sum(restarted.decisions.values()) > num_turns  # r0's running turns routed again
+    # with the events, the router forgets r0 at once and still answers every turn
+    events = replay("affinity", small, 0, use_kv_events=True, restart_at=0.5)
+    assert events.num_requests == num_turns
