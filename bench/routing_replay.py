@@ -71,7 +71,9 @@ class CacheModel:
         self._on_event = on_event or (lambda event: None)
 
     def admit(self, hashes: list[bytes], num_blocks: int, max_hit_blocks: int) -> int:
-        """A turn of `num_blocks` (prompt and answer) starts: its cached blocks, the rest taken."""
+        """A turn of `num_blocks` (prompt and answer) starts: its cached blocks. The prompt's
+        other full blocks (`hashes`) are named as its prefill computes them, as the scheduler
+        names a block once computed; the rest are taken unnamed."""
         num_hit = 0
         for block_hash in hashes[:max_hit_blocks]:
             if block_hash not in self._refs and block_hash not in self._evictor:
@@ -81,24 +83,31 @@ class CacheModel:
             self._hold(block_hash)
         self._num_unnamed += num_blocks - num_hit
         self._make_room()
+        self._name(hashes, num_hit)
+        self._num_unnamed -= len(hashes) - num_hit
         return num_hit
 
-    def finish(self, hashes: list[bytes], num_hit: int, num_blocks: int) -> None:
-        """The turn ends: its full blocks (`hashes`, prompt and answer) stay cached."""
-        self._num_unnamed -= num_blocks - num_hit
-        new = [h for h in hashes[num_hit:] if h not in self._refs and h not in self._evictor]
-        for block_hash in hashes[num_hit:]:
-            self._hold(block_hash)
-        if new:
-            first = hashes.index(new[0])
-            self._on_event(BlockStored(tuple(new), hashes[first - 1] if first else None,
-                                       BLOCK_SIZE))
+    def finish(self, hashes: list[bytes], num_named: int, num_blocks: int) -> None:
+        """The turn ends: its full blocks (`hashes`, prompt and answer, the first `num_named`
+        named at its start) stay cached."""
+        self._num_unnamed -= num_blocks - num_named
+        self._name(hashes, num_named)
         for block_hash in reversed(hashes):
             self._refs[block_hash] -= 1
             if not self._refs[block_hash]:
                 del self._refs[block_hash]
                 self._evictor[block_hash] = None
         self._make_room()
+
+    def _name(self, hashes: list[bytes], first: int) -> None:
+        """The turn holds hashes[first:] from now; those new to the cache are stored."""
+        new = [h for h in hashes[first:] if h not in self._refs and h not in self._evictor]
+        for block_hash in hashes[first:]:
+            self._hold(block_hash)
+        if new:
+            start = hashes.index(new[0])
+            self._on_event(BlockStored(tuple(new), hashes[start - 1] if start else None,
+                                       BLOCK_SIZE))
 
     def clear(self) -> None:
         """The snapshot of an empty cache (a new scheduler's, under a new log)."""
@@ -211,7 +220,7 @@ def replay(policy: str, args: argparse.Namespace, salt: int, num_replicas: int =
         # the last answer token was sampled, never fed back: no KV
         full = (prompt + answer)[:-1]
         caches[address].finish(hash_prompt_blocks(full, BLOCK_SIZE, len(full) // BLOCK_SIZE),
-                               num_hit, turn_blocks)
+                               len(prompt) // BLOCK_SIZE, turn_blocks)
         if end_turn(conversation, answer, address):
             open_chats.append(conversation)
         elif waiting:

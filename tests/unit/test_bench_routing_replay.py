@@ -21,12 +21,12 @@ def test_the_cache_model_hits_cached_prefixes_and_evicts_tails_first():
     cache = CacheModel(8)
     first = [1, 2, 3, 4, 5]
     assert cache.admit(first, 6, 5) == 0
-    cache.finish(first, 0, 6)
+    cache.finish(first, 5, 6)
     assert cache.admit([1, 2, 9], 3, 3) == 2  # the hit stops where the prefix does
-    cache.finish([1, 2, 9], 2, 3)
+    cache.finish([1, 2, 9], 3, 3)
     # 6 cached blocks; a new 5-block turn needs 3 of them: 5, 4, then 3 of `first` go (9 is newer)
     assert cache.admit([20, 21, 22, 23], 5, 4) == 0
-    cache.finish([20, 21, 22, 23], 0, 5)
+    cache.finish([20, 21, 22, 23], 4, 5)
     assert cache.admit([1, 2, 3, 4, 5], 6, 5) == 2
 
 
