@@ -39,6 +39,7 @@ class OutputProcessor:
         groups: dict[int, SequenceGroup] = {}
         samples: dict[int, list[tuple[Sequence, SampledSequence]]] = {}
         drafts: dict[int, list[int] | None] = {}  # seq_id → its proposal, where one was made
+        bm = self.scheduler.block_manager
         for item in scheduled.scheduled:
             group, seq = item.group, item.seq
             groups[id(group)] = group
@@ -49,9 +50,9 @@ class OutputProcessor:
                     and group.is_collecting_prompt_logprobs):
                 group.prompt_logprobs.extend(sampled.prompt_logprobs)
                 del group.prompt_logprobs[group.prompt_len - 1:]
-            if seq.status is SequenceStatus.RUNNING:  # not preempted by a step scheduled since
-                self.scheduler.block_manager.mark_computed(seq.seq_id, seq.token_ids,
-                                                           seq.num_computed_tokens)
+            # not preempted by a step scheduled since, nor its blocks freed for its last token
+            if seq.status is SequenceStatus.RUNNING and bm.has_seq(seq.seq_id):
+                bm.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if not item.is_sampling:
                 continue
             if group.pooling_type:

@@ -287,6 +287,8 @@ class Scheduler:
             status = self._allocate(live, use_prefix_cache)
             while status is AllocStatus.LATER and self._preempt_paused(step):
                 status = self._allocate(live, use_prefix_cache)
+            if status is AllocStatus.LATER and self._free_finishing():
+                status = self._allocate(live, use_prefix_cache)
             if status is AllocStatus.LATER and not self.running and self._is_pool_idle():
                 status = AllocStatus.NEVER  # several sequences that do not fit side by side
             if status is AllocStatus.NEVER:
@@ -314,6 +316,24 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
             self._add(group, assignment, budget, step, is_long=cap is not None)
+
+    def _free_finishing(self) -> bool:
+        """Frees the blocks of the running groups whose last tokens the step in flight draws,
+        for a waiting prompt that finds no room: the step planned now runs after that one, and
+        the workers order any copy into those blocks behind it, so the prompt need not wait a
+        step more for the finish to be taken in. The blocks that step fills enter the prefix
+        cache now (any reader runs after it), as they would have once it ran. Not for beams or
+        candidates about to fork: their outputs still pick among blocks. Returns whether any
+        block was freed."""
+        bm = self.block_manager
+        finishing = [seq for group in self.running
+                     if not group.is_paused and not group.is_beam_search
+                     and group.num_samples() == 1 and self._is_drawing_last_token(group)
+                     for seq in group.live_seqs() if bm.has_seq(seq.seq_id)]
+        for seq in finishing:
+            bm.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.free_seq(seq)
+        return bool(finishing)
 
     def _is_deferred(self, cap: int | None, step: StepDraft) -> bool:
         """A long prefill over this step's long-prefill limit waits for the second pass."""

@@ -111,3 +111,18 @@ def test_a_failed_step_with_tier_copies_leaves_no_wrong_kv_behind(llama_dir):
     assert reports[-1].finished and reports[-1].outputs[0].finish_reason == "error"
     assert _run(engine, workload[4:]) == expected[4:]
     assert_all_blocks_free(engine)
+
+
+def test_prompts_waiting_for_blocks_take_those_of_requests_ending_in_the_step_in_flight(llama_dir):
+    """All eight at once: two fit the device (seven blocks each of 16), the rest wait for a
+    running one to end and go into its blocks in the step planned behind its last token's,
+    copied back from the host there; greedy outputs are those of one request at a time."""
+    workload = _workload()
+    expected = _run(make_engine(llama_dir, num_gpu_blocks_override=NUM_GPU_BLOCKS,
+                                enable_prefix_caching=True), workload)
+    engine = make_engine(llama_dir, num_gpu_blocks_override=NUM_GPU_BLOCKS,
+                         enable_prefix_caching=True, kv_offload_gib=OFFLOAD_GIB)
+    out = generate(engine, workload, SAMPLING)
+    assert [out[f"r{i}"] for i in range(len(workload))] == expected
+    assert engine.core.block_manager.host_tier.num_hit_tokens > 0
+    assert_all_blocks_free(engine)

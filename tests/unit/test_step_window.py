@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from pagedserve.scheduler_svc.sequence import PLACEHOLDER_TOKEN_ID
+from pagedserve.scheduler_svc.sequence import PLACEHOLDER_TOKEN_ID, SequenceGroup
 from pagedserve.scheduler_svc.step_window import SentStep, StepWindow
 from pagedserve.services.common.sampling_params import SamplingParams
 
@@ -40,25 +40,50 @@ def test_a_step_is_sent_behind_one_that_draws_one_token_per_sequence():
     assert len(sent) == 2  # never a third
 
 
-def test_nothing_is_planned_behind_the_step_that_draws_a_sequences_last_token():
-    """max_tokens=4: the prefill draws the first token, three decodes the rest; a fifth step
-    would compute a token the length limit drops, and keep a waiting prompt out meanwhile."""
+def test_a_waiting_prompt_goes_behind_the_step_drawing_a_sequences_last_token_in_its_blocks():
+    """max_tokens=4: the prefill draws the first token, three decodes the rest. The step behind
+    the last decode is not a fifth decode of "a" (its token would be dropped) but the waiting
+    prompt "b", in the blocks "a" leaves: the workers run it after the step in flight, so "b"
+    does not wait one step more for the finish of "a" to be taken in."""
     h, sent = Harness(num_gpu_blocks=2), []
-    h.add("a", 5)
+    a = h.add("a", 5).seqs[0]
     h.add("b", 5)  # no room beside "a" (two blocks each) until "a" ends
     window = StepWindow(is_async=True)
     send = _sender(h, sent)
-    finished_at = None
-    while finished_at is None:
+    window.fill(send)
+    blocks_of_a = h.bm.block_table(a.seq_id)
+    reports = []
+    while not any(r.finished for r in reports):
         window.fill(send)
         reports = h.processor.report(h.take_in(window.pop_oldest()))
-        if any(r.finished for r in reports):
-            finished_at = len(sent)
-    assert [len(s.scheduled.scheduled) for s in sent] == [1, 1, 1, 1]
-    assert h.groups["a"].seqs[0].num_output_tokens == 4
-    # the step that follows is the waiting prompt's, not a decode of "a"
+    assert [[item.group.request_id for item in s.scheduled.scheduled] for s in sent] == [
+        ["a"], ["a"], ["a"], ["a"], ["b"]]
+    assert a.num_output_tokens == 4 and a.is_finished
+    behind = sent[-1].scheduled.plan
+    assert sorted(behind.new_seqs[0].block_ids) == sorted(blocks_of_a)
+    assert behind.finished_seq_ids == [a.seq_id]  # the workers drop "a" with the plan of "b"
+    h.take_in(window.pop_oldest())
+    assert h.groups["b"].seqs[0].num_output_tokens == 1
+
+
+def test_blocks_freed_for_a_waiting_prompt_keep_the_prefix_the_step_in_flight_computes():
+    """A one-token request's prefill draws its last token; its prompt's full blocks stay in
+    the prefix cache when a waiting prompt takes the rest of its room behind that step."""
+    h, sent = Harness(num_gpu_blocks=3, enable_prefix_caching=True), []
+    one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    h.add("a", 8, one_token)
+    h.scheduler.add_group(SequenceGroup.from_prompt("b", list(range(200, 208)), one_token,
+                                                    next(h.seq_ids)))  # no token of "a"
+    window = StepWindow(is_async=True)
+    send = _sender(h, sent)
     window.fill(send)
-    assert [item.group.request_id for item in sent[-1].scheduled.scheduled] == ["b"]
+    assert [[item.group.request_id for item in s.scheduled.scheduled] for s in sent] == [
+        ["a"], ["b"]]
+    while window:
+        h.take_in(window.pop_oldest())
+    h.add("c", 8, one_token)  # the prompt of "a" again
+    h.run_to_end()
+    assert h.groups["c"].num_cached_tokens == 4  # the block "b" did not take
 
 
 def test_nothing_is_sent_behind_a_step_that_forks_or_picks_beams():
