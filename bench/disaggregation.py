@@ -10,7 +10,9 @@ sim_time_scale 1: each step takes its kernels' modelled time), driven over gRPC
 and --decode-output-len outputs run throughout; a --prefill-len prompt (--prefill-output-len
 outputs) arrives every --prefill-interval-s (modelled) for --duration-s (host seconds). With
 --sim-time-scale S every modelled time is S times longer, so that the host's own delays (a
-shared CPU) weigh S times less; latencies and throughputs are reported in modelled time. A
+shared CPU) weigh S times less; latencies and throughputs are reported in modelled time, over
+the window from the start to the deadline (the requests still running then end after it, with
+fewer streams beside them, for as long as a decode request lasts: not the same work). A
 transferred block costs the decode replica what a swap-in of it would (the simulated cache
 prices it on the device's timeline, beside nothing). Its figures are models. The record goes to
 bench/results/disaggregation-<tag>.json.
@@ -64,7 +66,7 @@ async def _stream(stub, request) -> list[float]:
 async def _drive(address: str, args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     itl: list[float] = []
-    num_decode_tokens = 0
+    num_decode_tokens = num_prefill_tokens = 0  # that arrived before the deadline
     prefill_ttft: list[float] = []
     deadline = time.perf_counter() + args.duration_s
     async with grpc.aio.insecure_channel(address) as channel:
@@ -75,13 +77,15 @@ async def _drive(address: str, args: argparse.Namespace) -> dict:
             while time.perf_counter() < deadline:
                 times = await _stream(stub, _request(rng, args.decode_prompt_len,
                                                      args.decode_output_len))
-                num_decode_tokens += len(times)
-                itl.extend(b - a for a, b in itertools.pairwise(times))
+                num_decode_tokens += sum(t <= deadline for t in times)
+                itl.extend(b - a for a, b in itertools.pairwise(times) if b <= deadline)
 
         async def prefill() -> None:
+            nonlocal num_prefill_tokens
             start = time.perf_counter()
             times = await _stream(stub, _request(rng, args.prefill_len, args.prefill_output_len))
             prefill_ttft.append(times[0] - start)
+            num_prefill_tokens += sum(t <= deadline for t in times)
 
         warm = [_stream(stub, _request(rng, args.decode_prompt_len, 2)) for _ in range(2)]
         await asyncio.gather(*warm)
@@ -93,13 +97,16 @@ async def _drive(address: str, args: argparse.Namespace) -> dict:
             await asyncio.sleep(args.prefill_interval_s * args.sim_time_scale)
         await asyncio.gather(*streams, *prefills)
         elapsed = time.perf_counter() - start
-    num_tokens = num_decode_tokens + len(prefill_ttft) * args.prefill_output_len
+    # throughput and ITLs over the same window for both modes: the requests still running at the
+    # deadline finish with fewer streams beside them, for as long as a decode request lasts
+    window = deadline - start
     scale = args.sim_time_scale
-    return {"elapsed_s": round(elapsed, 3), "num_prefills": len(prefill_ttft),
+    return {"elapsed_s": round(elapsed, 3), "window_s": round(window, 3),
+            "num_prefills": len(prefill_ttft),
             "decode_itl_s": percentiles([t / scale for t in itl]),
             "prefill_ttft_s": percentiles([t / scale for t in prefill_ttft]),
-            "output_tok_s": round(num_tokens / elapsed * scale, 1),
-            "prompt_tok_s": round(len(prefill_ttft) * args.prefill_len / elapsed * scale, 1)}
+            "output_tok_s": round((num_decode_tokens + num_prefill_tokens) / window * scale, 1),
+            "prompt_tok_s": round(len(prefills) * args.prefill_len / window * scale, 1)}
 
 
 def run(args: argparse.Namespace, mode: str) -> dict:
