@@ -8,8 +8,10 @@ and the draft's layers together. The scheduler's block accounting, swaps, copy-o
 prefix cache cover it with no bookkeeping of their own. The draft model computes each sequence's
 known tokens once (CachedSequence.num_draft_computed): prefill chunks, recomputed prompts and each
 step's new tokens, before it proposes; the KV of drafts the target rejected is overwritten as the
-sequence goes on. Drafts are its greedy choices: the verifier keeps a draft while the target's own
-draw equals it, so the outputs are the target's whatever the draft model proposes.
+sequence goes on. A greedy request's drafts are its greedy choices: the verifier keeps a draft while
+the target's own draw equals it, so the outputs are the target's whatever the draft model proposes.
+A sampled request's drafts are drawn from the draft model's distribution (processed as the
+request's sampling processes the target's), which goes with them to rejection sampling.
 
 Where the target replays CUDA graphs, the draft model has its own decode graphs (warm-up captures
 them on its KV layers for the target's batch-size buckets): its proposing forwards after the
@@ -30,13 +32,17 @@ from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
 from pagedserve.worker_svc.layers.attention import Attention
 from pagedserve.worker_svc.loader import load_hf_config, load_model
 from pagedserve.worker_svc.model_input import build_model_input
+from pagedserve.worker_svc.rejection_sampler import draw_draft
+from pagedserve.worker_svc.sampler import Sampler
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
+from pagedserve.worker_svc.spec_decode import sampling_state
 from torch import nn
 
 
 def load_draft_proposer(path: str, target: ModelConfig, spec: KVCacheSpec, vocab_size: int,
                         device: torch.device, backend: ModuleType, max_model_len: int,
-                        tensor_parallel_size: int) -> tuple[DraftProposer, KVCacheSpec]:
+                        tensor_parallel_size: int, sampler: Sampler
+                        ) -> tuple[DraftProposer, KVCacheSpec]:
     """The draft model at `path` and the KV cache spec with its layers added: they share the
     target's blocks (block ids, tables, slots), each layer in its own KV shape."""
     if tensor_parallel_size > 1:
@@ -50,17 +56,20 @@ def load_draft_proposer(path: str, target: ModelConfig, spec: KVCacheSpec, vocab
     model = load_model(dataclasses.replace(target, model=path), hf_config, spec.dtype, device,
                        backend=backend, max_position=max_model_len)
     layers = [m for m in model.modules() if isinstance(m, Attention)]
-    return (DraftProposer(model, spec.block_size, device),
+    return (DraftProposer(model, spec.block_size, device, sampler),
             dataclasses.replace(spec, num_draft_layers=len(layers),
                                 draft_num_kv_heads=layers[0].num_kv_heads,
                                 draft_head_size=layers[0].head_size))
 
 
 class DraftProposer:
-    def __init__(self, model: nn.Module, block_size: int, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device,
+                 sampler: Sampler | None = None) -> None:
+        """sampler: processes a sampled request's draft distributions; None: greedy drafts."""
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.sampler = sampler
         self.graphs: DecodeGraphs | None = None
 
     def capture_graphs(self, batch_sizes: list[int], max_seq_len: int,
@@ -90,26 +99,26 @@ class DraftProposer:
         if not catch_up:
             return
         catch_up.sort(key=lambda s: not s.is_prefill)
-        drafts = {seq_id: [token] for seq_id, token in self._next_tokens(
-            catch_up, {s.seq_id for s in proposing}, kv_caches).items()}
+        drafts: dict[int, list[int]] = {s.seq_id: [] for s in proposing}
+        probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in proposing}
+        self._draw(catch_up, drafts, probs, kv_caches)
         for j in range(1, max((s.num_lookahead_slots for s in proposing), default=0)):
             inputs = [dataclasses.replace(
                 s, token_ids=s.token_ids + drafts[s.seq_id],
                 num_computed_tokens=len(s.token_ids) + j - 1, num_scheduled_tokens=1,
                 draft_token_ids=[]) for s in proposing if s.num_lookahead_slots > j]
-            next_tokens = self._next_tokens(inputs, {s.seq_id for s in inputs}, kv_caches)
-            for seq_id, token in next_tokens.items():
-                drafts[seq_id].append(token)
+            self._draw(inputs, drafts, probs, kv_caches)
         for seq in proposing:
             seq.draft_token_ids = drafts[seq.seq_id]
+            seq.draft_probs = torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None
             # KV of its last known token and all drafts but the last
             seq.num_draft_computed = len(seq.token_ids) + seq.num_lookahead_slots - 1
             seq.num_lookahead_slots = 0
 
-    def _next_tokens(self, seqs: list[CachedSequence], seq_ids: set[int],
-                     kv_caches: list[torch.Tensor]) -> dict[int, int]:
-        """One forward over seqs (prefills first); the greedy next token after the last
-        computed one of each sequence in seq_ids."""
+    def _draw(self, seqs: list[CachedSequence], drafts: dict[int, list[int]],
+              probs: dict[int, list[torch.Tensor]], kv_caches: list[torch.Tensor]) -> None:
+        """One forward over seqs (prefills first); appends the next draft of each sequence in
+        `drafts` after its last computed token (and, sampled, the distribution it came from)."""
         model_input = build_model_input(seqs, self.block_size, self.device)
         graphs = self.graphs
         batch_size = graphs.batch_size_for(model_input, kv_caches) if graphs else None
@@ -119,10 +128,19 @@ class DraftProposer:
             hidden_states = self.model(model_input.input_ids, model_input.positions,
                                        kv_caches, model_input.meta)  # [num_tokens, hidden]
         ends = itertools.accumulate(model_input.meta.query_lens_cpu)
-        rows = [(s.seq_id, end - 1) for s, end in zip(seqs, ends, strict=True)
-                if s.seq_id in seq_ids]
+        rows = [(s, end - 1) for s, end in zip(seqs, ends, strict=True) if s.seq_id in drafts]
         if not rows:
-            return {}
+            return
         index = torch.tensor([row for _, row in rows], device=hidden_states.device)
-        tokens = self.model.compute_logits(hidden_states[index]).argmax(dim=-1).tolist()
-        return {seq_id: token for (seq_id, _), token in zip(rows, tokens, strict=True)}
+        logits = self.model.compute_logits(hidden_states[index])  # [num_rows, vocab]
+        for (seq, _), token in zip(rows, logits.argmax(dim=-1).tolist(), strict=True):
+            drafts[seq.seq_id].append(token)
+        sampled = [i for i, (seq, _) in enumerate(rows)
+                   if self.sampler is not None and not seq.sampling.is_greedy]
+        if not sampled:
+            return
+        states = [sampling_state(rows[i][0]) for i in sampled]
+        row_probs = self.sampler.logprobs(logits[sampled], states).exp()  # [num_sampled, vocab]
+        for state, q in zip(states, row_probs, strict=True):
+            drafts[state.seq_id][-1] = draw_draft(q, state)
+            probs[state.seq_id].append(q)

@@ -155,6 +155,15 @@ class Sampler:
         return _DeviceSamples(seqs, offsets, sampled, sampled_logprobs, top_rows, top_values,
                               top_ids)
 
+    def logprobs(
+        self,
+        logits: torch.Tensor,  # [num_seqs, >= vocab_size]; row i ↔ seqs[i]
+        seqs: list[SeqSamplingState],
+    ) -> torch.Tensor:  # [num_seqs, vocab_size]
+        """The log-distribution each row's draw comes from (every processing step applied)."""
+        self._verify(logits, seqs)
+        return torch.log_softmax(self._process(logits[:, :self.vocab_size], seqs), dim=-1)
+
     def _verify(self, logits: torch.Tensor, seqs: list[SeqSamplingState]) -> None:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [num_seqs={len(seqs)}, vocab], "

@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from pagedserve.services.common.errors import InvalidRequest, NotFound
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import (
@@ -35,6 +36,8 @@ class CachedSequence:
     # this step's speculative tokens after token_ids (in num_scheduled_tokens), to verify
     draft_token_ids: list[int] = field(default_factory=list)
     num_lookahead_slots: int = 0  # this step's drafts the draft model proposes into draft_token_ids
+    # the draft model's distributions its sampled drafts were drawn from; None: drafts to match
+    draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), vocab_size]
     num_draft_computed: int = 0  # tokens whose draft-model KV is in the cache
 
     @property
@@ -172,6 +175,7 @@ class SequenceMirrors:
                     # the draft model's KV past them holds rejected drafts
                     seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
                 seq.draft_token_ids = []
+                seq.draft_probs = None
                 continue
             if (len(out.token_ids) == 1 and self.drawing.get(seq_id)
                     and self.seqs.get(seq_id) is launched.get(seq_id)):
@@ -204,6 +208,7 @@ class SequenceMirrors:
         seq.num_scheduled_tokens = delta.num_scheduled_tokens
         seq.num_samples = delta.num_samples
         seq.draft_token_ids = list(delta.draft_token_ids)
+        seq.draft_probs = None
         seq.num_lookahead_slots = delta.num_lookahead_slots
         return seq
 

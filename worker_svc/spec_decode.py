@@ -6,11 +6,14 @@ at that position would be (penalties, min_tokens, temperature, top-k/p, the (see
 noise); draft j is accepted while row j drew it, and the first row that drew something else, or
 row k, gives the next token.
 
-For a proposer that names one token (n-gram), this is rejection sampling: its draft distribution
+For a proposer that names one token (n-gram, a draft model's greedy choice), this is rejection
+sampling: its draft distribution
 q is one-hot at d, so accepting with probability min(1, p(d) / q(d)) = p(d) and otherwise drawing
 from norm(max(0, p - q)) = p without d is what a draw from p that is kept if it equals d does.
 So greedy outputs equal speculation off token for token, and seeded random outputs are the same
 tokens too: the draws are those speculation off makes. Logprobs are the target model's.
+A draft model's sampled drafts come with the distributions they were drawn from (draft_probs):
+those are tested against the target's by rejection sampling (rejection_sampler.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import itertools
 
 import torch
 from pagedserve.services.common.step_plan import SampledSequence
+from pagedserve.worker_svc.rejection_sampler import rejection_sample
 from pagedserve.worker_svc.sampler import PendingSamples, Sampler, SeqSamplingState
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 from pagedserve.worker_svc.token_bitmask import TokenBitmask
@@ -41,22 +45,30 @@ def launch_samples(sampler: Sampler, logits: torch.Tensor, seqs: list[CachedSequ
             return sampler.launch(logits[:len(seqs)], states)
         return sampler.launch(logits[:len(seqs)], states, token_bitmask)
     states = [sampling_state(s, j) for s in seqs for j in range(len(s.draft_token_ids) + 1)]
-    if token_bitmask is None:
-        return VerifiedSamples(sampler.launch(logits[:len(states)], states), seqs)
-    # constrained sequences carry no drafts (the mirror refuses them): one row each, moved to
-    # where its sequence's rows start among the verified rows
     first_rows = list(itertools.accumulate((len(s.draft_token_ids) + 1 for s in seqs), initial=0))
-    token_bitmask = TokenBitmask([first_rows[row] for row in token_bitmask.rows],
-                                 token_bitmask.bits)
-    return VerifiedSamples(sampler.launch(logits[:len(states)], states, token_bitmask), seqs)
+    target_logprobs = {}  # sampled drafts' sequences: the target's distributions, to test against
+    for seq, first, end in zip(seqs, first_rows, first_rows[1:], strict=False):
+        if seq.draft_probs is not None:
+            target_logprobs[seq.seq_id] = sampler.logprobs(logits[first:end], states[first:end])
+    if token_bitmask is not None:
+        # constrained sequences carry no drafts (the mirror refuses them): one row each, moved
+        # to where its sequence's rows start among the verified rows
+        token_bitmask = TokenBitmask([first_rows[row] for row in token_bitmask.rows],
+                                     token_bitmask.bits)
+        rows = sampler.launch(logits[:len(states)], states, token_bitmask)
+    else:
+        rows = sampler.launch(logits[:len(states)], states)
+    return VerifiedSamples(rows, seqs, target_logprobs)
 
 
 class VerifiedSamples:
     """One draw per row; result() keeps each sequence's accepted prefix and the next token."""
 
-    def __init__(self, rows: PendingSamples, seqs: list[CachedSequence]) -> None:
+    def __init__(self, rows: PendingSamples, seqs: list[CachedSequence],
+                 target_logprobs: dict[int, torch.Tensor]) -> None:
         self._rows = rows
         self._seqs = seqs
+        self._target_logprobs = target_logprobs
         self._first_rows = []
         row = 0
         for seq in seqs:
@@ -67,8 +79,15 @@ class VerifiedSamples:
 
     def result(self) -> list[SampledSequence]:
         rows = self._rows.result()
-        return [verify(seq, rows[first:first + len(seq.draft_token_ids) + 1])
-                for seq, first in zip(self._seqs, self._first_rows, strict=True)]
+        out = []
+        for seq, first in zip(self._seqs, self._first_rows, strict=True):
+            seq_rows = rows[first:first + len(seq.draft_token_ids) + 1]
+            if seq.seq_id in self._target_logprobs:
+                out.append(rejection_sample(self._target_logprobs[seq.seq_id], seq.draft_probs,
+                                            seq.draft_token_ids, seq_rows, sampling_state(seq)))
+            else:
+                out.append(verify(seq, seq_rows))
+        return out
 
 
 def verify(seq: CachedSequence, rows: list[SampledSequence]) -> SampledSequence:

@@ -140,12 +140,13 @@ class Worker:
         vocab_size = int(hf_config.vocab_size)
         eos_ids = eos_token_ids(model_config.model, hf_config)
         speculative = self.config.scheduler.speculative
+        sampler = Sampler(vocab_size, eos_ids, self.device)
         drafter = None
         if speculative is not None and speculative.method == "draft_model":
             drafter, self.kv_spec = load_draft_proposer(
                 speculative.model, model_config, self.kv_spec, vocab_size, self.device,
-                self.backend, max_model_len, parallel.tensor_parallel_size)
-        self.runner = ModelRunner(model, Sampler(vocab_size, eos_ids, self.device), vocab_size,
+                self.backend, max_model_len, parallel.tensor_parallel_size, sampler)
+        self.runner = ModelRunner(model, sampler, vocab_size,
                                   self.kv_spec.block_size, max_model_len, self.device, self.tp,
                                   drafter=drafter)
         if self.rank == 0:  # the rank that samples

@@ -63,16 +63,30 @@ def test_a_draft_model_equal_to_the_target_proposes_its_tokens(off, llama_dir):
     assert on.core.scheduler.num_preemptions > 0
 
 
-def test_seeded_sampling_and_n_greater_than_one_equal_speculation_off(off, llama_dir,
-                                                                      truncated_draft):
-    on = under_pressure(llama_dir, truncated_draft, "swap")
+def test_seeded_sampling_and_n_greater_than_one_repeat_from_run_to_run(llama_dir,
+                                                                       truncated_draft):
+    """Sampled drafts go through rejection sampling: the tokens are the target distribution's,
+    not speculation off's draws, and a seed gives the same ones in a fresh engine."""
     prompts = prompts_with_repeats(3)
     for sampling in (SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=24,
                                     ignore_eos=True),
                      SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=24,
                                     ignore_eos=True)):
-        assert run(on, prompts, sampling) == run(off, prompts, sampling)
-    assert speculator(on).totals.num_draft_tokens > 0
+        first, again = (under_pressure(llama_dir, truncated_draft, "swap") for _ in range(2))
+        assert run(first, prompts, sampling) == run(again, prompts, sampling)
+        assert speculator(first).totals.num_draft_tokens > 0
+
+
+def test_sampled_drafts_of_a_draft_equal_to_the_target_are_kept(llama_dir):
+    """Rejection sampling keeps a draft drawn from the target's own distribution (p = q); one
+    that had to equal the target's separate draw would be kept with probability sum(p^2), a few
+    percent for the tiny random model's flat distributions."""
+    on = LLMEngine.from_kwargs(model=str(llama_dir), speculative_config=draft_config(llama_dir),
+                               **TINY)
+    run(on, prompts_with_repeats(4), SamplingParams(temperature=1.0, seed=7, max_tokens=32,
+                                                    ignore_eos=True))
+    totals = speculator(on).totals
+    assert totals.num_accepted_tokens >= 0.9 * totals.num_draft_tokens > 0
 
 
 def as_multi_head(path, out):

@@ -1,0 +1,74 @@
+"""Rejection sampling of a draft model's sampled proposals.
+
+A sampled draft d_j was drawn from the draft model's distribution q_j; the target's is p_j (both
+after the request's sampling processing). d_j is kept with probability min(1, p_j(d_j) / q_j(d_j));
+the first rejected one is replaced by a draw from norm(max(0, p_j - q_j)); when every draft is
+kept, the target's own draw at the next position follows. Each emitted token then follows the
+target's distribution, whatever q is.
+
+Every random number comes from the sequence's seed and the token's position, as a plain draw's
+noise does (sampler.step_seed), in streams of their own: the draft's draw, and the acceptance test
+with the replacement draw. A seeded request's outputs therefore repeat from run to run, batched or
+not; an unseeded one uses the global generator.
+"""
+
+from __future__ import annotations
+
+import torch
+from pagedserve.services.common.step_plan import SampledSequence
+from pagedserve.worker_svc.sampler import SeqSamplingState, step_seed
+
+# XORed into step_seed's value so that each stream's noise is unrelated to the plain draw's
+_DRAFT_STREAM = 0x2545F4914F6CDD1D
+_ACCEPT_STREAM = 0x5851F42D4C957F2D
+
+
+def _generator(seed: int | None, position: int, stream: int,
+               device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(step_seed(seed, position) ^ stream)
+    return generator
+
+
+def _race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """A draw from probs [vocab] (unnormalized is fine): argmax(probs / Exponential(1))."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int(probs.div(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax())
+
+
+def draw_draft(probs: torch.Tensor, state: SeqSamplingState) -> int:
+    """The draft model's token from probs [vocab], its distribution after state.token_ids."""
+    return _race(probs, _generator(state.seed, len(state.token_ids), _DRAFT_STREAM, probs.device))
+
+
+def rejection_sample(
+    target_logprobs: torch.Tensor,  # [k + 1, vocab]; row j after the known tokens and drafts[:j]
+    draft_probs: torch.Tensor,  # [k, vocab]; row j the distribution drafts[j] was drawn from
+    drafts: list[int],
+    rows: list[SampledSequence],  # the target's plain draws, row by row (k + 1)
+    state: SeqSamplingState,  # before the drafts
+) -> SampledSequence:
+    """The kept drafts and the next token, with the target's logprobs."""
+    position = len(state.token_ids)
+    target_probs = target_logprobs.exp()
+    token_ids: list[int] = []
+    num_kept = 0
+    for j, draft in enumerate(drafts):
+        generator = _generator(state.seed, position + j, _ACCEPT_STREAM, target_probs.device)
+        p, q = target_probs[j], draft_probs[j]
+        u = float(torch.rand((), generator=generator, device=p.device))
+        if u * float(q[draft]) < float(p[draft]):
+            token_ids.append(draft)
+            num_kept += 1
+            continue
+        residual = (p - q).clamp_min_(0.0)
+        token_ids.append(_race(residual if float(residual.sum()) > 0.0 else p, generator))
+        break
+    else:
+        token_ids.append(rows[len(drafts)].token_ids[0])
+    logprobs = target_logprobs[range(len(token_ids)), token_ids].tolist()
+    kept_rows = rows[:len(token_ids)]
+    return SampledSequence(seq_id=state.seq_id, token_ids=token_ids, logprobs=logprobs,
+                           top_logprobs=[top for r in kept_rows for top in r.top_logprobs])
