@@ -18,6 +18,7 @@ from pagedserve.services.common.step_plan import (
 )
 from pagedserve.worker_svc.cache_engine import CacheEngine, KVCacheSpec
 from pagedserve.worker_svc.draft_proposer import DraftProposer
+from pagedserve.worker_svc.sampler import Sampler
 from pagedserve.worker_svc.sequence_mirrors import SequenceMirrors
 from torch import nn
 
@@ -42,11 +43,11 @@ class NextTokenModel(nn.Module):
 
 
 class Harness:
-    def __init__(self) -> None:
+    def __init__(self, sampler: Sampler | None = None) -> None:
         self.mirrors = SequenceMirrors(BLOCK_SIZE, max_model_len=64)
         self.mirrors.has_draft_model = True
         self.model = NextTokenModel()
-        self.proposer = DraftProposer(self.model, BLOCK_SIZE, torch.device("cpu"))
+        self.proposer = DraftProposer(self.model, BLOCK_SIZE, torch.device("cpu"), sampler)
         self.step_id = 0
 
     def step(self, new=(), running=(), sampled: list[int] | None = None):
@@ -97,6 +98,30 @@ def test_the_draft_model_computes_each_known_token_once_then_proposes_greedily()
     # all kept: the last draft (32), which the draft model never computed, comes first
     calls, drafts = h.step(running=[decode(1)], sampled=[34])
     assert calls == [[(32, 9, 37), (33, 10, 38)]] and drafts == [34]
+
+
+def sampled_drafts(sampling: SamplingParams, seed: int | None) -> tuple[list[int], object]:
+    h = Harness(Sampler(VOCAB, [], torch.device("cpu")))
+    plan = StepPlan(scheduler_epoch=1, step_id=1, new_seqs=[new_seq(
+        num_computed_tokens=4, num_scheduled_tokens=4, num_lookahead_slots=3, sampling=sampling,
+        seed=seed)])
+    h.mirrors.check(plan, num_gpu_blocks=16, vocab_size=VOCAB)
+    scheduled = h.mirrors.apply(plan, is_checked=True)
+    h.proposer.propose(scheduled, [])
+    return scheduled[0].draft_token_ids, scheduled[0].draft_probs
+
+
+def test_a_sampled_request_draws_its_drafts_with_the_distributions_they_came_from():
+    """The stand-in's logits are one-hot: at temperature 0.5 the next token has ~10% of the mass,
+    so the draws vary with the seed and repeat with it; a greedy request keeps argmax drafts."""
+    sampling = SamplingParams(temperature=0.5)
+    drafts, probs = sampled_drafts(sampling, seed=7)
+    assert probs.shape == (3, VOCAB)
+    assert probs.sum(dim=-1).tolist() == pytest.approx([1.0] * 3)
+    assert sampled_drafts(sampling, seed=7)[0] == drafts
+    assert len({tuple(sampled_drafts(sampling, seed)[0]) for seed in range(8)}) > 1
+    greedy, greedy_probs = sampled_drafts(SamplingParams(temperature=0.0), seed=7)
+    assert greedy == [15, 16, 17] and greedy_probs is None
 
 
 def test_a_sequence_sent_whole_recomputes_its_last_computed_token():
