@@ -29,8 +29,10 @@ from pagedserve.services.common.config import ModelConfig
 from pagedserve.services.common.errors import ConfigError
 from pagedserve.worker_svc.cache_engine import KVCacheSpec
 from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
+from pagedserve.worker_svc.graph_buckets import GraphBuckets
 from pagedserve.worker_svc.layers.attention import Attention
 from pagedserve.worker_svc.loader import load_hf_config, load_model
+from pagedserve.worker_svc.mixed_graphs import MixedGraphs, capture_graphs, replay_forward
 from pagedserve.worker_svc.model_input import build_model_input
 from pagedserve.worker_svc.rejection_sampler import draw_draft
 from pagedserve.worker_svc.sampler import Sampler
@@ -71,13 +73,13 @@ class DraftProposer:
         self.device = device
         self.sampler = sampler
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
 
-    def capture_graphs(self, batch_sizes: list[int], max_seq_len: int,
-                       kv_caches: list[torch.Tensor]) -> None:
-        """Decode graphs of the draft model on its KV layers, in a pool of their own."""
-        self.graphs = DecodeGraphs(self.model, batch_sizes, max_seq_len, self.block_size,
-                                   self.device)
-        self.graphs.capture(kv_caches)
+    def capture_graphs(self, buckets: GraphBuckets, kv_caches: list[torch.Tensor]) -> None:
+        """The draft model's decode and mixed-step graphs on its KV layers, for the target's
+        buckets, in a pool of their own."""
+        self.graphs, self.mixed_graphs = capture_graphs(self.model, buckets, self.block_size,
+                                                        kv_caches, self.device)
 
     @torch.inference_mode()
     def propose(self, scheduled: list[CachedSequence], kv_caches: list[torch.Tensor]) -> None:
@@ -120,13 +122,11 @@ class DraftProposer:
         """One forward over seqs (prefills first); appends the next draft of each sequence in
         `drafts` after its last computed token (and, sampled, the distribution it came from)."""
         model_input = build_model_input(seqs, self.block_size, self.device)
-        graphs = self.graphs
-        batch_size = graphs.batch_size_for(model_input, kv_caches) if graphs else None
-        if batch_size is not None:
-            hidden_states = graphs.replay(model_input, batch_size)  # [num_tokens, hidden]
-        else:
+        hidden_states = replay_forward(model_input, kv_caches, self.graphs,
+                                       self.mixed_graphs)  # [num_tokens, hidden]
+        if hidden_states is None:
             hidden_states = self.model(model_input.input_ids, model_input.positions,
-                                       kv_caches, model_input.meta)  # [num_tokens, hidden]
+                                       kv_caches, model_input.meta)
         ends = itertools.accumulate(model_input.meta.query_lens_cpu)
         rows = [(s, end - 1) for s, end in zip(seqs, ends, strict=True) if s.seq_id in drafts]
         if not rows:

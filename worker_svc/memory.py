@@ -6,7 +6,6 @@ kv_cache_memory_gib, when set, sizes the cache on any device; on CPU it is 1 GiB
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 from dataclasses import dataclass
@@ -161,10 +160,9 @@ def profile_memory(runner: ModelRunner, model: nn.Module, spec: KVCacheSpec,
                                                                      max_model_len), device)
         if graph_buckets is not None:
             graphs = graph_memory_bytes(model, spec, graph_buckets, device)
-            if runner.drafter is not None:  # its decode graphs, in a pool of their own
+            if runner.drafter is not None:  # its graphs, in a pool of their own
                 graphs += graph_memory_bytes(runner.drafter.model, spec.draft_spec(),
-                                             dataclasses.replace(graph_buckets, num_tokens=[]),
-                                             device)
+                                             graph_buckets, device)
         free, total = torch.cuda.mem_get_info(device)
         memory = DeviceMemory(total=total, free=free, weights=model_bytes,
                               activations=activations, graphs=graphs,

@@ -171,3 +171,16 @@ def capture_graphs(model: nn.Module, buckets: GraphBuckets, block_size: int,
     if mixed is not None and not is_mixed_larger:
         mixed.capture(kv_caches, pool)
     return decode, mixed
+
+
+def replay_forward(model_input: ModelInput, kv_caches: list[torch.Tensor],
+                   decode: DecodeGraphs | None, mixed: MixedGraphs | None) -> torch.Tensor | None:
+    """The step's hidden states [num_tokens, hidden] from the graph it fits (a decode graph by
+    batch size first, else a mixed one by tokens), or None: it runs eagerly."""
+    batch_size = decode.batch_size_for(model_input, kv_caches) if decode else None
+    if batch_size is not None:
+        return decode.replay(model_input, batch_size)
+    num_tokens = mixed.num_tokens_for(model_input, kv_caches) if mixed else None
+    if num_tokens is not None:
+        return mixed.replay(model_input, num_tokens)
+    return None

@@ -18,7 +18,7 @@ from pagedserve.worker_svc.draft_proposer import DraftProposer
 from pagedserve.worker_svc.grammar_matchers import GrammarMatchers
 from pagedserve.worker_svc.host_to_device import to_device
 from pagedserve.worker_svc.in_flight import Fence, InFlightStep, PhaseClock, device_fence
-from pagedserve.worker_svc.mixed_graphs import MixedGraphs
+from pagedserve.worker_svc.mixed_graphs import MixedGraphs, replay_forward
 from pagedserve.worker_svc.model_input import ModelInput, build_model_input
 from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
 from pagedserve.worker_svc.pooler import pool, pooled_to_host
@@ -101,7 +101,7 @@ class ModelRunner:
         captured on."""
         self.decode_graphs = self.mixed_graphs = None
         if self.drafter is not None:
-            self.drafter.graphs = None
+            self.drafter.graphs = self.drafter.mixed_graphs = None
 
     @torch.inference_mode()
     def sample(self, step: InFlightStep) -> None:
@@ -153,17 +153,11 @@ class ModelRunner:
                  ) -> tuple[torch.Tensor | None, list[tuple[int, torch.Tensor]]]:
         """[num_logits_rows, vocab] float32 on tensor-parallel rank 0, which samples; None on
         the others. Then the embeddings of the pooling sequences whose prompt is done."""
-        graphs, mixed = self.decode_graphs, self.mixed_graphs
-        batch_size = graphs.batch_size_for(model_input, kv_caches) if graphs else None
-        num_tokens = (mixed.num_tokens_for(model_input, kv_caches)
-                      if mixed and batch_size is None else None)
-        if batch_size is not None:
-            hidden_states = graphs.replay(model_input, batch_size)  # [num_tokens, hidden]
-        elif num_tokens is not None:
-            hidden_states = mixed.replay(model_input, num_tokens)  # [num_tokens, hidden]
-        else:
+        hidden_states = replay_forward(model_input, kv_caches, self.decode_graphs,
+                                       self.mixed_graphs)  # [num_tokens, hidden]
+        if hidden_states is None:
             hidden_states = self.model(model_input.input_ids, model_input.positions, kv_caches,
-                                       model_input.meta)  # [num_tokens, hidden]
+                                       model_input.meta)
         pooled = pool(hidden_states, model_input.pool_spans)
         return self.model.compute_logits(hidden_states[model_input.logits_indices]), pooled
 

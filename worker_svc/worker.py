@@ -224,14 +224,14 @@ class Worker:
         buckets = dataclasses.replace(default, batch_sizes=sizes)
         cache_engine = self._cache_engine()
         drafter = runner.drafter
-        num_graphs = (len(sizes) * (1 if drafter is None else 2)) + len(buckets.num_tokens)
+        num_graphs = (len(sizes) + len(buckets.num_tokens)) * (1 if drafter is None else 2)
         if runner.decode_graphs is not None and runner.decode_graphs.batch_sizes == sizes:
             return num_graphs  # captured on this very cache (init_cache kept it)
         runner.drop_graphs()
         runner.decode_graphs, runner.mixed_graphs = capture_graphs(
             runner.model, buckets, self.kv_spec.block_size, cache_engine.gpu_cache, self.device)
         if drafter is not None:
-            drafter.capture_graphs(sizes, buckets.max_seq_len, cache_engine.draft_gpu_cache)
+            drafter.capture_graphs(buckets, cache_engine.draft_gpu_cache)
         return num_graphs
 
     def execute_step(self, plan: StepPlan) -> StepOutput:
