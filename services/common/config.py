@@ -222,6 +222,11 @@ class DeviceConfig:
     sim_time_scale: float = opt(
         1.0, "device=sim: multiplies every modelled time; 0 = a GPU with no cost, to load the "
              "control plane alone")
+    sim_draft_acceptance: float = opt(
+        0.7, "device=sim with speculative_config method draft_model (its model: a preset or a "
+             "folder, as sim_model): the chance that each draft is the target's next token, an "
+             "input of the model (the workload's and the draft's; the simulated tokens carry no "
+             "meaning)")
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -237,6 +242,8 @@ class DeviceConfig:
                f"sim_launch_overhead_us must be >= 0, got {self.sim_launch_overhead_us}")
         _check(self.sim_time_scale >= 0,
                f"sim_time_scale must be >= 0, got {self.sim_time_scale}")
+        _check(0.0 <= self.sim_draft_acceptance <= 1.0,
+               f"sim_draft_acceptance must be in [0, 1], got {self.sim_draft_acceptance}")
 
 
 @dataclass(slots=True)

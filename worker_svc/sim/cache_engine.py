@@ -21,6 +21,7 @@ class SimCacheEngine:
         self.roofline = roofline
         self.timeline = timeline
         self.gpu_cache: list = []  # what the forward reads: nothing
+        self.draft_gpu_cache: list = []  # what a draft model's reads
         logger.info("simulated KV cache: %d device blocks, %d CPU blocks, %d bytes per block",
                     num_gpu_blocks, num_cpu_blocks, spec.bytes_per_block)
 

@@ -22,8 +22,10 @@ def activations_peak_bytes(roofline: Roofline, scheduler_config: SchedulerConfig
 
 
 def sim_memory_profile(roofline: Roofline, spec: KVCacheSpec, cache_config: CacheConfig,
-                       scheduler_config: SchedulerConfig) -> MemoryProfile:
-    weights = roofline.model.num_params * roofline.dtype_bytes
+                       scheduler_config: SchedulerConfig,
+                       draft: Roofline | None = None) -> MemoryProfile:
+    """draft: a draft model's, whose weights share the device (its KV layers are in spec)."""
+    weights = sum(r.model.num_params * r.dtype_bytes for r in (roofline, draft) if r is not None)
     activations = activations_peak_bytes(roofline, scheduler_config)
     budget = (roofline.gpu.memory_bytes * cache_config.gpu_memory_utilization
               - CUDA_CONTEXT_BYTES - weights - activations)

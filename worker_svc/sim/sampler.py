@@ -72,8 +72,7 @@ class SimSampler:
         seeds, positions, num_samples, contexts, eos_ok = [], [], [], [], []
         for s in seqs:
             sampling = s.sampling
-            is_greedy = sampling.is_greedy and not sampling.use_beam_search
-            seeds.append((self.seed if is_greedy or s.seed is None else s.seed) & _MASK_64)
+            seeds.append(self._seed(s))
             positions.append(len(s.token_ids))
             num_samples.append(s.num_samples)
             contexts.append(s.token_ids[-_CONTEXT_WINDOW:])
@@ -91,6 +90,21 @@ class SimSampler:
                                                      strict=True))))
             row += n
         return out
+
+    def _seed(self, s: SeqSamplingState) -> int:
+        is_greedy = s.sampling.is_greedy and not s.sampling.use_beam_search
+        return (self.seed if is_greedy or s.seed is None else s.seed) & _MASK_64
+
+    def uniform(self, s: SeqSamplingState, stream: int) -> float:
+        """A number in [0, 1) of the draw's seed, position and context, as the draws are, in a
+        stream of its own (a simulated draft model's choices)."""
+        x = _mix(self._seed(s) ^ stream, len(s.token_ids), 0, s.token_ids[-_CONTEXT_WINDOW:])
+        return (x >> 11) / (1 << 53)
+
+    def another_token(self, token: int) -> int:
+        """A token other than `token` that a draw can give."""
+        span = self.token_range
+        return span[(token - span.start + 1) % len(span)] if token in span else span.start
 
     def launch(self, logits: object, seqs: list[SeqSamplingState],
                token_bitmask: TokenBitmask | None = None) -> _DrawnSamples:
