@@ -149,10 +149,13 @@ def text_delta_to_proto(delta: TextDelta, request_id: str
     """cumulative_logprob and error are not on the wire per delta: the unary response and the
     status message carry them."""
     msg = gateway_pb2.GenerateStreamResponse(
-        request_id=request_id, index=delta.index, text=delta.text, token_ids=delta.token_ids,
-        logprobs=[_logprob_to_proto(lp) for lp in delta.logprobs],
-        top_logprobs=_positions_to_proto(delta.top_logprobs),
-        finish_reason=finish_reason_to_proto(delta.finish_reason))
+        request_id=request_id, index=delta.index, text=delta.text, token_ids=delta.token_ids)
+    if delta.finish_reason is not None:
+        msg.finish_reason = finish_reason_to_proto(delta.finish_reason)
+    if delta.logprobs:
+        msg.logprobs.extend(_logprob_to_proto(lp) for lp in delta.logprobs)
+    if delta.top_logprobs:
+        msg.top_logprobs.extend(_positions_to_proto(delta.top_logprobs))
     if delta.usage is not None:
         msg.usage.CopyFrom(usage_to_proto(delta.usage))
     if delta.prompt_logprobs is not None:

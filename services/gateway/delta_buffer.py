@@ -44,7 +44,8 @@ class DeltaBuffer:
         self.stream_interval = stream_interval
         self._started: set[int] = set()  # outputs whose first delta was put
         self.max_pending = max(MIN_PENDING_DELTAS, 2 * num_outputs)
-        self._has_pending = asyncio.Event()
+        self._is_ready = False  # the consumer may take: a delta past the interval, or the end
+        self._ready_waiter: asyncio.Future[None] | None = None  # the consumer, asleep
         self._is_consumer_away = asyncio.Event()  # it took a delta and has not asked again
         self._away_since: float | None = None  # time.monotonic() of that take
         self._is_closed = False
@@ -63,7 +64,7 @@ class DeltaBuffer:
         self._pending.append(delta)
         self._count(len(delta.token_ids))
         if not self._is_held(delta):
-            self._has_pending.set()
+            self._set_ready()
         self._started.add(delta.index)
 
     def _is_held(self, delta: TextDelta) -> bool:
@@ -75,16 +76,25 @@ class DeltaBuffer:
         """`get` raises `error` once the pending ones are taken."""
         self._is_closed = True
         self._error = error
-        self._has_pending.set()
+        self._set_ready()
+
+    def _set_ready(self) -> None:
+        """A future the consumer alone waits on: lighter than an asyncio.Event per delta."""
+        self._is_ready = True
+        waiter = self._ready_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def get(self) -> TextDelta | None:
         self._away_since = None
-        await self._has_pending.wait()
+        while not self._is_ready:
+            self._ready_waiter = asyncio.get_running_loop().create_future()
+            await self._ready_waiter
         if self._pending:
             delta = self._take()
             self._count(-len(delta.token_ids))
             if not self._pending and not self._is_closed:
-                self._has_pending.clear()
+                self._is_ready = False
             self._away_since = time.monotonic()
             self._is_consumer_away.set()
             return delta

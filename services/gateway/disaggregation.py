@@ -12,7 +12,6 @@ means the decode replica computes the prompt itself; the client sees nothing but
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -82,9 +81,7 @@ async def prefill_remotely(replicas: ReplicaSet, request: PreparedRequest, owner
     try:
         async with asyncio.timeout(timeout_s):
             with replicas.holding(replica):
-                async with contextlib.aclosing(replica.client.submit(prefill, owner)) as events:
-                    async for _ in events:
-                        pass
+                await replica.client.submit(prefill, _stay, owner)
                 lease_id, kv_transfer = await replica.client.export_kv_blocks(
                     request.prompt_token_ids)
     except (PagedServeError, TimeoutError) as exc:
@@ -96,3 +93,8 @@ async def prefill_remotely(replicas: ReplicaSet, request: PreparedRequest, owner
     if not lease_id:
         return None
     return RemotePrefill(replica, lease_id, kv_transfer)
+
+
+def _stay(output: object) -> bool:
+    """The prefill's single token is not needed: only its blocks are."""
+    return False

@@ -16,7 +16,6 @@ now, and a request paused when it moves is paused again on its new replica at it
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING
 from pagedserve.services.common.engine_api import PauseRequest, ResumedOutput
 from pagedserve.services.common.errors import PagedServeError, Reason, Unavailable
 from pagedserve.services.common.outputs import RequestOutput
-from pagedserve.services.gateway.disaggregation import RemotePrefill, prefill_remotely
+from pagedserve.services.gateway.disaggregation import prefill_remotely
 from pagedserve.services.gateway.validation import PreparedRequest
 
 if TYPE_CHECKING:  # the transport: passed in, never loaded here
@@ -60,57 +59,89 @@ class ResumableSubmission:
         self._replica: Replica | None = None  # the one known to hold the request now
         self._is_paused_there = False
         self._pausing = asyncio.Lock()  # one Pause/Resume at a time, so they arrive in order
+        self._syncing: asyncio.Task[None] | None = None  # the pause sync a move started
 
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
+    async def run(self, on_output: Callable[[RequestOutput], bool]) -> None:
+        """Hands each output to `on_output` (in the scheduler call's reader, so it must not
+        block; True leaves the request) until the request ends. `remote`, the prompt's blocks
+        on a prefill replica, serves the first submission."""
         remote = await prefill_remotely(self._replicas, self._request, self._owner,
                                         self._timeout_s)
         try:
-            async for output in self._outputs(remote):
-                yield output
+            avoid: set[str] = set()
+            while True:
+                resumed = self._resumed_outputs()
+                replica, decision = await self._replicas.choose(
+                    self._request.prompt_token_ids, avoid, self._timeout_s, self.num_failovers)
+                if self._metrics is not None:
+                    self._metrics.on_routed(decision.address, decision.reason)
+                kv_transfer = None
+                if remote is not None and not self.num_failovers:
+                    kv_transfer = remote.kv_transfer
+
+                def on_event(output: RequestOutput, replica: Replica = replica) -> bool:
+                    if remote is not None:
+                        remote.release()  # pulled: the decode replica answered
+                    if self._replica is not replica:
+                        self._replica, self._is_paused_there = replica, False
+                        self._start_sync_paused()
+                    return on_output(self._observed(output))
+
+                try:
+                    with self._replicas.holding(replica):
+                        await replica.client.submit(self._request, on_event, self._owner,
+                                                    resumed, kv_transfer)
+                    return
+                except Unavailable as exc:
+                    error = exc
+                self._replica = None
+                self._replicas.mark_failed(replica)
+                if self._metrics is not None:
+                    self._metrics.on_failover(replica.address)
+                self.num_failovers += 1
+                if self.num_failovers > MAX_FAILOVERS:
+                    raise Unavailable(
+                        f"request {self._request.request_id!r} failed over {MAX_FAILOVERS} "
+                        f"times; the last replica, {replica.address}, failed with: {error}",
+                        reason=Reason.SCHEDULER_UNAVAILABLE,
+                        retry_after_s=self._replicas.retry_after_s) from error
+                logger.warning("request %s: replica %s failed (%s); failing over (%d of %d)",
+                               self._request.request_id, replica.address, error,
+                               self.num_failovers, MAX_FAILOVERS)
+                avoid = {replica.address}
         finally:
             if remote is not None:
                 remote.release()
+            if self._syncing is not None:
+                self._syncing.cancel()
 
-    async def _outputs(self, remote: RemotePrefill | None) -> AsyncIterator[RequestOutput]:
-        """`remote`: the prompt's blocks on a prefill replica, for the first submission."""
-        avoid: set[str] = set()
-        while True:
-            resumed = self._resumed_outputs()
-            replica, decision = await self._replicas.choose(
-                self._request.prompt_token_ids, avoid, self._timeout_s, self.num_failovers)
-            if self._metrics is not None:
-                self._metrics.on_routed(decision.address, decision.reason)
-            kv_transfer = None
-            if remote is not None and not self.num_failovers:
-                kv_transfer = remote.kv_transfer
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The outputs as an iterator, for callers off the streaming path (embeddings)."""
+        queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
+
+        def on_output(output: RequestOutput) -> bool:
+            queue.put_nowait(output)
+            return False
+
+        async def run() -> None:
             try:
-                with self._replicas.holding(replica):
-                    async with contextlib.aclosing(replica.client.submit(
-                            self._request, self._owner, resumed, kv_transfer)) as events:
-                        async for output in events:
-                            if remote is not None:
-                                remote.release()  # pulled: the decode replica answered
-                            if self._replica is not replica:
-                                self._replica, self._is_paused_there = replica, False
-                                await self._sync_paused()
-                            yield self._observed(output)
-                return
-            except Unavailable as exc:
-                error = exc
-            self._replica = None
-            self._replicas.mark_failed(replica)
-            if self._metrics is not None:
-                self._metrics.on_failover(replica.address)
-            self.num_failovers += 1
-            if self.num_failovers > MAX_FAILOVERS:
-                raise Unavailable(f"request {self._request.request_id!r} failed over "
-                                  f"{MAX_FAILOVERS} times; the last replica, {replica.address}, "
-                                  f"failed with: {error}", reason=Reason.SCHEDULER_UNAVAILABLE,
-                                  retry_after_s=self._replicas.retry_after_s) from error
-            logger.warning("request %s: replica %s failed (%s); failing over (%d of %d)",
-                           self._request.request_id, replica.address, error,
-                           self.num_failovers, MAX_FAILOVERS)
-            avoid = {replica.address}
+                await self.run(on_output)
+            finally:
+                queue.put_nowait(None)
+
+        task = asyncio.create_task(run())
+        try:
+            while (output := await queue.get()) is not None:
+                yield output
+            await task
+        finally:
+            task.cancel()
+
+    def _start_sync_paused(self) -> None:
+        """A request paused when it moves is paused again on its new replica (a task: this runs
+        in the call's reader)."""
+        if self.is_paused:
+            self._syncing = asyncio.create_task(self._sync_paused())
 
     def finish_sequence(self, index: int) -> None:
         """A stop string ended output `index`: it ends on the replica that runs it (a move to

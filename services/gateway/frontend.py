@@ -31,7 +31,7 @@ from pagedserve.services.common.errors import (
     Reason,
     Unavailable,
 )
-from pagedserve.services.common.outputs import Usage
+from pagedserve.services.common.outputs import RequestOutput, Usage
 from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.gateway.delta_buffer import DeltaBuffer
 from pagedserve.services.gateway.failover import ResumableSubmission
@@ -274,19 +274,20 @@ class Frontend:
                     submission: ResumableSubmission, buffer: DeltaBuffer,
                     timer: RequestTimer | None) -> None:
         """Scheduler events → text deltas → buffer, until every output has ended or the stream
-        fails. An output a stop string ended is finished in the scheduler at once, the last one
+        fails; each event is handled where the scheduler call's reader hands it over, so this
+        task wakes once at the end, not per event. An output a stop string ended is finished in the scheduler at once, the last one
         too (so the request ends there as stopped, not aborted), before the call is left."""
+        def on_output(output: RequestOutput) -> bool:
+            if timer is not None and any(o.token_ids for o in output.outputs):
+                timer.on_tokens()
+            for delta in text_stream.on_output(output):
+                buffer.put(delta)
+            for index in text_stream.take_stopped():
+                submission.finish_sequence(index)
+            return text_stream.is_finished
+
         try:
-            async with contextlib.aclosing(submission.outputs()) as outputs:
-                async for output in outputs:
-                    if timer is not None and any(o.token_ids for o in output.outputs):
-                        timer.on_tokens()
-                    for delta in text_stream.on_output(output):
-                        buffer.put(delta)
-                    for index in text_stream.take_stopped():
-                        submission.finish_sequence(index)
-                    if text_stream.is_finished:
-                        break
+            await submission.run(on_output)
         except Exception as exc:
             buffer.close(exc)
             return

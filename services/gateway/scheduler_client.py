@@ -3,13 +3,12 @@ SubmitStream call (a traced one carries its trace context inside), unary calls w
 
 A request has no deadline (it lives as long as it generates), so a dead scheduler is found
 otherwise: a request opens only on a connected channel, and keepalive pings end a call whose
-peer vanished. Leaving the `submit` iterator early cancels the request in the scheduler.
+peer vanished. A handler that leaves `submit` early cancels the request in the scheduler.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -49,6 +48,8 @@ from pagedserve.services.rpc.tls import internal_aio_channel
 from pagedserve.services.rpc.tracing import aio_client_interceptors
 
 T = TypeVar("T")
+# a request's outputs, as they come; True leaves the request
+OutputHandler = Callable[[RequestOutput], bool]
 
 PEER = "scheduler"
 MAX_RECONNECT_BACKOFF_MS = 2_000  # a restarted scheduler is used again within this
@@ -174,29 +175,34 @@ class SchedulerClient:
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, PEER) from exc
 
-    async def submit(self, request: PreparedRequest, owner: str = "",
+    async def submit(self, request: PreparedRequest, on_output: OutputHandler, owner: str = "",
                      resumed_outputs: list[ResumedOutput] | None = None,
-                     kv_transfer: KVTransferParams | None = None
-                     ) -> AsyncIterator[RequestOutput]:
-        """`kv_transfer`: the prompt's blocks are pulled from a prefill replica first."""
+                     kv_transfer: KVTransferParams | None = None) -> None:
+        """Hands each of the request's outputs to `on_output` (in the SubmitStream call's
+        reader, so it must not block; True leaves the request, which cancels it) until it ends.
+        `kv_transfer`: the prompt's blocks are pulled from a prefill replica first."""
         await self._ensure_connected()
         msg = submit_request_to_proto(SubmitRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling=request.sampling, priority=request.priority, owner=owner,
             resumed_outputs=resumed_outputs or [], is_pooling=request.is_pooling,
             kv_transfer=kv_transfer))
+        request_id = request.request_id
         wants_prompt_logprobs = request.sampling.prompt_logprobs is not None
         span = RequestSpan.client(msg, self.address)
+
+        def on_response(response: scheduler_pb2.SubmitResponse) -> bool:
+            nonlocal wants_prompt_logprobs
+            if span is not None:
+                span.on_response(response)
+            output = token_event_from_proto(response, request_id, wants_prompt_logprobs)
+            wants_prompt_logprobs = False
+            return on_output(output)
+
         code, details = grpc.StatusCode.CANCELLED, None  # unless it ends
         try:
-            async with contextlib.aclosing(self._submit_stream.events(msg)) as events:
-                async for event in events:
-                    if span is not None:
-                        span.on_response(event)
-                    yield token_event_from_proto(event, request.request_id,
-                                                 wants_prompt_logprobs)
-                    wants_prompt_logprobs = False
-            code = grpc.StatusCode.OK
+            if not await self._submit_stream.stream(msg, on_response):
+                code = grpc.StatusCode.OK
         except PagedServeError as exc:
             code, details = status_of(exc)
             raise exc.with_fields(_request_field) from None

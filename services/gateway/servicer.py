@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 from pagedserve.services.common.errors import PagedServeError
@@ -62,8 +61,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
 
     @map_errors(field_path=proto_field_path)
     async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest,
-                             context: grpc.aio.ServicerContext
-                             ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+                             context: grpc.aio.ServicerContext) -> None:
+        """Writes its responses (context.write) rather than yielding them: no generator of this
+        handler and of each wrapper around it is resumed per streamed message."""
         arrival_s = time.monotonic()
         set_request_model(self._frontend.info.model)
         with self._track("GenerateStream"):
@@ -71,9 +71,11 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             with self._frontend.admit([generate]):
                 prepared = await self._frontend.prepare(generate, arrival_s)
                 on_stalled = functools.partial(_end_stalled_call, context)
-                async for delta in self._frontend.generate(
-                        prepared, on_stalled, grpc_caller(context)):
-                    yield text_delta_to_proto(delta, prepared.request_id)
+                request_id, write = prepared.request_id, context.write
+                async with contextlib.aclosing(self._frontend.generate(
+                        prepared, on_stalled, grpc_caller(context))) as deltas:
+                    async for delta in deltas:
+                        await write(text_delta_to_proto(delta, request_id))
 
     @map_errors(field_path=proto_field_path)
     async def Generate(self, request: gateway_pb2.GenerateRequest,

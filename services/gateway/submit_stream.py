@@ -1,9 +1,10 @@
 """The gateway's SubmitStream call to one scheduler: every request it sends there shares one
 gRPC stream, so a decode step of B requests costs one message, not B.
 
-One task reads the call and hands each request's events to that request's mailbox; a request's
-`events` iterator ends at its in-band end (done) or raises its in-band error; leaving it early
-cancels the request in the scheduler (the one place where the gateway ends a request's stream).
+One task reads the call and hands each request's events to that request's handler, all of a
+step in one pass; a request's `stream` returns at its in-band end (done) or raises its in-band
+error; leaving it early (its handler says so, or raises, or its task is cancelled) cancels the
+request in the scheduler (the one place where the gateway ends a request's stream).
 When the call breaks (the scheduler died, restarted, or the channel failed) every live request
 gets that error, and the next request opens a new call.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 
 import grpc
 from google.rpc import status_pb2
@@ -21,30 +22,46 @@ from pagedserve.services.common.errors import InvalidRequest, PagedServeError, R
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.status import error_from_rpc, error_from_status, parse_status
 
-_Item = scheduler_pb2.RequestEvent | BaseException
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+# a request's handler of its responses: called by the call's reader, once per event, so it must
+# not block; True leaves the request (it is cancelled in the scheduler)
+ResponseHandler = Callable[[scheduler_pb2.SubmitResponse], bool]
 
 
-class _Mailbox:
-    """One request's items: lighter than an asyncio.Queue (one future per wait, none per put)."""
+class _Request:
+    """One request's handler and its end: the task that submitted it sleeps until then, not
+    once per event (a step's events reach every request of the call in one pass)."""
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("on_response", "ended", "is_live")
 
-    def __init__(self) -> None:
-        self._items: deque[_Item] = deque()
-        self._waiter: asyncio.Future[None] | None = None
+    def __init__(self, on_response: ResponseHandler) -> None:
+        self.on_response = on_response
+        self.ended: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.is_live = True  # in the scheduler: left or failed by the gateway's side
 
-    def put(self, item: _Item) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+    def deliver(self, event: scheduler_pb2.RequestEvent,
+                error_of: Callable[[status_pb2.Status], PagedServeError]) -> None:
+        ended = self.ended
+        if ended.done():
+            return
+        try:
+            if event.HasField("response") and self.on_response(event.response):
+                self.is_live = not event.done
+                ended.set_result(True)
+                return
+        except Exception as exc:
+            ended.set_exception(exc)
+            return
+        if event.error_status:
+            self.fail(error_of(status_pb2.Status.FromString(event.error_status)))
+        elif event.done:
+            self.is_live = False
+            ended.set_result(False)
 
-    async def get(self) -> _Item:
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        return self._items.popleft()
+    def fail(self, error: BaseException) -> None:
+        self.is_live = False
+        if not self.ended.done():
+            self.ended.set_exception(error)
 
 
 class SubmitStreamClient:
@@ -55,46 +72,36 @@ class SubmitStreamClient:
         self._retry_after_s = retry_after_s
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None
-        # request_id -> the call it was sent on and its mailbox; None once cancelled, until the
+        # request_id -> the call it was sent on and the request; None once cancelled, until the
         # scheduler acknowledges (events of the id before that are the cancelled request's)
-        self._live: dict[str, tuple[grpc.aio.StreamStreamCall, _Mailbox | None]] = {}
+        self._live: dict[str, tuple[grpc.aio.StreamStreamCall, _Request | None]] = {}
         # what to write, in order: a cancel reaches the scheduler before a later submit of the
         # same id (grpc.aio allows one write in flight per call)
         self._outbox: deque[tuple[grpc.aio.StreamStreamCall,
                                   scheduler_pb2.SubmitStreamRequest]] = deque()
         self._writer: asyncio.Task[None] | None = None
 
-    async def events(self, msg: scheduler_pb2.SubmitRequest
-                     ) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
-        """The request's events; raises its error (a PagedServeError)."""
+    async def stream(self, msg: scheduler_pb2.SubmitRequest, on_response: ResponseHandler
+                     ) -> bool:
+        """Submits the request and hands each of its responses to `on_response` until it ends:
+        True when the handler left it, False at its in-band end; raises its in-band error (a
+        PagedServeError) or what the handler raised. Leaving (the handler, an error, this
+        task's cancellation) cancels the request in the scheduler."""
         request_id = msg.request_id
         if request_id in self._live:
             # the scheduler's own answer: one call cannot carry two requests of one id
             raise InvalidRequest(f"request_id {request_id!r} is already in use",
                                  reason=Reason.REQUEST_ID_IN_USE, field="request_id")
         call = self._open()
-        mailbox = _Mailbox()
-        entry = self._live[request_id] = (call, mailbox)
-        is_live = True
+        request = _Request(on_response)
+        entry = self._live[request_id] = (call, request)
         try:
             self._send(call, scheduler_pb2.SubmitStreamRequest(submit=msg))
-            while True:
-                item = await mailbox.get()
-                if isinstance(item, BaseException):
-                    is_live = False
-                    raise item
-                if item.HasField("response"):
-                    yield item.response
-                if item.error_status:
-                    is_live = False
-                    raise self._error(status_pb2.Status.FromString(item.error_status))
-                if item.done:
-                    is_live = False
-                    return
+            return await request.ended
         finally:
             if self._live.get(request_id) is entry:
                 del self._live[request_id]
-                if is_live and self._call is call:
+                if request.is_live and self._call is call:
                     self._live[request_id] = (call, None)
                     self._send(call, scheduler_pb2.SubmitStreamRequest(
                         cancel_request_id=request_id))
@@ -137,15 +144,16 @@ class SubmitStreamClient:
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         error: BaseException
         try:
+            live, error_of = self._live, self._error
             async for response in call:
                 for event in response.events:
-                    entry = self._live.get(event.request_id)
+                    entry = live.get(event.request_id)
                     if entry is None or entry[0] is not call:
                         continue
                     if entry[1] is not None:
-                        entry[1].put(event)
+                        entry[1].deliver(event, error_of)
                     elif event.done or event.error_status:
-                        del self._live[event.request_id]
+                        del live[event.request_id]
             error = Unavailable(f"{self._peer} ended the SubmitStream call",
                                 reason=Reason.SCHEDULER_UNAVAILABLE,
                                 retry_after_s=self._retry_after_s)
@@ -159,9 +167,9 @@ class SubmitStreamClient:
             self._call = None
         call.cancel()
         for request_id in [r for r, (c, _) in self._live.items() if c is call]:
-            mailbox = self._live.pop(request_id)[1]
-            if mailbox is not None:
-                mailbox.put(error)
+            request = self._live.pop(request_id)[1]
+            if request is not None:
+                request.fail(error)
 
     def _error(self, status: status_pb2.Status) -> PagedServeError:
         code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)

@@ -86,11 +86,14 @@ def sequence_delta_to_proto(output: SequenceDelta) -> scheduler_pb2.SequenceDelt
 
 
 def sequence_delta_from_proto(msg: scheduler_pb2.SequenceDelta) -> SequenceDelta:
+    """Once per output per step in the gateway: absent lists and reasons are not converted."""
+    logprobs = msg.logprobs
+    finish_reason = msg.finish_reason
     return SequenceDelta(
-        index=msg.index, token_ids=list(msg.token_ids), logprobs=list(msg.logprobs),
-        top_logprobs=logprob_lists_from_proto(msg.top_logprobs),
-        cumulative_logprob=msg.cumulative_logprob,
-        finish_reason=finish_reason_from_proto(msg.finish_reason), error=msg.error or None)
+        msg.index, list(msg.token_ids), list(logprobs) if logprobs else [],
+        logprob_lists_from_proto(msg.top_logprobs),
+        msg.cumulative_logprob,
+        finish_reason_from_proto(finish_reason) if finish_reason else None, msg.error or None)
 
 
 def token_event_to_proto(output: RequestOutput, msg: scheduler_pb2.SubmitResponse | None = None
@@ -118,11 +121,11 @@ def token_event_from_proto(msg: scheduler_pb2.SubmitResponse, request_id: str,
     prompt_logprobs: list[list[TokenIdLogprob] | None] | None = None
     if has_prompt_logprobs or msg.prompt_logprobs:
         prompt_logprobs = [p or None for p in logprob_lists_from_proto(msg.prompt_logprobs)]
+    embedding = msg.embedding
     return RequestOutput(
-        request_id=request_id, outputs=outputs,
-        finished=bool(outputs) and all(o.finish_reason is not None for o in outputs),
-        num_prompt_tokens=msg.num_prompt_tokens, num_cached_tokens=msg.num_cached_tokens,
-        prompt_logprobs=prompt_logprobs, embedding=list(msg.embedding) or None)
+        request_id, outputs, bool(outputs) and all(o.finish_reason is not None for o in outputs),
+        msg.num_prompt_tokens, msg.num_cached_tokens, prompt_logprobs,
+        list(embedding) if embedding else None)
 
 
 def abort_request_to_proto(request: AbortRequest) -> scheduler_pb2.AbortRequest:

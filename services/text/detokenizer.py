@@ -66,7 +66,11 @@ class IncrementalDetokenizer:
         delta = text[len(self._context_text):]
         self._window = self._window[self._num_context:]
         self._num_context = cut - self._num_context
-        self._context_text = self._decode(self._window[:self._num_context])
+        if self._num_context == 1:
+            self._context_text = self._tokenizer.decode_token(self._window[0],
+                                                              self._skip_special_tokens)
+        else:
+            self._context_text = self._decode(self._window[:self._num_context])
         return delta
 
     def _kept(self, token_ids: Sequence[int]) -> list[int]:

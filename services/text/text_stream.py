@@ -138,4 +138,4 @@ class TextStream:
                 for c in candidates]
 
     def _token_text(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._tokenizer.decode_token(token_id, skip_special_tokens=False)

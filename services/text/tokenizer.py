@@ -38,6 +38,9 @@ class Tokenizer:
         # At least the characters any one token decodes to (byte-level tokens: their bytes).
         self.max_token_chars: int = max(map(len, hf_tokenizer.get_vocab()), default=1)
         self._backend = _backend_decoding_alike(hf_tokenizer)
+        # one token's text, by skip_special_tokens: incremental detokenization decodes each
+        # streamed token alone as its next context
+        self._token_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -68,6 +71,14 @@ class Tokenizer:
             return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self.hf_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
                                         clean_up_tokenization_spaces=False)
+
+    def decode_token(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """decode([token_id]), cached: the vocabulary bounds the cache."""
+        texts = self._token_texts[skip_special_tokens]
+        text = texts.get(token_id)
+        if text is None:
+            text = texts[token_id] = self.decode([token_id], skip_special_tokens)
+        return text
 
     def id_to_token(self, token_id: int) -> str:
         return self.hf_tokenizer.convert_ids_to_tokens(token_id)

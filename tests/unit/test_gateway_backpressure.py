@@ -69,20 +69,25 @@ def test_an_unread_stream_is_paused_and_resumes_without_losing_a_token(model_dir
 
 class ScriptedClient:
     """A replica's scheduler client: `num_events` one-token events, then UNAVAILABLE (a replica
-    that dies) or the end; records Pause/Resume, refusing the first `num_unavailable`."""
+    that dies, once it was paused: its events come whether the consumer reads or not) or the
+    end; records Pause/Resume, refusing the first `num_unavailable`."""
 
     def __init__(self, num_events: int, dies: bool, num_unavailable: int = 0) -> None:
         self.num_events = num_events
         self.dies = dies
         self.num_unavailable = num_unavailable
         self.pauses: list[bool] = []
+        self.is_paused = asyncio.Event()
 
-    async def submit(self, request, owner, resumed, kv_transfer=None):
+    async def submit(self, request, on_output, owner, resumed, kv_transfer=None):
         for i in range(self.num_events):
-            yield RequestOutput(request.request_id, [SequenceDelta(0, [i])], finished=False,
-                                num_prompt_tokens=3, num_cached_tokens=0)
+            if on_output(RequestOutput(request.request_id, [SequenceDelta(0, [i])],
+                                       finished=False, num_prompt_tokens=3,
+                                       num_cached_tokens=0)):
+                return
             await asyncio.sleep(0)
         if self.dies:
+            await self.is_paused.wait()
             raise Unavailable("connection reset")
 
     async def set_paused(self, request: PauseRequest) -> None:
@@ -90,6 +95,7 @@ class ScriptedClient:
             self.num_unavailable -= 1
             raise Unavailable("deadline exceeded")
         self.pauses.append(request.is_paused)
+        self.is_paused.set()
 
 
 class TwoReplicas:

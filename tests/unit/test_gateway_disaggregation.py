@@ -29,15 +29,17 @@ class Client:
         self.submitted: list[tuple[str, KVTransferParams | None]] = []
         self.released: list[str] = []
 
-    async def submit(self, request, owner, resumed=None, kv_transfer=None):
+    async def submit(self, request, on_output, owner, resumed=None, kv_transfer=None):
         self.submitted.append((request.request_id, kv_transfer))
         for i in range(request.sampling.max_tokens):
             if self.dies_after is not None and i >= self.dies_after:
                 raise Unavailable("connection reset")
-            yield RequestOutput(request.request_id, [SequenceDelta(0, [i])],
-                                finished=i + 1 == request.sampling.max_tokens,
-                                num_prompt_tokens=len(request.prompt_token_ids),
-                                num_cached_tokens=0)
+            if on_output(RequestOutput(request.request_id, [SequenceDelta(0, [i])],
+                                       finished=i + 1 == request.sampling.max_tokens,
+                                       num_prompt_tokens=len(request.prompt_token_ids),
+                                       num_cached_tokens=0)):
+                return
+            await asyncio.sleep(0)
 
     async def export_kv_blocks(self, prompt_token_ids):
         return "lease-1", PARAMS

@@ -78,21 +78,20 @@ class Submission:
 
     async def deltas(self) -> AsyncGenerator[tuple[int, TextDelta], None]:
         """(prompt index, delta) until every prompt has finished; their usage and finish
-        reasons go on the request's span."""
-        async with contextlib.aclosing(self._deltas()) as deltas:
-            async for index, delta in deltas:
-                if delta.usage is not None:
-                    record_usage(delta.usage)
-                if delta.finish_reason is not None:
-                    record_finish_reason(delta.finish_reason)
-                yield index, delta
-
-    async def _deltas(self) -> AsyncGenerator[tuple[int, TextDelta], None]:
+        reasons go on the request's span. One prompt's deltas pass through no other generator
+        (this is every streamed token's path)."""
         if len(self.prepared) == 1:
             async with contextlib.aclosing(self._generate(self.prepared[0])) as deltas:
                 async for delta in deltas:
+                    _record(delta)
                     yield 0, delta
             return
+        async with contextlib.aclosing(self._interleaved()) as interleaved:
+            async for index, delta in interleaved:
+                _record(delta)
+                yield index, delta
+
+    async def _interleaved(self) -> AsyncGenerator[tuple[int, TextDelta], None]:
         # bounded, so that a client that stops reading stalls the Frontend's own buffers
         queue: asyncio.Queue[tuple[int, TextDelta | None, BaseException | None]] = \
             asyncio.Queue(maxsize=len(self.prepared))
@@ -122,6 +121,13 @@ class Submission:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _record(delta: TextDelta) -> None:
+    if delta.usage is not None:
+        record_usage(delta.usage)
+    if delta.finish_reason is not None:
+        record_finish_reason(delta.finish_reason)
 
 
 class StartedDeltas:
