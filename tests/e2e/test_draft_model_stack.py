@@ -9,14 +9,10 @@ import json
 
 import pytest
 from pagedserve.services.common.config import SchedulerConfig
-from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2
 
 from bench.draft_model import truncate
-from pagedserve.llm_engine import LLMEngine
-from tests.e2e.stack import assert_idle
-from tests.e2e.test_metrics import scrape, value
-from tests.integration.test_spec_decode import prompts_with_repeats, run
+from tests.e2e.test_metrics import value
+from tests.e2e.test_spec_decode_stack import assert_greedy_outputs_are_the_engines
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +31,7 @@ def stack_options():
 
 def test_greedy_outputs_equal_the_engine_without_speculation(stack, generation,
                                                              tiny_served_model_dir):
-    prompts = prompts_with_repeats(3)
-    sampling = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    off = LLMEngine.from_kwargs(model=str(tiny_served_model_dir), device="cpu", num_threads=1)
-    expected = run(off, prompts, sampling)
-    for i, prompt in enumerate(prompts):
-        response = generation.Generate(gateway_pb2.GenerateRequest(
-            token_ids=common_pb2.TokenIds(token_ids=prompt),
-            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=32,
-                                               ignore_eos=True)), timeout=60)
-        assert list(response.outputs[0].token_ids) == expected[(i, 0)]
-    assert_idle(stack)
-    samples = scrape(stack, "scheduler")
+    samples = assert_greedy_outputs_are_the_engines(stack, generation, tiny_served_model_dir)
     num_draft_tokens = value(samples, "vllm:spec_decode_num_draft_tokens_total")
     num_accepted = value(samples, "vllm:spec_decode_num_accepted_tokens_total")
     assert num_draft_tokens > num_accepted > 0  # drafts kept and rejected both went through

@@ -34,9 +34,20 @@ def stack_options():
 
 def test_greedy_outputs_equal_the_engine_without_speculation(stack, generation,
                                                              tiny_served_model_dir):
+    samples = assert_greedy_outputs_are_the_engines(stack, generation, tiny_served_model_dir)
+    num_draft_tokens = value(samples, "vllm:spec_decode_num_draft_tokens_total")
+    num_accepted = value(samples, "vllm:spec_decode_num_accepted_tokens_total")
+    assert value(samples, "vllm:spec_decode_num_drafts_total") > 0
+    assert num_draft_tokens >= num_accepted
+    assert value(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total") == num_accepted
+
+
+def assert_greedy_outputs_are_the_engines(stack, generation, model_dir) -> list:
+    """Greedy outputs through the gateway equal the in-process engine's with speculation off;
+    returns the scheduler's metric samples after them."""
     prompts = prompts_with_repeats(3)
     sampling = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    off = LLMEngine.from_kwargs(model=str(tiny_served_model_dir), device="cpu", num_threads=1)
+    off = LLMEngine.from_kwargs(model=str(model_dir), device="cpu", num_threads=1)
     expected = run(off, prompts, sampling)
     for i, prompt in enumerate(prompts):
         response = generation.Generate(gateway_pb2.GenerateRequest(
@@ -45,9 +56,4 @@ def test_greedy_outputs_equal_the_engine_without_speculation(stack, generation,
                                                ignore_eos=True)), timeout=60)
         assert list(response.outputs[0].token_ids) == expected[(i, 0)]
     assert_idle(stack)
-    samples = scrape(stack, "scheduler")
-    num_draft_tokens = value(samples, "vllm:spec_decode_num_draft_tokens_total")
-    num_accepted = value(samples, "vllm:spec_decode_num_accepted_tokens_total")
-    assert value(samples, "vllm:spec_decode_num_drafts_total") > 0
-    assert num_draft_tokens >= num_accepted
-    assert value(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total") == num_accepted
+    return scrape(stack, "scheduler")
