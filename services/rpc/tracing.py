@@ -193,7 +193,7 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
                 self._wrap(handler.unary_unary, rpc, metadata), **kw)
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                self._wrap(handler.unary_stream, rpc, metadata), **kw)
+                self._wrap(handler.unary_stream, rpc, metadata, is_stream=True), **kw)
         return handler
 
     def _start(self, rpc: RpcMethod, metadata: Any, request: Any) -> CallSpan:
@@ -201,8 +201,8 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
                                        kind=SpanKind.SERVER, attributes=rpc.attributes())
         return CallSpan(span, rpc, request, is_server=True)
 
-    def _wrap(self, behavior: Callable[..., Any], rpc: RpcMethod,
-              metadata: Any) -> Callable[..., Any]:
+    def _wrap(self, behavior: Callable[..., Any], rpc: RpcMethod, metadata: Any,
+              is_stream: bool = False) -> Callable[..., Any]:
         if inspect.isasyncgenfunction(behavior):
             async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 call = self._start(rpc, metadata, request)
@@ -234,10 +234,13 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
             return behavior  # a synchronous handler: none of ours
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            """A unary call, or a stream its handler writes (context.write) instead of yielding:
+            then its writes are the responses recorded."""
             call = self._start(rpc, metadata, request)
             with trace.use_span(call.span, record_exception=False, set_status_on_exception=False):
                 try:
-                    response = await behavior(request, context)
+                    response = await behavior(
+                        request, _RecordedWrites(context, call) if is_stream else context)
                 except BaseException as exc:
                     _end_server_call(call, context, exc)
                     raise
@@ -247,6 +250,24 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
                 return response
 
         return unary
+
+
+class _RecordedWrites:
+    """A servicer context whose streamed writes fold into the call's span, as yielded
+    responses do."""
+
+    __slots__ = ("_context", "_call")
+
+    def __init__(self, context: grpc.aio.ServicerContext, call: CallSpan) -> None:
+        self._context = context
+        self._call = call
+
+    async def write(self, message: Any) -> None:
+        self._call.on_response(message, is_streamed=True)
+        await self._context.write(message)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
 
 
 def _end_server_call(call: CallSpan, context: grpc.aio.ServicerContext,
