@@ -146,6 +146,16 @@ class EagerReplay:
         output.copy_(self.graphs.run_static(self.batch_size, self.kv_caches))
 
 
+def _stand_in_graphs(model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> DecodeGraphs:
+    graphs = DecodeGraphs(model, [1, 2, 4], max_seq_len=64, block_size=BLOCK_SIZE, device=CPU)
+    with torch.inference_mode():
+        for batch_size in graphs.batch_sizes:
+            graphs.hidden_states[batch_size] = graphs.run_static(batch_size, kv_caches)
+            graphs.graphs[batch_size] = EagerReplay(graphs, batch_size, kv_caches)
+    graphs.kv_caches = kv_caches
+    return graphs
+
+
 def test_decode_steps_take_the_graph_path_and_keep_their_tokens(tiny_model_dir):
     """The runner's side of the graphs (which steps replay, copy-in, padding, output rows)
     through real steps, with CUDA graphs stood in for by EagerReplay."""
@@ -159,15 +169,8 @@ def test_decode_steps_take_the_graph_path_and_keep_their_tokens(tiny_model_dir):
         worker = make_worker(tiny_model_dir("qwen2"), num_gpu_blocks=32, num_cpu_blocks=0,
                              block_size=BLOCK_SIZE, backend="triton")
         if is_graphed:
-            kv_caches = worker.cache_engine.gpu_cache
-            graphs = DecodeGraphs(worker.runner.model, [1, 2, 4], max_seq_len=64,
-                                  block_size=BLOCK_SIZE, device=CPU)
-            with torch.inference_mode():
-                for batch_size in graphs.batch_sizes:
-                    graphs.hidden_states[batch_size] = graphs.run_static(batch_size, kv_caches)
-                    graphs.graphs[batch_size] = EagerReplay(graphs, batch_size, kv_caches)
-            graphs.kv_caches = kv_caches
-            worker.runner.decode_graphs = graphs
+            worker.runner.decode_graphs = _stand_in_graphs(worker.runner.model,
+                                                           worker.cache_engine.gpu_cache)
         driver = Driver(worker)
         for seq_id, n in lens.items():
             driver.add(seq_id, [5 + 7 * seq_id + i for i in range(n)])
@@ -182,16 +185,6 @@ def test_decode_steps_take_the_graph_path_and_keep_their_tokens(tiny_model_dir):
     assert graphed.recorder.logits.keys() == eager.recorder.logits.keys()
     for key, row in graphed.recorder.logits.items():
         torch.testing.assert_close(row, eager.recorder.logits[key], atol=1e-4, rtol=0)
-
-
-def _stand_in_graphs(model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> DecodeGraphs:
-    graphs = DecodeGraphs(model, [1, 2, 4], max_seq_len=64, block_size=BLOCK_SIZE, device=CPU)
-    with torch.inference_mode():
-        for batch_size in graphs.batch_sizes:
-            graphs.hidden_states[batch_size] = graphs.run_static(batch_size, kv_caches)
-            graphs.graphs[batch_size] = EagerReplay(graphs, batch_size, kv_caches)
-    graphs.kv_caches = kv_caches
-    return graphs
 
 
 def test_a_draft_models_proposing_forwards_take_its_graphs(tiny_model_dir, tmp_path):
