@@ -13,9 +13,10 @@ the target's own draw equals it, so the outputs are the target's whatever the dr
 A sampled request's drafts are drawn from the draft model's distribution (processed as the
 request's sampling processes the target's), which goes with them to rejection sampling.
 
-Where the target replays CUDA graphs, the draft model has its own decode graphs (warm-up captures
-them on its KV layers for the target's batch-size buckets): its proposing forwards after the
-first are one token a sequence, launch-bound for a small model, and replay them.
+Where the target replays CUDA graphs, the draft model has its own (warm-up captures them on its
+KV layers for the target's buckets): its proposing forwards after the first, one token a
+sequence, replay decode graphs and its catch-up forward a mixed one; for a small model both are
+launch-bound.
 """
 
 from __future__ import annotations

@@ -54,14 +54,12 @@ def rejection_sample(
     position = len(state.token_ids)
     target_probs = target_logprobs.exp()
     token_ids: list[int] = []
-    num_kept = 0
     for j, draft in enumerate(drafts):
         generator = _generator(state.seed, position + j, _ACCEPT_STREAM, target_probs.device)
         p, q = target_probs[j], draft_probs[j]
         u = float(torch.rand((), generator=generator, device=p.device))
         if u * float(q[draft]) < float(p[draft]):
             token_ids.append(draft)
-            num_kept += 1
             continue
         residual = (p - q).clamp_min_(0.0)
         token_ids.append(_race(residual if float(residual.sum()) > 0.0 else p, generator))
