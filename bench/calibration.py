@@ -252,8 +252,9 @@ def serving_rows(results_dir: Path) -> list[dict]:
     for workload, result in measured.items():
         concurrency = result["concurrency"]
         sim = simulated.get(workload)
-        for key, label in () if sim is None else (("output_tok_s", "gRPC stack tok/s"), ("ttft_ms", "TTFT p50 (ms)"),
-                           ("itl_ms", "ITL p50 (ms)")):
+        for key, label in () if sim is None else (("output_tok_s", "gRPC stack tok/s"),
+                                                  ("ttft_ms", "TTFT p50 (ms)"),
+                                                  ("itl_ms", "ITL p50 (ms)")):
             value = result["stack"][key]
             modelled = sim["stack"][key]
             if isinstance(value, dict):

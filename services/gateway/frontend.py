@@ -275,8 +275,9 @@ class Frontend:
                     timer: RequestTimer | None) -> None:
         """Scheduler events → text deltas → buffer, until every output has ended or the stream
         fails; each event is handled where the scheduler call's reader hands it over, so this
-        task wakes once at the end, not per event. An output a stop string ended is finished in the scheduler at once, the last one
-        too (so the request ends there as stopped, not aborted), before the call is left."""
+        task wakes once at the end, not per event. An output a stop string ended is finished in
+        the scheduler at once, the last one too (so the request ends there as stopped, not
+        aborted), before the call is left."""
         def on_output(output: RequestOutput) -> bool:
             if timer is not None and any(o.token_ids for o in output.outputs):
                 timer.on_tokens()

@@ -129,5 +129,6 @@ def test_serving_compiles_nothing_after_warm_up(model, arch):
 
 
 def test_warm_up_batches_stay_within_the_model_length():
-    assert all(q + c <= 8 for qs, cs in triton_ops.warm_up_batches(8) for q, c in zip(qs, cs, strict=True))
+    assert all(q + c <= 8 for qs, cs in triton_ops.warm_up_batches(8)
+               for q, c in zip(qs, cs, strict=True))
     assert len(triton_ops.warm_up_batches(MAX_MODEL_LEN)) == 3

@@ -112,7 +112,8 @@ def test_negative_client_processes_is_refused(capsys):
 
 
 _PROBE = ("import sys, bench.serving_clients\n"
-          "found.put(sorted({'torch', 'pagedserve.llm_engine', 'bench.serving'} & set(sys.modules)))")
+          "found.put(sorted({'torch', 'pagedserve.llm_engine', 'bench.serving'}"
+          " & set(sys.modules)))")
 
 
 def test_a_client_process_imports_neither_torch_nor_the_parents_main(monkeypatch):
