@@ -1,7 +1,7 @@
 """One gateway process's CPU per streamed token, in isolation: the real gateway (`pagedserve
 gateway`, both doors) in front of a stand-in scheduler whose engine is a clock
-(bench.step_scheduler: every --step-ms one SubmitStream message with a token for each live
-request), and closed-loop streaming clients in processes of their own (bench.serving_clients),
+(bench.step_scheduler: every --step-ms a token for each live request, sent by the scheduler's
+own SubmitStream call code), and closed-loop streaming clients in processes of their own (bench.serving_clients),
 through the gRPC door and then the OpenAI HTTP door (/v1/completions, stream, usage on).
 
 The figure is tokens per gateway CPU-second (user + system time of the gateway process over the
@@ -114,6 +114,9 @@ def run_door(args: argparse.Namespace, door: str, target: str, gateway_pid: int,
             "wall_s": wall_s, "output_tok_s": num_tokens / wall_s, "gateway_cpu_s": cpu_s,
             "gateway_busy": cpu_s / wall_s, "gateway_us_per_token": 1e6 * cpu_s / num_tokens,
             "gateway_tok_per_cpu_s": num_tokens / cpu_s,
+            # the events with text a client read: more than one token each where the gateway
+            # (or the scheduler's response window) merged steps
+            "tokens_per_event": num_tokens / sum(len(t.chunk_times_s) for t in traces),
             "ttft_ms": percentiles([(t.chunk_times_s[0] - t.submit_s) * 1e3 for t in traces]),
             "clients_cpu_s": sum(r.cpu_s for r in reports),
             "max_client_busy": max(r.busy for r in reports), "load_average_1m": load0}
@@ -131,9 +134,10 @@ def run_tree(args: argparse.Namespace, label: str, tree: Path, scheduler_port: i
             result = run_door(args, door, target, gateway.pid, reqs, connect)
             results.append({"tree": label, "round": round_index, **result})
             log.info("%s round %d %s: %.1f us per token, %.0f tok per CPU-s, %.0f tok/s, "
-                     "gateway busy %.2f, load %.1f", label, round_index, door,
-                     result["gateway_us_per_token"], result["gateway_tok_per_cpu_s"],
-                     result["output_tok_s"], result["gateway_busy"], result["load_average_1m"])
+                     "%.2f tokens per event, gateway busy %.2f, load %.1f", label, round_index,
+                     door, result["gateway_us_per_token"], result["gateway_tok_per_cpu_s"],
+                     result["output_tok_s"], result["tokens_per_event"], result["gateway_busy"],
+                     result["load_average_1m"])
         return results
     finally:
         gateway.terminate()

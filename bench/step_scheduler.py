@@ -1,10 +1,11 @@
 """bench.gateway_cpu's stand-in scheduler: the SchedulerService a gateway calls, whose engine is a
-clock. Every `step_s` each SubmitStream call gets one SubmitStreamResponse with one event per
-live request of the call, each a token (cycled from `reply_ids`), the last one finishing the
-request at its max_tokens with `done` -- the messages a real scheduler sends for a batch of
-decodes. It costs a few µs per event, so the gateway's CPU is what a bench measures.
+clock. Every `step_s` each live request gets a token (cycled from `reply_ids`), the last one
+finishing it at its max_tokens -- what a real engine reports for a batch of decodes -- and the
+scheduler's own SubmitStream call (scheduler_svc.submit_stream) sends them: one message per step
+while the gateway keeps up, steps merged while its response window is full. The clock costs a
+few µs per token, so the gateway's CPU is what a bench measures.
 
-This module imports neither torch nor the engine: it runs as a light process of its own.
+This module imports neither torch nor the model code: it runs as a light process of its own.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import logging
 from dataclasses import dataclass
 
 import grpc
-from pagedserve.services.rpc.internal.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.scheduler_svc.submit_stream import serve_submit_stream
+from pagedserve.services.common.engine_api import SubmitRequest
+from pagedserve.services.common.outputs import FinishReason, RequestOutput, SequenceDelta
+from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.services.rpc.server import ServiceBinding, create_server
 
 
@@ -23,70 +27,73 @@ class _Live:
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
+    sink: object  # the call's OutputSink
     num_sent: int = 0
+
+
+class ClockEngine:
+    """What SubmitStreamCall needs of the AsyncEngine: requests in, a token each per step out."""
+
+    def __init__(self, reply_ids: list[int], step_s: float) -> None:
+        self._reply_ids = reply_ids
+        self._step_s = step_s
+        self._live: dict[str, _Live] = {}
+        self._has_work = asyncio.Event()
+        self._clock: asyncio.Task[None] | None = None
+
+    async def submit(self, request: SubmitRequest, sink) -> None:
+        self._live[request.request_id] = _Live(request.request_id, len(request.prompt_token_ids),
+                                               request.sampling.max_tokens, sink)
+        self._has_work.set()
+        if self._clock is None:
+            self._clock = asyncio.create_task(self._run())
+
+    def drop(self, request_id: str, sink) -> None:
+        live = self._live.get(request_id)
+        if live is not None and live.sink is sink:
+            del self._live[request_id]
+
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        live = self._live.pop(request_id, None)
+        if live is not None:
+            live.sink.put_nowait(RequestOutput(
+                request_id, [SequenceDelta(index, [], finish_reason=FinishReason.STOP)], True,
+                live.num_prompt_tokens, 0))
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._live:
+                self._has_work.clear()
+                await self._has_work.wait()
+            start = loop.time()
+            self._step()
+            await asyncio.sleep(max(0.0, start + self._step_s - loop.time()))
+
+    def _step(self) -> None:
+        reply_ids = self._reply_ids
+        for live in list(self._live.values()):
+            is_last = live.num_sent + 1 >= live.max_tokens
+            token = reply_ids[live.num_sent % len(reply_ids)]
+            live.num_sent += 1
+            live.sink.put_nowait(RequestOutput(
+                live.request_id,
+                [SequenceDelta(0, [token], finish_reason=FinishReason.LENGTH if is_last else None)],
+                is_last, live.num_prompt_tokens, 0))
+            if is_last:
+                del self._live[live.request_id]
 
 
 class StepScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, served_model: scheduler_pb2.GetServedModelResponse,
                  reply_ids: list[int], step_s: float) -> None:
         self._served_model = served_model
-        self._reply_ids = reply_ids
-        self._step_s = step_s
+        self._engine = ClockEngine(reply_ids, step_s)
 
     async def SubmitStream(self, requests, context):
-        live: dict[str, _Live] = {}
-        cancelled: list[str] = []
-        has_work = asyncio.Event()
-
-        async def read() -> None:
-            async for msg in requests:
-                if msg.HasField("submit"):
-                    submit = msg.submit
-                    live[submit.request_id] = _Live(submit.request_id,
-                                                    len(submit.prompt_token_ids),
-                                                    submit.sampling.max_tokens)
-                elif msg.HasField("cancel_request_id"):
-                    if live.pop(msg.cancel_request_id, None) is not None:
-                        cancelled.append(msg.cancel_request_id)
-                elif msg.HasField("finish_sequence"):
-                    if live.pop(msg.finish_sequence.request_id, None) is not None:
-                        cancelled.append(msg.finish_sequence.request_id)
-                has_work.set()
-
-        reader = asyncio.create_task(read())
-        loop = asyncio.get_running_loop()
-        try:
-            while not reader.done():
-                if not live and not cancelled:
-                    has_work.clear()
-                    await has_work.wait()
-                start = loop.time()
-                await context.write(self._step(live, cancelled))
-                await asyncio.sleep(max(0.0, start + self._step_s - loop.time()))
-        finally:
-            reader.cancel()
-
-    def _step(self, live: dict[str, _Live], cancelled: list[str]
-              ) -> scheduler_pb2.SubmitStreamResponse:
-        msg = scheduler_pb2.SubmitStreamResponse()
-        for request_id in cancelled:
-            msg.events.add(request_id=request_id, done=True)
-        cancelled.clear()
-        reply_ids = self._reply_ids
-        for request in list(live.values()):
-            event = msg.events.add(request_id=request.request_id)
-            response = event.response
-            response.num_prompt_tokens = request.num_prompt_tokens
-            is_last = request.num_sent + 1 >= request.max_tokens
-            response.outputs.add(
-                index=0, token_ids=[reply_ids[request.num_sent % len(reply_ids)]],
-                finish_reason=(common_pb2.FINISH_REASON_LENGTH if is_last
-                               else common_pb2.FINISH_REASON_UNSPECIFIED))
-            request.num_sent += 1
-            if is_last:
-                event.done = True
-                del live[request.request_id]
-        return msg
+        async for response in serve_submit_stream(self._engine, self._served_model.model,
+                                                  requests):
+            yield response
 
     async def GetServedModel(self, request, context):
         return self._served_model

@@ -2,9 +2,12 @@
 
 Each request's outputs go straight from the engine loop into this call's pending map (no task per
 request); a single writer turns whatever accumulated since its last message into the next one, so
-a caller that keeps up gets one message per step and a slow one gets steps merged. A request ends
-in-band (done, or a google.rpc.Status); the call's end
-aborts every request still live in it.
+a caller that keeps up gets one message per step and a slow one gets steps merged. A caller that
+asks for a response window acknowledges what it has handled, and the writer waits while the
+window is full: a gateway that falls behind the engine then reads several tokens per event
+instead of a queue of one-token events, and its cost per token falls as the engine speeds up.
+A request ends in-band (done, or a google.rpc.Status); the call's end aborts every request still
+live in it.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class SubmitStreamCall:
         self._cancelled: list[str] = []  # to acknowledge: nothing more comes for them
         self._spans: dict[str, RequestSpan] = {}  # of the traced live requests
         self._reader: asyncio.Task[None] | None = None
+        self._window = 0  # responses the caller may leave unacknowledged; 0: no limit
+        self._num_unacked = 0
 
     def put(self, request_id: str, item: _Item, sink: _Sink) -> None:
         if self._sinks.get(request_id) is not sink:
@@ -88,7 +93,8 @@ class SubmitStreamCall:
             while True:
                 await self._ready.wait()
                 self._ready.clear()
-                if self._pending or self._cancelled:
+                is_window_full = self._window and self._num_unacked >= self._window
+                if (self._pending or self._cancelled) and not is_window_full:
                     pending, self._pending = self._pending, {}
                     cancelled, self._cancelled = self._cancelled, []
                     events = [scheduler_pb2.RequestEvent(request_id=request_id, done=True)
@@ -96,6 +102,7 @@ class SubmitStreamCall:
                     events += [self._event(request_id, items)
                                for request_id, items in pending.items()]
                     for response in _messages(events):
+                        self._num_unacked += 1
                         yield response
                 if self._reader.done():
                     self._reader.result()  # a protocol error fails the call
@@ -132,6 +139,12 @@ class SubmitStreamCall:
                 finish = msg.finish_sequence
                 if finish.request_id in self._added:
                     self._engine.finish_sequence(finish.request_id, finish.index)
+            elif msg.HasField("response_window"):
+                self._window = msg.response_window
+                self._ready.set()
+            elif msg.HasField("handled_responses"):
+                self._num_unacked = max(0, self._num_unacked - msg.handled_responses)
+                self._ready.set()
 
     async def _add(self, msg: scheduler_pb2.SubmitRequest, sink: _Sink,
                    span: RequestSpan | None) -> None:

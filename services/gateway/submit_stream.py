@@ -7,6 +7,11 @@ error; leaving it early (its handler says so, or raises, or its task is cancelle
 request in the scheduler (the one place where the gateway ends a request's stream).
 When the call breaks (the scheduler died, restarted, or the channel failed) every live request
 gets that error, and the next request opens a new call.
+
+Each call asks for a window of RESPONSE_WINDOW responses and acknowledges every response once
+its events are handed over: while the reader is behind, the scheduler merges the steps it makes
+meanwhile, so each request's next event carries several tokens. The gateway's work per token
+then falls as the engine outruns it, instead of a queue of one-token events building up.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from pagedserve.services.rpc.internal.v1 import scheduler_pb2, scheduler_pb2_grp
 from pagedserve.services.rpc.status import error_from_rpc, error_from_status, parse_status
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+# responses the scheduler may send ahead of the reader: one being handled, one on the way
+RESPONSE_WINDOW = 2
 # a request's handler of its responses: called by the call's reader, once per event, so it must
 # not block; True leaves the request (it is cancelled in the scheduler)
 ResponseHandler = Callable[[scheduler_pb2.SubmitResponse], bool]
@@ -77,9 +84,11 @@ class SubmitStreamClient:
         self._live: dict[str, tuple[grpc.aio.StreamStreamCall, _Request | None]] = {}
         # what to write, in order: a cancel reaches the scheduler before a later submit of the
         # same id (grpc.aio allows one write in flight per call)
+        # None: an acknowledgement of what the reader has handled by the time it is written
         self._outbox: deque[tuple[grpc.aio.StreamStreamCall,
-                                  scheduler_pb2.SubmitStreamRequest]] = deque()
+                                  scheduler_pb2.SubmitStreamRequest | None]] = deque()
         self._writer: asyncio.Task[None] | None = None
+        self._num_handled = 0  # responses of the open call handled and not yet acknowledged
 
     async def stream(self, msg: scheduler_pb2.SubmitRequest, on_response: ResponseHandler
                      ) -> bool:
@@ -121,12 +130,15 @@ class SubmitStreamClient:
     def _open(self) -> grpc.aio.StreamStreamCall:
         if self._call is None or self._call.done():
             self._call = self._stub.SubmitStream()
+            self._num_handled = 0
+            self._send(self._call, scheduler_pb2.SubmitStreamRequest(
+                response_window=RESPONSE_WINDOW))
             self._reader = asyncio.create_task(self._read(self._call),
                                                name=f"submit-stream-{self._peer}")
         return self._call
 
     def _send(self, call: grpc.aio.StreamStreamCall,
-              msg: scheduler_pb2.SubmitStreamRequest) -> None:
+              msg: scheduler_pb2.SubmitStreamRequest | None) -> None:
         """Without waiting (a request may be leaving from a task being cancelled); a failed
         write is the call's failure, which the reader hands every live request."""
         self._outbox.append((call, msg))
@@ -138,6 +150,9 @@ class SubmitStreamClient:
             call, msg = self._outbox.popleft()
             if call.done():
                 continue
+            if msg is None:
+                msg = scheduler_pb2.SubmitStreamRequest(handled_responses=self._num_handled)
+                self._num_handled = 0
             with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
                 await call.write(msg)
 
@@ -154,6 +169,7 @@ class SubmitStreamClient:
                         entry[1].deliver(event, error_of)
                     elif event.done or event.error_status:
                         del live[event.request_id]
+                self._acknowledge(call)
             error = Unavailable(f"{self._peer} ended the SubmitStream call",
                                 reason=Reason.SCHEDULER_UNAVAILABLE,
                                 retry_after_s=self._retry_after_s)
@@ -170,6 +186,13 @@ class SubmitStreamClient:
             request = self._live.pop(request_id)[1]
             if request is not None:
                 request.fail(error)
+
+    def _acknowledge(self, call: grpc.aio.StreamStreamCall) -> None:
+        """One acknowledgement in the outbox at a time, counting every response handled
+        until it is written."""
+        self._num_handled += 1
+        if self._num_handled == 1:
+            self._send(call, None)
 
     def _error(self, status: status_pb2.Status) -> PagedServeError:
         code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)

@@ -22,6 +22,10 @@ class StopStringMatcher:
         self._is_stopped = False
 
     @property
+    def has_stops(self) -> bool:
+        return bool(self._stop)
+
+    @property
     def is_stopped(self) -> bool:
         return self._is_stopped
 

@@ -103,17 +103,21 @@ class TextStream:
         state = self._indices[completion.index]
         if state.is_finished:
             return None  # a stop string ended it; steps in flight before its finish still report
-        text, token_ids = "", []
         finish_reason = None
-        for token_id in completion.token_ids:  # one at a time: the cut falls between tokens
-            token_ids.append(token_id)
-            piece, is_stopped = state.stop_matcher.push(state.detokenizer.push([token_id]))
-            text += piece
-            if is_stopped:
-                finish_reason = FinishReason.STOP
-                if completion.finish_reason is None:
-                    self._stopped.append(completion.index)
-                break
+        if not state.stop_matcher.has_stops:  # nothing to cut: the tokens decode in one go
+            token_ids = list(completion.token_ids)
+            text = state.detokenizer.push(token_ids) if token_ids else ""
+        else:
+            text, token_ids = "", []
+            for token_id in completion.token_ids:  # one at a time: the cut falls between tokens
+                token_ids.append(token_id)
+                piece, is_stopped = state.stop_matcher.push(state.detokenizer.push([token_id]))
+                text += piece
+                if is_stopped:
+                    finish_reason = FinishReason.STOP
+                    if completion.finish_reason is None:
+                        self._stopped.append(completion.index)
+                    break
         if finish_reason is None and completion.finish_reason is not None:
             tail, is_stopped = state.stop_matcher.push(state.detokenizer.flush())
             text += tail if is_stopped else tail + state.stop_matcher.flush()

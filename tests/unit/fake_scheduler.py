@@ -44,6 +44,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.aborted: set[str] = set()
         self.pauses: list[tuple[str, bool]] = []  # (request_id, is_paused)
         self.num_tokens_sent: dict[str, int] = {}
+        self.response_window = 0  # as the caller asked
+        self.num_responses = 0
+        self.num_handled_responses = 0  # as the caller acknowledged
         self._abort_events: dict[str, asyncio.Event] = {}
         self._is_runnable: dict[str, asyncio.Event] = {}  # cleared while paused
         self.any_cancelled = asyncio.Event()
@@ -75,11 +78,16 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                 elif msg.HasField("finish_sequence"):
                     self.finished.append((msg.finish_sequence.request_id,
                                           msg.finish_sequence.index))
+                elif msg.HasField("response_window"):
+                    self.response_window = msg.response_window
+                elif msg.HasField("handled_responses"):
+                    self.num_handled_responses += msg.handled_responses
 
         reader = asyncio.create_task(read())
         try:  # writes, not yields: grpc may drop a generator handler, to be finalized anywhere
             while (event := await events.get()) is not None:
                 await context.write(scheduler_pb2.SubmitStreamResponse(events=[event]))
+                self.num_responses += 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")
         finally:
             reader.cancel()

@@ -8,7 +8,7 @@ import asyncio
 
 import grpc
 import pytest
-from pagedserve.services.gateway.submit_stream import SubmitStreamClient
+from pagedserve.services.gateway.submit_stream import RESPONSE_WINDOW, SubmitStreamClient
 from pagedserve.services.gateway.validation import ServedModel
 from pagedserve.services.rpc.internal.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -56,6 +56,17 @@ def test_a_request_run_to_its_end_is_not_cancelled():
     assert left is False
     assert tokens == REPLY_IDS
     assert fake.cancelled == set()
+
+
+def test_the_call_asks_for_a_window_and_acknowledges_every_response_it_handled():
+    async def body(client, fake):
+        await client.stream(submit("r"), lambda response: False)
+        while fake.num_handled_responses < fake.num_responses:
+            await asyncio.sleep(0.01)
+
+    _, fake = run(body)
+    assert fake.response_window == RESPONSE_WINDOW
+    assert fake.num_handled_responses == fake.num_responses >= len(REPLY_IDS)
 
 
 def test_a_handler_that_leaves_cancels_the_request_in_the_scheduler():

@@ -107,3 +107,26 @@ def test_a_finished_report_ends_the_merge_and_the_request():
     only, rest = asyncio.run(main())
     assert only.done and list(only.response.outputs[0].token_ids) == [1, 2] and rest == []
     assert only.response.outputs[0].finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_a_full_window_holds_the_steps_until_acknowledged_then_sends_them_merged():
+    async def main():
+        engine, requests, responses, first = await _call_with_request()
+        requests.put_nowait(scheduler_pb2.SubmitStreamRequest(response_window=1))
+        await asyncio.sleep(0)
+        sink = engine.sinks["r"]
+        sink.put_nowait(_report({0: [1]}))
+        first = _event(await first)
+        waiting = asyncio.create_task(anext(responses))
+        for token in (2, 3, 4):  # steps made while the caller handles the first response
+            sink.put_nowait(_report({0: [token]}))
+            await asyncio.sleep(0)
+        held = not waiting.done()
+        requests.put_nowait(scheduler_pb2.SubmitStreamRequest(handled_responses=1))
+        second = _event(await waiting)
+        requests.put_nowait(None)
+        return first, held, second
+
+    first, held, second = asyncio.run(main())
+    assert list(first.response.outputs[0].token_ids) == [1]
+    assert held and list(second.response.outputs[0].token_ids) == [2, 3, 4]
