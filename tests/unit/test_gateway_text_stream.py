@@ -136,3 +136,22 @@ def test_take_stopped_leaves_out_an_output_the_engine_ended_in_the_same_token():
     stream = _stream(stop=["END"])
     run(stream, token_events("hello END"))  # the stop string and the engine's EOS together
     assert stream.take_stopped() == []
+
+
+@pytest.mark.parametrize("stop", [[], ["fox"]])
+def test_merged_steps_stream_the_text_and_tokens_of_the_steps_one_by_one(stop):
+    """A scheduler behind its caller merges steps: one event of several tokens, with or without
+    stop strings, gives the text, ids and finish the events one by one give."""
+    text = "héllo wörld, the quick fox ran 🦊 far"
+    one_by_one = run(_stream(stop=stop), token_events(text, finish="length"))
+    token_ids = ids(text)
+    merged = run(_stream(stop=stop), [
+        event(SequenceDelta(0, token_ids[i:i + 3],
+                            finish_reason="length" if i + 3 >= len(token_ids) else None))
+        for i in range(0, len(token_ids), 3)])
+    for deltas in (one_by_one, merged):
+        assert deltas[-1].finish_reason == ("stop" if stop else "length")
+    assert "".join(d.text for d in merged) == "".join(d.text for d in one_by_one)
+    assert ([t for d in merged for t in d.token_ids]
+            == [t for d in one_by_one for t in d.token_ids])
+    assert len(merged) < len(one_by_one)
