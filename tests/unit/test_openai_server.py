@@ -1,10 +1,12 @@
 """The HTTP door's sockets: every accepted connection has TCP_NODELAY, so an SSE event written
 right after the response headers is not held back by Nagle's algorithm until the client's
-delayed ACK (it cost ~40 ms of TTFT per streamed request)."""
+delayed ACK (it cost ~40 ms of TTFT per streamed request); a stream's events, written past h11,
+are framed as h11 frames them."""
 
 import asyncio
 import socket
 
+import h11
 from pagedserve.services.gateway.openai import sse
 from pagedserve.services.gateway.openai.server import HttpServer, bind_socket
 from starlette.applications import Starlette
@@ -81,3 +83,60 @@ def test_a_stream_its_client_does_not_read_stops_after_a_bounded_number_of_event
             await http.stop(0.1)
 
     assert 0 < asyncio.run(main()) <= 400
+
+
+def _serve_events(events: list[str], request: bytes) -> bytes:
+    """What a raw client that sends `request` reads until the server closes or ends the body."""
+    async def stream(request):
+        async def generate():
+            for event in events:
+                yield event
+        return sse.EventStreamResponse(generate(), lambda: None, asyncio.Event())
+
+    app = Starlette(routes=[Route("/", stream)])
+
+    async def main() -> bytes:
+        http = HttpServer(app, bind_socket("127.0.0.1", 0))
+        await http.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", http.port)
+            writer.write(request)
+            received = b""
+            while not received.endswith(b"0\r\n\r\n") and (chunk := await reader.read(65536)):
+                received += chunk
+            writer.close()
+            return received
+        finally:
+            await http.stop(0.1)
+
+    return asyncio.run(main())
+
+
+def test_events_reach_an_http11_client_as_chunks_h11_reads_back():
+    """The events are written past h11 (connection_guard.StreamWriter): framed as h11 would."""
+    events = [sse.event('{"text":"a"}'), sse.event('{"text":"\\u00e9\\n"}'), sse.DONE]
+    received = _serve_events(events, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+    client.send(h11.EndOfMessage())
+    client.receive_data(received)
+    body, response = b"", None
+    while (event := client.next_event()) not in (h11.NEED_DATA, h11.PAUSED):
+        if isinstance(event, h11.Response):
+            response = event
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            break
+    assert response is not None and response.status_code == 200
+    assert (b"transfer-encoding", b"chunked") in response.headers
+    assert isinstance(event, h11.EndOfMessage)
+    assert body == "".join(events).encode()
+
+
+def test_events_reach_an_http10_client_unframed_until_the_close():
+    events = [sse.event('{"text":"a"}'), sse.DONE]
+    received = _serve_events(events, b"GET / HTTP/1.0\r\n\r\n")
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"chunked" not in head.lower()
+    assert body == "".join(events).encode()

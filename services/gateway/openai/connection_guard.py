@@ -1,7 +1,8 @@
 """What uvicorn lacks to keep clients from holding the HTTP door's descriptors: a deadline for a
 request's headers (from the connection's opening, so a client that never sends a request line is
-closed too) and one for its body, a cap on the connections of one client address, and a small
-send buffer under streaming responses (so backpressure counts what a client leaves unread)."""
+closed too) and one for its body, a cap on the connections of one client address, and the writer
+a streamed response's events go through (StreamWriter): straight to the connection, over a small
+send buffer (so backpressure counts what a client leaves unread)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from pagedserve.services.gateway.config import ConnectionLimitsConfig
 from pagedserve.services.gateway.openai.errors import error_body, error_response
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
-# scope["extensions"][LIMIT_SEND_BUFFER]["limit"](): shrink the connection's send buffers
-LIMIT_SEND_BUFFER = "pagedserve.limit_send_buffer"
+# scope["extensions"][STREAM_WRITER]: the request's StreamWriter (none for HEAD)
+STREAM_WRITER = "pagedserve.stream_writer"
 
 
 def _timeout_response(message: str) -> bytes:
@@ -97,8 +98,9 @@ class GuardedProtocol(H11Protocol):
         if cycle is not self._read_cycle:  # a request's headers arrived
             self._read_cycle = cycle
             self._has_request_bytes = False
-            cycle.scope.setdefault("extensions", {})[LIMIT_SEND_BUFFER] = {
-                "limit": self._limit_send_buffer}
+            if cycle.scope["method"] != "HEAD":
+                cycle.scope.setdefault("extensions", {})[STREAM_WRITER] = StreamWriter(
+                    self, cycle, self._guard.limits.http_stream_send_buffer_bytes)
             self._disarm()
             if cycle.more_body:
                 self._arm(self._guard.limits.http_body_timeout_s, self._on_body_timeout)
@@ -142,13 +144,50 @@ class GuardedProtocol(H11Protocol):
                 f"the request's body did not arrive within http_body_timeout_s={timeout_s:g}"))
         self.transport.close()
 
-    def _limit_send_buffer(self) -> None:
+
+class StreamWriter:
+    """A streamed response's body events written to its connection as uvicorn would write them
+    (the same checks, h11's framing), past the layers each `send` goes through: every
+    middleware's send wrapper, a message dict, uvicorn's checks and h11's event objects cost
+    more per token than the socket write. The response's start and end still go through `send`,
+    which keeps uvicorn's and h11's state; h11 checks no length in a body of unknown length."""
+
+    __slots__ = ("_protocol", "_cycle", "_send_buffer_bytes", "_is_chunked")
+
+    def __init__(self, protocol: GuardedProtocol, cycle: RequestResponseCycle,
+                 send_buffer_bytes: int) -> None:
+        self._protocol = protocol
+        self._cycle = cycle
+        self._send_buffer_bytes = send_buffer_bytes
+        # a response without Content-Length: chunked to an HTTP/1.1 client, else sent until
+        # the connection closes (h11's choice)
+        self._is_chunked = protocol.conn.their_http_version == b"1.1"
+
+    def limit_send_buffer(self) -> None:
         """The kernel holds at most http_stream_send_buffer_bytes (Linux counts twice that,
         overhead included) of this connection's output, and the transport nothing above it:
         a response's writes wait as soon as the kernel takes no more, so a client that stops
         reading stalls its stream (and its backpressure count rises) within a few events."""
-        sock = self.transport.get_extra_info("socket")
+        transport = self._protocol.transport
+        sock = transport.get_extra_info("socket")
         if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
-                            self._guard.limits.http_stream_send_buffer_bytes)
-        self.transport.set_write_buffer_limits(high=0)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._send_buffer_bytes)
+        transport.set_write_buffer_limits(high=0)
+
+    @property
+    def must_wait(self) -> bool:
+        """The client has not taken the last write yet: `await wait()` before the next."""
+        return self._protocol.flow.write_paused and not self._cycle.disconnected
+
+    async def wait(self) -> None:
+        await self._protocol.flow.drain()
+
+    def write(self, data: bytes) -> None:
+        """A piece of the body, once the response started through `send`; dropped once the
+        client is gone (as uvicorn drops it). Empty, it is nothing (chunked, it would end the
+        body)."""
+        if not data or self._cycle.disconnected:
+            return
+        if self._is_chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        self._protocol.transport.write(data)

@@ -12,7 +12,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from json.encoder import encode_basestring  # type: ignore[attr-defined]
 
-from pagedserve.services.gateway.openai.connection_guard import LIMIT_SEND_BUFFER
+from pagedserve.services.gateway.openai.connection_guard import STREAM_WRITER, StreamWriter
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -48,7 +48,9 @@ def json_string(text: str | None) -> str:
 
 
 class EventStreamResponse(StreamingResponse):
-    """`stalled`: set when the client stopped reading (the stream is then given up)."""
+    """`stalled`: set when the client stopped reading (the stream is then given up). Under the
+    HTTP server (connection_guard) the events go through its StreamWriter, else (an ASGI test
+    client) through `send`."""
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None],
                  stalled: asyncio.Event) -> None:
@@ -57,11 +59,12 @@ class EventStreamResponse(StreamingResponse):
         self._events = events
         self._on_close = on_close
         self._stalled = stalled
+        self._writer: StreamWriter | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        limit_send_buffer = scope.get("extensions", {}).get(LIMIT_SEND_BUFFER)
-        if limit_send_buffer is not None:
-            limit_send_buffer["limit"]()
+        self._writer = scope.get("extensions", {}).get(STREAM_WRITER)
+        if self._writer is not None:
+            self._writer.limit_send_buffer()
         stream = asyncio.ensure_future(self.stream_response(send))
         disconnect = asyncio.ensure_future(self.listen_for_disconnect(receive))
         stalled = asyncio.ensure_future(self._stalled.wait())
@@ -77,3 +80,16 @@ class EventStreamResponse(StreamingResponse):
         error = results[0]
         if isinstance(error, Exception) and not isinstance(error, OSError):
             logger.error("event stream failed", exc_info=error)
+
+    async def stream_response(self, send: Send) -> None:
+        writer = self._writer
+        if writer is None:
+            await super().stream_response(send)
+            return
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        async for event in self._events:
+            if writer.must_wait:
+                await writer.wait()
+            writer.write(event.encode())
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
