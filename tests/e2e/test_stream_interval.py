@@ -1,5 +1,6 @@
 """A gateway with --stream-interval 4: streams carry four tokens a message (the first token and
-the end at once), the same tokens and text as the unary call, through both front doors."""
+the end at once), the same tokens and text as the unary call, through both front doors. A
+scheduler ahead of the gateway may merge steps: an event then carries more tokens, never fewer."""
 
 import json
 
@@ -28,7 +29,9 @@ def test_grpc_streams_carry_stream_interval_tokens_a_message(generation):
     unary = generation.Generate(request(14), timeout=60).outputs[0]
     deltas = list(generation.GenerateStream(request(14), timeout=60))
     sizes = [len(d.token_ids) for d in deltas]
-    assert sizes[0] == 1 and sum(sizes) == 14
+    # the first event goes at once, not held for the interval: one token, or the few a
+    # scheduler ahead of the gateway merged into it
+    assert sizes[0] < INTERVAL and sum(sizes) == 14
     assert all(size >= INTERVAL for size in sizes[1:-1]), sizes
     assert len(deltas) <= 1 + -(-13 // INTERVAL)
     assert [t for d in deltas for t in d.token_ids] == list(unary.token_ids)
@@ -41,7 +44,7 @@ def test_each_output_of_n_starts_at_once_and_ends_complete(generation):
     deltas = list(generation.GenerateStream(request(9, n=2), timeout=60))
     for output in unary.outputs:
         own = [d for d in deltas if d.index == output.index]
-        assert len(own[0].token_ids) == 1
+        assert len(own[0].token_ids) < INTERVAL
         assert [t for d in own for t in d.token_ids] == list(output.token_ids)
 
 
