@@ -115,6 +115,7 @@ class EngineCore:
         self.stat_loggers: list[StatLogger] = []
         self._totals = StepTotals()
         self._drain_rate = DrainRate()  # finished requests: a full queue's Retry-After
+        self._last_finished: tuple[float, SentStep] | None = None  # (perf_counter, step)
 
     def _load_model(self) -> None:
         infos = self._on_all_workers(lambda w: w.load_model())
@@ -268,6 +269,8 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         self._window.fill(lambda: self._schedule(outputs))
         step = self._window.pop_oldest()
+        if step is None:
+            self._last_finished = None
         if step is not None:
             outputs += self._finish(
                 step, send_behind=lambda: not (has_queued_operations and has_queued_operations()))
@@ -300,6 +303,18 @@ class EngineCore:
                           self.scheduler.num_preemptions, bm.prefix_cache_queries,
                           bm.prefix_cache_hits,
                           bm.host_tier.num_hit_tokens if bm.host_tier is not None else 0)
+
+    def _host_time_s(self, step: SentStep, timings: StepTimings) -> float | None:
+        """For a step sent once the one before had finished: the time between their ends less
+        the worker's, i.e. the host's time per step that no device work overlapped (reports,
+        scheduling, transport). None for a step sent behind another, or after an idle engine."""
+        now = time.perf_counter()
+        previous, self._last_finished = self._last_finished, (now, step)
+        if previous is None or previous[1].is_advanced:
+            return None
+        worker_ns = (timings.cache_ops_ns + timings.prepare_ns + timings.forward_ns
+                     + timings.sample_ns + timings.draft_ns)
+        return max(0.0, now - previous[0] - worker_ns * 1e-9)
 
     def _record_step(self, step: SentStep, timings: StepTimings, process_time_s: float) -> None:
         if not self.stat_loggers:
@@ -358,7 +373,8 @@ class EngineCore:
         self.last_scheduled = step.scheduled
         self._num_rebuilds_in_a_row = 0
         if self.scheduler.speculator is not None:
-            self.scheduler.speculator.record_step(step.scheduled.scheduled, step_output.timings)
+            self.scheduler.speculator.record_step(step.scheduled.scheduled, step_output.timings,
+                                                  self._host_time_s(step, step_output.timings))
         start = time.perf_counter()
         step.take_in()
         groups = self.output_processor.apply(step.scheduled, step_output)

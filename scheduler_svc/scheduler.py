@@ -52,8 +52,8 @@ class Scheduler:
         self._finished_seq_ids: list[int] = []
         self._preempted_seq_ids: list[int] = []
         speculative = config.speculative
-        self.speculator = (Speculator(speculative, max_model_len) if speculative is not None
-                           else None)
+        self.speculator = (Speculator(speculative, max_model_len, config.async_scheduling)
+                           if speculative is not None else None)
 
     def add_group(self, group: SequenceGroup) -> None:
         self.waiting.append(group)
@@ -516,7 +516,8 @@ class Scheduler:
                             num_blocks_onloaded=len(onloads))
         if self.speculator is not None:
             self._keep_drafts_that_pay(step.scheduled)
-            out.may_run_ahead = not self.speculator.holds_back_run_ahead(step.scheduled)
+            out.may_run_ahead = not self.speculator.holds_back_run_ahead(step.scheduled,
+                                                                         len(self.running))
         if not step.has_work:
             return out
         self._step_id += 1

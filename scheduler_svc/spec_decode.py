@@ -9,24 +9,27 @@ per sequence and the worker answers with the accepted ones plus the target's nex
 vocabulary-sized data crosses it. With a draft model the worker proposes: the scheduler plans
 the same k slots, as k placeholders, and the plan carries their number (num_lookahead_slots).
 
-Which drafts a step carries is a trade: a draft costs a token's share of the step (StepCostModel,
-learned from the workers' timings) and is worth the chance it is kept (the sequence's recent
-acceptance). drafts_that_pay keeps those that raise the step's expected tokens per second.
+Which drafts a step carries is a trade: a draft costs a token's share of the target's step and,
+with a draft model, a share of the draft positions' forwards (two StepCostModel lines, learned
+from the workers' timings), and is worth the chance it is kept (the sequence's recent
+acceptance). drafts_that_pay keeps those that give the step the most expected tokens per second,
+none at all where speculation does not pay (draft_choice.py).
 
 A step carrying drafts is not run ahead (the next step waits for its tokens): how many tokens it
 appends is known only once verified. With n-gram lookup a step without drafts runs ahead as any
-other (a draft model's step holds back for any speculating sequence: it drafts from known
-tokens only); the step
-sent behind it proposes past the token still being drawn, from the known tokens' match: its
-first token guesses the one being drawn, the rest are the drafts (the verifier keeps only what
-the model draws, so a wrong guess costs the drafts, never the outputs). A sequence whose
-speculation stopped paying backs off: it proposes nothing for a while, then tries again.
+other; the step sent behind it proposes past the token still being drawn, from the known tokens'
+match: its first token guesses the one being drawn, the rest are the drafts (the verifier keeps
+only what the model draws, so a wrong guess costs the drafts, never the outputs). A draft model
+drafts from known tokens only: a step without drafts holds run-ahead back only where its
+sequences' drafts would pay. A sequence whose speculation stopped paying backs off: it proposes
+nothing for a while, then tries again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.scheduler_svc.draft_choice import StepCosts, choose_drafts
 from pagedserve.scheduler_svc.ngram_proposer import propose_ngram
 from pagedserve.scheduler_svc.scheduled_step import ScheduledSequence
 from pagedserve.scheduler_svc.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup
@@ -65,6 +68,22 @@ class _Acceptance:
 
 
 @dataclass(slots=True)
+class _Retry:
+    """Steps without speculation before the next trial, twice as many after each."""
+
+    num_steps_left: int = _FIRST_BACKOFF_STEPS * 2
+    interval: int = _FIRST_BACKOFF_STEPS * 2
+
+    def is_due(self) -> bool:
+        self.num_steps_left -= 1
+        if self.num_steps_left > 0:
+            return False
+        self.interval = min(2 * self.interval, _MAX_BACKOFF_STEPS)
+        self.num_steps_left = self.interval
+        return True
+
+
+@dataclass(slots=True)
 class SpecDecodeTotals:
     """Since start, as vLLM counts them."""
 
@@ -75,12 +94,25 @@ class SpecDecodeTotals:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 runs_ahead: bool = True) -> None:
+        """runs_ahead: whether a step without drafts may be sent behind the one in flight."""
         self.config = config
+        self.runs_ahead = runs_ahead
         self.max_model_len = max_model_len
         self.totals = SpecDecodeTotals(
             num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
         self.step_cost = StepCostModel()
+        self.draft_cost = StepCostModel()  # a draft position's, in its drafting sequences
+        # the host's time per step outside the worker, and the worker's (prepare and sample),
+        # in the step's sequences
+        self.host_cost = StepCostModel()
+        self.worker_host_cost = StepCostModel()
+        self._last_step_s = 0.0  # the worker's time in the last step, of any kind
+        # a draft model's speculation the choice turned off is tried again now and then: what
+        # it learned of the acceptance and the costs may have changed
+        self._retry = _Retry()
+        self._is_trial = False  # the next step's drafts are kept whatever the choice says
         self._num_rejections = 0  # drafted steps that rejected a draft, since start
         self._acceptance: dict[int, _Acceptance] = {}
 
@@ -125,51 +157,88 @@ class Speculator:
                              config.prompt_lookup_max)[1:]
 
     def drafts_that_pay(self, scheduled: list[ScheduledSequence]) -> list[int]:
-        """How many of its drafts each scheduled sequence keeps: the drafts, most likely kept
-        first, that raise the step's expected tokens per second. With the step's time
-        fixed + per_token * n and y tokens expected, one more draft kept with probability p
-        pays when (y + p) / (t + per_token) > y / t, i.e. p * t > per_token * y. A draft is kept
-        when every one before it is, with the sequence's recent per-draft rate each; a guess
-        past a placeholder is one more draft to get right."""
+        """How many of its drafts each scheduled sequence keeps: those that raise the step's
+        expected tokens per second, the draft model's positions counted (draft_choice.py). A
+        draft is kept when every one before it is, with the sequence's recent per-draft rate
+        each; a guess past a placeholder is one more draft to get right."""
         counts = [len(item.draft_token_ids or ()) for item in scheduled]
-        if not self.config.adaptive or self.config.method != "ngram" or not any(counts):
+        if not self.config.adaptive or not any(counts):
             return counts
-        fixed_s, per_token_s = self.step_cost.line()
-        if not per_token_s:
-            return counts
-        candidates = []
-        for i, item in enumerate(scheduled):
-            rate = self._acceptance_rate(item.seq.seq_id)
-            first = 2 if item.seq.has_placeholder else 1
-            candidates += [(rate ** (first + j), j, i) for j in range(counts[i])]
-        candidates.sort(key=lambda c: (-c[0], c[1]))
-        kept = [0] * len(scheduled)
-        num_expected = float(sum(item.is_sampling for item in scheduled))
-        time_s = fixed_s + per_token_s * sum(item.num_known_tokens for item in scheduled)
-        for p, _, i in candidates:
-            if p * time_s <= per_token_s * num_expected:
-                break
-            kept[i] += 1
-            num_expected += p
-            time_s += per_token_s
+        if self._is_trial:  # one draft each: the acceptance is learned at the least cost
+            self._is_trial = False
+            return [min(count, 1) for count in counts]
+        kept = self._choose(scheduled, counts)
+        if any(kept):
+            self._retry = _Retry()
         return kept
 
-    def record_step(self, scheduled: list[ScheduledSequence], timings: StepTimings) -> None:
-        """A finished step's worker time, for the cost of a token; decode steps only."""
+    def _choose(self, scheduled: list[ScheduledSequence], counts: list[int]) -> list[int]:
+        fixed_s, per_token_s = self.step_cost.line()
+        if not fixed_s and not per_token_s:  # no decode step timed yet: tokens are free
+            fixed_s = self._last_step_s
+        if not fixed_s:
+            return counts
+        host_s = worker_host_s = 0.0
+        if self.config.method != "ngram":
+            host_s, worker_host_s = (_at(line, len(scheduled))
+                                     for line in (self.host_cost, self.worker_host_cost))
+        costs = StepCosts(fixed_s, per_token_s, *self.draft_cost.line(), host_s=host_s,
+                          worker_host_s=worker_host_s, runs_ahead=self.runs_ahead)
+        rates = []
+        for item, count in zip(scheduled, counts, strict=True):
+            rate = self._acceptance_rate(item.seq.seq_id)
+            # n-gram lookup past a placeholder guesses it first (a draft model waits for it)
+            first = 2 if item.seq.has_placeholder and self.config.method == "ngram" else 1
+            rates.append([rate ** (first + j) for j in range(count)])
+        num_known_tokens = sum(item.num_known_tokens for item in scheduled)
+        # a draft model's steps hold run-ahead back: a step made longer by drafts delays the
+        # prompt chunks in it too, and with them the requests that would join the batch
+        num_expected = (num_known_tokens if self.config.method != "ngram"
+                        else sum(item.is_sampling for item in scheduled))
+        return choose_drafts(rates, num_known_tokens, float(num_expected), costs)
+
+    def record_step(self, scheduled: list[ScheduledSequence], timings: StepTimings,
+                    host_s: float | None = None) -> None:
+        """A finished step's worker time: a decode step's for the cost of a token; any step's
+        draft model time for the cost of a draft position (a prompt chunk's catch-up makes it
+        dearer, so that the choice errs towards no speculation). host_s: the rest of its
+        period, where it was sent after the step before finished."""
+        time_ns = timings.prepare_ns + timings.forward_ns + timings.sample_ns
+        self._last_step_s = time_ns * 1e-9
+        if host_s is not None:
+            self.host_cost.record(len(scheduled), host_s)
+        num_positions = max((len(item.draft_token_ids or ()) for item in scheduled), default=0)
+        if timings.draft_ns and num_positions:
+            num_drafts = sum(len(item.draft_token_ids or ()) for item in scheduled)
+            self.draft_cost.record(num_drafts / num_positions,
+                                   timings.draft_ns * 1e-9 / num_positions)
         if not all(item.is_sampling and item.num_known_tokens == 1 for item in scheduled):
             return
         num_tokens = sum(item.num_scheduled_tokens for item in scheduled)
-        time_ns = timings.prepare_ns + timings.forward_ns + timings.sample_ns
         if num_tokens and time_ns:
             self.step_cost.record(num_tokens, time_ns * 1e-9)
+            self.worker_host_cost.record(len(scheduled),
+                                         (timings.prepare_ns + timings.sample_ns) * 1e-9)
 
-    def holds_back_run_ahead(self, scheduled: list[ScheduledSequence]) -> bool:
-        """A draft model proposes from known tokens only: there a speculating sequence holds
-        run-ahead back too."""
-        if self.config.method == "ngram":
-            return any(item.draft_token_ids for item in scheduled)
-        return any(item.draft_token_ids or (item.is_sampling and self.is_speculating(
-            item.group, item.seq)) for item in scheduled)
+    def holds_back_run_ahead(self, scheduled: list[ScheduledSequence], num_running: int) -> bool:
+        """A step with drafts holds run-ahead back (the next step needs its verified tokens).
+        With a draft model, which proposes from known tokens only, so does a step whose
+        sequences would speculate if it did not run ahead: one whose drafts would pay."""
+        if any(item.draft_token_ids for item in scheduled):
+            return True
+        limit = self.config.disable_by_batch_size
+        if self.config.method == "ngram" or (limit and num_running >= limit):
+            return False
+        counts = [min(self.config.num_speculative_tokens,
+                      self._lookahead(self._acceptance.get(item.seq.seq_id)))
+                  if item.is_sampling and self.is_speculating(item.group, item.seq) else 0
+                  for item in scheduled]
+        if not any(counts):
+            return False
+        if not self.config.adaptive or any(self._choose(scheduled, counts)):
+            return True
+        self._is_trial = self._retry.is_due()
+        return self._is_trial
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """After a verified step (num_drafts = 0: it decoded without a proposal)."""
@@ -183,6 +252,8 @@ class Speculator:
                 totals.num_accepted_tokens_per_pos[pos] += 1
         if not self.config.adaptive:
             return
+        if not num_drafts and self.config.method != "ngram":
+            return  # a draft model always proposes: the step's choice cut its drafts
         acceptance = self._acceptance.setdefault(seq.seq_id, _Acceptance())
         if not num_drafts:
             acceptance.num_misses += 1
@@ -231,3 +302,8 @@ class Speculator:
             return prior
         accepted = acceptance.num_accepted + _PRIOR_STEPS * prior
         return accepted / (accepted + acceptance.num_rejected + _PRIOR_STEPS * (1 - prior))
+
+
+def _at(line: StepCostModel, num_seqs: int) -> float:
+    fixed_s, per_seq_s = line.line()
+    return fixed_s + per_seq_s * num_seqs

@@ -28,7 +28,7 @@ class StepCostModel:
     _sum_nn: float = 0.0
     _sum_nt: float = 0.0
 
-    def record(self, num_tokens: int, time_s: float) -> None:
+    def record(self, num_tokens: float, time_s: float) -> None:
         self._weight = _DECAY * self._weight + 1.0
         self._sum_n = _DECAY * self._sum_n + num_tokens
         self._sum_t = _DECAY * self._sum_t + time_s

@@ -83,13 +83,17 @@ class DraftProposer:
                                                         kv_caches, self.device)
 
     @torch.inference_mode()
-    def propose(self, scheduled: list[CachedSequence], kv_caches: list[torch.Tensor]) -> None:
-        """Brings the draft model's KV up to date with the step's known tokens, then fills the
-        draft_token_ids of every sequence with num_lookahead_slots: one forward per draft
-        position. scheduled: this step's sequences, before their tokens are marked computed."""
+    def propose(self, scheduled: list[CachedSequence], kv_caches: list[torch.Tensor]) -> bool:
+        """Brings the draft model's KV up to date with the known tokens of the step's prompts
+        and proposing sequences, then fills the draft_token_ids of every sequence with
+        num_lookahead_slots: one forward per draft position. A decoding sequence that does not
+        propose catches up when it next does, so that a step without speculation runs no draft
+        forward. scheduled: this step's sequences, before their tokens are marked computed.
+        Returns whether the draft model ran."""
         catch_up = []
         for seq in scheduled:
-            if seq.pooling_type:
+            if seq.pooling_type or not (seq.num_lookahead_slots
+                                        or seq.num_computed_tokens < seq.prompt_len):
                 continue
             end = min(len(seq.token_ids), seq.num_computed_tokens + seq.num_scheduled_tokens
                       - seq.num_lookahead_slots)  # a token still being drawn is not known
@@ -100,7 +104,7 @@ class DraftProposer:
                 seq.num_draft_computed = end
         proposing = [s for s in scheduled if s.num_lookahead_slots]
         if not catch_up:
-            return
+            return False
         catch_up.sort(key=lambda s: not s.is_prefill)
         drafts: dict[int, list[int]] = {s.seq_id: [] for s in proposing}
         probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in proposing}
@@ -117,6 +121,7 @@ class DraftProposer:
             # KV of its last known token and all drafts but the last
             seq.num_draft_computed = len(seq.token_ids) + seq.num_lookahead_slots - 1
             seq.num_lookahead_slots = 0
+        return True
 
     def _draw(self, seqs: list[CachedSequence], drafts: dict[int, list[int]],
               probs: dict[int, list[torch.Tensor]], kv_caches: list[torch.Tensor]) -> None:

@@ -105,6 +105,8 @@ class InFlightStep:
     # the swaps' modelled seconds (out, in) on a simulated cache; None: the clock times them
     modelled_swap_s: tuple[float | None, float | None] = (None, None)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+    draft_host_ns: int = 0  # the draft model's proposals, in the host's prepare phase
+    draft_ns: int = 0  # their device time
 
     def block_ids(self) -> set[int]:
         """The device blocks the step reads or writes: its sequences' block tables (as they

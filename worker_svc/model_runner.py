@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -80,8 +81,9 @@ class ModelRunner:
             clock.mark()
             return InFlightStep(plan.step_id, clock, scheduled, modelled_swap_s=modelled_swap_s,
                                 blocks_to_copy=plan.blocks_to_copy)
+        draft_host_ns = draft_ns = 0
         if self.drafter is not None:
-            self.drafter.propose(scheduled, cache_engine.draft_gpu_cache)
+            draft_host_ns, draft_ns = self._propose(scheduled, cache_engine)
         drawn = ahead_of.draws_by_seq() if ahead_of is not None else {}
         model_input = build_model_input(scheduled, self.block_size, self.device, drawn)
         if model_input.drawn_rows:
@@ -94,7 +96,20 @@ class ModelRunner:
         clock.mark()
         return InFlightStep(plan.step_id, clock, scheduled, model_input=model_input, logits=logits,
                             pooled=pooled, modelled_swap_s=modelled_swap_s,
-                            blocks_to_copy=plan.blocks_to_copy)
+                            blocks_to_copy=plan.blocks_to_copy, draft_host_ns=draft_host_ns,
+                            draft_ns=draft_ns)
+
+    def _propose(self, scheduled: list[CachedSequence], cache_engine: CacheEngine
+                 ) -> tuple[int, int]:
+        """The draft model's proposals: (the host's time in them, their device time). The
+        proposer reads its drafts on the host, so its host time holds its device time; a
+        modelled device gives its own."""
+        start = time.perf_counter_ns()
+        if not self.drafter.propose(scheduled, cache_engine.draft_gpu_cache):
+            return 0, 0
+        host_ns = time.perf_counter_ns() - start
+        device_s = self.new_fence().device_s
+        return host_ns, host_ns if device_s is None else round(device_s * 1e9)
 
     def drop_graphs(self) -> None:
         """The target's and the draft model's CUDA graphs: they read the KV cache they were
@@ -136,8 +151,9 @@ class ModelRunner:
         if step.fence.device_s is not None:  # a modelled device: its time, not the host's
             forward_ns = round(step.fence.device_s * 1e9)
         return StepOutput(step_id=step.step_id, outputs=outputs, timings=_cache_op_timings(
-            step, swap_out_ns, swap_in_ns, copy_ns, prepare_ns=prepare_ns, forward_ns=forward_ns,
-            sample_ns=sample_ns), pooled=pooled_to_host(step.pooled))
+            step, swap_out_ns, swap_in_ns, copy_ns,
+            prepare_ns=max(0, prepare_ns - step.draft_host_ns), forward_ns=forward_ns,
+            sample_ns=sample_ns, draft_ns=step.draft_ns), pooled=pooled_to_host(step.pooled))
 
     def new_fence(self) -> Fence:
         return self._new_fence() if self._new_fence is not None else device_fence(self.device)

@@ -113,6 +113,7 @@ class StepTimings:
     sample_ns: int = 0
     swap_out_ns: int = 0  # of cache_ops_ns: device -> CPU blocks (preemption and host tier)
     swap_in_ns: int = 0  # CPU -> device blocks
+    draft_ns: int = 0  # the draft model's forwards (speculative decoding)
 
 
 @dataclass(frozen=True, slots=True)

@@ -142,13 +142,15 @@ def sampled_sequence_from_proto(msg: worker_pb2.SampledSequence) -> SampledSeque
 def step_timings_to_proto(timings: StepTimings) -> worker_pb2.StepTimings:
     return worker_pb2.StepTimings(cache_ops_ns=timings.cache_ops_ns, prepare_ns=timings.prepare_ns,
                                   forward_ns=timings.forward_ns, sample_ns=timings.sample_ns,
-                                  swap_out_ns=timings.swap_out_ns, swap_in_ns=timings.swap_in_ns)
+                                  swap_out_ns=timings.swap_out_ns, swap_in_ns=timings.swap_in_ns,
+                                  draft_ns=timings.draft_ns)
 
 
 def step_timings_from_proto(msg: worker_pb2.StepTimings) -> StepTimings:
     return StepTimings(cache_ops_ns=msg.cache_ops_ns, prepare_ns=msg.prepare_ns,
                        forward_ns=msg.forward_ns, sample_ns=msg.sample_ns,
-                       swap_out_ns=msg.swap_out_ns, swap_in_ns=msg.swap_in_ns)
+                       swap_out_ns=msg.swap_out_ns, swap_in_ns=msg.swap_in_ns,
+                       draft_ns=msg.draft_ns)
 
 
 def _is_single_sample(seq: SampledSequence) -> bool:

@@ -75,7 +75,7 @@ OUTPUT = StepOutput(
         SampledSequence(seq_id=BIG + 2, token_ids=[4_000_000_001], logprobs=[-0.987654321]),
     ],
     timings=StepTimings(cache_ops_ns=11, prepare_ns=BIG, forward_ns=3_000_000_000, sample_ns=7,
-                        swap_out_ns=5, swap_in_ns=6),
+                        swap_out_ns=5, swap_in_ns=6, draft_ns=9),
     pooled=[PooledSequence(seq_id=BIG + 3, embedding=[0.5, -0.25, 0.0])],
 )
 

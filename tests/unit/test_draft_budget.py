@@ -1,5 +1,6 @@
-"""The batch-aware draft budget: the step's cost per token learned from timings, drafts cut where
-they cost more than they are likely to save, and vLLM's disable_by_batch_size."""
+"""The batch-aware draft budget: the step's cost per token and a draft model's per position learned
+from timings, drafts cut where they cost more than they are likely to save (a draft model's
+steps then run ahead), and vLLM's disable_by_batch_size."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import json
 
 import pytest
 from pagedserve.scheduler_svc.scheduled_step import ScheduledSequence
-from pagedserve.scheduler_svc.sequence import SequenceGroup
+from pagedserve.scheduler_svc.sequence import PLACEHOLDER_TOKEN_ID, SequenceGroup
 from pagedserve.scheduler_svc.spec_decode import Speculator
 from pagedserve.scheduler_svc.step_cost import StepCostModel
 from pagedserve.scheduler_svc.step_window import SentStep
 from pagedserve.services.common.speculative_config import SpeculativeConfig
+from pagedserve.services.common.step_plan import StepTimings
 
 from tests.unit.test_spec_decode_scheduler import LONG, PROMPT, SpecHarness
 
@@ -111,3 +113,72 @@ def test_each_sequence_keeps_drafts_by_its_own_acceptance():
             speculator.record(item.seq, 4, 4 if item.seq.seq_id < 4 else 0)
     assert speculator.drafts_that_pay(items) == [4] * 4 + [0] * 4
 
+
+
+DRAFT_MODEL = {"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 4}
+
+
+def _draft_model_speculator(draft_position_s: float) -> Speculator:
+    """A 7 ms target step at batch 1; the draft model's positions timed by the worker."""
+    speculator = Speculator(SpeculativeConfig(**DRAFT_MODEL), max_model_len=1024)
+    for _ in range(20):
+        speculator.step_cost.record(1, 0.007)
+    items = _proposing(1)
+    speculator.record_step(items, StepTimings(forward_ns=7_000_000,
+                                              draft_ns=round(4 * draft_position_s * 1e9)))
+    return speculator
+
+
+def _proposing(num_seqs: int) -> list[ScheduledSequence]:
+    items = _verifying(num_seqs)
+    for item in items:
+        item.draft_token_ids = [PLACEHOLDER_TOKEN_ID] * 4
+    return items
+
+
+def _decoding_alone(num_seqs: int) -> list[ScheduledSequence]:
+    items = _verifying(num_seqs)
+    for item in items:
+        item.num_scheduled_tokens, item.draft_token_ids = 1, None
+    return items
+
+
+def test_a_draft_model_whose_positions_cost_more_than_they_save_speculates_not_and_runs_ahead():
+    speculator = _draft_model_speculator(draft_position_s=0.008)
+    assert speculator.drafts_that_pay(_proposing(1)) == [0]
+    assert not speculator.holds_back_run_ahead(_decoding_alone(1), num_running=1)
+
+
+def test_a_cheap_draft_model_proposes_every_position_and_holds_run_ahead_back():
+    speculator = _draft_model_speculator(draft_position_s=0.0005)
+    assert speculator.drafts_that_pay(_proposing(1)) == [4]
+    assert speculator.holds_back_run_ahead(_decoding_alone(1), num_running=1)
+
+
+def test_speculation_turned_off_is_tried_again_with_one_draft_each():
+    speculator = _draft_model_speculator(draft_position_s=0.008)
+    held = [speculator.holds_back_run_ahead(_decoding_alone(2), num_running=2)
+            for _ in range(16)]
+    assert held == [False] * 15 + [True]  # the step after the 16th waits, to draft
+    assert speculator.drafts_that_pay(_proposing(2)) == [1, 1]
+    assert speculator.drafts_that_pay(_proposing(2)) == [0, 0]
+
+
+def test_a_draft_models_drafts_cut_by_the_choice_are_not_misses():
+    speculator = _draft_model_speculator(draft_position_s=0.008)
+    item = _decoding_alone(1)[0]
+    for _ in range(40):
+        speculator.record(item.seq, 0, 0)
+    assert speculator.is_speculating(item.group, item.seq)
+
+
+def test_ngram_drafts_are_chosen_as_before_whatever_the_host_takes():
+    """n-gram lookup's steps sent behind still draft: the host's time per step, which a draft
+    model's choice weighs, leaves its choice alone; its positions cost nothing."""
+    speculator = _speculator_with_cost(0.100, 0.001)  # memory-bound: every draft pays
+    items = _verifying(8)
+    for _ in range(5):
+        speculator.record_step(_decoding_alone(8), StepTimings(forward_ns=100_000_000),
+                               host_s=1.0)
+    assert speculator.drafts_that_pay(items) == [4] * 8
+    assert speculator.draft_cost.line() == (0.0, 0.0)

@@ -100,6 +100,17 @@ def test_the_draft_model_computes_each_known_token_once_then_proposes_greedily()
     assert calls == [[(32, 9, 37), (33, 10, 38)]] and drafts == [34]
 
 
+def test_a_sequence_that_does_not_propose_runs_no_draft_forward_and_catches_up_when_it_does():
+    """A step whose drafts the scheduler cut costs no draft forward; the tokens it decoded reach
+    the draft model's KV in the first forward of the next step that proposes."""
+    h = Harness()
+    h.step(new=[new_seq(num_scheduled_tokens=5)], sampled=[20])  # the whole prompt
+    calls, drafts = h.step(running=[decode(0)], sampled=[21])
+    assert calls == [] and drafts == []
+    calls, drafts = h.step(running=[decode(2)])
+    assert calls == [[(20, 5, 29), (21, 6, 30)], [(22, 7, 31)]] and drafts == [22, 23]
+
+
 def sampled_drafts(sampling: SamplingParams, seed: int | None) -> tuple[list[int], object]:
     h = Harness(Sampler(VOCAB, [], torch.device("cpu")))
     plan = StepPlan(scheduler_epoch=1, step_id=1, new_seqs=[new_seq(

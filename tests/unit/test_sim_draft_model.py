@@ -1,6 +1,6 @@
 """A draft model on the simulated GPU: drafts are the target's next draws at the configured rate,
-verification keeps the outputs of speculation off, and the draft's weights and KV layers take
-their share of the modelled device."""
+verification keeps the outputs of speculation off, the draft's weights and KV layers take their
+share of the modelled device, and its forwards' time is reported apart from the target's."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 
 import pytest
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import StepTimings
 
 from tests.integration.test_spec_decode import speculator
 from tests.unit.test_sim_worker import GREEDY, PROMPTS, run, sim_engine
@@ -45,3 +46,37 @@ def test_the_draft_models_weights_and_kv_layers_take_device_memory(tiny_model_di
     profile, profile_alone = with_draft.profile_memory(), alone.profile_memory()
     assert profile.weights_bytes - profile_alone.weights_bytes == pytest.approx(2.47e9, rel=0.01)
     assert profile.num_gpu_blocks < profile_alone.num_gpu_blocks * 4 / 5
+
+
+def _decode_step_timings(engine) -> list[tuple[int, StepTimings]]:
+    """(lookahead slots, timings) of each step that only decodes, once run."""
+    worker, seen = engine.core.workers[0], []
+    submit = worker.submit_step
+
+    def recording(plan):
+        future = submit(plan)
+        if not plan.new_seqs and all(s.num_scheduled_tokens == 1 + s.num_lookahead_slots
+                                     for s in plan.running_seqs):
+            num_slots = sum(s.num_lookahead_slots for s in plan.running_seqs)
+            future.add_done_callback(lambda f: seen.append((num_slots, f.result().timings)))
+        return future
+
+    worker.submit_step = recording
+    return seen
+
+
+def test_the_worker_times_the_draft_models_forwards_apart_from_the_targets(tiny_model_dir):
+    """A step's draft_ns is its draft forwards' modelled time, and its forward_ns stays the
+    target's: a verification's, about a decode step's without speculation (memory-bound)."""
+    model_dir = tiny_model_dir("llama")
+    off, on = sim_engine(model_dir), sim_engine(model_dir, speculative_config=DRAFT,
+                                                sim_draft_acceptance=0.6)
+    off_steps, on_steps = _decode_step_timings(off), _decode_step_timings(on)
+    run(off, PROMPTS[:2])
+    run(on, PROMPTS[:2])
+    assert off_steps and all(t.draft_ns == 0 for _, t in off_steps)
+    drafting = [t for num_slots, t in on_steps if num_slots]
+    assert drafting and all(t.draft_ns > 0 for t in drafting)
+    decode_ns = max(t.forward_ns for _, t in off_steps)
+    assert max(t.forward_ns for t in drafting) < 1.2 * decode_ns
+    assert min(t.draft_ns for t in drafting) > 0.1 * decode_ns
