@@ -50,6 +50,9 @@ _FIRST_BACKOFF_STEPS = 8
 _RATE_DECAY = 0.8
 _PRIOR_STEPS = 2.0
 _MAX_BACKOFF_STEPS = 256
+# while a draft model's drafts do not pay, the choice is asked again every this many steps: the
+# costs and the batch change slowly, and asking costs the host time it weighs
+_REASK_STEPS = 8
 
 
 @dataclass(slots=True)
@@ -113,6 +116,7 @@ class Speculator:
         # it learned of the acceptance and the costs may have changed
         self._retry = _Retry()
         self._is_trial = False  # the next step's drafts are kept whatever the choice says
+        self._num_steps_off = 0  # steps run ahead since the choice last said drafts pay
         self._num_rejections = 0  # drafted steps that rejected a draft, since start
         self._acceptance: dict[int, _Acceptance] = {}
 
@@ -235,8 +239,12 @@ class Speculator:
                   for item in scheduled]
         if not any(counts):
             return False
-        if not self.config.adaptive or any(self._choose(scheduled, counts)):
+        if not self.config.adaptive:
             return True
+        if self._num_steps_off % _REASK_STEPS == 0 and any(self._choose(scheduled, counts)):
+            self._num_steps_off = 0
+            return True
+        self._num_steps_off += 1
         self._is_trial = self._retry.is_due()
         return self._is_trial
 
