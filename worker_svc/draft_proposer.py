@@ -13,6 +13,11 @@ the target's own draw equals it, so the outputs are the target's whatever the dr
 A sampled request's drafts are drawn from the draft model's distribution (processed as the
 request's sampling processes the target's), which goes with them to rejection sampling.
 
+A greedy step's drafts stay on the device from one position to the next, each forward's inputs
+the argmax of the one before, and are read on the host once, after the last position; a step
+with a sampled request reads them position by position (its draws and penalties read the drafts
+before them).
+
 Where the target replays CUDA graphs, the draft model has its own (warm-up captures them on its
 KV layers for the target's buckets): its proposing forwards after the first, one token a
 sequence, replay decode graphs and its catch-up forward a mixed one; for a small model both are
@@ -31,10 +36,11 @@ from pagedserve.services.common.errors import ConfigError
 from pagedserve.worker_svc.cache_engine import KVCacheSpec
 from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
 from pagedserve.worker_svc.graph_buckets import GraphBuckets
+from pagedserve.worker_svc.host_to_device import to_device
 from pagedserve.worker_svc.layers.attention import Attention
 from pagedserve.worker_svc.loader import load_hf_config, load_model
 from pagedserve.worker_svc.mixed_graphs import MixedGraphs, capture_graphs, replay_forward
-from pagedserve.worker_svc.model_input import build_model_input
+from pagedserve.worker_svc.model_input import ModelInput, build_model_input
 from pagedserve.worker_svc.rejection_sampler import draw_draft
 from pagedserve.worker_svc.sampler import Sampler
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
@@ -108,13 +114,12 @@ class DraftProposer:
         catch_up.sort(key=lambda s: not s.is_prefill)
         drafts: dict[int, list[int]] = {s.seq_id: [] for s in proposing}
         probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in proposing}
-        self._draw(catch_up, drafts, probs, kv_caches)
-        for j in range(1, max((s.num_lookahead_slots for s in proposing), default=0)):
-            inputs = [dataclasses.replace(
-                s, token_ids=s.token_ids + drafts[s.seq_id],
-                num_computed_tokens=len(s.token_ids) + j - 1, num_scheduled_tokens=1,
-                draft_token_ids=[]) for s in proposing if s.num_lookahead_slots > j]
-            self._draw(inputs, drafts, probs, kv_caches)
+        if not proposing:
+            self._draw(catch_up, drafts, probs, kv_caches)
+        elif self.sampler is None or all(s.sampling.is_greedy for s in proposing):
+            self._propose_greedy(catch_up, proposing, drafts, kv_caches)
+        else:
+            self._propose_by_position(catch_up, proposing, drafts, probs, kv_caches)
         for seq in proposing:
             seq.draft_token_ids = drafts[seq.seq_id]
             seq.draft_probs = torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None
@@ -123,11 +128,43 @@ class DraftProposer:
             seq.num_lookahead_slots = 0
         return True
 
-    def _draw(self, seqs: list[CachedSequence], drafts: dict[int, list[int]],
-              probs: dict[int, list[torch.Tensor]], kv_caches: list[torch.Tensor]) -> None:
-        """One forward over seqs (prefills first); appends the next draft of each sequence in
-        `drafts` after its last computed token (and, sampled, the distribution it came from)."""
-        model_input = build_model_input(seqs, self.block_size, self.device)
+    def _propose_by_position(self, catch_up: list[CachedSequence],
+                             proposing: list[CachedSequence], drafts: dict[int, list[int]],
+                             probs: dict[int, list[torch.Tensor]],
+                             kv_caches: list[torch.Tensor]) -> None:
+        """Each position's drafts read on the host before the next: a sampled draft is drawn
+        from its distribution after the drafts before it (penalties read them)."""
+        self._draw(catch_up, drafts, probs, kv_caches)
+        for j in range(1, max((s.num_lookahead_slots for s in proposing), default=0)):
+            self._draw(_next_position(proposing, drafts, j), drafts, probs, kv_caches)
+
+    def _propose_greedy(self, catch_up: list[CachedSequence], proposing: list[CachedSequence],
+                        drafts: dict[int, list[int]], kv_caches: list[torch.Tensor]) -> None:
+        """Greedy drafts stay on the device from one position to the next (each forward's
+        input is the argmax before it) and are read on the host once, after the last."""
+        seqs, drawn = catch_up, None
+        columns: list[tuple[list[int], torch.Tensor]] = []  # (seq_ids, [num_rows] drafts)
+        for j in range(max(s.num_lookahead_slots for s in proposing)):
+            if j:
+                seqs = _next_position(proposing, None, j)
+                rows_of = {seq_id: i for i, seq_id in enumerate(columns[-1][0])}
+                drawn = {s.seq_id: rows_of[s.seq_id] for s in seqs}
+            model_input = build_model_input(seqs, self.block_size, self.device, drawn)
+            if model_input.drawn_rows:
+                rows, sources = (to_device(x, torch.long, self.device) for x in zip(
+                    *model_input.drawn_rows, strict=True))
+                model_input.input_ids[rows] = columns[-1][1][sources]
+            logits, row_seqs = self._logits(model_input, seqs, drafts, kv_caches)
+            columns.append(([s.seq_id for s in row_seqs], logits.argmax(dim=-1)))
+        tokens = torch.cat([column for _, column in columns]).tolist()
+        for seq_id, token in zip((i for ids, _ in columns for i in ids), tokens, strict=True):
+            drafts[seq_id].append(token)
+
+    def _logits(self, model_input: ModelInput, seqs: list[CachedSequence],
+                drafts: dict[int, list[int]], kv_caches: list[torch.Tensor]
+                ) -> tuple[torch.Tensor | None, list[CachedSequence]]:
+        """One forward; the logits [num_rows, vocab] after the last token of each sequence in
+        `drafts`, and those sequences (None, []: none proposes)."""
         hidden_states = replay_forward(model_input, kv_caches, self.graphs,
                                        self.mixed_graphs)  # [num_tokens, hidden]
         if hidden_states is None:
@@ -136,17 +173,36 @@ class DraftProposer:
         ends = itertools.accumulate(model_input.meta.query_lens_cpu)
         rows = [(s, end - 1) for s, end in zip(seqs, ends, strict=True) if s.seq_id in drafts]
         if not rows:
+            return None, []
+        index = to_device([row for _, row in rows], torch.long, hidden_states.device)
+        return self.model.compute_logits(hidden_states[index]), [s for s, _ in rows]
+
+    def _draw(self, seqs: list[CachedSequence], drafts: dict[int, list[int]],
+              probs: dict[int, list[torch.Tensor]], kv_caches: list[torch.Tensor]) -> None:
+        """One forward over seqs (prefills first); appends the next draft of each sequence in
+        `drafts` after its last computed token (and, sampled, the distribution it came from)."""
+        model_input = build_model_input(seqs, self.block_size, self.device)
+        logits, rows = self._logits(model_input, seqs, drafts, kv_caches)
+        if logits is None:
             return
-        index = torch.tensor([row for _, row in rows], device=hidden_states.device)
-        logits = self.model.compute_logits(hidden_states[index])  # [num_rows, vocab]
-        for (seq, _), token in zip(rows, logits.argmax(dim=-1).tolist(), strict=True):
+        for seq, token in zip(rows, logits.argmax(dim=-1).tolist(), strict=True):
             drafts[seq.seq_id].append(token)
-        sampled = [i for i, (seq, _) in enumerate(rows)
+        sampled = [i for i, seq in enumerate(rows)
                    if self.sampler is not None and not seq.sampling.is_greedy]
         if not sampled:
             return
-        states = [sampling_state(rows[i][0]) for i in sampled]
+        states = [sampling_state(rows[i]) for i in sampled]
         row_probs = self.sampler.logprobs(logits[sampled], states).exp()  # [num_sampled, vocab]
         for state, q in zip(states, row_probs, strict=True):
             drafts[state.seq_id][-1] = draw_draft(q, state)
             probs[state.seq_id].append(q)
+
+
+def _next_position(proposing: list[CachedSequence], drafts: dict[int, list[int]] | None,
+                   j: int) -> list[CachedSequence]:
+    """The one-token inputs of draft position j: each sequence with more than j slots, its
+    draft j - 1 last (None: still on the device, left to the caller)."""
+    return [dataclasses.replace(
+        s, token_ids=s.token_ids + (drafts[s.seq_id] if drafts is not None else [0] * (j - 1)),
+        num_computed_tokens=len(s.token_ids) + j - 1, num_scheduled_tokens=1,
+        draft_token_ids=[]) for s in proposing if s.num_lookahead_slots > j]

@@ -174,3 +174,40 @@ def test_the_draft_models_kv_moves_with_its_blocks(backend):
     engine.swap_in([(0, 3)])
     assert (engine.draft_gpu_cache[0][:, 3] == 7.0).all()
     assert not engine.gpu_cache[1][:, 3].any()
+
+
+class MixingModel(NextTokenModel):
+    """Proposes (7 * token + position + 1) % VOCAB: a wrong row or position shows."""
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        super().forward(input_ids, positions, kv_caches, meta)
+        return (input_ids * 7 + positions).float().unsqueeze(-1)
+
+
+def _drafts(by_position: bool) -> tuple[list[list[int]], list]:
+    h = Harness()
+    h.model = h.proposer.model = MixingModel()
+    if by_position:
+        proposer = h.proposer
+        proposer._propose_greedy = lambda catch_up, proposing, drafts, kv: (
+            proposer._propose_by_position(catch_up, proposing, drafts,
+                                          {s.seq_id: [] for s in proposing}, kv))
+    plan = StepPlan(scheduler_epoch=1, step_id=1, new_seqs=[
+        new_seq(seq_id=i, request_id=f"r{i}", token_ids=[10 * i + t for t in range(5)],
+                block_ids=[3 * i, 3 * i + 1], num_computed_tokens=4,
+                num_scheduled_tokens=1 + num_slots, num_lookahead_slots=num_slots)
+        for i, num_slots in ((1, 3), (2, 2), (3, 3))])
+    h.mirrors.check(plan, num_gpu_blocks=16, vocab_size=VOCAB)
+    scheduled = h.mirrors.apply(plan, is_checked=True)
+    h.proposer.propose(scheduled, [])
+    return [seq.draft_token_ids for seq in scheduled], h.model.calls
+
+
+def test_greedy_drafts_read_once_per_step_are_those_read_position_by_position():
+    """Three sequences of 3, 2 and 3 lookahead slots (the second stops a position early): the
+    drafts that stay on the device between positions feed the same tokens at the same positions
+    and slots as drafts read on the host after each, and come out token for token the same."""
+    on_device, calls = _drafts(by_position=False)
+    assert (on_device, calls) == _drafts(by_position=True)
+    assert [len(drafts) for drafts in on_device] == [3, 2, 3]
+    assert [len(forward) for forward in calls] == [6, 3, 2]  # catch-up: two tokens each

@@ -1,6 +1,7 @@
 """A draft model on the simulated GPU: the real proposer's bookkeeping (catch-up, one forward per
 draft position, the draft KV's slots) with each forward's modelled time queued on the timeline,
-and drafts that match the target at a given rate.
+and drafts that match the target at a given rate; the host waits for the device once a step
+where the real proposer keeps greedy drafts on the device, once a position where it reads them.
 
 Simulated tokens carry no meaning, so no model can guess them; what the target will draw is known
 (the sim sampler's draw is a function of seed, position and context), so each draft is that draw
@@ -29,6 +30,19 @@ class SimDraftProposer(DraftProposer):
         super().__init__(model, block_size, device)
         self.target_sampler = target_sampler
         self.acceptance = acceptance
+        self._reads_each_position = True
+
+    def _propose_greedy(self, catch_up: list[CachedSequence], proposing: list[CachedSequence],
+                        drafts: dict[int, list[int]], kv_caches: list[torch.Tensor]) -> None:
+        """As the real proposer's: the positions' forwards queued back to back, their drafts
+        read on the host once, after the last."""
+        self._reads_each_position = False
+        try:
+            self._propose_by_position(catch_up, proposing, drafts,
+                                      {s.seq_id: [] for s in proposing}, kv_caches)
+        finally:
+            self._reads_each_position = True
+        self.model.timeline.synchronize()
 
     def _draw(self, seqs: list[CachedSequence], drafts: dict[int, list[int]],
               probs: dict[int, list[torch.Tensor]], kv_caches: list[torch.Tensor]) -> None:
@@ -39,7 +53,8 @@ class SimDraftProposer(DraftProposer):
         self.model.compute_logits(hidden_states[:len(proposing)])  # queues the forward's time
         if not proposing:
             return
-        self.model.timeline.synchronize()  # the real proposer reads its drafts on the host
+        if self._reads_each_position:  # as the real proposer does a sampled step's drafts
+            self.model.timeline.synchronize()
         # the target's state at the draft's position: everything the draft model has computed
         states = [SeqSamplingState(
             seq_id=s.seq_id, sampling=s.sampling,
