@@ -153,7 +153,7 @@ class Speculator:
         if config.method == "draft_model":  # the worker's draft model fills them in
             if seq.has_placeholder:
                 return None
-            return [PLACEHOLDER_TOKEN_ID] * min(num_tokens, self._lookahead(acceptance))
+            return [PLACEHOLDER_TOKEN_ID] * num_tokens  # the step's choice cuts them
         if not seq.has_placeholder:
             return propose_ngram(seq.token_ids, num_tokens, config.prompt_lookup_min,
                                  config.prompt_lookup_max)
@@ -233,8 +233,7 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         if self.config.method == "ngram" or (limit and num_running >= limit):
             return False
-        counts = [min(self.config.num_speculative_tokens,
-                      self._lookahead(self._acceptance.get(item.seq.seq_id)))
+        counts = [self.config.num_speculative_tokens
                   if item.is_sampling and self.is_speculating(item.group, item.seq) else 0
                   for item in scheduled]
         if not any(counts):
@@ -289,13 +288,6 @@ class Speculator:
 
     def forget(self, seq_id: int) -> None:
         self._acceptance.pop(seq_id, None)
-
-    def _lookahead(self, acceptance: _Acceptance | None) -> int:
-        """A draft model's: one past the recent accepted length."""
-        k = self.config.num_speculative_tokens
-        if acceptance is None or not self.config.adaptive:
-            return k
-        return max(1, min(k, round(acceptance.accepted_per_draft_step) + 1))
 
     def _acceptance_rate(self, seq_id: int) -> float:
         """The chance a draft is kept given the ones before it were: kept drafts over kept ones
