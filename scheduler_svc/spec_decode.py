@@ -168,7 +168,9 @@ class Speculator:
         counts = [len(item.draft_token_ids or ()) for item in scheduled]
         if not self.config.adaptive or not any(counts):
             return counts
-        if self._is_trial:  # one draft each: the acceptance is learned at the least cost
+        # one draft each: the acceptance, or a draft model's cost before any was timed, is
+        # learned at the least cost
+        if self._is_trial or (self.config.method != "ngram" and not self.draft_cost.has_records):
             self._is_trial = False
             return [min(count, 1) for count in counts]
         kept = self._choose(scheduled, counts)

@@ -35,6 +35,10 @@ class StepCostModel:
         self._sum_nn = _DECAY * self._sum_nn + num_tokens * num_tokens
         self._sum_nt = _DECAY * self._sum_nt + num_tokens * time_s
 
+    @property
+    def has_records(self) -> bool:
+        return self._weight > 0.0
+
     def line(self) -> tuple[float, float]:
         """(fixed_s, per_token_s), both >= 0; (mean time, 0) while the slope is unknown."""
         if not self._weight:

@@ -182,3 +182,12 @@ def test_ngram_drafts_are_chosen_as_before_whatever_the_host_takes():
                                host_s=1.0)
     assert speculator.drafts_that_pay(items) == [4] * 8
     assert speculator.draft_cost.line() == (0.0, 0.0)
+
+
+def test_a_draft_models_first_drafts_are_one_each_until_its_cost_is_timed():
+    speculator = Speculator(SpeculativeConfig(**DRAFT_MODEL), max_model_len=1024)
+    for _ in range(20):
+        speculator.step_cost.record(1, 0.007)
+    assert speculator.drafts_that_pay(_proposing(2)) == [1, 1]
+    speculator.record_step(_proposing(2), StepTimings(forward_ns=7_000_000, draft_ns=2_000_000))
+    assert speculator.drafts_that_pay(_proposing(2)) == [4, 4]
