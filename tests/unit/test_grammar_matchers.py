@@ -217,3 +217,21 @@ def test_a_resent_sequence_whose_matcher_had_failed_starts_over(matchers, hf_tok
     fresh = GrammarMatchers(matchers.cache, vocab_size, [EOS])
     assert (_mask_after(matchers, _seq(0, ids, params), vocab_size)
             == _mask_after(fresh, _seq(0, ids, params), vocab_size))
+
+
+def test_each_steps_mask_is_its_own_rows_whatever_the_step_before_held(matchers, hf_tokenizer,
+                                                                       vocab_size):
+    """The rows' buffer is kept from step to step: a row that held a wide mask and now holds a
+    finished sequence, or fewer or more rows than before, carries nothing of the step before."""
+    schema, choice = StructuredOutputsParams(json_object=True), StructuredOutputsParams(
+        choice=("yes", "no"))
+    no = hf_tokenizer.encode("no", add_special_tokens=False)
+    steps = [[_seq(0, [], schema), _seq(1, [], choice)],
+             [_seq(1, no, choice)],
+             [_seq(1, no, choice), _seq(0, [], schema), _seq(2, [], choice)]]
+    for seqs in steps:
+        mask = matchers.bitmask(seqs, {s.seq_id: s for s in seqs})
+        for row, seq in enumerate(seqs):
+            fresh = GrammarMatchers(matchers.cache, vocab_size, [EOS])
+            assert _allowed(mask, row, vocab_size) == _mask_after(fresh, seq, vocab_size)
+    assert _allowed(mask, 0, vocab_size) == {EOS}
