@@ -72,6 +72,10 @@ class GpuTimeline:
             self._queued_s += self._copies_until - compute_free_at
             self._busy_until = self._copies_until
 
+    def seconds_queued(self) -> float:
+        """Until the work queued so far is done (0: the device is idle)."""
+        return max(0.0, self._busy_until - time.perf_counter())
+
     def synchronize(self) -> None:
         self.wait_until(self._busy_until)
 
