@@ -248,8 +248,9 @@ def main() -> None:
         validity += doors_validity(args, schemas)
     num_outputs = sum(r["num_outputs"] for r in validity)
     num_valid = sum(r["num_valid"] for r in validity)
-    line = (f"structured: {num_valid}/{num_outputs} outputs valid on {len(schemas)} schemas "
-            f"({', '.join(r['door'] for r in validity)}); batch {args.batch_size} constrained "
+    checked = (f"{num_valid}/{num_outputs} outputs valid on {len(schemas)} schemas "
+               f"({', '.join(r['door'] for r in validity)}); " if validity else "")
+    line = (f"structured: {checked}batch {args.batch_size} constrained "
             f"{speed['constrained_tok_s']:.1f} tok/s = {speed['throughput_ratio']:.2f}x "
             f"unconstrained (target {TARGET_THROUGHPUT_RATIO}x"
             f"{'' if speed['target']['met'] else ' MISSED'})")
