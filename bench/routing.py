@@ -43,7 +43,11 @@ replays the same workload over a model of the caches for many seeds, to compare 
 default) and on the gateway's own index alone (`--no-routing-kv-events`); target: events >= the
 index's hit tokens. `--restart-at F` restarts replica r0's scheduler (same port, same worker: a
 new epoch, an empty prefix cache) once F of the turns are answered, in each run; the turns it was
-running fail over to r1; target with a restart: events >= 1.2x the index.
+running fail over to r1; target with a restart: events >= 1.2x the index. The line also gives
+each arm's turns and preemptions per replica. `--compare index-twice` runs the own index in both
+arms: the turns finish in an order the host's timing draws, so the same routing differs from run
+to run, and this pair shows by how much. `--reverse` swaps the arms' order; `--arm NAME` runs one
+arm alone (a full pair holds the bench lock too long on a shared host).
 
     python -m bench.routing --tag cpu            # both presets, SmolLM2, 8 clients
     python -m bench.routing --quick --tag quick  # both, small
@@ -78,7 +82,13 @@ from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pagedserve.worker_svc.servicer import start_worker
 
 from bench.common import DEFAULT_MODEL, finish, percentiles, quiet_logging
-from bench.routing_report import PolicyResult, count_turn, summarize, summarize_kv_events
+from bench.routing_report import (
+    PolicyResult,
+    count_turn,
+    summarize,
+    summarize_arm,
+    summarize_kv_events,
+)
 from bench.routing_workload import (
     BLOCK_SIZE,
     PRESETS,
@@ -95,7 +105,8 @@ from bench.routing_workload import (
 POLICIES = ("affinity", "round-robin")
 # (name, routing policy, routing on KV events) of each gateway, by --compare
 ARMS = {"policies": (("affinity", "affinity", True), ("round-robin", "round-robin", True)),
-        "kv-events": (("kv-events", "affinity", True), ("index", "affinity", False))}
+        "kv-events": (("kv-events", "affinity", True), ("index", "affinity", False)),
+        "index-twice": (("index", "affinity", False), ("index again", "affinity", False))}
 
 
 async def _client(stub, open_chats: list[Conversation], waiting: deque[Conversation],
@@ -154,14 +165,19 @@ def count_decisions(gateway: Gateway) -> tuple[Counter[str], Counter[str], list[
     return reasons, replicas, prompts, routed
 
 
+def num_preemptions(scheduler) -> int:
+    engine = scheduler[1].engine
+    return 0 if engine is None else engine.core.scheduler.num_preemptions
+
+
 def stop_counting(gateway: Gateway) -> None:
     del gateway.replicas.router.choose  # the class's method again
 
 
 async def run_policy(gateway: Gateway, conversations: list[Conversation], args: argparse.Namespace,
-                     policy: str, restart: Callable[[], Awaitable[None]] | None = None
-                     ) -> PolicyResult:
-    """`restart` runs once --restart-at of the conversations' turns are answered, beside them."""
+                     policy: str, addresses: list[str],
+                     restart: Callable[[], Awaitable[None]] | None = None) -> PolicyResult:
+    """`addresses`: the replicas', r0 first. `restart` runs once --restart-at of the conversations' turns are answered, beside them."""
     result = PolicyResult(policy)
     num_turns = sum(len(c.user_turns) for c in conversations)
     restart_after = None if restart is None else int(args.restart_at * num_turns)
@@ -191,6 +207,7 @@ async def run_policy(gateway: Gateway, conversations: list[Conversation], args: 
     stop_counting(gateway)
     result.decisions = dict(reasons)
     result.replica_share = sorted(replicas.values(), reverse=True)
+    result.replica_turns = [replicas[address] for address in addresses]
     result.routing_us = await routing_time_us(gateway, prompts)
     return result
 
@@ -242,26 +259,30 @@ async def run(args: argparse.Namespace) -> list[PolicyResult]:
         for _ in range(2):
             worker = await start_worker(config, WorkerServiceConfig(port=0))
             replicas.append((worker, await start_scheduler(config, scheduler_config(0, worker))))
-        addresses = ",".join(f"127.0.0.1:{s[0].port}" for _, s in replicas)
+        addresses = [f"127.0.0.1:{s[0].port}" for _, s in replicas]
         results = []
-        for i, (name, policy, use_kv_events) in enumerate(ARMS[args.compare]):
+        arms = ARMS[args.compare][::-1] if args.reverse else ARMS[args.compare]
+        if args.arm:
+            arms = tuple(arm for arm in arms if arm[0] == args.arm)
+        for i, (name, policy, use_kv_events) in enumerate(arms):
             if i:  # empty caches: the arm before left its blocks
                 for r in range(len(replicas)):
                     await restart(r)
             gateway = await start_gateway(GatewayConfig(
-                port=0, scheduler_address=addresses, http=HttpConfig(http_port=-1),
+                port=0, scheduler_address=",".join(addresses), http=HttpConfig(http_port=-1),
                 routing=RoutingConfig(routing_policy=policy,
                                       routing_prefix_blocks=args.routing_prefix_blocks,
                                       routing_kv_events=use_kv_events)))
             gateways.append(gateway)
             while len(gateway.replicas.serving()) < len(replicas):
                 await asyncio.sleep(0.05)
-            results.append(await run_policy(
-                gateway, make_conversations(args, 0), args, name,
-                restart_r0 if args.restart_at is not None else None))
+            result = await run_policy(gateway, make_conversations(args, 0), args, name, addresses,
+                                      restart_r0 if args.restart_at is not None else None)
+            result.replica_preemptions = [num_preemptions(s) for _, s in replicas]
+            results.append(result)
             await gateway.stop(grace_s=0)
             gateways.remove(gateway)
-        return results
+        return results[::-1] if args.reverse else results
     finally:
         for gateway in gateways:
             await gateway.stop(grace_s=0)
@@ -298,13 +319,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-token-id", type=int, default=300)
     parser.add_argument("--compare", choices=sorted(ARMS), default="policies",
                         help="policies: affinity vs round robin; kv-events: affinity on KV events "
-                        "vs on the gateway's own index")
+                        "vs on the gateway's own index; index-twice: the own index in both arms "
+                        "(how far two runs of one routing differ: the timing's draw)")
     parser.add_argument("--restart-at", type=float,
                         help="restart replica r0's scheduler once this fraction of the turns is "
                         "answered, in each run (0 < F < 1)")
+    parser.add_argument("--reverse", action="store_true",
+                        help="run the compared arms in the other order (the first one runs on "
+                        "the process as it started, the second after it)")
+    parser.add_argument("--arm", help="run only this arm of --compare (a pair that would "
+                        "hold the bench lock too long runs as two records)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
+    arm_names = [arm[0] for arm in ARMS[args.compare]]
+    if args.arm is not None and args.arm not in arm_names:
+        parser.error(f"--arm must be one of {arm_names} with --compare {args.compare}, got "
+                     f"{args.arm!r}")
     if args.restart_at is not None and not 0 < args.restart_at < 1:
         parser.error(f"--restart-at must be in (0, 1), got {args.restart_at}")
     for preset in args.workload:
@@ -321,7 +352,8 @@ def main(argv: list[str] | None = None) -> dict:
     quiet_logging()
     logging.getLogger("pagedserve").setLevel(logging.WARNING)
     lines, records = [], []
-    summary = summarize if args.compare == "policies" else summarize_kv_events
+    summary = (summarize_arm if args.arm else summarize if args.compare == "policies"
+               else summarize_kv_events)
     for preset in args.workload:
         run_args = preset_args(args, preset)
         line, record = summary(run_args, *asyncio.run(run(run_args)))

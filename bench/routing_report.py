@@ -15,6 +15,8 @@ from bench.routing_workload import (
     max_prompt_len,
 )
 
+ARM_LABELS = {"kv-events": "KV events", "index": "own index"}
+
 
 @dataclass(slots=True)
 class PolicyResult:
@@ -27,6 +29,9 @@ class PolicyResult:
     routing_us: dict[str, float] = field(default_factory=dict)
     decisions: dict[str, int] = field(default_factory=dict)  # by reason
     replica_share: list[int] = field(default_factory=list)  # decisions per replica
+    # per replica, r0 first: its turns, and its preemptions since its scheduler last started
+    replica_turns: list[int] = field(default_factory=list)
+    replica_preemptions: list[int] = field(default_factory=list)
     # prompt tokens some replica had computed before (whole blocks): what a cache could serve
     num_reusable_tokens: int = 0
     num_shared_reusable_tokens: int = 0  # of them, in the system prompts
@@ -107,18 +112,34 @@ def summarize(args: argparse.Namespace, affinity: PolicyResult,
 
 def summarize_kv_events(args: argparse.Namespace, events: PolicyResult,
                         index: PolicyResult) -> tuple[str, dict]:
-    """One preset's line and record: affinity on KV events over affinity on the own index."""
+    """One preset's line and record: affinity on KV events over affinity on the own index (or,
+    `--compare index-twice`, the first run of the own index over the second)."""
     hit_ratio = events.num_cached_tokens / max(index.num_cached_tokens, 1)
     restart = ("" if args.restart_at is None
                else f", replica r0 restarted once {args.restart_at:.0%} of the turns were answered")
     target = 1.0 if args.restart_at is None else 1.2
-    line = (f"routing {args.workload}{restart}: KV events {events.num_cached_tokens} hit tokens "
-            f"({events.hit_share:.0%} of the reusable), {events.output_tok_s:.1f} tok/s; own index "
+    first, second = (ARM_LABELS.get(r.policy, r.policy) for r in (events, index))
+    line = (f"routing {args.workload}{restart}: {first} {events.num_cached_tokens} hit tokens "
+            f"({events.hit_share:.0%} of the reusable), {events.output_tok_s:.1f} tok/s; {second} "
             f"{index.num_cached_tokens} ({index.hit_share:.0%}), {index.output_tok_s:.1f} tok/s; "
-            f"hit tokens x{hit_ratio:.2f} (target >= {target}); decisions: KV events "
-            f"{events.decisions}, index {index.decisions}; missed by kind of turn: KV events "
-            f"{events.missed_tokens}, index {index.missed_tokens}; cache {cache_blocks(args)} "
-            f"blocks per replica")
+            f"hit tokens x{hit_ratio:.2f} (target >= {target}); decisions: {first} "
+            f"{events.decisions}, {second} {index.decisions}; missed by kind of turn: {first} "
+            f"{events.missed_tokens}, {second} {index.missed_tokens}; turns per replica (r0, r1): "
+            f"{first} {events.replica_turns}, {second} {index.replica_turns}; preemptions: "
+            f"{first} {events.replica_preemptions}, {second} {index.replica_preemptions}; cache "
+            f"{cache_blocks(args)} blocks per replica")
     record = {**record_head(args), "restart_at": args.restart_at, "hit_token_ratio": hit_ratio,
               "summary": line, "policies": [events, index]}
     return line, record
+
+
+def summarize_arm(args: argparse.Namespace, result: PolicyResult) -> tuple[str, dict]:
+    """One arm run alone (`--arm`): its line and record, for a ratio over another record."""
+    label = ARM_LABELS.get(result.policy, result.policy)
+    line = (f"routing {args.workload}, {label} alone: {result.num_cached_tokens} hit tokens "
+            f"({result.hit_share:.0%} of the reusable), {result.output_tok_s:.1f} tok/s; "
+            f"decisions {result.decisions}; missed by kind of turn {result.missed_tokens}; turns "
+            f"per replica (r0, r1) {result.replica_turns}; preemptions "
+            f"{result.replica_preemptions}; cache {cache_blocks(args)} blocks per replica")
+    return line, {**record_head(args), "restart_at": args.restart_at, "summary": line,
+                  "policies": [result]}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.routing_report import PolicyResult, summarize, summarize_kv_events
+from bench.routing_report import PolicyResult, summarize, summarize_arm, summarize_kv_events
 from bench.routing_workload import WORKLOAD_FLAGS, cache_blocks, preset_args
 
 
@@ -34,3 +34,25 @@ def test_both_records_start_with_the_workload_and_its_caches():
     assert policies["hit_token_ratio"] == 2.0 and kv_events["hit_token_ratio"] == 1.5
     assert kv_events["restart_at"] == 0.5 and kv_events["summary"] == line
     assert "replica r0 restarted once 50% of the turns were answered" in line
+
+
+def test_the_kv_events_line_names_each_arm_and_its_turns_and_preemptions_per_replica():
+    first, second = _result("index", 96), _result("index again", 64)
+    first.replica_turns, first.replica_preemptions = [17, 10], [3, 0]
+    second.replica_turns, second.replica_preemptions = [14, 13], [0, 0]
+    line, record = summarize_kv_events(_args(), first, second)
+    assert line.startswith("routing chat: own index 96 hit tokens")
+    assert "; index again 64 (" in line and "x1.50" in line
+    assert "turns per replica (r0, r1): own index [17, 10], index again [14, 13]" in line
+    assert "preemptions: own index [3, 0], index again [0, 0]" in line
+    assert record["policies"][0].replica_turns == [17, 10]
+
+
+def test_an_arm_run_alone_has_the_workload_head_and_its_own_line():
+    result = _result("kv-events", 96)
+    result.replica_turns, result.replica_preemptions = [14, 13], [0, 1]
+    line, record = summarize_arm(_args(), result)
+    assert line.startswith("routing chat, KV events alone: 96 hit tokens (60% of the reusable)")
+    assert "turns per replica (r0, r1) [14, 13]; preemptions [0, 1]" in line
+    assert record["workload"] == "chat" and record["policies"] == [result]
+    assert record["summary"] == line
