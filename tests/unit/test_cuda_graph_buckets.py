@@ -16,6 +16,7 @@ from pagedserve.worker_svc.model_input import build_model_input
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 
 from tests.integration.worker_driver import make_worker
+from tests.unit.eager_graphs import with_eager_replays
 
 BLOCK_SIZE = 8
 GREEDY = SamplingParams(temperature=0.0)
@@ -133,27 +134,9 @@ def test_cpu_worker_captures_nothing(tiny_model_dir):
     assert worker.runner.decode_graphs is None
 
 
-class EagerReplay:
-    """CPU stand-in for a captured CUDA graph, faithful to what replay means: rerun the recorded
-    forward on whatever the buffers hold now, into the recorded output tensor."""
-
-    def __init__(self, graphs: DecodeGraphs, batch_size: int,
-                 kv_caches: list[torch.Tensor]) -> None:
-        self.graphs, self.batch_size, self.kv_caches = graphs, batch_size, kv_caches
-
-    def replay(self) -> None:
-        output = self.graphs.hidden_states[self.batch_size]
-        output.copy_(self.graphs.run_static(self.batch_size, self.kv_caches))
-
-
 def _stand_in_graphs(model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> DecodeGraphs:
     graphs = DecodeGraphs(model, [1, 2, 4], max_seq_len=64, block_size=BLOCK_SIZE, device=CPU)
-    with torch.inference_mode():
-        for batch_size in graphs.batch_sizes:
-            graphs.hidden_states[batch_size] = graphs.run_static(batch_size, kv_caches)
-            graphs.graphs[batch_size] = EagerReplay(graphs, batch_size, kv_caches)
-    graphs.kv_caches = kv_caches
-    return graphs
+    return with_eager_replays(graphs, graphs.batch_sizes, kv_caches)
 
 
 def test_decode_steps_take_the_graph_path_and_keep_their_tokens(tiny_model_dir):

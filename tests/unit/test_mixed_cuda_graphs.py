@@ -25,6 +25,7 @@ from pagedserve.worker_svc.model_input import build_model_input
 from torch import nn
 
 from tests.integration.worker_driver import Driver, make_worker
+from tests.unit.eager_graphs import with_eager_replays
 from tests.unit.test_cuda_graph_buckets import _decodes, _seq
 
 BLOCK_SIZE = 8
@@ -139,28 +140,10 @@ def test_padded_static_forward_equals_eager_and_padding_writes_no_kv(tiny_model_
     assert graphs.num_tokens_for(step, kv_caches) is None  # nothing captured on this cache
 
 
-class EagerReplay:
-    """CPU stand-in for a captured CUDA graph: rerun the recorded forward on whatever the
-    buffers hold now, into the recorded output tensor."""
-
-    def __init__(self, graphs: MixedGraphs, num_tokens: int,
-                 kv_caches: list[torch.Tensor]) -> None:
-        self.graphs, self.num_tokens, self.kv_caches = graphs, num_tokens, kv_caches
-
-    def replay(self) -> None:
-        output = self.graphs.hidden_states[self.num_tokens]
-        output.copy_(self.graphs.run_static(self.num_tokens, self.kv_caches))
-
-
 def _stand_in_graphs(worker, buckets: GraphBuckets) -> MixedGraphs:
     kv_caches = worker.cache_engine.gpu_cache
     graphs = MixedGraphs(worker.runner.model, buckets, block_size=BLOCK_SIZE, device=CPU)
-    with torch.inference_mode():
-        for num_tokens in graphs.num_tokens:
-            graphs.hidden_states[num_tokens] = graphs.run_static(num_tokens, kv_caches)
-            graphs.graphs[num_tokens] = EagerReplay(graphs, num_tokens, kv_caches)
-    graphs.kv_caches = kv_caches
-    return graphs
+    return with_eager_replays(graphs, graphs.num_tokens, kv_caches)
 
 
 def test_mixed_steps_take_the_graph_path_and_keep_their_tokens(tiny_model_dir):
