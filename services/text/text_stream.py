@@ -64,11 +64,10 @@ class TextStream:
         self._num_cached_tokens = 0
         self._has_sent_prompt_logprobs = False
         self._stopped: list[int] = []
-        self._num_unfinished = sampling.n
 
     @property
     def is_finished(self) -> bool:
-        return not self._num_unfinished
+        return all(state.is_finished for state in self._indices)
 
     def is_output_finished(self, index: int) -> bool:
         return self._indices[index].is_finished
@@ -124,9 +123,7 @@ class TextStream:
             text += tail if is_stopped else tail + state.stop_matcher.flush()
             finish_reason = FinishReason.STOP if is_stopped else completion.finish_reason
         state.num_tokens += len(token_ids)
-        if finish_reason is not None:
-            state.is_finished = True
-            self._num_unfinished -= 1
+        state.is_finished = finish_reason is not None
         if not (text or token_ids or state.is_finished):
             return None
         delta = TextDelta(index=completion.index, text=text, token_ids=token_ids,
