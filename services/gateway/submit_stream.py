@@ -89,6 +89,9 @@ class SubmitStreamClient:
                                   scheduler_pb2.SubmitStreamRequest | None]] = deque()
         self._writer: asyncio.Task[None] | None = None
         self._num_handled = 0  # responses of the open call handled and not yet acknowledged
+        # the call of the write in flight, or of the last one that failed: grpc.aio fails a
+        # write to a call that has just ended with INTERNAL, replacing the status it ended with
+        self._writing: grpc.aio.StreamStreamCall | None = None
 
     async def stream(self, msg: scheduler_pb2.SubmitRequest, on_response: ResponseHandler
                      ) -> bool:
@@ -153,8 +156,10 @@ class SubmitStreamClient:
             if msg is None:
                 msg = scheduler_pb2.SubmitStreamRequest(handled_responses=self._num_handled)
                 self._num_handled = 0
+            self._writing = call
             with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
                 await call.write(msg)
+                self._writing = None
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         error: BaseException
@@ -174,7 +179,12 @@ class SubmitStreamClient:
                                 reason=Reason.SCHEDULER_UNAVAILABLE,
                                 retry_after_s=self._retry_after_s)
         except grpc.aio.AioRpcError as exc:
-            error = error_from_rpc(exc, self._peer)
+            if exc.code() is grpc.StatusCode.INTERNAL and self._writing is call:
+                error = Unavailable(f"the SubmitStream call to {self._peer} broke under a write",
+                                    reason=Reason.SCHEDULER_UNAVAILABLE,
+                                    retry_after_s=self._retry_after_s)
+            else:
+                error = error_from_rpc(exc, self._peer)
         except asyncio.CancelledError:
             error = Unavailable(f"the gateway closed its SubmitStream call to {self._peer}",
                                 reason=Reason.SCHEDULER_UNAVAILABLE,

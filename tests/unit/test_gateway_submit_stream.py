@@ -8,6 +8,7 @@ import asyncio
 
 import grpc
 import pytest
+from pagedserve.services.common.errors import PagedServeError, Reason, Unavailable
 from pagedserve.services.gateway.submit_stream import RESPONSE_WINDOW, SubmitStreamClient
 from pagedserve.services.gateway.validation import ServedModel
 from pagedserve.services.rpc.internal.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -128,3 +129,20 @@ def test_a_cancelled_task_cancels_its_request():
 
     _, fake = run(body, hang=True)
     assert fake.cancelled == {"r"}
+
+
+def test_a_call_broken_under_an_acknowledgement_fails_its_requests_as_unavailable():
+    """grpc.aio fails a write to a call that has just ended with INTERNAL, over the status the
+    scheduler's end gave: the gateway must still see an unavailable scheduler, whose requests
+    it resubmits elsewhere (the acknowledgement after the first event races the break)."""
+    async def body(client, fake):
+        fake.break_after = 2
+        outcomes = []
+        for i in range(20):
+            with pytest.raises(PagedServeError) as err:
+                await client.stream(submit(f"r{i}", max_tokens=6), lambda response: False)
+            outcomes.append((type(err.value), err.value.reason))
+        return outcomes
+
+    outcomes, _ = run(body)
+    assert set(outcomes) == {(Unavailable, Reason.SCHEDULER_UNAVAILABLE)}
