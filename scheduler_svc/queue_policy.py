@@ -6,15 +6,18 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from operator import attrgetter
 
 from pagedserve.scheduler_svc.block_manager import AllocStatus, BlockManager
 from pagedserve.scheduler_svc.sequence import SequenceGroup
+
+_PRIORITY_RANK = attrgetter("priority", "arrival_time")
 
 
 def rank(group: SequenceGroup, policy: str) -> tuple[float, ...]:
     """Lower runs first."""
     if policy == "priority":
-        return (group.priority, group.arrival_time)
+        return _PRIORITY_RANK(group)
     return (group.arrival_time,)
 
 
@@ -25,7 +28,11 @@ def preemption_key(group: SequenceGroup, policy: str) -> tuple[float, ...]:
 
 
 def sort_queue(queue: deque[SequenceGroup], policy: str) -> None:
-    ordered = sorted(queue, key=lambda g: rank(g, policy))
+    """By rank, with C-level keys (every queue, every step): a 1-tuple orders as its item."""
+    if len(queue) < 2:
+        return
+    ordered = sorted(queue, key=_PRIORITY_RANK if policy == "priority"
+                     else attrgetter("arrival_time"))
     queue.clear()
     queue.extend(ordered)
 

@@ -26,7 +26,7 @@ from pagedserve.scheduler_svc.queue_policy import (
 from pagedserve.scheduler_svc.scheduled_step import ScheduledSequence, ScheduledStep, StepDraft
 from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedserve.scheduler_svc.spec_decode import Speculator
-from pagedserve.scheduler_svc.token_budget import TokenBudget, assign_tokens
+from pagedserve.scheduler_svc.token_budget import TokenBudget, assign_decode, assign_tokens
 from pagedserve.services.common.cdiv import cdiv
 from pagedserve.services.common.config import SchedulerConfig
 from pagedserve.services.common.outputs import FinishReason
@@ -77,10 +77,12 @@ class Scheduler:
         self.free_finished(group)
 
     def free_finished(self, group: SequenceGroup) -> None:
+        num_finished = 0
         for seq in group.seqs:
             if seq.is_finished:
                 self.free_seq(seq)
-        if group.is_finished:
+                num_finished += 1
+        if num_finished == len(group.seqs):
             for queue in (self.waiting, self.running, self.swapped):
                 if group in queue:
                     queue.remove(group)
@@ -188,6 +190,7 @@ class Scheduler:
         decodes, prefills = [], []
         for group in self.running:
             (decodes if group.is_decode_phase() else prefills).append(group)
+        decoding = {id(group) for group in decodes}
         pending = decodes + prefills
         skipped: list[SequenceGroup] = []  # running, not scheduled this step, still preemptible
         kept: list[SequenceGroup] = []
@@ -199,11 +202,15 @@ class Scheduler:
             if self._is_drawing_last_token(group):
                 kept.append(group)
                 continue
-            cap = self._long_prefill_cap(group)
-            if self._is_deferred(cap, step):
-                skipped.append(group)
-                continue
-            assignment = assign_tokens(group, budget, self.config.enable_chunked_prefill, cap)
+            if id(group) in decoding:  # no prefill: no cap, no deferral
+                cap = None
+                assignment = assign_decode(group.live_seqs(), budget)
+            else:
+                cap = self._long_prefill_cap(group)
+                if self._is_deferred(cap, step):
+                    skipped.append(group)
+                    continue
+                assignment = assign_tokens(group, budget, self.config.enable_chunked_prefill, cap)
             if assignment is None:
                 skipped.append(group)
                 continue
@@ -410,7 +417,8 @@ class Scheduler:
              budget: TokenBudget, step: StepDraft, is_long: bool = False) -> None:
         num_samples = group.num_samples()
         for seq, num_tokens in assignment:
-            drafts = self._propose(group, seq, num_tokens, budget)
+            drafts = None if self.speculator is None else self._propose(group, seq, num_tokens,
+                                                                        budget)
             num_scheduled = num_tokens + len(drafts or ())
             step.blocks_to_copy += self.block_manager.append_slots(
                 seq.seq_id, seq.num_computed_tokens + num_scheduled)
@@ -428,7 +436,7 @@ class Scheduler:
                  budget: TokenBudget) -> list[int] | None:
         """Drafts for a decoding sequence, within the step's token budget and only where their
         extra blocks leave one free block per running group (speculation never preempts)."""
-        if self.speculator is None or num_tokens != 1 or seq.num_uncomputed_tokens != 1:
+        if num_tokens != 1 or seq.num_uncomputed_tokens != 1:
             return None
         drafts = self.speculator.propose(group, seq, budget.remaining_tokens - num_tokens,
                                          len(self.running))

@@ -31,9 +31,9 @@ def assign_tokens(group: SequenceGroup, budget: TokenBudget, is_chunked: bool,
     live = group.live_seqs()
     if budget.remaining_seqs < len(live):
         return None
-    left = budget.remaining_tokens
     if group.is_decode_phase():
-        return [(s, 1) for s in live] if len(live) <= left else None
+        return assign_decode(live, budget)
+    left = budget.remaining_tokens
     if cap is not None:
         left = min(left, cap)
     if len(live) == 1:
@@ -48,3 +48,10 @@ def assign_tokens(group: SequenceGroup, budget: TokenBudget, is_chunked: bool,
             assignment.append((seq, num_tokens))
             left -= num_tokens
     return assignment if assignment and left >= 0 else None
+
+
+def assign_decode(live: list[Sequence], budget: TokenBudget) -> list[tuple[Sequence, int]] | None:
+    """A decoding group's live sequences, one token each; None if they do not all fit."""
+    if len(live) > budget.remaining_seqs or len(live) > budget.remaining_tokens:
+        return None
+    return [(seq, 1) for seq in live]

@@ -97,8 +97,9 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
 
 def _input_ids(seqs: list[CachedSequence], query_start_loc: np.ndarray,
                drawn: dict[int, int] | None) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """[num_tokens] token ids, and the rows of tokens still being drawn (left 0)."""
-    input_ids = np.empty(int(query_start_loc[-1]), np.int64)
+    """[num_tokens] token ids, and the rows of tokens still being drawn (left 0). Gathered in
+    one list, converted once: a numpy write per sequence costs more than its tokens."""
+    input_ids: list[int] = []
     drawn_rows = []
     for seq, start, end in zip(seqs, query_start_loc[:-1].tolist(),
                                query_start_loc[1:].tolist(), strict=True):
@@ -106,25 +107,26 @@ def _input_ids(seqs: list[CachedSequence], query_start_loc: np.ndarray,
         known = seq.token_ids[nc:nc + end - start]
         if seq.draft_token_ids:
             known = known + seq.draft_token_ids
+        input_ids += known
         if len(known) < end - start:
             if len(known) + 1 < end - start or drawn is None or seq.seq_id not in drawn:
                 raise ValueError(f"seq {seq.seq_id}: its token {nc + len(known)} is neither "
                                  "known nor being drawn")
             drawn_rows.append((end - 1, drawn[seq.seq_id]))
-            end -= 1
-            input_ids[end] = 0
-        input_ids[start:end] = known
-    return input_ids, drawn_rows
+            input_ids.append(0)
+    assert len(input_ids) == query_start_loc[-1], (len(input_ids), query_start_loc[-1])
+    return np.array(input_ids, np.int64), drawn_rows
 
 
 def _block_tables(seqs: list[CachedSequence], seq_lens: np.ndarray,
                   block_size: int) -> np.ndarray:
-    """[num_seqs, max blocks of a sequence] int32, padded with 0."""
-    num_blocks = cdiv(seq_lens, block_size)  # [num_seqs]
-    block_tables = np.zeros((len(seqs), int(num_blocks.max(initial=0))), np.int32)
-    for i, (seq, n) in enumerate(zip(seqs, num_blocks.tolist(), strict=True)):
-        block_tables[i, :n] = seq.block_table[:n]
-    return block_tables
+    """[num_seqs, max blocks of a sequence] int32, padded with 0; rows gathered in lists and
+    converted once, as the input ids."""
+    num_blocks = cdiv(seq_lens, block_size).tolist()  # [num_seqs]
+    width = max(num_blocks, default=0)
+    return np.array([seq.block_table[:n] + [0] * (width - n)
+                     for seq, n in zip(seqs, num_blocks, strict=True)], np.int32).reshape(
+        len(seqs), width)
 
 
 def _prompt_logprob_spans(seqs: list[CachedSequence], query_start_loc: np.ndarray,

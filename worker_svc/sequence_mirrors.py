@@ -125,26 +125,33 @@ class SequenceMirrors:
             if not 0 <= delta.block_ids_start <= len(seq.block_table):
                 raise InvalidRequest(f"seq {delta.seq_id}: block_ids_start="
                                      f"{delta.block_ids_start} outside [0, {len(seq.block_table)}]")
-            _check_ids("block_ids", delta.seq_id, delta.block_ids, num_gpu_blocks)
-            _check_ids("new_token_ids", delta.seq_id, delta.new_token_ids, vocab_size)
+            # a plain decode sends no ids: its checks are skipped, not called with empty lists
+            if delta.block_ids:
+                _check_ids("block_ids", delta.seq_id, delta.block_ids, num_gpu_blocks)
             num_drawing = self.drawing.get(delta.seq_id, 0)
-            if num_drawing and (delta.new_token_ids or delta.draft_token_ids
-                                or delta.num_lookahead_slots):
-                raise InvalidRequest(f"seq {delta.seq_id}: new_token_ids={delta.new_token_ids}, "
-                                     f"draft_token_ids={delta.draft_token_ids} or "
-                                     f"num_lookahead_slots={delta.num_lookahead_slots} would "
-                                     "follow a token the worker has not drawn yet")
-            self._check_lookahead(delta.seq_id, delta.draft_token_ids, delta.num_lookahead_slots)
-            _check_drafts(delta.seq_id, delta.draft_token_ids, delta.num_lookahead_slots,
-                          delta.num_samples, seq.sampling, vocab_size,
-                          len(seq.token_ids) + len(delta.new_token_ids),
-                          seq.num_computed_tokens + delta.num_scheduled_tokens)
+            if delta.new_token_ids or delta.draft_token_ids or delta.num_lookahead_slots:
+                self._check_appended(seq, delta, num_drawing, vocab_size)
             self._check_lengths(delta.seq_id,
                                 len(seq.token_ids) + num_drawing + len(delta.new_token_ids)
                                 + len(delta.draft_token_ids) + delta.num_lookahead_slots,
                                 delta.block_ids_start + len(delta.block_ids),
                                 seq.num_computed_tokens, delta.num_scheduled_tokens,
                                 seq.prompt_len, delta.num_samples)
+
+    def _check_appended(self, seq: CachedSequence, delta: RunningSequence, num_drawing: int,
+                        vocab_size: int | None) -> None:
+        """A delta's new tokens and drafts: valid ids, after no token still being drawn."""
+        _check_ids("new_token_ids", delta.seq_id, delta.new_token_ids, vocab_size)
+        if num_drawing:
+            raise InvalidRequest(f"seq {delta.seq_id}: new_token_ids={delta.new_token_ids}, "
+                                 f"draft_token_ids={delta.draft_token_ids} or "
+                                 f"num_lookahead_slots={delta.num_lookahead_slots} would "
+                                 "follow a token the worker has not drawn yet")
+        self._check_lookahead(delta.seq_id, delta.draft_token_ids, delta.num_lookahead_slots)
+        _check_drafts(delta.seq_id, delta.draft_token_ids, delta.num_lookahead_slots,
+                      delta.num_samples, seq.sampling, vocab_size,
+                      len(seq.token_ids) + len(delta.new_token_ids),
+                      seq.num_computed_tokens + delta.num_scheduled_tokens)
 
     def mark_computed(self, scheduled: list[CachedSequence]) -> None:
         """The step is launched: its tokens' KV is (in device order) in the cache, and the
