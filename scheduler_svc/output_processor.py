@@ -40,6 +40,7 @@ class OutputProcessor:
         samples: dict[int, list[tuple[Sequence, SampledSequence]]] = {}
         drafts: dict[int, list[int] | None] = {}  # seq_id → its proposal, where one was made
         bm = self.scheduler.block_manager
+        is_caching = bm.enable_prefix_caching
         for item in scheduled.scheduled:
             group, seq = item.group, item.seq
             groups[id(group)] = group
@@ -51,7 +52,7 @@ class OutputProcessor:
                 group.prompt_logprobs.extend(sampled.prompt_logprobs)
                 del group.prompt_logprobs[group.prompt_len - 1:]
             # not preempted by a step scheduled since, nor its blocks freed for its last token
-            if seq.status is SequenceStatus.RUNNING and bm.has_seq(seq.seq_id):
+            if is_caching and seq.status is SequenceStatus.RUNNING and bm.has_seq(seq.seq_id):
                 bm.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if not item.is_sampling:
                 continue

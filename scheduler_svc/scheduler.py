@@ -236,10 +236,11 @@ class Scheduler:
         taken in): a step behind it would compute a token no one reads, and the room it takes
         would hold a waiting prompt back a step."""
         live = group.live_seqs()
-        return bool(live) and all(
-            seq.has_placeholder and (seq.num_output_tokens >= group.sampling.max_tokens
-                                     or len(seq.token_ids) >= self.max_model_len)
-            for seq in live)
+        for seq in live:
+            if not (seq.has_placeholder and (seq.num_output_tokens >= group.sampling.max_tokens
+                                             or len(seq.token_ids) >= self.max_model_len)):
+                return False
+        return bool(live)
 
     def _schedule_swapped(self, budget: TokenBudget, step: StepDraft) -> None:
         for group in [g for g in self.swapped if not g.is_paused]:

@@ -216,7 +216,10 @@ class SequenceGroup:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.status in _FINISH_REASONS for s in self.seqs)
+        for s in self.seqs:  # a loop, as is_decode_phase's below
+            if s.status not in _FINISH_REASONS:
+                return False
+        return True
 
     @property
     def is_streamed(self) -> bool:
@@ -224,13 +227,15 @@ class SequenceGroup:
         return not self.is_beam_search and self.sampling.num_candidates == self.sampling.n
 
     # the scheduler asks these of every running group several times a step: the statuses are
-    # read inline rather than through the properties
+    # read inline rather than through the properties, in loops rather than all() over generators
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if s.status not in _FINISH_REASONS]
 
     def is_decode_phase(self) -> bool:
-        return all(len(s.token_ids) - s.num_computed_tokens == 1 for s in self.seqs
-                   if s.status not in _FINISH_REASONS)
+        for s in self.seqs:
+            if s.status not in _FINISH_REASONS and len(s.token_ids) - s.num_computed_tokens != 1:
+                return False
+        return True
 
     def num_samples(self) -> int:
         if self.is_beam_search:
