@@ -217,6 +217,8 @@ class BlockManager:
     def _shared_written_blocks(self, seq: _SeqBlocks, num_total_tokens: int) -> list[int]:
         """Written positions start at the old end of the table, or at the last token: those below
         are computed (or will be by whoever shares them)."""
+        if not self.gpu_pool.num_shared_blocks:  # the usual decode: no block to look at
+            return []
         first_written = min(seq.num_tokens, num_total_tokens - 1)
         end = min(len(seq.block_ids), cdiv(num_total_tokens, self.block_size))
         ref_counts = self.gpu_pool.ref_counts

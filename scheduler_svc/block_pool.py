@@ -22,6 +22,7 @@ class BlockPool:
         # FIFO: block ids come out in a predictable order and freed blocks rest longest
         self._free_block_ids: deque[int] = deque(range(num_blocks))
         self._is_free = [True] * num_blocks
+        self.num_shared_blocks = 0  # ref > 1: only these are copied on write
 
     @property
     def num_free_blocks(self) -> int:
@@ -41,13 +42,17 @@ class BlockPool:
 
     def incref(self, block_id: int, num_refs: int = 1) -> None:
         assert not self._is_free[block_id], f"{self.device.value} block {block_id} is free"
-        self.ref_counts[block_id] += num_refs
+        ref_count = self.ref_counts[block_id]
+        self.ref_counts[block_id] = ref_count + num_refs
+        self.num_shared_blocks += ref_count <= 1 < ref_count + num_refs
 
     def decref(self, block_id: int, num_refs: int = 1) -> int:
         """At 0 the caller decides where the block goes."""
-        assert self.ref_counts[block_id] >= num_refs, (block_id, self.ref_counts[block_id])
-        self.ref_counts[block_id] -= num_refs
-        return self.ref_counts[block_id]
+        ref_count = self.ref_counts[block_id]
+        assert ref_count >= num_refs, (block_id, ref_count)
+        self.ref_counts[block_id] = ref_count - num_refs
+        self.num_shared_blocks -= ref_count - num_refs <= 1 < ref_count
+        return ref_count - num_refs
 
     def free(self, block_id: int) -> None:
         assert self.ref_counts[block_id] == 0, (block_id, self.ref_counts[block_id])

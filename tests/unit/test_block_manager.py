@@ -330,6 +330,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for swapped, pool in ((False, self.bm.gpu_pool), (True, self.bm.cpu_pool)):
             for block_id in range(pool.num_blocks):
                 assert pool.ref_counts[block_id] == refs[swapped][block_id], (swapped, block_id)
+            # the count that lets a decode skip its copy-on-write scan
+            assert pool.num_shared_blocks == sum(1 for r in pool.ref_counts if r > 1), swapped
 
     @invariant()
     def every_block_is_used_or_free_exactly_once(self) -> None:
