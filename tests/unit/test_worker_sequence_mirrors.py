@@ -84,3 +84,23 @@ def test_flattened_batch_puts_prefills_first_and_maps_slots():
     span = model_input.prompt_logprob_spans[0]
     assert (span.seq.seq_id, span.start, span.target_ids) == (2, 1, [31, 32])
     assert model_input.logits_indices.tolist() == [7, 5, 6]
+
+
+def test_running_deltas_with_bad_ids_or_tokens_behind_a_draw_are_refused_untouched():
+    mirrors = SequenceMirrors(block_size=4, max_model_len=64)
+    scheduled = mirrors.apply(StepPlan(1, 1, new_seqs=[_new(0, [1, 2, 3], [7], 0, 3)]))
+    mirrors.mark_computed(scheduled)  # seq 0 is drawing its 4th token
+    bad = [(RunningSequence(0, [], 1, [99], 1), "block_ids must be in \\[0, 50\\)"),
+           (RunningSequence(0, [70], 1, [], 1), "new_token_ids must be in \\[0, 64\\)"),
+           (RunningSequence(0, [5], 1, [], 1), "has not drawn yet")]
+    for delta, message in bad:
+        with pytest.raises(InvalidRequest, match=message):
+            mirrors.check(StepPlan(1, 2, running_seqs=[delta]), num_gpu_blocks=50, vocab_size=64)
+    assert mirrors.seqs[0].token_ids == [1, 2, 3] and mirrors.seqs[0].block_table == [7]
+    # a plain decode behind the draw: nothing to check but its lengths
+    decode = RunningSequence(0, [], 1, [8], 1)
+    mirrors.check(StepPlan(1, 2, running_seqs=[decode]), num_gpu_blocks=50, vocab_size=64)
+    scheduled = mirrors.apply(StepPlan(1, 2, running_seqs=[decode]), is_checked=True)
+    model_input = build_model_input(scheduled, 4, torch.device("cpu"), drawn={0: 3})
+    assert model_input.input_ids.tolist() == [0] and model_input.drawn_rows == [(0, 3)]
+    assert model_input.meta.block_tables.tolist() == [[7]]
