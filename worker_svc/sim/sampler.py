@@ -147,10 +147,10 @@ class SimSampler:
         x = (np.repeat(np.array(seeds, dtype=np.uint64), counts) * np.uint64(_MUL)
              + np.repeat(np.array(positions, dtype=np.uint64), counts)
              * np.uint64(0xBF58476D1CE4E5B9) + sample.astype(np.uint64))
-        # right-aligned, 0 before a short context: padded as lists, converted once
-        window = np.array([[0] * (_CONTEXT_WINDOW - len(context)) + context
-                           for context in contexts], dtype=np.uint64).reshape(
-            len(counts), _CONTEXT_WINDOW)
+        window = np.zeros((len(counts), _CONTEXT_WINDOW), dtype=np.uint64)
+        for i, context in enumerate(contexts):
+            if context:
+                window[i, _CONTEXT_WINDOW - len(context):] = context
         lengths = np.repeat(np.fromiter(map(len, contexts), np.int64, len(contexts)), counts)
         window = np.repeat(window, counts, axis=0)
         mul = np.uint64(_MUL)
