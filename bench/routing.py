@@ -44,7 +44,10 @@ default) and on the gateway's own index alone (`--no-routing-kv-events`); target
 index's hit tokens. `--restart-at F` restarts replica r0's scheduler (same port, same worker: a
 new epoch, an empty prefix cache) once F of the turns are answered, in each run; the turns it was
 running fail over to r1; target with a restart: events >= 1.2x the index. The line also gives
-each arm's turns and preemptions per replica. `--compare index-twice` runs the own index in both
+each arm's turns and preemptions per replica, its later turns' misses by when the chosen replica
+lost the tokens (before the turn was routed, or after: queued behind other turns), and by how many
+blocks the router's KV events were off the chosen replica's prefix cache when it routed (a late or
+misnamed event shows there). `--compare index-twice` runs the own index in both
 arms: the turns finish in an order the host's timing draws, so the same routing differs from run
 to run, and this pair shows by how much. `--reverse` swaps the arms' order; `--arm NAME` runs one
 arm alone (a full pair holds the bench lock too long on a shared host).
@@ -67,6 +70,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 from pagedserve.scheduler_svc.servicer import start_scheduler, stop_scheduler
+from pagedserve.services.common.block_hash import BlockHash, hash_prompt_blocks
 from pagedserve.services.common.config import (
     CacheConfig,
     DeviceConfig,
@@ -84,6 +88,7 @@ from pagedserve.worker_svc.servicer import start_worker
 from bench.common import DEFAULT_MODEL, finish, percentiles, quiet_logging
 from bench.routing_report import (
     PolicyResult,
+    count_miss_timing,
     count_turn,
     summarize,
     summarize_arm,
@@ -111,7 +116,7 @@ ARMS = {"policies": (("affinity", "affinity", True), ("round-robin", "round-robi
 
 async def _client(stub, open_chats: list[Conversation], waiting: deque[Conversation],
                   rng: random.Random, args: argparse.Namespace, result: PolicyResult,
-                  routed: dict[int, str], systems_seen: set[int],
+                  routed: dict[int, tuple[str, int, int]], systems_seen: set[int],
                   live: dict[int, Conversation], live_samples: list[int],
                   answered: Callable[[int], None]) -> None:
     """Runs the next turn of an open conversation picked at random (its user is the next one
@@ -129,7 +134,9 @@ async def _client(stub, open_chats: list[Conversation], waiting: deque[Conversat
         result.num_prompt_tokens += response.usage.prompt_tokens
         result.num_cached_tokens += response.usage.cached_tokens
         result.num_output_tokens += response.usage.completion_tokens
-        replica = routed.pop(hash(tuple(prompt)), "")
+        replica, num_believed, num_held = routed.pop(hash(tuple(prompt)), ("", 0, 0))
+        count_miss_timing(result, conversation, prompt, response.usage.cached_tokens, num_held,
+                          num_believed)
         count_turn(result, conversation, prompt, response.usage.cached_tokens, replica)
         if end_turn(conversation, response.outputs[0].token_ids, replica):
             open_chats.append(conversation)
@@ -142,23 +149,36 @@ async def _client(stub, open_chats: list[Conversation], waiting: deque[Conversat
                                             args.system_len))
 
 
-def count_decisions(gateway: Gateway) -> tuple[Counter[str], Counter[str], list[list[int]],
-                                                dict[int, str]]:
+def num_leading(block_hashes: list[BlockHash], holds: Callable[[BlockHash], bool]) -> int:
+    """How many of the prompt's leading blocks `holds` holds, up to the first it lacks."""
+    return next((i for i, block_hash in enumerate(block_hashes) if not holds(block_hash)),
+                len(block_hashes))
+
+
+def count_decisions(gateway: Gateway, cached_prefix: Callable[[str, list[BlockHash]], int]
+                    ) -> tuple[Counter[str], Counter[str], list[list[int]],
+                               dict[int, tuple[str, int, int]]]:
     """Counters of the gateway's routing decisions (by reason, by replica), the prompts they
-    were made for and the replica of each (by the prompt's hash), until `stop_counting`."""
+    were made for and, by the prompt's hash, the replica of each with the leading blocks of the
+    prompt that the router's KV events said it held and that its prefix cache held
+    (`cached_prefix`) at that moment, until `stop_counting`."""
     router = gateway.replicas.router
     choose = router.choose
     reasons: Counter[str] = Counter()
     replicas: Counter[str] = Counter()
     prompts: list[list[int]] = []
-    routed: dict[int, str] = {}
+    routed: dict[int, tuple[str, int, int]] = {}
 
     def counted(candidates, prompt_token_ids, block_size):
         decision = choose(candidates, prompt_token_ids, block_size)
         reasons[decision.reason] += 1
         replicas[decision.address] += 1
         prompts.append(list(prompt_token_ids))
-        routed[hash(tuple(prompt_token_ids))] = decision.address
+        hashes = hash_prompt_blocks(prompt_token_ids, block_size,
+                                    (len(prompt_token_ids) - 1) // block_size)
+        believed = num_leading(hashes, lambda h: router.kv_index.weight(decision.address, h) > 0)
+        routed[hash(tuple(prompt_token_ids))] = (decision.address, believed,
+                                                 cached_prefix(decision.address, hashes))
         return decision
 
     router.choose = counted  # type: ignore[method-assign]
@@ -176,8 +196,11 @@ def stop_counting(gateway: Gateway) -> None:
 
 async def run_policy(gateway: Gateway, conversations: list[Conversation], args: argparse.Namespace,
                      policy: str, addresses: list[str],
+                     cached_prefix: Callable[[str, list[BlockHash]], int],
                      restart: Callable[[], Awaitable[None]] | None = None) -> PolicyResult:
-    """`addresses`: the replicas', r0 first. `restart` runs once --restart-at of the conversations' turns are answered, beside them."""
+    """`addresses`: the replicas', r0 first; `cached_prefix`: what a replica's prefix cache
+    holds of a prompt's leading blocks now. `restart` runs once --restart-at of the
+    conversations' turns are answered, beside them."""
     result = PolicyResult(policy)
     num_turns = sum(len(c.user_turns) for c in conversations)
     restart_after = None if restart is None else int(args.restart_at * num_turns)
@@ -190,7 +213,7 @@ async def run_policy(gateway: Gateway, conversations: list[Conversation], args: 
     open_chats = conversations[:num_open(args)]
     waiting = deque(conversations[num_open(args):])
     rng = random.Random(args.seed)
-    reasons, replicas, prompts, routed = count_decisions(gateway)
+    reasons, replicas, prompts, routed = count_decisions(gateway, cached_prefix)
     systems_seen: set[int] = set()
     live: dict[int, Conversation] = {}
     live_samples: list[int] = []
@@ -255,6 +278,13 @@ async def run(args: argparse.Namespace) -> list[PolicyResult]:
     async def restart_r0() -> None:
         await restart(0)
 
+    def cached_prefix(address: str, block_hashes: list[BlockHash]) -> int:
+        engine = replicas[addresses.index(address)][1][1].engine
+        if engine is None:
+            return 0
+        cache = engine.core.block_manager.prefix_cache
+        return num_leading(block_hashes, lambda h: cache.lookup(h) is not None)
+
     try:
         for _ in range(2):
             worker = await start_worker(config, WorkerServiceConfig(port=0))
@@ -277,6 +307,7 @@ async def run(args: argparse.Namespace) -> list[PolicyResult]:
             while len(gateway.replicas.serving()) < len(replicas):
                 await asyncio.sleep(0.05)
             result = await run_policy(gateway, make_conversations(args, 0), args, name, addresses,
+                                      cached_prefix,
                                       restart_r0 if args.restart_at is not None else None)
             result.replica_preemptions = [num_preemptions(s) for _, s in replicas]
             results.append(result)

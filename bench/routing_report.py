@@ -42,6 +42,12 @@ class PolicyResult:
     # `num_open` while conversations still wait (the steady state): footprint_blocks, measured
     live_blocks_mean: float = 0.0
     num_restarts: int = 0  # of replica r0 during the run
+    # the later turns' missed reusable tokens by when the chosen replica lost them: already gone
+    # when the turn was routed, or between its routing and its admission
+    missed_when: dict[str, int] = field(default_factory=dict)
+    # the leading prompt blocks the router's KV events said the chosen replica held, beyond
+    # ("over") or short of ("under") what its prefix cache held as the turn was routed
+    belief_error_blocks: dict[str, int] = field(default_factory=dict)
 
     @property
     def output_tok_s(self) -> float:
@@ -73,6 +79,24 @@ def count_turn(result: PolicyResult, conversation: Conversation, prompt: list[in
         reusable, len(conversation.system) // BLOCK_SIZE * BLOCK_SIZE)
     result.missed_tokens[kind] = (result.missed_tokens.get(kind, 0)
                                   + max(reusable - num_cached_tokens, 0))
+
+
+def count_miss_timing(result: PolicyResult, conversation: Conversation, prompt: list[int],
+                      num_cached_tokens: int, num_held_blocks: int,
+                      num_believed_blocks: int) -> None:
+    """A later turn's missed reusable tokens split by when they left the chosen replica's cache
+    (it held `num_held_blocks` of the prompt's leading blocks when the turn was routed), and how
+    far the KV events' view of it (`num_believed_blocks`) was off then (before end_turn)."""
+    if not conversation.num_turns_done:
+        return
+    reusable = min(conversation.num_computed, len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    held = min(num_held_blocks * BLOCK_SIZE, reusable)
+    for when, num_missed in (("before_routing", reusable - held),
+                             ("after_routing", held - num_cached_tokens)):
+        result.missed_when[when] = result.missed_when.get(when, 0) + max(num_missed, 0)
+    error = num_believed_blocks - num_held_blocks
+    side = "over" if error > 0 else "under"
+    result.belief_error_blocks[side] = result.belief_error_blocks.get(side, 0) + abs(error)
 
 
 def record_head(args: argparse.Namespace) -> dict:
@@ -126,8 +150,10 @@ def summarize_kv_events(args: argparse.Namespace, events: PolicyResult,
             f"{events.decisions}, {second} {index.decisions}; missed by kind of turn: {first} "
             f"{events.missed_tokens}, {second} {index.missed_tokens}; turns per replica (r0, r1): "
             f"{first} {events.replica_turns}, {second} {index.replica_turns}; preemptions: "
-            f"{first} {events.replica_preemptions}, {second} {index.replica_preemptions}; cache "
-            f"{cache_blocks(args)} blocks per replica")
+            f"{first} {events.replica_preemptions}, {second} {index.replica_preemptions}; "
+            f"missed when: {first} {events.missed_when}, {second} {index.missed_when}; KV events "
+            f"off the caches by (blocks): {first} {events.belief_error_blocks}, {second} "
+            f"{index.belief_error_blocks}; cache {cache_blocks(args)} blocks per replica")
     record = {**record_head(args), "restart_at": args.restart_at, "hit_token_ratio": hit_ratio,
               "summary": line, "policies": [events, index]}
     return line, record
@@ -140,6 +166,8 @@ def summarize_arm(args: argparse.Namespace, result: PolicyResult) -> tuple[str, 
             f"({result.hit_share:.0%} of the reusable), {result.output_tok_s:.1f} tok/s; "
             f"decisions {result.decisions}; missed by kind of turn {result.missed_tokens}; turns "
             f"per replica (r0, r1) {result.replica_turns}; preemptions "
-            f"{result.replica_preemptions}; cache {cache_blocks(args)} blocks per replica")
+            f"{result.replica_preemptions}; missed when {result.missed_when}; KV events off "
+            f"the caches by (blocks) {result.belief_error_blocks}; cache {cache_blocks(args)} "
+            f"blocks per replica")
     return line, {**record_head(args), "restart_at": args.restart_at, "summary": line,
                   "policies": [result]}

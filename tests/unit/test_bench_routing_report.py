@@ -4,8 +4,23 @@ from __future__ import annotations
 
 import argparse
 
-from bench.routing_report import PolicyResult, summarize, summarize_arm, summarize_kv_events
-from bench.routing_workload import WORKLOAD_FLAGS, cache_blocks, preset_args
+from bench.routing import num_leading
+from bench.routing_report import (
+    PolicyResult,
+    count_miss_timing,
+    summarize,
+    summarize_arm,
+    summarize_kv_events,
+)
+from bench.routing_workload import (
+    BLOCK_SIZE,
+    WORKLOAD_FLAGS,
+    Conversation,
+    cache_blocks,
+    end_turn,
+    next_prompt,
+    preset_args,
+)
 
 
 def _args(**given) -> argparse.Namespace:
@@ -56,3 +71,30 @@ def test_an_arm_run_alone_has_the_workload_head_and_its_own_line():
     assert "turns per replica (r0, r1) [14, 13]; preemptions [0, 1]" in line
     assert record["workload"] == "chat" and record["policies"] == [result]
     assert record["summary"] == line
+
+
+def test_a_later_turns_misses_are_split_by_when_its_replica_lost_them():
+    conversation = Conversation(list(range(2 * BLOCK_SIZE)), [[7] * BLOCK_SIZE] * 3)
+    result = PolicyResult("kv-events")
+    first = next_prompt(conversation, set())
+    count_miss_timing(result, conversation, first, 0, 0, 0)
+    assert result.missed_when == {}  # a first turn has no history to lose
+    end_turn(conversation, [9] * BLOCK_SIZE, "r0")
+    prompt = next_prompt(conversation, set())
+    reusable_blocks = (4 * BLOCK_SIZE - 1) // BLOCK_SIZE  # the answer's last token has no KV
+    # routed while its replica held 2 of its 3 reusable blocks (the events said 3), 1 hit
+    count_miss_timing(result, conversation, prompt, BLOCK_SIZE, 2, 3)
+    assert result.missed_when == {"before_routing": (reusable_blocks - 2) * BLOCK_SIZE,
+                                  "after_routing": BLOCK_SIZE}
+    assert result.belief_error_blocks == {"over": 1}
+    count_miss_timing(result, conversation, prompt, 3 * BLOCK_SIZE, 3, 1)
+    assert result.belief_error_blocks == {"over": 1, "under": 2}
+    line, _ = summarize_arm(_args(), result)
+    assert f"missed when {result.missed_when}" in line and "{'over': 1, 'under': 2}" in line
+
+
+def test_leading_blocks_stop_at_the_first_one_not_held():
+    held = {b"a", b"b", b"d"}
+    assert num_leading([b"a", b"b", b"c", b"d"], held.__contains__) == 2
+    assert num_leading([b"a", b"b"], held.__contains__) == 2
+    assert num_leading([b"c", b"a"], held.__contains__) == 0
