@@ -95,8 +95,9 @@ def count_miss_timing(result: PolicyResult, conversation: Conversation, prompt: 
                              ("after_routing", held - num_cached_tokens)):
         result.missed_when[when] = result.missed_when.get(when, 0) + max(num_missed, 0)
     error = num_believed_blocks - num_held_blocks
-    side = "over" if error > 0 else "under"
-    result.belief_error_blocks[side] = result.belief_error_blocks.get(side, 0) + abs(error)
+    if error:
+        side = "over" if error > 0 else "under"
+        result.belief_error_blocks[side] = result.belief_error_blocks.get(side, 0) + abs(error)
 
 
 def record_head(args: argparse.Namespace) -> dict:

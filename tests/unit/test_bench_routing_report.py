@@ -82,6 +82,8 @@ def test_a_later_turns_misses_are_split_by_when_its_replica_lost_them():
     end_turn(conversation, [9] * BLOCK_SIZE, "r0")
     prompt = next_prompt(conversation, set())
     reusable_blocks = (4 * BLOCK_SIZE - 1) // BLOCK_SIZE  # the answer's last token has no KV
+    count_miss_timing(result, conversation, prompt, 3 * BLOCK_SIZE, 3, 3)
+    assert result.belief_error_blocks == {}  # the events saw the cache as it was
     # routed while its replica held 2 of its 3 reusable blocks (the events said 3), 1 hit
     count_miss_timing(result, conversation, prompt, BLOCK_SIZE, 2, 3)
     assert result.missed_when == {"before_routing": (reusable_blocks - 2) * BLOCK_SIZE,
