@@ -14,7 +14,8 @@ arcs of the ring. The load bound is that of consistent hashing with bounded load
 replica is taken while it would carry at most ceil(`max_imbalance` times the mean load), else the
 least loaded one. The replicas' KV events (kv_index.py) correct the guess: a replica that holds
 more of the prompt's leading blocks than the guessed one and than the prefix the prompt shares
-with other chats is preferred (a block in host memory counting less than one on the GPU).
+with other chats is preferred (a block in host memory counting less than one on the GPU), unless
+it is busier than the guessed one.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ class Router:
         """The replica whose KV events say it holds the most of the prompt's leading blocks
         (tiers weighted), where that is more than the `guess` of the gateway's own memory holds
         and than the prefix the prompt shares with others (a new chat of a system prompt many
-        replicas hold still spreads as the memory spreads it). None: keep the guess."""
+        replicas hold still spreads as the memory spreads it), and it is no busier than the
+        guess. None: keep the guess."""
         live = [c.address for c in candidates if self.kv_index.is_live(c.address)]
         if not self.use_kv_events or not live:
             return None
@@ -153,7 +155,12 @@ class Router:
         if best <= max(scores.get(guess, 0.0), num_shared):
             return None
         tied = [c for c in candidates if scores.get(c.address) == best]
-        return tied[0].address if len(tied) == 1 else self._preferred(tied, hashes)
+        holder = tied[0].address if len(tied) == 1 else self._preferred(tied, hashes)
+        # blocks this gateway's memory lacks are often the oldest their replica holds (the memory
+        # forgets what the replicas evict first): a busier replica evicts them for the turns
+        # queued ahead before it admits this one, and the chat then stays there
+        load = {c.address: c.num_requests for c in candidates}
+        return holder if load[holder] <= load[guess] else None
 
     def _preferred(self, candidates: Sequence[Candidate], hashes: list[int]) -> str:
         addresses = frozenset(c.address for c in candidates)

@@ -97,9 +97,10 @@ def test_removed_blocks_no_longer_count_and_without_events_the_history_decides()
 def test_affinity_on_held_blocks_still_yields_to_the_load_bound():
     router = Router("affinity", 1.5, 4)
     chat = prompt(6, 8)
+    router.choose([Candidate("c:1", 0)], chat, BLOCK)  # the memory's guess: c
     holds(router, "a:1", chat, 6)
-    decision = router.choose([Candidate("a:1", 10), Candidate("b:1", 0)], chat, BLOCK)
-    assert decision == Decision("b:1", Reason.OVERLOADED)
+    loaded = [Candidate("a:1", 10), Candidate("b:1", 0), Candidate("c:1", 10), Candidate("d:1", 1)]
+    assert router.choose(loaded, chat, BLOCK) == Decision("b:1", Reason.OVERLOADED)
 
 
 def test_new_chats_of_a_prefix_one_replica_holds_still_spread():
@@ -113,3 +114,17 @@ def test_new_chats_of_a_prefix_one_replica_holds_still_spread():
     picks = {router.choose(replicas, [*system, *prompt(200 + i, 2)], BLOCK).address
              for i in range(8)}
     assert picks == {"a:1", "b:1"}
+
+
+def test_held_blocks_do_not_draw_a_chat_to_a_busier_replica_than_the_guess():
+    """Blocks the gateway's memory lacks are often the oldest their replica holds: a busier
+    replica would evict them for the turns queued ahead before admitting this one."""
+    router = Router("affinity", 1.5, 4)
+    chat = prompt(9, 8)
+    guess = router.choose(idle("a:1", "b:1"), chat, BLOCK).address
+    other = "b:1" if guess == "a:1" else "a:1"
+    holds(router, other, chat, 6)
+    busier = [Candidate(guess, 1), Candidate(other, 2)]
+    assert router.choose(busier, chat, BLOCK) == Decision(guess, Reason.AFFINITY)
+    as_busy = [Candidate(guess, 2), Candidate(other, 2)]
+    assert router.choose(as_busy, chat, BLOCK) == Decision(other, Reason.HELD_BLOCKS)
