@@ -313,7 +313,7 @@ class EngineCore:
         if previous is None or previous[1].is_advanced:
             return None
         worker_ns = (timings.cache_ops_ns + timings.prepare_ns + timings.forward_ns
-                     + timings.sample_ns + timings.draft_ns)
+                     + timings.sample_ns + timings.draft_ns + timings.draft_catch_up_ns)
         return max(0.0, now - previous[0] - worker_ns * 1e-9)
 
     def _record_step(self, step: SentStep, timings: StepTimings, process_time_s: float) -> None:

@@ -127,7 +127,8 @@ class OutputProcessor:
         if drafts is None or speculator is None:
             return
         num_accepted = len(sampled.token_ids) - 1
-        speculator.record(seq, len(drafts), num_accepted)
+        # a draft model too far behind proposed nothing: neither a miss nor a rejection
+        speculator.record(seq, 0 if sampled.is_draft_behind else len(drafts), num_accepted)
         # without drafts no slot is given back: a step sent behind this one may hold the next
         if drafts and not seq.is_finished:
             self.scheduler.keep_verified(seq, num_accepted)

@@ -5,11 +5,14 @@ Its KV cache is a second set of per-layer tensors, in its own KV shape (a Llama-
 half a Llama-3-8B's head size), with the target's blocks: indexed by the same block tables and slot
 mapping (CacheEngine.draft_gpu_cache), as vLLM's drafters do, so a block's bytes are the target's
 and the draft's layers together. The scheduler's block accounting, swaps, copy-on-write and the
-prefix cache cover it with no bookkeeping of their own. The draft model computes each sequence's
-known tokens once (CachedSequence.num_draft_computed): prefill chunks, recomputed prompts and each
-step's new tokens, before it proposes; the KV of drafts the target rejected is overwritten as the
-sequence goes on. A greedy request's drafts are its greedy choices: the verifier keeps a draft while
-the target's own draw equals it, so the outputs are the target's whatever the draft model proposes.
+prefix cache cover it with no bookkeeping of their own. The draft model computes a sequence's known
+tokens once (CachedSequence.num_draft_computed), and only when it proposes: a prompt that arrives
+while speculation does not pay costs the draft model nothing until its sequence drafts; then it
+catches up, at most max_catch_up_tokens a step, and proposes once it has (draft_blocks.py tracks
+which blocks hold the draft's KV, for sequences sent whole). The KV of drafts the target rejected
+is overwritten as the sequence goes on. A greedy request's drafts are its greedy choices: the
+verifier keeps a draft while the target's own draw equals it, so the outputs are the target's
+whatever the draft model proposes.
 A sampled request's drafts are drawn from the draft model's distribution (processed as the
 request's sampling processes the target's), which goes with them to rejection sampling.
 
@@ -35,6 +38,7 @@ from pagedserve.services.common.config import ModelConfig
 from pagedserve.services.common.errors import ConfigError
 from pagedserve.worker_svc.cache_engine import KVCacheSpec
 from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
+from pagedserve.worker_svc.draft_blocks import DraftBlocks
 from pagedserve.worker_svc.graph_buckets import GraphBuckets
 from pagedserve.worker_svc.host_to_device import to_device
 from pagedserve.worker_svc.layers.attention import Attention
@@ -46,6 +50,14 @@ from pagedserve.worker_svc.sampler import Sampler
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 from pagedserve.worker_svc.spec_decode import sampling_state
 from torch import nn
+
+# a proposing sequence's tokens the draft model has not computed, beyond which they are caught up
+# in a forward of their own before it proposes: more than a step's decoded tokens
+_MAX_FUSED_CATCH_UP = 8
+# the most tokens that forward computes in a step: a lagging batch catches up over several steps,
+# so that a trial of speculation at a large batch costs a chunk (~2.4 ms for a 1B draft on the
+# simulated H100), not every prompt (~7.4 ms at 2048 tokens)
+MAX_CATCH_UP_TOKENS = 512
 
 
 def load_draft_proposer(path: str, target: ModelConfig, spec: KVCacheSpec, vocab_size: int,
@@ -73,10 +85,13 @@ def load_draft_proposer(path: str, target: ModelConfig, spec: KVCacheSpec, vocab
 
 class DraftProposer:
     def __init__(self, model: nn.Module, block_size: int, device: torch.device,
-                 sampler: Sampler | None = None) -> None:
+                 sampler: Sampler | None = None,
+                 max_catch_up_tokens: int = MAX_CATCH_UP_TOKENS) -> None:
         """sampler: processes a sampled request's draft distributions; None: greedy drafts."""
         self.model = model
         self.block_size = block_size
+        self.max_catch_up_tokens = max_catch_up_tokens
+        self.blocks = DraftBlocks(block_size)
         self.device = device
         self.sampler = sampler
         self.graphs: DecodeGraphs | None = None
@@ -89,34 +104,63 @@ class DraftProposer:
                                                         kv_caches, self.device)
 
     @torch.inference_mode()
+    def catch_up(self, scheduled: list[CachedSequence], kv_caches: list[torch.Tensor]
+                 ) -> set[int] | None:
+        """Proposing sequences whose draft KV lags by more than the few tokens decoded since
+        they last proposed (a prompt that arrived while speculation was off, a swap-in or a
+        prefix-cache hit without it) catch up in a forward of their own, without logits, at
+        most max_catch_up_tokens a step, the least behind first. One that does not reach its
+        last known token this step gives its lookahead slots back and proposes nothing: drafts
+        from a partial context would be rejected. Returns those sequences' ids; None: no
+        forward ran."""
+        lagging = [s for s in scheduled if s.num_lookahead_slots
+                   and _known_end(s) - 1 - s.num_draft_computed > _MAX_FUSED_CATCH_UP]
+        if not lagging:
+            return None
+        lagging.sort(key=lambda s: _known_end(s) - s.num_draft_computed)
+        chunks, behind, budget = [], set(), self.max_catch_up_tokens
+        for seq in lagging:
+            end = _known_end(seq) - 1  # the last known token: the first proposing forward's
+            num_tokens = min(end - seq.num_draft_computed, budget)
+            if num_tokens:
+                chunks.append(dataclasses.replace(
+                    seq, num_computed_tokens=seq.num_draft_computed,
+                    num_scheduled_tokens=num_tokens, draft_token_ids=[]))
+                self._computed(seq, seq.num_draft_computed + num_tokens)
+                budget -= num_tokens
+            if seq.num_draft_computed < end:
+                behind.add(seq.seq_id)
+                seq.num_scheduled_tokens -= seq.num_lookahead_slots
+                seq.num_lookahead_slots = 0
+        if not chunks:
+            return behind
+        chunks.sort(key=lambda s: not s.is_prefill)
+        self._draw(chunks, {}, {}, kv_caches)
+        return behind
+
+    @torch.inference_mode()
     def propose(self, scheduled: list[CachedSequence], kv_caches: list[torch.Tensor]) -> bool:
-        """Brings the draft model's KV up to date with the known tokens of the step's prompts
-        and proposing sequences, then fills the draft_token_ids of every sequence with
-        num_lookahead_slots: one forward per draft position. A decoding sequence that does not
-        propose catches up when it next does, so that a step without speculation runs no draft
-        forward. scheduled: this step's sequences, before their tokens are marked computed.
-        Returns whether the draft model ran."""
+        """Brings the draft model's KV of each proposing sequence up to its known tokens, then
+        fills the draft_token_ids of every sequence with num_lookahead_slots: one forward per
+        draft position. A sequence that does not propose (a prompt chunk, a decode whose drafts
+        the scheduler cut) catches up when it next does, so that a step without speculation
+        runs no draft forward. scheduled: this step's sequences, after catch_up, before their
+        tokens are marked computed. Returns whether the draft model ran."""
         catch_up = []
-        for seq in scheduled:
-            if seq.pooling_type or not (seq.num_lookahead_slots
-                                        or seq.num_computed_tokens < seq.prompt_len):
-                continue
-            end = min(len(seq.token_ids), seq.num_computed_tokens + seq.num_scheduled_tokens
-                      - seq.num_lookahead_slots)  # a token still being drawn is not known
+        proposing = [s for s in scheduled if s.num_lookahead_slots and not s.pooling_type]
+        for seq in proposing:
+            end = _known_end(seq)
             if seq.num_draft_computed < end:
                 catch_up.append(dataclasses.replace(
                     seq, num_computed_tokens=seq.num_draft_computed,
                     num_scheduled_tokens=end - seq.num_draft_computed, draft_token_ids=[]))
-                seq.num_draft_computed = end
-        proposing = [s for s in scheduled if s.num_lookahead_slots]
+                self._computed(seq, end)
         if not catch_up:
             return False
         catch_up.sort(key=lambda s: not s.is_prefill)
         drafts: dict[int, list[int]] = {s.seq_id: [] for s in proposing}
         probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in proposing}
-        if not proposing:
-            self._draw(catch_up, drafts, probs, kv_caches)
-        elif self.sampler is None or all(s.sampling.is_greedy for s in proposing):
+        if self.sampler is None or all(s.sampling.is_greedy for s in proposing):
             self._propose_greedy(catch_up, proposing, drafts, kv_caches)
         else:
             self._propose_by_position(catch_up, proposing, drafts, probs, kv_caches)
@@ -127,6 +171,11 @@ class DraftProposer:
             seq.num_draft_computed = len(seq.token_ids) + seq.num_lookahead_slots - 1
             seq.num_lookahead_slots = 0
         return True
+
+    def _computed(self, seq: CachedSequence, end: int) -> None:
+        """The draft model computes the sequence's known tokens up to `end` this step."""
+        self.blocks.mark(seq.block_table, seq.num_draft_computed, end)
+        seq.num_draft_computed = end
 
     def _propose_by_position(self, catch_up: list[CachedSequence],
                              proposing: list[CachedSequence], drafts: dict[int, list[int]],
@@ -196,6 +245,12 @@ class DraftProposer:
         for state, q in zip(states, row_probs, strict=True):
             drafts[state.seq_id][-1] = draw_draft(q, state)
             probs[state.seq_id].append(q)
+
+
+def _known_end(seq: CachedSequence) -> int:
+    """The end of the sequence's known tokens this step: a token still being drawn is not."""
+    return min(len(seq.token_ids),
+               seq.num_computed_tokens + seq.num_scheduled_tokens - seq.num_lookahead_slots)
 
 
 def _next_position(proposing: list[CachedSequence], drafts: dict[int, list[int]] | None,

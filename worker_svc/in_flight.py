@@ -92,6 +92,17 @@ class PhaseClock:
         return [round(start.elapsed_time(end) * 1e6) for start, end in pairwise(self._events)]
 
 
+@dataclass(frozen=True, slots=True)
+class DraftTimes:
+    """A step's draft model work."""
+
+    host_ns: int = 0  # the host's time in it, within the prepare phase
+    draft_ns: int = 0  # the proposing forwards' device time
+    catch_up_ns: int = 0  # the device time of the forward catching up lagging sequences
+    # sequences with lookahead slots whose draft KV was too far behind to propose this step
+    behind_seq_ids: frozenset[int] = frozenset()
+
+
 @dataclass(slots=True)
 class InFlightStep:
     step_id: int
@@ -105,8 +116,7 @@ class InFlightStep:
     # the swaps' modelled seconds (out, in) on a simulated cache; None: the clock times them
     modelled_swap_s: tuple[float | None, float | None] = (None, None)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
-    draft_host_ns: int = 0  # the draft model's proposals, in the host's prepare phase
-    draft_ns: int = 0  # their device time
+    drafting: DraftTimes = DraftTimes()
 
     def block_ids(self) -> set[int]:
         """The device blocks the step reads or writes: its sequences' block tables (as they

@@ -18,7 +18,13 @@ from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
 from pagedserve.worker_svc.draft_proposer import DraftProposer
 from pagedserve.worker_svc.grammar_matchers import GrammarMatchers
 from pagedserve.worker_svc.host_to_device import to_device
-from pagedserve.worker_svc.in_flight import Fence, InFlightStep, PhaseClock, device_fence
+from pagedserve.worker_svc.in_flight import (
+    DraftTimes,
+    Fence,
+    InFlightStep,
+    PhaseClock,
+    device_fence,
+)
 from pagedserve.worker_svc.mixed_graphs import MixedGraphs, replay_forward
 from pagedserve.worker_svc.model_input import ModelInput, build_model_input
 from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
@@ -46,7 +52,7 @@ class ModelRunner:
         self.device = device
         self.mirrors = SequenceMirrors(block_size, max_model_len)
         self.drafter = drafter
-        self.mirrors.has_draft_model = drafter is not None
+        self.mirrors.draft_blocks = None if drafter is None else drafter.blocks
         self.decode_graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self.grammars: GrammarMatchers | None = None  # None: structured outputs unconstrained
@@ -74,6 +80,11 @@ class ModelRunner:
         clock.mark()
         cache_engine.copy(plan.blocks_to_copy)
         clock.mark()
+        if self.drafter is not None:
+            blocks = self.drafter.blocks
+            blocks.swap_out(plan.blocks_to_swap_out)
+            blocks.swap_in(plan.blocks_to_swap_in)
+            blocks.copy(plan.blocks_to_copy)
         scheduled = self.mirrors.apply(plan, is_checked=True)
         if self.grammars is not None:
             self.grammars.prepare(plan.new_seqs)
@@ -81,9 +92,10 @@ class ModelRunner:
             clock.mark()
             return InFlightStep(plan.step_id, clock, scheduled, modelled_swap_s=modelled_swap_s,
                                 blocks_to_copy=plan.blocks_to_copy)
-        draft_host_ns = draft_ns = 0
+        drafting = DraftTimes()
         if self.drafter is not None:
-            draft_host_ns, draft_ns = self._propose(scheduled, cache_engine)
+            self.drafter.blocks.target_writes(scheduled)
+            drafting = self._propose(scheduled, cache_engine)
         drawn = ahead_of.draws_by_seq() if ahead_of is not None else {}
         model_input = build_model_input(scheduled, self.block_size, self.device, drawn)
         if model_input.drawn_rows:
@@ -96,20 +108,27 @@ class ModelRunner:
         clock.mark()
         return InFlightStep(plan.step_id, clock, scheduled, model_input=model_input, logits=logits,
                             pooled=pooled, modelled_swap_s=modelled_swap_s,
-                            blocks_to_copy=plan.blocks_to_copy, draft_host_ns=draft_host_ns,
-                            draft_ns=draft_ns)
+                            blocks_to_copy=plan.blocks_to_copy, drafting=drafting)
 
     def _propose(self, scheduled: list[CachedSequence], cache_engine: CacheEngine
-                 ) -> tuple[int, int]:
-        """The draft model's proposals: (the host's time in them, their device time). The
-        proposer reads its drafts on the host, so its host time holds its device time; a
-        modelled device gives its own."""
+                 ) -> DraftTimes:
+        """The draft model's catch-up and proposals. The proposer reads its drafts on the host,
+        so its host time holds its device time; the catch-up is waited for, to be timed apart
+        (a sync in the steps that catch up only); a modelled device gives its own times."""
+        kv_caches = cache_engine.draft_gpu_cache
         start = time.perf_counter_ns()
-        if not self.drafter.propose(scheduled, cache_engine.draft_gpu_cache):
-            return 0, 0
-        host_ns = time.perf_counter_ns() - start
-        device_s = self.new_fence().device_s
-        return host_ns, host_ns if device_s is None else round(device_s * 1e9)
+        behind = self.drafter.catch_up(scheduled, kv_caches)
+        catch_up_ns = 0
+        if behind is not None:
+            fence = self.new_fence()
+            fence.wait()
+            catch_up_ns = _device_ns(fence, time.perf_counter_ns() - start)
+        proposed_at = time.perf_counter_ns()
+        draft_ns = 0
+        if self.drafter.propose(scheduled, kv_caches):
+            draft_ns = _device_ns(self.new_fence(), time.perf_counter_ns() - proposed_at)
+        return DraftTimes(time.perf_counter_ns() - start, draft_ns, catch_up_ns,
+                          frozenset(behind or ()))
 
     def drop_graphs(self) -> None:
         """The target's and the draft model's CUDA graphs: they read the KV cache they were
@@ -143,6 +162,10 @@ class ModelRunner:
                 step, swap_out_ns, swap_in_ns, copy_ns, prepare_ns=prepare_ns))
         step.fence.wait()
         outputs = self._sampled(step)
+        behind = step.drafting.behind_seq_ids
+        if behind:
+            outputs = [dataclasses.replace(out, is_draft_behind=True) if out.seq_id in behind
+                       else out for out in outputs]
         self.mirrors.append_drawn(step.scheduled, outputs)
         step.clock.mark(on_device=False)
         (swap_out_ns, swap_in_ns, copy_ns, prepare_ns, launch_ns, _, sample_ns,
@@ -152,8 +175,9 @@ class ModelRunner:
             forward_ns = round(step.fence.device_s * 1e9)
         return StepOutput(step_id=step.step_id, outputs=outputs, timings=_cache_op_timings(
             step, swap_out_ns, swap_in_ns, copy_ns,
-            prepare_ns=max(0, prepare_ns - step.draft_host_ns), forward_ns=forward_ns,
-            sample_ns=sample_ns, draft_ns=step.draft_ns), pooled=pooled_to_host(step.pooled))
+            prepare_ns=max(0, prepare_ns - step.drafting.host_ns), forward_ns=forward_ns,
+            sample_ns=sample_ns, draft_ns=step.drafting.draft_ns,
+            draft_catch_up_ns=step.drafting.catch_up_ns), pooled=pooled_to_host(step.pooled))
 
     def new_fence(self) -> Fence:
         return self._new_fence() if self._new_fence is not None else device_fence(self.device)
@@ -235,6 +259,12 @@ def dummy_num_blocks(query_lens: list[int], block_size: int,
                      context_lens: list[int] | None = None) -> int:
     contexts = context_lens or [0] * len(query_lens)
     return sum(cdiv(c + q, block_size) for q, c in zip(query_lens, contexts, strict=True))
+
+
+def _device_ns(fence: Fence, host_ns: int) -> int:
+    """The device's time for the work before the fence: measured by the host that waited for it,
+    or a modelled device's own."""
+    return host_ns if fence.device_s is None else round(fence.device_s * 1e9)
 
 
 def _cache_op_timings(step: InFlightStep, swap_out_ns: int, swap_in_ns: int, copy_ns: int,

@@ -17,6 +17,7 @@ from pagedserve.services.common.step_plan import (
     SampledSequence,
     StepPlan,
 )
+from pagedserve.worker_svc.draft_blocks import DraftBlocks
 
 
 @dataclass(slots=True)
@@ -63,11 +64,16 @@ class SequenceMirrors:
     def __init__(self, block_size: int, max_model_len: int) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.has_draft_model = False  # num_lookahead_slots are refused without one
+        # the draft model's blocks; None: no draft model (num_lookahead_slots are refused)
+        self.draft_blocks: DraftBlocks | None = None
         self.seqs: dict[int, CachedSequence] = {}
         # seq_id → its tokens drawn on the device but not appended yet (1, or 2 while a step
         # is launched ahead of the one before, whose draw it reads there)
         self.drawing: dict[int, int] = {}
+
+    @property
+    def has_draft_model(self) -> bool:
+        return self.draft_blocks is not None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -177,10 +183,14 @@ class SequenceMirrors:
             seq = launched.get(seq_id)
             if seq is not None and seq.draft_token_ids:
                 if self.seqs.get(seq_id) is seq:  # the accepted drafts' KV is computed
+                    num_known = len(seq.token_ids)
                     seq.token_ids.extend(out.token_ids)
                     seq.num_computed_tokens += len(out.token_ids) - 1
                     # the draft model's KV past them holds rejected drafts
                     seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+                    if self.draft_blocks is not None:
+                        self.draft_blocks.mark(seq.block_table, num_known,
+                                               seq.num_draft_computed)
                 seq.draft_token_ids = []
                 seq.draft_probs = None
                 continue
@@ -201,10 +211,10 @@ class SequenceMirrors:
             num_samples=new.num_samples, num_scheduled_tokens=new.num_scheduled_tokens,
             pooling_type=new.pooling_type, draft_token_ids=list(new.draft_token_ids),
             num_lookahead_slots=new.num_lookahead_slots,
-            # a sequence's last computed token may have passed the draft model by (its run-ahead
-            # draw, or a last accepted draft): recomputed; the earlier ones' draft KV came with
-            # the target's (swap, copy-on-write and the prefix cache move every layer's blocks)
-            num_draft_computed=max(0, new.num_computed_tokens - 1))
+            # where its full blocks hold the draft model's KV (swaps, copy-on-write and the prefix
+            # cache move every layer); past them, its tokens may have passed the draft model by
+            num_draft_computed=0 if self.draft_blocks is None else
+            self.draft_blocks.num_valid_tokens(new.block_ids, new.num_computed_tokens))
         self.seqs[new.seq_id] = seq
         return seq
 

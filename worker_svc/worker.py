@@ -316,6 +316,9 @@ class Worker:
 
     def write_kv_blocks(self, block_ids: list[int], data: bytes) -> None:
         self._cache_engine().write_blocks(block_ids, data)
+        drafter = self._runner().drafter
+        if drafter is not None:  # the sender's draft layers may not hold these tokens' KV
+            drafter.blocks.overwrite(block_ids)
 
     def check_epoch(self, scheduler_epoch: int, what: str, is_handshake: bool = False) -> None:
         """The worker serves only the scheduler whose handshake set its epoch; a later one (a

@@ -95,6 +95,8 @@ class SampledSequence:
     top_logprobs: list[list[TokenIdLogprob]] = field(default_factory=list)  # per token, if asked
     # prompt logprobs of the chunk computed this step, for positions 1.. of the prompt
     prompt_logprobs: list[list[TokenIdLogprob]] = field(default_factory=list)
+    # lookahead slots left unused: the draft model's KV lagged too far behind to propose from
+    is_draft_behind: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +116,7 @@ class StepTimings:
     swap_out_ns: int = 0  # of cache_ops_ns: device -> CPU blocks (preemption and host tier)
     swap_in_ns: int = 0  # CPU -> device blocks
     draft_ns: int = 0  # the draft model's forwards (speculative decoding)
+    draft_catch_up_ns: int = 0  # its forward catching up lagging sequences, not in draft_ns
 
 
 @dataclass(frozen=True, slots=True)

@@ -126,7 +126,7 @@ def step_plan_from_proto(msg: worker_pb2.ExecuteStepRequest) -> StepPlan:
 
 def sampled_sequence_to_proto(seq: SampledSequence) -> worker_pb2.SampledSequence:
     msg = worker_pb2.SampledSequence(seq_id=seq.seq_id, token_ids=seq.token_ids,
-                                     logprobs=seq.logprobs)
+                                     logprobs=seq.logprobs, is_draft_behind=seq.is_draft_behind)
     add_logprob_lists(msg.top_logprobs, seq.top_logprobs)
     add_logprob_lists(msg.prompt_logprobs, seq.prompt_logprobs)
     return msg
@@ -136,26 +136,28 @@ def sampled_sequence_from_proto(msg: worker_pb2.SampledSequence) -> SampledSeque
     return SampledSequence(
         seq_id=msg.seq_id, token_ids=list(msg.token_ids), logprobs=list(msg.logprobs),
         top_logprobs=logprob_lists_from_proto(msg.top_logprobs),
-        prompt_logprobs=logprob_lists_from_proto(msg.prompt_logprobs))
+        prompt_logprobs=logprob_lists_from_proto(msg.prompt_logprobs),
+        is_draft_behind=msg.is_draft_behind)
 
 
 def step_timings_to_proto(timings: StepTimings) -> worker_pb2.StepTimings:
     return worker_pb2.StepTimings(cache_ops_ns=timings.cache_ops_ns, prepare_ns=timings.prepare_ns,
                                   forward_ns=timings.forward_ns, sample_ns=timings.sample_ns,
                                   swap_out_ns=timings.swap_out_ns, swap_in_ns=timings.swap_in_ns,
-                                  draft_ns=timings.draft_ns)
+                                  draft_ns=timings.draft_ns,
+                                  draft_catch_up_ns=timings.draft_catch_up_ns)
 
 
 def step_timings_from_proto(msg: worker_pb2.StepTimings) -> StepTimings:
     return StepTimings(cache_ops_ns=msg.cache_ops_ns, prepare_ns=msg.prepare_ns,
                        forward_ns=msg.forward_ns, sample_ns=msg.sample_ns,
                        swap_out_ns=msg.swap_out_ns, swap_in_ns=msg.swap_in_ns,
-                       draft_ns=msg.draft_ns)
+                       draft_ns=msg.draft_ns, draft_catch_up_ns=msg.draft_catch_up_ns)
 
 
 def _is_single_sample(seq: SampledSequence) -> bool:
     return (len(seq.token_ids) == 1 and len(seq.logprobs) == 1 and not seq.top_logprobs
-            and not seq.prompt_logprobs)
+            and not seq.prompt_logprobs and not seq.is_draft_behind)
 
 
 def step_output_to_proto(output: StepOutput) -> worker_pb2.ExecuteStepResponse:

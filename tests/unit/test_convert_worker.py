@@ -72,10 +72,11 @@ OUTPUT = StepOutput(
             prompt_logprobs=[[TokenIdLogprob(2, -3.25), TokenIdLogprob(8, -0.5)]]),
         SampledSequence(seq_id=8, token_ids=[], logprobs=[],
                         prompt_logprobs=[[TokenIdLogprob(1, -9.75)]]),
+        SampledSequence(seq_id=9, token_ids=[5], logprobs=[-1.0], is_draft_behind=True),
         SampledSequence(seq_id=BIG + 2, token_ids=[4_000_000_001], logprobs=[-0.987654321]),
     ],
     timings=StepTimings(cache_ops_ns=11, prepare_ns=BIG, forward_ns=3_000_000_000, sample_ns=7,
-                        swap_out_ns=5, swap_in_ns=6, draft_ns=9),
+                        swap_out_ns=5, swap_in_ns=6, draft_ns=9, draft_catch_up_ns=10),
     pooled=[PooledSequence(seq_id=BIG + 3, embedding=[0.5, -0.25, 0.0])],
 )
 
@@ -125,7 +126,7 @@ def test_plain_decodes_travel_packed_after_the_other_running_sequences():
 
 def test_single_samples_travel_packed():
     msg = _wire(step_output_to_proto(OUTPUT))
-    assert [s.seq_id for s in msg.outputs] == [BIG + 1, 8]
+    assert [s.seq_id for s in msg.outputs] == [BIG + 1, 8, 9]  # one that says more, apart
     assert list(msg.sampled_seq_ids) == [BIG + 2]
     assert list(msg.sampled_token_ids) == [4_000_000_001]
 

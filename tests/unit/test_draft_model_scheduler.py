@@ -51,6 +51,31 @@ def test_the_plan_carries_lookahead_slots_and_kept_drafts_are_computed():
     assert (totals.num_drafts, totals.num_draft_tokens, totals.num_accepted_tokens) == (1, 4, 2)
 
 
+class BehindHarness(DraftModelHarness):
+    """A worker whose draft model is catching up: it proposes nothing for the slots."""
+
+    def sample(self, out, logprobs=None, tokens=None) -> StepOutput:
+        return StepOutput(out.plan.step_id, [
+            SampledSequence(item.seq.seq_id, [len(item.seq.token_ids) % VOCAB], [-0.5],
+                            is_draft_behind=bool(item.draft_token_ids))
+            for item in out.scheduled if item.is_sampling])
+
+
+def test_a_sequence_whose_draft_model_is_behind_counts_no_draft_and_gives_its_slots_back():
+    h = BehindHarness(accept=len, speculative_config=DRAFT_MODEL)
+    h.add_prompt("r", PROMPT)
+    h.step()
+    out, _ = h.step()
+    assert out.plan.running_seqs[0].num_lookahead_slots == 4
+    seq = out.scheduled[0].seq
+    assert len(seq.token_ids) == 14 and seq.num_computed_tokens == 13
+    assert h.scheduler.block_manager.num_tokens(seq.seq_id) == 13
+    totals = h.scheduler.speculator.totals
+    assert (totals.num_drafts, totals.num_draft_tokens, totals.num_accepted_tokens) == (0, 0, 0)
+    out, _ = h.step()  # not backed off: it is offered slots again
+    assert out.plan.running_seqs[0].num_lookahead_slots == 4
+
+
 @pytest.mark.parametrize(("value", "match"), [
     ('{"method": "draft_model"}', "speculative_config.model names the draft model"),
     ('{"method": "ngram", "model": "/models/draft"}', "model='/models/draft'"),

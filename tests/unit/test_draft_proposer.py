@@ -45,9 +45,9 @@ class NextTokenModel(nn.Module):
 class Harness:
     def __init__(self, sampler: Sampler | None = None) -> None:
         self.mirrors = SequenceMirrors(BLOCK_SIZE, max_model_len=64)
-        self.mirrors.has_draft_model = True
         self.model = NextTokenModel()
         self.proposer = DraftProposer(self.model, BLOCK_SIZE, torch.device("cpu"), sampler)
+        self.mirrors.draft_blocks = self.proposer.blocks
         self.step_id = 0
 
     def step(self, new=(), running=(), sampled: list[int] | None = None):
@@ -58,6 +58,8 @@ class Harness:
         self.mirrors.check(plan, num_gpu_blocks=16, vocab_size=VOCAB)
         scheduled = self.mirrors.apply(plan, is_checked=True)
         self.model.calls.clear()
+        self.proposer.blocks.target_writes(scheduled)
+        self.behind = self.proposer.catch_up(scheduled, [])
         self.proposer.propose(scheduled, [])
         drafts = list(scheduled[0].draft_token_ids)
         self.mirrors.mark_computed(scheduled)
@@ -82,15 +84,17 @@ def decode(num_lookahead_slots: int) -> RunningSequence:
 
 
 def test_the_draft_model_computes_each_known_token_once_then_proposes_greedily():
+    """Prompt chunks cost the draft model nothing until the sequence first proposes."""
     h = Harness()
     calls, drafts = h.step(new=[new_seq()])  # a prompt chunk: no proposal
-    assert calls == [[(10, 0, 12), (11, 1, 13), (12, 2, 14)]] and drafts == []
+    assert calls == [] and drafts == []
     calls, _ = h.step(running=[RunningSequence(1, [], 3, [], num_scheduled_tokens=2)],
                       sampled=[20])
-    assert calls == [[(13, 3, 15), (14, 4, 28)]]
-    # the sampled token, then one forward per further draft at the reserved slots
+    assert calls == []
+    # the prompt and the sampled token, then one forward per further draft at the reserved slots
     calls, drafts = h.step(running=[decode(3)], sampled=[21, 30])
-    assert calls == [[(20, 5, 29)], [(21, 6, 30)], [(22, 7, 31)]]
+    assert calls == [[(10, 0, 12), (11, 1, 13), (12, 2, 14), (13, 3, 15), (14, 4, 28),
+                      (20, 5, 29)], [(21, 6, 30)], [(22, 7, 31)]]
     assert drafts == [21, 22, 23]
     # one draft kept: the position of the rejected 22 is computed again, with the token kept
     calls, drafts = h.step(running=[decode(2)], sampled=[31, 32, 33])
@@ -108,7 +112,8 @@ def test_a_sequence_that_does_not_propose_runs_no_draft_forward_and_catches_up_w
     calls, drafts = h.step(running=[decode(0)], sampled=[21])
     assert calls == [] and drafts == []
     calls, drafts = h.step(running=[decode(2)])
-    assert calls == [[(20, 5, 29), (21, 6, 30)], [(22, 7, 31)]] and drafts == [22, 23]
+    prompt = [(10, 0, 12), (11, 1, 13), (12, 2, 14), (13, 3, 15), (14, 4, 28)]
+    assert calls == [prompt + [(20, 5, 29), (21, 6, 30)], [(22, 7, 31)]] and drafts == [22, 23]
 
 
 def sampled_drafts(sampling: SamplingParams, seed: int | None) -> tuple[list[int], object]:
@@ -135,18 +140,19 @@ def test_a_sampled_request_draws_its_drafts_with_the_distributions_they_came_fro
     assert greedy == [15, 16, 17] and greedy_probs is None
 
 
-def test_a_sequence_sent_whole_recomputes_its_last_computed_token():
-    """After a swap-in or a prefix hit the blocks hold the draft model's KV too, but its last
-    token may have passed the draft model by."""
+def test_a_sequence_sent_whole_catches_up_from_where_its_blocks_hold_the_draft_kv():
+    """After a swap-in or a prefix hit the full blocks that hold the draft model's KV keep it;
+    the tokens past them may have passed the draft model by."""
     h = Harness()
+    h.proposer.blocks.mark([3, 7, 9], 0, 4)  # block 3: tokens 0-3
     calls, drafts = h.step(new=[new_seq(num_computed_tokens=4, num_scheduled_tokens=3,
                                         num_lookahead_slots=2)])
-    assert calls == [[(13, 3, 15), (14, 4, 28)], [(15, 5, 29)]] and drafts == [15, 16]
+    assert calls == [[(14, 4, 28)], [(15, 5, 29)]] and drafts == [15, 16]
 
 
 def test_lookahead_slots_are_refused_without_a_draft_model():
     h = Harness()
-    h.mirrors.has_draft_model = False
+    h.mirrors.draft_blocks = None
     plan = StepPlan(scheduler_epoch=1, step_id=1, new_seqs=[
         new_seq(num_scheduled_tokens=7, num_lookahead_slots=2)])
     with pytest.raises(InvalidRequest, match="num_lookahead_slots=2 needs a worker with a draft"):
@@ -210,4 +216,4 @@ def test_greedy_drafts_read_once_per_step_are_those_read_position_by_position():
     on_device, calls = _drafts(by_position=False)
     assert (on_device, calls) == _drafts(by_position=True)
     assert [len(drafts) for drafts in on_device] == [3, 2, 3]
-    assert [len(forward) for forward in calls] == [6, 3, 2]  # catch-up: two tokens each
+    assert [len(forward) for forward in calls] == [15, 3, 2]  # no block held their draft KV
