@@ -54,10 +54,11 @@ from torch import nn
 # a proposing sequence's tokens the draft model has not computed, beyond which they are caught up
 # in a forward of their own before it proposes: more than a step's decoded tokens
 _MAX_FUSED_CATCH_UP = 8
-# the most tokens that forward computes in a step: a lagging batch catches up over several steps,
-# so that a trial of speculation at a large batch costs a chunk (~2.4 ms for a 1B draft on the
-# simulated H100), not every prompt (~7.4 ms at 2048 tokens)
-MAX_CATCH_UP_TOKENS = 512
+# the most tokens that forward computes in a step: a lagging batch catches up over several steps.
+# A trial of speculation at a large batch costs a chunk, not every prompt; once speculation is on
+# for the batch, its sequences draft nothing until caught up (512 left most of a batch of 32
+# behind for ~30 steps on the simulated H100; 2048 is ~7 ms of a 1B draft there)
+MAX_CATCH_UP_TOKENS = 2048
 
 
 def load_draft_proposer(path: str, target: ModelConfig, spec: KVCacheSpec, vocab_size: int,
