@@ -373,10 +373,8 @@ class EngineCore:
         self.last_scheduled = step.scheduled
         self._num_rebuilds_in_a_row = 0
         if self.scheduler.speculator is not None:
-            self.scheduler.speculator.record_step(
-                step.scheduled.scheduled, step_output.timings,
-                self._host_time_s(step, step_output.timings),
-                {out.seq_id for out in step_output.outputs if out.is_draft_behind})
+            self.scheduler.speculator.record_step(step.scheduled.scheduled, step_output.timings,
+                                                  self._host_time_s(step, step_output.timings))
         start = time.perf_counter()
         step.take_in()
         groups = self.output_processor.apply(step.scheduled, step_output)

@@ -204,20 +204,19 @@ class Speculator:
         return choose_drafts(rates, num_known_tokens, float(num_expected), costs)
 
     def record_step(self, scheduled: list[ScheduledSequence], timings: StepTimings,
-                    host_s: float | None = None, behind_seq_ids: set[int] | None = None) -> None:
+                    host_s: float | None = None) -> None:
         """A finished step's worker time: a decode step's for the cost of a token; any step's
-        proposing time for the cost of a draft position, over the sequences that drafted (not
-        those whose draft model was behind; its catch-up is timed apart). host_s: the rest of
-        its period, where it was sent after the step before finished."""
+        draft model time for the cost of a draft position (a prompt chunk's catch-up makes it
+        dearer, so that the choice errs towards no speculation). host_s: the rest of its
+        period, where it was sent after the step before finished."""
         time_ns = timings.prepare_ns + timings.forward_ns + timings.sample_ns
         self._last_step_s = time_ns * 1e-9
         if host_s is not None:
             self.host_cost.record(len(scheduled), host_s)
-        drafted = [len(item.draft_token_ids or ()) for item in scheduled
-                   if not behind_seq_ids or item.seq.seq_id not in behind_seq_ids]
-        num_positions = max(drafted, default=0)
+        num_positions = max((len(item.draft_token_ids or ()) for item in scheduled), default=0)
         if timings.draft_ns and num_positions:
-            self.draft_cost.record(sum(drafted) / num_positions,
+            num_drafts = sum(len(item.draft_token_ids or ()) for item in scheduled)
+            self.draft_cost.record(num_drafts / num_positions,
                                    timings.draft_ns * 1e-9 / num_positions)
         if not all(item.is_sampling and item.num_known_tokens == 1 for item in scheduled):
             return

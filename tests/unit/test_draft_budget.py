@@ -191,15 +191,3 @@ def test_a_draft_models_first_drafts_are_one_each_until_its_cost_is_timed():
     assert speculator.drafts_that_pay(_proposing(2)) == [1, 1]
     speculator.record_step(_proposing(2), StepTimings(forward_ns=7_000_000, draft_ns=2_000_000))
     assert speculator.drafts_that_pay(_proposing(2)) == [4, 4]
-
-
-def test_a_draft_position_costs_what_the_sequences_that_drafted_took():
-    """Sequences whose draft model was behind proposed nothing: the step's proposing time is
-    the others', as if they had run alone."""
-    alone = Speculator(SpeculativeConfig(**DRAFT_MODEL), max_model_len=1024)
-    alone.record_step(_proposing(2), StepTimings(forward_ns=7_000_000, draft_ns=2_000_000))
-    beside = Speculator(SpeculativeConfig(**DRAFT_MODEL), max_model_len=1024)
-    items = _proposing(8)
-    beside.record_step(items, StepTimings(forward_ns=7_000_000, draft_ns=2_000_000),
-                       behind_seq_ids={item.seq.seq_id for item in items[2:]})
-    assert beside.draft_cost.line() == alone.draft_cost.line() != (0.0, 0.0)
