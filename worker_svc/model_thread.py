@@ -1,7 +1,8 @@
 """The one thread that runs a worker's model calls, in submission order: the model and its KV
 cache are not thread-safe. A step may be launched before the one in flight is finished
 (worker_svc/launch_window.py: the rules); any other call finishes the step in flight first, and
-so does an idle queue once the device is done.
+so does an idle queue once the device is done. A thread that dies (its initializer raised) fails
+every call queued and every call after, so no caller waits for it forever.
 """
 
 from __future__ import annotations
@@ -36,19 +37,20 @@ class ModelThread:
     def __init__(self, name: str, initializer: Callable[[], None] | None = None) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._initializer = initializer
+        self._error: BaseException | None = None  # why the thread died
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         job = _Job(call=lambda: fn(*args))
-        self._jobs.put(job)
+        self._put(job)
         return job.future
 
     def submit_step(self, worker: Worker, plan: StepPlan,
                     then: Callable[[StepOutput], Any] | None = None) -> Future:
         """The future's result is the step's output, or then(output), run on this thread."""
         job = _Job(worker=worker, plan=plan, then=then)
-        self._jobs.put(job)
+        self._put(job)
         return job.future
 
     def shutdown(self, wait: bool = False) -> None:
@@ -58,7 +60,30 @@ class ModelThread:
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()
 
+    def _put(self, job: _Job) -> None:
+        self._jobs.put(job)
+        if self._error is not None:  # after the thread's last look at the queue, or before it
+            self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None and job.future.set_running_or_notify_cancel():
+                job.future.set_exception(RuntimeError(
+                    f"model thread {self._thread.name} died: {self._error!r}"))
+
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:
+            logger.exception("model thread %s died", self._thread.name)
+            self._error = e
+            self._fail_queued()
+
+    def _serve(self) -> None:
         initializer, self._initializer = self._initializer, None
         if initializer is not None:
             initializer()
