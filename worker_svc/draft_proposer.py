@@ -124,10 +124,7 @@ class DraftProposer:
             end = _known_end(seq) - 1  # the last known token: the first proposing forward's
             num_tokens = min(end - seq.num_draft_computed, budget)
             if num_tokens:
-                chunks.append(dataclasses.replace(
-                    seq, num_computed_tokens=seq.num_draft_computed,
-                    num_scheduled_tokens=num_tokens, draft_token_ids=[]))
-                self._computed(seq, seq.num_draft_computed + num_tokens)
+                chunks.append(self._catch_up_chunk(seq, seq.num_draft_computed + num_tokens))
                 budget -= num_tokens
             if seq.num_draft_computed < end:
                 behind.add(seq.seq_id)
@@ -152,10 +149,7 @@ class DraftProposer:
         for seq in proposing:
             end = _known_end(seq)
             if seq.num_draft_computed < end:
-                catch_up.append(dataclasses.replace(
-                    seq, num_computed_tokens=seq.num_draft_computed,
-                    num_scheduled_tokens=end - seq.num_draft_computed, draft_token_ids=[]))
-                self._computed(seq, end)
+                catch_up.append(self._catch_up_chunk(seq, end))
         if not catch_up:
             return False
         catch_up.sort(key=lambda s: not s.is_prefill)
@@ -173,10 +167,15 @@ class DraftProposer:
             seq.num_lookahead_slots = 0
         return True
 
-    def _computed(self, seq: CachedSequence, end: int) -> None:
-        """The draft model computes the sequence's known tokens up to `end` this step."""
+    def _catch_up_chunk(self, seq: CachedSequence, end: int) -> CachedSequence:
+        """The draft model's input computing the sequence's known tokens up to `end` this step;
+        they count as computed from here on."""
+        chunk = dataclasses.replace(seq, num_computed_tokens=seq.num_draft_computed,
+                                    num_scheduled_tokens=end - seq.num_draft_computed,
+                                    draft_token_ids=[])
         self.blocks.mark(seq.block_table, seq.num_draft_computed, end)
         seq.num_draft_computed = end
+        return chunk
 
     def _propose_by_position(self, catch_up: list[CachedSequence],
                              proposing: list[CachedSequence], drafts: dict[int, list[int]],
