@@ -128,7 +128,8 @@ class OutputProcessor:
             return
         num_accepted = len(sampled.token_ids) - 1
         # a draft model too far behind proposed nothing: neither a miss nor a rejection
-        speculator.record(seq, 0 if sampled.is_draft_behind else len(drafts), num_accepted)
+        speculator.record(seq, 0 if sampled.is_draft_behind else len(drafts), num_accepted,
+                          sampled.is_draft_behind)
         # without drafts no slot is given back: a step sent behind this one may hold the next
         if drafts and not seq.is_finished:
             self.scheduler.keep_verified(seq, num_accepted)

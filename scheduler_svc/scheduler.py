@@ -487,6 +487,8 @@ class Scheduler:
             if seq.is_known_to_worker:
                 self._preempted_seq_ids.append(seq.seq_id)
                 seq.worker_block_ids = None
+            if self.speculator is not None:
+                self.speculator.preempted(seq)
         if mode == "swap":
             step.blocks_to_swap_out += self.block_manager.swap_out(seq_ids)
             step.swapped_out.append(group)

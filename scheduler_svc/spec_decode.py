@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.scheduler_svc.draft_catch_up import DraftCatchUp
 from pagedserve.scheduler_svc.draft_choice import StepCosts, choose_drafts
 from pagedserve.scheduler_svc.ngram_proposer import propose_ngram
 from pagedserve.scheduler_svc.scheduled_step import ScheduledSequence
@@ -119,6 +120,7 @@ class Speculator:
         self._num_steps_off = 0  # steps run ahead since the choice last said drafts pay
         self._num_rejections = 0  # drafted steps that rejected a draft, since start
         self._acceptance: dict[int, _Acceptance] = {}
+        self._catch_up = DraftCatchUp()
 
     def is_speculating(self, group: SequenceGroup, seq: Sequence) -> bool:
         """Proposes for this sequence when it decodes: never for beam search (its beams are
@@ -169,10 +171,12 @@ class Speculator:
         if not self.config.adaptive or not any(counts):
             return counts
         # one draft each: the acceptance, or a draft model's cost before any was timed, is
-        # learned at the least cost
+        # learned at the least cost (a draft model's where it owes the least catch-up)
         if self._is_trial or (self.config.method != "ngram" and not self.draft_cost.has_records):
             self._is_trial = False
-            return [min(count, 1) for count in counts]
+            if self.config.method == "ngram":
+                return [min(count, 1) for count in counts]
+            return self._catch_up.trial([item.seq for item in scheduled], counts)
         kept = self._choose(scheduled, counts)
         if any(kept):
             self._retry = _Retry()
@@ -190,8 +194,14 @@ class Speculator:
                                      for line in (self.host_cost, self.worker_host_cost))
         costs = StepCosts(fixed_s, per_token_s, *self.draft_cost.line(), host_s=host_s,
                           worker_host_s=worker_host_s, runs_ahead=self.runs_ahead)
+        # a draft model's drafts for a sequence the step's catch-up does not reach are none
+        reached = (self._catch_up.reached([item.seq for item in scheduled])
+                   if self.config.method != "ngram" else [True] * len(scheduled))
         rates = []
-        for item, count in zip(scheduled, counts, strict=True):
+        for item, count, is_reached in zip(scheduled, counts, reached, strict=True):
+            if not is_reached:
+                rates.append([])
+                continue
             rate = self._acceptance_rate(item.seq.seq_id)
             # n-gram lookup past a placeholder guesses it first (a draft model waits for it)
             first = 2 if item.seq.has_placeholder and self.config.method == "ngram" else 1
@@ -249,8 +259,14 @@ class Speculator:
         self._is_trial = self._retry.is_due()
         return self._is_trial
 
-    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        """After a verified step (num_drafts = 0: it decoded without a proposal)."""
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int,
+               is_draft_behind: bool = False) -> None:
+        """After a verified step (num_drafts = 0: it decoded without a proposal);
+        is_draft_behind: a draft model's catch-up did not reach it."""
+        if is_draft_behind:
+            self._catch_up.behind(seq)
+        elif num_drafts and self.config.method != "ngram":
+            self._catch_up.proposed(seq)
         if num_drafts:
             totals = self.totals
             totals.num_drafts += 1
@@ -290,6 +306,11 @@ class Speculator:
 
     def forget(self, seq_id: int) -> None:
         self._acceptance.pop(seq_id, None)
+        self._catch_up.forget(seq_id)
+
+    def preempted(self, seq: Sequence) -> None:
+        """Its draft KV may be gone (a recompute) or moved (a swap): owed again from the start."""
+        self._catch_up.forget(seq.seq_id)
 
     def _acceptance_rate(self, seq_id: int) -> float:
         """The chance a draft is kept given the ones before it were: kept drafts over kept ones

@@ -36,6 +36,7 @@ from types import ModuleType
 import torch
 from pagedserve.services.common.config import ModelConfig
 from pagedserve.services.common.errors import ConfigError
+from pagedserve.services.common.speculative_config import MAX_CATCH_UP_TOKENS, MAX_FUSED_CATCH_UP
 from pagedserve.worker_svc.cache_engine import KVCacheSpec
 from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
 from pagedserve.worker_svc.draft_blocks import DraftBlocks
@@ -50,15 +51,6 @@ from pagedserve.worker_svc.sampler import Sampler
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 from pagedserve.worker_svc.spec_decode import sampling_state
 from torch import nn
-
-# a proposing sequence's tokens the draft model has not computed, beyond which they are caught up
-# in a forward of their own before it proposes: more than a step's decoded tokens
-_MAX_FUSED_CATCH_UP = 8
-# the most tokens that forward computes in a step: a lagging batch catches up over several steps.
-# A trial of speculation at a large batch costs a chunk, not every prompt; once speculation is on
-# for the batch, its sequences draft nothing until caught up (512 left most of a batch of 32
-# behind for ~30 steps on the simulated H100; 2048 is ~7 ms of a 1B draft there)
-MAX_CATCH_UP_TOKENS = 2048
 
 
 def load_draft_proposer(path: str, target: ModelConfig, spec: KVCacheSpec, vocab_size: int,
@@ -115,7 +107,7 @@ class DraftProposer:
         from a partial context would be rejected. Returns those sequences' ids; None: no
         forward ran."""
         lagging = [s for s in scheduled if s.num_lookahead_slots
-                   and _known_end(s) - 1 - s.num_draft_computed > _MAX_FUSED_CATCH_UP]
+                   and _known_end(s) - 1 - s.num_draft_computed > MAX_FUSED_CATCH_UP]
         if not lagging:
             return None
         lagging.sort(key=lambda s: _known_end(s) - s.num_draft_computed)

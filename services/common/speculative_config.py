@@ -9,6 +9,15 @@ from typing import Any
 from pagedserve.services.common.errors import ConfigError
 
 METHODS = ("ngram", "draft_model")
+# A draft model's catch-up, which the worker runs and the scheduler's choice counts: a proposing
+# sequence whose draft KV lags by more than this many tokens (more than a step decodes) catches
+# up in a forward of its own before it proposes
+MAX_FUSED_CATCH_UP = 8
+# and that forward computes at most this many tokens a step, the least behind first: a lagging
+# batch catches up over several steps, its sequences proposing nothing until caught up (512 left
+# most of a batch of 32 behind for ~30 steps on the simulated H100; 2048 is ~7 ms of a 1B draft
+# there)
+MAX_CATCH_UP_TOKENS = 2048
 _TYPES = {"str": (str, "a string"), "int": (int, "an integer"), "bool": (bool, "true or false")}
 
 
