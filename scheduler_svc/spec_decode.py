@@ -182,7 +182,9 @@ class Speculator:
             self._retry = _Retry()
         return kept
 
-    def _choose(self, scheduled: list[ScheduledSequence], counts: list[int]) -> list[int]:
+    def _choose(self, scheduled: list[ScheduledSequence], counts: list[int],
+                is_kept: list[int] | None = None) -> list[int]:
+        """is_kept: the sequences whose drafts are taken to be all kept, the others' none."""
         fixed_s, per_token_s = self.step_cost.line()
         if not fixed_s and not per_token_s:  # no decode step timed yet: tokens are free
             fixed_s = self._last_step_s
@@ -198,14 +200,16 @@ class Speculator:
         reached = (self._catch_up.reached([item.seq for item in scheduled])
                    if self.config.method != "ngram" else [True] * len(scheduled))
         rates = []
-        for item, count, is_reached in zip(scheduled, counts, reached, strict=True):
-            if not is_reached:
+        for i, (item, count) in enumerate(zip(scheduled, counts, strict=True)):
+            if is_kept is not None:
+                rates.append([1.0] * count if is_kept[i] else [])
+            elif not reached[i]:
                 rates.append([])
-                continue
-            rate = self._acceptance_rate(item.seq.seq_id)
-            # n-gram lookup past a placeholder guesses it first (a draft model waits for it)
-            first = 2 if item.seq.has_placeholder and self.config.method == "ngram" else 1
-            rates.append([rate ** (first + j) for j in range(count)])
+            else:
+                rate = self._acceptance_rate(item.seq.seq_id)
+                # n-gram lookup past a placeholder guesses it first (a draft model waits for it)
+                first = 2 if item.seq.has_placeholder and self.config.method == "ngram" else 1
+                rates.append([rate ** (first + j) for j in range(count)])
         num_known_tokens = sum(item.num_known_tokens for item in scheduled)
         # a draft model's steps hold run-ahead back: a step made longer by drafts delays the
         # prompt chunks in it too, and with them the requests that would join the batch
@@ -256,8 +260,15 @@ class Speculator:
             self._num_steps_off = 0
             return True
         self._num_steps_off += 1
-        self._is_trial = self._retry.is_due()
+        self._is_trial = self._retry.is_due() and self._trial_could_pay(scheduled, counts)
         return self._is_trial
+
+    def _trial_could_pay(self, scheduled: list[ScheduledSequence], counts: list[int]) -> bool:
+        """Whether the sequences a trial would draft for pay with every draft kept: where they
+        do not (one sequence of a large batch that has drifted behind), what the trial would
+        learn cannot turn speculation on, and its two steps held back cost the whole batch."""
+        trial = self._catch_up.trial([item.seq for item in scheduled], counts)
+        return any(self._choose(scheduled, counts, is_kept=trial))
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int,
                is_draft_behind: bool = False) -> None:

@@ -155,21 +155,46 @@ def test_a_cheap_draft_model_proposes_every_position_and_holds_run_ahead_back():
     assert speculator.holds_back_run_ahead(_decoding_alone(1), num_running=1)
 
 
-def _caught_up(items: list[ScheduledSequence], speculator: Speculator) -> None:
-    """The sequences proposed in a step before: their draft KV is up to date."""
-    for item in items:
-        speculator.record(item.seq, 1, 1)
+def _with_low_acceptance(speculator: Speculator) -> Speculator:
+    """The engine's drafts so far were rejected: the prior any sequence starts from is ~1%."""
+    for i in range(400):
+        group = SequenceGroup.from_prompt(f"x{i}", PROMPT, LONG, seq_id=1000 + i,
+                                          arrival_time=0.0)
+        speculator.record(group.seqs[0], 4, 0)
+    return speculator
+
+
+def _owing(prompt_lens: list[int]) -> list[ScheduledSequence]:
+    """Decoding sequences that have not proposed yet: the draft model owes their prompts."""
+    items = []
+    for i, prompt_len in enumerate(prompt_lens):
+        group = SequenceGroup.from_prompt(f"r{i}", list(range(1, prompt_len + 1)), LONG,
+                                          seq_id=i, arrival_time=0.0)
+        group.seqs[0].append_token(7, -0.5)
+        items.append(ScheduledSequence(group, group.seqs[0], 5, 1, True,
+                                       [PLACEHOLDER_TOKEN_ID] * 4))
+    return items
 
 
 def test_speculation_turned_off_is_tried_again_with_one_draft_each():
-    speculator = _draft_model_speculator(draft_position_s=0.008)
+    """Drafts rarely kept: the choice turns speculation off, and tries it again after 16
+    steps, since the acceptance it learned may be stale."""
+    speculator = _with_low_acceptance(_draft_model_speculator(draft_position_s=0.002))
     held = [speculator.holds_back_run_ahead(_decoding_alone(2), num_running=2)
             for _ in range(16)]
     assert held == [False] * 15 + [True]  # the step after the 16th waits, to draft
-    items = _proposing(2)
-    _caught_up(items, speculator)
+    items = _owing([4, 4])
     assert speculator.drafts_that_pay(items) == [1, 1]
     assert speculator.drafts_that_pay(items) == [0, 0]
+
+
+def test_no_trial_where_its_drafts_would_not_pay_if_all_were_kept():
+    """Each draft position costs more than the step: no acceptance the trial could learn
+    turns speculation on, so no step is held back for it."""
+    speculator = _draft_model_speculator(draft_position_s=0.008)
+    held = [speculator.holds_back_run_ahead(_decoding_alone(2), num_running=2)
+            for _ in range(64)]
+    assert held == [False] * 64
 
 
 def test_a_draft_models_drafts_cut_by_the_choice_are_not_misses():
@@ -196,24 +221,10 @@ def test_a_draft_models_first_drafts_are_one_each_until_its_cost_is_timed():
     speculator = Speculator(SpeculativeConfig(**DRAFT_MODEL), max_model_len=1024)
     for _ in range(20):
         speculator.step_cost.record(1, 0.007)
-    items = _proposing(2)
-    _caught_up(items, speculator)
+    items = _owing([4, 4])
     assert speculator.drafts_that_pay(items) == [1, 1]
     speculator.record_step(items, StepTimings(forward_ns=7_000_000, draft_ns=2_000_000))
     assert speculator.drafts_that_pay(items) == [4, 4]
-
-
-def _owing(num_seqs: int, prompt_len: int) -> list[ScheduledSequence]:
-    """Decoding sequences of `prompt_len` tokens that have not proposed yet: the draft model
-    owes their prompts."""
-    items = []
-    for i in range(num_seqs):
-        group = SequenceGroup.from_prompt(f"r{i}", list(range(1, prompt_len + 1)), LONG,
-                                          seq_id=i, arrival_time=0.0)
-        group.seqs[0].append_token(7, -0.5)
-        items.append(ScheduledSequence(group, group.seqs[0], 5, 1, True,
-                                       [PLACEHOLDER_TOKEN_ID] * 4))
-    return items
 
 
 def test_drafts_that_a_step_catch_up_does_not_reach_are_not_verified():
@@ -221,7 +232,7 @@ def test_drafts_that_a_step_catch_up_does_not_reach_are_not_verified():
     600-token prompt and catches up at most 2048 tokens a step: the three it reaches draft,
     the others would propose nothing while the step holds run-ahead back for them."""
     speculator = _draft_model_speculator(draft_position_s=0.0005)
-    items = _owing(8, 600)
+    items = _owing([600] * 8)
     assert speculator.drafts_that_pay(items) == [4] * 3 + [0] * 5
     for item in items[:3]:
         speculator.record(item.seq, 4, 4)
@@ -230,19 +241,19 @@ def test_drafts_that_a_step_catch_up_does_not_reach_are_not_verified():
 
 def test_a_lone_sequence_behind_by_more_than_a_step_catches_up_to_draft():
     speculator = _draft_model_speculator(draft_position_s=0.0005)
-    assert speculator.drafts_that_pay(_owing(1, 5000)) == [4]
+    assert speculator.drafts_that_pay(_owing([5000])) == [4]
 
 
 def test_a_trial_drafts_where_it_owes_the_least_catch_up():
-    """A batch behind after speculation was off: the trial drafts for the least behind
-    sequence alone, not a catch-up chunk of the whole batch; caught-up ones draft."""
-    speculator = _draft_model_speculator(draft_position_s=0.008)
+    """A batch of 32 behind after speculation was off: the trial drafts for the least behind
+    sequence alone, not a catch-up chunk of the whole batch; where some owe nothing, for
+    those."""
+    speculator = _with_low_acceptance(_draft_model_speculator(draft_position_s=0.00015))
     for _ in range(16):
         speculator.holds_back_run_ahead(_decoding_alone(32), num_running=32)
-    items = _owing(32, 520)
-    items[5].seq.append_token(7, -0.5)  # one token more to catch up
-    assert speculator.drafts_that_pay(items) == [1] + [0] * 31
-    _caught_up(items[7:9], speculator)
+    assert speculator.drafts_that_pay(_owing([521] * 5 + [520] + [521] * 26)) == (
+        [0] * 5 + [1] + [0] * 26)
     for _ in range(32):
         speculator.holds_back_run_ahead(_decoding_alone(32), num_running=32)
-    assert speculator.drafts_that_pay(items) == [0] * 7 + [1, 1] + [0] * 23
+    assert speculator.drafts_that_pay(_owing([520] * 7 + [4, 4] + [520] * 23)) == (
+        [0] * 7 + [1, 1] + [0] * 23)
