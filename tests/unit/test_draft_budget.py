@@ -257,3 +257,13 @@ def test_a_trial_drafts_where_it_owes_the_least_catch_up():
         speculator.holds_back_run_ahead(_decoding_alone(32), num_running=32)
     assert speculator.drafts_that_pay(_owing([520] * 7 + [4, 4] + [520] * 23)) == (
         [0] * 7 + [1, 1] + [0] * 23)
+
+
+def test_a_preempted_sequence_owes_its_draft_kv_again():
+    """A recompute starts the draft model's KV over: the sequence is counted behind again."""
+    speculator = _draft_model_speculator(draft_position_s=0.0005)
+    items = _owing([600] * 8)
+    for item in items[:3]:
+        speculator.record(item.seq, 4, 4)
+    speculator.preempted(items[0].seq)
+    assert speculator.drafts_that_pay(items) == [4] * 5 + [0] * 3
