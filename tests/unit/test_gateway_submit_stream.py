@@ -59,14 +59,16 @@ def test_a_request_run_to_its_end_is_not_cancelled():
     assert fake.cancelled == set()
 
 
-def test_the_call_asks_for_a_window_and_acknowledges_every_response_it_handled():
+def test_the_call_asks_for_one_response_at_a_time_and_acknowledges_every_one_it_handled():
+    """One unacknowledged response: what the scheduler makes while the gateway handles it
+    comes merged in the next, so a gateway behind its engine gets several tokens per event."""
     async def body(client, fake):
         await client.stream(submit("r"), lambda response: False)
         while fake.num_handled_responses < fake.num_responses:
             await asyncio.sleep(0.01)
 
     _, fake = run(body)
-    assert fake.response_window == RESPONSE_WINDOW
+    assert fake.response_window == RESPONSE_WINDOW == 1
     assert fake.num_handled_responses == fake.num_responses >= len(REPLY_IDS)
 
 
