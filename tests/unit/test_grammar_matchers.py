@@ -235,3 +235,22 @@ def test_each_steps_mask_is_its_own_rows_whatever_the_step_before_held(matchers,
             fresh = GrammarMatchers(matchers.cache, vocab_size, [EOS])
             assert _allowed(mask, row, vocab_size) == _mask_after(fresh, seq, vocab_size)
     assert _allowed(mask, 0, vocab_size) == {EOS}
+
+
+def test_a_batchs_rows_each_hold_their_own_sequences_mask(matchers, hf_tokenizer, vocab_size):
+    """The live rows are filled in one call (the GIL let go once for the batch) and the ended
+    ones in one assignment: each row still holds exactly its own sequence's mask."""
+    params = StructuredOutputsParams(json_schema=SCHEMA)
+    ids = hf_tokenizer.encode('{"name": "Ed", "age": 40}', add_special_tokens=False)
+    outside = ids[:2] + hf_tokenizer.encode("Hello", add_special_tokens=False)
+    seqs = [_seq(i, outside if i % 7 == 3 else ids[:i % (len(ids) + 1)], params)
+            for i in range(32)]
+    mask = matchers.bitmask(seqs, {s.seq_id: s for s in seqs})
+    ended = {row for row, s in enumerate(seqs) if len(s.token_ids) - len(PROMPT) == len(ids)
+             or row % 7 == 3}
+    assert len(ended) >= 5
+    for row, seq in enumerate(seqs):
+        fresh = GrammarMatchers(matchers.cache, vocab_size, [EOS])
+        allowed = _allowed(mask, row, vocab_size)
+        assert allowed == _mask_after(fresh, seq, vocab_size)
+        assert (allowed == {EOS}) == (row in ended)
