@@ -98,15 +98,13 @@ class GrammarMatchers:
         start = time.perf_counter()
         entries = [self._synced(sample_seqs[i]) for i in rows]
         bits = self._rows(len(rows))
-        live, ended = [], []
+        words = bits.numpy()  # a row's assignment in numpy: ~1 us against torch's ~4 us
+        live = []
         for k, entry in enumerate(entries):
             if entry.is_failed or entry.matcher.is_stopped():
-                ended.append(k)
+                words[k] = self._eos_only
             else:
                 live.append((entry.matcher, k))
-        if ended:
-            # one assignment: numpy lets the GIL go for each copy of a row's size
-            bits.numpy()[ended] = self._eos_only
         if live:
             self._fill(live, bits)
         if self.on_mask is not None:

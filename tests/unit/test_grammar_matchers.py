@@ -238,8 +238,8 @@ def test_each_steps_mask_is_its_own_rows_whatever_the_step_before_held(matchers,
 
 
 def test_a_batchs_rows_each_hold_their_own_sequences_mask(matchers, hf_tokenizer, vocab_size):
-    """The ended rows (finished, or outputs that left the grammar) are written in one assignment
-    beside the live rows' fill: each row holds exactly its own sequence's mask."""
+    """A batch mixing live rows at different states with ended ones (finished, or outputs that
+    left the grammar): each row holds exactly its own sequence's mask."""
     params = StructuredOutputsParams(json_schema=SCHEMA)
     ids = hf_tokenizer.encode('{"name": "Ed", "age": 40}', add_special_tokens=False)
     outside = ids[:2] + hf_tokenizer.encode("Hello", add_special_tokens=False)
