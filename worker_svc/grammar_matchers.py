@@ -7,9 +7,11 @@ took over, a worker rebuilt) rolls back or replays from the start. A fork (anoth
 the same request whose outputs extend a matcher's) starts from a copy. So generation continues
 exactly as without the fault.
 
-Under run-ahead the next step is launched before this one's draws reach the host, but a step's
-mask is built in sample(), after the step before has finished and its tokens are in the mirror:
-a mask needs the previous token, and the forward it masks runs meanwhile on the device.
+A mask needs the previous token, so a step's mask is built once the step before has finished and
+its tokens are in the mirror. Where the device runs apart from the host, mask_ahead() starts the
+next step's rows on a thread of their own right then, so that they overlap the next launch and
+its forward; bitmask() takes the rows whose sequence has not changed since and builds the others
+in place. The matchers are used by one thread at a time: bitmask() waits for the rows ahead first.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Container, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -45,6 +48,13 @@ class _SeqMatcher:
     is_failed: bool = False
 
 
+@dataclass(slots=True)
+class _RowsAhead:
+    seqs: list[CachedSequence]
+    outputs: list[list[int]]  # each sequence's output tokens the rows were built from
+    bits: torch.Tensor  # [len(seqs), num_words]
+
+
 class GrammarMatchers:
     def __init__(self, cache: GrammarCache, vocab_size: int, eos_token_ids: list[int],
                  on_mask: Callable[[float], None] | None = None) -> None:
@@ -55,7 +65,10 @@ class GrammarMatchers:
         self._executor: Any = None
         num_words = num_bitmask_words(vocab_size)
         self._bits = torch.empty(0, num_words, dtype=torch.int32)  # [max rows so far, num_words]
+        self._bits_ahead = torch.empty(0, num_words, dtype=torch.int32)
         self._eos_only = _eos_only(self.eos_token_ids, num_words)
+        self._ahead_thread: ThreadPoolExecutor | None = None
+        self._ahead: Future[_RowsAhead] | None = None
         self.on_mask = on_mask
 
     @classmethod
@@ -66,12 +79,17 @@ class GrammarMatchers:
                                                   eos_token_ids)), vocab_size, eos_token_ids)
 
     def __len__(self) -> int:
+        self._rows_ahead()
         return len(self._matchers)
 
     def clear(self) -> None:
+        self._rows_ahead()
         self._matchers.clear()
 
     def shutdown(self) -> None:
+        self._rows_ahead()
+        if self._ahead_thread is not None:
+            self._ahead_thread.shutdown()
         self.cache.shutdown()
 
     def prepare(self, new_seqs: list[NewSequence]) -> None:
@@ -87,6 +105,8 @@ class GrammarMatchers:
         next call (its bits are reused); None: no row is constrained. Forgets the matchers of
         sequences the mirror no longer holds. drawing: the mirror's tokens drawn on the device
         and not yet appended, by seq_id."""
+        start = time.perf_counter()
+        ahead = self._rows_ahead()
         for seq_id in [s for s in self._matchers if s not in live_seq_ids]:
             del self._matchers[seq_id]
         rows = [i for i, s in enumerate(sample_seqs) if s.sampling.structured_outputs is not None]
@@ -95,21 +115,71 @@ class GrammarMatchers:
         # the step before has finished: only this step's own draw is still on the device
         assert all(drawing.get(sample_seqs[i].seq_id, 0) <= 1 for i in rows), \
             "a constrained mask was built before the previous token reached the host"
-        start = time.perf_counter()
-        entries = [self._synced(sample_seqs[i]) for i in rows]
         bits = self._rows(len(rows))
+        built = {} if ahead is None else {
+            seq.seq_id: (k, seq, outputs)
+            for k, (seq, outputs) in enumerate(zip(ahead.seqs, ahead.outputs, strict=True))}
+        copied, sources, in_place = [], [], []
+        for k, i in enumerate(rows):
+            seq = sample_seqs[i]
+            source = built.get(seq.seq_id)
+            # the same mirror entry with the same outputs: the row built ahead is this one
+            if (source is not None and source[1] is seq
+                    and seq.token_ids[seq.prompt_len:] == source[2]):
+                copied.append(k)
+                sources.append(source[0])
+            else:
+                in_place.append((k, seq, seq.token_ids[seq.prompt_len:]))
+        if copied:
+            bits[copied] = ahead.bits[sources]
+        if in_place:
+            self._write(in_place, bits, self._fill)
+        if self.on_mask is not None:
+            self.on_mask(time.perf_counter() - start)
+        return TokenBitmask(rows, bits)
+
+    def mask_ahead(self, seqs: list[CachedSequence]) -> None:
+        """Starts building, on a thread of its own, the rows of these sequences' constrained
+        ones for their outputs now: the rows of the next bitmask() whose sequences do not
+        change before it."""
+        constrained = [s for s in seqs if s.sampling.structured_outputs is not None]
+        self._rows_ahead()
+        if not constrained:
+            return
+        if self._ahead_thread is None:
+            self._ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        if self._bits_ahead.shape[0] < len(constrained):
+            self._bits_ahead = torch.empty(
+                max(len(constrained), 2 * self._bits_ahead.shape[0]), self._bits_ahead.shape[1],
+                dtype=torch.int32)
+        ahead = _RowsAhead(constrained, [s.token_ids[s.prompt_len:] for s in constrained],
+                           self._bits_ahead[:len(constrained)])
+        self._ahead = self._ahead_thread.submit(self._build_ahead, ahead)
+
+    def _rows_ahead(self) -> _RowsAhead | None:
+        """The rows built ahead, once they are; None: none were started."""
+        ahead, self._ahead = self._ahead, None
+        return None if ahead is None else ahead.result()
+
+    def _build_ahead(self, ahead: _RowsAhead) -> _RowsAhead:
+        self._write([(k, seq, outputs) for k, (seq, outputs)
+                     in enumerate(zip(ahead.seqs, ahead.outputs, strict=True))],
+                    ahead.bits, self._fill_released)
+        return ahead
+
+    def _write(self, rows: list[tuple[int, CachedSequence, list[int]]], bits: torch.Tensor,
+               fill: Callable[[list[tuple[Any, int]], torch.Tensor], None]) -> None:
+        """Row k of bits ← the allowed tokens of seq after outputs, for each (k, seq, outputs)."""
         words = bits.numpy()  # a row's assignment in numpy: ~1 us against torch's ~4 us
         live = []
-        for k, entry in enumerate(entries):
+        for k, seq, outputs in rows:
+            entry = self._synced(seq, outputs)
             if entry.is_failed or entry.matcher.is_stopped():
                 words[k] = self._eos_only
             else:
                 live.append((entry.matcher, k))
         if live:
-            self._fill(live, bits)
-        if self.on_mask is not None:
-            self.on_mask(time.perf_counter() - start)
-        return TokenBitmask(rows, bits)
+            fill(live, bits)
 
     def _rows(self, num_rows: int) -> torch.Tensor:
         """[num_rows, num_words] of one buffer, kept across steps, every row written: zeroing a
@@ -130,19 +200,24 @@ class GrammarMatchers:
             for matcher, row in live:
                 matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
             return
+        self._fill_released(live, bits)
+
+    def _fill_released(self, live: list[tuple[Any, int]], bits: torch.Tensor) -> None:
+        """Writes the whole row of each (matcher, row) in one call that lets the GIL go once:
+        filled a row at a time beside a busy Python thread, each row waits to take it back."""
         import llguidance.torch
         from llguidance import LLExecutor
 
         if self._executor is None:
-            self._executor = LLExecutor(MASK_THREADS)
+            self._executor = LLExecutor(max(1, MASK_THREADS))
         llguidance.torch.fill_next_token_bitmask_par(self._executor, live, bits)
 
-    def _synced(self, seq: CachedSequence) -> _SeqMatcher:
+    def _synced(self, seq: CachedSequence, outputs: list[int]) -> _SeqMatcher:
+        """The matcher of seq, having consumed outputs (seq's output tokens)."""
         entry = self._matchers.get(seq.seq_id)
         if entry is not None and entry.seq is seq:  # the same mirror entry: it only grew
-            self._consume(entry, seq.token_ids[seq.prompt_len + len(entry.consumed):])
+            self._consume(entry, outputs[len(entry.consumed):])
             return entry
-        outputs = seq.token_ids[seq.prompt_len:]
         if entry is not None and (entry.request_id != seq.request_id
                                   or entry.seq.sampling.structured_outputs
                                   != seq.sampling.structured_outputs):

@@ -12,8 +12,8 @@ ahead on the worker's side is here:
   and the scheduler sends the tokens it chose only once it has read the draws; nor drafts
   proposed past a token still being drawn (they are verified after it).
 - Finish order: the step in flight finishes before the one launched ahead of it is sampled;
-  a step that cannot go ahead finishes the one in flight first; so does an idle queue once the
-  device is done. Where the host is the device, every step finishes at once.
+  a step that cannot go ahead finishes the one in flight first, and so does a step whose
+  predecessor is already done on the device; so does an idle queue once the device is done. Where the host is the device, every step finishes at once.
 - Failure: a step that fails fails the step launched ahead of it (StepOutOfOrder), and every
   step after until reset.
 """
@@ -102,7 +102,10 @@ class LaunchWindow:
                then: Callable[[StepOutput], Any] | None = None) -> None:
         """On the model thread. `future` gets the step's output, or then(output)."""
         in_flight = self._in_flight
-        if in_flight is None or not self._may_go_ahead(worker, in_flight, plan):
+        # a step done on the device is finished first: its draws reach the host (and the next
+        # masks start) before this launch, which has nothing left to overlap
+        if (in_flight is None or self.seconds_left() == 0
+                or not self._may_go_ahead(worker, in_flight, plan)):
             self.finish()
             self._in_flight = self._sample(self._launch(worker, plan, future, then, None))
             if self._in_flight is not None and not self._in_flight.runner.runs_apart:

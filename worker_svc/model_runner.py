@@ -167,6 +167,8 @@ class ModelRunner:
             outputs = [dataclasses.replace(out, is_draft_behind=True) if out.seq_id in behind
                        else out for out in outputs]
         self.mirrors.append_drawn(step.scheduled, outputs)
+        if self.grammars is not None and step.samples is not None and self.runs_apart:
+            self.grammars.mask_ahead(step.model_input.sample_seqs)
         step.clock.mark(on_device=False)
         (swap_out_ns, swap_in_ns, copy_ns, prepare_ns, launch_ns, _, sample_ns,
          wait_ns) = step.clock.phases_ns()

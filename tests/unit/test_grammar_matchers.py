@@ -254,3 +254,38 @@ def test_a_batchs_rows_each_hold_their_own_sequences_mask(matchers, hf_tokenizer
         allowed = _allowed(mask, row, vocab_size)
         assert allowed == _mask_after(fresh, seq, vocab_size)
         assert (allowed == {EOS}) == (row in ended)
+
+
+def test_rows_built_ahead_are_the_rows_built_in_place(matchers, hf_tokenizer, vocab_size):
+    """The next step's rows start on their own thread once the step before is on the host; the
+    step that samples them, in another order and with a sequence more, gets each row as if it
+    had been built in place."""
+    params = StructuredOutputsParams(json_schema=SCHEMA)
+    ids = hf_tokenizer.encode('{"name": "Flo", "age": 62}', add_special_tokens=False)
+    seqs = [_seq(i, ids[:i % (len(ids) + 1)], params) for i in range(24)]
+    matchers.mask_ahead(seqs)
+    sampled = seqs[::-1] + [_seq(24, ids[:3], params)]
+    mask = matchers.bitmask(sampled, {s.seq_id: s for s in sampled})
+    fresh = GrammarMatchers(matchers.cache, vocab_size, [EOS])
+    assert torch.equal(mask.bits, fresh.bitmask(sampled, {s.seq_id: s for s in sampled}).bits)
+
+
+@pytest.mark.parametrize("change", ["grew", "resent shorter", "resent different"])
+def test_a_sequence_changed_after_its_row_was_built_ahead_gets_the_mask_of_its_outputs(
+        matchers, hf_tokenizer, vocab_size, change):
+    """A token added to the mirror entry (a fork's), or the sequence sent whole again
+    (preemption, a takeover) between the row built ahead and the step that samples it: the
+    row follows the outputs the step has, not the ones it was built from."""
+    params = StructuredOutputsParams(json_schema=SCHEMA)
+    ids = hf_tokenizer.encode('{"name": "Gus", "age": 8}', add_special_tokens=False)
+    seq, other = _seq(0, ids[:6], params), _seq(1, ids[:2], params)  # '{"name": "Gus'
+    matchers.mask_ahead([seq, other])
+    if change == "grew":
+        seq.token_ids.append(ids[6])  # '",': the string ends
+    else:
+        seq = _seq(0, ids[:3] if change == "resent shorter" else
+                   hf_tokenizer.encode('{"age": 1', add_special_tokens=False), params)
+    mask = matchers.bitmask([seq, other], {0: seq, 1: other})
+    for row, s in enumerate((seq, other)):
+        fresh = GrammarMatchers(matchers.cache, vocab_size, [EOS])
+        assert _allowed(mask, row, vocab_size) == _mask_after(fresh, s, vocab_size)
