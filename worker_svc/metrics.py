@@ -28,8 +28,10 @@ class WorkerMetrics:
             "structured-output constraint for the vocabulary (once per distinct constraint).",
             labels, registry=registry, buckets=STEP_TIME_BUCKETS).labels(model_name, str(rank))
         self.grammar_mask_time = Histogram(
-            "pagedserve:structured_output_mask_time_seconds", "Time to build one step's token "
-            "bitmask for its constrained sequences (steps without any are not counted).",
+            "pagedserve:structured_output_mask_time_seconds", "Time a step's sampling waits for "
+            "the token bitmask of its constrained sequences: the rows built ahead, once the "
+            "step before was on the host, and those built then (steps without any are not "
+            "counted).",
             labels, registry=registry, buckets=STEP_TIME_BUCKETS).labels(model_name, str(rank))
 
     def record_step(self, plan: StepPlan, timings: StepTimings) -> None:

@@ -3,6 +3,7 @@ the order steps run in, what may be launched ahead, and when a step is finished 
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -66,6 +67,20 @@ def test_a_plan_that_adds_nothing_is_launched_ahead_of_the_step_in_flight(tiny_m
     first, decode = _plans()[:2]
     futures = [_launch(worker, first), _launch(worker, decode)]
     assert worker.steps.num_launched_ahead == 1 and worker.steps.has_step_in_flight
+    worker.steps.finish()
+    assert all(len(f.result(timeout=0).outputs) == 2 for f in futures)
+
+
+def test_a_step_done_on_the_device_is_finished_before_the_next_launch(tiny_model_dir):
+    """Its draws reach the host first (and the next grammar masks start from them): the launch
+    has nothing of it left to overlap."""
+    worker = _sim_worker(tiny_model_dir)
+    first, decode = _plans()[:2]
+    futures = [_launch(worker, first)]
+    while (left_s := worker.steps.seconds_left()) != 0:
+        time.sleep(left_s)
+    futures.append(_launch(worker, decode))
+    assert futures[0].done() and worker.steps.num_launched_ahead == 0
     worker.steps.finish()
     assert all(len(f.result(timeout=0).outputs) == 2 for f in futures)
 
