@@ -5,10 +5,11 @@ llguidance work for the batch on this host's CPUs (the served folder's tokenizer
 runs beside the modelled step. Twice the batch is asked, so that finished requests are replaced
 and the running batch stays full; the steps that sample at least 90% of it are measured.
 
-A step's mask is built once the step before has finished, while the step's own forward runs on
-the device (as on a GPU), so only the part of it longer than the forward's remaining time
-delays the step: the exposed mask. The target is on that share of the step; the share of the
-mask's whole compute is recorded beside it.
+A step's mask is built once the step before has finished, mostly ahead on a thread of its own
+(worker_svc/grammar_matchers.py), while the step's launch and its forward run, so only the part
+of the sampler's wait for it longer than the forward's remaining time delays the step: the
+exposed mask. The target is on that share of the step; the share of the whole wait (the rows
+built ahead not done yet, and those built in place) is recorded beside it.
 """
 
 from __future__ import annotations
