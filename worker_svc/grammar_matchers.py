@@ -65,7 +65,7 @@ class GrammarMatchers:
         self._executor: Any = None
         num_words = num_bitmask_words(vocab_size)
         self._bits = torch.empty(0, num_words, dtype=torch.int32)  # [max rows so far, num_words]
-        self._bits_ahead = torch.empty(0, num_words, dtype=torch.int32)
+        self._bits_ahead = torch.empty(0, num_words, dtype=torch.int32)  # the rows built ahead
         self._eos_only = _eos_only(self.eos_token_ids, num_words)
         self._ahead_thread: ThreadPoolExecutor | None = None
         self._ahead: Future[_RowsAhead] | None = None
@@ -115,21 +115,20 @@ class GrammarMatchers:
         # the step before has finished: only this step's own draw is still on the device
         assert all(drawing.get(sample_seqs[i].seq_id, 0) <= 1 for i in rows), \
             "a constrained mask was built before the previous token reached the host"
-        bits = self._rows(len(rows))
-        built = {} if ahead is None else {
-            seq.seq_id: (k, seq, outputs)
-            for k, (seq, outputs) in enumerate(zip(ahead.seqs, ahead.outputs, strict=True))}
+        self._bits = _grown(self._bits, len(rows))
+        bits = self._bits[:len(rows)]
+        built = {} if ahead is None else {s.seq_id: j for j, s in enumerate(ahead.seqs)}
         copied, sources, in_place = [], [], []
         for k, i in enumerate(rows):
             seq = sample_seqs[i]
-            source = built.get(seq.seq_id)
+            outputs = seq.token_ids[seq.prompt_len:]
+            j = built.get(seq.seq_id)
             # the same mirror entry with the same outputs: the row built ahead is this one
-            if (source is not None and source[1] is seq
-                    and seq.token_ids[seq.prompt_len:] == source[2]):
+            if j is not None and ahead.seqs[j] is seq and ahead.outputs[j] == outputs:
                 copied.append(k)
-                sources.append(source[0])
+                sources.append(j)
             else:
-                in_place.append((k, seq, seq.token_ids[seq.prompt_len:]))
+                in_place.append((k, seq, outputs))
         if copied:
             bits[copied] = ahead.bits[sources]
         if in_place:
@@ -148,10 +147,7 @@ class GrammarMatchers:
             return
         if self._ahead_thread is None:
             self._ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        if self._bits_ahead.shape[0] < len(constrained):
-            self._bits_ahead = torch.empty(
-                max(len(constrained), 2 * self._bits_ahead.shape[0]), self._bits_ahead.shape[1],
-                dtype=torch.int32)
+        self._bits_ahead = _grown(self._bits_ahead, len(constrained))
         ahead = _RowsAhead(constrained, [s.token_ids[s.prompt_len:] for s in constrained],
                            self._bits_ahead[:len(constrained)])
         self._ahead = self._ahead_thread.submit(self._build_ahead, ahead)
@@ -180,16 +176,6 @@ class GrammarMatchers:
                 live.append((entry.matcher, k))
         if live:
             fill(live, bits)
-
-    def _rows(self, num_rows: int) -> torch.Tensor:
-        """[num_rows, num_words] of one buffer, kept across steps, every row written: zeroing a
-        fresh one is a parallel fill, 8 ms at 256 rows on a 2-core host whose other core is busy.
-        The mask before is consumed by then: its draws were launched, and their step finished,
-        before this mask is built."""
-        if self._bits.shape[0] < num_rows:
-            self._bits = torch.empty(max(num_rows, 2 * self._bits.shape[0]), self._bits.shape[1],
-                                     dtype=torch.int32)
-        return self._bits[:num_rows]
 
     def _fill(self, live: list[tuple[Any, int]], bits: torch.Tensor) -> None:
         """Writes the whole row of each (matcher, row)."""
@@ -272,6 +258,16 @@ class GrammarMatchers:
             logger.exception("seq %d: its constraint does not compile; only EOS", seq.seq_id)
             return _SeqMatcher(seq.request_id, seq, None, [], is_failed=True)
         return _SeqMatcher(seq.request_id, seq, start.deep_copy(), [])
+
+
+def _grown(bits: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """bits, or a larger buffer where it has fewer than num_rows rows. The rows' buffers are kept
+    across steps, every row written: zeroing a fresh one is a parallel fill, 8 ms at 256 rows on
+    a 2-core host whose other core is busy. The mask before is consumed by then: its draws were
+    launched, and their step finished, before the next rows are built."""
+    if bits.shape[0] >= num_rows:
+        return bits
+    return torch.empty(max(num_rows, 2 * bits.shape[0]), bits.shape[1], dtype=torch.int32)
 
 
 def _eos_only(eos_token_ids: list[int], num_words: int) -> np.ndarray:
