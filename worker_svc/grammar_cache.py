@@ -5,6 +5,7 @@ compile starts when the sequence arrives, so it overlaps the prefill's forward).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,21 +39,24 @@ class GrammarCache:
         self._tokenizer: Future | None = None
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
         self._compiled: OrderedDict[StructuredOutputsParams, Future] = OrderedDict()
+        # the model thread and the thread building masks ahead both ask for grammars
+        self._lock = threading.Lock()
         self.on_compiled = on_compiled
 
     def get(self, params: StructuredOutputsParams) -> Future:
         """The start matcher's future; its exception if the constraint does not compile."""
-        future = self._compiled.get(params)
-        if future is not None:
-            self._compiled.move_to_end(params)
+        with self._lock:
+            future = self._compiled.get(params)
+            if future is not None:
+                self._compiled.move_to_end(params)
+                return future
+            if self._tokenizer is None:
+                self._tokenizer = self._pool.submit(self._new_tokenizer)
+            future = self._pool.submit(self._compile, params)
+            self._compiled[params] = future
+            if len(self._compiled) > MAX_CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
             return future
-        if self._tokenizer is None:
-            self._tokenizer = self._pool.submit(self._new_tokenizer)
-        future = self._pool.submit(self._compile, params)
-        self._compiled[params] = future
-        if len(self._compiled) > MAX_CACHED_GRAMMARS:
-            self._compiled.popitem(last=False)
-        return future
 
     def __len__(self) -> int:
         return len(self._compiled)

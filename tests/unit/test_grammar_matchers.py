@@ -4,6 +4,9 @@ bitmask the sampler applies."""
 
 import functools
 import json
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -289,3 +292,31 @@ def test_a_sequence_changed_after_its_row_was_built_ahead_gets_the_mask_of_its_o
     for row, s in enumerate((seq, other)):
         fresh = GrammarMatchers(matchers.cache, vocab_size, [EOS])
         assert _allowed(mask, row, vocab_size) == _mask_after(fresh, s, vocab_size)
+
+
+
+def _asked_at_once(cache: GrammarCache, params: StructuredOutputsParams, num_threads: int):
+    barrier = threading.Barrier(num_threads)
+
+    def ask(_):
+        barrier.wait()
+        return cache.get(params)
+
+    with ThreadPoolExecutor(num_threads) as pool:
+        return list(pool.map(ask, range(num_threads)))
+
+
+def test_threads_asking_for_one_new_constraint_share_one_compile():
+    """The model thread and the thread building masks ahead both ask the cache: a constraint
+    asked at once by both is compiled once, and both wait for the same grammar."""
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads trade the GIL between any two bytecodes
+    try:
+        for attempt in range(20):
+            cache = GrammarCache(lambda: None)
+            cache._compile = lambda params: params
+            futures = _asked_at_once(cache, StructuredOutputsParams(regex=f"a{attempt}"), 8)
+            cache.shutdown()
+            assert len({id(f) for f in futures}) == 1, f"attempt {attempt}"
+    finally:
+        sys.setswitchinterval(switch_interval)

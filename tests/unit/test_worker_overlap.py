@@ -63,12 +63,14 @@ def test_steps_launched_ahead_give_the_outputs_of_steps_one_at_a_time(tiny_model
 
 
 def _sim_worker(tiny_model_dir) -> SimWorker:
-    """A Llama-3-8B step on an H100 is ~5 ms: the plans submitted together wait in the queue."""
+    """A Llama-3-8B step on an H100 is ~5 ms, ten times that here: the plans submitted together
+    wait in the queue, and a step is still on the device when the next one is launched however
+    slow a loaded host is (a step already done there is finished first, not launched ahead of)."""
     worker = SimWorker(EngineConfig(
         model=ModelConfig(model=str(tiny_model_dir("llama"))),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=64,
                           num_cpu_blocks_override=8),
-        device=DeviceConfig(device="sim", sim_model="Llama-3-8B")))
+        device=DeviceConfig(device="sim", sim_model="Llama-3-8B", sim_time_scale=10.0)))
     worker.load_model()
     worker.init_cache(64, 8, 1)
     return worker
