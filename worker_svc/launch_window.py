@@ -13,7 +13,8 @@ ahead on the worker's side is here:
   proposed past a token still being drawn (they are verified after it).
 - Finish order: the step in flight finishes before the one launched ahead of it is sampled;
   a step that cannot go ahead finishes the one in flight first, and so does a step whose
-  predecessor is already done on the device; so does an idle queue once the device is done. Where the host is the device, every step finishes at once.
+  predecessor is already done on the device; so does an idle queue once the device is done.
+  Where the host is the device, every step finishes at once.
 - Failure: a step that fails fails the step launched ahead of it (StepOutOfOrder), and every
   step after until reset.
 """
