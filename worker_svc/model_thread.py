@@ -3,13 +3,21 @@ cache are not thread-safe. A step may be launched before the one in flight is fi
 (worker_svc/launch_window.py: the rules); any other call finishes the step in flight first, and
 so does an idle queue once the device is done. A thread that dies (its initializer raised) fails
 every call queued and every call after, so no caller waits for it forever.
+
+The thread is a daemon, so an engine nobody closed cannot keep the interpreter alive; but a
+daemon thread still inside torch once the interpreter finalizes aborts the process ("terminate
+called without an active exception"). That happens when the worker is collected on this very
+thread (its finalizer cannot join the thread it runs on) and exit comes while it is torn down.
+So at exit every model thread still alive is told to stop and joined first.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -22,6 +30,8 @@ if TYPE_CHECKING:
     from pagedserve.worker_svc.worker import Worker
 
 logger = logging.getLogger(__name__)
+
+EXIT_JOIN_TIMEOUT_S = 60.0  # a thread stuck longer than this at exit is left to its fate
 
 
 @dataclass(slots=True)
@@ -40,6 +50,7 @@ class ModelThread:
         self._error: BaseException | None = None  # why the thread died
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+        _live.add(self)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         job = _Job(call=lambda: fn(*args))
@@ -59,6 +70,13 @@ class ModelThread:
         self._jobs.put(None)
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()
+
+    def _join_at_exit(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(EXIT_JOIN_TIMEOUT_S)
+        if self._thread.is_alive():
+            logger.warning("model thread %s still busy after %.0f s at exit",
+                           self._thread.name, EXIT_JOIN_TIMEOUT_S)
 
     def _put(self, job: _Job) -> None:
         self._jobs.put(job)
@@ -121,3 +139,12 @@ class ModelThread:
             job.future.set_result(job.call())
         except BaseException as e:
             job.future.set_exception(e)
+
+
+_live: weakref.WeakSet[ModelThread] = weakref.WeakSet()  # a running thread holds its own
+
+
+@atexit.register
+def _join_live_threads() -> None:
+    for thread in list(_live):
+        thread._join_at_exit()

@@ -3,10 +3,15 @@ leaving their callers waiting forever."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 from pagedserve.worker_svc.model_thread import ModelThread
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_thread_whose_initializer_raises_fails_every_call_queued_and_after():
@@ -36,3 +41,26 @@ def test_a_live_thread_runs_calls_in_order():
         future.result(timeout=5)
     thread.shutdown(wait=True)
     assert ran == [0, 1, 2]
+
+
+def test_the_interpreter_exits_after_the_work_a_model_thread_was_given(tmp_path):
+    """A worker collected on its own model thread stops that thread without joining it; exit
+    must still wait for the teardown, or a daemon thread inside torch aborts the process."""
+    done = tmp_path / "done"
+    script = f"""
+import pathlib, time
+from pagedserve.worker_svc.model_thread import ModelThread
+
+thread = ModelThread("exiting")
+
+def teardown():
+    thread.shutdown()  # as the worker's finalizer does on this thread
+    time.sleep(0.5)
+    pathlib.Path({str(done)!r}).write_text("ok")
+
+thread.submit(teardown)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert done.read_text() == "ok"
