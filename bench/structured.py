@@ -7,7 +7,8 @@
    `jsonschema`; a failure is named in the record.
 2. Throughput: a batch of --batch-size requests constrained by the schemas against the same
    batch unconstrained, offline, with the same output lengths (the constrained run's lengths,
-   reproduced with ignore_eos), so the ratio is the cost of the masks alone.
+   reproduced with ignore_eos), so the ratio is the cost of the masks alone: --pairs runs of
+   each, alternated with the order swapped every pair; the median pair's ratio is read.
 3. With --device sim (bench/structured_sim.py): the grammar mask's share of a step at batch
    --sim-batch-size on the simulated --sim-gpu (a model: the forward is simulated, the masks are
    llguidance's real work on this host): its whole compute, and the part of it longer than the
@@ -25,8 +26,10 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import random
 import socket
+import statistics
 from pathlib import Path
 
 import grpc
@@ -126,24 +129,40 @@ def offline_validity(llm: LLM, schemas: list[dict], max_tokens: int) -> list[dic
     return results
 
 
-def throughput(llm: LLM, schemas: list[dict], batch_size: int, max_tokens: int) -> dict:
+def throughput(llm: LLM, schemas: list[dict], batch_size: int, max_tokens: int,
+               num_pairs: int) -> dict:
+    """num_pairs runs of each batch, alternated and the order swapped every pair (C F, F C,
+    ...), so a drift in the host's speed falls on both; the ratio is the median pair's."""
     batch = [schemas[i % len(schemas)] for i in range(batch_size)]
     prompts = [prompt_of(s) for s in batch]
     constrained = [_sampling(s, False, i, max_tokens) for i, s in enumerate(batch)]
     llm.chat(prompts[:2], constrained[:2], use_tqdm=False)  # warm-up: compiles, tokenizer
-    with Timer() as t_constrained:
-        outs = llm.chat(prompts, constrained, use_tqdm=False)
+    outs = llm.chat(prompts, constrained, use_tqdm=False)
     lens = [len(o.outputs[0].token_ids) for o in outs]
     free = [_sampling(None, False, i, n, ignore_eos=True) for i, n in enumerate(lens)]
-    with Timer() as t_free:
-        llm.chat(prompts, free, use_tqdm=False)
     num_tokens = sum(lens)
-    ratio = t_free.elapsed_s / t_constrained.elapsed_s
-    return {"batch_size": batch_size, "num_output_tokens": num_tokens,
-            "constrained_s": t_constrained.elapsed_s, "unconstrained_s": t_free.elapsed_s,
-            "constrained_tok_s": num_tokens / t_constrained.elapsed_s,
-            "unconstrained_tok_s": num_tokens / t_free.elapsed_s,
-            "throughput_ratio": ratio,
+    pairs = []
+    for pair in range(num_pairs):
+        elapsed = {}
+        for kind in (("constrained", "unconstrained") if pair % 2 == 0
+                     else ("unconstrained", "constrained")):
+            with Timer() as timer:
+                outs = llm.chat(prompts, constrained if kind == "constrained" else free,
+                                use_tqdm=False)
+            assert sum(len(o.outputs[0].token_ids) for o in outs) == num_tokens, \
+                "a seeded run's output lengths changed between runs"
+            elapsed[kind] = timer.elapsed_s
+        pairs.append({**elapsed, "ratio": elapsed["unconstrained"] / elapsed["constrained"],
+                      "load_average": os.getloadavg()[0]})
+    ratios = [p["ratio"] for p in pairs]
+    ratio = statistics.median(ratios)
+    constrained_s = statistics.median(p["constrained"] for p in pairs)
+    unconstrained_s = statistics.median(p["unconstrained"] for p in pairs)
+    return {"batch_size": batch_size, "num_output_tokens": num_tokens, "pairs": pairs,
+            "constrained_s": constrained_s, "unconstrained_s": unconstrained_s,
+            "constrained_tok_s": num_tokens / constrained_s,
+            "unconstrained_tok_s": num_tokens / unconstrained_s,
+            "throughput_ratio": ratio, "ratio_min": min(ratios), "ratio_max": max(ratios),
             "target": {"target": TARGET_THROUGHPUT_RATIO, "met": ratio >= TARGET_THROUGHPUT_RATIO}}
 
 
@@ -214,6 +233,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--throughput-max-tokens", type=int, default=48)
+    parser.add_argument("--pairs", type=int, default=8,
+                        help="alternated constrained/unconstrained runs; the median is read")
     parser.add_argument("--doors", action="store_true", help="also through a served stack")
     parser.add_argument("--no-validity", action="store_true",
                         help="the throughput alone (before/after runs in one window)")
@@ -242,7 +263,8 @@ def main() -> None:
         return
     llm = LLM(model=args.model, device="cpu")
     validity = [] if args.no_validity else offline_validity(llm, schemas, args.max_tokens)
-    speed = throughput(llm, schemas, args.batch_size, args.throughput_max_tokens)
+    speed = throughput(llm, schemas, args.batch_size, args.throughput_max_tokens,
+                       args.pairs)
     del llm
     if args.doors:
         validity += doors_validity(args, schemas)
@@ -252,7 +274,8 @@ def main() -> None:
                f"({', '.join(r['door'] for r in validity)}); " if validity else "")
     line = (f"structured: {checked}batch {args.batch_size} constrained "
             f"{speed['constrained_tok_s']:.1f} tok/s = {speed['throughput_ratio']:.2f}x "
-            f"unconstrained (target {TARGET_THROUGHPUT_RATIO}x"
+            f"unconstrained, median of {args.pairs} alternated pairs "
+            f"({speed['ratio_min']:.2f}-{speed['ratio_max']:.2f}x; target {TARGET_THROUGHPUT_RATIO}x"
             f"{'' if speed['target']['met'] else ' MISSED'})")
     finish("structured", args, line, validity, throughput=speed, schemas=schemas)
 
