@@ -117,6 +117,7 @@ class InFlightStep:
     modelled_swap_s: tuple[float | None, float | None] = (None, None)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
     drafting: DraftTimes = DraftTimes()
+    mask_ns: int = 0  # what the draws waited for the token bitmask (set by ModelRunner.sample)
 
     def block_ids(self) -> set[int]:
         """The device blocks the step reads or writes: its sequences' block tables (as they

@@ -145,9 +145,12 @@ class ModelRunner:
         step.clock.mark()  # the step before may have been finished since the launch
         if step.logits is not None:  # tensor-parallel rank 0
             sample_seqs = step.model_input.sample_seqs
-            bitmask = (None if self.grammars is None
-                       else self.grammars.bitmask(sample_seqs, self.mirrors.seqs,
-                                                  self.mirrors.drawing))
+            bitmask = None
+            if self.grammars is not None:
+                start = time.perf_counter_ns()
+                bitmask = self.grammars.bitmask(sample_seqs, self.mirrors.seqs,
+                                                self.mirrors.drawing)
+                step.mask_ns = time.perf_counter_ns() - start if bitmask is not None else 0
             step.samples = launch_samples(self.sampler, step.logits, sample_seqs, bitmask)
         step.clock.mark()
         step.fence = self.new_fence()
@@ -179,7 +182,8 @@ class ModelRunner:
             step, swap_out_ns, swap_in_ns, copy_ns,
             prepare_ns=max(0, prepare_ns - step.drafting.host_ns), forward_ns=forward_ns,
             sample_ns=sample_ns, draft_ns=step.drafting.draft_ns,
-            draft_catch_up_ns=step.drafting.catch_up_ns), pooled=pooled_to_host(step.pooled))
+            draft_catch_up_ns=step.drafting.catch_up_ns, mask_ns=step.mask_ns),
+            pooled=pooled_to_host(step.pooled))
 
     def new_fence(self) -> Fence:
         return self._new_fence() if self._new_fence is not None else device_fence(self.device)

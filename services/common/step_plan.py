@@ -117,6 +117,7 @@ class StepTimings:
     swap_in_ns: int = 0  # CPU -> device blocks
     draft_ns: int = 0  # the draft model's forwards (speculative decoding)
     draft_catch_up_ns: int = 0  # its forward catching up lagging sequences, not in draft_ns
+    mask_ns: int = 0  # of sample_ns: the wait for the structured outputs' token bitmask
 
 
 @dataclass(frozen=True, slots=True)

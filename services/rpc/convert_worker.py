@@ -145,14 +145,16 @@ def step_timings_to_proto(timings: StepTimings) -> worker_pb2.StepTimings:
                                   forward_ns=timings.forward_ns, sample_ns=timings.sample_ns,
                                   swap_out_ns=timings.swap_out_ns, swap_in_ns=timings.swap_in_ns,
                                   draft_ns=timings.draft_ns,
-                                  draft_catch_up_ns=timings.draft_catch_up_ns)
+                                  draft_catch_up_ns=timings.draft_catch_up_ns,
+                                  mask_ns=timings.mask_ns)
 
 
 def step_timings_from_proto(msg: worker_pb2.StepTimings) -> StepTimings:
     return StepTimings(cache_ops_ns=msg.cache_ops_ns, prepare_ns=msg.prepare_ns,
                        forward_ns=msg.forward_ns, sample_ns=msg.sample_ns,
                        swap_out_ns=msg.swap_out_ns, swap_in_ns=msg.swap_in_ns,
-                       draft_ns=msg.draft_ns, draft_catch_up_ns=msg.draft_catch_up_ns)
+                       draft_ns=msg.draft_ns, draft_catch_up_ns=msg.draft_catch_up_ns,
+                       mask_ns=msg.mask_ns)
 
 
 def _is_single_sample(seq: SampledSequence) -> bool:

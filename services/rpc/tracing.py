@@ -47,7 +47,9 @@ FIRST_TOKEN_EVENT = "gen_ai.first_token"
 STEP_ID = "pagedserve.step_id"
 NUM_SEQS = "pagedserve.num_seqs"
 NUM_SCHEDULED_TOKENS = "pagedserve.num_scheduled_tokens"
-STEP_TIMINGS = ("cache_ops_ns", "prepare_ns", "forward_ns", "sample_ns")  # pagedserve.<name>
+STRUCTURED_OUTPUT = "pagedserve.structured_output"  # the constraint's kind: json_schema, regex, ...
+STEP_TIMINGS = ("cache_ops_ns", "prepare_ns", "forward_ns", "sample_ns",
+                "mask_ns")  # pagedserve.<name>
 # The gateway's routing of a request: the replica of its last attempt, why, and its failovers.
 ROUTING_REPLICA = "pagedserve.routing.replica"
 ROUTING_REASON = "pagedserve.routing.reason"
@@ -396,6 +398,10 @@ def _generate_request(msg: Any) -> dict[str, Any]:
                         (TOP_P, "top_p")):
         if msg.sampling.HasField(field):
             attributes[name] = getattr(msg.sampling, field)
+    if msg.sampling.HasField("structured_outputs"):
+        kind = msg.sampling.structured_outputs.WhichOneof("constraint")
+        if kind is not None:
+            attributes[STRUCTURED_OUTPUT] = kind
     return attributes
 
 

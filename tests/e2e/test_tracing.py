@@ -295,3 +295,14 @@ def test_a_refused_http_request_is_the_clients_fault(stack, generation, exporter
     http = one(spans, f"text_completion {MODEL_NAME}", SpanKind.SERVER)
     assert http.attributes["http.response.status_code"] == 400
     assert http.status.status_code == StatusCode.UNSET
+
+
+def test_a_constrained_request_is_traced_with_its_kind_and_its_steps_mask_wait(stack, generation,
+                                                                               exporter):
+    _, answer, spans = http_traced(stack, "/v1/completions", {
+        "prompt": [5, 6, 7], "max_tokens": 3, "structured_outputs": {"regex": "[a-z]+"}},
+        "http-constrained")
+    http = one(spans, f"text_completion {MODEL_NAME}", SpanKind.SERVER)
+    assert http.attributes["pagedserve.structured_output"] == "regex"
+    executions = named(spans, EXECUTE_STEP, SpanKind.SERVER)
+    assert executions and all(s.attributes["pagedserve.mask_ns"] > 0 for s in executions)

@@ -128,3 +128,16 @@ def test_steps_launched_ahead_mask_with_the_tokens_of_the_step_before(model_dir)
     assert [[(s.seq_id, s.token_ids) for s in out] for out in outputs] == \
         [[(s.seq_id, s.token_ids) for s in out] for out in expected]
     assert len(worker.runner.grammars) == len(samplings)
+
+
+def test_a_steps_timings_carry_its_wait_for_the_mask(model_dir):
+    """mask_ns (of sample_ns, in the worker step's trace span): what a step's draws waited for
+    its constrained rows' bitmask; nothing for a step without constrained rows."""
+    constrained = [dataclasses.replace(s, ignore_eos=True) for s in SAMPLINGS if s.n == 1]
+    free = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
+    for samplings, is_constrained in ((constrained, True), (free, False)):
+        worker = make_worker(model_dir, block_size=BLOCK_SIZE)
+        for plan in _plans(samplings, 3):
+            timings = worker.execute_step(plan).timings
+            assert (timings.mask_ns > 0) is is_constrained
+            assert timings.mask_ns <= timings.sample_ns

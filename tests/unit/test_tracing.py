@@ -119,7 +119,8 @@ class Worker(worker_pb2_grpc.WorkerServiceServicer):
     async def ExecuteStep(self, request, context):
         return worker_pb2.ExecuteStepResponse(
             step_id=request.step_id,
-            timings=worker_pb2.StepTimings(cache_ops_ns=1, prepare_ns=2, forward_ns=3, sample_ns=4))
+            timings=worker_pb2.StepTimings(cache_ops_ns=1, prepare_ns=2, forward_ns=3, sample_ns=4,
+                                           mask_ns=5))
 
 
 async def start_server(provider) -> tuple[grpc.aio.Server, str, Generation]:
@@ -151,7 +152,9 @@ def by_kind(spans, kind: SpanKind):
 def generate_request(request_id: str) -> gateway_pb2.GenerateStreamRequest:
     return gateway_pb2.GenerateStreamRequest(
         request_id=request_id, token_ids=public_common_pb2.TokenIds(token_ids=[5, 6, 7, 8]),
-        sampling=public_common_pb2.SamplingParams(n=1, max_tokens=3))
+        sampling=public_common_pb2.SamplingParams(
+            n=1, max_tokens=3, structured_outputs=public_common_pb2.StructuredOutputs(
+                regex="[a-z]+")))
 
 
 def test_a_stream_is_a_client_span_and_a_server_span_of_the_caller_trace():
@@ -190,6 +193,7 @@ def test_a_stream_is_a_client_span_and_a_server_span_of_the_caller_trace():
         assert span.attributes["gen_ai.response.id"] == "r-1"
         assert (span.attributes["gen_ai.request.choice.count"],
                 span.attributes["gen_ai.request.max_tokens"]) == (1, 3)
+        assert span.attributes["pagedserve.structured_output"] == "regex"
         assert span.status.status_code == StatusCode.UNSET
     assert client.attributes["server.port"] == int(client.attributes["server.port"])
     assert served.attributes["gen_ai.usage.input_tokens"] == 4  # from the last response
@@ -306,7 +310,8 @@ def test_the_sync_client_continues_the_trace_of_its_thread():
         assert (span.attributes["pagedserve.step_id"], span.attributes["pagedserve.num_seqs"],
                 span.attributes["pagedserve.num_scheduled_tokens"]) == (7, 2, 6)
     assert [served.attributes[f"pagedserve.{name}"]
-            for name in ("cache_ops_ns", "prepare_ns", "forward_ns", "sample_ns")] == [1, 2, 3, 4]
+            for name in ("cache_ops_ns", "prepare_ns", "forward_ns", "sample_ns", "mask_ns")
+            ] == [1, 2, 3, 4, 5]
 
 
 def test_tracing_off_sends_no_context_and_records_nothing():

@@ -24,6 +24,7 @@ from pagedserve.services.rpc.tracing import (
     PROVIDER_NAME,
     REQUEST_ID,
     REQUEST_MODEL,
+    STRUCTURED_OUTPUT,
     TEMPERATURE,
     TOP_P,
     N,
@@ -89,6 +90,8 @@ def record_request(response_id: str, sampling: SamplingParams | None = None) -> 
     if sampling is not None:
         span.set_attributes({N: sampling.n, MAX_TOKENS: sampling.max_tokens,
                              TEMPERATURE: sampling.temperature, TOP_P: sampling.top_p})
+        if sampling.structured_outputs is not None:
+            span.set_attribute(STRUCTURED_OUTPUT, sampling.structured_outputs.kind)
 
 
 def record_usage(usage: Usage) -> None:
