@@ -74,9 +74,11 @@ class GrammarMatchers:
     @classmethod
     def for_model(cls, model_path: str, vocab_size: int,
                   eos_token_ids: list[int]) -> GrammarMatchers:
-        """With the tokenizer of the model folder; it is read at the first constraint."""
-        return cls(GrammarCache(functools.partial(llguidance_tokenizer, model_path, vocab_size,
-                                                  eos_token_ids)), vocab_size, eos_token_ids)
+        """With the tokenizer of the model folder, read from now on the compile pool."""
+        cache = GrammarCache(functools.partial(llguidance_tokenizer, model_path, vocab_size,
+                                               eos_token_ids))
+        cache.read_tokenizer()
+        return cls(cache, vocab_size, eos_token_ids)
 
     def __len__(self) -> int:
         self._rows_ahead()

@@ -320,3 +320,19 @@ def test_threads_asking_for_one_new_constraint_share_one_compile():
             assert len({id(f) for f in futures}) == 1, f"attempt {attempt}"
     finally:
         sys.setswitchinterval(switch_interval)
+
+
+def test_a_workers_matchers_read_the_tokenizer_before_the_first_constraint(monkeypatch):
+    """Read at the first constraint, the tokenizer held that step ~1 s (SmolLM2's)."""
+    read = threading.Event()
+
+    def tokenizer(*args):
+        read.set()
+
+    monkeypatch.setattr("pagedserve.worker_svc.grammar_matchers.llguidance_tokenizer", tokenizer)
+    matchers = GrammarMatchers.for_model("/no/such/model", 64, [0])
+    try:
+        assert read.wait(5)
+        assert len(matchers.cache) == 0
+    finally:
+        matchers.shutdown()
