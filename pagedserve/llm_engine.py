@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import typing
 from typing import Any
 
@@ -21,6 +22,8 @@ from pagedserve.worker_svc.worker import create_worker
 
 if typing.TYPE_CHECKING:
     from pagedserve.rank_process import RankProcess
+
+logger = logging.getLogger(__name__)
 
 
 def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
@@ -94,6 +97,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,
                     is_pooling: bool = False) -> None:
+        """A constrained request is added once its grammar is compiled, so no step waits."""
+        compiled = self.core.prepare_grammars(sampling)
+        if compiled is not None:
+            try:
+                compiled.result()
+            except Exception as exc:  # its first step compiles it, and waits for that
+                logger.warning("request %s: its grammar was not compiled ahead: %s", request_id,
+                               exc)
         self.core.add_request(request_id, prompt_token_ids, sampling, priority, arrival_time,
                               is_pooling=is_pooling)
 

@@ -39,6 +39,7 @@ from pagedserve.services.common.engine_api import (
 )
 from pagedserve.services.common.errors import InvalidRequest, NotFound, Reason, Unavailable
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
+from pagedserve.services.common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -156,10 +157,21 @@ class AsyncEngine:
             self._idle.clear()
 
         try:
+            await self._grammar_compiled(request_id, request.sampling)
             await self._call(add)
         except asyncio.CancelledError:
             self.drop(request_id, sink)  # added just before the cancel: abort it again
             raise
+
+    async def _grammar_compiled(self, request_id: str, sampling: SamplingParams) -> None:
+        """A constrained request waits here for its grammar's compile, not in a step."""
+        compiled = self.core.prepare_grammars(sampling)
+        if compiled is None:
+            return
+        try:
+            await asyncio.wrap_future(compiled)
+        except Exception as exc:  # its first step compiles it, and waits for that
+            logger.warning("request %s: its grammar was not compiled ahead: %s", request_id, exc)
 
     async def abort(self, request: AbortRequest) -> None:
         """Finish the request with "abort" (its stream gets the final outputs); NotFound if it is

@@ -50,6 +50,7 @@ from pagedserve.services.common.step_plan import (
     StepTimings,
     WorkerInfo,
 )
+from pagedserve.services.common.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class WorkerHandle(Protocol):
                    scheduler_epoch: int) -> bool: ...  # True: kept its cache
     def warm_up(self) -> None: ...
     def submit_step(self, plan: StepPlan) -> StepFuture: ...  # steps run in submission order
+    def prepare_grammars(self, constraints: list[StructuredOutputsParams]) -> Future[None]: ...
     def clear_state(self, scheduler_epoch: int) -> None: ...
 
 
@@ -181,6 +183,15 @@ class EngineCore:
             group.pooling_type = self.config.model.pooling_type
         self._groups[request_id] = group
         self.scheduler.add_group(group)
+
+    def prepare_grammars(self, sampling: SamplingParams) -> Future[None] | None:
+        """A constrained request's grammar, compiled by the rank that samples before the request
+        is added (vLLM holds such a request back until its grammar is compiled too), so no step
+        waits for a compile; None: unconstrained. Any thread may call this. A worker rebuilt
+        later has lost the grammars: its first steps compile what they lack, and wait for it."""
+        if sampling.structured_outputs is None:
+            return None
+        return self.workers[0].prepare_grammars([sampling.structured_outputs])
 
     def check_admission(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         check_admission(prompt_token_ids, sampling, self._limits, len(self.scheduler.waiting),

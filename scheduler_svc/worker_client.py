@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 
 import grpc
 from pagedserve.services.common.config import EngineConfig, TlsConfig
 from pagedserve.services.common.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
+from pagedserve.services.common.structured_outputs import StructuredOutputsParams
 from pagedserve.services.rpc.convert_worker import (
     memory_profile_from_proto,
+    prepare_grammars_to_proto,
     step_output_from_proto,
     step_plan_to_proto,
     worker_info_from_proto,
@@ -104,6 +107,21 @@ class WorkerClient:
         call = self._stub.ExecuteStep.future(step_plan_to_proto(plan), timeout=deadline - now)
         self._last_step = PendingStep(call, self.address, deadline)
         return self._last_step
+
+    def prepare_grammars(self, constraints: list[StructuredOutputsParams]) -> Future[None]:
+        done: Future[None] = Future()
+        call = self._stub.PrepareGrammars.future(prepare_grammars_to_proto(constraints),
+                                                 timeout=self.step_timeout_s)
+
+        def answered(call: grpc.Future) -> None:
+            error = call.exception()
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error_from_rpc(error, f"worker {self.address} PrepareGrammars"))
+
+        call.add_done_callback(answered)
+        return done
 
     def clear_state(self, scheduler_epoch: int) -> None:
         response = self._call("ClearState",

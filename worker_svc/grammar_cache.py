@@ -1,6 +1,8 @@
-"""Compiled grammars, one per constraint's content, built on a thread pool: never on the step's
-thread, which only waits where a sequence's first mask is due before its compile is done (the
-compile starts when the sequence arrives, so it overlaps the prefill's forward). The tokenizer
+"""Compiled grammars, one per constraint's content, built on a thread pool, never on the step's
+thread. The scheduler admits a constrained request once its grammar is compiled here
+(Worker.prepare_grammars), so a step waits for a compile only where the grammar was lost since
+(a worker rebuilt, or evicted among MAX_CACHED_GRAMMARS); a sequence sent in a step starts its
+compile at once, so that one overlaps the step's forward. The tokenizer
 every compile needs is read once, from the worker's start: read at the first constraint instead,
 it held that step ~1 s (SmolLM2-135M's; a schema's own compile is 1-3 ms)."""
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Container, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 from pagedserve.services.common.step_plan import NewSequence
+from pagedserve.services.common.structured_outputs import StructuredOutputsParams
 from pagedserve.worker_svc.grammar_cache import GrammarCache, llguidance_tokenizer
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 from pagedserve.worker_svc.token_bitmask import TokenBitmask, num_bitmask_words
@@ -100,6 +102,26 @@ class GrammarMatchers:
             params = seq.sampling.structured_outputs
             if params is not None and seq.seq_id not in self._matchers:
                 self.cache.get(params)
+
+    def compiled(self, constraints: list[StructuredOutputsParams]) -> Future[None]:
+        """Starts compiling these constraints; the future is done once each is compiled or has
+        failed to (a failed one's sequences draw EOS alone, as in a step)."""
+        done: Future[None] = Future()
+        pending = [self.cache.get(params) for params in constraints]
+        left = [len(pending)]
+        lock = threading.Lock()
+
+        def one_done(_: Future) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set_result(None)
+
+        if not pending:
+            done.set_result(None)
+        for future in pending:
+            future.add_done_callback(one_done)
+        return done
 
     def bitmask(self, sample_seqs: list[CachedSequence], live_seq_ids: Container[int],
                 drawing: Mapping[int, int] = MappingProxyType({})) -> TokenBitmask | None:

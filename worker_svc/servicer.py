@@ -31,6 +31,7 @@ from pagedserve.services.common.gc_tuning import tune_gc_after_load
 from pagedserve.services.common.step_plan import StepOutput, StepPlan, WorkerInfo
 from pagedserve.services.rpc.convert_worker import (
     memory_profile_to_proto,
+    prepare_grammars_from_proto,
     step_output_to_proto,
     step_plan_from_proto,
     worker_info_to_proto,
@@ -237,6 +238,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
         num_cleared_seqs = await self._run(clear)
         return worker_pb2.ClearStateResponse(num_cleared_seqs=num_cleared_seqs)
+
+    @map_errors
+    async def PrepareGrammars(self, request: worker_pb2.PrepareGrammarsRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> worker_pb2.PrepareGrammarsResponse:
+        constraints = prepare_grammars_from_proto(request)
+        await asyncio.wrap_future(self._loaded().prepare_grammars(constraints))
+        return worker_pb2.PrepareGrammarsResponse()
 
     @map_errors
     async def PullKvBlocks(self, request: worker_pb2.PullKvBlocksRequest,

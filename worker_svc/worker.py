@@ -27,6 +27,7 @@ from pagedserve.services.common.errors import (
     Unavailable,
 )
 from pagedserve.services.common.step_plan import MemoryProfile, StepOutput, StepPlan, WorkerInfo
+from pagedserve.services.common.structured_outputs import StructuredOutputsParams
 from pagedserve.worker_svc.cache_engine import (
     CacheEngine,
     KVCacheSpec,
@@ -297,6 +298,17 @@ class Worker:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def prepare_grammars(self, constraints: list[StructuredOutputsParams]) -> Future[None]:
+        """Done once each constraint is compiled into the grammar cache (or failed to): the
+        scheduler admits a constrained request then, so its first mask finds it compiled. A rank
+        that does not sample, or holds no model, has nothing to compile."""
+        grammars = None if self.runner is None else self.runner.grammars
+        if grammars is None:
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        return grammars.compiled(constraints)
 
     def clear_state(self, scheduler_epoch: int) -> None:
         """Forget every sequence; the KV blocks stay. Unavailable without a KV cache: a worker

@@ -82,7 +82,7 @@ def fill_sampling_params(msg: Message, params: SamplingParams) -> None:
     _extend_ids(msg.stop_token_ids, "stop_token_ids", params.stop_token_ids)
     _extend_ids(msg.allowed_token_ids, "allowed_token_ids", params.allowed_token_ids or ())
     if params.structured_outputs is not None:
-        _fill_structured_outputs(msg.structured_outputs, params.structured_outputs)
+        fill_structured_outputs(msg.structured_outputs, params.structured_outputs)
     try:
         msg.logit_bias.update(params.logit_bias)
     except (TypeError, ValueError) as e:
@@ -117,20 +117,20 @@ def sampling_params_from_proto(msg: Message) -> SamplingParams:
     else:
         kwargs["bad_words_token_ids"] = tuple(tuple(w.token_ids) for w in msg.bad_words_token_ids)
     if msg.HasField("structured_outputs"):
-        kwargs["structured_outputs"] = _structured_outputs_from_proto(msg.structured_outputs)
+        kwargs["structured_outputs"] = structured_outputs_from_proto(msg.structured_outputs)
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                           logit_bias=dict(msg.logit_bias),
                           allowed_token_ids=tuple(msg.allowed_token_ids) or None, **kwargs)
 
 
-def _fill_structured_outputs(msg: Message, params: StructuredOutputsParams) -> None:
+def fill_structured_outputs(msg: Message, params: StructuredOutputsParams) -> None:
     if params.choice is not None:
         msg.choice.choices.extend(params.choice)
     else:
         setattr(msg, params.kind, getattr(params, params.kind))
 
 
-def _structured_outputs_from_proto(msg: Message) -> StructuredOutputsParams:
+def structured_outputs_from_proto(msg: Message) -> StructuredOutputsParams:
     kind = msg.WhichOneof("constraint")
     if kind is None or (kind == "json_object" and not msg.json_object):
         raise InvalidRequest("sampling.structured_outputs must set one of json_schema, "

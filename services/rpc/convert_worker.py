@@ -18,11 +18,14 @@ from pagedserve.services.common.step_plan import (
     StepTimings,
     WorkerInfo,
 )
+from pagedserve.services.common.structured_outputs import StructuredOutputsParams
 from pagedserve.services.rpc.convert_common import (
     add_logprob_lists,
+    fill_structured_outputs,
     logprob_lists_from_proto,
     sampling_params_from_proto,
     sampling_params_to_proto,
+    structured_outputs_from_proto,
 )
 from pagedserve.services.rpc.internal.v1 import worker_pb2
 
@@ -221,3 +224,16 @@ def memory_profile_from_proto(msg: worker_pb2.ProfileMemoryResponse) -> MemoryPr
         num_gpu_blocks=msg.num_gpu_blocks, num_cpu_blocks=msg.num_cpu_blocks,
         weights_bytes=msg.weights_bytes, activations_peak_bytes=msg.activations_peak_bytes,
         kv_bytes_per_block=msg.kv_bytes_per_block)
+
+
+def prepare_grammars_to_proto(constraints: Sequence[StructuredOutputsParams]
+                              ) -> worker_pb2.PrepareGrammarsRequest:
+    msg = worker_pb2.PrepareGrammarsRequest()
+    for params in constraints:
+        fill_structured_outputs(msg.constraints.add(), params)
+    return msg
+
+
+def prepare_grammars_from_proto(msg: worker_pb2.PrepareGrammarsRequest
+                                ) -> list[StructuredOutputsParams]:
+    return [structured_outputs_from_proto(c) for c in msg.constraints]

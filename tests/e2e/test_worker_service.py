@@ -20,9 +20,12 @@ from pagedserve.services.common.config import (
 from pagedserve.services.common.errors import InvalidRequest, StaleEpoch, Unavailable
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import NewSequence, RunningSequence, StepOutput, StepPlan
+from pagedserve.services.common.structured_outputs import StructuredOutputsParams
+from pagedserve.services.rpc.internal.v1 import common_pb2, worker_pb2
 from pagedserve.worker_svc.servicer import create_worker_server
 from pagedserve.worker_svc.worker import Worker
 
+from tests import tiny_models
 from tests.e2e.background import BackgroundLoop
 
 EPOCH = 1_700_000_000_000_007  # the clock's, as EngineCore makes them
@@ -227,3 +230,29 @@ def test_a_dead_worker_is_unavailable_at_once(tiny_model_dir):
         _execute(client, _plans()[0])
     assert time.monotonic() - start < 5
     client.close()
+
+
+def test_prepare_grammars_answers_once_the_sampling_rank_compiled_them(tmp_path):
+    config = _config(tiny_models.make_served_model(tmp_path / "tiny-llama"))
+    loop = BackgroundLoop()
+    server, servicer = loop.run(_create(config))
+    loop.run(server.start())
+    client = WorkerClient(f"127.0.0.1:{server.port}", config, step_timeout_s=30,
+                          startup_timeout_s=120)
+    try:
+        client.load_model()
+        constraints = [StructuredOutputsParams(regex="[a-z]+"),
+                       StructuredOutputsParams(choice=("yes", "no"))]
+        client.prepare_grammars(constraints).result(30)
+        cache = servicer._loaded().runner.grammars.cache
+        assert len(cache) == 2 and all(cache.get(c).done() for c in constraints)
+        with pytest.raises(grpc.RpcError) as refused:
+            client._stub.PrepareGrammars(worker_pb2.PrepareGrammarsRequest(
+                constraints=[common_pb2.StructuredOutputs()]), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "structured_outputs" in refused.value.details()
+    finally:
+        client.close()
+        loop.run(server.shutdown(grace_s=0))
+        servicer.close()
+        loop.close()

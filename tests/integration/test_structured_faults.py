@@ -5,14 +5,21 @@ gateway already streamed (its failover). A tiny random-weight Llama with a real 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import itertools
+import time
 
 import pytest
+from pagedserve.scheduler_svc.async_engine import AsyncEngine
+from pagedserve.services.common.engine_api import SubmitRequest
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import NewSequence, RunningSequence, StepPlan
 from pagedserve.services.common.structured_outputs import StructuredOutputsParams
+from pagedserve.worker_svc.grammar_cache import GrammarCache
 
 from pagedserve.llm import LLM
+from pagedserve.llm_engine import LLMEngine
 from tests import tiny_models
 from tests.integration.worker_driver import make_worker
 
@@ -141,3 +148,74 @@ def test_a_steps_timings_carry_its_wait_for_the_mask(model_dir):
             timings = worker.execute_step(plan).timings
             assert (timings.mask_ns > 0) is is_constrained
             assert timings.mask_ns <= timings.sample_ns
+
+
+COMPILE_S = 1.0  # a grammar's compile, made slow
+
+
+@pytest.fixture()
+def slow_compiles(monkeypatch):
+    compile_grammar = GrammarCache._compile
+
+    def slow(self, params):
+        time.sleep(COMPILE_S)
+        return compile_grammar(self, params)
+
+    monkeypatch.setattr(GrammarCache, "_compile", slow)
+
+
+def _engine(model_dir) -> LLMEngine:
+    return LLMEngine.from_kwargs(model=str(model_dir), device="cpu", attention_backend="torch",
+                                 num_threads=1, block_size=BLOCK_SIZE)
+
+
+FREE = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+
+def test_a_constrained_request_is_added_once_compiled_and_no_step_waits(model_dir,
+                                                                         slow_compiles):
+    with _engine(model_dir) as engine:
+        engine.add_request("free", PROMPTS[0], FREE)
+        for _ in range(3):
+            engine.step()
+        start = time.perf_counter()
+        engine.add_request("constrained", PROMPTS[1], SAMPLINGS[0])
+        assert time.perf_counter() - start >= COMPILE_S  # compiled by the worker first
+        slowest_s = 0.0
+        while engine.core.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            slowest_s = max(slowest_s, time.perf_counter() - start)
+    assert slowest_s < COMPILE_S / 2
+
+
+def test_the_scheduler_holds_a_constrained_request_back_while_others_stream(model_dir,
+                                                                             slow_compiles):
+    """The scheduler service's engine: the request waits for its compile on the event loop,
+    beside the steps of the requests already running."""
+    engine = _engine(model_dir)
+
+    async def run() -> tuple[float, list[float]]:
+        async_engine = await AsyncEngine.start(lambda: engine.core, stop_timeout_s=10.0)
+        free, constrained = asyncio.Queue(), asyncio.Queue()
+        await async_engine.submit(SubmitRequest("free", PROMPTS[0], FREE), free)
+        await free.get()
+        submitted = asyncio.get_running_loop().time()
+        submit = asyncio.create_task(async_engine.submit(
+            SubmitRequest("constrained", PROMPTS[1], SAMPLINGS[0]), constrained))
+        arrivals = []
+        while not (await free.get()).finished:
+            arrivals.append(asyncio.get_running_loop().time())
+        await submit
+        await constrained.get()
+        first_token_s = asyncio.get_running_loop().time() - submitted
+        await async_engine.stop()
+        return first_token_s, arrivals
+
+    try:
+        first_token_s, arrivals = asyncio.run(run())
+    finally:
+        engine.close()
+    assert first_token_s >= COMPILE_S
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    assert max(gaps) < COMPILE_S / 2, gaps
