@@ -7,6 +7,7 @@ when the best live beam cannot beat the worst of beam_width hypotheses.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ def beam_search_step(group: SequenceGroup, sampled: list[tuple[Sequence, Sampled
     candidates: list[_Candidate] = []
     for seq, out in sampled:
         for i, (token_id, logprob) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            if logprob == -math.inf:  # masked (structured outputs): never a continuation
+                continue
             top = out.top_logprobs[i] if i < len(out.top_logprobs) else None
             candidates.append(_Candidate(seq, token_id, logprob, top,
                                          seq.cumulative_logprob + logprob))

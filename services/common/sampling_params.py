@@ -140,10 +140,6 @@ class SamplingParams:
                           f"got {self.num_candidates}")
             check.require(self.is_greedy, "temperature",
                           f"temperature must be 0 for beam search, got {self.temperature}")
-            # a grammar may allow fewer tokens than the beams need, which would then be -inf
-            check.require(self.structured_outputs is None, "structured_outputs",
-                          "structured_outputs are not served with beam search, got "
-                          f"{self.structured_outputs}")
         check.raise_any()
 
     def _verify_token_constraints(self, check: _Violations) -> None:

@@ -175,6 +175,8 @@ def text_delta_from_proto(msg: gateway_pb2.GenerateStreamResponse) -> TextDelta:
 
 def generate_response_to_proto(request_id: str, deltas: Sequence[TextDelta], n: int
                                ) -> gateway_pb2.GenerateResponse:
+    """The outputs that finished: beam search under a constraint that admits fewer completions
+    than n reports fewer outputs."""
     outputs = [gateway_pb2.CompletionOutput(index=i) for i in range(n)]
     msg = gateway_pb2.GenerateResponse(request_id=request_id)
     for delta in deltas:
@@ -190,7 +192,7 @@ def generate_response_to_proto(request_id: str, deltas: Sequence[TextDelta], n: 
             msg.usage.CopyFrom(usage_to_proto(delta.usage))
         if delta.prompt_logprobs is not None:
             msg.prompt_logprobs.extend(_positions_to_proto(delta.prompt_logprobs))
-    msg.outputs.extend(outputs)
+    msg.outputs.extend(out for out in outputs if out.finish_reason)
     return msg
 
 

@@ -54,6 +54,7 @@ class TextStream:
                  tokenizer: Tokenizer, decode_logprobs: bool = True) -> None:
         """`decode_logprobs=False`: the deltas carry no logprobs (the caller reads the engine's)."""
         self._tokenizer = tokenizer
+        self._is_beam_search = sampling.use_beam_search
         self._wants_logprobs = decode_logprobs and sampling.logprobs is not None
         self._indices = [
             _IndexState(IncrementalDetokenizer(tokenizer, prompt_token_ids,
@@ -88,6 +89,11 @@ class TextStream:
         self._num_prompt_tokens = output.num_prompt_tokens or self._num_prompt_tokens
         self._num_cached_tokens = output.num_cached_tokens
         deltas = [d for o in output.outputs if (d := self._on_completion(o)) is not None]
+        if output.finished and self._is_beam_search:
+            # the completions at once, the best first: under structured outputs there may be
+            # fewer than n, and the others never come
+            for state in self._indices:
+                state.is_finished = True
         if output.prompt_logprobs is not None and not self._has_sent_prompt_logprobs:
             self._has_sent_prompt_logprobs = True
             if not deltas:

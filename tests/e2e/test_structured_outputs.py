@@ -163,3 +163,27 @@ def test_parallel_tool_calls_false_makes_one_call(client, smollm2_dir):
         tool_choice="required", parallel_tool_calls=False,
         messages=[{"role": "user", "content": "Weather in Paris and time in Rome?"}])
     assert len(chat.choices[0].message.tool_calls) == 1
+
+
+def test_beam_search_keeps_each_beam_in_its_constraint(client, generation, smollm2_dir):
+    beams = client.chat.completions.create(
+        model=smollm2_dir.name, messages=ASK, temperature=0, max_tokens=80, n=2,
+        response_format=_response_format(PERSON), extra_body={"use_beam_search": True})
+    assert len(beams.choices) == 2
+    for choice in beams.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    # one completion for three beams: the outputs are the completions there are, at both doors
+    response = generation.Generate(gateway_pb2.GenerateRequest(
+        text="Say a:", sampling=common_pb2.SamplingParams(
+            n=3, temperature=0.0, max_tokens=8, use_beam_search=True,
+            structured_outputs=common_pb2.StructuredOutputs(
+                choice=common_pb2.Choice(choices=["a"])))))
+    assert 1 <= len(response.outputs) < 3
+    assert [(o.index, o.text) for o in response.outputs] == [
+        (i, "a") for i in range(len(response.outputs))]
+    completion = client.completions.create(
+        model=smollm2_dir.name, prompt="Say a:", n=3, max_tokens=8, temperature=0,
+        extra_body={"use_beam_search": True, "guided_choice": ["a"]})
+    assert 1 <= len(completion.choices) < 3
+    assert all(c.text == "a" and c.finish_reason == "stop" for c in completion.choices)

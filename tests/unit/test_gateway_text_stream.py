@@ -155,3 +155,12 @@ def test_merged_steps_stream_the_text_and_tokens_of_the_steps_one_by_one(stop):
     assert ([t for d in merged for t in d.token_ids]
             == [t for d in one_by_one for t in d.token_ids])
     assert len(merged) < len(one_by_one)
+
+
+def test_beam_search_ends_with_its_report_whatever_number_of_completions_it_has():
+    """A constraint may admit fewer completions than n beams: those are all the report holds."""
+    stream = _stream(n=3, best_of=3, use_beam_search=True, temperature=0.0)
+    final = RequestOutput("r", [SequenceDelta(0, ids("yes"), finish_reason="stop")],
+                          finished=True, num_prompt_tokens=2, num_cached_tokens=0)
+    (delta,) = stream.on_output(final)
+    assert stream.is_finished and delta.text == "yes" and delta.usage is not None

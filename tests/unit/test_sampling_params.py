@@ -9,7 +9,6 @@ import pytest
 import torch
 from pagedserve.services.common.errors import InvalidRequest, Reason
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.structured_outputs import StructuredOutputsParams
 from pagedserve.services.rpc.convert_common import sampling_params_from_proto
 from pagedserve.services.rpc.internal.v1 import common_pb2
 from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState
@@ -73,9 +72,7 @@ def test_every_bad_field_is_a_violation_and_the_first_one_is_the_message():
     ({"logit_bias": {3: 101.0}}, "logit_bias"), ({"logit_bias": {3: math.nan}}, "logit_bias"),
     ({"logit_bias": {-1: 1.0}}, "logit_bias"), ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"allowed_token_ids": [-2]}, "allowed_token_ids"), ({"bad_words": ["ok", " "]}, "bad_words[1]"),
-    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ({"n": 2, "use_beam_search": True, "temperature": 0.0,
-      "structured_outputs": StructuredOutputsParams(json_object=True)}, "structured_outputs")])
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")])
 def test_token_constraints_out_of_range_are_refused(kwargs, field):
     with pytest.raises(InvalidRequest) as info:
         SamplingParams(**kwargs)

@@ -132,6 +132,24 @@ def test_beam_search_final_output_is_the_best_hypothesis():
     assert h.all_free()
 
 
+def test_masked_beam_candidates_never_continue_and_fewer_completions_give_fewer_outputs():
+    """Structured outputs mask tokens (-inf logprob) before the beams draw their candidates: a
+    grammar that allows one token per step keeps one beam, and the request reports the one
+    completion there is, not n."""
+    inf = float("-inf")
+    h = Harness()
+    sampling = SamplingParams(n=2, best_of=2, use_beam_search=True, temperature=0.0, max_tokens=8)
+    group = h.add("beam", 4, sampling)
+    root = group.seqs[0]
+    h.step(tokens={root.seq_id: [10, 11, 12, 13]}, logprobs={root.seq_id: [-0.5, inf, inf, inf]})
+    assert [s.output_token_ids for s in group.seqs] == [[10]]
+    _, reports = h.step(tokens={root.seq_id: [EOS, 11, 12, 13]},
+                        logprobs={root.seq_id: [-0.1, inf, inf, inf]})
+    final, = reports
+    assert final.finished and [o.token_ids for o in final.outputs] == [[10, EOS]]
+    assert h.all_free()
+
+
 def test_a_malformed_worker_answer_fails_only_its_request():
     h = Harness(enable_prefix_caching=True)
     pair = h.add("pair", 9, SamplingParams(n=2, temperature=1.0, max_tokens=3, ignore_eos=True))

@@ -228,6 +228,8 @@ class _Chat:
                 self.on_delta(delta)
         choices = []
         for i in range(len(self.texts)):
+            if self.finish_reasons[i] is None:
+                continue  # none: beam search under a constraint with fewer completions than n
             content, calls, finish_reason = self.message(i)
             choices.append(ChatChoice(
                 index=i, message=ChatMessageOut(content=content, tool_calls=calls or None),

@@ -210,7 +210,8 @@ class _Completion:
         return self.response([CompletionChoice(index=i, text=c.text, logprobs=c.logprobs,
                                                finish_reason=c.finish_reason,
                                                prompt_logprobs=self._prompt_logprobs(i // self.n))
-                              for i, c in enumerate(self.choices)], with_usage=True)
+                              for i, c in enumerate(self.choices)
+                              if c.finish_reason is not None], with_usage=True)
 
     def _prompt_logprobs(self, prompt_index: int) -> PromptLogprobs | None:
         positions = self.prompt_logprobs[prompt_index]
