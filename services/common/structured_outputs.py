@@ -6,6 +6,8 @@ tens of microseconds (docs/openai.md, "Structured outputs", has the measurement)
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +19,7 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ANY_JSON_OBJECT = '{"type": "object"}'
 MAX_CONSTRAINT_CHARS = 65536  # a schema, regex, grammar or all choices together
+MAX_VERIFIED_CONSTRAINTS = 1024  # constraints whose verdict is kept, the most recent
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +70,13 @@ class StructuredOutputsParams:
 
     def verify(self) -> None:
         """Compiles without a vocabulary: an unparsable schema, an unsupported keyword, a regex
-        or grammar that does not compile fail here, naming the field."""
+        or grammar that does not compile fail here, naming the field. Once per content: a
+        constraint every request of a client repeats is compiled for the first."""
+        problem = _problem(self)
+        if problem is not None:
+            raise copy.copy(problem)
+
+    def _verify(self) -> None:
         from llguidance import LLMatcher
 
         field = f"structured_outputs.{self.kind}"
@@ -106,3 +115,13 @@ class StructuredOutputsParams:
             shown = shown[:120] + "..."
         return InvalidRequest(f"{field} does not compile: {problem.strip()} (got {shown})",
                               reason=Reason.INVALID_SAMPLING_PARAMS, field=field)
+
+
+@functools.lru_cache(maxsize=MAX_VERIFIED_CONSTRAINTS)
+def _problem(params: StructuredOutputsParams) -> InvalidRequest | None:
+    """What is wrong with the constraint, or None; remembered by content."""
+    try:
+        params._verify()
+    except InvalidRequest as problem:
+        return problem
+    return None

@@ -180,6 +180,28 @@ def test_a_constraint_that_cannot_compile_is_refused_naming_the_field(params, fi
     assert raised.value.violations[0].field == field
 
 
+def test_the_gateway_compiles_a_repeated_constraint_once(monkeypatch):
+    """Requests repeating one constraint are checked by its first compile; each refusal is its
+    own error object."""
+    from llguidance import LLMatcher
+
+    compiles = []
+    validate = LLMatcher.validate_grammar_with_warnings
+    monkeypatch.setattr(LLMatcher, "validate_grammar_with_warnings",
+                        lambda grammar: compiles.append(grammar) or validate(grammar))
+    good = StructuredOutputsParams(regex="[0-9]{1,7} repeated")
+    bad = StructuredOutputsParams(regex="[0-9 repeated")
+    for _ in range(3):
+        good.verify()
+    errors = []
+    for _ in range(2):
+        with pytest.raises(InvalidRequest) as raised:
+            bad.verify()
+        errors.append(raised.value)
+    assert len(compiles) == 2
+    assert errors[0] is not errors[1] and str(errors[0]) == str(errors[1])
+
+
 def test_exactly_one_constraint_kind():
     with pytest.raises(InvalidRequest, match="exactly one"):
         StructuredOutputsParams(regex="a", json_object=True)
