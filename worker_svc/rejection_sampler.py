@@ -7,7 +7,7 @@ kept, the target's own draw at the next position follows. Each emitted token the
 target's distribution, whatever q is.
 
 Every random number comes from the sequence's seed and the token's position, as a plain draw's
-noise does (sampler.step_seed), in streams of their own: the draft's draw, and the acceptance test
+noise does (seeded_noise.step_seed), in streams of their own: the draft's draw, and the acceptance test
 with the replacement draw. A seeded request's outputs therefore repeat from run to run, batched or
 not; an unseeded one uses the global generator.
 """
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 from pagedserve.services.common.step_plan import SampledSequence
-from pagedserve.worker_svc.sampler import SeqSamplingState, step_seed
+from pagedserve.worker_svc.sampler import SeqSamplingState
+from pagedserve.worker_svc.seeded_noise import step_seed
 
 # XORed into step_seed's value so that each stream's noise is unrelated to the plain draw's
 _DRAFT_STREAM = 0x2545F4914F6CDD1D
