@@ -56,10 +56,14 @@ class SeededNoise:
         self._token_hashes = _mix32_(torch.arange(vocab_size, dtype=torch.long, device=device)
                                      .bitwise_xor_(_TOKEN_SALT))
 
+    def uniform_bits(self, keys: torch.Tensor) -> torch.Tensor:
+        """keys: [num_draws] int64 from draw_keys → [num_draws, vocab_size] int64, the 32 random
+        bits of each (draw, token)."""
+        return _mix32_(self._token_hashes ^ keys.unsqueeze(1))
+
     def exponential(self, keys: torch.Tensor) -> torch.Tensor:
         """keys: [num_draws] int64 from draw_keys → [num_draws, vocab_size] float32 Exponential(1)
-        noise, 0 where the uniform is 0 (a caller that divides by it clamps it)."""
-        bits = _mix32_(self._token_hashes ^ keys.unsqueeze(1))  # [num_draws, vocab_size]
+        noise, 0 where the bits are 0 (a caller that divides by it clamps it)."""
         # u = bits / 2**32 in [0, 1): log1p(-u) keeps the small noise, which decides rare tokens,
         # to 32 bits instead of float32's 24 bits next to 1
-        return bits.to(torch.float32).mul_(-2.0 ** -32).log1p_().neg_()
+        return self.uniform_bits(keys).to(torch.float32).mul_(-2.0 ** -32).log1p_().neg_()
