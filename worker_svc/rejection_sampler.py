@@ -7,8 +7,9 @@ kept, the target's own draw at the next position follows. Each emitted token the
 target's distribution, whatever q is.
 
 Every random number comes from the sequence's seed and the token's position, as a plain draw's
-noise does (seeded_noise.step_seed), in streams of their own: the draft's draw, and the acceptance test
-with the replacement draw. A seeded request's outputs therefore repeat from run to run, batched or
+noise does (seeded_noise.step_seed), in streams of their own: the draft's draw (seeded_noise's
+hashed noise, every row in one race), and the acceptance test with the replacement draw (a
+generator per draft). A seeded request's outputs therefore repeat from run to run, batched or
 not; an unseeded one uses the global generator.
 """
 
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 import torch
 from pagedserve.services.common.step_plan import SampledSequence
-from pagedserve.worker_svc.sampler import SeqSamplingState
-from pagedserve.worker_svc.seeded_noise import step_seed
+from pagedserve.worker_svc.host_to_device import to_device
+from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState
+from pagedserve.worker_svc.seeded_noise import draw_keys, step_seed
 
 # XORed into step_seed's value so that each stream's noise is unrelated to the plain draw's
 _DRAFT_STREAM = 0x2545F4914F6CDD1D
@@ -39,9 +41,20 @@ def _race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(probs.div(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax())
 
 
-def draw_draft(probs: torch.Tensor, state: SeqSamplingState) -> int:
-    """The draft model's token from probs [vocab], its distribution after state.token_ids."""
-    return _race(probs, _generator(state.seed, len(state.token_ids), _DRAFT_STREAM, probs.device))
+def draw_drafts(sampler: Sampler,
+                probs: torch.Tensor,  # [num_rows, vocab]; row i after states[i].token_ids
+                states: list[SeqSamplingState]) -> list[int]:
+    """The draft model's tokens, one a row, from one race over every row."""
+    order = sorted(range(len(states)), key=lambda i: states[i].seed is not None)
+    seeded = [states[i] for i in order if states[i].seed is not None]
+    keys = draw_keys([s.seed for s in seeded], [len(s.token_ids) for s in seeded],
+                     [1] * len(seeded), _DRAFT_STREAM)
+    drawn = sampler.race(probs[to_device(order, torch.long, probs.device)],
+                         len(order) - len(seeded), keys).tolist()
+    tokens = [0] * len(states)
+    for i, token in zip(order, drawn, strict=True):
+        tokens[i] = token
+    return tokens
 
 
 def rejection_sample(

@@ -254,6 +254,18 @@ class Sampler:
                 sources.append(b * max_k + j)
         self._put(sampled, positions, top_ids.flatten()[self._tensor(sources, torch.long)])
 
+    def race(self, probs: torch.Tensor, num_unseeded: int, keys: list[int]) -> torch.Tensor:
+        """argmax(probs / Exponential(1)) of each row, a draw from it: [num_draws]. probs
+        [num_draws, vocab_size] (unnormalized is fine) is overwritten; the first num_unseeded
+        rows take noise from the global RNG, the others from their keys (draw_keys)."""
+        if num_unseeded:
+            self._divide(probs[:num_unseeded],
+                         torch.empty_like(probs[:num_unseeded]).exponential_())
+        if keys:
+            self._divide(probs[num_unseeded:],
+                         self._seeded_noise.exponential(self._tensor(keys, torch.long)))
+        return probs.argmax(dim=-1)
+
     def _sample_random(self, sampled: torch.Tensor, logprobs: torch.Tensor,
                        seqs: list[SeqSamplingState], rows: list[int], offsets: list[int]) -> None:
         # unseeded rows first: each kind of noise fills one contiguous slice
@@ -262,18 +274,12 @@ class Sampler:
         expanded = [i for i in rows for _ in range(seqs[i].num_samples)]
         positions = [offsets[i] + j for i in rows for j in range(seqs[i].num_samples)]
         probs = logprobs[self._tensor(expanded, torch.long)].exp()  # [num_draws, vocab_size]
-        num_unseeded = len(expanded) - sum(s.num_samples for s in seeded)
-        if num_unseeded:
-            self._race(probs[:num_unseeded], torch.empty_like(probs[:num_unseeded]).exponential_())
-        if seeded:
-            keys = draw_keys([s.seed for s in seeded], [len(s.token_ids) for s in seeded],
-                             [s.num_samples for s in seeded])
-            self._race(probs[num_unseeded:],
-                       self._seeded_noise.exponential(self._tensor(keys, torch.long)))
-        self._put(sampled, positions, probs.argmax(dim=-1))
+        keys = draw_keys([s.seed for s in seeded], [len(s.token_ids) for s in seeded],
+                         [s.num_samples for s in seeded])
+        self._put(sampled, positions, self.race(probs, len(expanded) - len(keys), keys))
 
     @staticmethod
-    def _race(probs: torch.Tensor, noise: torch.Tensor) -> None:  # both [num_draws, vocab_size]
+    def _divide(probs: torch.Tensor, noise: torch.Tensor) -> None:  # [num_draws, vocab_size]
         # a noise of exactly 0 would turn a masked token's 0 / 0 into NaN
         probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny))
 

@@ -33,12 +33,14 @@ def step_seed(seed: int, num_tokens: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK_64) ^ num_tokens) >> 1
 
 
-def draw_keys(seeds: list[int], positions: list[int], num_samples: list[int]) -> list[int]:
+def draw_keys(seeds: list[int], positions: list[int], num_samples: list[int],
+              stream: int = 0) -> list[int]:
     """Per draw, row by row and sample by sample: the key of (seed, position, sample index),
-    the sample index's output of the splitmix64 stream that starts at step_seed."""
+    the sample index's output of the splitmix64 stream that starts at step_seed ^ stream (a
+    stream other than 0: noise of its own for another use of the same draw)."""
     keys = []
     for seed, position, n in zip(seeds, positions, num_samples, strict=True):
-        start = step_seed(seed, position)
+        start = step_seed(seed, position) ^ stream
         keys.extend(_splitmix64(start + j * _GOLDEN_64) >> 32 for j in range(n))
     return keys
 

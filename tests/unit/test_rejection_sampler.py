@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedserve.worker_svc.rejection_sampler import draw_draft
+from pagedserve.worker_svc.rejection_sampler import draw_drafts
 from pagedserve.worker_svc.sampler import Sampler
 from pagedserve.worker_svc.spec_decode import launch_samples, sampling_state
 
@@ -24,14 +24,16 @@ NUM_SEQS = 4000
 def verified(seeds: list[int]):
     """Each sequence drafts 2 tokens from Q (seeded), then the target verifies them."""
     seqs = []
+    sampler = Sampler(5, [4], CPU)
     for seed in seeds:
         seq = cached(seed, [], seed=seed, temperature=1.0)
         for q in Q:
-            seq.draft_token_ids.append(draw_draft(q, sampling_state(seq, len(seq.draft_token_ids))))
+            state = sampling_state(seq, len(seq.draft_token_ids))
+            seq.draft_token_ids.append(draw_drafts(sampler, q.unsqueeze(0), [state])[0])
         seq.draft_probs = Q.clone()
         seqs.append(seq)
     logits = P.log().repeat(len(seqs), 1)
-    return seqs, launch_samples(Sampler(5, [4], CPU), logits, seqs).result()
+    return seqs, launch_samples(sampler, logits, seqs).result()
 
 
 def test_every_emitted_token_follows_the_target_distribution():
