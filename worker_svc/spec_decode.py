@@ -22,6 +22,7 @@ import itertools
 
 import torch
 from pagedserve.services.common.step_plan import SampledSequence
+from pagedserve.worker_svc.host_to_device import to_device
 from pagedserve.worker_svc.rejection_sampler import rejection_sample
 from pagedserve.worker_svc.sampler import PendingSamples, Sampler, SeqSamplingState
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
@@ -47,9 +48,17 @@ def launch_samples(sampler: Sampler, logits: torch.Tensor, seqs: list[CachedSequ
     states = [sampling_state(s, j) for s in seqs for j in range(len(s.draft_token_ids) + 1)]
     first_rows = list(itertools.accumulate((len(s.draft_token_ids) + 1 for s in seqs), initial=0))
     target_logprobs = {}  # sampled drafts' sequences: the target's distributions, to test against
-    for seq, first, end in zip(seqs, first_rows, first_rows[1:], strict=False):
-        if seq.draft_probs is not None:
-            target_logprobs[seq.seq_id] = sampler.logprobs(logits[first:end], states[first:end])
+    tested = [(seq, first, end) for seq, first, end in zip(seqs, first_rows, first_rows[1:],
+                                                           strict=False)
+              if seq.draft_probs is not None]
+    if tested:
+        rows = [row for _, first, end in tested for row in range(first, end)]
+        logprobs = sampler.logprobs(logits[to_device(rows, torch.long, logits.device)],
+                                    [states[row] for row in rows])  # [len(rows), vocab]
+        start = 0
+        for seq, first, end in tested:
+            target_logprobs[seq.seq_id] = logprobs[start:start + end - first]
+            start += end - first
     if token_bitmask is not None:
         # constrained sequences carry no drafts (the mirror refuses them): one row each, moved
         # to where its sequence's rows start among the verified rows
