@@ -266,6 +266,14 @@ class Sampler:
                          self._seeded_noise.exponential(self._tensor(keys, torch.long)))
         return probs.argmax(dim=-1)
 
+    def uniforms(self, num_unseeded: int, keys: list[int]) -> torch.Tensor:
+        """[num_unseeded + len(keys)] float64 in [0, 1): the first from the global RNG, the
+        others from their keys (draw_keys)."""
+        unseeded = torch.rand(num_unseeded, dtype=torch.float64, device=self.device)
+        if not keys:
+            return unseeded
+        return torch.cat([unseeded, self._seeded_noise.uniforms(self._tensor(keys, torch.long))])
+
     def _sample_random(self, sampled: torch.Tensor, logprobs: torch.Tensor,
                        seqs: list[SeqSamplingState], rows: list[int], offsets: list[int]) -> None:
         # unseeded rows first: each kind of noise fills one contiguous slice

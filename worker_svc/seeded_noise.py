@@ -63,6 +63,11 @@ class SeededNoise:
         bits of each (draw, token)."""
         return _mix32_(self._token_hashes ^ keys.unsqueeze(1))
 
+    def uniforms(self, keys: torch.Tensor) -> torch.Tensor:
+        """keys: [num_draws] int64 from draw_keys → [num_draws] float64 in [0, 1), one a key (the
+        bits of token 0)."""
+        return _mix32_(keys ^ self._token_hashes[0]).to(torch.float64).mul_(2.0 ** -32)
+
     def exponential(self, keys: torch.Tensor) -> torch.Tensor:
         """keys: [num_draws] int64 from draw_keys → [num_draws, vocab_size] float32 Exponential(1)
         noise, 0 where the bits are 0 (a caller that divides by it clamps it)."""

@@ -62,7 +62,7 @@ def test_a_seed_gives_the_same_tokens_alone_or_batched():
     assert len({tuple(o.token_ids) for o in batched}) > 10  # the seeds do vary the draws
 
 
-def test_drawing_and_launching_the_verification_cost_no_op_per_sequence():
+def test_drawing_and_verifying_sampled_drafts_cost_no_op_per_sequence():
     def num_ops(num_seqs: int) -> int:
         sampler = Sampler(5, [4], CPU)
         seqs = [cached(seed, [], seed=seed, temperature=1.0) for seed in range(num_seqs)]
@@ -74,7 +74,7 @@ def test_drawing_and_launching_the_verification_cost_no_op_per_sequence():
                     s.draft_token_ids.append(token)
             for s in seqs:
                 s.draft_probs = Q
-            launch_samples(sampler, P.log().repeat(num_seqs, 1), seqs)
+            launch_samples(sampler, P.log().repeat(num_seqs, 1), seqs).result()
         return counter.num_ops
 
     assert num_ops(24) == num_ops(2)
