@@ -21,7 +21,7 @@ from pagedserve.worker_svc.host_to_device import to_device
 from pagedserve.worker_svc.sampler import Sampler, SeqSamplingState
 from pagedserve.worker_svc.seeded_noise import draw_keys
 
-# XORed into step_seed's value so that each stream's noise is unrelated to the plain draw's
+# draw_keys' streams: each one's noise is unrelated to the plain draw's
 _DRAFT_STREAM = 0x2545F4914F6CDD1D
 _ACCEPT_STREAM = 0x5851F42D4C957F2D
 

@@ -27,10 +27,10 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def step_seed(seed: int, num_tokens: int) -> int:
+def _step_seed(seed: int, num_tokens: int) -> int:
     """Hashed, not seed + num_tokens, so siblings whose seeds differ by one do not replay each
-    other's noise one step apart. 63 bits: every torch generator accepts it."""
-    return _splitmix64(_splitmix64(seed & _MASK_64) ^ num_tokens) >> 1
+    other's noise one step apart."""
+    return _splitmix64(_splitmix64(seed & _MASK_64) ^ num_tokens)
 
 
 def draw_keys(seeds: list[int], positions: list[int], num_samples: list[int],
@@ -40,7 +40,7 @@ def draw_keys(seeds: list[int], positions: list[int], num_samples: list[int],
     stream other than 0: noise of its own for another use of the same draw)."""
     keys = []
     for seed, position, n in zip(seeds, positions, num_samples, strict=True):
-        start = step_seed(seed, position) ^ stream
+        start = _step_seed(seed, position) ^ stream
         keys.extend(_splitmix64(start + j * _GOLDEN_64) >> 32 for j in range(n))
     return keys
 
