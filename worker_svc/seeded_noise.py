@@ -36,7 +36,7 @@ def _step_seed(seed: int, num_tokens: int) -> int:
 def draw_keys(seeds: list[int], positions: list[int], num_samples: list[int],
               stream: int = 0) -> list[int]:
     """Per draw, row by row and sample by sample: the key of (seed, position, sample index),
-    the sample index's output of the splitmix64 stream that starts at step_seed ^ stream (a
+    the sample index's output of the splitmix64 stream that starts at _step_seed ^ stream (a
     stream other than 0: noise of its own for another use of the same draw)."""
     keys = []
     for seed, position, n in zip(seeds, positions, num_samples, strict=True):
