@@ -46,7 +46,7 @@ from pagedserve.worker_svc.layers.attention import Attention
 from pagedserve.worker_svc.loader import load_hf_config, load_model
 from pagedserve.worker_svc.mixed_graphs import MixedGraphs, capture_graphs, replay_forward
 from pagedserve.worker_svc.model_input import ModelInput, build_model_input
-from pagedserve.worker_svc.rejection_sampler import draw_draft
+from pagedserve.worker_svc.rejection_sampler import draw_drafts
 from pagedserve.worker_svc.sampler import Sampler
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 from pagedserve.worker_svc.spec_decode import sampling_state
@@ -234,8 +234,9 @@ class DraftProposer:
             return
         states = [sampling_state(rows[i]) for i in sampled]
         row_probs = self.sampler.logprobs(logits[sampled], states).exp()  # [num_sampled, vocab]
-        for state, q in zip(states, row_probs, strict=True):
-            drafts[state.seq_id][-1] = draw_draft(q, state)
+        for state, q, token in zip(states, row_probs, draw_drafts(self.sampler, row_probs, states),
+                                   strict=True):
+            drafts[state.seq_id][-1] = token
             probs[state.seq_id].append(q)
 
 

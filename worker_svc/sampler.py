@@ -1,7 +1,7 @@
 """Sampler. vLLM V1's order: allowed ids → bad words → min_tokens → logit bias → penalties →
 temperature → top-k/top-p → min-p; logprobs are of the processed logits. Random rows race
-argmax(probs / Exponential(1)), with no host sync; a seeded row's noise comes from (seed, length)
-alone, so it survives batching and preemption."""
+argmax(probs / Exponential(1)), with no host sync; a seeded draw's noise comes from (seed, length,
+sample index) alone (seeded_noise.py), so it survives batching and preemption."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from pagedserve.worker_svc.logits_processor import (
     mask_tokens,
 )
 from pagedserve.worker_svc.penalties import apply_penalties
+from pagedserve.worker_svc.seeded_noise import SeededNoise, draw_keys
 from pagedserve.worker_svc.token_bitmask import TokenBitmask
 
-_MASK_64 = (1 << 64) - 1
 _PROMPT_LOGPROBS_CHUNK = 1024  # rows per log_softmax, bounds the extra memory of long prompts
 
 
@@ -52,19 +52,6 @@ class SeqSamplingState:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK_64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK_64
-    return x ^ (x >> 31)
-
-
-def step_seed(seed: int, num_tokens: int) -> int:
-    """Hashed, not seed + num_tokens, so siblings whose seeds differ by one do not replay each
-    other's noise one step apart. 63 bits: every torch generator accepts it."""
-    return _splitmix64(_splitmix64(seed & _MASK_64) ^ num_tokens) >> 1
 
 
 def _has_penalty(sampling: SamplingParams) -> bool:
@@ -97,8 +84,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
-        # re-seeded before every use, so it carries no state from one step to the next
-        self._generator = torch.Generator(device=self.device)
+        self._seeded_noise = SeededNoise(vocab_size, self.device)
 
     def __call__(self, logits: torch.Tensor, seqs: list[SeqSamplingState],
                  token_bitmask: TokenBitmask | None = None) -> list[SampledSequence]:
@@ -268,26 +254,42 @@ class Sampler:
                 sources.append(b * max_k + j)
         self._put(sampled, positions, top_ids.flatten()[self._tensor(sources, torch.long)])
 
+    def race(self, probs: torch.Tensor, num_unseeded: int, keys: list[int]) -> torch.Tensor:
+        """argmax(probs / Exponential(1)) of each row, a draw from it: [num_draws]. probs
+        [num_draws, vocab_size] (unnormalized is fine) is overwritten; the first num_unseeded
+        rows take noise from the global RNG, the others from their keys (draw_keys)."""
+        if num_unseeded:
+            self._divide(probs[:num_unseeded],
+                         torch.empty_like(probs[:num_unseeded]).exponential_())
+        if keys:
+            self._divide(probs[num_unseeded:],
+                         self._seeded_noise.exponential(self._tensor(keys, torch.long)))
+        return probs.argmax(dim=-1)
+
+    def uniforms(self, num_unseeded: int, keys: list[int]) -> torch.Tensor:
+        """[num_unseeded + len(keys)] float64 in [0, 1): the first from the global RNG, the
+        others from their keys (draw_keys)."""
+        unseeded = torch.rand(num_unseeded, dtype=torch.float64, device=self.device)
+        if not keys:
+            return unseeded
+        return torch.cat([unseeded, self._seeded_noise.uniforms(self._tensor(keys, torch.long))])
+
     def _sample_random(self, sampled: torch.Tensor, logprobs: torch.Tensor,
                        seqs: list[SeqSamplingState], rows: list[int], offsets: list[int]) -> None:
-        # unseeded rows first, so the global RNG fills one contiguous slice in one draw
+        # unseeded rows first: each kind of noise fills one contiguous slice
         rows = sorted(rows, key=lambda i: seqs[i].seed is not None)
+        seeded = [seqs[i] for i in rows if seqs[i].seed is not None]
         expanded = [i for i in rows for _ in range(seqs[i].num_samples)]
         positions = [offsets[i] + j for i in rows for j in range(seqs[i].num_samples)]
         probs = logprobs[self._tensor(expanded, torch.long)].exp()  # [num_draws, vocab_size]
-        noise = torch.empty_like(probs)  # [num_draws, vocab_size]
-        start = 0
-        num_unseeded = sum(seqs[i].num_samples for i in rows if seqs[i].seed is None)
-        if num_unseeded:
-            noise[:num_unseeded].exponential_()
-            start = num_unseeded
-        for seq in (seqs[i] for i in rows if seqs[i].seed is not None):
-            self._generator.manual_seed(step_seed(seq.seed, len(seq.token_ids)))
-            noise[start:start + seq.num_samples].exponential_(generator=self._generator)
-            start += seq.num_samples
-        # an exponential draw of exactly 0 would turn a masked token's 0 / 0 into NaN
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        self._put(sampled, positions, probs.div_(noise).argmax(dim=-1))
+        keys = draw_keys([s.seed for s in seeded], [len(s.token_ids) for s in seeded],
+                         [s.num_samples for s in seeded])
+        self._put(sampled, positions, self.race(probs, len(expanded) - len(keys), keys))
+
+    @staticmethod
+    def _divide(probs: torch.Tensor, noise: torch.Tensor) -> None:  # [num_draws, vocab_size]
+        # a noise of exactly 0 would turn a masked token's 0 / 0 into NaN
+        probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny))
 
     def _put(self, sampled: torch.Tensor, positions: list[int], values: torch.Tensor) -> None:
         sampled[self._tensor(positions, torch.long)] = values

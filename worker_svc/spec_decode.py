@@ -22,7 +22,8 @@ import itertools
 
 import torch
 from pagedserve.services.common.step_plan import SampledSequence
-from pagedserve.worker_svc.rejection_sampler import rejection_sample
+from pagedserve.worker_svc.host_to_device import to_device
+from pagedserve.worker_svc.rejection_sampler import launch_draft_tests, rejection_sample
 from pagedserve.worker_svc.sampler import PendingSamples, Sampler, SeqSamplingState
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 from pagedserve.worker_svc.token_bitmask import TokenBitmask
@@ -46,10 +47,17 @@ def launch_samples(sampler: Sampler, logits: torch.Tensor, seqs: list[CachedSequ
         return sampler.launch(logits[:len(seqs)], states, token_bitmask)
     states = [sampling_state(s, j) for s in seqs for j in range(len(s.draft_token_ids) + 1)]
     first_rows = list(itertools.accumulate((len(s.draft_token_ids) + 1 for s in seqs), initial=0))
-    target_logprobs = {}  # sampled drafts' sequences: the target's distributions, to test against
-    for seq, first, end in zip(seqs, first_rows, first_rows[1:], strict=False):
-        if seq.draft_probs is not None:
-            target_logprobs[seq.seq_id] = sampler.logprobs(logits[first:end], states[first:end])
+    tested = [(seq, first) for seq, first in zip(seqs, first_rows, strict=False)
+              if seq.draft_probs is not None]
+    tests = None  # sampled drafts: their tests against the target's distributions
+    if tested:
+        draft_rows = [first + j for seq, first in tested for j in range(len(seq.draft_token_ids))]
+        draft_states = [states[row] for row in draft_rows]
+        tests = launch_draft_tests(
+            sampler, sampler.logprobs(logits[to_device(draft_rows, torch.long, logits.device)],
+                                      draft_states),
+            torch.cat([seq.draft_probs[:len(seq.draft_token_ids)] for seq, _ in tested]),
+            [t for seq, _ in tested for t in seq.draft_token_ids], draft_states)
     if token_bitmask is not None:
         # constrained sequences carry no drafts (the mirror refuses them): one row each, moved
         # to where its sequence's rows start among the verified rows
@@ -58,17 +66,17 @@ def launch_samples(sampler: Sampler, logits: torch.Tensor, seqs: list[CachedSequ
         rows = sampler.launch(logits[:len(states)], states, token_bitmask)
     else:
         rows = sampler.launch(logits[:len(states)], states)
-    return VerifiedSamples(rows, seqs, target_logprobs)
+    return VerifiedSamples(rows, seqs, tests)
 
 
 class VerifiedSamples:
     """One draw per row; result() keeps each sequence's accepted prefix and the next token."""
 
     def __init__(self, rows: PendingSamples, seqs: list[CachedSequence],
-                 target_logprobs: dict[int, torch.Tensor]) -> None:
+                 tests: torch.Tensor | None) -> None:  # [4, num_sampled_drafts]
         self._rows = rows
         self._seqs = seqs
-        self._target_logprobs = target_logprobs
+        self._tests = tests
         self._first_rows = []
         row = 0
         for seq in seqs:
@@ -79,12 +87,16 @@ class VerifiedSamples:
 
     def result(self) -> list[SampledSequence]:
         rows = self._rows.result()
+        tests = [] if self._tests is None else self._tests.tolist()
         out = []
+        start = 0
         for seq, first in zip(self._seqs, self._first_rows, strict=True):
             seq_rows = rows[first:first + len(seq.draft_token_ids) + 1]
-            if seq.seq_id in self._target_logprobs:
-                out.append(rejection_sample(self._target_logprobs[seq.seq_id], seq.draft_probs,
-                                            seq.draft_token_ids, seq_rows, sampling_state(seq)))
+            if seq.draft_probs is not None:
+                end = start + len(seq.draft_token_ids)
+                out.append(rejection_sample([t[start:end] for t in tests], seq.draft_token_ids,
+                                            seq_rows, seq.seq_id))
+                start = end
             else:
                 out.append(verify(seq, seq_rows))
         return out
