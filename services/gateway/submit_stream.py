@@ -33,9 +33,6 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 # so a saturated gateway got ~1.4 tokens per event instead of ~2-3 (bench.gateway_cpu, 5 ms
 # steps: 57-64 -> 40-45 us of gateway CPU per token over gRPC, TTFT p50 halved)
 RESPONSE_WINDOW = 1
-# what queued behind a write goes as one message up to this size (the channel takes 64 MiB; a
-# burst of long prompts goes as several)
-MAX_BATCH_BYTES = 4 << 20
 # a request's handler of its responses: called by the call's reader, once per event, so it must
 # not block; True leaves the request (it is cancelled in the scheduler)
 ResponseHandler = Callable[[scheduler_pb2.SubmitResponse], bool]
@@ -165,14 +162,8 @@ class SubmitStreamClient:
             if call.done():
                 continue
             msg = self._action(first)
-            num_bytes = msg.ByteSize()
             while outbox and outbox[0][0] is call:
-                action = outbox[0][1]
-                num_bytes += 0 if action is None else action.ByteSize()
-                if num_bytes > MAX_BATCH_BYTES:
-                    break
-                outbox.popleft()
-                msg.next_actions.append(self._action(action))
+                msg.next_actions.append(self._action(outbox.popleft()[1]))
             self._writing = call
             with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
                 await call.write(msg)
