@@ -122,35 +122,29 @@ class SubmitStreamCall:
 
     async def _read(self, requests: AsyncIterator[scheduler_pb2.SubmitStreamRequest]) -> None:
         async for msg in requests:
-            self._act(msg)
-
-    def _act(self, msg: scheduler_pb2.SubmitStreamRequest) -> None:
-        """The message's action, then its next_actions in order."""
-        if msg.HasField("submit"):
-            request_id = msg.submit.request_id
-            if request_id in self._sinks:
-                raise InvalidRequest(f"request_id {request_id!r} is already live in this "
-                                     "SubmitStream call", reason=Reason.REQUEST_ID_IN_USE,
-                                     field="submit.request_id")
-            sink = self._sinks[request_id] = _Sink(self, request_id)
-            span = RequestSpan.server(msg.submit)
-            if span is not None:
-                self._spans[request_id] = span
-            self._adding[request_id] = asyncio.create_task(self._add(msg.submit, sink, span))
-        elif msg.HasField("cancel_request_id"):
-            self._cancel(msg.cancel_request_id)
-        elif msg.HasField("finish_sequence"):
-            finish = msg.finish_sequence
-            if finish.request_id in self._added:
-                self._engine.finish_sequence(finish.request_id, finish.index)
-        elif msg.HasField("response_window"):
-            self._window = msg.response_window
-            self._ready.set()
-        elif msg.HasField("handled_responses"):
-            self._num_unacked = max(0, self._num_unacked - msg.handled_responses)
-            self._ready.set()
-        for action in msg.next_actions:
-            self._act(action)
+            if msg.HasField("submit"):
+                request_id = msg.submit.request_id
+                if request_id in self._sinks:
+                    raise InvalidRequest(f"request_id {request_id!r} is already live in this "
+                                         "SubmitStream call", reason=Reason.REQUEST_ID_IN_USE,
+                                         field="submit.request_id")
+                sink = self._sinks[request_id] = _Sink(self, request_id)
+                span = RequestSpan.server(msg.submit)
+                if span is not None:
+                    self._spans[request_id] = span
+                self._adding[request_id] = asyncio.create_task(self._add(msg.submit, sink, span))
+            elif msg.HasField("cancel_request_id"):
+                self._cancel(msg.cancel_request_id)
+            elif msg.HasField("finish_sequence"):
+                finish = msg.finish_sequence
+                if finish.request_id in self._added:
+                    self._engine.finish_sequence(finish.request_id, finish.index)
+            elif msg.HasField("response_window"):
+                self._window = msg.response_window
+                self._ready.set()
+            elif msg.HasField("handled_responses"):
+                self._num_unacked = max(0, self._num_unacked - msg.handled_responses)
+                self._ready.set()
 
     async def _add(self, msg: scheduler_pb2.SubmitRequest, sink: _Sink,
                    span: RequestSpan | None) -> None:

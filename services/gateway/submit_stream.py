@@ -86,8 +86,7 @@ class SubmitStreamClient:
         # scheduler acknowledges (events of the id before that are the cancelled request's)
         self._live: dict[str, tuple[grpc.aio.StreamStreamCall, _Request | None]] = {}
         # what to write, in order: a cancel reaches the scheduler before a later submit of the
-        # same id (grpc.aio allows one write in flight per call; what queued meanwhile goes
-        # as one message)
+        # same id (grpc.aio allows one write in flight per call)
         # None: an acknowledgement of what the reader has handled by the time it is written
         self._outbox: deque[tuple[grpc.aio.StreamStreamCall,
                                   scheduler_pb2.SubmitStreamRequest | None]] = deque()
@@ -153,29 +152,17 @@ class SubmitStreamClient:
             self._writer = asyncio.create_task(self._write_outbox())
 
     async def _write_outbox(self) -> None:
-        """What queued for one call behind the write in flight goes as one message: a
-        write's completion waits for its turn on a busy event loop, so one write per action
-        held a burst of submits (and the acknowledgement behind them) for a turn each."""
-        outbox = self._outbox
-        while outbox:
-            call, first = outbox.popleft()
+        while self._outbox:
+            call, msg = self._outbox.popleft()
             if call.done():
                 continue
-            msg = self._action(first)
-            while outbox and outbox[0][0] is call:
-                msg.next_actions.append(self._action(outbox.popleft()[1]))
+            if msg is None:
+                msg = scheduler_pb2.SubmitStreamRequest(handled_responses=self._num_handled)
+                self._num_handled = 0
             self._writing = call
             with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
                 await call.write(msg)
                 self._writing = None
-
-    def _action(self, msg: scheduler_pb2.SubmitStreamRequest | None
-                ) -> scheduler_pb2.SubmitStreamRequest:
-        if msg is not None:
-            return msg
-        handled = scheduler_pb2.SubmitStreamRequest(handled_responses=self._num_handled)
-        self._num_handled = 0
-        return handled
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         error: BaseException

@@ -47,7 +47,6 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.response_window = 0  # as the caller asked
         self.num_responses = 0
         self.num_handled_responses = 0  # as the caller acknowledged
-        self.num_submit_messages = 0  # the caller's messages with one or more submits
         self._abort_events: dict[str, asyncio.Event] = {}
         self._is_runnable: dict[str, asyncio.Event] = {}  # cleared while paused
         self.any_cancelled = asyncio.Event()
@@ -65,31 +64,24 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         events: asyncio.Queue[scheduler_pb2.RequestEvent | None] = asyncio.Queue()
         tasks: dict[str, asyncio.Task] = {}
 
-        def act(msg):
-            if msg.HasField("submit"):
-                tasks[msg.submit.request_id] = asyncio.create_task(
-                    self._serve(msg.submit, events))
-            elif msg.HasField("cancel_request_id"):
-                task = tasks.pop(msg.cancel_request_id, None)
-                if task is not None:
-                    task.cancel()
-                events.put_nowait(scheduler_pb2.RequestEvent(
-                    request_id=msg.cancel_request_id, done=True))
-            elif msg.HasField("finish_sequence"):
-                self.finished.append((msg.finish_sequence.request_id,
-                                      msg.finish_sequence.index))
-            elif msg.HasField("response_window"):
-                self.response_window = msg.response_window
-            elif msg.HasField("handled_responses"):
-                self.num_handled_responses += msg.handled_responses
-            for action in msg.next_actions:
-                act(action)
-
         async def read():
             async for msg in requests:
-                if msg.HasField("submit") or any(a.HasField("submit") for a in msg.next_actions):
-                    self.num_submit_messages += 1
-                act(msg)
+                if msg.HasField("submit"):
+                    tasks[msg.submit.request_id] = asyncio.create_task(
+                        self._serve(msg.submit, events))
+                elif msg.HasField("cancel_request_id"):
+                    task = tasks.pop(msg.cancel_request_id, None)
+                    if task is not None:
+                        task.cancel()
+                    events.put_nowait(scheduler_pb2.RequestEvent(
+                        request_id=msg.cancel_request_id, done=True))
+                elif msg.HasField("finish_sequence"):
+                    self.finished.append((msg.finish_sequence.request_id,
+                                          msg.finish_sequence.index))
+                elif msg.HasField("response_window"):
+                    self.response_window = msg.response_window
+                elif msg.HasField("handled_responses"):
+                    self.num_handled_responses += msg.handled_responses
 
         reader = asyncio.create_task(read())
         try:  # writes, not yields: grpc may drop a generator handler, to be finalized anywhere

@@ -72,29 +72,6 @@ def test_the_call_asks_for_one_response_at_a_time_and_acknowledges_every_one_it_
     assert fake.num_handled_responses == fake.num_responses >= len(REPLY_IDS)
 
 
-
-def test_submits_queued_behind_a_write_in_flight_go_in_one_message():
-    """Each write waits for its completion's turn on the event loop: a burst of requests goes
-    as one message, not one write (and one turn) each."""
-    async def body(client, fake):
-        num_requests = 20
-        tokens: dict[str, list[int]] = {}
-
-        async def one(request_id):
-            def on_response(response):
-                tokens.setdefault(request_id, []).extend(response.outputs[0].token_ids)
-                return False
-            return await client.stream(submit(request_id), on_response)
-
-        ended = await asyncio.gather(*(one(f"r{i}") for i in range(num_requests)))
-        return num_requests, ended, tokens
-
-    (num_requests, ended, tokens), fake = run(body)
-    assert ended == [False] * num_requests
-    assert all(tokens[f"r{i}"] == REPLY_IDS for i in range(num_requests))
-    assert len(fake.submits) == num_requests
-    assert fake.num_submit_messages < num_requests
-
 def test_a_handler_that_leaves_cancels_the_request_in_the_scheduler():
     async def body(client, fake):
         tokens = []

@@ -17,12 +17,10 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.sinks: dict = {}
-        self.requests: dict = {}
         self.dropped: list[str] = []
 
     async def submit(self, request, sink) -> None:
         self.sinks[request.request_id] = sink
-        self.requests[request.request_id] = request
 
     def drop(self, request_id: str, sink) -> None:
         self.dropped.append(request_id)
@@ -132,32 +130,3 @@ def test_a_full_window_holds_the_steps_until_acknowledged_then_sends_them_merged
     first, held, second = asyncio.run(main())
     assert list(first.response.outputs[0].token_ids) == [1]
     assert held and list(second.response.outputs[0].token_ids) == [2, 3, 4]
-
-
-
-def test_actions_batched_in_one_message_are_handled_in_order():
-    """A caller's queued actions come as one message (next_actions): a submit, its cancel, a
-    second submit of the same id, then an acknowledgement, each taken as if sent alone."""
-    async def main():
-        engine, requests, responses, first = await _call_with_request()
-        requests.put_nowait(scheduler_pb2.SubmitStreamRequest(response_window=1))
-        await asyncio.sleep(0)
-        engine.sinks["r"].put_nowait(_report({0: [1]}))
-        await first
-        batch = scheduler_pb2.SubmitStreamRequest(
-            submit=scheduler_pb2.SubmitRequest(request_id="s", prompt_token_ids=[3]))
-        batch.next_actions.extend([
-            scheduler_pb2.SubmitStreamRequest(cancel_request_id="s"),
-            scheduler_pb2.SubmitStreamRequest(
-                submit=scheduler_pb2.SubmitRequest(request_id="s", prompt_token_ids=[4])),
-            scheduler_pb2.SubmitStreamRequest(handled_responses=1)])
-        requests.put_nowait(batch)
-        # sent only once the acknowledgement, last in the batch, freed the window
-        cancelled = _event(await asyncio.wait_for(anext(responses), 5))
-        while "s" not in engine.requests:
-            await asyncio.sleep(0)
-        return cancelled, engine.requests["s"]
-
-    cancelled, second = asyncio.run(main())
-    assert cancelled.request_id == "s" and cancelled.done and not cancelled.HasField("response")
-    assert second.prompt_token_ids == [4]
