@@ -10,8 +10,8 @@ shared host it moves far less than wall-clock rates do. Issue #30's targets: >= 
 >= 30k over HTTP.
 
 --gateway-tree runs the gateway from another source tree (an older commit's), so that before
-and after can alternate in one window (--repeats, A B A B) against the same scheduler, clients and
-workload.
+and after can alternate in one window (--repeats: A B, then B A, so that a drift in the host's
+load falls on both) against the same scheduler, clients and workload.
 
     python -m bench.gateway_cpu                               # 256 streams, both doors
     python -m bench.gateway_cpu --gateway-tree /tmp/base --trees-label before after
@@ -165,7 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a second source tree whose gateway alternates with this one's")
     parser.add_argument("--trees-label", nargs=2, default=["other", "this"],
                         help="names of --gateway-tree and of this tree in the record")
-    parser.add_argument("--repeats", type=int, default=1, help="rounds (A B per round)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds (A B, then B A, ...)")
     parser.add_argument("--startup-timeout-s", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default="cpu")
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryFile("w+") as log_file:
         try:
             for round_index in range(args.repeats):
-                for label, tree in trees:
+                for label, tree in trees if round_index % 2 == 0 else trees[::-1]:
                     results += run_tree(args, label, tree, scheduler_port, vocab_size,
                                         round_index, log_file)
         except Exception:
