@@ -13,7 +13,7 @@ from pagedserve.llm_engine import LLMEngine
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
-# up to 12 drafts, one per token the match agrees on (bench.spec_decode's setting)
+# up to 12 drafts, one per token the match agrees on
 SCALED = {**NGRAM, "num_speculative_tokens": 12, "prompt_lookup_max_spec_factor": 1.0}
 TINY = dict(device="cpu", attention_backend="torch", block_size=8, num_threads=1)
 
