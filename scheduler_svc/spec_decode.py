@@ -156,11 +156,11 @@ class Speculator:
             if seq.has_placeholder:
                 return None
             return [PLACEHOLDER_TOKEN_ID] * num_tokens  # the step's choice cuts them
+        lookup = (config.prompt_lookup_min, config.prompt_lookup_max,
+                  config.prompt_lookup_max_spec_factor)
         if not seq.has_placeholder:
-            return propose_ngram(seq.token_ids, num_tokens, config.prompt_lookup_min,
-                                 config.prompt_lookup_max)
-        return propose_ngram(seq.token_ids[:-1], num_tokens + 1, config.prompt_lookup_min,
-                             config.prompt_lookup_max)[1:]
+            return propose_ngram(seq.token_ids, num_tokens, *lookup)
+        return propose_ngram(seq.token_ids[:-1], num_tokens + 1, *lookup)[1:]
 
     def drafts_that_pay(self, scheduled: list[ScheduledSequence]) -> list[int]:
         """How many of its drafts each scheduled sequence keeps: those that raise the step's

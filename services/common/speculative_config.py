@@ -18,7 +18,8 @@ MAX_FUSED_CATCH_UP = 8
 # most of a batch of 32 behind for ~30 steps on the simulated H100; 2048 is ~7 ms of a 1B draft
 # there)
 MAX_CATCH_UP_TOKENS = 2048
-_TYPES = {"str": (str, "a string"), "int": (int, "an integer"), "bool": (bool, "true or false")}
+_TYPES = {"str": ((str,), "a string"), "int": ((int,), "an integer"),
+          "float": ((int, float), "a number"), "bool": ((bool,), "true or false")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # the most draft tokens one sequence verifies in a step
     prompt_lookup_max: int = 4  # the longest suffix matched against the earlier tokens
     prompt_lookup_min: int = 2  # the shortest
+    # ngram: at most this many drafts per matched token (the match measured as far back as it
+    # goes), vLLM's suffix_decoding_max_spec_factor; 0: num_speculative_tokens whatever the match
+    prompt_lookup_max_spec_factor: float = 0.0
     adaptive: bool = True  # per-sequence lookahead from its recent acceptance; off when it does not pay
     disable_by_batch_size: int = 0  # no drafts while this many requests run (0: no such limit)
 
@@ -46,6 +50,9 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config needs 1 <= prompt_lookup_min <= "
                               f"prompt_lookup_max, got prompt_lookup_min={self.prompt_lookup_min}"
                               f" and prompt_lookup_max={self.prompt_lookup_max}")
+        if self.prompt_lookup_max_spec_factor < 0:
+            raise ConfigError("speculative_config.prompt_lookup_max_spec_factor must be >= 0 "
+                              f"(0: no limit), got {self.prompt_lookup_max_spec_factor}")
         if self.disable_by_batch_size < 0:
             raise ConfigError("speculative_config.disable_by_batch_size must be >= 0 (0: no "
                               f"limit), got {self.disable_by_batch_size}")
@@ -70,6 +77,6 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
                           f"{sorted(known)}")
     for name, item in value.items():
         expected, described = _TYPES[known[name]]
-        if type(item) is not expected:
+        if type(item) not in expected:
             raise ConfigError(f"speculative_config.{name} must be {described}, got {item!r}")
     return SpeculativeConfig(**value)

@@ -13,6 +13,8 @@ from pagedserve.llm_engine import LLMEngine
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
+# up to 12 drafts, one per token the match agrees on
+SCALED = {**NGRAM, "num_speculative_tokens": 12, "prompt_lookup_max_spec_factor": 1.0}
 TINY = dict(device="cpu", attention_backend="torch", block_size=8, num_threads=1)
 
 
@@ -69,6 +71,20 @@ def test_greedy_outputs_equal_speculation_off(tiny_pair):
     assert on.core.scheduler.num_preemptions > 0
 
 
+def test_match_scaled_drafts_keep_greedy_outputs(tiny_pair, llama_dir):
+    off, _ = tiny_pair
+    config = {**SCALED, "prompt_lookup_min": 1, "adaptive": False}
+    on = LLMEngine.from_kwargs(model=str(llama_dir),
+                               speculative_config=json.dumps(config),
+                               num_gpu_blocks_override=40, num_cpu_blocks_override=64,
+                               enable_prefix_caching=True, max_num_batched_tokens=32, **TINY)
+    prompts = prompts_with_repeats(6)
+    sampling = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    assert run(on, prompts, sampling) == run(off, prompts, sampling)
+    totals = speculator(on).totals
+    assert totals.num_draft_tokens > totals.num_accepted_tokens > 0
+
+
 def test_seeded_sampling_equals_speculation_off(tiny_pair):
     off, on = tiny_pair
     prompts = prompts_with_repeats(4)
@@ -88,11 +104,12 @@ def test_n_greater_than_one_and_beam_search_run_alongside(tiny_pair):
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_rewrite_equals_speculation_off(smollm2_dir):
+@pytest.mark.parametrize("spec", [NGRAM, SCALED], ids=["fixed", "scaled"])
+def test_smollm2_greedy_rewrite_equals_speculation_off(smollm2_dir, spec):
     kw = dict(device="cpu", attention_backend="torch", num_gpu_blocks_override=128,
               num_cpu_blocks_override=16, num_threads=1)
     off = LLM(str(smollm2_dir), **kw)
-    on = LLM(str(smollm2_dir), speculative_config=NGRAM, **kw)
+    on = LLM(str(smollm2_dir), speculative_config=spec, **kw)
     text = ("Repeat this sentence exactly: the paged KV cache keeps each sequence's keys and "
             "values in fixed-size blocks, allocated as the sequence grows.")
     prompt = off.tokenizer.apply_chat_template([{"role": "user", "content": text}])
@@ -100,7 +117,10 @@ def test_smollm2_greedy_rewrite_equals_speculation_off(smollm2_dir):
     expected, = off.generate([prompt], sampling, use_tqdm=False)
     got, = on.generate([prompt], sampling, use_tqdm=False)
     assert got.outputs[0].token_ids == expected.outputs[0].token_ids
-    assert on.engine.core.scheduler.speculator.totals.num_accepted_tokens > 0
+    totals = on.engine.core.scheduler.speculator.totals
+    assert totals.num_accepted_tokens > 0
+    # the copied sentence is a long match: scaled drafts run past the fixed 4 and are kept
+    assert (sum(totals.num_accepted_tokens_per_pos[4:]) > 0) == (spec is SCALED)
 
 
 def test_the_simulated_gpu_keeps_its_outputs_with_speculation(llama_dir):

@@ -36,3 +36,26 @@ def test_byte_patterns_spanning_two_tokens_are_not_matches():
     straddling = 0x01000000
     assert propose_ngram([straddling, 0, 0, 7, 1, 0], 2, 2, 2) == []
     assert propose_ngram([1, 0, 9, straddling, 0, 0, 7, 1, 0], 1, 2, 2) == [9]
+
+
+def test_a_spec_factor_drafts_in_proportion_to_how_far_back_the_match_agrees():
+    # [3, 4] occurred after [9, 1, 2]; the sequence ends [0, 1, 2, 3, 4]: 4 tokens agree,
+    # past prompt_lookup_max = 2
+    tokens = [9, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3, 4]
+    assert propose_ngram(tokens, 8, 2, 2) == [5, 6, 7, 8, 0, 1, 2, 3]
+    assert propose_ngram(tokens, 8, 2, 2, spec_factor=1.0) == [5, 6, 7, 8]
+    assert propose_ngram(tokens, 8, 2, 2, spec_factor=1.5) == [5, 6, 7, 8, 0, 1]
+    assert propose_ngram(tokens, 8, 2, 2, spec_factor=0.5) == [5, 6]
+    assert propose_ngram(tokens, 3, 2, 2, spec_factor=2.0) == [5, 6, 7]
+
+
+def test_a_short_match_drafts_few_tokens_under_a_spec_factor():
+    # only [2, 3] agrees (1 came before it there, 0 here): a phrase, not a copied passage
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 0, 2, 3]
+    assert propose_ngram(tokens, 8, 2, 4) == [4, 5, 6, 7, 8, 0, 2, 3]
+    assert propose_ngram(tokens, 8, 2, 4, spec_factor=1.0) == [4, 5]
+
+
+def test_the_matched_length_stops_at_the_sequence_start():
+    assert propose_ngram([2, 3, 4, 5, 2, 3], 8, 2, 4, spec_factor=2.0) == [4, 5, 2, 3]
+    assert propose_ngram([2, 3, 4, 5, 2, 3], 8, 2, 4, spec_factor=1.0) == [4, 5]

@@ -84,6 +84,19 @@ def test_a_verified_step_carries_the_drafts_and_counts_them_in_the_budget():
     assert seq.num_computed_tokens == len(seq.token_ids) - 1
 
 
+def test_a_spec_factor_sizes_each_steps_drafts_by_the_match():
+    config = {**json.loads(NGRAM), "num_speculative_tokens": 12,
+              "prompt_lookup_max_spec_factor": 0.5}
+    h = SpecHarness(accept=len, speculative_config=json.dumps(config))
+    h.add_prompt("r", PROMPT)
+    out, _ = _first_decode(h)
+    # the sequence's last 7 tokens [1..6, 1] agree with its first 7: 3 drafts
+    assert out.scheduled[0].draft_token_ids == [2, 3, 4]
+    out, _ = h.step()
+    # [2, 3, 4] kept, 5 drawn: the last 11 tokens agree with the 11 ending six earlier
+    assert out.scheduled[0].draft_token_ids == [6, 1, 2, 3, 4]
+
+
 def test_drafts_fit_in_what_the_token_budget_leaves():
     h = SpecHarness(accept=lambda drafts: 0, max_num_batched_tokens=3, enable_chunked_prefill=True)
     h.add_prompt("r", PROMPT)
@@ -247,6 +260,8 @@ def test_a_step_whose_drafts_did_not_pay_runs_ahead_and_keeps_the_slots_behind_i
     ('{"num_speculative_tokens": "4"}', "num_speculative_tokens must be an integer"),
     ('{"draft_model": "x"}', "unknown keys"),
     ('{"disable_by_batch_size": -1}', "disable_by_batch_size must be >= 0"),
+    ('{"prompt_lookup_max_spec_factor": -1.5}', "prompt_lookup_max_spec_factor must be >= 0"),
+    ('{"prompt_lookup_max_spec_factor": true}', "prompt_lookup_max_spec_factor must be a number"),
     ("ngram", "must be a JSON object"),
 ])
 def test_a_bad_speculative_config_is_refused_by_name(value, match):
@@ -257,4 +272,5 @@ def test_a_bad_speculative_config_is_refused_by_name(value, match):
 def test_the_speculative_config_may_be_a_dict():
     config = SchedulerConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert config.speculative.num_speculative_tokens == 2
+    assert config.speculative.prompt_lookup_max_spec_factor == 0.0
     assert SchedulerConfig().speculative is None
