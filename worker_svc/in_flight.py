@@ -134,3 +134,38 @@ class InFlightStep:
         offsets = self.samples.offsets
         return {s.seq_id: offsets[i] for i, s in enumerate(self.model_input.sample_seqs)
                 if s.num_samples == 1}
+
+
+@dataclass(frozen=True, slots=True)
+class Swaps:
+    out: list[tuple[int, int]]  # (device block, CPU block)
+    into: list[tuple[int, int]]  # (CPU block, device block)
+
+
+def split_swaps(swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                in_flight: InFlightStep | None) -> tuple[Swaps, Swaps]:
+    """(early, late): the late swaps read or write a device block the step in flight may still
+    use, or a block (device or CPU) a late swap uses, and wait for that step; the early ones run
+    beside it, ahead of the late ones (a hit whose blocks mostly come back into free blocks copies
+    those while the step before runs). Without a step in flight every swap is late. Each keeps the
+    order swap out, then swap in, and the plan's order within each."""
+    if in_flight is None:
+        return Swaps([], []), Swaps(list(swap_out), list(swap_in))
+    late_device = in_flight.block_ids()
+    late_cpu: set[int] = set()
+    is_late_out = [False] * len(swap_out)
+    is_late_in = [False] * len(swap_in)
+    is_changed = True
+    while is_changed:  # a swap made late makes late every swap sharing a block with it
+        is_changed = False
+        for is_late, pairs, (device_at, cpu_at) in ((is_late_out, swap_out, (0, 1)),
+                                                    (is_late_in, swap_in, (1, 0))):
+            for i, pair in enumerate(pairs):
+                if not is_late[i] and (pair[device_at] in late_device or pair[cpu_at] in late_cpu):
+                    is_late[i] = is_changed = True
+                    late_device.add(pair[device_at])
+                    late_cpu.add(pair[cpu_at])
+    return (Swaps([p for p, late in zip(swap_out, is_late_out, strict=True) if not late],
+                  [p for p, late in zip(swap_in, is_late_in, strict=True) if not late]),
+            Swaps([p for p, late in zip(swap_out, is_late_out, strict=True) if late],
+                  [p for p, late in zip(swap_in, is_late_in, strict=True) if late]))

@@ -24,6 +24,7 @@ from pagedserve.worker_svc.in_flight import (
     InFlightStep,
     PhaseClock,
     device_fence,
+    split_swaps,
 )
 from pagedserve.worker_svc.mixed_graphs import MixedGraphs, replay_forward
 from pagedserve.worker_svc.model_input import ModelInput, build_model_input
@@ -69,15 +70,17 @@ class ModelRunner:
         """Cache ops, the mirror's deltas, the inputs and the forward, queued on the device.
         `ahead_of`: the step still in flight, whose draws are the last tokens of this step's
         sequences that it sampled; they reach the inputs on the device (the host has not read
-        them yet); this step's swaps overlap it unless they touch its blocks. Then sample(),
-        then finish()."""
+        them yet); the swaps that touch none of its blocks overlap it (split_swaps). Then
+        sample(), then finish()."""
         clock = PhaseClock(self.device)
-        wait_for_compute = ahead_of is None or swaps_touch(plan, ahead_of)
-        modelled_out_s = cache_engine.swap_out(plan.blocks_to_swap_out, wait_for_compute)
+        early, late = split_swaps(plan.blocks_to_swap_out, plan.blocks_to_swap_in, ahead_of)
+        early_s = (cache_engine.swap_out(early.out, wait_for_compute=False),
+                   cache_engine.swap_in(early.into, wait_for_compute=False))
+        late_out_s = cache_engine.swap_out(late.out)
         clock.mark()
-        modelled_swap_s = (modelled_out_s,
-                           cache_engine.swap_in(plan.blocks_to_swap_in, wait_for_compute))
+        late_in_s = cache_engine.swap_in(late.into)
         clock.mark()
+        modelled_swap_s = (_total_s(early_s[0], late_out_s), _total_s(early_s[1], late_in_s))
         cache_engine.copy(plan.blocks_to_copy)
         clock.mark()
         if self.drafter is not None:
@@ -250,15 +253,11 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
 
-def swaps_touch(plan: StepPlan, in_flight: InFlightStep) -> bool:
-    """Whether the plan's swaps read or write a device block the step in flight may still read or
-    write. If not, they need not wait for it: a hit's blocks come back from the host while the
-    step before runs (copies off the critical path)."""
-    if not plan.blocks_to_swap_out and not plan.blocks_to_swap_in:
-        return False
-    busy = in_flight.block_ids()
-    return (any(gpu in busy for gpu, _ in plan.blocks_to_swap_out)
-            or any(gpu in busy for _, gpu in plan.blocks_to_swap_in))
+def _total_s(*modelled_s: float | None) -> float | None:
+    """Modelled swap seconds added up; None where the cache returns none (the clock times it)."""
+    if all(s is None for s in modelled_s):
+        return None
+    return sum(s or 0.0 for s in modelled_s)
 
 
 def dummy_num_blocks(query_lens: list[int], block_size: int,

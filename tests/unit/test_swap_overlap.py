@@ -1,7 +1,7 @@
 """Swaps off the step's critical path: a step launched while the one before is in flight issues
-its host-link copies at once, overlapping that step, unless they read or write a device block
-that step may still use; compute queued after the copies waits for them (the simulated GPU's
-copy lane models the real worker's swap stream)."""
+its host-link copies at once, overlapping that step, except those that read or write a device
+block that step may still use (or share a block with such a copy); compute queued after the
+copies waits for them (the simulated GPU's copy lane models the real worker's swap stream)."""
 
 from __future__ import annotations
 
@@ -22,15 +22,18 @@ class _RecordingCache:
     def __init__(self, inner) -> None:
         self.inner = inner
         self.waits: list[tuple[str, bool]] = []
+        self.swaps: list[tuple[str, list[tuple[int, int]], bool]] = []
 
     def swap_out(self, pairs, wait_for_compute=True):
         if pairs:
             self.waits.append(("out", wait_for_compute))
+            self.swaps.append(("out", list(pairs), wait_for_compute))
         return self.inner.swap_out(pairs, wait_for_compute)
 
     def swap_in(self, pairs, wait_for_compute=True):
         if pairs:
             self.waits.append(("in", wait_for_compute))
+            self.swaps.append(("in", list(pairs), wait_for_compute))
         return self.inner.swap_in(pairs, wait_for_compute)
 
     def __getattr__(self, name):
@@ -60,11 +63,34 @@ def test_a_host_hit_lands_in_free_blocks_while_the_step_before_runs(worker):
 
 
 @pytest.mark.parametrize("swaps", [
-    {"blocks_to_swap_in": [(1, FREE_BLOCK), (2, 3)]},  # block 3: the second prompt's
-    {"blocks_to_swap_out": [(1, 0)], "blocks_to_swap_in": [(1, FREE_BLOCK)]},
+    {"blocks_to_swap_in": [(2, 3)]},  # block 3: the second prompt's
+    {"blocks_to_swap_out": [(1, 0)]},
 ], ids=["into-a-block-in-use", "out-of-a-block-in-use"])
 def test_swaps_touching_a_block_of_the_step_in_flight_wait_for_it(worker, swaps):
     assert {wait for _, wait in _swaps_of_step_launched_ahead(worker, **swaps)} == {True}
+
+
+def test_a_hit_partly_into_blocks_in_use_copies_the_rest_beside_the_step_before(worker):
+    """A hit admitted as a request ends in the step in flight: a few of its blocks are that
+    request's (freed when the plan was made), the rest free. Only those few wait for it."""
+    _swaps_of_step_launched_ahead(
+        worker, blocks_to_swap_out=[(0, 7)],
+        blocks_to_swap_in=[(1, FREE_BLOCK), (2, 3), (4, FREE_BLOCK + 1)])
+    assert worker.cache_engine.swaps == [
+        ("in", [(1, FREE_BLOCK), (4, FREE_BLOCK + 1)], False),
+        ("out", [(0, 7)], True),
+        ("in", [(2, 3)], True),
+    ]
+
+
+def test_a_swap_sharing_a_cpu_block_with_a_waiting_swap_waits_too(worker):
+    """CPU block 5 is written from a block in use, then read back: the read stays behind."""
+    _swaps_of_step_launched_ahead(
+        worker, blocks_to_swap_out=[(0, 5)], blocks_to_swap_in=[(5, FREE_BLOCK)])
+    assert worker.cache_engine.swaps == [
+        ("out", [(0, 5)], True),
+        ("in", [(5, FREE_BLOCK)], True),
+    ]
 
 
 def test_swaps_of_a_step_launched_alone_wait_for_what_compute_holds(worker):
