@@ -15,6 +15,7 @@ load falls on both) against the same scheduler, clients and workload.
 
     python -m bench.gateway_cpu                               # 256 streams, both doors
     python -m bench.gateway_cpu --gateway-tree /tmp/base --trees-label before after
+    python -m bench.gateway_cpu --gateway-tree . --gateway-args "--num-grpc-servers 4"
 """
 
 from __future__ import annotations
@@ -68,15 +69,15 @@ def start_scheduler(args: argparse.Namespace):
     return proc, ports.get(timeout=120), info.vocab_size
 
 
-def start_gateway(args: argparse.Namespace, tree: Path, scheduler_port: int, log_file
-                  ) -> tuple[subprocess.Popen, str, str]:
+def start_gateway(args: argparse.Namespace, tree: Path, scheduler_port: int, log_file,
+                  extra_flags: list[str]) -> tuple[subprocess.Popen, str, str]:
     port, http_port = free_port(), free_port()
     gateway = subprocess.Popen(
         [sys.executable, "-m", "pagedserve.cli", "gateway", "--port", str(port),
          "--http-port", str(http_port), "--scheduler-address", f"127.0.0.1:{scheduler_port}",
          "--max-concurrent-requests", "8192", "--stream-interval", str(args.stream_interval),
          "--http-keep-alive-timeout-s", "600", "--http-header-timeout-s", "600",
-         "--max-http-connections-per-client", "0", "--log-level", "WARNING"],
+         "--max-http-connections-per-client", "0", "--log-level", "WARNING", *extra_flags],
         cwd=tree, stdout=log_file, stderr=log_file, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     address = f"127.0.0.1:{port}"
     try:
@@ -122,9 +123,10 @@ def run_door(args: argparse.Namespace, door: str, target: str, gateway_pid: int,
             "max_client_busy": max(r.busy for r in reports), "load_average_1m": load0}
 
 
-def run_tree(args: argparse.Namespace, label: str, tree: Path, scheduler_port: int,
-             vocab_size: int, round_index: int, log_file) -> list[dict]:
-    gateway, address, base_url = start_gateway(args, tree, scheduler_port, log_file)
+def run_tree(args: argparse.Namespace, label: str, tree: Path, extra_flags: list[str],
+             scheduler_port: int, vocab_size: int, round_index: int, log_file) -> list[dict]:
+    gateway, address, base_url = start_gateway(args, tree, scheduler_port, log_file,
+                                               extra_flags)
     try:
         results = []
         for door in args.doors:
@@ -165,6 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a second source tree whose gateway alternates with this one's")
     parser.add_argument("--trees-label", nargs=2, default=["other", "this"],
                         help="names of --gateway-tree and of this tree in the record")
+    parser.add_argument("--gateway-args", default="",
+                        help="extra flags for this tree's gateway, not --gateway-tree's")
     parser.add_argument("--repeats", type=int, default=1, help="rounds (A B, then B A, ...)")
     parser.add_argument("--startup-timeout-s", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -175,17 +179,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     quiet_logging()
-    trees = [(args.trees_label[1], ROOT)]
+    trees = [(args.trees_label[1], ROOT, args.gateway_args.split())]
     if args.gateway_tree is not None:
-        trees.insert(0, (args.trees_label[0], args.gateway_tree.resolve()))
+        trees.insert(0, (args.trees_label[0], args.gateway_tree.resolve(), []))
     load_before = os.getloadavg()[0]
     scheduler, scheduler_port, vocab_size = start_scheduler(args)
     results: list[dict] = []
     with tempfile.TemporaryFile("w+") as log_file:
         try:
             for round_index in range(args.repeats):
-                for label, tree in trees if round_index % 2 == 0 else trees[::-1]:
-                    results += run_tree(args, label, tree, scheduler_port, vocab_size,
+                for label, tree, flags in trees if round_index % 2 == 0 else trees[::-1]:
+                    results += run_tree(args, label, tree, flags, scheduler_port, vocab_size,
                                         round_index, log_file)
         except Exception:
             log_file.seek(0)
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
             scheduler.kill()
             scheduler.join(10)
     summary = {}
-    for label, _ in trees:
+    for label, _, _ in trees:
         for door in args.doors:
             runs = [r for r in results if r["tree"] == label and r["door"] == door]
             us = sorted(r["gateway_us_per_token"] for r in runs)

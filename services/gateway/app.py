@@ -130,7 +130,7 @@ async def start_gateway(config: GatewayConfig, resolve: Resolver | None = None) 
     ], config.host, config.port, server_options(config),
         credentials=credentials, health_port=config.tls.health_port,
         interceptors=[ApiKeyInterceptor(api_key, GUARDED_SERVICES, admin_token)] if api_key
-        else ())
+        else (), num_servers=config.num_grpc_servers)
     http = None
     if config.http.http_port != 0:
         parser = config.http.tool_call_parser or parser_for_template(

@@ -276,6 +276,10 @@ class GatewayConfig:
         False, "share the gRPC and HTTP ports with other gateway processes of this host "
                "(SO_REUSEPORT): the kernel spreads new connections over them; `serve "
                "--api-server-count` sets it")
+    num_grpc_servers: int = opt(
+        1, "grpc.aio servers in this process on the gRPC port, each starting new calls on its "
+           "own (a busy event loop starts few per server); more than one shares the port "
+           "(SO_REUSEPORT) as reuse_port does")
     rpc_timeout_s: float = opt(10.0, "deadline of unary calls to the scheduler")
     max_concurrent_requests: int = opt(1024, "requests in flight before RESOURCE_EXHAUSTED")
     num_tokenizer_threads: int = opt(
@@ -296,6 +300,8 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
+        _check(self.num_grpc_servers >= 1,
+               f"num_grpc_servers must be >= 1, got {self.num_grpc_servers}")
         _check(self.rpc_timeout_s > 0, f"rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
         _check(self.max_concurrent_requests >= 1,
                f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")

@@ -43,10 +43,10 @@ class ServiceBinding:
 
 
 class ServiceServer:
-    def __init__(self, server: grpc.aio.Server, port: int, service_names: Sequence[str],
-                 health: health_aio.HealthServicer,
+    def __init__(self, servers: Sequence[grpc.aio.Server], port: int,
+                 service_names: Sequence[str], health: health_aio.HealthServicer,
                  health_server: grpc.aio.Server | None = None) -> None:
-        self.server = server
+        self.servers = tuple(servers)  # one port; each accepts new calls on its own
         self.port = port
         self.health_server = health_server  # plaintext Health only, for probes without TLS
         self.service_names = tuple(service_names)
@@ -59,7 +59,8 @@ class ServiceServer:
 
     async def start(self) -> None:
         await self.set_serving(False)  # Health's own default for "" is SERVING
-        await self.server.start()
+        for server in self.servers:
+            await server.start()
         if self.health_server is not None:
             await self.health_server.start()
         logger.info("serving %s on port %d (health: NOT_SERVING until ready)",
@@ -82,7 +83,7 @@ class ServiceServer:
         await self._health.enter_graceful_shutdown()
         if drain is not None:
             await drain()
-        await self.server.stop(grace_s)
+        await asyncio.gather(*(server.stop(grace_s) for server in self.servers))
         if self.health_server is not None:
             await self.health_server.stop(0)
         logger.info("server on port %d stopped", self.port)
@@ -116,28 +117,39 @@ def _bind(server: grpc.aio.Server, host: str, port: int,
 def create_server(bindings: Sequence[ServiceBinding], host: str = "127.0.0.1", port: int = 0,
                   options: Sequence[tuple[str, Any]] = DEFAULT_OPTIONS,
                   credentials: grpc.ServerCredentials | None = None, health_port: int = 0,
-                  interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (), num_servers: int = 1
                   ) -> tuple[ServiceServer, int]:
     """Returns the server, not started, and the port it bound (`port` 0: any free one). A
     `health_port` adds a plaintext server with Health alone, for probes that cannot speak TLS
     (its port shared as `options` share the main one).
-    `interceptors` (who may call) run first: a call they refuse is never parsed."""
-    server = grpc.aio.server(options=list(options),
-                             interceptors=[*interceptors, MalformedRequestInterceptor(),
-                                           *server_interceptors()])
-    for binding in bindings:
-        binding.add_to_server(binding.servicer, server)
+    `interceptors` (who may call) run first: a call they refuse is never parsed.
+    `num_servers` > 1 runs that many grpc.aio servers on the port (SO_REUSEPORT, the kernel
+    spreads connections over them): grpc.aio starts one new call per method every few loop
+    turns, each server on its own, which on a busy loop is fewer calls than arrive."""
+    if num_servers < 1:
+        raise ValueError(f"num_servers must be >= 1, got {num_servers}")
+    health_reuse_port = dict(options).get("grpc.so_reuseport", 0)
+    if num_servers > 1:
+        options = [*(o for o in options if o[0] != "grpc.so_reuseport"),
+                   ("grpc.so_reuseport", 1)]
     health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [b.name for b in bindings]
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME], server)
-    bound_port = _bind(server, host, port, credentials)
+    servers, bound_port = [], port
+    for _ in range(num_servers):
+        server = grpc.aio.server(options=list(options),
+                                 interceptors=[*interceptors, MalformedRequestInterceptor(),
+                                               *server_interceptors()])
+        for binding in bindings:
+            binding.add_to_server(binding.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME], server)
+        bound_port = _bind(server, host, bound_port, credentials)
+        servers.append(server)
     health_server = None
     if health_port:
-        reuse_port = dict(options).get("grpc.so_reuseport", 0)
-        health_server = grpc.aio.server(options=[("grpc.so_reuseport", reuse_port)])
+        health_server = grpc.aio.server(options=[("grpc.so_reuseport", health_reuse_port)])
         health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
         _bind(health_server, host, health_port, None)
-    return ServiceServer(server, bound_port, names, health, health_server), bound_port
+    return ServiceServer(servers, bound_port, names, health, health_server), bound_port

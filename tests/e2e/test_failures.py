@@ -83,7 +83,7 @@ def test_a_worker_that_stays_gone_fails_its_requests_with_internal_and_the_servi
             call = _stream(stub, [1, 2, 3], common_pb2.SamplingParams(
                 temperature=0.0, max_tokens=480, ignore_eos=True))
             next(call)
-            stack.loop.run(stack.worker[0].server.stop(0))  # the worker is gone
+            stack.loop.run(stack.worker[0].servers[0].stop(0))  # the worker is gone
             with pytest.raises(grpc.RpcError) as info:
                 list(call)
             assert info.value.code() == grpc.StatusCode.INTERNAL

@@ -102,7 +102,7 @@ def _grpc_calls(calls):
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 return await calls(channel)
         finally:
-            await server.server.stop(0)
+            await server.servers[0].stop(0)
 
     return asyncio.run(main()), servicer.calls
 

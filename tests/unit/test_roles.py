@@ -92,7 +92,7 @@ def run(certificates, binding: ServiceBinding, callers, role: str, call):
         except grpc.aio.AioRpcError as e:
             return e
         finally:
-            await server.server.stop(0)
+            await server.servers[0].stop(0)
 
     return asyncio.run(main())
 

@@ -91,3 +91,32 @@ def test_sigterm_drains_then_stops_letting_calls_in_flight_finish():
     assert events[0] == ("drain", True)
     assert events[1] == ("response", [1, 2, 3])
     assert events[2][1] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_several_servers_share_the_port_all_serve_and_all_stop():
+    async def main():
+        servicer = SlowTokenize()
+        servicer.release.set()
+        server, port = create_server([ServiceBinding(
+            servicer, gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
+            "pagedserve.v1.GenerationService")], port=0, num_servers=3)
+        await server.start()
+        await server.set_serving(True)
+        answers = []
+        for _ in range(12):  # a connection each: the kernel spreads them over the servers
+            async with grpc.aio.insecure_channel(
+                    f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]
+            ) as channel:
+                response = await gateway_pb2_grpc.GenerationServiceStub(channel).Tokenize(
+                    gateway_pb2.TokenizeRequest(), timeout=5)
+                answers.append((await check(channel), list(response.token_ids)))
+        await server.shutdown(grace_s=0)
+        alone = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        rebound = alone.add_insecure_port(f"127.0.0.1:{port}")  # fails while one still listens
+        await alone.stop(0)
+        return len(server.servers), answers, rebound == port
+
+    num_servers, answers, is_rebound = asyncio.run(main())
+    assert num_servers == 3
+    assert answers == [(SERVING, [1, 2, 3])] * 12
+    assert is_rebound
