@@ -20,7 +20,6 @@ import functools
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Container, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,8 +57,7 @@ class _RowsAhead:
 
 
 class GrammarMatchers:
-    def __init__(self, cache: GrammarCache, vocab_size: int, eos_token_ids: list[int],
-                 on_mask: Callable[[float], None] | None = None) -> None:
+    def __init__(self, cache: GrammarCache, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.cache = cache
         self.vocab_size = vocab_size
         self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
@@ -71,7 +69,6 @@ class GrammarMatchers:
         self._eos_only = _eos_only(self.eos_token_ids, num_words)
         self._ahead_thread: ThreadPoolExecutor | None = None
         self._ahead: Future[_RowsAhead] | None = None
-        self.on_mask = on_mask
 
     @classmethod
     def for_model(cls, model_path: str, vocab_size: int,
@@ -129,7 +126,6 @@ class GrammarMatchers:
         next call (its bits are reused); None: no row is constrained. Forgets the matchers of
         sequences the mirror no longer holds. drawing: the mirror's tokens drawn on the device
         and not yet appended, by seq_id."""
-        start = time.perf_counter()
         ahead = self._rows_ahead()
         for seq_id in [s for s in self._matchers if s not in live_seq_ids]:
             del self._matchers[seq_id]
@@ -157,8 +153,6 @@ class GrammarMatchers:
             bits[copied] = ahead.bits[sources]
         if in_place:
             self._write(in_place, bits, self._fill)
-        if self.on_mask is not None:
-            self.on_mask(time.perf_counter() - start)
         return TokenBitmask(rows, bits)
 
     def mask_ahead(self, seqs: list[CachedSequence]) -> None:

@@ -37,6 +37,8 @@ class WorkerMetrics:
     def record_step(self, plan: StepPlan, timings: StepTimings) -> None:
         for field, histogram in self._phases:
             histogram.observe(getattr(timings, field) / 1e9)
+        if timings.mask_ns:  # a step with constrained rows
+            self.grammar_mask_time.observe(timings.mask_ns / 1e9)
         if plan.blocks_to_swap_in:
             self._swapped_in.inc(len(plan.blocks_to_swap_in))
         if plan.blocks_to_swap_out:

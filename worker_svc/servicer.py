@@ -127,7 +127,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         worker, info = await self._run(load)
         grammars = worker.runner.grammars if worker.runner is not None else None
         if self.metrics is not None and grammars is not None:
-            grammars.on_mask = self.metrics.grammar_mask_time.observe
             grammars.cache.on_compiled = self.metrics.grammar_compile_time.observe
         self._worker = worker
         tune_gc_after_load()  # the full collections of a process holding a model stall steps
