@@ -30,16 +30,24 @@ def draw_drafts(sampler: Sampler,
                 probs: torch.Tensor,  # [num_rows, vocab]; row i after states[i].token_ids
                 states: list[SeqSamplingState]) -> list[int]:
     """The draft model's tokens, one a row, from one race over every row."""
-    order = sorted(range(len(states)), key=lambda i: states[i].seed is not None)
-    seeded = [states[i] for i in order if states[i].seed is not None]
-    keys = draw_keys([s.seed for s in seeded], [len(s.token_ids) for s in seeded],
-                     [1] * len(seeded), _DRAFT_STREAM)
-    drawn = sampler.race(probs[to_device(order, torch.long, probs.device)],
-                         len(order) - len(seeded), keys).tolist()
+    order, num_unseeded, keys = _unseeded_first(states, 1, _DRAFT_STREAM)
+    drawn = sampler.race(probs[to_device(order, torch.long, probs.device)], num_unseeded,
+                         keys).tolist()
     tokens = [0] * len(states)
     for i, token in zip(order, drawn, strict=True):
         tokens[i] = token
     return tokens
+
+
+def _unseeded_first(states: list[SeqSamplingState], num_samples: int,
+                    stream: int) -> tuple[list[int], int, list[int]]:
+    """The rows' order with the unseeded ones first (the global RNG fills one slice), how many
+    those are, and num_samples keys of each seeded row in the stream."""
+    order = sorted(range(len(states)), key=lambda i: states[i].seed is not None)
+    seeded = [states[i] for i in order if states[i].seed is not None]
+    keys = draw_keys([s.seed for s in seeded], [len(s.token_ids) for s in seeded],
+                     [num_samples] * len(seeded), stream)
+    return order, len(order) - len(seeded), keys
 
 
 def launch_draft_tests(
@@ -52,12 +60,8 @@ def launch_draft_tests(
     """Every draft's test at once, nothing waiting for the device: 1 where the draft is kept,
     the token that replaces it where it is not, and the target's logprobs of both."""
     device = target_logprobs.device
-    order = sorted(range(len(states)), key=lambda i: states[i].seed is not None)
-    seeded = [states[i] for i in order if states[i].seed is not None]
-    num_unseeded = len(order) - len(seeded)
     # per seeded draft, sample 0 of its stream is the test's uniform, sample 1 the race's noise
-    keys = draw_keys([s.seed for s in seeded], [len(s.token_ids) for s in seeded],
-                     [2] * len(seeded), _ACCEPT_STREAM)
+    order, num_unseeded, keys = _unseeded_first(states, 2, _ACCEPT_STREAM)
     index = to_device(order, torch.long, device)
     logprobs = target_logprobs[index]  # [num_drafts, vocab], unseeded first
     p, q = logprobs.exp(), draft_probs[index]
