@@ -161,8 +161,8 @@ def plan(python: str, device: str) -> list[Step]:
     session is for and nothing else makes them. The tests go last because their time is the
     least known (Triton compiles most of it): they get the benches' unused time, and a command
     cut short, by a session with less device time left than the limits add up to, loses only
-    tests, which `make test-gpu` reruns
-    by hand. tests/gpu run alone: they size the KV cache from the GPU's free memory."""
+    tests, which `make test-gpu` reruns by hand. tests/gpu run alone: they size the KV cache
+    from the GPU's free memory."""
     bench = [python, "-m"]
     steps = [Step("kernels_gpu", [*bench, "bench.kernels_gpu"], 25)]
     steps += [Step(f"offline_gpu {model}", [*bench, "bench.offline_gpu", "--models", model,
