@@ -7,8 +7,9 @@ Each model (random weights of its real shape, as bench.offline_gpu) serves --bat
 requests of --prompt-len random tokens in the in-process engine until every one decodes, then
 two windows of decode steps:
 - the device window, under torch.profiler: the kernels a step launches (CUDA graph replays
-  included), each with its launches and device time per step, and the device's busy time per
-  step against the step's wall time;
+  included), each with its launches and device time per step, the device's busy time per
+  step against the step's wall time, and the host's self time per step in torch operators and
+  CUDA runtime calls;
 - the host window, unprofiled: a sampling thread reads every thread's Python stack each
   --sample-interval-ms and counts, per thread, the lines that were running (self) and the
   pagedserve functions on the stack (inclusive), waits (locks, queues, conditions) apart, and
@@ -54,12 +55,18 @@ class HostSampler:
         self._thread = threading.Thread(target=self._run, name="host-sampler", daemon=True)
 
     def __enter__(self) -> HostSampler:
+        # A thread running Python keeps the GIL up to the switch interval (5 ms) after the
+        # sampler asks for it, so the samples would land on the next call that lets go of the
+        # GIL (a CUDA call, a copy) instead of the Python before it: a short interval meanwhile.
+        self._switch_interval_s = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval_s, self.interval_s / 10))
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        sys.setswitchinterval(self._switch_interval_s)
 
     def _run(self) -> None:
         names = {}
@@ -107,6 +114,15 @@ def _where(filename: str) -> str:
     return "/".join(Path(filename).parts[-2:])
 
 
+def host_ops(prof: torch.profiler.profile, num_steps: int, top: int) -> list[dict]:
+    """The host's time per step in torch's operators and the CUDA runtime calls under them,
+    by self time (the profiler's own cost is in it too)."""
+    ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    ops.sort(key=lambda e: -e.self_cpu_time_total)
+    return [{"name": e.key[:120], "calls_per_step": e.count / num_steps,
+             "self_us_per_step": e.self_cpu_time_total / num_steps} for e in ops[:top]]
+
+
 def device_kernels(prof: torch.profiler.profile, num_steps: int, top: int) -> dict:
     """The device's kernels per step, from the profiler's device-side events."""
     per_kernel: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
@@ -148,11 +164,13 @@ def profile_model(name: str, args: argparse.Namespace, root: Path) -> dict:
     if args.device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     sync()
-    with torch.profiler.profile(activities=activities) as prof, Timer() as profiled:
+    with torch.profiler.profile(activities=activities, experimental_config=_all_threads()
+                                ) as prof, Timer() as profiled:
         for _ in range(args.steps):
             engine.step()
         sync()
     device = device_kernels(prof, args.steps, args.top) if args.device == "cuda" else {}
+    ops = host_ops(prof, args.steps, args.top)
 
     step_ms = []
     cpu_start = time.process_time()
@@ -167,9 +185,18 @@ def profile_model(name: str, args: argparse.Namespace, root: Path) -> dict:
               "profiled_step_ms": profiled.elapsed_s * 1e3 / args.steps,
               "median_step_ms": statistics.median(step_ms),
               "host_cpu_ms_per_step": host_cpu_ms, **device,
-              "host": sampler.summary(args.top)}
+              "host_ops": ops, "host": sampler.summary(args.top)}
     engine.close()
     return result
+
+
+def _all_threads() -> torch._C._profiler._ExperimentalConfig | None:
+    """The model runs on the worker's model thread: the profiler's operator callbacks are
+    per thread unless installed for all of them."""
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # a torch without the option: the host table misses that thread
+        return None
 
 
 def describe(r: dict) -> str:

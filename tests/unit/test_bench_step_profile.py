@@ -1,6 +1,7 @@
 """bench.step_profile on CPU: the host sampler tells work from waits, and the smoke run drives
 the engine into plain decode and records both windows."""
 
+import sys
 import threading
 import time
 
@@ -19,6 +20,7 @@ def test_sampler_counts_work_in_its_function_and_a_blocked_thread_as_waiting():
                threading.Thread(target=never.wait, name="sleeper")]
     for t in workers:
         t.start()
+    switch_interval = sys.getswitchinterval()
     with HostSampler(0.002) as sampler:
         time.sleep(0.3)
     stop.set()
@@ -32,6 +34,7 @@ def test_sampler_counts_work_in_its_function_and_a_blocked_thread_as_waiting():
     assert any(name.endswith("test_bench_step_profile.py _spin")
                for name, _ in spinner["inclusive"])
     assert summary["threads"]["sleeper"]["self"][0][0] == "(waiting)"
+    assert sys.getswitchinterval() == switch_interval
 
 
 def test_smoke_run_on_cpu_reaches_decode_and_samples_the_model_thread(tmp_path, monkeypatch):
@@ -41,6 +44,8 @@ def test_smoke_run_on_cpu_reaches_decode_and_samples_the_model_thread(tmp_path, 
                              "--dtype", "float32", "--tag", "test"])
     result = out["results"][0]
     assert result["batch_size"] == 2 and result["median_step_ms"] > 0
+    assert any(op["name"] == "aten::embedding"  # on the model thread
+               for op in result["host_ops"]), [op["name"] for op in result["host_ops"]]
     threads = result["host"]["threads"]
     assert any(name.endswith("ModelThread._serve")
                for name, _ in threads["worker-step"]["inclusive"])
