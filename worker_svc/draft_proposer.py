@@ -192,9 +192,7 @@ class DraftProposer:
                 drawn = {s.seq_id: rows_of[s.seq_id] for s in seqs}
             model_input = build_model_input(seqs, self.block_size, self.device, drawn)
             if model_input.drawn_rows:
-                rows, sources = (to_device(x, torch.long, self.device) for x in zip(
-                    *model_input.drawn_rows, strict=True))
-                model_input.input_ids[rows] = columns[-1][1][sources]
+                model_input.take_draws(columns[-1][1])
             logits, row_seqs = self._logits(model_input, seqs, drafts, kv_caches)
             columns.append(([s.seq_id for s in row_seqs], logits.argmax(dim=-1)))
         tokens = torch.cat([column for _, column in columns]).tolist()

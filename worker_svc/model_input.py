@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.services.common.cdiv import cdiv
-from pagedserve.worker_svc.host_to_device import to_device
+from pagedserve.worker_svc.host_to_device import to_device_many
 from pagedserve.worker_svc.pooler import PoolSpan
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 
@@ -34,11 +34,18 @@ class ModelInput:
     prompt_logprob_spans: list[PromptLogprobSpan]
     # (input row, index into the step in flight's draws): tokens the host has not read yet
     drawn_rows: list[tuple[int, int]]
+    # the same on the device: [num_drawn_rows] int64 each
+    drawn_index: torch.Tensor
+    drawn_sources: torch.Tensor
     pool_spans: list[PoolSpan] = field(default_factory=list)  # embedding requests' chunks
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+    def take_draws(self, draws: torch.Tensor) -> None:
+        """The drawn rows' tokens from the step in flight's draws, on the device."""
+        self.input_ids[self.drawn_index] = draws[self.drawn_sources]
 
 
 def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch.device,
@@ -59,22 +66,6 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
     slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
 
-    num_prefills = sum(1 for s in seqs if s.is_prefill)
-    query_lens_list = query_lens.tolist()
-    seq_lens_list = seq_lens.tolist()
-    meta = AttentionMetadata(
-        slot_mapping=to_device(slot_mapping, torch.int64, device),
-        block_tables=to_device(block_tables, torch.int32, device),
-        seq_lens=to_device(seq_lens.astype(np.int32), torch.int32, device),
-        query_start_loc=to_device(query_start_loc.astype(np.int32), torch.int32, device),
-        max_query_len=max(query_lens_list, default=0),
-        max_seq_len=max(seq_lens_list, default=0),
-        num_prefills=num_prefills,
-        num_prefill_tokens=int(query_start_loc[num_prefills]),
-        query_lens_cpu=query_lens_list,
-        seq_lens_cpu=seq_lens_list,
-    )
-
     sample_rows = [i for i, s in enumerate(seqs) if s.is_sampling]
     logits_indices = [int(query_start_loc[i + 1]) - 1 for i in sample_rows]
     if any(seqs[i].draft_token_ids for i in sample_rows):
@@ -82,14 +73,40 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
             int(query_start_loc[i + 1]) - 1 - len(seqs[i].draft_token_ids),
             int(query_start_loc[i + 1]))]
     spans = _prompt_logprob_spans(seqs, query_start_loc, logits_indices)
+
+    drawn_index, drawn_sources = ([row for row, _ in drawn_rows],
+                                  [source for _, source in drawn_rows])
+    (input_ids_t, positions_t, logits_indices_t, drawn_index_t, drawn_sources_t, slot_mapping_t,
+     block_tables_t, seq_lens_t, query_start_loc_t) = to_device_many(
+        [(input_ids, torch.int64), (positions, torch.int64), (logits_indices, torch.int64),
+         (drawn_index, torch.int64), (drawn_sources, torch.int64), (slot_mapping, torch.int64),
+         (block_tables, torch.int32), (seq_lens, torch.int32), (query_start_loc, torch.int32)],
+        device)
+    num_prefills = sum(1 for s in seqs if s.is_prefill)
+    query_lens_list = query_lens.tolist()
+    seq_lens_list = seq_lens.tolist()
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping_t,
+        block_tables=block_tables_t,
+        seq_lens=seq_lens_t,
+        query_start_loc=query_start_loc_t,
+        max_query_len=max(query_lens_list, default=0),
+        max_seq_len=max(seq_lens_list, default=0),
+        num_prefills=num_prefills,
+        num_prefill_tokens=int(query_start_loc[num_prefills]),
+        query_lens_cpu=query_lens_list,
+        seq_lens_cpu=seq_lens_list,
+    )
     return ModelInput(
-        input_ids=to_device(input_ids, torch.int64, device),
-        positions=to_device(positions, torch.int64, device),
+        input_ids=input_ids_t,
+        positions=positions_t,
         meta=meta,
-        logits_indices=to_device(logits_indices, torch.int64, device),
+        logits_indices=logits_indices_t,
         sample_seqs=[seqs[i] for i in sample_rows],
         prompt_logprob_spans=spans,
         drawn_rows=drawn_rows,
+        drawn_index=drawn_index_t,
+        drawn_sources=drawn_sources_t,
         pool_spans=[PoolSpan(s, int(query_start_loc[i]), int(query_start_loc[i + 1]),
                              s.is_prompt_done) for i, s in enumerate(seqs) if s.pooling_type],
     )

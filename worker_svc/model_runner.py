@@ -17,7 +17,6 @@ from pagedserve.worker_svc.cache_engine import CacheEngine
 from pagedserve.worker_svc.cuda_graphs import DecodeGraphs
 from pagedserve.worker_svc.draft_proposer import DraftProposer
 from pagedserve.worker_svc.grammar_matchers import GrammarMatchers
-from pagedserve.worker_svc.host_to_device import to_device
 from pagedserve.worker_svc.in_flight import (
     DraftTimes,
     Fence,
@@ -102,9 +101,7 @@ class ModelRunner:
         drawn = ahead_of.draws_by_seq() if ahead_of is not None else {}
         model_input = build_model_input(scheduled, self.block_size, self.device, drawn)
         if model_input.drawn_rows:
-            rows, sources = (to_device(x, torch.long, self.device) for x in zip(
-                *model_input.drawn_rows, strict=True))
-            model_input.input_ids[rows] = ahead_of.samples.token_ids[sources]
+            model_input.take_draws(ahead_of.samples.token_ids)
         self.mirrors.mark_computed(scheduled)
         clock.mark()
         logits, pooled = self._forward(model_input, cache_engine.gpu_cache)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.worker_svc.host_to_device import to_device
+from pagedserve.worker_svc.host_to_device import to_device, to_device_many
 from torch.overrides import TorchFunctionMode
 
 from tests.integration.worker_driver import make_worker, prefill_then_decodes
@@ -75,3 +75,22 @@ def test_steps_launched_ahead_and_their_sampling_never_wait_for_the_device(tiny_
 def test_to_device_keeps_the_values_in_the_dtype_asked(values, dtype):
     tensor = to_device(values, dtype, torch.device("cpu"))
     assert tensor.dtype == dtype and tensor.tolist() == list(values)
+
+
+def test_to_device_many_gives_each_array_its_dtype_shape_and_values_through_one_buffer():
+    arrays = [([3, 1, 2], torch.int64), (np.arange(6, dtype=np.int64).reshape(2, 3), torch.int32),
+              ([], torch.int64), (np.array([7], np.int32), torch.int64), ([0.5, 2.0], torch.float32)]
+    tensors = to_device_many(arrays, torch.device("cpu"))
+    assert [(t.dtype, tuple(t.shape), t.tolist()) for t in tensors] == [
+        (torch.int64, (3,), [3, 1, 2]), (torch.int32, (2, 3), [[0, 1, 2], [3, 4, 5]]),
+        (torch.int64, (0,), []), (torch.int64, (1,), [7]), (torch.float32, (2,), [0.5, 2.0])]
+    storage = tensors[0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == storage for t in tensors)
+    # every view starts on a 16-byte boundary (Triton's pointer specialization), none overlaps
+    tensors = [t for t in tensors if t.numel()]  # an empty one has no data pointer
+    starts = [t.data_ptr() - storage for t in tensors]
+    assert all(start % 16 == 0 for start in starts)
+    ends = [start + t.numel() * t.element_size() for start, t in zip(starts, tensors, strict=True)]
+    assert all(end <= later for end, later in zip(ends, starts[1:], strict=False))
+    tensors[0][1] = 9  # a write to one view leaves the others as they were
+    assert tensors[1].tolist() == [[0, 1, 2], [3, 4, 5]]
