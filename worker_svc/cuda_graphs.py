@@ -58,6 +58,9 @@ class DecodeBuffers:
     block_tables: torch.Tensor  # [max_batch_size, max_blocks_per_seq] int32
     seq_lens: torch.Tensor  # [max_batch_size] int32
     query_start_loc: torch.Tensor  # [max_batch_size + 1] int32: 0, 1, 2, ... (one token each)
+    # rows from this one on hold padding; below it, rows past a step's own may hold an earlier
+    # step's (a padding row's slot must be -1: it would write its K/V there)
+    padded_from: int = 0
 
     @classmethod
     def allocate(cls, max_batch_size: int, max_blocks_per_seq: int,
@@ -74,7 +77,8 @@ class DecodeBuffers:
             query_start_loc=torch.arange(max_batch_size + 1, dtype=torch.int32, device=device))
 
     def load(self, model_input: ModelInput, batch_size: int) -> None:
-        """Device-to-device copies only: nothing waits for the host."""
+        """Device-to-device copies only: nothing waits for the host. The rows past the step's
+        own are padded where an earlier step left its rows: in a steady batch, not at all."""
         meta = model_input.meta
         n = model_input.num_tokens  # one token per sequence
         width = meta.block_tables.shape[1]
@@ -88,11 +92,15 @@ class DecodeBuffers:
         self.seq_lens[:n].copy_(meta.seq_lens)
         # columns past `width` keep stale block ids: kernels read only the blocks below seq_len
         self.block_tables[:n, :width].copy_(meta.block_tables)
-        self.input_ids[n:batch_size].zero_()
-        self.positions[n:batch_size].zero_()
-        self.slot_mapping[n:batch_size].fill_(-1)
-        self.seq_lens[n:batch_size].fill_(1)
-        self.block_tables[n:batch_size].zero_()
+        end = min(self.padded_from, batch_size)  # the rows of the bucket left to pad
+        if end > n:
+            self.input_ids[n:end].zero_()
+            self.positions[n:end].zero_()
+            self.slot_mapping[n:end].fill_(-1)
+            self.seq_lens[n:end].fill_(1)
+            self.block_tables[n:end].zero_()
+        if self.padded_from <= batch_size:
+            self.padded_from = n
 
     def metadata(self, batch_size: int, max_seq_len: int) -> AttentionMetadata:
         return AttentionMetadata(

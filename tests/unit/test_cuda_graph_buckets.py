@@ -91,6 +91,22 @@ def test_load_copies_the_step_and_pads_the_rest_of_its_bucket():
     assert (meta.num_prefills, meta.max_query_len, meta.seq_lens_cpu) == (0, 1, [64] * 4)
     with pytest.raises(ValueError, match="does not fit"):
         buffers.load(step, 2)
+    # the larger step's fifth row, past the bucket of 4, is padded once a bucket reaches it
+    assert buffers.slot_mapping[4].tolist() != -1
+    buffers.load(step, 8)
+    assert buffers.slot_mapping.tolist() == [3 * 8 + 3, 7 * 8 + 3, 6 * 8 + 4] + [-1] * 5
+    assert buffers.seq_lens[3:].tolist() == [1] * 5
+    assert buffers.block_tables[3:].tolist() == [[0] * 4] * 5
+    assert buffers.input_ids[3:].tolist() == [0] * 5 and buffers.positions[3:].tolist() == [0] * 5
+
+
+def test_load_of_a_steady_batch_writes_no_padding():
+    buffers = DecodeBuffers.allocate(max_batch_size=8, max_blocks_per_seq=4, device=CPU)
+    step = build_model_input(_decodes(), BLOCK_SIZE, CPU)
+    buffers.load(step, 4)
+    buffers.slot_mapping[3] = 99  # not a row the next load of 3 rows should touch again
+    buffers.load(step, 4)
+    assert buffers.slot_mapping[3].item() == 99
 
 
 @pytest.mark.parametrize("partition_size", [512, 8], ids=["unified", "split-kv"])
