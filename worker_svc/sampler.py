@@ -129,9 +129,12 @@ class Sampler:
                 self._sample_beams(sampled, logprobs, seqs, beam_rows, offsets)
             if random_rows:
                 self._sample_random(sampled, logprobs, seqs, random_rows, offsets)
-        sample_rows = [i for i, k in enumerate(num_samples) for _ in range(k)]
-        # [num_samples_total]
-        sampled_logprobs = logprobs[self._tensor(sample_rows, torch.long), sampled]
+        if offsets[-1] == len(seqs):  # a sample a row: no row index to copy to the device
+            sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+        else:
+            sample_rows = [i for i, k in enumerate(num_samples) for _ in range(k)]
+            # [num_samples_total]
+            sampled_logprobs = logprobs[self._tensor(sample_rows, torch.long), sampled]
 
         top_values = top_ids = None
         if top_rows:
