@@ -71,8 +71,9 @@ class PhaseClock:
         self.mark()
 
     def mark(self, on_device: bool = True) -> None:
-        """on_device=False: a host-only boundary (a wait), which the device phases see as
-        empty: the stream may hold a later step's work by then."""
+        """on_device=False: a boundary the device phases see as empty, with no event of its
+        own: nothing was queued since the last one (no swaps, say), or a host-only boundary
+        (a wait), when the stream may hold a later step's work already."""
         self._host_ns.append(time.perf_counter_ns())
         if self._events is not None:
             if on_device or not self._events:

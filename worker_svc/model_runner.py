@@ -76,12 +76,12 @@ class ModelRunner:
         early_s = (cache_engine.swap_out(early.out, wait_for_compute=False),
                    cache_engine.swap_in(early.into, wait_for_compute=False))
         late_out_s = cache_engine.swap_out(late.out)
-        clock.mark()
+        clock.mark(on_device=bool(late.out))
         late_in_s = cache_engine.swap_in(late.into)
-        clock.mark()
+        clock.mark(on_device=bool(late.into))
         modelled_swap_s = (_total_s(early_s[0], late_out_s), _total_s(early_s[1], late_in_s))
         cache_engine.copy(plan.blocks_to_copy)
-        clock.mark()
+        clock.mark(on_device=bool(plan.blocks_to_copy))
         if self.drafter is not None:
             blocks = self.drafter.blocks
             blocks.swap_out(plan.blocks_to_swap_out)
