@@ -1,8 +1,9 @@
 """The simulated H100 against a GPU run's records: per record, each figure both have, modelled
 with the previous fit and with the refit, and the refit itself.
 
-The GPU run's records are bench/results/*-nvidia-h100-80gb-hbm3*.json (bench.gpu_check on one
-H100 80GB HBM3). The fit has two free constants, each fitted to one Llama-3-8B record and
+The GPU run's records are bench/results/*-nvidia-h100-80gb-hbm3-47d62ba*.json (bench.gpu_check
+on one H100 80GB HBM3, code 47d62ba, the morning of 2026-11-27; kept under that name when later
+runs took the device's own). The fit has two free constants, each fitted to one Llama-3-8B record and
 checked against the Qwen2.5-0.5B record of the same bench, which it never saw:
   - the fused layer kernels' fixed cost (worker_svc/sim/calibration.py): the median decode
     step's forward, modelled at the record's median batch and context with graphs, through the
@@ -43,7 +44,7 @@ from bench.hf_sim import HF_LAUNCH_S, HF_LAUNCH_S_2026_11_26, SimulatedHF
 from bench.offline_gpu import MODEL_CONFIGS
 
 RUN = "2026-11-27-h100"
-DEVICE_TAG = "nvidia-h100-80gb-hbm3"
+DEVICE_TAG = "nvidia-h100-80gb-hbm3-47d62ba"  # the records the constants were fitted to
 H100 = GPUS["H100-SXM"]
 FIT_MODEL, HELD_OUT_MODEL = "llama-3-8b", "qwen2.5-0.5b"
 BEFORE, AFTER = (H100_2026_11_26, HF_LAUNCH_S_2026_11_26), (H100_CALIBRATION, HF_LAUNCH_S)

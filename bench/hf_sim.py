@@ -12,7 +12,7 @@ overlap.
 HF_LAUNCH_S, the host time per kernel of HF's code (its modules, DynamicCache, transformers'
 wrappers and the dispatcher: ~3.7x the engine's 21 us), is fitted to one record: HF padded
 batches of Llama-3-8B on the H100 of 2026-11-27, 30.46 s for bench.offline_gpu's mixed workload
-(64 prompts, one batch, bench/results/offline_gpu-nvidia-h100-80gb-hbm3-llama-3-8b.json; fitted
+(64 prompts, one batch, bench/results/offline_gpu-nvidia-h100-80gb-hbm3-47d62ba-llama-3-8b.json; fitted
 by bench.calibration). Held out: Qwen2.5-0.5B's HF padded time on the same run, 23.87 s
 measured, 21.2 s modelled (-11%). The first run's fit (2026-11-26, the same HF code 18% faster:
 25.87 s) was 66.5 us, and modelled its Qwen2.5-0.5B run at 17.9 s against 16.28 s (+10%).

@@ -10,7 +10,7 @@ the one that no kernel of the first had measured, the fused kernels' fixed cost
 
 | constant | value | fitted to |
 |---|---|---|
-| fused fixed | 8.9 us (was 1.9 us, assumed) | offline_gpu-nvidia-h100-80gb-hbm3-llama-3-8b.json: median decode forward 7.65 ms at batch 30 (graphs, through the float32 logits); held out: Qwen2.5-0.5B's, 1.56 ms at batch 26, modelled within 2%. The two records' shortfalls under the first fit (0.63 and 0.48 ms) are in proportion to their kernels a step (296, 224); a per-node graph cost fits them as well (2.7 us a node: Qwen2.5-0.5B within 2% too), but puts the first run's graph step (1,390 nodes, 11.56 ms) 28% over, which has no fused kernel. An effective cost, not a profile: it holds whatever the fused kernels' steps cost beyond the model (their small grids, the graph's input-buffer copies before a replay) |
+| fused fixed | 8.9 us (was 1.9 us, assumed) | offline_gpu-nvidia-h100-80gb-hbm3-47d62ba-llama-3-8b.json: median decode forward 7.65 ms at batch 30 (graphs, through the float32 logits); held out: Qwen2.5-0.5B's, 1.56 ms at batch 26, modelled within 2%. The two records' shortfalls under the first fit (0.63 and 0.48 ms) are in proportion to their kernels a step (296, 224); a per-node graph cost fits them as well (2.7 us a node: Qwen2.5-0.5B within 2% too), but puts the first run's graph step (1,390 nodes, 11.56 ms) 28% over, which has no fused kernel. An effective cost, not a profile: it holds whatever the fused kernels' steps cost beyond the model (their small grids, the graph's input-buffer copies before a replay) |
 
 The first run's fit, kept as `H100_2026_11_26`:
 
