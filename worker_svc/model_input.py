@@ -30,6 +30,7 @@ class ModelInput:
     # the sampled sequences' last rows (a sequence with k drafts: its last k + 1), then
     # prompt-logprob rows
     logits_indices: torch.Tensor  # [num_logits_rows] int64
+    is_every_row_a_logits_row: bool  # logits_indices = 0, 1, ..., num_tokens - 1 (decodes)
     sample_seqs: list[CachedSequence]  # in logits row order
     prompt_logprob_spans: list[PromptLogprobSpan]
     # (input row, index into the step in flight's draws): tokens the host has not read yet
@@ -102,6 +103,7 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
         positions=positions_t,
         meta=meta,
         logits_indices=logits_indices_t,
+        is_every_row_a_logits_row=logits_indices == list(range(num_tokens)),
         sample_seqs=[seqs[i] for i in sample_rows],
         prompt_logprob_spans=spans,
         drawn_rows=drawn_rows,

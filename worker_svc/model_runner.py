@@ -205,7 +205,9 @@ class ModelRunner:
             hidden_states = self.model(model_input.input_ids, model_input.positions, kv_caches,
                                        model_input.meta)
         pooled = pool(hidden_states, model_input.pool_spans)
-        return self.model.compute_logits(hidden_states[model_input.logits_indices]), pooled
+        if not model_input.is_every_row_a_logits_row:
+            hidden_states = hidden_states[model_input.logits_indices]
+        return self.model.compute_logits(hidden_states), pooled
 
     def _sampled(self, step: InFlightStep) -> list[SampledSequence]:
         model_input = step.model_input

@@ -226,20 +226,21 @@ class MetaModel:
     @torch.no_grad()
     def trace_logits(self, num_tokens: int, num_rows: int, sample: bool = True
                      ) -> list[KernelOp]:
-        """The rows' hidden states picked, the logits, and greedy sampling with logprobs of the
-        drawn tokens (the sampler's fast path); sample off: up to the float32 logits, the end
-        of a GPU worker's timed forward."""
+        """The rows' hidden states picked (unless every token is a row), the logits, and greedy
+        sampling with logprobs of the drawn tokens (the sampler's fast path); sample off: up to
+        the float32 logits, the end of a GPU worker's timed forward."""
         hidden = torch.empty(num_tokens, self.model.config.hidden_size, dtype=self.dtype,
                              device=META)
-        rows = torch.zeros(num_rows, dtype=torch.long, device=META)
+        # the worker picks rows only when not every token is one (ModelRunner._forward)
+        picked = hidden if num_rows == num_tokens else hidden[
+            torch.zeros(num_rows, dtype=torch.long, device=META)]
         if not sample:
-            return self._record(lambda: self.model.compute_logits(hidden[rows]))
+            return self._record(lambda: self.model.compute_logits(picked))
         sampler = Sampler(self.vocab_size, [], torch.device("cpu"))
         sampler.device = META  # its generator stays on the host: greedy rows never draw
         seqs = [SeqSamplingState(seq_id=i, sampling=SamplingParams(temperature=0.0), token_ids=[0], prompt_len=1,
                                  seed=None, num_samples=1) for i in range(num_rows)]
-        return self._record(lambda: sampler.launch(self.model.compute_logits(hidden[rows]),
-                                                   seqs))
+        return self._record(lambda: sampler.launch(self.model.compute_logits(picked), seqs))
 
     def _record(self, run: Any) -> list[KernelOp]:
         self.recorder.ops = []
