@@ -213,3 +213,9 @@ def test_a_draft_models_proposing_forwards_take_its_graphs(tiny_model_dir, tmp_p
         results.append((outputs, totals.num_draft_tokens, totals.num_accepted_tokens))
     assert results[0] == results[1]
     assert drafter.graphs.num_replays > 0
+
+
+def test_only_a_plain_decode_has_every_token_as_a_logits_row():
+    assert build_model_input(_decodes(), BLOCK_SIZE, CPU).is_every_row_a_logits_row
+    mixed = build_model_input([_seq(5, 9, [2, 8], num_scheduled=9), *_decodes()], BLOCK_SIZE, CPU)
+    assert not mixed.is_every_row_a_logits_row
