@@ -67,12 +67,7 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
     slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
 
-    sample_rows = [i for i, s in enumerate(seqs) if s.is_sampling]
-    logits_indices = [int(query_start_loc[i + 1]) - 1 for i in sample_rows]
-    if any(seqs[i].draft_token_ids for i in sample_rows):
-        logits_indices = [row for i in sample_rows for row in range(
-            int(query_start_loc[i + 1]) - 1 - len(seqs[i].draft_token_ids),
-            int(query_start_loc[i + 1]))]
+    sample_rows, logits_indices = _logits_rows(seqs, query_start_loc)
     spans = _prompt_logprob_spans(seqs, query_start_loc, logits_indices)
 
     drawn_index, drawn_sources = ([row for row, _ in drawn_rows],
@@ -112,6 +107,18 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
         pool_spans=[PoolSpan(s, int(query_start_loc[i]), int(query_start_loc[i + 1]),
                              s.is_prompt_done) for i, s in enumerate(seqs) if s.pooling_type],
     )
+
+
+def _logits_rows(seqs: list[CachedSequence], query_start_loc: np.ndarray
+                 ) -> tuple[list[int], list[int]]:
+    """The sampled sequences, and their rows: the last token's (a sequence with k drafts: its
+    last k + 1)."""
+    sample_rows = [i for i, s in enumerate(seqs) if s.is_sampling]
+    if any(seqs[i].draft_token_ids for i in sample_rows):
+        return sample_rows, [row for i in sample_rows for row in range(
+            int(query_start_loc[i + 1]) - 1 - len(seqs[i].draft_token_ids),
+            int(query_start_loc[i + 1]))]
+    return sample_rows, [int(query_start_loc[i + 1]) - 1 for i in sample_rows]
 
 
 def _input_ids(seqs: list[CachedSequence], query_start_loc: np.ndarray,
