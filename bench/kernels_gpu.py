@@ -10,6 +10,8 @@ peak. Backends, on the same cache and metadata in one run:
 The metadata is reused across iterations, as every layer after the first of a step does.
 
     python -m bench.kernels_gpu                               # H100-class defaults
+    python -m bench.kernels_gpu --batch-size 256 --context-len 200 --num-kv-heads 32 \
+        --head-size 64 --graph-bound 8192           # as a decode graph captured to 8192 runs it
     python -m bench.kernels_gpu --device cpu --small          # smoke run (Triton interpreter)
 """
 
@@ -44,6 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--peak-gbps", type=float, default=None, help="override the device's peak")
+    p.add_argument("--graph-bound", type=int, default=0,
+                   help="time the kernels as a decode CUDA graph runs them: launched for "
+                        "sequences of this length (the capture bound), real lengths on the "
+                        "device; any --context-len up to it then")
     p.add_argument("--small", action="store_true",
                    help="tiny shapes and few iterations: checks the script, measures nothing")
     p.add_argument("--seed", type=int, default=0)
@@ -53,7 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.num_heads, args.num_kv_heads, args.head_size, args.block_size = 4, 2, 64, 8
     elif args.device == "cpu":
         p.error("on CPU the Triton kernels only run interpreted: pass --small for a smoke run")
-    elif args.batch_size < 16 or args.context_len < 2048:
+    elif args.graph_bound and not args.context_len <= args.graph_bound:
+        p.error(f"--context-len {args.context_len} exceeds --graph-bound {args.graph_bound}")
+    elif not args.graph_bound and (args.batch_size < 16 or args.context_len < 2048):
         p.error(f"--batch-size >= 16 and --context-len >= 2048 (got {args.batch_size}, "
                 f"{args.context_len}); use --small for a smoke run")
     if args.device == "cpu":
@@ -93,6 +101,9 @@ def make_decode_step(args: argparse.Namespace, device: torch.device, dtype: torc
         query_start_loc=torch.arange(args.batch_size + 1, dtype=torch.int32, device=device),
         max_query_len=1, max_seq_len=args.context_len, num_prefills=0, num_prefill_tokens=0,
         query_lens_cpu=[1] * args.batch_size, seq_lens_cpu=seq_lens)
+    if args.graph_bound:  # the host fields a capture sets (cuda_graphs.DecodeBuffers.metadata)
+        meta.max_seq_len = args.graph_bound
+        meta.seq_lens_cpu = [args.graph_bound] * args.batch_size
     query = torch.randn(args.batch_size, args.num_heads, args.head_size,
                         generator=gen).to(device, dtype)  # [batch, heads, head]
     return query, k_cache, v_cache, meta
@@ -190,6 +201,9 @@ def main(argv: list[str] | None = None) -> dict:
               "results": results}
     if not args.small:  # a smoke run measures nothing worth keeping
         tag = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower()
+        if args.graph_bound:  # not the default record, which the GPU check writes
+            tag += (f"-b{args.batch_size}-ctx{args.context_len}-kv{args.num_kv_heads}"
+                    f"-bound{args.graph_bound}")
         print(f"wrote {write_record('kernels_gpu', record, tag=tag)}")
     return record
 
