@@ -6,6 +6,8 @@ peak. Backends, on the same cache and metadata in one run:
   - torch:           gather through the block tables + scaled_dot_product_attention (the baseline)
   - triton:          the Triton backend's policy (split-KV flash-decoding for long contexts)
   - triton-unified:  the unified kernel alone (one program per sequence × KV head)
+  - triton-split:    the split-KV pair whatever the batch (the policy takes the unified kernel
+                     past triton_ops.SPLIT_KV_MAX_PROGRAMS programs)
   - flash_attn:      when installed (it pages natively only with block_size % 256 == 0)
 The metadata is reused across iterations, as every layer after the first of a step does.
 
@@ -113,28 +115,30 @@ def load_backend(name: str, device: torch.device):
     """The backend's ops, or None when it cannot run on this device."""
     from pagedserve.kernels.backend import available_backends, get_backend
 
-    base = "triton" if name == "triton-unified" else name
+    base = name.split("-")[0]
     if base not in available_backends(device):
         return None
     module = get_backend(base, device)
-    if name == "triton-unified":
-        module = _UnifiedOnly(module)
+    if name == "triton-unified":  # the split-KV path off: one partition is the whole context
+        module = _Patched(module, "DECODE_PARTITION_SIZE", 1 << 30)
+    elif name == "triton-split":
+        module = _Patched(module, "SPLIT_KV_MAX_PROGRAMS", 1 << 30)
     return module
 
 
-class _UnifiedOnly:
-    """The Triton backend with the split-KV path switched off (partition = whole context)."""
+class _Patched:
+    """The Triton backend with one of its launch-policy constants set otherwise."""
 
-    def __init__(self, module) -> None:
-        self.module = module
+    def __init__(self, module, name: str, value: int) -> None:
+        self.module, self.name, self.value = module, name, value
 
     def paged_attention(self, *args):
-        saved = self.module.DECODE_PARTITION_SIZE
-        self.module.DECODE_PARTITION_SIZE = 1 << 30
+        saved = getattr(self.module, self.name)
+        setattr(self.module, self.name, self.value)
         try:
             return self.module.paged_attention(*args)
         finally:
-            self.module.DECODE_PARTITION_SIZE = saved
+            setattr(self.module, self.name, saved)
 
 
 def time_backend(ops, query, k_cache, v_cache, meta, scale, args, device) -> tuple[float, torch.Tensor]:

@@ -25,6 +25,11 @@ _DERIVED_KEY = "triton"
 # Decodes whose context is longer than one partition use the split-KV path: a short batch of long
 # sequences otherwise leaves most of the GPU idle, one program per (sequence, KV head).
 DECODE_PARTITION_SIZE = 512
+# ... unless the batch has this many (sequence, KV head) programs: then the unified kernel fills
+# the device alone (about four programs an SM of an H100's 132), and the partitions add a
+# reduction and, in a CUDA graph launched for its capture bound (8192 tokens: 16 partitions),
+# programs past every real context that start only to return.
+SPLIT_KV_MAX_PROGRAMS = 512
 # Partitions the split-KV reduce combines per loop iteration: a fixed width, so the number of
 # partitions (which grows with the step's longest context) never selects a compiled variant.
 REDUCE_CHUNK = 16
@@ -57,11 +62,13 @@ class LaunchPlan:
     max_num_partitions: int
 
 
-def _launch_plan(meta: AttentionMetadata) -> LaunchPlan:
-    plan = meta.derived.get(_DERIVED_KEY)
+def _launch_plan(meta: AttentionMetadata, num_kv_heads: int) -> LaunchPlan:
+    key = (_DERIVED_KEY, num_kv_heads)  # a draft model of other heads may share the metadata
+    plan = meta.derived.get(key)
     if plan is None:
         decode_seq_lens = meta.seq_lens_cpu[meta.num_prefills:]
-        is_split = bool(decode_seq_lens) and max(decode_seq_lens) > DECODE_PARTITION_SIZE
+        is_split = (bool(decode_seq_lens) and max(decode_seq_lens) > DECODE_PARTITION_SIZE
+                    and len(decode_seq_lens) * num_kv_heads < SPLIT_KV_MAX_PROGRAMS)
         num_unified = meta.num_prefills if is_split else meta.num_seqs
         plan = LaunchPlan(
             num_unified_seqs=num_unified,
@@ -72,7 +79,7 @@ def _launch_plan(meta: AttentionMetadata) -> LaunchPlan:
             max_num_partitions=triton.cdiv(max(decode_seq_lens), DECODE_PARTITION_SIZE)
             if is_split else 0,
         )
-        meta.derived[_DERIVED_KEY] = plan
+        meta.derived[key] = plan
     return plan
 
 
@@ -127,7 +134,7 @@ def attention_launches(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Te
     _check_attention_inputs(query, k_cache, v_cache)
     block_size, num_kv_heads, head_size = k_cache.shape[1:]
     num_heads = query.shape[1]
-    plan = _launch_plan(meta)
+    plan = _launch_plan(meta, num_kv_heads)
     config = launch_config(arch, head_size)
     group = num_heads // num_kv_heads
     head_p2 = max(16, triton.next_power_of_2(head_size))  # tl.dot needs K >= 16

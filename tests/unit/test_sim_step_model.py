@@ -15,6 +15,7 @@ from pagedserve.worker_svc.sim.calibration import ENGINE_HOST_S
 from pagedserve.worker_svc.sim.roofline import GPUS, MODELS, ModelShape, Roofline
 from pagedserve.worker_svc.sim.step_model import (
     DECODE_PARTITION_SIZE,
+    SPLIT_KV_MAX_PROGRAMS,
     AffineOps,
     StepModel,
     traced_ops,
@@ -188,6 +189,10 @@ def test_attention_is_priced_by_the_kv_it_reads():
     # one launch while every context fits a partition, two (split-KV) past it
     assert (model.step(*decode(8, DECODE_PARTITION_SIZE + 1)).num_launches
             - model.step(*decode(8, DECODE_PARTITION_SIZE - 1)).num_launches) == SMALL.num_layers
+    # ... unless the batch fills the device with one program per (sequence, KV head)
+    many = -(-SPLIT_KV_MAX_PROGRAMS // SMALL.num_kv_heads)
+    assert (model.step(*decode(many, DECODE_PARTITION_SIZE + 1)).num_launches
+            == model.step(*decode(many, DECODE_PARTITION_SIZE - 1)).num_launches)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -203,6 +208,7 @@ def test_every_served_architecture_is_traced_from_its_config(tiny_model_dir, arc
 def test_the_partition_size_is_the_triton_backends():
     triton_ops = pytest.importorskip("pagedserve.kernels.triton_ops")
     assert triton_ops.DECODE_PARTITION_SIZE == DECODE_PARTITION_SIZE
+    assert triton_ops.SPLIT_KV_MAX_PROGRAMS == SPLIT_KV_MAX_PROGRAMS
 
 
 def test_op_shapes_are_affine_in_the_token_count():

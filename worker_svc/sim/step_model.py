@@ -29,8 +29,10 @@ from pagedserve.worker_svc.sim.trace import KernelOp, MetaModel
 
 logger = logging.getLogger(__name__)
 
-# kernels/triton_ops.py: a decode whose context passes this takes the split-KV kernels
+# kernels/triton_ops.py: a decode whose context passes this takes the split-KV kernels, in a
+# batch of fewer (sequence, KV head) programs than the other
 DECODE_PARTITION_SIZE = 512
+SPLIT_KV_MAX_PROGRAMS = 512
 _TRACE_SIZES = (16, 32)
 _MAX_CACHED_PRICES = 4096
 
@@ -114,6 +116,7 @@ class StepModel:
         shape = floor.model
         head_bytes = shape.head_size * floor.dtype_bytes
         self._kv_token_bytes = 2 * shape.num_kv_heads * head_bytes  # one layer's K and V
+        self._num_kv_heads = shape.num_kv_heads
         self._q_token_bytes = shape.num_heads * head_bytes
         self._head_flops = 4 * shape.num_heads * shape.head_size
         self._attention_ops = np.array([c == "attention" for c in self.forward.op_classes])
@@ -194,7 +197,8 @@ class StepModel:
                      + 2 * q.sum() * self._q_token_bytes)
         is_decode = q == 1
         is_split = (not is_unified_only and bool(is_decode.any())
-                    and float((ctx + q)[is_decode].max()) > DECODE_PARTITION_SIZE)
+                    and float((ctx + q)[is_decode].max()) > DECODE_PARTITION_SIZE
+                    and int(is_decode.sum()) * self._num_kv_heads < SPLIT_KV_MAX_PROGRAMS)
         num_launches = (2 if is_split else 0) + int((~is_decode).any() or not is_split)
         cost = self.calibration.op_classes["attention"]
         time_s = num_launches * cost.fixed_s + max(
