@@ -63,8 +63,9 @@ class LaunchPlan:
 
 
 def _launch_plan(meta: AttentionMetadata, num_kv_heads: int) -> LaunchPlan:
-    key = (_DERIVED_KEY, num_kv_heads)  # a draft model of other heads may share the metadata
-    plan = meta.derived.get(key)
+    # cached for the step's every layer; a model of other KV heads on the same metadata would
+    # reuse it, which picks a kernel by the other's count but computes the same attention
+    plan = meta.derived.get(_DERIVED_KEY)
     if plan is None:
         decode_seq_lens = meta.seq_lens_cpu[meta.num_prefills:]
         is_split = (bool(decode_seq_lens) and max(decode_seq_lens) > DECODE_PARTITION_SIZE
@@ -79,7 +80,7 @@ def _launch_plan(meta: AttentionMetadata, num_kv_heads: int) -> LaunchPlan:
             max_num_partitions=triton.cdiv(max(decode_seq_lens), DECODE_PARTITION_SIZE)
             if is_split else 0,
         )
-        meta.derived[key] = plan
+        meta.derived[_DERIVED_KEY] = plan
     return plan
 
 
