@@ -4,9 +4,11 @@ plain decodes and single samples (most of a large batch) travel packed, not one 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import (
     MemoryProfile,
     NewSequence,
@@ -27,7 +29,7 @@ from pagedserve.services.rpc.convert_common import (
     sampling_params_to_proto,
     structured_outputs_from_proto,
 )
-from pagedserve.services.rpc.internal.v1 import worker_pb2
+from pagedserve.services.rpc.internal.v1 import common_pb2, worker_pb2
 
 
 def block_pairs_to_proto(pairs: Sequence[tuple[int, int]], msg: worker_pb2.BlockPairs) -> None:
@@ -56,12 +58,25 @@ def new_sequence_to_proto(seq: NewSequence) -> worker_pb2.NewSequence:
     return msg
 
 
+# distinct sampling parameters the worker keeps converted; a workload has few (each request's
+# sequences, every request of a client's settings), and the conversion with its checks costs
+# ~40 µs against ~1 µs for the key
+MAX_CACHED_SAMPLING_PARAMS = 4096
+
+
+@functools.lru_cache(maxsize=MAX_CACHED_SAMPLING_PARAMS)
+def _sampling_params_from_bytes(data: bytes) -> SamplingParams:
+    """SamplingParams is frozen, so the sequences with equal parameters share one. A message
+    that fails its checks is not cached: it raises again."""
+    return sampling_params_from_proto(common_pb2.SamplingParams.FromString(data))
+
+
 def new_sequence_from_proto(msg: worker_pb2.NewSequence) -> NewSequence:
     return NewSequence(
         seq_id=msg.seq_id, request_id=msg.request_id, token_ids=list(msg.token_ids),
         prompt_len=msg.prompt_len, block_ids=list(msg.block_ids),
         num_computed_tokens=msg.num_computed_tokens, num_scheduled_tokens=msg.num_scheduled_tokens,
-        sampling=sampling_params_from_proto(msg.sampling),
+        sampling=_sampling_params_from_bytes(msg.sampling.SerializeToString(deterministic=True)),
         seed=msg.seed if msg.HasField("seed") else None, num_samples=msg.num_samples,
         pooling_type=msg.pooling_type, draft_token_ids=list(msg.draft_token_ids),
         num_lookahead_slots=msg.num_lookahead_slots)
