@@ -182,9 +182,10 @@ def _is_single_sample(seq: SampledSequence) -> bool:
 
 def step_output_to_proto(output: StepOutput) -> worker_pb2.ExecuteStepResponse:
     """Single samples go packed, after the other outputs."""
-    single = [s for s in output.outputs if _is_single_sample(s)]
-    others = output.outputs if not single else [
-        s for s in output.outputs if not _is_single_sample(s)]
+    single: list[SampledSequence] = []
+    others: list[SampledSequence] = []
+    for s in output.outputs:
+        (single if _is_single_sample(s) else others).append(s)
     return worker_pb2.ExecuteStepResponse(
         step_id=output.step_id, outputs=[sampled_sequence_to_proto(s) for s in others],
         timings=step_timings_to_proto(output.timings),
