@@ -60,8 +60,17 @@ def new_sequence_to_proto(seq: NewSequence) -> worker_pb2.NewSequence:
 
 # distinct sampling parameters the worker keeps converted; a workload has few (each request's
 # sequences, every request of a client's settings), and the conversion with its checks costs
-# ~40 µs against ~1 µs for the key
-MAX_CACHED_SAMPLING_PARAMS = 4096
+# ~40 µs against ~1 µs for the key. A larger message (long token lists, a schema) is converted
+# each time, so the cache stays under ~1 MB.
+MAX_CACHED_SAMPLING_PARAMS = 1024
+MAX_CACHED_SAMPLING_BYTES = 512
+
+
+def _sampling_params(msg: common_pb2.SamplingParams) -> SamplingParams:
+    data = msg.SerializeToString(deterministic=True)
+    if len(data) > MAX_CACHED_SAMPLING_BYTES:
+        return sampling_params_from_proto(msg)
+    return _sampling_params_from_bytes(data)
 
 
 @functools.lru_cache(maxsize=MAX_CACHED_SAMPLING_PARAMS)
@@ -76,7 +85,7 @@ def new_sequence_from_proto(msg: worker_pb2.NewSequence) -> NewSequence:
         seq_id=msg.seq_id, request_id=msg.request_id, token_ids=list(msg.token_ids),
         prompt_len=msg.prompt_len, block_ids=list(msg.block_ids),
         num_computed_tokens=msg.num_computed_tokens, num_scheduled_tokens=msg.num_scheduled_tokens,
-        sampling=_sampling_params_from_bytes(msg.sampling.SerializeToString(deterministic=True)),
+        sampling=_sampling_params(msg.sampling),
         seed=msg.seed if msg.HasField("seed") else None, num_samples=msg.num_samples,
         pooling_type=msg.pooling_type, draft_token_ids=list(msg.draft_token_ids),
         num_lookahead_slots=msg.num_lookahead_slots)

@@ -191,6 +191,14 @@ def test_new_sequences_with_equal_sampling_share_one_converted_params():
     assert first.new_seqs[0].sampling is first.new_seqs[1].sampling
     assert first.new_seqs[0].sampling is second.new_seqs[0].sampling
     assert first.new_seqs[2].sampling is not first.new_seqs[0].sampling
+    # a large message (here 300 allowed ids) is converted each time: the cache stays small
+    large = dataclasses.replace(SAMPLING, allowed_token_ids=tuple(range(1000, 1300)))
+    plan = dataclasses.replace(PLAN, new_seqs=[dataclasses.replace(PLAN.new_seqs[0], seq_id=i,
+                                                                   sampling=large)
+                                               for i in range(2)])
+    converted = step_plan_from_proto(_wire(step_plan_to_proto(plan))).new_seqs
+    assert converted[0].sampling == converted[1].sampling == large
+    assert converted[0].sampling is not converted[1].sampling
     msg = step_plan_to_proto(PLAN)
     msg.new_seqs[0].sampling.top_p = 1.5
     for _ in range(2):
