@@ -152,6 +152,8 @@ def split_swaps(swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
     order swap out, then swap in, and the plan's order within each."""
     if in_flight is None:
         return Swaps([], []), Swaps(list(swap_out), list(swap_in))
+    if not swap_out and not swap_in:  # most steps: no set of the step in flight's blocks
+        return Swaps([], []), Swaps([], [])
     late_device = in_flight.block_ids()
     late_cpu: set[int] = set()
     is_late_out = [False] * len(swap_out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -146,13 +147,16 @@ def _input_ids(seqs: list[CachedSequence], query_start_loc: np.ndarray,
 
 def _block_tables(seqs: list[CachedSequence], seq_lens: np.ndarray,
                   block_size: int) -> np.ndarray:
-    """[num_seqs, max blocks of a sequence] int32, padded with 0; rows gathered in lists and
-    converted once, as the input ids."""
-    num_blocks = cdiv(seq_lens, block_size).tolist()  # [num_seqs]
-    width = max(num_blocks, default=0)
-    return np.array([seq.block_table[:n] + [0] * (width - n)
-                     for seq, n in zip(seqs, num_blocks, strict=True)], np.int32).reshape(
-        len(seqs), width)
+    """[num_seqs, max blocks of a sequence] int32, padded with 0: every row's ids in one flat
+    array, spread into the rows by a mask, with no padded list per sequence."""
+    num_blocks = cdiv(seq_lens, block_size)  # [num_seqs]
+    width = int(num_blocks.max(initial=0))
+    flat = np.fromiter(itertools.chain.from_iterable(
+        [seq.block_table[:n] for seq, n in zip(seqs, num_blocks.tolist(), strict=True)]),
+        np.int32, int(num_blocks.sum()))
+    block_tables = np.zeros((len(seqs), width), np.int32)
+    block_tables[np.arange(width) < num_blocks[:, None]] = flat  # row-major: each row in order
+    return block_tables
 
 
 def _prompt_logprob_spans(seqs: list[CachedSequence], query_start_loc: np.ndarray,

@@ -90,10 +90,12 @@ class SequenceMirrors:
         for seq_id in itertools.chain(plan.finished_seq_ids, plan.preempted_seq_ids):
             self.seqs.pop(seq_id, None)
             self.drawing.pop(seq_id, None)
-        scheduled = [self._add(new) for new in plan.new_seqs]
-        scheduled += [self._update(delta) for delta in plan.running_seqs]
-        return ([s for s in scheduled if s.is_prefill]
-                + [s for s in scheduled if not s.is_prefill])
+        prefills: list[CachedSequence] = []
+        others: list[CachedSequence] = []
+        for seq in itertools.chain(map(self._add, plan.new_seqs),
+                                   map(self._update, plan.running_seqs)):
+            (prefills if seq.is_prefill else others).append(seq)
+        return prefills + others
 
     def check(self, plan: StepPlan, num_gpu_blocks: int | None = None,
               vocab_size: int | None = None) -> None:
@@ -194,12 +196,16 @@ class SequenceMirrors:
                 seq.draft_token_ids = []
                 seq.draft_probs = None
                 continue
-            if (len(out.token_ids) == 1 and self.drawing.get(seq_id)
-                    and self.seqs.get(seq_id) is launched.get(seq_id)):
-                self.drawing[seq_id] -= 1
-                if not self.drawing[seq_id]:
-                    del self.drawing[seq_id]
-                self.seqs[seq_id].token_ids.append(out.token_ids[0])
+            if len(out.token_ids) != 1 or seq is None or self.seqs.get(seq_id) is not seq:
+                continue
+            num_drawing = self.drawing.get(seq_id, 0)
+            if num_drawing > 1:
+                self.drawing[seq_id] = num_drawing - 1
+            elif num_drawing:
+                del self.drawing[seq_id]
+            else:
+                continue
+            seq.token_ids.append(out.token_ids[0])
 
     def _add(self, new: NewSequence) -> CachedSequence:
         # a sequence sent whole replaces whatever the worker knew of it

@@ -206,8 +206,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         worker.check_step(plan)
         async with self._step_order:
             try:
-                await asyncio.wait_for(self._step_order.wait_for(
-                    lambda: worker.steps.may_submit(plan)), STEP_ORDER_WAIT_S)
+                if not worker.steps.may_submit(plan):  # else no timer and task for the wait
+                    await asyncio.wait_for(self._step_order.wait_for(
+                        lambda: worker.steps.may_submit(plan)), STEP_ORDER_WAIT_S)
             except TimeoutError:
                 raise StepOutOfOrder(
                     f"step {plan.step_id} waited {STEP_ORDER_WAIT_S:.0f} s for step "

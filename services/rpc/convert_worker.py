@@ -4,9 +4,11 @@ plain decodes and single samples (most of a large batch) travel packed, not one 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from pagedserve.services.common.errors import InvalidRequest
+from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import (
     MemoryProfile,
     NewSequence,
@@ -27,7 +29,7 @@ from pagedserve.services.rpc.convert_common import (
     sampling_params_to_proto,
     structured_outputs_from_proto,
 )
-from pagedserve.services.rpc.internal.v1 import worker_pb2
+from pagedserve.services.rpc.internal.v1 import common_pb2, worker_pb2
 
 
 def block_pairs_to_proto(pairs: Sequence[tuple[int, int]], msg: worker_pb2.BlockPairs) -> None:
@@ -56,12 +58,34 @@ def new_sequence_to_proto(seq: NewSequence) -> worker_pb2.NewSequence:
     return msg
 
 
+# distinct sampling parameters the worker keeps converted; a workload has few (each request's
+# sequences, every request of a client's settings), and the conversion with its checks costs
+# ~40 µs against ~1 µs for the key. A larger message (long token lists, a schema) is converted
+# each time, so the cache stays under ~1 MB.
+MAX_CACHED_SAMPLING_PARAMS = 1024
+MAX_CACHED_SAMPLING_BYTES = 512
+
+
+def _sampling_params(msg: common_pb2.SamplingParams) -> SamplingParams:
+    data = msg.SerializeToString(deterministic=True)
+    if len(data) > MAX_CACHED_SAMPLING_BYTES:
+        return sampling_params_from_proto(msg)
+    return _sampling_params_from_bytes(data)
+
+
+@functools.lru_cache(maxsize=MAX_CACHED_SAMPLING_PARAMS)
+def _sampling_params_from_bytes(data: bytes) -> SamplingParams:
+    """SamplingParams is frozen, so the sequences with equal parameters share one. A message
+    that fails its checks is not cached: it raises again."""
+    return sampling_params_from_proto(common_pb2.SamplingParams.FromString(data))
+
+
 def new_sequence_from_proto(msg: worker_pb2.NewSequence) -> NewSequence:
     return NewSequence(
         seq_id=msg.seq_id, request_id=msg.request_id, token_ids=list(msg.token_ids),
         prompt_len=msg.prompt_len, block_ids=list(msg.block_ids),
         num_computed_tokens=msg.num_computed_tokens, num_scheduled_tokens=msg.num_scheduled_tokens,
-        sampling=sampling_params_from_proto(msg.sampling),
+        sampling=_sampling_params(msg.sampling),
         seed=msg.seed if msg.HasField("seed") else None, num_samples=msg.num_samples,
         pooling_type=msg.pooling_type, draft_token_ids=list(msg.draft_token_ids),
         num_lookahead_slots=msg.num_lookahead_slots)
@@ -167,9 +191,10 @@ def _is_single_sample(seq: SampledSequence) -> bool:
 
 def step_output_to_proto(output: StepOutput) -> worker_pb2.ExecuteStepResponse:
     """Single samples go packed, after the other outputs."""
-    single = [s for s in output.outputs if _is_single_sample(s)]
-    others = output.outputs if not single else [
-        s for s in output.outputs if not _is_single_sample(s)]
+    single: list[SampledSequence] = []
+    others: list[SampledSequence] = []
+    for s in output.outputs:
+        (single if _is_single_sample(s) else others).append(s)
     return worker_pb2.ExecuteStepResponse(
         step_id=output.step_id, outputs=[sampled_sequence_to_proto(s) for s in others],
         timings=step_timings_to_proto(output.timings),

@@ -16,6 +16,7 @@ from bench import (
     serving,
     sse_serialization,
     step_anatomy,
+    worker_replay,
 )
 
 
@@ -100,6 +101,20 @@ def test_serving_on_the_simulated_worker_records_each_process_cpu(tiny_served_mo
         assert client["num_streams"] == 2 and client["num_requests"] == 2
         assert result[door]["cpu_s"]["clients"] == client["cpu_s"] > 0
         assert result[door]["num_output_tokens"] == result["in_process"]["num_output_tokens"]
+
+
+@pytest.mark.parametrize("mode", [[], ["--launch-ahead"]])
+def test_worker_replay_replays_every_captured_step(tiny_served_model_dir, results_dir, tmp_path,
+                                                   mode):
+    sizes = ["--model", str(tiny_served_model_dir), "--concurrency", "3",
+             "--requests-per-client", "2", "--min-prompt-len", "4", "--max-prompt-len", "12",
+             "--min-output-len", "2", "--max-output-len", "6"]
+    steps = tmp_path / "steps.bin"
+    worker_replay.main([*sizes, "--capture", str(steps)])
+    worker_replay.main([*sizes, "--steps", str(steps), "--repeats", "2", *mode, "--tag", "smoke"])
+    (result,) = _record(results_dir, "worker_replay")["results"]
+    assert result["num_steps"] >= 6 and len(result["cpu_us_per_step"]) == 2
+    assert all(us > 0 for us in result["cpu_us_per_step"])
 
 
 def test_sse_serialization(results_dir):

@@ -178,6 +178,34 @@ def test_invalid_sampling_params_in_a_step_are_refused():
         step_plan_from_proto(msg)
 
 
+def test_new_sequences_with_equal_sampling_share_one_converted_params():
+    """Converted once per distinct parameters (a cache keyed by the message's bytes), not once
+    per sequence; a message that fails its checks is refused every time, never cached."""
+    same = dataclasses.replace(SAMPLING)  # equal, another instance
+    other = dataclasses.replace(SAMPLING, max_tokens=65)
+    new_seqs = [dataclasses.replace(PLAN.new_seqs[0], seq_id=i, sampling=sampling)
+                for i, sampling in enumerate((SAMPLING, same, other))]
+    first, second = (step_plan_from_proto(_wire(step_plan_to_proto(
+        dataclasses.replace(PLAN, new_seqs=new_seqs)))) for _ in range(2))
+    assert [s.sampling for s in first.new_seqs] == [SAMPLING, SAMPLING, other]
+    assert first.new_seqs[0].sampling is first.new_seqs[1].sampling
+    assert first.new_seqs[0].sampling is second.new_seqs[0].sampling
+    assert first.new_seqs[2].sampling is not first.new_seqs[0].sampling
+    # a large message (here 300 allowed ids) is converted each time: the cache stays small
+    large = dataclasses.replace(SAMPLING, allowed_token_ids=tuple(range(1000, 1300)))
+    plan = dataclasses.replace(PLAN, new_seqs=[dataclasses.replace(PLAN.new_seqs[0], seq_id=i,
+                                                                   sampling=large)
+                                               for i in range(2)])
+    converted = step_plan_from_proto(_wire(step_plan_to_proto(plan))).new_seqs
+    assert converted[0].sampling == converted[1].sampling == large
+    assert converted[0].sampling is not converted[1].sampling
+    msg = step_plan_to_proto(PLAN)
+    msg.new_seqs[0].sampling.top_p = 1.5
+    for _ in range(2):
+        with pytest.raises(InvalidRequest, match="top_p"):
+            step_plan_from_proto(msg)
+
+
 def test_step_output_round_trip_keeps_every_field():
     assert step_output_from_proto(_wire(step_output_to_proto(OUTPUT))) == OUTPUT
 

@@ -104,3 +104,35 @@ def test_running_deltas_with_bad_ids_or_tokens_behind_a_draw_are_refused_untouch
     model_input = build_model_input(scheduled, 4, torch.device("cpu"), drawn={0: 3})
     assert model_input.input_ids.tolist() == [0] and model_input.drawn_rows == [(0, 3)]
     assert model_input.meta.block_tables.tolist() == [[7]]
+
+
+def test_draws_of_steps_launched_ahead_append_in_order_and_skip_a_sequence_sent_again():
+    mirrors = SequenceMirrors(block_size=4, max_model_len=64)
+    first = mirrors.apply(StepPlan(1, 1, new_seqs=[_new(0, [1, 2, 3], [7], 0, 3),
+                                                   _new(1, [5, 6], [8], 0, 2)]))
+    mirrors.mark_computed(first)
+    # step 2 is launched before step 1's draws reach the host: two tokens of each being drawn
+    second = mirrors.apply(StepPlan(1, 2, running_seqs=[RunningSequence(0, [], 1, [], 1),
+                                                        RunningSequence(1, [], 1, [], 1)]))
+    mirrors.mark_computed(second)
+    assert mirrors.drawing == {0: 2, 1: 2}
+    mirrors.append_drawn(first, [SampledSequence(0, [10], [-0.1]), SampledSequence(1, [11], [-0.1])])
+    assert mirrors.drawing == {0: 1, 1: 1}
+    # seq 1 is sent whole again (preempted and recomputed) before step 2 finishes
+    mirrors.apply(StepPlan(1, 3, new_seqs=[_new(1, [5, 6, 11, 12], [9, 3], 0, 4)]))
+    mirrors.append_drawn(second, [SampledSequence(0, [20], [-0.1]),
+                                  SampledSequence(1, [21], [-0.1])])
+    assert mirrors.drawing == {}
+    assert mirrors.seqs[0].token_ids == [1, 2, 3, 10, 20]
+    assert mirrors.seqs[1].token_ids == [5, 6, 11, 12]  # the scheduler's, not the stale draw
+
+
+def test_block_tables_pad_short_rows_and_ignore_blocks_past_the_tokens():
+    mirrors = SequenceMirrors(block_size=4, max_model_len=64)
+    scheduled = mirrors.apply(StepPlan(1, 1, new_seqs=[
+        _new(0, list(range(9)), [3, 1, 4, 15, 9], 8, 1),  # 9 tokens: 3 of its 5 blocks
+        _new(1, [7], [2], 0, 1),
+        _new(2, list(range(16)), [6, 5, 8, 11], 15, 1)]))
+    meta = build_model_input(scheduled, 4, torch.device("cpu")).meta
+    assert meta.block_tables.tolist() == [[3, 1, 4, 0], [2, 0, 0, 0], [6, 5, 8, 11]]
+    assert meta.slot_mapping.tolist() == [4 * 4, 2 * 4, 11 * 4 + 3]
