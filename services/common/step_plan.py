@@ -41,10 +41,7 @@ class NewSequence:
     num_lookahead_slots: int = 0
 
 
-# RunningSequence and SampledSequence are built once per sequence per step on both sides of
-# the contract; a frozen dataclass's __init__ (object.__setattr__ per field) costs ~4x a plain
-# one's, so they are not frozen. Nothing changes them once built.
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RunningSequence:
     seq_id: int
     new_token_ids: list[int]  # tokens the scheduler appended since the sequence last ran (not
@@ -87,9 +84,9 @@ class TokenIdLogprob:
     logprob: float
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SampledSequence:
-    """What the worker sampled for one sequence this step (not frozen: see RunningSequence)."""
+    """What the worker sampled for one sequence this step."""
 
     seq_id: int
     # num_samples tokens (beam search: best first); after drafts, the accepted ones and the next
