@@ -39,6 +39,8 @@ class _SeqBlocks:
     device: Device = Device.GPU
     # hashes of the leading full blocks known to be computed
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # leading blocks none replaced or dropped since `take_block_table` last read the table
+    num_stable_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -110,6 +112,15 @@ class BlockManager:
     def block_table(self, seq_id: int) -> list[int]:
         return list(self._seqs[seq_id].block_ids)
 
+    def take_block_table(self, seq_id: int) -> tuple[list[int], int]:
+        """The block table itself (the caller must not change it) and how many of its leading
+        blocks stayed in place since the last call: a copy of the table taken then still equals
+        it up to there. Usually all of them: a decoding sequence only appends."""
+        seq = self._seqs[seq_id]
+        num_stable = seq.num_stable_blocks
+        seq.num_stable_blocks = len(seq.block_ids)
+        return seq.block_ids, num_stable
+
     def is_swapped(self, seq_id: int) -> bool:
         return self._seqs[seq_id].device is Device.CPU
 
@@ -178,12 +189,14 @@ class BlockManager:
         """Counts every copy-on-write; a group sharing a block may over-count by one."""
         assert len(seq_ids) == len(num_new_tokens), (len(seq_ids), len(num_new_tokens))
         num_needed = 0
+        has_shared = bool(self.gpu_pool.num_shared_blocks)
         for seq_id, num_new in zip(seq_ids, num_new_tokens, strict=True):
             seq = self._seqs[seq_id]
             num_total = seq.num_tokens + num_new
             num_needed += max(0, cdiv(num_total, self.block_size) - len(seq.block_ids))
-            num_needed += len(self._shared_written_blocks(seq, num_total))
-        return num_needed <= self.num_free_gpu_blocks
+            if has_shared:
+                num_needed += len(self._shared_written_blocks(seq, num_total))
+        return not num_needed or num_needed <= self.num_free_gpu_blocks
 
     def append_slots(self, seq_id: int, num_total_tokens: int) -> list[tuple[int, int]]:
         """Returns the (src, dst) copy-on-write pairs of the shared blocks this step writes."""
@@ -191,16 +204,20 @@ class BlockManager:
         assert seq.device is Device.GPU, f"seq {seq_id} is swapped out"
         assert num_total_tokens >= 1, num_total_tokens
         blocks_to_copy: list[tuple[int, int]] = []
-        for i in self._shared_written_blocks(seq, num_total_tokens):
-            src = seq.block_ids[i]
-            dst = self._allocate_gpu_block()
-            remaining = self.gpu_pool.decref(src)
-            assert remaining >= 1, (src, remaining)
-            seq.block_ids[i] = dst
-            blocks_to_copy.append((src, dst))
-        for _ in range(cdiv(num_total_tokens, self.block_size) - len(seq.block_ids)):
-            seq.block_ids.append(self._allocate_gpu_block())
-        seq.num_tokens = max(seq.num_tokens, num_total_tokens)
+        if self.gpu_pool.num_shared_blocks:
+            for i in self._shared_written_blocks(seq, num_total_tokens):
+                src = seq.block_ids[i]
+                dst = self._allocate_gpu_block()
+                remaining = self.gpu_pool.decref(src)
+                assert remaining >= 1, (src, remaining)
+                seq.block_ids[i] = dst
+                seq.num_stable_blocks = min(seq.num_stable_blocks, i)
+                blocks_to_copy.append((src, dst))
+        if num_total_tokens > len(seq.block_ids) * self.block_size:
+            for _ in range(cdiv(num_total_tokens, self.block_size) - len(seq.block_ids)):
+                seq.block_ids.append(self._allocate_gpu_block())
+        if num_total_tokens > seq.num_tokens:
+            seq.num_tokens = num_total_tokens
         return blocks_to_copy
 
     def trim(self, seq_id: int, num_tokens: int) -> None:
@@ -212,13 +229,13 @@ class BlockManager:
             seq_id, num_tokens, len(seq.block_hashes), len(seq.block_ids))
         while len(seq.block_ids) > num_blocks:
             self._drop_reference(seq.device, seq.block_ids.pop())
+        seq.num_stable_blocks = min(seq.num_stable_blocks, num_blocks)
         seq.num_tokens = num_tokens
 
     def _shared_written_blocks(self, seq: _SeqBlocks, num_total_tokens: int) -> list[int]:
         """Written positions start at the old end of the table, or at the last token: those below
-        are computed (or will be by whoever shares them)."""
-        if not self.gpu_pool.num_shared_blocks:  # the usual decode: no block to look at
-            return []
+        are computed (or will be by whoever shares them). Callers skip it while no block is
+        shared, as in the usual decode."""
         first_written = min(seq.num_tokens, num_total_tokens - 1)
         end = min(len(seq.block_ids), cdiv(num_total_tokens, self.block_size))
         ref_counts = self.gpu_pool.ref_counts
@@ -288,6 +305,7 @@ class BlockManager:
                 # sequences outside `seq_ids` may still hold src; it is freed with its last ref
                 self._drop_reference(src_device, src)
             seq.device = dst_device
+            seq.num_stable_blocks = 0
         return list(mapping.items())
 
     def mark_computed(self, seq_id: int, token_ids: list[int], num_computed_tokens: int) -> None:

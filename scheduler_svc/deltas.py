@@ -1,6 +1,8 @@
 """The StepPlan deltas that bring each worker mirror up to date. A sequence the worker does not
 know (`worker_block_ids is None`) goes whole; a known one sends new tokens and the changed tail
 of its block table, which only grows or has blocks replaced, so one (start, ids) pair suffices.
+The block manager counts the leading blocks left in place since the table was last sent, so a
+decoding sequence's table is neither copied nor compared.
 A single sampled token is appended by the worker itself, so it counts as known."""
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ def sequence_deltas(
         num_lookahead_slots = 0
         if drafts and drafts[0] == PLACEHOLDER_TOKEN_ID:  # the worker's draft model proposes
             num_lookahead_slots, drafts = len(drafts), []
-        block_ids = block_manager.block_table(seq.seq_id)
-        if seq.worker_block_ids is None:
+        block_ids, num_stable = block_manager.take_block_table(seq.seq_id)
+        known = seq.worker_block_ids
+        if known is None:
             seq.worker_block_ids = list(block_ids)
             new_seqs.append(NewSequence(
                 seq_id=seq.seq_id, request_id=group.request_id, token_ids=list(seq.token_ids),
@@ -34,17 +37,37 @@ def sequence_deltas(
                 seed=seq.seed, num_samples=num_samples, pooling_type=group.pooling_type,
                 draft_token_ids=drafts, num_lookahead_slots=num_lookahead_slots))
         else:
-            start = _first_difference(seq.worker_block_ids, block_ids)
-            changed = block_ids[start:]
-            running_seqs.append(RunningSequence(
-                seq_id=seq.seq_id, new_token_ids=seq.token_ids[seq.num_worker_tokens:],
-                block_ids_start=start, block_ids=changed,
-                num_scheduled_tokens=num_scheduled_tokens, num_samples=num_samples,
-                draft_token_ids=drafts, num_lookahead_slots=num_lookahead_slots))
-            seq.worker_block_ids[start:] = changed  # the mirror's copy, updated where it changed
+            running_seqs.append(_running_delta(seq, known, block_ids, num_stable,
+                                               num_scheduled_tokens, num_samples, drafts,
+                                               num_lookahead_slots))
         seq.num_worker_tokens = len(seq.token_ids) + (
             is_sampling and num_samples == 1 and not group.pooling_type)
     return new_seqs, running_seqs
+
+
+def _running_delta(seq: Sequence, known: list[int], block_ids: list[int], num_stable: int,
+                   num_scheduled_tokens: int, num_samples: int, drafts: list[int],
+                   num_lookahead_slots: int) -> RunningSequence:
+    """`known`: the scheduler's copy of the mirror's block table, brought up to `block_ids`."""
+    num_known = len(known)
+    if num_stable >= num_known:  # appended to at most: the usual decode
+        start = num_known
+    else:  # blocks replaced (copy-on-write) or dropped (trimmed drafts) past num_stable
+        start = num_stable + _first_difference(known[num_stable:], block_ids[num_stable:])
+    if (start == num_known == len(block_ids) and seq.num_worker_tokens == len(seq.token_ids)
+            and not drafts and not num_lookahead_slots):
+        delta = seq.steady_delta
+        if (delta is None or delta.block_ids_start != start
+                or delta.num_scheduled_tokens != num_scheduled_tokens
+                or delta.num_samples != num_samples):
+            delta = seq.steady_delta = RunningSequence(
+                seq.seq_id, [], start, [], num_scheduled_tokens, num_samples, [], 0)
+        return delta
+    changed = block_ids[start:]
+    known[start:] = changed  # the mirror's copy, updated where it changed
+    # positional: a frozen dataclass's keywords cost ~40% more
+    return RunningSequence(seq.seq_id, seq.token_ids[seq.num_worker_tokens:], start, changed,
+                           num_scheduled_tokens, num_samples, drafts, num_lookahead_slots)
 
 
 def _first_difference(old: list[int], new: list[int]) -> int:

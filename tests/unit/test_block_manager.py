@@ -100,6 +100,26 @@ def test_append_slots_copies_when_the_table_already_held_the_written_token():
     assert bm.block_table(2)[0] == bm.block_table(1)[0]
 
 
+def test_take_block_table_counts_the_blocks_left_in_place_since_the_last_take():
+    bm = BlockManager(BS, 16, 8, watermark=0.0)
+    bm.allocate(1, list(range(6)))
+    table, num_stable = bm.take_block_table(1)
+    assert num_stable == 0 and table == bm.block_table(1)
+    bm.append_slots(1, 9)  # a block appended: both earlier ones stay
+    assert bm.take_block_table(1)[1] == 2
+    assert bm.take_block_table(1)[1] == 3  # nothing changed since
+    bm.fork(1, 2)
+    bm.append_slots(1, 10)  # writes the shared third block: a copy replaces it
+    assert bm.take_block_table(1)[1] == 2
+    bm.append_slots(1, 20)  # slots for drafts, then trimmed below where they began
+    bm.take_block_table(1)
+    bm.trim(1, 4)
+    assert bm.take_block_table(1) == ([bm.block_table(1)[0]], 1)
+    bm.swap_out([1])
+    bm.swap_in([1])
+    assert bm.take_block_table(1)[1] == 0
+
+
 def test_can_append_slots_counts_new_blocks_and_copies():
     bm = BlockManager(BS, 4, 4, watermark=0.0)
     bm.allocate(1, list(range(6)))
@@ -192,6 +212,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.kv = {False: [[None] * BS for _ in range(self.NUM_GPU)],
                    True: [[None] * BS for _ in range(self.NUM_CPU)]}
         self.next_id = 0
+        self.taken: dict[int, list[int]] = {}  # each table as take_block_table last gave it
 
     def _groups(self, swapped: bool) -> list[list[int]]:
         groups: dict[int, list[int]] = {}
@@ -317,6 +338,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.bm.gpu_pool.ref_counts[gpu_block] == group_refs[cpu_block]
         self._copy(pairs, True, False)
         self.swapped.difference_update(group)
+
+    @invariant()
+    def taken_tables_hold_in_the_blocks_counted_in_place(self) -> None:
+        for seq_id in self.tokens:
+            table, num_stable = self.bm.take_block_table(seq_id)
+            taken = self.taken.get(seq_id, [])
+            assert num_stable <= len(taken) and taken[:num_stable] == table[:num_stable]
+            self.taken[seq_id] = list(table)
 
     @invariant()
     def ref_counts_match_block_tables(self) -> None:

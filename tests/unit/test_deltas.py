@@ -2,6 +2,8 @@
 in place: appended blocks and copy-on-write replacements both reach it, and the lists a plan
 carries are never that copy."""
 
+import random
+
 from pagedserve.scheduler_svc.block_manager import BlockManager
 from pagedserve.scheduler_svc.deltas import sequence_deltas
 from pagedserve.scheduler_svc.sequence import SequenceGroup, SequenceStatus
@@ -46,3 +48,91 @@ def test_a_known_sequence_sends_its_changed_blocks_and_its_mirror_copy_follows()
     assert (running[0].block_ids_start, running[0].block_ids) == (1, bm.block_table(1)[1:])
     assert child.worker_block_ids == bm.block_table(1)
     assert seq.worker_block_ids == bm.block_table(0)
+
+
+def _reference_start(old: list[int], new: list[int]) -> int:
+    """The first index where two block tables differ, compared in full."""
+    for i, (a, b) in enumerate(zip(old, new, strict=False)):
+        if a != b:
+            return i
+    return min(len(old), len(new))
+
+
+def test_deltas_match_a_full_compare_through_copies_trims_and_swaps():
+    """The block manager's count of blocks left in place lets a delta skip the compare; every
+    change it may miss would show here as a mirror that no longer equals the table."""
+    rng = random.Random(0)
+    bm = BlockManager(BS, 64, 64, watermark=0.0)
+    group = SequenceGroup.from_prompt("r", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=99), 0)
+    seq = group.seqs[0]
+    seq.status = SequenceStatus.RUNNING
+    bm.allocate(0, seq.token_ids)
+    _plan(group, bm, num_tokens=6)
+    seq.num_computed_tokens = 6
+    mirror = bm.block_table(0)  # what a worker holds
+    next_seq_id = 1
+    kinds = set()
+    for _ in range(300):
+        kind = rng.choice(["decode", "drafts", "share", "swap"])
+        if kind == "decode":
+            seq.append_token(7, 0.0)
+            bm.append_slots(0, len(seq.token_ids))
+            seq.num_computed_tokens = len(seq.token_ids) - 1
+        elif kind == "drafts":  # slots for drafts, then all but one rejected
+            num_drafts = rng.randint(1, 2 * BS)
+            bm.append_slots(0, len(seq.token_ids) + num_drafts)
+            bm.trim(0, len(seq.token_ids))
+        elif kind == "share":  # a fork shares the last block: writing into it copies it
+            bm.fork(0, next_seq_id)
+            bm.append_slots(0, len(seq.token_ids) + 1)
+            bm.free(next_seq_id)
+            next_seq_id += 1
+        else:  # out and back in: every block moves, the mirror is dropped
+            bm.swap_out([0])
+            bm.swap_in([0])
+            seq.worker_block_ids = None
+        before = None if seq.worker_block_ids is None else list(seq.worker_block_ids)
+        new_seqs, running = _plan(group, bm, num_tokens=1)
+        table = bm.block_table(0)
+        if before is None:
+            assert new_seqs[0].block_ids == table
+            mirror = list(table)
+        else:
+            delta = running[0]
+            assert delta.block_ids_start == _reference_start(before, table), kind
+            mirror[delta.block_ids_start:] = delta.block_ids
+            kinds.add(kind)
+        assert mirror == table == seq.worker_block_ids
+    assert kinds == {"decode", "drafts", "share"}
+
+
+def test_a_steady_decode_sends_its_last_delta_again_until_something_changes():
+    bm = BlockManager(BS, 8, 4, watermark=0.0)
+    group = SequenceGroup.from_prompt("r", [1, 2, 3], SamplingParams(max_tokens=8), 0)
+    seq = group.seqs[0]
+    seq.status = SequenceStatus.RUNNING
+    bm.allocate(0, seq.token_ids)
+    _plan(group, bm, num_tokens=3)
+    seq.num_computed_tokens = 3
+
+    def decode_step():
+        seq.append_token(7, 0.0)  # what the worker appended itself
+        bm.append_slots(0, len(seq.token_ids))
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        return _plan(group, bm)[1][0]
+
+    first = decode_step()  # 4 tokens fill the first block: nothing new for the worker
+    assert (first.block_ids_start, first.block_ids, first.new_token_ids) == (1, [], [])
+    grown = decode_step()  # the 5th takes a second block
+    assert grown is not first and grown.block_ids == bm.block_table(0)[1:]
+    steady = decode_step()
+    assert steady is not grown and (steady.block_ids_start, steady.block_ids) == (2, [])
+    assert decode_step() is steady  # 7 tokens: the same delta
+    seq.append_token(7, 0.0)
+    seq.num_computed_tokens = len(seq.token_ids) - 1
+    bm.append_slots(0, len(seq.token_ids))
+    sampling_two = sequence_deltas([(group, seq, 1, 2, True, [])], bm)[1][0]
+    assert sampling_two is not steady and sampling_two.num_samples == 2
+    seq.num_worker_tokens -= 1  # a token the worker does not hold yet goes with the delta
+    with_token = _plan(group, bm)[1][0]
+    assert with_token.new_token_ids == [7] and with_token.block_ids_start == 2
