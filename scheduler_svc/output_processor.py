@@ -118,6 +118,9 @@ class OutputProcessor:
     def _append_verified(self, group: SequenceGroup, seq: Sequence, sampled: SampledSequence,
                          drafts: list[int] | None) -> None:
         """The accepted drafts and the next token, up to a stop; without drafts, the one token."""
+        if drafts is None and len(sampled.token_ids) == 1:  # the usual decode
+            self._append(group, seq, sampled, 0)
+            return
         for i in range(len(sampled.token_ids)):
             self._append(group, seq, sampled, i)
             if seq.is_finished:

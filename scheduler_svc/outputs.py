@@ -11,7 +11,12 @@ def make_request_output(group: SequenceGroup) -> RequestOutput | None:
     """The report for `group` now, or None if nothing new happened since the last one."""
     is_finished = group.is_finished
     if group.is_streamed:
-        outputs = [o for seq in group.seqs if (o := _sequence_delta(seq)) is not None]
+        seqs = group.seqs
+        if len(seqs) == 1:  # most requests: no list to build for them
+            output = _sequence_delta(seqs[0])
+            outputs = [] if output is None else [output]
+        else:
+            outputs = [o for seq in seqs if (o := _sequence_delta(seq)) is not None]
     elif is_finished and group.num_reports == 0:
         outputs = _final_outputs(group)
     else:
@@ -22,25 +27,27 @@ def make_request_output(group: SequenceGroup) -> RequestOutput | None:
     if group.num_reports == 0 and group.sampling.prompt_logprobs is not None:
         prompt_logprobs = list(group.prompt_logprobs)
     group.num_reports += 1
-    return RequestOutput(request_id=group.request_id, outputs=outputs, finished=is_finished,
-                         num_prompt_tokens=group.prompt_len,
-                         num_cached_tokens=group.num_cached_tokens,
-                         prompt_logprobs=prompt_logprobs, embedding=group.embedding)
+    # positional, as in _sequence_delta: keywords double the constructor's cost
+    return RequestOutput(group.request_id, outputs, is_finished, group.prompt_len,
+                         group.num_cached_tokens, prompt_logprobs, group.embedding)
 
 
 def _sequence_delta(seq: Sequence) -> SequenceDelta | None:
     start = seq.num_emitted_tokens
+    token_ids = seq.token_ids
     # not the placeholder of a step in flight (the next is scheduled before this report)
-    new_token_ids = seq.token_ids[seq.prompt_len + start:len(seq.token_ids) - seq.has_placeholder]
-    reports_finish = seq.is_finished and not seq.is_finish_reported
+    new_token_ids = token_ids[seq.prompt_len + start:len(token_ids) - seq.has_placeholder]
+    is_finished = seq.is_finished
+    reports_finish = is_finished and not seq.is_finish_reported
     if not new_token_ids and not reports_finish:
         return None
-    seq.num_emitted_tokens += len(new_token_ids)
-    seq.is_finish_reported = seq.is_finished
-    return SequenceDelta(
-        index=seq.index, token_ids=new_token_ids, logprobs=seq.output_logprobs[start:],
-        top_logprobs=seq.output_top_logprobs[start:], cumulative_logprob=seq.cumulative_logprob,
-        finish_reason=seq.finish_reason, error=seq.error)
+    seq.num_emitted_tokens = start + len(new_token_ids)
+    seq.is_finish_reported = is_finished
+    top_logprobs = seq.output_top_logprobs
+    # index, token_ids, logprobs, top_logprobs, cumulative_logprob, finish_reason, error
+    return SequenceDelta(seq.index, new_token_ids, seq.output_logprobs[start:],
+                         top_logprobs[start:] if top_logprobs else [], seq.cumulative_logprob,
+                         seq.finish_reason if is_finished else None, seq.error)
 
 
 def _final_outputs(group: SequenceGroup) -> list[SequenceDelta]:

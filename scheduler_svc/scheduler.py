@@ -199,12 +199,13 @@ class Scheduler:
             if group.is_paused:
                 skipped.append(group)
                 continue
-            if self._is_drawing_last_token(group):
+            live = group.live_seqs()
+            if self._is_drawing_last_token(group, live):
                 kept.append(group)
                 continue
             if id(group) in decoding:  # no prefill: no cap, no deferral
                 cap = None
-                assignment = assign_decode(group.live_seqs(), budget)
+                assignment = assign_decode(live, budget)
             else:
                 cap = self._long_prefill_cap(group)
                 if self._is_deferred(cap, step):
@@ -231,14 +232,15 @@ class Scheduler:
                 kept.append(group)
         self.running = deque(kept + skipped)
 
-    def _is_drawing_last_token(self, group: SequenceGroup) -> bool:
+    def _is_drawing_last_token(self, group: SequenceGroup, live: list[Sequence]) -> bool:
         """The step in flight draws each live sequence's last token (its length ends it once
         taken in): a step behind it would compute a token no one reads, and the room it takes
-        would hold a waiting prompt back a step."""
-        live = group.live_seqs()
+        would hold a waiting prompt back a step. `live`: the group's live sequences."""
+        max_tokens = group.sampling.max_tokens
         for seq in live:
-            if not (seq.has_placeholder and (seq.num_output_tokens >= group.sampling.max_tokens
-                                             or len(seq.token_ids) >= self.max_model_len)):
+            num_tokens = len(seq.token_ids)
+            if not (seq.has_placeholder and (num_tokens - seq.prompt_len >= max_tokens
+                                             or num_tokens >= self.max_model_len)):
                 return False
         return bool(live)
 
@@ -336,7 +338,8 @@ class Scheduler:
         bm = self.block_manager
         finishing = [seq for group in self.running
                      if not group.is_paused and not group.is_beam_search
-                     and group.num_samples() == 1 and self._is_drawing_last_token(group)
+                     and group.num_samples() == 1
+                     and self._is_drawing_last_token(group, group.live_seqs())
                      for seq in group.live_seqs() if bm.has_seq(seq.seq_id)]
         for seq in finishing:
             bm.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
@@ -352,9 +355,10 @@ class Scheduler:
         """Work conservation: the budget everything else left goes to the long prefills the
         limit deferred, running ones first, in queue order, uncapped and without preempting."""
         step.is_long_limit_lifted = True
-        scheduled = {id(item.group) for item in step.scheduled}
-        for group in self.running:
-            if id(group) in scheduled or group.is_paused or group.is_decode_phase():
+        prefilling = [g for g in self.running if not g.is_paused and not g.is_decode_phase()]
+        scheduled = {id(item.group) for item in step.scheduled} if prefilling else set()
+        for group in prefilling:
+            if id(group) in scheduled:
                 continue
             assignment = assign_tokens(group, budget, self.config.enable_chunked_prefill)
             if assignment is not None and self._can_append(assignment):
@@ -409,9 +413,10 @@ class Scheduler:
 
     def _can_append(self, assignment: list[tuple[Sequence, int]]) -> bool:
         bm = self.block_manager
+        num_tokens = bm.num_tokens
         return bm.can_append_slots(
             [seq.seq_id for seq, _ in assignment],
-            [max(0, seq.num_computed_tokens + n - bm.num_tokens(seq.seq_id))
+            [max(0, seq.num_computed_tokens + n - num_tokens(seq.seq_id))
              for seq, n in assignment])
 
     def _add(self, group: SequenceGroup, assignment: list[tuple[Sequence, int]],
