@@ -198,6 +198,12 @@ class BlockManager:
                 num_needed += len(self._shared_written_blocks(seq, num_total))
         return not num_needed or num_needed <= self.num_free_gpu_blocks
 
+    def can_append_decodes(self, num_seqs: int) -> bool:
+        """Room for one more token in each of `num_seqs` sequences, whatever their tables: the
+        token takes a new block or a copy of the shared block it writes, never both, and a
+        sibling's copy leaves the block to the other sharer alone."""
+        return num_seqs <= self.num_free_gpu_blocks
+
     def append_slots(self, seq_id: int, num_total_tokens: int) -> list[tuple[int, int]]:
         """Returns the (src, dst) copy-on-write pairs of the shared blocks this step writes."""
         seq = self._seqs[seq_id]

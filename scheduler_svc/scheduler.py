@@ -191,6 +191,10 @@ class Scheduler:
         for group in self.running:
             (decodes if group.is_decode_phase() else prefills).append(group)
         decoding = {id(group) for group in decodes}
+        # decodes run first and take a block per sequence at most: while the pool holds one for
+        # every decoding sequence, none needs checking (drafts may take more: checked then)
+        decodes_fit = self.speculator is None and self.block_manager.can_append_decodes(
+            sum(len(group.seqs) for group in decodes))
         pending = decodes + prefills
         skipped: list[SequenceGroup] = []  # running, not scheduled this step, still preemptible
         kept: list[SequenceGroup] = []
@@ -203,7 +207,8 @@ class Scheduler:
             if self._is_drawing_last_token(group, live):
                 kept.append(group)
                 continue
-            if id(group) in decoding:  # no prefill: no cap, no deferral
+            is_decode = id(group) in decoding
+            if is_decode:  # no prefill: no cap, no deferral
                 cap = None
                 assignment = assign_decode(live, budget)
             else:
@@ -215,7 +220,7 @@ class Scheduler:
             if assignment is None:
                 skipped.append(group)
                 continue
-            while not self._can_append(assignment):
+            while not (is_decode and decodes_fit) and not self._can_append(assignment):
                 candidates = pending + skipped
                 victim = max(candidates, key=self._preemption_key) if candidates else group
                 if victim is group and not kept:  # alone on the device, it still cannot grow

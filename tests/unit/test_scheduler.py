@@ -448,3 +448,35 @@ def test_a_request_owed_prompt_logprobs_skips_the_prefix_cache():
     plain = h.add("plain", 13)
     h.step()
     assert (logprobs.num_cached_tokens, plain.num_cached_tokens) == (0, 12)
+
+
+@pytest.mark.parametrize("num_gpu_blocks, preempted", [(6, []), (5, ["c"])])
+def test_decodes_that_each_need_a_block_fill_the_pool_exactly_or_preempt(num_gpu_blocks,
+                                                                         preempted):
+    """Three decodes at a block boundary need a block each: with three free all run, with two
+    the last arrival is preempted (the scheduler skips the per-group check only while every
+    decode surely fits)."""
+    h = Harness(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=0, block_size=4)
+    sampling = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    groups = {name: h.add(name, 4, sampling) for name in "abc"}
+    h.step()  # the prompts: a block each, full
+    out, _ = h.step()  # position 4 of each: a second block
+    seq_ids = {g.seqs[0].seq_id: name for name, g in groups.items()}
+    assert [seq_ids[s] for s in out.plan.preempted_seq_ids] == preempted
+    assert scheduled_ids(out) == [n for n in "abc" if n not in preempted]
+    assert h.bm.num_free_gpu_blocks == len(preempted)  # a preempted prompt gives its block back
+    h.run_to_end()
+    assert all(g.seqs[0].num_output_tokens == 6 for g in groups.values()) and h.all_free()
+
+
+def test_forked_decodes_sharing_their_last_block_fill_the_pool_exactly():
+    """Two sequences forked on a partial block: the first to write it copies it, the second then
+    holds it alone, so two free blocks are one more than they need."""
+    h = Harness(num_gpu_blocks=4, num_cpu_blocks=8, block_size=4)
+    group = h.add("pair", 6, SamplingParams(n=2, temperature=1.0, max_tokens=3, ignore_eos=True))
+    h.step()  # 2 blocks; the fork shares both
+    out, _ = h.step()  # position 6 of each, in the shared partial block
+    assert len(out.plan.blocks_to_copy) == 1 and not out.plan.preempted_seq_ids
+    assert h.bm.num_free_gpu_blocks == 1
+    h.run_to_end()
+    assert all(s.num_output_tokens == 3 for s in group.seqs) and h.all_free()
