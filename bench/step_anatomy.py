@@ -10,6 +10,8 @@ Per decode-only step with exactly B sequences, medians in ms of:
   sample       the sampler
   schedule     Scheduler.schedule() (the plan, block tables, deltas)
   output       OutputProcessor.process (append tokens, stop checks, free blocks, reports)
+  schedule_cpu, output_cpu   the same two as CPU time of the thread that runs them: in process
+               their wall times also hold the waits for the GIL while the model thread has it
   cpu          CPU time of the benchmark's process during the step, all threads: in process it
                includes the model's, so it stays readable when neighbours stretch wall times;
                through gRPC it is the scheduler side's alone
@@ -72,7 +74,7 @@ log = logging.getLogger("bench.step_anatomy")
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("period", "cache_ops", "prepare", "forward", "sample", "schedule", "output",
-          "overhead", "cpu")
+          "overhead", "cpu", "schedule_cpu", "output_cpu")
 MODES = {"in_process": False, "in_process_metrics": False, "in_process_sync": False,
          "grpc": True, "grpc_sync": True}
 TARGET_OVERHEAD_MS = 0.3
@@ -115,9 +117,12 @@ class StepRecorder:
 
     def _timed(self, fn: Callable, key: str) -> Callable:
         def timed(*args: Any) -> Any:
-            start = time.perf_counter_ns()
+            cpu_start, start = time.thread_time_ns(), time.perf_counter_ns()
             result = fn(*args)
             self.current[key] = self.current.get(key, 0) + time.perf_counter_ns() - start
+            cpu_key = key.replace("_ns", "_cpu_ns")
+            self.current[cpu_key] = (self.current.get(cpu_key, 0) + time.thread_time_ns()
+                                     - cpu_start)
             return result
         return timed
 
@@ -142,7 +147,9 @@ def phases_ms(record: dict[str, Any], is_sim: bool) -> dict[str, float]:
     ns = {"period": record["step_ns"], "cache_ops": t.cache_ops_ns, "prepare": t.prepare_ns,
           "forward": t.forward_ns, "sample": t.sample_ns,
           "schedule": record.get("schedule_ns", 0), "output": record.get("output_ns", 0),
-          "overhead": record["step_ns"] - worker_ns, "cpu": record["step_cpu_ns"]}
+          "overhead": record["step_ns"] - worker_ns, "cpu": record["step_cpu_ns"],
+          "schedule_cpu": record.get("schedule_cpu_ns", 0),
+          "output_cpu": record.get("output_cpu_ns", 0)}
     return {name: value / 1e6 for name, value in ns.items()}
 
 

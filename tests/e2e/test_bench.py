@@ -70,6 +70,7 @@ def test_step_anatomy(tiny_served_model_dir, results_dir):
         assert r["num_steps"] >= 1 and len(r["period_ms_per_repeat"]) == 2
         assert r["median_ms"]["period"] == min(r["period_ms_per_repeat"])
         assert r["median_ms"]["forward"] > 0 and r["median_ms"]["cpu"] > 0
+        assert 0 < r["median_ms"]["schedule_cpu"] <= r["median_ms"]["cpu"]
 
 
 def test_serving(tiny_served_model_dir, results_dir):
