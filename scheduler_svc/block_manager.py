@@ -199,9 +199,10 @@ class BlockManager:
         return not num_needed or num_needed <= self.num_free_gpu_blocks
 
     def can_append_decodes(self, num_seqs: int) -> bool:
-        """Room for one more token in each of `num_seqs` sequences, whatever their tables: the
-        token takes a new block or a copy of the shared block it writes, never both, and a
-        sibling's copy leaves the block to the other sharer alone."""
+        """Room for one more token in each of `num_seqs` sequences whose tables hold their
+        earlier tokens (as append_slots and trim leave them): the token takes a new block or a
+        copy of the shared block it writes, never both, and a sibling's copy leaves the block
+        to the other sharer alone."""
         return num_seqs <= self.num_free_gpu_blocks
 
     def append_slots(self, seq_id: int, num_total_tokens: int) -> list[tuple[int, int]]:

@@ -69,7 +69,7 @@ class Sequence:
     worker_block_ids: list[int] | None = None
     num_worker_tokens: int = 0
     # the delta last sent while nothing changed but the worker's own sampled token: frozen and
-    # never changed by its readers, it goes again while that holds (a plan per step saved)
+    # never changed by its readers, the same object goes in each plan while that holds
     steady_delta: RunningSequence | None = None
     num_emitted_tokens: int = 0
     is_finish_reported: bool = False
