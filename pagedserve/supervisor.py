@@ -266,7 +266,7 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
                       log_format: str = "text", limits: Any = None, http: Any = None,
                       data_parallel_size: int = 1, admin: Any = None, connections: Any = None,
                       routing: Any = None, api_server_count: int = 1,
-                      roles: Sequence[str] = ()) -> int:
+                      num_grpc_servers: int = 1, roles: Sequence[str] = ()) -> int:
     """Run the stack until Ctrl-C or SIGTERM (0), or until a child keeps dying (1).
     `data_parallel_size` replicas, each a scheduler and tensor_parallel_size workers: replica r's
     scheduler listens on scheduler_port + r and its rank-0 worker on worker_port + r (free ports
@@ -278,7 +278,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     RoutingConfig, `connections` its ConnectionLimitsConfig. `http` is the gateway's HttpConfig;
     an API key in it reaches the gateway through its environment, never its command line; so does
     `admin`'s token (an AdminConfig). Neither, nor the same variables of our own environment, reach
-    the schedulers and workers. `api_server_count`, `roles`: _start_gateways, _replica_roles."""
+    the schedulers and workers. `api_server_count`, `roles`: _start_gateways, _replica_roles;
+    `num_grpc_servers`: each gateway's."""
     config, replica_roles = _replica_roles(config, data_parallel_size, roles)
     connect = _connect_host(host)
     port = port or free_port(host)
@@ -304,6 +305,7 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
             *drain, "--host", host, "--port", str(port),
             "--scheduler-address", ",".join(scheduler_addresses),
             "--tokenizer", config.model.tokenizer_path, *http_argv,
+            *(["--num-grpc-servers", str(num_grpc_servers)] if num_grpc_servers > 1 else []),
             *(arg for part in (limits, routing, connections) if part is not None
               for arg in config_to_argv(part)), *_tls_argv(certificates, "gateway")]
         count = await _start_gateways(supervisor, resolve_api_server_count(

@@ -76,6 +76,18 @@ def test_serve_hands_its_routing_flags_to_the_gateway(tmp_path, monkeypatch):
     assert len(RecordingSupervisor.started["scheduler"]) == 2
 
 
+def test_serve_hands_each_gateway_its_grpc_servers(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(pagedserve.supervisor, "Supervisor", RecordingSupervisor)
+    assert main(["serve", "--model", str(tmp_path), "--no-internal-tls", "--device", "cpu",
+                 "--api-server-count", "2", "--num-grpc-servers", "4"]) == 0
+    gateways = RecordingSupervisor.started["gateway"]
+    assert len(gateways) == 2
+    for argv in gateways:
+        assert from_args(GatewayConfig, build_parser().parse_args(
+            ["gateway", *argv])).num_grpc_servers == 4
+
+
 def test_sampling_flags_keep_vllm_defaults_for_the_rest():
     args = build_parser().parse_args([
         "generate", "hi", "--temperature", "0.5", "--n", "2", "--seed", "7", "--stop", "a", "bc",
