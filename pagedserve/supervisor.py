@@ -278,8 +278,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
     RoutingConfig, `connections` its ConnectionLimitsConfig. `http` is the gateway's HttpConfig;
     an API key in it reaches the gateway through its environment, never its command line; so does
     `admin`'s token (an AdminConfig). Neither, nor the same variables of our own environment, reach
-    the schedulers and workers. `api_server_count`, `roles`: _start_gateways, _replica_roles;
-    `num_grpc_servers`: each gateway's."""
+    the schedulers and workers. `api_server_count`, `num_grpc_servers`: _start_gateways;
+    `roles`: _replica_roles."""
     config, replica_roles = _replica_roles(config, data_parallel_size, roles)
     connect = _connect_host(host)
     port = port or free_port(host)
@@ -288,9 +288,8 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
              *(config_to_argv(tracing) if tracing is not None else [])]
     certificates = ThrowAwayCertificates(ROLES, [connect]) if internal_tls else None
 
-    def service_argv(role: str, metrics_offset: int) -> list[str]:
-        return [*drain, *_tls_argv(certificates, role), *_metrics_argv(metrics_port,
-                                                                       metrics_offset)]
+    def service_argv(role: str, offset: int) -> list[str]:  # offset: of its metrics port
+        return [*drain, *_tls_argv(certificates, role), *_metrics_argv(metrics_port, offset)]
 
     watch_tls = None if certificates is None else certificates.tls("supervisor")
     logger.info("internal services: %s", "mutual TLS (a throw-away CA)" if internal_tls
@@ -305,12 +304,11 @@ async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, wo
             *drain, "--host", host, "--port", str(port),
             "--scheduler-address", ",".join(scheduler_addresses),
             "--tokenizer", config.model.tokenizer_path, *http_argv,
-            *(["--num-grpc-servers", str(num_grpc_servers)] if num_grpc_servers > 1 else []),
             *(arg for part in (limits, routing, connections) if part is not None
               for arg in config_to_argv(part)), *_tls_argv(certificates, "gateway")]
         count = await _start_gateways(supervisor, resolve_api_server_count(
             api_server_count, len(replica_roles)), f"{connect}:{port}", gateway_argv,
-            metrics_port, gateway_secrets)
+            metrics_port, gateway_secrets, num_grpc_servers)
         if not await supervisor.wait_serving(startup_timeout_s):
             return 0
         _print_serving(config.model.model, f"{connect}:{port}", http_url, len(replica_roles), count)
@@ -337,10 +335,13 @@ def _replica_roles(config: Any, data_parallel_size: int, roles: Sequence[str]
 
 
 async def _start_gateways(supervisor: Supervisor, count: int, address: str, argv: list[str],
-                          metrics_port: int, secrets: Mapping[str, str]) -> int:
+                          metrics_port: int, secrets: Mapping[str, str],
+                          num_grpc_servers: int = 1) -> int:
     """`count` gateway processes on one address, sharing its gRPC and HTTP ports (SO_REUSEPORT)
-    when more than one: the first with /metrics on metrics_port, the others on free ports."""
-    shared = ["--reuse-port"] if count > 1 else []
+    when more than one: the first with /metrics on metrics_port, the others on free ports; each
+    with `num_grpc_servers` grpc.aio servers on the gRPC port."""
+    shared = [*(["--reuse-port"] if count > 1 else []),
+              *(["--num-grpc-servers", str(num_grpc_servers)] if num_grpc_servers > 1 else [])]
     for index in range(count):
         metrics = _metrics_argv(metrics_port if index == 0 else min(metrics_port, 0), 0)
         await supervisor.start("gateway", address, [*argv, *shared, *metrics],
