@@ -32,7 +32,7 @@ from types import FrameType
 import torch
 
 from bench.common import Timer, finish, make_workload, quiet_logging
-from bench.offline_gpu import MODEL_CONFIGS, write_model_dir
+from bench.offline_gpu import DTYPES, MODEL_CONFIGS, write_model_dir
 from pagedserve.llm_engine import LLMEngine
 
 # a leaf frame in one of these files is a thread waiting, not working
@@ -213,7 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", default=["llama-3-8b", "qwen2.5-0.5b"],
                         choices=sorted(MODEL_CONFIGS))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--batch-size", type=int, default=30)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--warm-steps", type=int, default=10)
