@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from pagedserve.services.common.gc_tuning import raised_thresholds
 from pagedserve.worker_svc.sim.roofline import resolve_gpu
 
 from bench.common import Timer, Workload, finish, hf_generate, make_workload, quiet_logging
@@ -114,7 +115,7 @@ def run_pagedserve(engine: LLMEngine, wl: Workload) -> tuple[float, float, list[
         engine.add_request(f"{wl.name}-{i}", prompt, sampling)
     steps = []
     forward_s = 0.0
-    with Timer() as t:
+    with Timer() as t, raised_thresholds():  # as LLM.generate steps
         while engine.has_unfinished_requests():
             record = recorder.step()
             plan = record.get("plan")

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from pagedserve.llm_engine import LLMEngine, engine_config_from_kwargs
 from pagedserve.services.common.config import default_model_dir
 from pagedserve.services.common.errors import InvalidRequest, NotFound
+from pagedserve.services.common.gc_tuning import raised_thresholds
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import TokenIdLogprob
@@ -145,7 +146,7 @@ class LLM:
                 self.engine.add_request(request_id, ids, SamplingParams(max_tokens=1),
                                         is_pooling=True)
             with tqdm(total=len(encoded), desc="Embedding", unit="req",
-                      disable=not use_tqdm) as progress:
+                      disable=not use_tqdm) as progress, raised_thresholds():
                 while self.engine.has_unfinished_requests():
                     for report in self.engine.step():
                         if not report.finished:
@@ -211,7 +212,7 @@ class LLM:
 
     def _step_until_done(self, requests: dict[str, _Request], use_tqdm: bool) -> None:
         with tqdm(total=len(requests), desc="Generating", unit="req",
-                  disable=not use_tqdm) as progress:
+                  disable=not use_tqdm) as progress, raised_thresholds():
             while self.engine.has_unfinished_requests():
                 reports = self.engine.step()
                 while reports:

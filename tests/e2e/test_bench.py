@@ -10,6 +10,7 @@ import pytest
 import bench.common
 from bench import (
     control_plane,
+    gc_pauses,
     hostile_clients,
     offline,
     routing,
@@ -116,6 +117,18 @@ def test_worker_replay_replays_every_captured_step(tiny_served_model_dir, result
     (result,) = _record(results_dir, "worker_replay")["results"]
     assert result["num_steps"] >= 6 and len(result["cpu_us_per_step"]) == 2
     assert all(us > 0 for us in result["cpu_us_per_step"])
+
+
+def test_gc_pauses_alternates_both_arms_and_counts_collections(tiny_served_model_dir,
+                                                              results_dir):
+    gc_pauses.main(["--model", str(tiny_served_model_dir), "--concurrency", "3",
+                    "--num-prompts", "4", "--min-prompt-len", "4", "--max-prompt-len", "12",
+                    "--min-output-len", "2", "--max-output-len", "6", "--repeats", "2",
+                    "--tag", "smoke"])
+    runs = _record(results_dir, "gc_pauses")["results"]
+    assert [r["arm"] for r in runs] == ["raised", "defaults", "defaults", "raised"]
+    assert all(r["output_tokens"] >= 4 * 2 and r["output_tok_s"] > 0 for r in runs)
+    assert all(set(r["collections"]) == {"gen0", "gen1", "gen2"} for r in runs)
 
 
 def test_sse_serialization(results_dir):

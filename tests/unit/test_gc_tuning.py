@@ -1,10 +1,14 @@
-"""The service processes' collector: start-up objects frozen, young collections rarer."""
+"""The collector: the services' start-up objects frozen, young collections rarer; the in-process
+engine's thresholds raised only while it steps."""
 
 import gc
 import weakref
 
+import pytest
 from pagedserve.services.common.gc_tuning import (
     GEN0_THRESHOLD,
+    GEN2_THRESHOLD,
+    raised_thresholds,
     tune_gc_after_load,
     tune_gc_after_startup,
 )
@@ -42,4 +46,18 @@ def test_a_reload_unfreezes_so_a_replaced_model_is_collected():
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+        gc.set_threshold(*before)
+
+
+def test_raised_thresholds_raise_none_below_the_callers_and_restore_them():
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 50, 10)
+        with raised_thresholds():
+            assert gc.get_threshold() == (GEN0_THRESHOLD, 50, GEN2_THRESHOLD)
+        assert gc.get_threshold() == (700, 50, 10)
+        with pytest.raises(RuntimeError), raised_thresholds():
+            raise RuntimeError("a step failed")
+        assert gc.get_threshold() == (700, 50, 10)
+    finally:
         gc.set_threshold(*before)
