@@ -6,13 +6,16 @@ bench/spec_decode_passages.txt), where the output echoes the
 input and lookups find it; "chat" asks open-ended questions, where they rarely do. Each runs at
 batch 1 (one prompt at a time) and batch 8, greedy, stopping at EOS or --max-tokens, speculation
 off and on alternating (each prompt at batch 1, each batch at 8) so that a busy machine slows
-both alike, --repeats times; the record holds
+both alike, --repeats times. `--continuous` runs batch 8 as `LLM.generate` of all the prompts
+with 8 in flight (continuous batching: the next prompt is admitted as one ends, so the run is not
+as long as its slowest request of 8; off and on then alternate whole runs). The record holds
 output tokens/s with speculation off and on, their ratio against the issue's target (grounded:
 >= 2.0x at batch 1, >= 1.4x at batch 8; chat: >= 0.95x), whether the outputs were identical, and
 the acceptance counters. Record: bench/results/spec_decode-<tag>.json.
 
     python -m bench.spec_decode
     python -m bench.spec_decode --max-tokens 32 --tag smoke
+    python -m bench.spec_decode --batches 8 --continuous --num-prompts 24 --tag continuous
 """
 
 from __future__ import annotations
@@ -82,6 +85,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--num-prompts", type=int, default=8,
                         help="per workload and batch size (at most 24)")
+    parser.add_argument("--batches", type=int, nargs="+", choices=(1, 8), default=[1, 8])
+    parser.add_argument("--continuous", action="store_true",
+                        help="batch 8: every prompt in one generate, 8 in flight, the next "
+                             "admitted as one ends (closed batches of 8 without it)")
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -99,14 +106,15 @@ def main() -> None:
     results = []
     for workload in ("grounded", "chat"):
         batch_prompts = prompts(off, workload, args.num_prompts, args.seed)
-        for batch in (1, 8):
+        for batch in args.batches:
             before = (speculator.totals.num_draft_tokens, speculator.totals.num_accepted_tokens,
                       speculator.totals.num_drafts)
             off_tokens, on_tokens, off_s, on_s = [], [], 0.0, 0.0
+            step = len(batch_prompts) if batch > 1 and args.continuous else batch
             for _ in range(args.repeats):
                 off_tokens, on_tokens = [], []
-                for start in range(0, len(batch_prompts), batch):
-                    chunk = batch_prompts[start:start + batch]
+                for start in range(0, len(batch_prompts), step):
+                    chunk = batch_prompts[start:start + step]
                     tokens, seconds = timed(off, chunk, sampling)
                     off_tokens += tokens
                     off_s += seconds
@@ -121,6 +129,7 @@ def main() -> None:
             ratio = (sum(map(len, on_tokens)) * args.repeats / on_s) / (num_tokens / off_s)
             result = {
                 "workload": workload, "batch": batch, "num_prompts": len(batch_prompts),
+                "continuous": step > batch,
                 "num_output_tokens": num_tokens,
                 "off_tokens_per_s": round(num_tokens / off_s, 2),
                 "on_tokens_per_s": round(sum(map(len, on_tokens)) * args.repeats / on_s, 2),
