@@ -341,11 +341,13 @@ class Scheduler:
         candidates about to fork: their outputs still pick among blocks. Returns whether any
         block was freed."""
         bm = self.block_manager
-        finishing = [seq for group in self.running
-                     if not group.is_paused and not group.is_beam_search
-                     and group.num_samples() == 1
-                     and self._is_drawing_last_token(group, group.live_seqs())
-                     for seq in group.live_seqs() if bm.has_seq(seq.seq_id)]
+        finishing = []
+        for group in self.running:
+            if group.is_paused or group.is_beam_search or group.num_samples() != 1:
+                continue
+            live = group.live_seqs()
+            if self._is_drawing_last_token(group, live):
+                finishing += [seq for seq in live if bm.has_seq(seq.seq_id)]
         for seq in finishing:
             bm.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             self.free_seq(seq)
