@@ -95,15 +95,30 @@ class SequenceMirrors:
         for seq in itertools.chain(map(self._add, plan.new_seqs),
                                    map(self._update, plan.running_seqs)):
             (prefills if seq.is_prefill else others).append(seq)
+        seqs = self.seqs
+        for seq_id, start in zip(plan.decode_seq_ids, plan.decode_block_ids_start, strict=True):
+            seq = seqs[seq_id]  # _update of a plain decode's RunningSequence, field by field
+            del seq.block_table[start:]
+            seq.num_scheduled_tokens = seq.num_samples = 1
+            if seq.draft_token_ids or seq.num_lookahead_slots:
+                seq.draft_token_ids = []
+                seq.num_lookahead_slots = 0
+            seq.draft_probs = None
+            others.append(seq)
         return prefills + others
 
     def check(self, plan: StepPlan, num_gpu_blocks: int | None = None,
               vocab_size: int | None = None) -> None:
         """Refuse deltas that cannot apply, touching nothing."""
         dropped = set(plan.finished_seq_ids) | set(plan.preempted_seq_ids)
-        seq_ids = [s.seq_id for s in plan.new_seqs] + [s.seq_id for s in plan.running_seqs]
+        seq_ids = ([s.seq_id for s in plan.new_seqs] + [s.seq_id for s in plan.running_seqs]
+                   + plan.decode_seq_ids)
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidRequest(f"a step names each sequence once, got seq_ids {seq_ids}")
+        if len(plan.decode_seq_ids) != len(plan.decode_block_ids_start):
+            raise InvalidRequest(
+                f"decode_block_ids_start must have one entry per decode_seq_ids entry, got "
+                f"{len(plan.decode_block_ids_start)} for {len(plan.decode_seq_ids)}")
         for new in plan.new_seqs:
             _check_ids("block_ids", new.seq_id, new.block_ids, num_gpu_blocks)
             _check_ids("token_ids", new.seq_id, new.token_ids, vocab_size)
@@ -145,6 +160,26 @@ class SequenceMirrors:
                                 delta.block_ids_start + len(delta.block_ids),
                                 seq.num_computed_tokens, delta.num_scheduled_tokens,
                                 seq.prompt_len, delta.num_samples)
+        self._check_decodes(plan, dropped)
+
+    def _check_decodes(self, plan: StepPlan, dropped: set[int]) -> None:
+        """The packed plain decodes: _check_lengths' rules for one token and one sample, in one
+        comparison each while they hold."""
+        seqs, drawing, block_size = self.seqs, self.drawing, self.block_size
+        for seq_id, start in zip(plan.decode_seq_ids, plan.decode_block_ids_start, strict=True):
+            seq = None if seq_id in dropped else seqs.get(seq_id)
+            if seq is None:
+                raise NotFound(f"seq_id {seq_id} is not known to the worker; send it as a new "
+                               "sequence")
+            num_tokens = len(seq.token_ids) + drawing.get(seq_id, 0)
+            end = seq.num_computed_tokens + 1
+            if not (0 <= start <= len(seq.block_table) and end <= num_tokens
+                    and end <= min(self.max_model_len, start * block_size)):
+                if not 0 <= start <= len(seq.block_table):
+                    raise InvalidRequest(f"seq {seq_id}: block_ids_start={start} outside "
+                                         f"[0, {len(seq.block_table)}]")
+                self._check_lengths(seq_id, num_tokens, start, seq.num_computed_tokens, 1,
+                                    seq.prompt_len, 1)
 
     def _check_appended(self, seq: CachedSequence, delta: RunningSequence, num_drawing: int,
                         vocab_size: int | None) -> None:

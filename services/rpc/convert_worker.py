@@ -123,8 +123,8 @@ def step_plan_to_proto(plan: StepPlan) -> worker_pb2.ExecuteStepRequest:
         new_seqs=[new_sequence_to_proto(s) for s in plan.new_seqs],
         running_seqs=[running_sequence_to_proto(s) for s in others],
         finished_seq_ids=plan.finished_seq_ids, preempted_seq_ids=plan.preempted_seq_ids,
-        decode_seq_ids=[s.seq_id for s in plain],
-        decode_block_ids_start=[s.block_ids_start for s in plain])
+        decode_seq_ids=[s.seq_id for s in plain] + plan.decode_seq_ids,
+        decode_block_ids_start=[s.block_ids_start for s in plain] + plan.decode_block_ids_start)
     block_pairs_to_proto(plan.blocks_to_swap_out, msg.blocks_to_swap_out)
     block_pairs_to_proto(plan.blocks_to_swap_in, msg.blocks_to_swap_in)
     block_pairs_to_proto(plan.blocks_to_copy, msg.blocks_to_copy)
@@ -132,18 +132,18 @@ def step_plan_to_proto(plan: StepPlan) -> worker_pb2.ExecuteStepRequest:
 
 
 def step_plan_from_proto(msg: worker_pb2.ExecuteStepRequest) -> StepPlan:
+    """Plain decodes stay packed: no RunningSequence for each."""
     if len(msg.decode_seq_ids) != len(msg.decode_block_ids_start):
         raise InvalidRequest(
             f"decode_block_ids_start must have one entry per decode_seq_ids entry, got "
             f"{len(msg.decode_block_ids_start)} for {len(msg.decode_seq_ids)}")
-    running = [running_sequence_from_proto(s) for s in msg.running_seqs]
-    running += [RunningSequence(seq_id, [], start, [], 1) for seq_id, start in zip(
-        msg.decode_seq_ids, msg.decode_block_ids_start, strict=True)]
     return StepPlan(
         scheduler_epoch=msg.scheduler_epoch, step_id=msg.step_id,
         previous_step_id=msg.previous_step_id,
         new_seqs=[new_sequence_from_proto(s) for s in msg.new_seqs],
-        running_seqs=running,
+        running_seqs=[running_sequence_from_proto(s) for s in msg.running_seqs],
+        decode_seq_ids=list(msg.decode_seq_ids),
+        decode_block_ids_start=list(msg.decode_block_ids_start),
         finished_seq_ids=list(msg.finished_seq_ids),
         preempted_seq_ids=list(msg.preempted_seq_ids),
         blocks_to_swap_out=block_pairs_from_proto(msg.blocks_to_swap_out, "blocks_to_swap_out"),

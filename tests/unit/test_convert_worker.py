@@ -97,9 +97,8 @@ def _field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
-# the packed wire form of running_seqs and outputs, not fields of their own
-PACKED = {"decode_seq_ids", "decode_block_ids_start", "sampled_seq_ids", "sampled_token_ids",
-          "sampled_logprobs"}
+# the packed wire form of outputs, not fields of their own
+PACKED = {"sampled_seq_ids", "sampled_token_ids", "sampled_logprobs"}
 
 
 @pytest.mark.parametrize("cls, message", [
@@ -121,7 +120,11 @@ def test_plain_decodes_travel_packed_after_the_other_running_sequences():
     assert [s.seq_id for s in msg.running_seqs] == [delta.seq_id]
     assert list(msg.decode_seq_ids) == [BIG, BIG + 1, BIG + 2]
     assert list(msg.decode_block_ids_start) == [0, 1, 2]
-    assert step_plan_from_proto(msg).running_seqs == [delta, *plain]
+    back = step_plan_from_proto(msg)  # and stay packed in the worker
+    assert back.running_seqs == [delta]
+    assert (back.decode_seq_ids, back.decode_block_ids_start) == ([BIG, BIG + 1, BIG + 2],
+                                                                   [0, 1, 2])
+    assert step_plan_from_proto(_wire(step_plan_to_proto(back))) == back
 
 
 def test_single_samples_travel_packed():
@@ -144,7 +147,11 @@ def test_packed_lists_of_unequal_lengths_are_refused(convert, field, match):
 
 
 def test_step_plan_round_trip_keeps_every_field():
-    assert step_plan_from_proto(_wire(step_plan_to_proto(PLAN))) == PLAN
+    # PLAN's last running sequence is a plain decode: it comes back packed
+    packed = dataclasses.replace(PLAN, running_seqs=PLAN.running_seqs[:1], decode_seq_ids=[12],
+                                 decode_block_ids_start=[0])
+    assert step_plan_from_proto(_wire(step_plan_to_proto(PLAN))) == packed
+    assert step_plan_from_proto(_wire(step_plan_to_proto(packed))) == packed
 
 
 def test_empty_step_plan_round_trip():

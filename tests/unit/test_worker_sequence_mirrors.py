@@ -136,3 +136,55 @@ def test_block_tables_pad_short_rows_and_ignore_blocks_past_the_tokens():
     meta = build_model_input(scheduled, 4, torch.device("cpu")).meta
     assert meta.block_tables.tolist() == [[3, 1, 4, 0], [2, 0, 0, 0], [6, 5, 8, 11]]
     assert meta.slot_mapping.tolist() == [4 * 4, 2 * 4, 11 * 4 + 3]
+
+
+def _decoding_mirrors() -> SequenceMirrors:
+    """Two sequences whose next step decodes: 0 after its 5 tokens in blocks [7, 8], 1 after
+    its 4 in [3] (full: its decode needs a block more)."""
+    mirrors = SequenceMirrors(block_size=4, max_model_len=64)
+    scheduled = mirrors.apply(StepPlan(1, 1, new_seqs=[_new(0, [1, 2, 3, 4, 5], [7, 8], 0, 5),
+                                                     _new(1, [9, 9, 9, 9], [3], 0, 4)]))
+    mirrors.mark_computed(scheduled)
+    mirrors.append_drawn(scheduled, [SampledSequence(0, [6], [-0.1]),
+                                     SampledSequence(1, [5], [-0.2])])
+    return mirrors
+
+
+@pytest.mark.parametrize("is_packed", [False, True])
+def test_packed_plain_decodes_apply_as_their_running_sequences(is_packed):
+    mirrors = _decoding_mirrors()
+    mirrors.seqs[0].block_table.append(12)  # a block the scheduler took back: start=2 cuts it
+    decodes = [RunningSequence(0, [], 2, [], 1), RunningSequence(1, [], 1, [14], 1)]
+    plan = (StepPlan(1, 2, running_seqs=decodes[1:], decode_seq_ids=[0],
+                     decode_block_ids_start=[2]) if is_packed
+            else StepPlan(1, 2, running_seqs=decodes[1:] + decodes[:1]))
+    mirrors.check(plan, num_gpu_blocks=16, vocab_size=50)
+    scheduled = mirrors.apply(plan, is_checked=True)
+    assert [s.seq_id for s in scheduled] == [1, 0]
+    assert mirrors.seqs[0].block_table == [7, 8] and mirrors.seqs[1].block_table == [3, 14]
+    assert [(s.num_scheduled_tokens, s.num_samples) for s in scheduled] == [(1, 1), (1, 1)]
+    model_input = build_model_input(scheduled, 4, torch.device("cpu"))
+    assert model_input.input_ids.tolist() == [5, 6]
+    assert model_input.meta.slot_mapping.tolist() == [14 * 4, 8 * 4 + 1]
+
+
+@pytest.mark.parametrize("seq_ids, starts, error, match", [
+    ([5], [0], NotFound, "seq_id 5"),
+    ([1], [1], InvalidRequest, "cannot hold 5 tokens"),  # its full block and no new one
+    ([0], [3], InvalidRequest, r"block_ids_start=3 outside \[0, 2\]"),
+    ([0, 0], [2, 2], InvalidRequest, "each sequence once"),
+    ([0], [], InvalidRequest, "one entry per decode_seq_ids entry, got 0 for 1"),
+])
+def test_packed_decodes_that_cannot_apply_are_refused_untouched(seq_ids, starts, error, match):
+    mirrors = _decoding_mirrors()
+    plan = StepPlan(1, 2, decode_seq_ids=seq_ids, decode_block_ids_start=starts)
+    with pytest.raises(error, match=match):
+        mirrors.check(plan, num_gpu_blocks=16, vocab_size=50)
+    assert mirrors.seqs[0].block_table == [7, 8] and mirrors.seqs[1].num_scheduled_tokens == 0
+
+
+def test_a_packed_decode_of_a_sequence_dropped_in_its_step_is_refused():
+    mirrors = _decoding_mirrors()
+    with pytest.raises(NotFound, match="seq_id 0"):
+        mirrors.check(StepPlan(1, 2, finished_seq_ids=[0], decode_seq_ids=[0],
+                               decode_block_ids_start=[2]))
