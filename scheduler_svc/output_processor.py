@@ -34,7 +34,7 @@ class OutputProcessor:
         """The step's tokens into its sequences (stops, forks, freed blocks): what the next
         schedule needs, once SentStep.take_in counted its tokens. Returns the groups the step
         touched, for report()."""
-        by_seq_id = {out.seq_id: out for out in step_output.outputs}
+        by_seq_id = step_output.sampled_by_seq()
         pooled = {p.seq_id: p.embedding for p in step_output.pooled}
         groups: dict[int, SequenceGroup] = {}
         samples: dict[int, list[tuple[Sequence, SampledSequence]]] = {}

@@ -29,7 +29,7 @@ from pagedserve.worker_svc.mixed_graphs import MixedGraphs, replay_forward
 from pagedserve.worker_svc.model_input import ModelInput, build_model_input
 from pagedserve.worker_svc.parallel import SINGLE, TensorParallel
 from pagedserve.worker_svc.pooler import pool, pooled_to_host
-from pagedserve.worker_svc.sampler import Sampler, prompt_logprobs
+from pagedserve.worker_svc.sampler import HostSamples, Sampler, prompt_logprobs
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence, SequenceMirrors
 from pagedserve.worker_svc.spec_decode import launch_samples
 from torch import nn
@@ -164,12 +164,14 @@ class ModelRunner:
             return StepOutput(step_id=step.step_id, timings=_cache_op_timings(
                 step, swap_out_ns, swap_in_ns, copy_ns, prepare_ns=prepare_ns))
         step.fence.wait()
-        outputs = self._sampled(step)
+        samples = self._sampled(step)
         behind = step.drafting.behind_seq_ids
         if behind:
             outputs = [dataclasses.replace(out, is_draft_behind=True) if out.seq_id in behind
-                       else out for out in outputs]
-        self.mirrors.append_drawn(step.scheduled, outputs)
+                       else out for out in samples.outputs]
+            samples = samples._replace(outputs=outputs)
+        self.mirrors.append_drawn(step.scheduled, samples.outputs, samples.seq_ids,
+                                  samples.token_ids)
         if self.grammars is not None and step.samples is not None and self.runs_apart:
             self.grammars.mask_ahead(step.model_input.sample_seqs)
         step.clock.mark(on_device=False)
@@ -178,12 +180,13 @@ class ModelRunner:
         forward_ns = launch_ns + wait_ns
         if step.fence.device_s is not None:  # a modelled device: its time, not the host's
             forward_ns = round(step.fence.device_s * 1e9)
-        return StepOutput(step_id=step.step_id, outputs=outputs, timings=_cache_op_timings(
+        return StepOutput(step_id=step.step_id, outputs=samples.outputs, timings=_cache_op_timings(
             step, swap_out_ns, swap_in_ns, copy_ns,
             prepare_ns=max(0, prepare_ns - step.drafting.host_ns), forward_ns=forward_ns,
             sample_ns=sample_ns, draft_ns=step.drafting.draft_ns,
             draft_catch_up_ns=step.drafting.catch_up_ns, mask_ns=step.mask_ns),
-            pooled=pooled_to_host(step.pooled))
+            pooled=pooled_to_host(step.pooled), sampled_seq_ids=samples.seq_ids,
+            sampled_token_ids=samples.token_ids, sampled_logprobs=samples.logprobs)
 
     def new_fence(self) -> Fence:
         return self._new_fence() if self._new_fence is not None else device_fence(self.device)
@@ -209,7 +212,16 @@ class ModelRunner:
             hidden_states = hidden_states[model_input.logits_indices]
         return self.model.compute_logits(hidden_states), pooled
 
-    def _sampled(self, step: InFlightStep) -> list[SampledSequence]:
+    def _sampled(self, step: InFlightStep) -> HostSamples:
+        """Single samples packed, where nothing is added to them (a sequence's drafts behind its
+        draft model are marked by finish)."""
+        model_input = step.model_input
+        if (step.samples is not None and self.tp.size == 1
+                and not model_input.prompt_logprob_spans and not step.drafting.behind_seq_ids):
+            return step.samples.host_samples()
+        return HostSamples(self._sampled_seqs(step), [], [], [])
+
+    def _sampled_seqs(self, step: InFlightStep) -> list[SampledSequence]:
         model_input = step.model_input
         seq_ids = [s.seq_id for s in model_input.sample_seqs]
         if step.samples is None:  # a tensor-parallel rank > 0: rank 0's tokens

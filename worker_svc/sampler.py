@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from pagedserve.services.common.sampling_params import SamplingParams
@@ -30,14 +30,42 @@ from pagedserve.worker_svc.token_bitmask import TokenBitmask
 _PROMPT_LOGPROBS_CHUNK = 1024  # rows per log_softmax, bounds the extra memory of long prompts
 
 
+class HostSamples(NamedTuple):
+    """A step's draws on the host: single samples (one token, no top logprobs) packed, as
+    StepOutput carries them, and the others one SampledSequence each."""
+
+    outputs: list[SampledSequence]
+    seq_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+
+
 class PendingSamples(Protocol):
     """A step's draws once launched: `token_ids` stays on the device, where the next step's
-    inputs read it; result() waits for the draws and brings them to the host."""
+    inputs read it; result() waits for the draws and brings them to the host, one
+    SampledSequence a sequence; host_samples() the same, packed where it can."""
 
     token_ids: torch.Tensor  # [num_samples_total] int64; seq i's draws at offsets[i]:offsets[i+1]
     offsets: list[int]
 
     def result(self) -> list[SampledSequence]: ...
+
+    def host_samples(self) -> HostSamples: ...
+
+
+class SamplingState(Protocol):
+    """What the sampler reads of a sequence: a SeqSamplingState, or the worker's mirror of a
+    sequence without drafts (CachedSequence), read at launch only."""
+
+    seq_id: int
+    sampling: SamplingParams
+    token_ids: list[int]
+    prompt_len: int
+    seed: int | None
+    num_samples: int
+
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -86,14 +114,14 @@ class Sampler:
         self.device = torch.device(device)
         self._seeded_noise = SeededNoise(vocab_size, self.device)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[SeqSamplingState],
+    def __call__(self, logits: torch.Tensor, seqs: list[SamplingState],
                  token_bitmask: TokenBitmask | None = None) -> list[SampledSequence]:
         return self.launch(logits, seqs, token_bitmask).result()
 
     def launch(
         self,
         logits: torch.Tensor,  # [num_seqs, >= vocab_size] float32; row i ↔ seqs[i]
-        seqs: list[SeqSamplingState],
+        seqs: list[SamplingState],
         token_bitmask: TokenBitmask | None = None,  # structured outputs' allowed tokens
     ) -> PendingSamples:
         """Queues the draws on the device; nothing waits for them."""
@@ -147,13 +175,13 @@ class Sampler:
     def logprobs(
         self,
         logits: torch.Tensor,  # [num_seqs, >= vocab_size]; row i ↔ seqs[i]
-        seqs: list[SeqSamplingState],
+        seqs: list[SamplingState],
     ) -> torch.Tensor:  # [num_seqs, vocab_size]
         """The log-distribution each row's draw comes from (every processing step applied)."""
         self._verify(logits, seqs)
         return torch.log_softmax(self._process(logits[:, :self.vocab_size], seqs), dim=-1)
 
-    def _verify(self, logits: torch.Tensor, seqs: list[SeqSamplingState]) -> None:
+    def _verify(self, logits: torch.Tensor, seqs: list[SamplingState]) -> None:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [num_seqs={len(seqs)}, vocab], "
                              f"got {tuple(logits.shape)}")
@@ -171,7 +199,7 @@ class Sampler:
                 raise ValueError(f"seq {s.seq_id}: prompt_len={s.prompt_len} outside "
                                  f"[0, {len(s.token_ids)}]")
 
-    def _process(self, logits: torch.Tensor, seqs: list[SeqSamplingState]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, seqs: list[SamplingState]) -> torch.Tensor:
         penalty_rows = [i for i, s in enumerate(seqs) if _has_penalty(s.sampling)]
         edits = self._token_edits(seqs)
         mask_rows, mask_ids = edits.mask_rows, edits.mask_ids
@@ -217,7 +245,7 @@ class Sampler:
                 sub, self._tensor([seqs[i].sampling.min_p for i in rows], torch.float32)))
         return processed
 
-    def _token_edits(self, seqs: list[SeqSamplingState]) -> _TokenEdits:
+    def _token_edits(self, seqs: list[SamplingState]) -> _TokenEdits:
         """Per row: tokens hidden (min_tokens, bad words), kept (allowed ids), biased."""
         edits = _TokenEdits()
         for i, s in enumerate(seqs):
@@ -246,7 +274,7 @@ class Sampler:
         return sampling.top_k if 0 < sampling.top_k < self.vocab_size else self.vocab_size
 
     def _sample_beams(self, sampled: torch.Tensor, logprobs: torch.Tensor,
-                      seqs: list[SeqSamplingState], rows: list[int], offsets: list[int]) -> None:
+                      seqs: list[SamplingState], rows: list[int], offsets: list[int]) -> None:
         max_k = max(seqs[i].num_samples for i in rows)
         index = self._tensor(rows, torch.long)
         _, top_ids = logprobs[index].topk(max_k, dim=-1)  # [num_beam_rows, max_k], descending
@@ -278,7 +306,7 @@ class Sampler:
         return torch.cat([unseeded, self._seeded_noise.uniforms(self._tensor(keys, torch.long))])
 
     def _sample_random(self, sampled: torch.Tensor, logprobs: torch.Tensor,
-                       seqs: list[SeqSamplingState], rows: list[int], offsets: list[int]) -> None:
+                       seqs: list[SamplingState], rows: list[int], offsets: list[int]) -> None:
         # unseeded rows first: each kind of noise fills one contiguous slice
         rows = sorted(rows, key=lambda i: seqs[i].seed is not None)
         seeded = [seqs[i] for i in rows if seqs[i].seed is not None]
@@ -308,7 +336,7 @@ class _DeviceSamples:
     """The draws' host copies are queued behind them (pinned, non-blocking on CUDA), so result()
     waits for the device once, for everything."""
 
-    def __init__(self, seqs: list[SeqSamplingState], offsets: list[int],
+    def __init__(self, seqs: list[SamplingState], offsets: list[int],
                  sampled: torch.Tensor,  # [num_samples_total]
                  sampled_logprobs: torch.Tensor,  # [num_samples_total]
                  top_rows: list[int],
@@ -316,7 +344,7 @@ class _DeviceSamples:
                  top_ids: torch.Tensor | None) -> None:  # [num_top_rows, max_top]
         self.token_ids = sampled
         self.offsets = offsets
-        self._seqs = seqs
+        self._seqs = seqs  # their seq_id and sampling only: neither changes after the launch
         self._top_rows = top_rows
         self._event: torch.cuda.Event | None = None
         self._host = [sampled, sampled_logprobs, top_values, top_ids]
@@ -326,13 +354,22 @@ class _DeviceSamples:
             self._event = torch.cuda.Event()
             self._event.record()
 
-    def result(self) -> list[SampledSequence]:
+    def host_samples(self) -> HostSamples:
+        seqs = self._seqs
+        if self.offsets[-1] != len(seqs) or any(s.sampling.logprobs is not None for s in seqs):
+            return HostSamples(self.result(), [], [], [])
+        token_ids, logprobs = self._host_lists()  # a sample a row, no top logprobs
+        return HostSamples([], [s.seq_id for s in seqs], token_ids, logprobs)
+
+    def _host_lists(self) -> tuple[list[int], list[float]]:
         if self._event is not None:
             self._event.synchronize()
+        return self._host[0].tolist(), self._host[1].tolist()
+
+    def result(self) -> list[SampledSequence]:
         seqs, offsets, top_rows = self._seqs, self.offsets, self._top_rows
-        sampled, sampled_logprobs, top_values, top_ids = self._host
-        token_ids = sampled.tolist()
-        logprobs = sampled_logprobs.tolist()
+        token_ids, logprobs = self._host_lists()
+        _, _, top_values, top_ids = self._host
         tops: dict[int, list[TokenIdLogprob]] = {}
         if top_rows:
             for i, ids, values in zip(top_rows, top_ids.tolist(), top_values.tolist(), strict=True):
@@ -342,7 +379,7 @@ class _DeviceSamples:
         for i, seq in enumerate(seqs):
             start, end = offsets[i], offsets[i + 1]
             top_logprobs = [] if seq.sampling.logprobs is None else [
-                list(tops.get(i, [])) for _ in range(seq.num_samples)]
+                list(tops.get(i, [])) for _ in range(end - start)]
             outputs.append(SampledSequence(seq_id=seq.seq_id, token_ids=token_ids[start:end],
                                            logprobs=logprobs[start:end],
                                            top_logprobs=top_logprobs))

@@ -4,6 +4,7 @@ V1's persistent batch). The scheduler is the truth."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,10 @@ class CachedSequence:
     # the draft model's distributions its sampled drafts were drawn from; None: drafts to match
     draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), vocab_size]
     num_draft_computed: int = 0  # tokens whose draft-model KV is in the cache
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
 
     @property
     def is_prefill(self) -> bool:
@@ -209,12 +214,16 @@ class SequenceMirrors:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
 
-    def append_drawn(self, scheduled: list[CachedSequence],
-                     sampled: list[SampledSequence]) -> None:
+    def append_drawn(self, scheduled: list[CachedSequence], sampled: list[SampledSequence],
+                     single_seq_ids: Sequence[int] = (),
+                     single_token_ids: Sequence[int] = ()) -> None:
         """A sequence that sampled exactly one token has it appended: the scheduler counts on
         it. Several samples (forks, beams) wait for the scheduler's choice. A sequence dropped
-        or sent whole again since the step was launched keeps what the scheduler sent."""
+        or sent whole again since the step was launched keeps what the scheduler sent.
+        single_*: single samples, packed (StepOutput's), of sequences without drafts."""
         launched = {seq.seq_id: seq for seq in scheduled}
+        for seq_id, token_id in zip(single_seq_ids, single_token_ids, strict=True):
+            self._append_one(launched.get(seq_id), token_id)
         for out in sampled:
             seq_id = out.seq_id
             seq = launched.get(seq_id)
@@ -231,16 +240,21 @@ class SequenceMirrors:
                 seq.draft_token_ids = []
                 seq.draft_probs = None
                 continue
-            if len(out.token_ids) != 1 or seq is None or self.seqs.get(seq_id) is not seq:
-                continue
-            num_drawing = self.drawing.get(seq_id, 0)
-            if num_drawing > 1:
-                self.drawing[seq_id] = num_drawing - 1
-            elif num_drawing:
-                del self.drawing[seq_id]
-            else:
-                continue
-            seq.token_ids.append(out.token_ids[0])
+            if len(out.token_ids) == 1:
+                self._append_one(seq, out.token_ids[0])
+
+    def _append_one(self, seq: CachedSequence | None, token_id: int) -> None:
+        """`seq`'s one drawn token, if it is still the mirror's and was drawing it."""
+        if seq is None or self.seqs.get(seq.seq_id) is not seq:
+            return
+        num_drawing = self.drawing.get(seq.seq_id, 0)
+        if num_drawing > 1:
+            self.drawing[seq.seq_id] = num_drawing - 1
+        elif num_drawing:
+            del self.drawing[seq.seq_id]
+        else:
+            return
+        seq.token_ids.append(token_id)
 
     def _add(self, new: NewSequence) -> CachedSequence:
         # a sequence sent whole replaces whatever the worker knew of it

@@ -24,7 +24,12 @@ import torch
 from pagedserve.services.common.step_plan import SampledSequence
 from pagedserve.worker_svc.host_to_device import to_device
 from pagedserve.worker_svc.rejection_sampler import launch_draft_tests, rejection_sample
-from pagedserve.worker_svc.sampler import PendingSamples, Sampler, SeqSamplingState
+from pagedserve.worker_svc.sampler import (
+    HostSamples,
+    PendingSamples,
+    Sampler,
+    SeqSamplingState,
+)
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
 from pagedserve.worker_svc.token_bitmask import TokenBitmask
 
@@ -40,11 +45,10 @@ def launch_samples(sampler: Sampler, logits: torch.Tensor, seqs: list[CachedSequ
                    token_bitmask: TokenBitmask | None = None) -> PendingSamples:
     """logits: the sampling rows of ModelInput.logits_indices first (then any others);
     token_bitmask: structured outputs' allowed tokens, row i ↔ seqs[i]."""
-    if not any(s.draft_token_ids for s in seqs):
-        states = [sampling_state(s) for s in seqs]
+    if not any(s.draft_token_ids for s in seqs):  # the mirror's sequences are the states
         if token_bitmask is None:  # samplers without structured outputs take two arguments
-            return sampler.launch(logits[:len(seqs)], states)
-        return sampler.launch(logits[:len(seqs)], states, token_bitmask)
+            return sampler.launch(logits[:len(seqs)], seqs)
+        return sampler.launch(logits[:len(seqs)], seqs, token_bitmask)
     states = [sampling_state(s, j) for s in seqs for j in range(len(s.draft_token_ids) + 1)]
     first_rows = list(itertools.accumulate((len(s.draft_token_ids) + 1 for s in seqs), initial=0))
     tested = [(seq, first) for seq, first in zip(seqs, first_rows, strict=False)
@@ -84,6 +88,9 @@ class VerifiedSamples:
             row += len(seq.draft_token_ids) + 1
         self.token_ids = rows.token_ids
         self.offsets = [rows.offsets[row] for row in self._first_rows] + [rows.offsets[-1]]
+
+    def host_samples(self) -> HostSamples:
+        return HostSamples(self.result(), [], [], [])
 
     def result(self) -> list[SampledSequence]:
         rows = self._rows.result()

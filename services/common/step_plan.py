@@ -132,6 +132,19 @@ class StepOutput:
     outputs: list[SampledSequence] = field(default_factory=list)
     timings: StepTimings = field(default_factory=StepTimings)
     pooled: list[PooledSequence] = field(default_factory=list)
+    # single samples, packed (the wire's form; most of a decode step): sequence i of
+    # sampled_seq_ids sampled sampled_token_ids[i] alone, with its logprob and nothing more
+    sampled_seq_ids: list[int] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    sampled_logprobs: list[float] = field(default_factory=list)
+
+    def sampled_by_seq(self) -> dict[int, SampledSequence]:
+        """Every sampled sequence by seq_id, the packed ones as SampledSequences too."""
+        by_seq = {out.seq_id: out for out in self.outputs}
+        for seq_id, token_id, logprob in zip(self.sampled_seq_ids, self.sampled_token_ids,
+                                             self.sampled_logprobs, strict=True):
+            by_seq[seq_id] = SampledSequence(seq_id, [token_id], [logprob])
+        return by_seq
 
 
 @dataclass(frozen=True, slots=True)

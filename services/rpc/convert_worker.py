@@ -190,7 +190,7 @@ def _is_single_sample(seq: SampledSequence) -> bool:
 
 
 def step_output_to_proto(output: StepOutput) -> worker_pb2.ExecuteStepResponse:
-    """Single samples go packed, after the other outputs."""
+    """Single samples go packed (those of `outputs` too), after the other outputs."""
     single: list[SampledSequence] = []
     others: list[SampledSequence] = []
     for s in output.outputs:
@@ -198,25 +198,26 @@ def step_output_to_proto(output: StepOutput) -> worker_pb2.ExecuteStepResponse:
     return worker_pb2.ExecuteStepResponse(
         step_id=output.step_id, outputs=[sampled_sequence_to_proto(s) for s in others],
         timings=step_timings_to_proto(output.timings),
-        sampled_seq_ids=[s.seq_id for s in single],
-        sampled_token_ids=[s.token_ids[0] for s in single],
-        sampled_logprobs=[s.logprobs[0] for s in single],
+        sampled_seq_ids=[s.seq_id for s in single] + output.sampled_seq_ids,
+        sampled_token_ids=[s.token_ids[0] for s in single] + output.sampled_token_ids,
+        sampled_logprobs=[s.logprobs[0] for s in single] + output.sampled_logprobs,
         pooled=[worker_pb2.PooledSequence(seq_id=p.seq_id, embedding=p.embedding)
                 for p in output.pooled])
 
 
 def step_output_from_proto(msg: worker_pb2.ExecuteStepResponse) -> StepOutput:
+    """Single samples stay packed."""
     seq_ids, token_ids, logprobs = msg.sampled_seq_ids, msg.sampled_token_ids, msg.sampled_logprobs
     if not len(seq_ids) == len(token_ids) == len(logprobs):
         raise InvalidRequest(
             f"sampled_seq_ids, sampled_token_ids and sampled_logprobs must have equal lengths, "
             f"got {len(seq_ids)}, {len(token_ids)} and {len(logprobs)}")
-    outputs = [sampled_sequence_from_proto(s) for s in msg.outputs]
-    outputs += [SampledSequence(seq_id, [token_id], [logprob]) for seq_id, token_id, logprob
-                in zip(seq_ids, token_ids, logprobs, strict=True)]
-    return StepOutput(step_id=msg.step_id, outputs=outputs,
+    return StepOutput(step_id=msg.step_id,
+                      outputs=[sampled_sequence_from_proto(s) for s in msg.outputs],
                       timings=step_timings_from_proto(msg.timings),
-                      pooled=[PooledSequence(p.seq_id, list(p.embedding)) for p in msg.pooled])
+                      pooled=[PooledSequence(p.seq_id, list(p.embedding)) for p in msg.pooled],
+                      sampled_seq_ids=list(seq_ids), sampled_token_ids=list(token_ids),
+                      sampled_logprobs=list(logprobs))
 
 
 def worker_info_to_proto(info: WorkerInfo) -> worker_pb2.WorkerInfo:

@@ -72,7 +72,8 @@ def _decode(last: StepOutput, epoch: int = EPOCH) -> StepPlan:
     return StepPlan(scheduler_epoch=epoch, step_id=last.step_id + 1, previous_step_id=last.step_id,
                     running_seqs=[RunningSequence(seq_id=s.seq_id, new_token_ids=[],
                                                   block_ids_start=1, block_ids=[],
-                                                  num_scheduled_tokens=1) for s in last.outputs])
+                                                  num_scheduled_tokens=1)
+                                  for s in last.sampled_by_seq().values()])
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +112,8 @@ def test_execute_step_over_grpc_equals_in_process(served_worker):
     for _ in range(4):
         remote, expected = _execute(client, plan), local.execute_step(plan)
         assert _without_timings(remote) == _without_timings(expected)
-        assert [len(s.token_ids) for s in remote.outputs] == [1, 1]
-        greedy_tokens += remote.outputs[0].token_ids
+        assert [len(s.token_ids) for s in remote.sampled_by_seq().values()] == [1, 1]
+        greedy_tokens += list(remote.sampled_by_seq().values())[0].token_ids
         plan = _decode(remote)
 
     # The cache operations travel too, and run in the contract's order within one step: block 0
@@ -122,7 +123,7 @@ def test_execute_step_over_grpc_equals_in_process(served_worker):
     cache_ops = StepPlan(scheduler_epoch=EPOCH, step_id=5, previous_step_id=4,
                          blocks_to_swap_out=[(0, 2)], blocks_to_swap_in=[(2, 6)],
                          blocks_to_copy=[(6, 5)])
-    assert not _execute(client, cache_ops).outputs
+    assert not _execute(client, cache_ops).sampled_by_seq()
     local.execute_step(cache_ops)
     first = _plans()[0].new_seqs[0]
     token_ids = first.token_ids + greedy_tokens
@@ -135,7 +136,7 @@ def test_execute_step_over_grpc_equals_in_process(served_worker):
 
     resumed = _execute(client, resume(5))
     assert _without_timings(resumed) == _without_timings(local.execute_step(resume(0)))
-    assert len(resumed.outputs[0].token_ids) == 1
+    assert len(list(resumed.sampled_by_seq().values())[0].token_ids) == 1
 
 
 def test_only_the_handshake_epoch_is_served_and_a_newer_scheduler_takes_over(served_worker):
@@ -152,7 +153,8 @@ def test_only_the_handshake_epoch_is_served_and_a_newer_scheduler_takes_over(ser
         with pytest.raises(StaleEpoch) as refused:
             client.clear_state(other)
         assert str(EPOCH) not in str(refused.value)
-    assert len(_execute(client, _decode(first)).outputs) == 2  # its scheduler is still served
+    # its scheduler is still served
+    assert len(_execute(client, _decode(first)).sampled_by_seq()) == 2
     with pytest.raises(StaleEpoch):
         client.init_cache(16, 4, EPOCH - 1)
     client.init_cache(16, 4, EPOCH + 1)

@@ -126,17 +126,17 @@ def test_steps_launched_ahead_mask_with_the_tokens_of_the_step_before(model_dir)
     samplings = [dataclasses.replace(s, ignore_eos=True) for s in SAMPLINGS if s.n == 1]
     plans = _plans(samplings, 24)
     reference = make_worker(model_dir, block_size=BLOCK_SIZE)
-    expected = [reference.execute_step(plan).outputs for plan in plans]
+    expected = [list(reference.execute_step(plan).sampled_by_seq().values()) for plan in plans]
     worker = make_worker(model_dir, block_size=BLOCK_SIZE)
     in_flight = worker.launch_step(plans[0])
     worker.sample_step(in_flight)
     outputs = []
     for plan in plans[1:]:
         ahead = worker.launch_step(plan, ahead_of=in_flight)
-        outputs.append(worker.finish_step(in_flight).outputs)
+        outputs.append(list(worker.finish_step(in_flight).sampled_by_seq().values()))
         worker.sample_step(ahead)
         in_flight = ahead
-    outputs.append(worker.finish_step(in_flight).outputs)
+    outputs.append(list(worker.finish_step(in_flight).sampled_by_seq().values()))
     assert [[(s.seq_id, s.token_ids) for s in out] for out in outputs] == \
         [[(s.seq_id, s.token_ids) for s in out] for out in expected]
     assert len(worker.runner.grammars) == len(samplings)

@@ -94,5 +94,5 @@ def test_forked_sequence_with_copied_block_decodes_like_its_parent(llama_dir):
         block_ids=child_blocks, num_computed_tokens=len(PROMPT), num_scheduled_tokens=1,
         sampling=GREEDY))
     output = driver.worker.execute_step(plan)
-    tokens = {o.seq_id: o.token_ids for o in output.outputs}
+    tokens = {o.seq_id: o.token_ids for o in output.sampled_by_seq().values()}
     assert tokens[0] == tokens[1]

@@ -141,7 +141,7 @@ class Driver:
         for scheduled in (*plan.new_seqs, *plan.running_seqs):
             if scheduled.seq_id in self.seqs:
                 self.seqs[scheduled.seq_id].num_computed_tokens += scheduled.num_scheduled_tokens
-        for out in output.outputs:
+        for out in output.sampled_by_seq().values():
             seq = self.seqs[out.seq_id]
             seq.token_ids.extend(out.token_ids)
             if len(out.token_ids) == 1:

@@ -97,8 +97,7 @@ def _field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
-# the packed wire form of outputs, not fields of their own
-PACKED = {"sampled_seq_ids", "sampled_token_ids", "sampled_logprobs"}
+PACKED: set[str] = set()  # wire fields that are no fields of the dataclass
 
 
 @pytest.mark.parametrize("cls, message", [
@@ -128,10 +127,17 @@ def test_plain_decodes_travel_packed_after_the_other_running_sequences():
 
 
 def test_single_samples_travel_packed():
-    msg = _wire(step_output_to_proto(OUTPUT))
+    output = dataclasses.replace(OUTPUT, sampled_seq_ids=[BIG + 5], sampled_token_ids=[3],
+                                 sampled_logprobs=[-0.5])
+    msg = _wire(step_output_to_proto(output))
     assert [s.seq_id for s in msg.outputs] == [BIG + 1, 8, 9]  # one that says more, apart
-    assert list(msg.sampled_seq_ids) == [BIG + 2]
-    assert list(msg.sampled_token_ids) == [4_000_000_001]
+    assert list(msg.sampled_seq_ids) == [BIG + 2, BIG + 5]
+    assert list(msg.sampled_token_ids) == [4_000_000_001, 3]
+    back = step_output_from_proto(msg)  # and stay packed in the scheduler
+    assert [s.seq_id for s in back.outputs] == [BIG + 1, 8, 9]
+    assert back.sampled_seq_ids == [BIG + 2, BIG + 5]
+    assert back.sampled_by_seq() == {s.seq_id: s for s in [
+        *OUTPUT.outputs, SampledSequence(BIG + 5, [3], [-0.5])]}
 
 
 @pytest.mark.parametrize("convert, field, match", [
@@ -214,7 +220,14 @@ def test_new_sequences_with_equal_sampling_share_one_converted_params():
 
 
 def test_step_output_round_trip_keeps_every_field():
-    assert step_output_from_proto(_wire(step_output_to_proto(OUTPUT))) == OUTPUT
+    # OUTPUT's last sequence sampled a single token: it comes back packed
+    single = OUTPUT.outputs[-1]
+    packed = dataclasses.replace(OUTPUT, outputs=OUTPUT.outputs[:-1],
+                                 sampled_seq_ids=[single.seq_id],
+                                 sampled_token_ids=single.token_ids,
+                                 sampled_logprobs=single.logprobs)
+    assert step_output_from_proto(_wire(step_output_to_proto(OUTPUT))) == packed
+    assert step_output_from_proto(_wire(step_output_to_proto(packed))) == packed
 
 
 def test_worker_info_round_trip_keeps_every_field():

@@ -64,10 +64,8 @@ def test_steps_launched_ahead_and_their_sampling_never_wait_for_the_device(tiny_
             in_flight = ahead
     outputs.append(worker.finish_step(in_flight))
     assert copies.calls == []
-    assert [sorted(s.seq_id for s in out.outputs) for out in outputs] == [[0, 1, 2, 3]] * len(
-        outputs)
-    assert all(t in (50, 51, 52) for out in outputs for s in out.outputs if s.seq_id == 3
-               for t in s.token_ids)
+    assert [sorted(out.sampled_by_seq()) for out in outputs] == [[0, 1, 2, 3]] * len(outputs)
+    assert all(t in (50, 51, 52) for out in outputs for t in out.sampled_by_seq()[3].token_ids)
 
 
 @pytest.mark.parametrize("values, dtype", [([3, 1, 2], torch.int64), ([0.5, 2.0], torch.float32),

@@ -161,11 +161,11 @@ def test_mixed_steps_take_the_graph_path_and_keep_their_tokens(tiny_model_dir):
         driver = Driver(worker)
         for seq_id, n in prompts.items():
             driver.add(seq_id, [5 + 7 * seq_id + i for i in range(n)])
-        counts = [len(driver.step({0: 7}).outputs)]  # 7 tokens: bucket 8
-        counts.append(len(driver.step({0: 1, 1: 13}).outputs))  # 14: bucket 16
-        counts.append(len(driver.step({0: 1, 1: 1, 2: 3}).outputs))  # 5, a chunk: bucket 8
-        counts.append(len(driver.step({0: 1, 1: 1, 2: 2, 3: 20}).outputs))  # 24: bucket 32
-        counts.append(len(driver.step({0: 1, 1: 1, 2: 1, 3: 1}).outputs))  # decodes: eager here
+        counts = [len(driver.step({0: 7}).sampled_by_seq())]  # 7 tokens: bucket 8
+        counts.append(len(driver.step({0: 1, 1: 13}).sampled_by_seq()))  # 14: bucket 16
+        counts.append(len(driver.step({0: 1, 1: 1, 2: 3}).sampled_by_seq()))  # 5, a chunk: bucket 8
+        counts.append(len(driver.step({0: 1, 1: 1, 2: 2, 3: 20}).sampled_by_seq()))  # 24: bucket 32
+        counts.append(len(driver.step({0: 1, 1: 1, 2: 1, 3: 1}).sampled_by_seq()))  # decodes: eager
         drivers.append(driver)
         samples.append(counts)
     eager, graphed = drivers

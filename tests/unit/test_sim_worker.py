@@ -181,7 +181,7 @@ def test_a_step_takes_at_least_its_modelled_time(tiny_model_dir, sim_step_model)
         assert modelled <= wall < modelled + 2.0
         # the modelled device time of the step, its block copy included
         assert output.timings.forward_ns == pytest.approx(modelled * 1e9, rel=1e-6)
-        assert len(output.outputs) == 1
+        assert len(output.sampled_by_seq()) == 1
 
 
 def test_cache_ops_out_of_range_are_refused_before_the_step_runs(tiny_model_dir):

@@ -110,7 +110,7 @@ def test_a_newer_scheduler_takes_over_by_the_handshake(tiny_model_dir):
         driver.step({})
     driver.epoch, driver.step_id = epoch + 1, 0
     driver.add(0, [5, 6, 7])
-    assert len(driver.step({0: 3}).outputs[0].token_ids) == 1
+    assert len(driver.step({0: 3}).sampled_by_seq()[0].token_ids) == 1
 
 
 def test_an_epoch_ahead_of_the_clock_cannot_lock_the_worker_away(tiny_model_dir):
@@ -132,7 +132,7 @@ def test_an_epoch_ahead_of_the_clock_cannot_lock_the_worker_away(tiny_model_dir)
     assert driver.worker.init_cache(*sizes, restarted)  # kept its cache
     driver.epoch, driver.step_id = restarted, 0
     driver.add(0, [5, 6, 7])
-    assert len(driver.step({0: 3}).outputs[0].token_ids) == 1
+    assert len(driver.step({0: 3}).sampled_by_seq()[0].token_ids) == 1
 
 
 def test_steps_run_only_in_their_previous_step_id_order(tiny_model_dir):
@@ -173,7 +173,7 @@ def test_dummy_weights_need_no_checkpoint_and_are_seeded(tiny_model_dir, tmp_pat
     # a dummy model still runs a step
     driver = Driver(make_worker(path, load_format="dummy"))
     driver.add(0, [1, 2, 3])
-    assert len(driver.step({0: 3}).outputs[0].token_ids) == 1
+    assert len(driver.step({0: 3}).sampled_by_seq()[0].token_ids) == 1
 
 
 @pytest.mark.parametrize("cache_ops", [{"blocks_to_swap_out": [(0, 5)]},

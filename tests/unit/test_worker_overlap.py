@@ -30,8 +30,8 @@ def _plans(epoch: int = 1) -> list[StepPlan]:
 
 
 def _tokens(outputs) -> list[dict[int, tuple]]:
-    return [{s.seq_id: (s.token_ids, s.logprobs, s.top_logprobs) for s in out.outputs}
-            for out in outputs]
+    return [{seq_id: (s.token_ids, s.logprobs, s.top_logprobs)
+             for seq_id, s in out.sampled_by_seq().items()} for out in outputs]
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +94,8 @@ def test_a_bad_step_launched_ahead_fails_alone(tiny_model_dir):
     futures = [worker.submit_step(p) for p in (plans[0], bad, *plans[1:])]
     with pytest.raises(InvalidRequest, match="block_ids"):
         futures[1].result(timeout=60)
-    assert len(futures[0].result(timeout=60).outputs) == 2
-    assert all(len(f.result(timeout=60).outputs) == 2 for f in futures[2:])
+    assert len(futures[0].result(timeout=60).sampled_by_seq()) == 2
+    assert all(len(f.result(timeout=60).sampled_by_seq()) == 2 for f in futures[2:])
 
 
 def test_a_failed_step_fails_the_step_launched_ahead_of_it(tiny_model_dir):
@@ -112,11 +112,11 @@ def test_a_failed_step_fails_the_step_launched_ahead_of_it(tiny_model_dir):
         def lost():
             raise RuntimeError("the draws of step 2 are lost")
         return types.SimpleNamespace(token_ids=samples.token_ids, offsets=samples.offsets,
-                                     result=lost)
+                                     result=lost, host_samples=lost)
 
     worker.runner.sampler.launch = launch
     futures = [worker.submit_step(p) for p in _plans()[:4]]
-    assert len(futures[0].result(timeout=60).outputs) == 2
+    assert len(futures[0].result(timeout=60).sampled_by_seq()) == 2
     with pytest.raises(RuntimeError, match="lost"):
         futures[1].result(timeout=60)
     with pytest.raises(StepOutOfOrder, match="launched after step 2, which failed"):

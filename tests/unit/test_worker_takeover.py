@@ -18,7 +18,7 @@ def test_a_takeover_with_the_same_sizes_keeps_the_model_and_the_cache(tiny_model
     worker = driver.worker
     model, cache = worker.runner.model, worker.cache_engine
     driver.add(0, [5, 6, 7])
-    before = driver.step({0: 3}).outputs[0].token_ids
+    before = driver.step({0: 3}).sampled_by_seq()[0].token_ids
     assert len(worker.runner.mirrors) == 1
     profile = worker.profile_memory()
 
@@ -33,7 +33,7 @@ def test_a_takeover_with_the_same_sizes_keeps_the_model_and_the_cache(tiny_model
 
     fresh = Driver(worker, epoch=EPOCH + 1)  # the new scheduler: it knows no sequence
     fresh.add(0, [5, 6, 7])
-    assert fresh.step({0: 3}).outputs[0].token_ids == before
+    assert fresh.step({0: 3}).sampled_by_seq()[0].token_ids == before
 
 
 def test_a_takeover_with_other_sizes_re_creates_the_cache(tiny_model_dir):

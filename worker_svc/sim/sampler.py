@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pagedserve.services.common.step_plan import SampledSequence, TokenIdLogprob
-from pagedserve.worker_svc.sampler import SeqSamplingState
+from pagedserve.worker_svc.sampler import HostSamples, SamplingState
 from pagedserve.worker_svc.token_bitmask import TokenBitmask
 
 _MASK_64 = (1 << 64) - 1
@@ -51,10 +51,16 @@ class _DrawnSamples:
 
     token_ids: torch.Tensor  # [num_samples_total] int64
     offsets: list[int]
-    sampled: list[SampledSequence]
+    drawn: HostSamples
 
     def result(self) -> list[SampledSequence]:
-        return self.sampled
+        drawn = self.drawn
+        return drawn.outputs + [SampledSequence(seq_id, [token_id], [logprob])
+                                for seq_id, token_id, logprob in zip(
+                                    drawn.seq_ids, drawn.token_ids, drawn.logprobs, strict=True)]
+
+    def host_samples(self) -> HostSamples:
+        return self.drawn
 
 
 class SimSampler:
@@ -67,8 +73,21 @@ class SimSampler:
         low = min(1000, vocab_size // 4)
         self.token_range = range(low, max(vocab_size - 1000, vocab_size * 3 // 4, low + 1))
 
-    def __call__(self, logits: object, seqs: list[SeqSamplingState]) -> list[SampledSequence]:
+    def __call__(self, logits: object, seqs: list[SamplingState]) -> list[SampledSequence]:
         """sim_token for every draw, the hash of a whole step at once in numpy."""
+        tokens, logprobs, num_samples = self._draws(seqs)
+        out, row = [], 0
+        for s, n in zip(seqs, num_samples, strict=True):
+            if n == 1 and s.sampling.logprobs is None:
+                out.append(SampledSequence(s.seq_id, tokens[row:row + 1], logprobs[row:row + 1]))
+            else:
+                out.append(self._sampled(s, list(zip(tokens[row:row + n], logprobs[row:row + n],
+                                                     strict=True))))
+            row += n
+        return out
+
+    def _draws(self, seqs: list[SamplingState]) -> tuple[list[int], list[float], list[int]]:
+        """(tokens, logprobs) of every draw, sequence after sequence, and each one's count."""
         seeds, positions, num_samples, contexts, eos_ok = [], [], [], [], []
         for s in seqs:
             sampling = s.sampling
@@ -81,21 +100,13 @@ class SimSampler:
         is_distinct = [not (s.sampling.is_greedy and not s.sampling.use_beam_search) for s in seqs]
         tokens, logprobs = self._draw(seeds, positions, num_samples, contexts, eos_ok,
                                       is_distinct)
-        out, row = [], 0
-        for s, n in zip(seqs, num_samples, strict=True):
-            if n == 1 and s.sampling.logprobs is None:
-                out.append(SampledSequence(s.seq_id, tokens[row:row + 1], logprobs[row:row + 1]))
-            else:
-                out.append(self._sampled(s, list(zip(tokens[row:row + n], logprobs[row:row + n],
-                                                     strict=True))))
-            row += n
-        return out
+        return tokens, logprobs, num_samples
 
-    def _seed(self, s: SeqSamplingState) -> int:
+    def _seed(self, s: SamplingState) -> int:
         is_greedy = s.sampling.is_greedy and not s.sampling.use_beam_search
         return (self.seed if is_greedy or s.seed is None else s.seed) & _MASK_64
 
-    def uniform(self, s: SeqSamplingState, stream: int) -> float:
+    def uniform(self, s: SamplingState, stream: int) -> float:
         """A number in [0, 1) of the draw's seed, position and context, as the draws are, in a
         stream of its own (a simulated draft model's choices)."""
         x = _mix(self._seed(s) ^ stream, len(s.token_ids), 0, s.token_ids[-_CONTEXT_WINDOW:])
@@ -106,8 +117,14 @@ class SimSampler:
         span = self.token_range
         return span[(token - span.start + 1) % len(span)] if token in span else span.start
 
-    def launch(self, logits: object, seqs: list[SeqSamplingState],
+    def launch(self, logits: object, seqs: list[SamplingState],
                token_bitmask: TokenBitmask | None = None) -> _DrawnSamples:
+        if token_bitmask is None and all(s.num_samples == 1 and s.sampling.logprobs is None
+                                         for s in seqs):  # single samples: packed
+            tokens, logprobs, _ = self._draws(seqs)
+            return _DrawnSamples(torch.tensor(tokens, dtype=torch.long),
+                                 list(range(len(seqs) + 1)),
+                                 HostSamples([], [s.seq_id for s in seqs], tokens, logprobs))
         sampled = self(logits, seqs)
         if token_bitmask is not None:
             for k, row in enumerate(token_bitmask.rows):
@@ -115,7 +132,7 @@ class SimSampler:
                                              seqs[row].sampling.logprobs)
         offsets = list(itertools.accumulate((len(s.token_ids) for s in sampled), initial=0))
         token_ids = torch.tensor([t for s in sampled for t in s.token_ids], dtype=torch.long)
-        return _DrawnSamples(token_ids, offsets, sampled)
+        return _DrawnSamples(token_ids, offsets, HostSamples(sampled, [], [], []))
 
     def _allowed(self, s: SampledSequence, words: np.ndarray,
                  num_top: int | None) -> SampledSequence:
@@ -168,7 +185,7 @@ class SimSampler:
             tokens[is_eos] = self.eos_token_id
         return tokens.tolist(), logprobs.tolist()
 
-    def _sampled(self, s: SeqSamplingState, draws: list[tuple[int, float]]) -> SampledSequence:
+    def _sampled(self, s: SamplingState, draws: list[tuple[int, float]]) -> SampledSequence:
         sampling = s.sampling
         if sampling.use_beam_search:
             draws.sort(key=lambda d: -d[1])
