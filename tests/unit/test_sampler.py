@@ -368,3 +368,22 @@ def test_a_bad_word_loses_its_last_token_once_the_output_ends_with_its_prefix():
     one_token = sampler()(torch.eye(VOCAB)[9:10] * 5, [seq(temperature=0.0,
                                                            bad_words_token_ids=[[9]])])[0]
     assert one_token.token_ids != [9]
+
+
+@pytest.mark.parametrize("second, is_packed", [
+    (dict(temperature=0.8), True),
+    (dict(temperature=0.0, logprobs=0), False),
+    (dict(n=2, temperature=1.0, num_samples=2), False),
+])
+def test_host_samples_pack_a_step_of_single_samples(second, is_packed):
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    seqs = [seq(0, temperature=0.0), seq(1, seed=3, **second)]
+    pending = sampler().launch(logits, seqs)
+    expected = pending.result()
+    outputs, seq_ids, token_ids, logprobs = pending.host_samples()
+    if is_packed:  # the same draws as result()'s, without a SampledSequence each
+        assert outputs == [] and seq_ids == [0, 1]
+        assert token_ids == [s.token_ids[0] for s in expected]
+        assert logprobs == [s.logprobs[0] for s in expected]
+    else:  # a row with more to say than one token: every row as result() gives it
+        assert (outputs, seq_ids, token_ids, logprobs) == (expected, [], [], [])

@@ -5,6 +5,7 @@ scheduler's side of the pipeline, which keeps two steps in flight."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -169,3 +170,20 @@ def test_the_scheduler_sends_the_next_step_before_it_reports_one(tiny_model_dir)
             assert events.index(("sent", n + 2)) < events.index(("reported", n))
     # the last one sent may still be in flight, its sequences all finished: nothing to report
     assert reports[-1] >= max(n for kind, n in events if kind == "sent") - 1
+
+
+def test_single_samples_come_back_packed_with_the_tokens_of_sampled_sequences(tiny_model_dir):
+    """Without top logprobs a decode step's draws travel packed; the mirror appends them (the
+    next step's inputs read them) as it does a SampledSequence's, so the tokens are the same."""
+    plain = [SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+             SamplingParams(temperature=1.0, seed=7, max_tokens=64, ignore_eos=True)]
+    runs = []
+    for samplings in (plain, [dataclasses.replace(s, logprobs=0) for s in plain]):
+        worker = make_worker(tiny_model_dir("llama"), block_size=BLOCK_SIZE)
+        runs.append([worker.execute_step(plan) for plan in prefill_then_decodes(
+            PROMPTS, samplings, NUM_DECODE_STEPS, BLOCK_SIZE, 1)])
+    packed, sampled = runs
+    assert all(not out.outputs and out.sampled_seq_ids == [0, 1] for out in packed)
+    assert all(len(out.outputs) == 2 and not out.sampled_seq_ids for out in sampled)
+    assert ([{i: s.token_ids for i, s in out.sampled_by_seq().items()} for out in packed]
+            == [{i: s.token_ids for i, s in out.sampled_by_seq().items()} for out in sampled])
