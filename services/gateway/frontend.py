@@ -279,8 +279,11 @@ class Frontend:
         the scheduler at once, the last one too (so the request ends there as stopped, not
         aborted), before the call is left."""
         def on_output(output: RequestOutput) -> bool:
-            if timer is not None and any(o.token_ids for o in output.outputs):
-                timer.on_tokens()
+            if timer is not None:
+                for completion in output.outputs:
+                    if completion.token_ids:
+                        timer.on_tokens()
+                        break
             for delta in text_stream.on_output(output):
                 buffer.put(delta)
             for index in text_stream.take_stopped():
