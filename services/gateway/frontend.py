@@ -161,8 +161,8 @@ class Frontend:
                       ) -> PreparedRequest:
         """Checked (its cost first, so nothing below scales with what it asks), tokenized in the
         executor (a short token-id prompt is only checked, on the loop), and checked against the
-        replica's KV cache. `arrival_s`: time.monotonic() when
-        the request reached the front door (default: now)."""
+        replica's KV cache. `arrival_s`: time.monotonic() when the request reached the front
+        door (default: now)."""
         arrival_s = time.monotonic() if arrival_s is None else arrival_s
         check_request_cost(request, self.limits, self.info)
         request_id = check_request(request, self.info)

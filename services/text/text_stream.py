@@ -77,9 +77,7 @@ class TextStream:
     def take_stopped(self) -> list[int]:
         """The indices a stop string ended since the last call while the engine still runs
         them."""
-        stopped = self._stopped
-        if stopped:
-            self._stopped = []
+        stopped, self._stopped = self._stopped, []
         return stopped
 
     @property
