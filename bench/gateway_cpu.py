@@ -16,6 +16,8 @@ load falls on both) against the same scheduler, clients and workload.
     python -m bench.gateway_cpu                               # 256 streams, both doors
     python -m bench.gateway_cpu --gateway-tree /tmp/base --trees-label before after
     python -m bench.gateway_cpu --gateway-tree . --gateway-args "--num-grpc-servers 4"
+    python -m bench.gateway_cpu --gateway-tree /tmp/base --gateway-args "--num-grpc-servers 4" \
+        --other-gateway-args "--num-grpc-servers 4"   # both with four servers
 """
 
 from __future__ import annotations
@@ -169,6 +171,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="names of --gateway-tree and of this tree in the record")
     parser.add_argument("--gateway-args", default="",
                         help="extra flags for this tree's gateway, not --gateway-tree's")
+    parser.add_argument("--other-gateway-args", default="",
+                        help="extra flags for --gateway-tree's gateway")
     parser.add_argument("--repeats", type=int, default=1, help="rounds (A B, then B A, ...)")
     parser.add_argument("--startup-timeout-s", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -181,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
     quiet_logging()
     trees = [(args.trees_label[1], ROOT, args.gateway_args.split())]
     if args.gateway_tree is not None:
-        trees.insert(0, (args.trees_label[0], args.gateway_tree.resolve(), []))
+        trees.insert(0, (args.trees_label[0], args.gateway_tree.resolve(),
+                         args.other_gateway_args.split()))
     load_before = os.getloadavg()[0]
     scheduler, scheduler_port, vocab_size = start_scheduler(args)
     results: list[dict] = []

@@ -63,7 +63,7 @@ class DeltaBuffer:
             self._coalesce()
         self._pending.append(delta)
         self._count(len(delta.token_ids))
-        if not self._is_held(delta):
+        if self.stream_interval == 1 or not self._is_held(delta):
             self._set_ready()
         self._started.add(delta.index)
 

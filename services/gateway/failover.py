@@ -176,16 +176,19 @@ class ResumableSubmission:
 
     def _observed(self, output: RequestOutput) -> RequestOutput:
         """In place: the client made `output` for this call alone."""
+        token_ids = self._token_ids
         for completion in output.outputs:
             i = completion.index
-            if 0 <= i < len(self._token_ids):
-                self._token_ids[i].extend(completion.token_ids)
-                self._is_finished[i] = self._is_finished[i] or completion.finish_reason is not None
+            if 0 <= i < len(token_ids):
+                token_ids[i].extend(completion.token_ids)
+                if completion.finish_reason is not None:
+                    self._is_finished[i] = True
                 total = self._logprob_base[i] + completion.cumulative_logprob
                 self._cumulative_logprob[i] = total
                 completion.cumulative_logprob = total
-        output.num_cached_tokens = min(output.num_cached_tokens,
-                                       len(self._request.prompt_token_ids))
+        num_prompt_tokens = len(self._request.prompt_token_ids)
+        if output.num_cached_tokens > num_prompt_tokens:
+            output.num_cached_tokens = num_prompt_tokens
         return output
 
     def _resumed_outputs(self) -> list[ResumedOutput]:

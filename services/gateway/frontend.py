@@ -64,6 +64,9 @@ if TYPE_CHECKING:  # the transport: passed in, never loaded here
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# a token-id prompt up to this long (and no bad words to tokenize) is checked on the event loop:
+# one pass over its ids costs less than the hop to the executor thread and back
+MAX_INLINE_PROMPT_TOKENS = 2048
 
 
 class Admission:
@@ -116,6 +119,11 @@ class Admission:
         await self._idle.wait()
 
 
+def _needs_tokenizer(request: GenerateInput) -> bool:
+    return (request.token_ids is None or len(request.token_ids) > MAX_INLINE_PROMPT_TOKENS
+            or bool(request.sampling.bad_words))
+
+
 StallHandler = Callable[[PagedServeError], Awaitable[None]]
 
 
@@ -152,8 +160,9 @@ class Frontend:
     async def prepare(self, request: GenerateInput, arrival_s: float | None = None
                       ) -> PreparedRequest:
         """Checked (its cost first, so nothing below scales with what it asks), tokenized in the
-        executor, and checked against the replica's KV cache. `arrival_s`: time.monotonic() when
-        the request reached the front door (default: now)."""
+        executor (a short token-id prompt is only checked, on the loop), and checked against the
+        replica's KV cache. `arrival_s`: time.monotonic() when the request reached the front
+        door (default: now)."""
         arrival_s = time.monotonic() if arrival_s is None else arrival_s
         check_request_cost(request, self.limits, self.info)
         request_id = check_request(request, self.info)
@@ -161,8 +170,11 @@ class Frontend:
             await self._run(self._executor, check_structured_outputs, request.sampling)
             if self.metrics is not None:
                 self.metrics.record_structured_output(request.sampling.structured_outputs.kind)
-        token_ids, sampling = await self._run(self._executor, tokenized, request,
-                                              self.tokenizer, self.info)
+        if _needs_tokenizer(request):
+            token_ids, sampling = await self._run(self._executor, tokenized, request,
+                                                  self.tokenizer, self.info)
+        else:
+            token_ids, sampling = tokenized(request, self.tokenizer, self.info)
         check_fits_replica(len(token_ids), sampling, self.info)
         return prepared_request(replace(request, sampling=sampling), request_id,
                                 token_ids, self.info, arrival_s)
@@ -279,8 +291,11 @@ class Frontend:
         the scheduler at once, the last one too (so the request ends there as stopped, not
         aborted), before the call is left."""
         def on_output(output: RequestOutput) -> bool:
-            if timer is not None and any(o.token_ids for o in output.outputs):
-                timer.on_tokens()
+            if timer is not None:
+                for completion in output.outputs:
+                    if completion.token_ids:
+                        timer.on_tokens()
+                        break
             for delta in text_stream.on_output(output):
                 buffer.put(delta)
             for index in text_stream.take_stopped():

@@ -22,6 +22,8 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
         self._skip_special_tokens = skip_special_tokens
+        # Skipped special tokens never enter the window: a run of them costs nothing.
+        self._skipped = self._tokenizer.special_token_ids if skip_special_tokens else frozenset()
         context = self._kept(prompt_token_ids)[-NUM_PROMPT_CONTEXT_TOKENS:]
         # A prompt that ends inside a character would make the difference meaningless.
         while context and self._decode(context).endswith(REPLACEMENT_CHAR):
@@ -32,20 +34,24 @@ class IncrementalDetokenizer:
         self._is_finished = False
 
     def push(self, token_ids: Sequence[int]) -> str:
+        """Once per streamed event: the common case (no special token, the text ends in a
+        whole character) is one decode of the window."""
         if self._is_finished:
             raise RuntimeError("push after flush")
-        new_ids = self._kept(token_ids)
-        if not new_ids:
+        if not self._skipped.isdisjoint(token_ids):
+            token_ids = self._kept(token_ids)
+        if not token_ids:
             return ""
-        self._window.extend(new_ids)
-        text = self._decode(self._window)
+        window = self._window
+        window.extend(token_ids)
+        text = self._decode(window)
         if not text.endswith(REPLACEMENT_CHAR):
-            return self._advance(text, len(self._window))
-        num_pending = len(self._window) - self._num_context
+            return self._advance(text, len(window))
+        num_pending = len(window) - self._num_context
         if num_pending <= MAX_INCOMPLETE_CHAR_TOKENS:
             return ""
-        cut = len(self._window) - MAX_INCOMPLETE_CHAR_TOKENS
-        stable = self._decode(self._window[:cut])
+        cut = len(window) - MAX_INCOMPLETE_CHAR_TOKENS
+        stable = self._decode(window[:cut])
         if text.startswith(stable):
             return self._advance(stable, cut)
         return ""
@@ -60,25 +66,23 @@ class IncrementalDetokenizer:
 
     def _advance(self, text: str, cut: int) -> str:
         """`text` decodes window[:cut]; the old pending tokens become the new context."""
-        if len(text) <= len(self._context_text):
+        num_context_chars = len(self._context_text)
+        if len(text) <= num_context_chars:
             # Keep the context, so the next token is still decoded after real text.
             return ""
-        delta = text[len(self._context_text):]
-        self._window = self._window[self._num_context:]
-        self._num_context = cut - self._num_context
-        if self._num_context == 1:
-            self._context_text = self._tokenizer.decode_token(self._window[0],
+        window = self._window
+        del window[:self._num_context]
+        self._num_context = num_context = cut - self._num_context
+        if num_context == 1:
+            self._context_text = self._tokenizer.decode_token(window[0],
                                                               self._skip_special_tokens)
         else:
-            self._context_text = self._decode(self._window[:self._num_context])
-        return delta
+            self._context_text = self._decode(window[:num_context])
+        return text[num_context_chars:]
 
     def _kept(self, token_ids: Sequence[int]) -> list[int]:
-        # Skipped special tokens never enter the window: a run of them costs nothing.
-        if not self._skip_special_tokens:
-            return list(token_ids)
-        special = self._tokenizer.special_token_ids
-        return [t for t in token_ids if t not in special]
+        skipped = self._skipped
+        return [t for t in token_ids if t not in skipped]
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)

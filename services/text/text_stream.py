@@ -65,10 +65,11 @@ class TextStream:
         self._num_cached_tokens = 0
         self._has_sent_prompt_logprobs = False
         self._stopped: list[int] = []
+        self._num_unfinished = sampling.n  # read once or twice per event: a count, not a scan
 
     @property
     def is_finished(self) -> bool:
-        return all(state.is_finished for state in self._indices)
+        return not self._num_unfinished
 
     def is_output_finished(self, index: int) -> bool:
         return self._indices[index].is_finished
@@ -88,18 +89,23 @@ class TextStream:
     def on_output(self, output: RequestOutput) -> list[TextDelta]:
         self._num_prompt_tokens = output.num_prompt_tokens or self._num_prompt_tokens
         self._num_cached_tokens = output.num_cached_tokens
-        deltas = [d for o in output.outputs if (d := self._on_completion(o)) is not None]
+        deltas = []
+        for completion in output.outputs:
+            delta = self._on_completion(completion)
+            if delta is not None:
+                deltas.append(delta)
         if output.finished and self._is_beam_search:
             # the completions at once, the best first: under structured outputs there may be
             # fewer than n, and the others never come
             for state in self._indices:
                 state.is_finished = True
+            self._num_unfinished = 0
         if output.prompt_logprobs is not None and not self._has_sent_prompt_logprobs:
             self._has_sent_prompt_logprobs = True
             if not deltas:
                 deltas.append(TextDelta(index=0))
             deltas[0].prompt_logprobs = [self._decoded(p or []) for p in output.prompt_logprobs]
-        if deltas and self.is_finished:
+        if deltas and not self._num_unfinished:
             deltas[-1].usage = self.usage
         return deltas
 
@@ -129,8 +135,10 @@ class TextStream:
             text += tail if is_stopped else tail + state.stop_matcher.flush()
             finish_reason = FinishReason.STOP if is_stopped else completion.finish_reason
         state.num_tokens += len(token_ids)
-        state.is_finished = finish_reason is not None
-        if not (text or token_ids or state.is_finished):
+        if finish_reason is not None:
+            state.is_finished = True
+            self._num_unfinished -= 1
+        elif not (text or token_ids):
             return None
         delta = TextDelta(index=completion.index, text=text, token_ids=token_ids,
                           finish_reason=finish_reason,

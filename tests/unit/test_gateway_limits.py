@@ -10,7 +10,7 @@ from pagedserve.services.common.outputs import Usage
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.gateway.config import RequestLimitsConfig
 from pagedserve.services.gateway.delta_buffer import DeltaBuffer
-from pagedserve.services.gateway.frontend import Admission, Frontend
+from pagedserve.services.gateway.frontend import MAX_INLINE_PROMPT_TOKENS, Admission, Frontend
 from pagedserve.services.gateway.limits import bytes_by_field, num_blocks_at_most
 from pagedserve.services.gateway.validation import ChatMessage, GenerateInput, ServedModel
 from pagedserve.services.text.text_stream import TextDelta
@@ -67,6 +67,42 @@ def test_the_replicas_max_num_seqs_caps_sequences_below_the_gateway_limit():
                        max_num_seqs=4)
     with pytest.raises(InvalidRequest, match="best_of must be at most max_num_seqs=4, got 5"):
         prepare(sampled(n=1, best_of=5, temperature=1.0), info=info)
+
+
+class CountingExecutor:
+    """Runs each call at once, on the caller's thread, and counts them."""
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        self.num_calls += 1
+        future = Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
+
+
+@pytest.mark.parametrize("request_, num_executor_calls", [
+    (GenerateInput(token_ids=(5, 6, 7)), 0),  # checked on the event loop
+    (GenerateInput(token_ids=(5,) * (MAX_INLINE_PROMPT_TOKENS + 1)), 1),
+    (GenerateInput(token_ids=(5, 6, 7), sampling=SamplingParams(bad_words=["fox"])), 1),
+    (GenerateInput(text="the quick brown fox"), 1),
+])
+def test_only_short_token_id_prompts_skip_the_executor(request_, num_executor_calls):
+    executor = CountingExecutor()
+    info = ServedModel("tiny", "LlamaForCausalLM", 4096, TOKENIZER.vocab_size, (2,), True)
+    frontend = Frontend(TOKENIZER, None, info, Admission(8), executor=executor)
+    prepared = asyncio.run(frontend.prepare(request_))
+    assert executor.num_calls == num_executor_calls
+    if request_.token_ids is not None:
+        assert prepared.prompt_token_ids == list(request_.token_ids)
+    with pytest.raises(InvalidRequest, match="vocab_size"):  # still checked
+        asyncio.run(frontend.prepare(GenerateInput(token_ids=(5, 10**9))))
 
 
 def test_sequences_that_could_never_fit_the_kv_cache_are_refused():
