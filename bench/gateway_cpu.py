@@ -18,6 +18,15 @@ load falls on both) against the same scheduler, clients and workload.
     python -m bench.gateway_cpu --gateway-tree . --gateway-args "--num-grpc-servers 4"
     python -m bench.gateway_cpu --gateway-tree /tmp/base --gateway-args "--num-grpc-servers 4" \
         --other-gateway-args "--num-grpc-servers 4"   # both with four servers
+    python -m bench.gateway_cpu --gateways 1 4 --client-processes 8 --grpc-channels 4 \
+        --step-ms 2 --concurrency 1024                      # N gateways against one (#30)
+
+--gateways N runs N gateway processes on one port (SO_REUSEPORT, as `serve
+--api-server-count N`), their CPU summed; with 1 in the list too, the summary gives N gateways'
+tokens per second over N times one's. The stand-in engine and the clients must offer more
+than N gateways take (short steps, many streams, enough client processes and gRPC connections:
+the kernel spreads connections, not streams, over the gateways), on a host with N free cores
+for the gateways besides the clients'.
 """
 
 from __future__ import annotations
@@ -27,12 +36,14 @@ import logging
 import multiprocessing
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import httpx
 from pagedserve.services.rpc.internal.v1 import scheduler_pb2
 from transformers import AutoTokenizer
 
@@ -71,50 +82,84 @@ def start_scheduler(args: argparse.Namespace):
     return proc, ports.get(timeout=120), info.vocab_size
 
 
-def start_gateway(args: argparse.Namespace, tree: Path, scheduler_port: int, log_file,
-                  extra_flags: list[str]) -> tuple[subprocess.Popen, str, str]:
+def start_gateways(args: argparse.Namespace, tree: Path, scheduler_port: int, log_file,
+                   extra_flags: list[str], count: int
+                   ) -> tuple[list[subprocess.Popen], str, str]:
+    """`count` gateway processes on one gRPC and one HTTP port (SO_REUSEPORT when several, as
+    `serve --api-server-count` starts them), each ready (its own /metrics answers) before the
+    next starts."""
     port, http_port = free_port(), free_port()
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.cli", "gateway", "--port", str(port),
-         "--http-port", str(http_port), "--scheduler-address", f"127.0.0.1:{scheduler_port}",
-         "--max-concurrent-requests", "8192", "--stream-interval", str(args.stream_interval),
-         "--http-keep-alive-timeout-s", "600", "--http-header-timeout-s", "600",
-         "--max-http-connections-per-client", "0", "--log-level", "WARNING", *extra_flags],
-        cwd=tree, stdout=log_file, stderr=log_file, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    gateways: list[subprocess.Popen] = []
     address = f"127.0.0.1:{port}"
     try:
-        wait_serving(address, gateway, args.startup_timeout_s)
+        for _ in range(count):
+            metrics_port = free_port()
+            gateways.append(subprocess.Popen(
+                [sys.executable, "-m", "pagedserve.cli", "gateway", "--port", str(port),
+                 "--http-port", str(http_port), "--metrics-port", str(metrics_port),
+                 "--scheduler-address", f"127.0.0.1:{scheduler_port}",
+                 "--max-concurrent-requests", "8192", "--stream-interval",
+                 str(args.stream_interval), "--http-keep-alive-timeout-s", "600",
+                 "--http-header-timeout-s", "600", "--max-http-connections-per-client", "0",
+                 "--log-level", "WARNING", *(["--reuse-port"] if count > 1 else []),
+                 *extra_flags],
+                cwd=tree, stdout=log_file, stderr=log_file,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+            wait_metrics(gateways[-1], metrics_port, args.startup_timeout_s)
+        wait_serving(address, gateways[0], args.startup_timeout_s)
     except BaseException:
-        gateway.kill()
+        for gateway in gateways:
+            gateway.kill()
         raise
-    return gateway, address, f"http://127.0.0.1:{http_port}"
+    return gateways, address, f"http://127.0.0.1:{http_port}"
+
+
+def wait_metrics(gateway: subprocess.Popen, metrics_port: int, timeout_s: float) -> None:
+    """The gateway's /metrics starts after its gRPC server and before its HTTP server, whose
+    socket it already holds: once it answers, the process takes connections on both ports."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if gateway.poll() is not None:
+            raise RuntimeError(f"a gateway exited with code {gateway.returncode} at start-up")
+        try:
+            if httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).is_success:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"a gateway's /metrics did not answer within {timeout_s:.0f} s")
+        time.sleep(0.2)
 
 
 def workload(args: argparse.Namespace, vocab_size: int, seed: int) -> Requests:
     rng = random.Random(seed)
     num = args.concurrency * args.requests_per_stream
-    prompts = [[rng.randrange(1000, vocab_size - 1000) for _ in range(args.prompt_len)]
-               for _ in range(num)]
+    low, high = min(1000, vocab_size // 4), max(vocab_size - 1000, vocab_size * 3 // 4)
+    prompts = [[rng.randrange(low, high) for _ in range(args.prompt_len)] for _ in range(num)]
     return Requests(prompts, [args.output_len] * num)
 
 
-def run_door(args: argparse.Namespace, door: str, target: str, gateway_pid: int,
+def run_door(args: argparse.Namespace, door: str, target: str, gateway_pids: list[int],
              reqs: Requests, connect: Requests) -> dict:
     clients = ClientProcesses(door, target, reqs, connect, args.concurrency,
-                              args.client_processes)
+                              args.client_processes, grpc_channels=args.grpc_channels)
     try:
         clients.start()
         time.sleep(args.settle_s)
-        cpu0, load0, start = cpu_seconds(gateway_pid), os.getloadavg()[0], time.perf_counter()
+        cpu0 = [cpu_seconds(pid) for pid in gateway_pids]
+        load0, start = os.getloadavg()[0], time.perf_counter()
         reports = clients.run()
-        cpu_s = cpu_seconds(gateway_pid) - cpu0
+        each_cpu_s = [cpu_seconds(pid) - c for pid, c in zip(gateway_pids, cpu0, strict=True)]
+        cpu_s = sum(each_cpu_s)
     finally:
         clients.close()
     wall_s = max(r.end_s for r in reports) - start
     traces = [t for r in reports for t in r.traces]
     num_tokens = sum(t.num_tokens for t in traces)
-    return {"door": door, "num_requests": len(traces), "num_output_tokens": num_tokens,
-            "wall_s": wall_s, "output_tok_s": num_tokens / wall_s, "gateway_cpu_s": cpu_s,
+    return {"door": door, "num_gateways": len(gateway_pids), "num_requests": len(traces),
+            "num_output_tokens": num_tokens, "wall_s": wall_s,
+            "output_tok_s": num_tokens / wall_s, "gateway_cpu_s": cpu_s,
+            "each_gateway_cpu_s": each_cpu_s,
             "gateway_busy": cpu_s / wall_s, "gateway_us_per_token": 1e6 * cpu_s / num_tokens,
             "gateway_tok_per_cpu_s": num_tokens / cpu_s,
             # the events with text a client read: more than one token each where the gateway
@@ -126,16 +171,17 @@ def run_door(args: argparse.Namespace, door: str, target: str, gateway_pid: int,
 
 
 def run_tree(args: argparse.Namespace, label: str, tree: Path, extra_flags: list[str],
-             scheduler_port: int, vocab_size: int, round_index: int, log_file) -> list[dict]:
-    gateway, address, base_url = start_gateway(args, tree, scheduler_port, log_file,
-                                               extra_flags)
+             scheduler_port: int, vocab_size: int, round_index: int, log_file,
+             num_gateways: int = 1) -> list[dict]:
+    gateways, address, base_url = start_gateways(args, tree, scheduler_port, log_file,
+                                                 extra_flags, num_gateways)
     try:
         results = []
         for door in args.doors:
             target = address if door == "grpc" else base_url
             connect = Requests([[7] * 4] * args.concurrency, [1] * args.concurrency)
             reqs = workload(args, vocab_size, args.seed + round_index)
-            result = run_door(args, door, target, gateway.pid, reqs, connect)
+            result = run_door(args, door, target, [g.pid for g in gateways], reqs, connect)
             results.append({"tree": label, "round": round_index, **result})
             log.info("%s round %d %s: %.1f us per token, %.0f tok per CPU-s, %.0f tok/s, "
                      "%.2f tokens per event, gateway busy %.2f, load %.1f", label, round_index,
@@ -144,11 +190,13 @@ def run_tree(args: argparse.Namespace, label: str, tree: Path, extra_flags: list
                      result["load_average_1m"])
         return results
     finally:
-        gateway.terminate()
-        try:
-            gateway.wait(30)
-        except subprocess.TimeoutExpired:
-            gateway.kill()
+        for gateway in gateways:
+            gateway.terminate()
+        for gateway in gateways:
+            try:
+                gateway.wait(30)
+            except subprocess.TimeoutExpired:
+                gateway.kill()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -164,6 +212,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--doors", nargs="+", choices=("grpc", "openai"),
                         default=["grpc", "openai"])
     parser.add_argument("--client-processes", type=int, default=1)
+    parser.add_argument("--grpc-channels", type=int, default=1,
+                        help="gRPC connections per client process (several gateways on one "
+                             "port share connections, not streams)")
+    parser.add_argument("--gateways", type=int, nargs="+", default=[1],
+                        help="gateway processes on one port, each count in turn (1 4: how 4 "
+                             "scale against 1; issue #30: >= 0.8 x N on N free cores)")
     parser.add_argument("--settle-s", type=float, default=1.0)
     parser.add_argument("--gateway-tree", type=Path, default=None,
                         help="a second source tree whose gateway alternates with this one's")
@@ -193,9 +247,11 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryFile("w+") as log_file:
         try:
             for round_index in range(args.repeats):
-                for label, tree, flags in trees if round_index % 2 == 0 else trees[::-1]:
-                    results += run_tree(args, label, tree, flags, scheduler_port, vocab_size,
-                                        round_index, log_file)
+                forward = round_index % 2 == 0
+                for label, tree, flags in trees if forward else trees[::-1]:
+                    for count in args.gateways if forward else args.gateways[::-1]:
+                        results += run_tree(args, label, tree, flags, scheduler_port,
+                                            vocab_size, round_index, log_file, count)
         except Exception:
             log_file.seek(0)
             log.error("gateway log:\n%s", log_file.read()[-4000:])
@@ -203,21 +259,40 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             scheduler.kill()
             scheduler.join(10)
-    summary = {}
-    for label, _, _ in trees:
-        for door in args.doors:
-            runs = [r for r in results if r["tree"] == label and r["door"] == door]
-            us = sorted(r["gateway_us_per_token"] for r in runs)
-            summary[f"{label}/{door}"] = {
-                "gateway_us_per_token": us, "median_tok_per_cpu_s": 1e6 / us[len(us) // 2],
-                "target_tok_per_cpu_s": TARGETS[door]}
+    summary = summarize(args, [label for label, _, _ in trees], results)
     line = (f"gateway CPU per streamed token, {args.concurrency} streams, step "
             f"{args.step_ms:g} ms, stream interval {args.stream_interval}: " + "; ".join(
                 f"{key} {s['median_tok_per_cpu_s'] / 1e3:.1f}k tok per CPU-s "
                 f"({', '.join(f'{u:.1f}' for u in s['gateway_us_per_token'])} us/token; target "
-                f"{s['target_tok_per_cpu_s'] / 1e3:.0f}k)" for key, s in summary.items()))
-    return finish("gateway_cpu", args, line, results, summary=summary,
+                f"{s['target_tok_per_cpu_s'] / 1e3:.0f}k)"
+                + (f", {s['scaling']:.2f} of {s['num_gateways']}x one gateway's tok/s"
+                   if "scaling" in s else "") for key, s in summary.items()))
+    return finish("gateway_cpu", args, line, results, medians=summary,
                   load_average_before=load_before, load_average_after=os.getloadavg()[0])
+
+
+def summarize(args: argparse.Namespace, labels: list[str], results: list[dict]) -> dict:
+    """Medians by tree, door and gateway count; where one gateway ran too, N gateways' tok/s
+    over N times one's (the scaling)."""
+    summary: dict[str, dict] = {}
+    for label in labels:
+        for door in args.doors:
+            one_tok_s = None
+            for count in sorted(args.gateways):
+                runs = [r for r in results if r["tree"] == label and r["door"] == door
+                        and r["num_gateways"] == count]
+                us = sorted(r["gateway_us_per_token"] for r in runs)
+                tok_s = statistics.median(r["output_tok_s"] for r in runs)
+                entry = {"num_gateways": count, "gateway_us_per_token": us,
+                         "median_tok_per_cpu_s": 1e6 / us[len(us) // 2],
+                         "median_output_tok_s": tok_s, "target_tok_per_cpu_s": TARGETS[door]}
+                if count == 1:
+                    one_tok_s = tok_s
+                elif one_tok_s is not None:
+                    entry["scaling"] = tok_s / (count * one_tok_s)
+                key = f"{label}/{door}" + (f"/{count}gw" if len(args.gateways) > 1 else "")
+                summary[key] = entry
+    return summary
 
 
 if __name__ == "__main__":

@@ -158,7 +158,9 @@ async def _streams(stream: StreamFn, reqs: Requests, take: Callable[[], int | No
 
 
 async def _run_client(door: str, target: str, reqs: Requests, connect: Requests, counter,
-                      num_streams: int, ready, go) -> ClientReport:
+                      num_streams: int, ready, go, grpc_channels: int = 1) -> ClientReport:
+    """`grpc_channels`: gRPC connections the streams take in turn (each channel its own, not
+    the process's shared one), so that gateways sharing a port (SO_REUSEPORT) each get some."""
     async def timed(stream: StreamFn) -> ClientReport:
         await _streams(stream, connect, _local_taker(len(connect.prompts)), num_streams)
         tune_gc_after_startup()
@@ -171,20 +173,24 @@ async def _run_client(door: str, target: str, reqs: Requests, connect: Requests,
                             time.process_time() - start_cpu_s)
 
     if door == "grpc":
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-            return await timed(lambda *a: _grpc_stream(stub, *a))
+        options = [("grpc.use_local_subchannel_pool", 1)] if grpc_channels > 1 else []
+        async with contextlib.AsyncExitStack() as channels:
+            stubs = itertools.cycle([
+                gateway_pb2_grpc.GenerationServiceStub(await channels.enter_async_context(
+                    grpc.aio.insecure_channel(target, options=options)))
+                for _ in range(grpc_channels)])
+            return await timed(lambda *a: _grpc_stream(next(stubs), *a))
     limits = httpx.Limits(max_connections=num_streams, max_keepalive_connections=num_streams)
     async with httpx.AsyncClient(base_url=target, timeout=600, limits=limits) as http:
         return await timed(lambda *a: _http_stream(http, *a))
 
 
 def client_process(door: str, target: str, reqs: Requests, connect: Requests, counter,
-                   num_streams: int, ready, go, results) -> None:
+                   num_streams: int, ready, go, results, grpc_channels: int = 1) -> None:
     """A client process's body: its report, or the error that ended it, goes to `results`."""
     try:
         results.put(asyncio.run(_run_client(door, target, reqs, connect, counter, num_streams,
-                                            ready, go)))
+                                            ready, go, grpc_channels)))
     except BaseException as exc:
         results.put(RuntimeError(f"client process {os.getpid()}: {exc!r}"))
         ready.put(os.getpid())
@@ -217,7 +223,7 @@ class ClientProcesses:
 
     def __init__(self, door: str, target: str, reqs: Requests, connect: Requests,
                  concurrency: int, num_processes: int, start_timeout_s: float = _START_TIMEOUT_S,
-                 run_timeout_s: float = _RUN_TIMEOUT_S) -> None:
+                 run_timeout_s: float = _RUN_TIMEOUT_S, grpc_channels: int = 1) -> None:
         self._start_timeout_s, self._run_timeout_s = start_timeout_s, run_timeout_s
         self._ctx = multiprocessing.get_context("spawn")
         self._counter = self._ctx.Value("q", 0)
@@ -230,7 +236,8 @@ class ClientProcesses:
                 door, target, reqs,
                 Requests(connect.prompts[offsets[j]:offsets[j + 1]],
                          connect.output_lens[offsets[j]:offsets[j + 1]]),
-                self._counter, share, self._ready, self._go, self._results))
+                self._counter, share, self._ready, self._go, self._results,
+                min(grpc_channels, share)))
             for j, share in enumerate(shares)]
 
     def start(self) -> None:

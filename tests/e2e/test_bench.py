@@ -10,6 +10,7 @@ import pytest
 import bench.common
 from bench import (
     control_plane,
+    gateway_cpu,
     gc_pauses,
     hostile_clients,
     offline,
@@ -117,6 +118,23 @@ def test_worker_replay_replays_every_captured_step(tiny_served_model_dir, result
     (result,) = _record(results_dir, "worker_replay")["results"]
     assert result["num_steps"] >= 6 and len(result["cpu_us_per_step"]) == 2
     assert all(us > 0 for us in result["cpu_us_per_step"])
+
+
+def test_gateway_cpu_runs_two_gateways_on_one_port_against_one(tiny_served_model_dir,
+                                                               results_dir):
+    gateway_cpu.main(["--model", str(tiny_served_model_dir), "--concurrency", "4",
+                      "--requests-per-stream", "1", "--prompt-len", "4", "--output-len", "6",
+                      "--step-ms", "5", "--gateways", "1", "2", "--grpc-channels", "2",
+                      "--settle-s", "0", "--tag", "smoke"])
+    record = _record(results_dir, "gateway_cpu")
+    runs = record["results"]
+    assert [(r["door"], r["num_gateways"]) for r in runs] == [
+        ("grpc", 1), ("openai", 1), ("grpc", 2), ("openai", 2)]
+    assert all(r["num_output_tokens"] == 4 * 6 for r in runs)
+    assert all(len(r["each_gateway_cpu_s"]) == r["num_gateways"] for r in runs)
+    assert set(record["medians"]) == {"this/grpc/1gw", "this/grpc/2gw", "this/openai/1gw",
+                                      "this/openai/2gw"}
+    assert record["medians"]["this/grpc/2gw"]["scaling"] > 0
 
 
 def test_gc_pauses_alternates_both_arms_and_counts_collections(tiny_served_model_dir,
