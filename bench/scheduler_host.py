@@ -1,9 +1,10 @@
 """The scheduler's host work per decode step, with no worker beside it: Scheduler.schedule(), the
 output processing (OutputProcessor.apply) and the reports (OutputProcessor.report) over B
-single-sequence decodes, each step answered by a scripted sample (one distinct token a sequence).
-Times are the CPU time of this thread, so a neighbour on a shared host stretches them less than
-wall times; each batch size runs --repeats times and keeps, per phase, the lowest of the repeats'
-medians. Compare code versions by alternating runs (A B B A): no baseline runs in the same process.
+single-sequence decodes, each step answered by a scripted sample (one distinct token a sequence,
+packed as the worker returns single samples). Times are the CPU time of this thread, so a
+neighbour on a shared host stretches them less than wall times; each batch size runs --repeats
+times and keeps, per phase, the lowest of the repeats' medians. Compare code versions by
+alternating runs (A B B A): no baseline runs in the same process.
 The record goes to bench/results/scheduler_host-<tag>.json.
 
     python -m bench.scheduler_host --batch-sizes 26 256
@@ -24,7 +25,7 @@ from pagedserve.scheduler_svc.sequence import SequenceGroup
 from pagedserve.scheduler_svc.step_window import SentStep
 from pagedserve.services.common.config import SchedulerConfig
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import SampledSequence, StepOutput
+from pagedserve.services.common.step_plan import StepOutput
 
 from bench.common import finish, quiet_logging
 
@@ -51,9 +52,11 @@ def measure(batch_size: int, args: argparse.Namespace) -> dict[str, float]:
         start = time.thread_time_ns()
         scheduled = scheduler.schedule()
         scheduled_ns = time.thread_time_ns()
-        output = StepOutput(scheduled.plan.step_id, [
-            SampledSequence(item.seq.seq_id, [2 + step % 1000], [-0.5])
-            for item in scheduled.scheduled if item.is_sampling])
+        # packed, as the worker returns a step where every row drew one token
+        sampled_seq_ids = [item.seq.seq_id for item in scheduled.scheduled if item.is_sampling]
+        output = StepOutput(scheduled.plan.step_id, sampled_seq_ids=sampled_seq_ids,
+                            sampled_token_ids=[2 + step % 1000] * len(sampled_seq_ids),
+                            sampled_logprobs=[-0.5] * len(sampled_seq_ids))
         applied_start = time.thread_time_ns()
         sent = SentStep(scheduled, [])
         sent.take_in()

@@ -1,6 +1,7 @@
 """Turns a worker's StepOutput into sequence state and RequestOutputs. Results of sequences that
 finished or were aborted while the step ran are dropped; best_of > 1 samples best_of tokens at
-the end of the prompt and forks there."""
+the end of the prompt and forks there. Single samples are read from the step's packed lists
+(most of a decode step): no SampledSequence is built for them."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus, derive_seed
 from pagedserve.services.common.outputs import FinishReason, RequestOutput
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import SampledSequence, StepOutput
+from pagedserve.services.common.step_plan import SampledSequence, StepOutput, TokenIdLogprob
 
 logger = logging.getLogger(__name__)
+
+# a sample as apply() holds it: a SampledSequence, or the index of a packed single sample
+Sample = SampledSequence | int
 
 
 class OutputProcessor:
@@ -34,10 +38,11 @@ class OutputProcessor:
         """The step's tokens into its sequences (stops, forks, freed blocks): what the next
         schedule needs, once SentStep.take_in counted its tokens. Returns the groups the step
         touched, for report()."""
-        by_seq_id = step_output.sampled_by_seq()
+        by_seq_id = {out.seq_id: out for out in step_output.outputs}
+        packed = step_output.packed_indices()
         pooled = {p.seq_id: p.embedding for p in step_output.pooled}
         groups: dict[int, SequenceGroup] = {}
-        samples: dict[int, list[tuple[Sequence, SampledSequence]]] = {}
+        samples: dict[int, list[tuple[Sequence, Sample]]] = {}
         drafts: dict[int, list[int] | None] = {}  # seq_id → its proposal, where one was made
         bm = self.scheduler.block_manager
         is_caching = bm.enable_prefix_caching
@@ -46,8 +51,10 @@ class OutputProcessor:
             groups[id(group)] = group
             if seq.is_finished:  # while the step ran, or failed earlier in this loop
                 continue
-            sampled = by_seq_id.get(seq.seq_id)
-            if (sampled is not None and sampled.prompt_logprobs
+            sampled: Sample | None = packed.get(seq.seq_id)
+            if sampled is None:
+                sampled = by_seq_id.get(seq.seq_id)
+            if (sampled is not None and type(sampled) is not int and sampled.prompt_logprobs
                     and group.is_collecting_prompt_logprobs):
                 group.prompt_logprobs.extend(sampled.prompt_logprobs)
                 del group.prompt_logprobs[group.prompt_len - 1:]
@@ -77,16 +84,26 @@ class OutputProcessor:
             self.num_generation_tokens += len(sampled_seqs)  # one token per sequence, but:
             if group.is_beam_search:
                 beam_search_step(
-                    group, sampled_seqs,
+                    group, [(seq, _unpacked(step_output, seq, s)) for seq, s in sampled_seqs],
                     lambda seq, token_id, sampling=group.sampling: self._stop_reason(
                         sampling, seq, token_id),
                     self._fork, self.scheduler.free_seq)
             elif not group.has_forked and group.sampling.num_candidates > 1:
-                self.num_generation_tokens += len(sampled_seqs[0][1].token_ids) - 1  # candidates
-                self._fork_candidates(group, *sampled_seqs[0])
+                seq, sampled = sampled_seqs[0]
+                sampled = _unpacked(step_output, seq, sampled)
+                self.num_generation_tokens += len(sampled.token_ids) - 1  # candidates
+                self._fork_candidates(group, seq, sampled)
             else:
+                sampling = group.sampling
                 for seq, sampled in sampled_seqs:
-                    self._append_verified(group, seq, sampled, drafts.get(seq.seq_id))
+                    if type(sampled) is int:
+                        self._append_token(sampling, seq, step_output.sampled_token_ids[sampled],
+                                           step_output.sampled_logprobs[sampled])
+                        seq_drafts = drafts.get(seq.seq_id)
+                        if seq_drafts is not None:  # a verification that accepted none
+                            self._record_verified(seq, seq_drafts, 0, False)
+                    else:
+                        self._append_verified(group, seq, sampled, drafts.get(seq.seq_id))
             self.scheduler.free_finished(group)
         return list(groups.values())
 
@@ -109,9 +126,12 @@ class OutputProcessor:
     def _append(self, group: SequenceGroup, seq: Sequence, sampled: SampledSequence,
                 i: int) -> None:
         top = sampled.top_logprobs[i] if i < len(sampled.top_logprobs) else None
-        token_id = sampled.token_ids[i]
-        reason = self._stop_reason(group.sampling, seq, token_id)
-        seq.append_token(token_id, sampled.logprobs[i], top)
+        self._append_token(group.sampling, seq, sampled.token_ids[i], sampled.logprobs[i], top)
+
+    def _append_token(self, sampling: SamplingParams, seq: Sequence, token_id: int,
+                      logprob: float, top: list[TokenIdLogprob] | None = None) -> None:
+        reason = self._stop_reason(sampling, seq, token_id)
+        seq.append_token(token_id, logprob, top)
         if reason is not None:
             seq.finish(reason)
 
@@ -126,13 +146,17 @@ class OutputProcessor:
             if seq.is_finished:
                 break
         self.num_generation_tokens += i
+        if drafts is not None:
+            self._record_verified(seq, drafts, len(sampled.token_ids) - 1, sampled.is_draft_behind)
+
+    def _record_verified(self, seq: Sequence, drafts: list[int], num_accepted: int,
+                         is_draft_behind: bool) -> None:
         speculator = self.scheduler.speculator
-        if drafts is None or speculator is None:
+        if speculator is None:
             return
-        num_accepted = len(sampled.token_ids) - 1
         # a draft model too far behind proposed nothing: neither a miss nor a rejection
-        speculator.record(seq, 0 if sampled.is_draft_behind else len(drafts), num_accepted,
-                          sampled.is_draft_behind)
+        speculator.record(seq, 0 if is_draft_behind else len(drafts), num_accepted,
+                          is_draft_behind)
         # without drafts no slot is given back: a step sent behind this one may hold the next
         if drafts and not seq.is_finished:
             self.scheduler.keep_verified(seq, num_accepted)
@@ -164,9 +188,16 @@ class OutputProcessor:
         return None
 
 
-def _sample_count_error(item: ScheduledSequence, sampled: SampledSequence | None) -> str | None:
+def _unpacked(step_output: StepOutput, seq: Sequence, sampled: Sample) -> SampledSequence:
+    if type(sampled) is int:
+        return SampledSequence(seq.seq_id, [step_output.sampled_token_ids[sampled]],
+                               [step_output.sampled_logprobs[sampled]])
+    return sampled
+
+
+def _sample_count_error(item: ScheduledSequence, sampled: Sample | None) -> str | None:
     """A verification step returns 1 to k + 1 tokens for k drafts, any other exactly num_samples."""
-    got = 0 if sampled is None else len(sampled.token_ids)
+    got = 0 if sampled is None else 1 if type(sampled) is int else len(sampled.token_ids)
     num_drafts = len(item.draft_token_ids or ())
     if (1 <= got <= num_drafts + 1) if num_drafts else got == item.num_samples:
         return None

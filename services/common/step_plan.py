@@ -138,6 +138,16 @@ class StepOutput:
     sampled_token_ids: list[int] = field(default_factory=list)
     sampled_logprobs: list[float] = field(default_factory=list)
 
+    def packed_indices(self) -> dict[int, int]:
+        """seq_id → i of each packed single sample (sampled_token_ids[i], sampled_logprobs[i])."""
+        num_samples = len(self.sampled_seq_ids)
+        if not num_samples == len(self.sampled_token_ids) == len(self.sampled_logprobs):
+            raise ValueError(
+                f"sampled_seq_ids, sampled_token_ids and sampled_logprobs must have equal "
+                f"lengths, got {num_samples}, {len(self.sampled_token_ids)} and "
+                f"{len(self.sampled_logprobs)}")
+        return dict(zip(self.sampled_seq_ids, range(num_samples), strict=True))
+
     def sampled_by_seq(self) -> dict[int, SampledSequence]:
         """Every sampled sequence by seq_id, the packed ones as SampledSequences too."""
         by_seq = {out.seq_id: out for out in self.outputs}
