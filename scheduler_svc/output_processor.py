@@ -72,7 +72,14 @@ class OutputProcessor:
                 continue
             samples.setdefault(id(group), []).append((seq, sampled))
             drafts[seq.seq_id] = item.draft_token_ids
+        self._take_samples(groups, samples, drafts, step_output)
+        return list(groups.values())
 
+    def _take_samples(self, groups: dict[int, SequenceGroup],
+                      samples: dict[int, list[tuple[Sequence, Sample]]],
+                      drafts: dict[int, list[int] | None], step_output: StepOutput) -> None:
+        """Each group's samples into its sequences: beams, the first fork of n > 1, or a token
+        (verified drafts too) a sequence."""
         now = time.monotonic()
         for key, sampled_seqs in samples.items():
             group = groups[key]
@@ -105,7 +112,6 @@ class OutputProcessor:
                     else:
                         self._append_verified(group, seq, sampled, drafts.get(seq.seq_id))
             self.scheduler.free_finished(group)
-        return list(groups.values())
 
     def _finish_pooled(self, group: SequenceGroup, seq: Sequence,
                        embedding: list[float] | None) -> None:
