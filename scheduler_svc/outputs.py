@@ -3,32 +3,40 @@ consecutive reports that a stream behind its engine sends as one."""
 
 from __future__ import annotations
 
-from pagedserve.scheduler_svc.sequence import Sequence, SequenceGroup
+from pagedserve.scheduler_svc.sequence import FINISH_REASONS, Sequence, SequenceGroup
 from pagedserve.services.common.outputs import RequestOutput, SequenceDelta
 
 
 def make_request_output(group: SequenceGroup) -> RequestOutput | None:
     """The report for `group` now, or None if nothing new happened since the last one."""
-    is_finished = group.is_finished
-    if group.is_streamed:
-        seqs = group.seqs
-        if len(seqs) == 1:  # most requests: no list to build for them
-            output = _sequence_delta(seqs[0])
-            outputs = [] if output is None else [output]
+    # per request per step: statuses are read inline, not through the properties
+    seqs = group.seqs
+    is_first = group.num_reports == 0
+    if len(seqs) == 1 and group.is_streamed:  # most requests: no list to build for them
+        is_finished = seqs[0].status in FINISH_REASONS
+        output = _sequence_delta(seqs[0])
+        if output is not None:
+            outputs = [output]
+        elif is_finished and is_first:
+            outputs = []
         else:
-            outputs = [o for seq in seqs if (o := _sequence_delta(seq)) is not None]
-    elif is_finished and group.num_reports == 0:
-        outputs = _final_outputs(group)
+            return None
     else:
-        outputs = []
-    if not outputs and not (is_finished and group.num_reports == 0):
-        return None
+        is_finished = group.is_finished
+        if group.is_streamed:
+            outputs = [o for seq in seqs if (o := _sequence_delta(seq)) is not None]
+        elif is_finished and is_first:
+            outputs = _final_outputs(group)
+        else:
+            outputs = []
+        if not outputs and not (is_finished and is_first):
+            return None
     prompt_logprobs = None
-    if group.num_reports == 0 and group.sampling.prompt_logprobs is not None:
+    if is_first and group.sampling.prompt_logprobs is not None:
         prompt_logprobs = list(group.prompt_logprobs)
     group.num_reports += 1
     # positional, as in _sequence_delta: keywords double the constructor's cost
-    return RequestOutput(group.request_id, outputs, is_finished, group.prompt_len,
+    return RequestOutput(group.request_id, outputs, is_finished, seqs[0].prompt_len,
                          group.num_cached_tokens, prompt_logprobs, group.embedding)
 
 
@@ -37,17 +45,16 @@ def _sequence_delta(seq: Sequence) -> SequenceDelta | None:
     token_ids = seq.token_ids
     # not the placeholder of a step in flight (the next is scheduled before this report)
     new_token_ids = token_ids[seq.prompt_len + start:len(token_ids) - seq.has_placeholder]
-    is_finished = seq.is_finished
-    reports_finish = is_finished and not seq.is_finish_reported
-    if not new_token_ids and not reports_finish:
+    finish_reason = FINISH_REASONS.get(seq.status)  # None while it runs
+    if not new_token_ids and (finish_reason is None or seq.is_finish_reported):
         return None
     seq.num_emitted_tokens = start + len(new_token_ids)
-    seq.is_finish_reported = is_finished
+    seq.is_finish_reported = finish_reason is not None
     top_logprobs = seq.output_top_logprobs
     # index, token_ids, logprobs, top_logprobs, cumulative_logprob, finish_reason, error
     return SequenceDelta(seq.index, new_token_ids, seq.output_logprobs[start:],
                          top_logprobs[start:] if top_logprobs else [], seq.cumulative_logprob,
-                         seq.finish_reason if is_finished else None, seq.error)
+                         finish_reason, seq.error)
 
 
 def _final_outputs(group: SequenceGroup) -> list[SequenceDelta]:

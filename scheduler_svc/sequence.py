@@ -30,18 +30,18 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISH_REASONS
+        return self in FINISH_REASONS
 
 
 PLACEHOLDER_TOKEN_ID = -1
 
-_FINISH_REASONS = {
+FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
     SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
     SequenceStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
-FINISHED_BY_REASON = {reason: status for status, reason in _FINISH_REASONS.items()}
+FINISHED_BY_REASON = {reason: status for status, reason in FINISH_REASONS.items()}
 
 
 def derive_seed(seed: int | None, index: int) -> int | None:
@@ -89,11 +89,11 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in _FINISH_REASONS
+        return self.status in FINISH_REASONS
 
     @property
     def finish_reason(self) -> FinishReason | None:
-        return _FINISH_REASONS.get(self.status)
+        return FINISH_REASONS.get(self.status)
 
     @property
     def is_known_to_worker(self) -> bool:
@@ -168,6 +168,13 @@ class SequenceGroup:
     is_paused: bool = False  # its consumer is behind: not scheduled, first preempted
     pooling_type: str = ""  # an embedding request ("last", "mean"): its prompt only, pooled
     embedding: list[float] | None = None  # the pooled vector, once its prompt is computed
+    # beam search and best_of > n report only at the end, when the winners are known; a field,
+    # not a property: every report asks it (sampling is frozen)
+    is_streamed: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        sampling = self.sampling
+        self.is_streamed = not sampling.use_beam_search and sampling.num_candidates == sampling.n
 
     @classmethod
     def from_prompt(cls, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -220,23 +227,18 @@ class SequenceGroup:
     @property
     def is_finished(self) -> bool:
         for s in self.seqs:  # a loop, as is_decode_phase's below
-            if s.status not in _FINISH_REASONS:
+            if s.status not in FINISH_REASONS:
                 return False
         return True
-
-    @property
-    def is_streamed(self) -> bool:
-        """Beam search and best_of > n report only at the end, when the winners are known."""
-        return not self.is_beam_search and self.sampling.num_candidates == self.sampling.n
 
     # the scheduler asks these of every running group several times a step: the statuses are
     # read inline rather than through the properties, in loops rather than all() over generators
     def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if s.status not in _FINISH_REASONS]
+        return [s for s in self.seqs if s.status not in FINISH_REASONS]
 
     def is_decode_phase(self) -> bool:
         for s in self.seqs:
-            if s.status not in _FINISH_REASONS and len(s.token_ids) - s.num_computed_tokens != 1:
+            if s.status not in FINISH_REASONS and len(s.token_ids) - s.num_computed_tokens != 1:
                 return False
         return True
 
