@@ -114,9 +114,7 @@ def _logits_rows(seqs: list[CachedSequence], query_start_loc: np.ndarray
                  ) -> tuple[list[int], list[int]]:
     """The sampled sequences, and their rows: the last token's (a sequence with k drafts: its
     last k + 1)."""
-    # is_sampling, inlined: one pass of a few hundred sequences a step
-    sample_rows = [i for i, s in enumerate(seqs) if not s.pooling_type
-                   and s.num_computed_tokens + s.num_scheduled_tokens >= len(s.token_ids)]
+    sample_rows = [i for i, s in enumerate(seqs) if s.is_sampling]
     if any(seqs[i].draft_token_ids for i in sample_rows):
         return sample_rows, [row for i in sample_rows for row in range(
             int(query_start_loc[i + 1]) - 1 - len(seqs[i].draft_token_ids),
