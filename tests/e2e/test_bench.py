@@ -122,15 +122,17 @@ def test_worker_replay_replays_every_captured_step(tiny_served_model_dir, result
 
 def test_gateway_cpu_runs_two_gateways_on_one_port_against_one(tiny_served_model_dir,
                                                                results_dir):
+    # long enough that each run's gateway CPU spans several of /proc's 10 ms ticks (24 tokens
+    # of 6-token requests once read 0 s and the tokens per CPU-second divided by it)
     gateway_cpu.main(["--model", str(tiny_served_model_dir), "--concurrency", "4",
-                      "--requests-per-stream", "1", "--prompt-len", "4", "--output-len", "6",
+                      "--requests-per-stream", "1", "--prompt-len", "4", "--output-len", "64",
                       "--step-ms", "5", "--gateways", "1", "2", "--grpc-channels", "2",
                       "--settle-s", "0", "--tag", "smoke"])
     record = _record(results_dir, "gateway_cpu")
     runs = record["results"]
     assert [(r["door"], r["num_gateways"]) for r in runs] == [
         ("grpc", 1), ("openai", 1), ("grpc", 2), ("openai", 2)]
-    assert all(r["num_output_tokens"] == 4 * 6 for r in runs)
+    assert all(r["num_output_tokens"] == 4 * 64 for r in runs)
     assert all(len(r["each_gateway_cpu_s"]) == r["num_gateways"] for r in runs)
     assert set(record["medians"]) == {"this/grpc/1gw", "this/grpc/2gw", "this/openai/1gw",
                                       "this/openai/2gw"}
