@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.services.common.cdiv import cdiv
+from pagedserve.worker_svc.block_table_rows import BlockTableRows
 from pagedserve.worker_svc.host_to_device import to_device_many
 from pagedserve.worker_svc.pooler import PoolSpan
 from pagedserve.worker_svc.sequence_mirrors import CachedSequence
@@ -51,9 +52,11 @@ class ModelInput:
 
 
 def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch.device,
-                      drawn: dict[int, int] | None = None) -> ModelInput:
+                      drawn: dict[int, int] | None = None,
+                      block_rows: BlockTableRows | None = None) -> ModelInput:
     """seqs: prefills first. drawn: seq_id → index into the draws of the step in flight, for
-    sequences whose last token is still being drawn there (the row is left 0 for the caller)."""
+    sequences whose last token is still being drawn there (the row is left 0 for the caller).
+    block_rows: where the sequences' block tables are rows already (the mirrors')."""
     num_seqs = len(seqs)
     query_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int64, num_seqs)
     context_lens = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
@@ -64,7 +67,7 @@ def build_model_input(seqs: list[CachedSequence], block_size: int, device: torch
     input_ids, drawn_rows = _input_ids(seqs, query_start_loc, drawn)
     seq_index = np.repeat(np.arange(num_seqs), query_lens)  # [num_tokens]
     positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - context_lens, query_lens)
-    block_tables = _block_tables(seqs, seq_lens, block_size)
+    block_tables = _block_tables(seqs, seq_lens, block_size, block_rows)
     slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
 
@@ -145,11 +148,16 @@ def _input_ids(seqs: list[CachedSequence], query_start_loc: np.ndarray,
     return np.array(input_ids, np.int64), drawn_rows
 
 
-def _block_tables(seqs: list[CachedSequence], seq_lens: np.ndarray,
-                  block_size: int) -> np.ndarray:
-    """[num_seqs, max blocks of a sequence] int32, padded with 0: every row's ids in one flat
-    array, spread into the rows by a mask, with no padded list per sequence."""
+def _block_tables(seqs: list[CachedSequence], seq_lens: np.ndarray, block_size: int,
+                  block_rows: BlockTableRows | None) -> np.ndarray:
+    """[num_seqs, max blocks of a sequence] int32, padded with 0: gathered from block_rows
+    where every sequence has its row there; else every table's ids in one flat array, spread
+    into the rows by a mask, with no padded list per sequence."""
     num_blocks = cdiv(seq_lens, block_size)  # [num_seqs]
+    if block_rows is not None:
+        rows = [seq.block_row for seq in seqs]
+        if min(rows, default=0) >= 0:
+            return block_rows.gather(rows, num_blocks)
     width = int(num_blocks.max(initial=0))
     tables = [seq.block_table for seq in seqs]
     # most tables end at their last token's block: those go in without a copy

@@ -99,7 +99,8 @@ class ModelRunner:
             self.drafter.blocks.target_writes(scheduled)
             drafting = self._propose(scheduled, cache_engine)
         drawn = ahead_of.draws_by_seq() if ahead_of is not None else {}
-        model_input = build_model_input(scheduled, self.block_size, self.device, drawn)
+        model_input = build_model_input(scheduled, self.block_size, self.device, drawn,
+                                        self.mirrors.block_rows)
         if model_input.drawn_rows:
             model_input.take_draws(ahead_of.samples.token_ids)
         self.mirrors.mark_computed(scheduled)

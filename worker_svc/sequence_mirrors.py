@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pagedserve.services.common.cdiv import cdiv
 from pagedserve.services.common.errors import InvalidRequest, NotFound
 from pagedserve.services.common.sampling_params import SamplingParams
 from pagedserve.services.common.step_plan import (
@@ -18,6 +19,7 @@ from pagedserve.services.common.step_plan import (
     SampledSequence,
     StepPlan,
 )
+from pagedserve.worker_svc.block_table_rows import BlockTableRows
 from pagedserve.worker_svc.draft_blocks import DraftBlocks
 
 
@@ -41,6 +43,7 @@ class CachedSequence:
     # the draft model's distributions its sampled drafts were drawn from; None: drafts to match
     draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), vocab_size]
     num_draft_computed: int = 0  # tokens whose draft-model KV is in the cache
+    block_row: int = -1  # block_table's row in the mirrors' BlockTableRows; -1: none
 
     @property
     def num_output_tokens(self) -> int:
@@ -72,6 +75,7 @@ class SequenceMirrors:
         # the draft model's blocks; None: no draft model (num_lookahead_slots are refused)
         self.draft_blocks: DraftBlocks | None = None
         self.seqs: dict[int, CachedSequence] = {}
+        self.block_rows = BlockTableRows(cdiv(max_model_len, block_size))
         # seq_id → its tokens drawn on the device but not appended yet (1, or 2 while a step
         # is launched ahead of the one before, whose draw it reads there)
         self.drawing: dict[int, int] = {}
@@ -86,6 +90,7 @@ class SequenceMirrors:
     def clear(self) -> None:
         self.seqs.clear()
         self.drawing.clear()
+        self.block_rows.clear()
 
     def apply(self, plan: StepPlan, is_checked: bool = False) -> list[CachedSequence]:
         """All or none (is_checked: check() passed already). Returns this step's sequences,
@@ -93,7 +98,9 @@ class SequenceMirrors:
         if not is_checked:
             self.check(plan)
         for seq_id in itertools.chain(plan.finished_seq_ids, plan.preempted_seq_ids):
-            self.seqs.pop(seq_id, None)
+            seq = self.seqs.pop(seq_id, None)
+            if seq is not None:
+                self.block_rows.release(seq.block_row)
             self.drawing.pop(seq_id, None)
         prefills: list[CachedSequence] = []
         others: list[CachedSequence] = []
@@ -259,6 +266,9 @@ class SequenceMirrors:
     def _add(self, new: NewSequence) -> CachedSequence:
         # a sequence sent whole replaces whatever the worker knew of it
         self.drawing.pop(new.seq_id, None)
+        known = self.seqs.get(new.seq_id)
+        row = known.block_row if known is not None else self.block_rows.take()
+        self.block_rows.write(row, 0, new.block_ids)
         seq = CachedSequence(
             seq_id=new.seq_id, request_id=new.request_id, token_ids=list(new.token_ids),
             prompt_len=new.prompt_len, block_table=list(new.block_ids),
@@ -269,7 +279,8 @@ class SequenceMirrors:
             # where its full blocks hold the draft model's KV (swaps, copy-on-write and the prefix
             # cache move every layer); past them, its tokens may have passed the draft model by
             num_draft_computed=0 if self.draft_blocks is None else
-            self.draft_blocks.num_valid_tokens(new.block_ids, new.num_computed_tokens))
+            self.draft_blocks.num_valid_tokens(new.block_ids, new.num_computed_tokens),
+            block_row=row)
         self.seqs[new.seq_id] = seq
         return seq
 
@@ -277,6 +288,8 @@ class SequenceMirrors:
         seq = self.seqs[delta.seq_id]
         seq.token_ids.extend(delta.new_token_ids)
         seq.block_table[delta.block_ids_start:] = delta.block_ids
+        if delta.block_ids:
+            self.block_rows.write(seq.block_row, delta.block_ids_start, delta.block_ids)
         seq.num_scheduled_tokens = delta.num_scheduled_tokens
         seq.num_samples = delta.num_samples
         seq.draft_token_ids = list(delta.draft_token_ids)

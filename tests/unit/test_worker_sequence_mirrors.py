@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 from pagedserve.services.common.errors import InvalidRequest, NotFound
@@ -12,7 +15,7 @@ from pagedserve.services.common.step_plan import (
     SampledSequence,
     StepPlan,
 )
-from pagedserve.worker_svc.model_input import build_model_input
+from pagedserve.worker_svc.model_input import _block_tables, build_model_input
 from pagedserve.worker_svc.sequence_mirrors import SequenceMirrors
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -188,3 +191,51 @@ def test_a_packed_decode_of_a_sequence_dropped_in_its_step_is_refused():
     with pytest.raises(NotFound, match="seq_id 0"):
         mirrors.check(StepPlan(1, 2, finished_seq_ids=[0], decode_seq_ids=[0],
                                decode_block_ids_start=[2]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_block_table_rows_follow_every_delta_and_give_the_flattened_tables(seed):
+    """New sequences (sent whole again too), appended, replaced and trimmed tails, finishes,
+    preemptions and a clear, more sequences than the rows and longer tables than the columns it
+    starts with: each sequence's row holds its table, and a step's tables gathered from the rows
+    equal those flattened from the lists."""
+    rng = random.Random(seed)
+    block_size, max_model_len = 4, 64
+    mirrors = SequenceMirrors(block_size, max_model_len)
+
+    def blocks(num: int) -> list[int]:
+        return [rng.randrange(1000) for _ in range(num)]
+
+    for step_id in range(1, 200):
+        known = list(mirrors.seqs.values())
+        dropped = rng.sample([s.seq_id for s in known], k=min(len(known), rng.randrange(3)))
+        new_seqs = []
+        for seq_id in rng.sample(range(150), k=rng.randrange(6)):
+            if seq_id in dropped:
+                continue
+            num_tokens = rng.randrange(1, max_model_len)
+            new_seqs.append(_new(seq_id, [1] * num_tokens, blocks(
+                -(-num_tokens // block_size) + rng.randrange(8)), num_tokens - 1, 1))
+        sent = {s.seq_id for s in new_seqs} | set(dropped)
+        running = []
+        for seq in known:
+            if seq.seq_id in sent:
+                continue
+            start = rng.randrange(len(seq.block_table) + 1)
+            needed = -(-len(seq.token_ids) // block_size)
+            ids = blocks(max(needed - start, 0) + rng.randrange(3))
+            running.append(RunningSequence(seq.seq_id, [], start, ids, 1))
+        if step_id % 97 == 0:
+            mirrors.clear()
+            running = []
+        finished = dropped[:1]
+        scheduled = mirrors.apply(StepPlan(1, step_id, new_seqs=new_seqs, running_seqs=running,
+                                           finished_seq_ids=finished,
+                                           preempted_seq_ids=dropped[1:]))
+        for seq in mirrors.seqs.values():
+            row = mirrors.block_rows.table[seq.block_row, :len(seq.block_table)]
+            assert row.tolist() == seq.block_table
+        assert len({s.block_row for s in mirrors.seqs.values()}) == len(mirrors.seqs)
+        seq_lens = np.array([s.num_computed_tokens + 1 for s in scheduled])
+        assert np.array_equal(_block_tables(scheduled, seq_lens, block_size, mirrors.block_rows),
+                              _block_tables(scheduled, seq_lens, block_size, None))
