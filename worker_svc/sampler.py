@@ -23,7 +23,7 @@ from pagedserve.worker_svc.logits_processor import (
     keep_only,
     mask_tokens,
 )
-from pagedserve.worker_svc.penalties import apply_penalties
+from pagedserve.worker_svc.penalties import PenaltyCounts
 from pagedserve.worker_svc.seeded_noise import SeededNoise, draw_keys
 from pagedserve.worker_svc.token_bitmask import TokenBitmask
 
@@ -113,6 +113,7 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
         self._seeded_noise = SeededNoise(vocab_size, self.device)
+        self._penalties = PenaltyCounts(vocab_size, self.device)
 
     def __call__(self, logits: torch.Tensor, seqs: list[SamplingState],
                  token_bitmask: TokenBitmask | None = None) -> list[SampledSequence]:
@@ -220,10 +221,9 @@ class Sampler:
         mask_tokens(processed, mask_rows, mask_ids)
         add_logit_bias(processed, bias_rows, edits.bias_ids, edits.biases)
         if penalty_rows:
-            processed = _on_rows(processed, penalty_rows, lambda sub, rows: apply_penalties(
+            processed = _on_rows(processed, penalty_rows, lambda sub, rows: self._penalties.apply(
                 sub,
-                [seqs[i].token_ids for i in rows],
-                [seqs[i].prompt_len for i in rows],
+                [seqs[i] for i in rows],
                 [seqs[i].sampling.repetition_penalty for i in rows],
                 [seqs[i].sampling.frequency_penalty for i in rows],
                 [seqs[i].sampling.presence_penalty for i in rows]))
