@@ -112,7 +112,7 @@ class PenaltyCounts:
               repetition_penalties: list[float], frequency_penalties: list[float],
               presence_penalties: list[float]) -> torch.Tensor:
         """apply_penalties' result for these states' histories; logits [len(states), vocab]."""
-        rows = self._follow(states)
+        rows = self.follow(states)
         if len(rows) == len(states):
             seen, output_counts = self._read(rows)
         else:  # a draft's rows among them: this step's histories from scratch, as before
@@ -127,7 +127,7 @@ class PenaltyCounts:
         output_counts = self._output[at]
         return self._prompt[at] | (output_counts > 0), output_counts
 
-    def _follow(self, states: list[PenalizedState]) -> list[int]:
+    def follow(self, states: list[PenalizedState]) -> list[int]:
         """The rows of the states that follow their history, in order, each brought up to its
         history's length (all of them: the states are followed, row i ↔ states[i])."""
         self._step += 1
