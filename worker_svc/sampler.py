@@ -205,12 +205,11 @@ class Sampler:
         edits = self._token_edits(seqs)
         mask_rows, mask_ids = edits.mask_rows, edits.mask_ids
         allowed_rows, bias_rows = edits.allowed_rows, edits.bias_rows
-        has_temperature = any(s.sampling.temperature != 1.0 for s in seqs
-                              if not s.sampling.is_greedy)
-        top_rows = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy
-                    and (0 < s.sampling.top_k < self.vocab_size or s.sampling.top_p < 1.0)]
-        min_p_rows = [i for i, s in enumerate(seqs)
-                      if not s.sampling.is_greedy and s.sampling.min_p > 0.0]
+        random_rows = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy]
+        has_temperature = any(seqs[i].sampling.temperature != 1.0 for i in random_rows)
+        top_rows = [i for i in random_rows if 0 < seqs[i].sampling.top_k < self.vocab_size
+                    or seqs[i].sampling.top_p < 1.0]
+        min_p_rows = [i for i in random_rows if seqs[i].sampling.min_p > 0.0]
         if not (penalty_rows or mask_rows or allowed_rows or bias_rows or has_temperature
                 or top_rows or min_p_rows):
             return logits.float()
@@ -250,8 +249,11 @@ class Sampler:
         edits = _TokenEdits()
         for i, s in enumerate(seqs):
             sampling = s.sampling
+            is_short = sampling.min_tokens and s.num_output_tokens < sampling.min_tokens
+            if not is_short and not sampling.has_token_constraints:
+                continue  # most rows: nothing to hide, keep or bias
             hidden: set[int] = set()
-            if s.num_output_tokens < sampling.min_tokens:
+            if is_short:
                 hidden.update(sampling.stop_token_ids)
                 if not sampling.ignore_eos:
                     hidden.update(self.eos_token_ids)
