@@ -139,8 +139,11 @@ class Sampler:
         offsets = list(itertools.accumulate(num_samples, initial=0))
         greedy_rows = [i for i, s in enumerate(seqs)
                        if s.sampling.is_greedy and not s.sampling.use_beam_search]
-        beam_rows = [i for i, s in enumerate(seqs) if s.sampling.use_beam_search]
-        random_rows = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy]
+        beam_rows: list[int] = []
+        random_rows: list[int] = []
+        if len(greedy_rows) < len(seqs):
+            beam_rows = [i for i, s in enumerate(seqs) if s.sampling.use_beam_search]
+            random_rows = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy]
         top_rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs]
 
         logprobs = torch.log_softmax(processed, dim=-1)  # [num_seqs, vocab_size]
