@@ -15,10 +15,6 @@ class BlockTableRows:
         self.table = np.zeros((num_rows, max(num_columns, 1)), np.int32)
         self._free = list(range(num_rows - 1, -1, -1))  # popped from the end: row 0 first
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def take(self) -> int:
         if not self._free:  # twice the rows; the old ones keep their place
             num_rows = len(self.table)
