@@ -52,6 +52,8 @@ def assign_tokens(group: SequenceGroup, budget: TokenBudget, is_chunked: bool,
 
 def assign_decode(live: list[Sequence], budget: TokenBudget) -> list[tuple[Sequence, int]] | None:
     """A decoding group's live sequences, one token each; None if they do not all fit."""
-    if len(live) > budget.remaining_seqs or len(live) > budget.remaining_tokens:
+    num_seqs = len(live)  # the budget's fields, not its properties: asked of every decode
+    if (budget.num_seqs + num_seqs > budget.max_num_seqs
+            or budget.num_tokens + num_seqs > budget.max_num_tokens):
         return None
     return [(seq, 1) for seq in live]
