@@ -209,6 +209,9 @@ class Scheduler:
                 kept.append(group)
                 continue
             is_decode = id(group) in decoding
+            if is_decode and decodes_fit:  # no room check, no preemption, no drafts
+                (kept if self._add_decode(group, live, budget, step) else skipped).append(group)
+                continue
             if is_decode:  # no prefill: no cap, no deferral
                 cap = None
                 assignment = assign_decode(live, budget)
@@ -454,6 +457,23 @@ class Scheduler:
                 step.capped.append(scheduled[-1])
         if not (is_decode or is_capped):
             step.has_other_prefill = True
+
+    def _add_decode(self, group: SequenceGroup, live: list[Sequence], budget: TokenBudget,
+                    step: StepDraft) -> bool:
+        """`_add` for a decoding group whose room is known and that proposes no drafts: its live
+        sequences a token each. False: they do not fit the budget."""
+        num_seqs = len(live)
+        if not budget.fits(num_seqs, num_seqs):
+            return False
+        num_samples = group.num_samples()
+        append_slots = self.block_manager.append_slots
+        scheduled = step.scheduled
+        for seq in live:  # each computed up to its last token: this one, which it samples
+            step.blocks_to_copy += append_slots(seq.seq_id, len(seq.token_ids))
+            scheduled.append(ScheduledSequence(group, seq, 1, num_samples, True))
+        budget.num_tokens += num_seqs
+        budget.num_seqs += num_seqs
+        return True
 
     def _propose(self, group: SequenceGroup, seq: Sequence, num_tokens: int,
                  budget: TokenBudget) -> list[int] | None:
