@@ -188,13 +188,18 @@ class Scheduler:
 
     def _schedule_running(self, budget: TokenBudget, step: StepDraft) -> None:
         decodes, prefills = [], []
+        num_decoding_seqs = 0
         for group in self.running:
-            (decodes if group.is_decode_phase() else prefills).append(group)
-        decoding = {id(group) for group in decodes}
+            if group.is_decode_phase():
+                decodes.append(group)
+                num_decoding_seqs += len(group.seqs)
+            else:
+                prefills.append(group)
+        decoding = set(map(id, decodes))
         # decodes run first and take a block per sequence at most: while the pool holds one for
         # every decoding sequence, none needs checking (drafts may take more: checked then)
         decodes_fit = self.speculator is None and self.block_manager.can_append_decodes(
-            sum(len(group.seqs) for group in decodes))
+            num_decoding_seqs)
         step.may_leave_prefills = bool(prefills)
         pending = deque(decodes + prefills)
         skipped: list[SequenceGroup] = []  # running, not scheduled this step, still preemptible
