@@ -229,7 +229,7 @@ class Scheduler:
             if assignment is None:
                 skipped.append(group)
                 continue
-            while not (is_decode and decodes_fit) and not self._can_append(assignment):
+            while not self._can_append(assignment):
                 candidates = [*pending, *skipped]
                 victim = max(candidates, key=self._preemption_key) if candidates else group
                 if victim is group and not kept:  # alone on the device, it still cannot grow
@@ -442,24 +442,22 @@ class Scheduler:
              budget: TokenBudget, step: StepDraft, is_decode: bool, is_long: bool = False) -> None:
         """`is_decode`: the group is in its decode phase (`is_decode_phase`)."""
         num_samples = group.num_samples()
-        append_slots = self.block_manager.append_slots
-        scheduled = step.scheduled
         for seq, num_tokens in assignment:
             drafts = None if self.speculator is None else self._propose(group, seq, num_tokens,
                                                                         budget)
-            num_scheduled = num_tokens + len(drafts) if drafts else num_tokens
-            num_computed = seq.num_computed_tokens
-            step.blocks_to_copy += append_slots(seq.seq_id, num_computed + num_scheduled)
-            scheduled.append(ScheduledSequence(group, seq, num_scheduled, num_samples,
-                                               num_computed + num_tokens == len(seq.token_ids),
-                                               drafts))
+            num_scheduled = num_tokens + len(drafts or ())
+            step.blocks_to_copy += self.block_manager.append_slots(
+                seq.seq_id, seq.num_computed_tokens + num_scheduled)
+            is_sampling = seq.num_computed_tokens + num_tokens == len(seq.token_ids)
+            step.scheduled.append(ScheduledSequence(group, seq, num_scheduled, num_samples,
+                                                    is_sampling, drafts))
             budget.num_tokens += num_scheduled
         budget.num_seqs += len(assignment)
         is_capped = is_long and len(group.live_seqs()) == 1  # groups of several stop one short
         if is_long:
             step.num_long_prefills += 1
             if is_capped:
-                step.capped.append(scheduled[-1])
+                step.capped.append(step.scheduled[-1])
         if not (is_decode or is_capped):
             step.has_other_prefill = True
 
