@@ -7,21 +7,26 @@ A single sampled token is appended by the worker itself, so it counts as known."
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pagedserve.scheduler_svc.block_manager import BlockManager
-from pagedserve.scheduler_svc.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup
+from pagedserve.scheduler_svc.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from pagedserve.services.common.step_plan import NewSequence, RunningSequence
+
+if TYPE_CHECKING:  # scheduled_step builds its plan from these deltas
+    from pagedserve.scheduler_svc.scheduled_step import ScheduledSequence
 
 
 def sequence_deltas(
-    scheduled: list[tuple[SequenceGroup, Sequence, int, int, bool, list[int]]],
-    block_manager: BlockManager,
+    scheduled: list[ScheduledSequence], block_manager: BlockManager,
 ) -> tuple[list[NewSequence], list[RunningSequence]]:
-    """scheduled: (group, seq, num_scheduled_tokens, num_samples, is_sampling, draft_token_ids).
-    The worker appends a verified step's accepted drafts too; the scheduler counts those when
+    """The worker appends a verified step's accepted drafts too; the scheduler counts those when
     the step's output comes (OutputProcessor)."""
     new_seqs: list[NewSequence] = []
     running_seqs: list[RunningSequence] = []
-    for group, seq, num_scheduled_tokens, num_samples, is_sampling, drafts in scheduled:
+    for item in scheduled:
+        group, seq, num_scheduled_tokens = item.group, item.seq, item.num_scheduled_tokens
+        num_samples, drafts = item.num_samples, item.draft_token_ids or []
         num_lookahead_slots = 0
         if drafts and drafts[0] == PLACEHOLDER_TOKEN_ID:  # the worker's draft model proposes
             num_lookahead_slots, drafts = len(drafts), []
@@ -41,7 +46,7 @@ def sequence_deltas(
                                                num_scheduled_tokens, num_samples, drafts,
                                                num_lookahead_slots))
         seq.num_worker_tokens = len(seq.token_ids) + (
-            is_sampling and num_samples == 1 and not group.pooling_type)
+            item.is_sampling and num_samples == 1 and not group.pooling_type)
     return new_seqs, running_seqs
 
 

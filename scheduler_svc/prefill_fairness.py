@@ -33,15 +33,6 @@ def long_prefill_cap(group: SequenceGroup, threshold: int) -> int | None:
     return threshold if live and live[0].num_uncomputed_tokens > threshold else None
 
 
-def has_other_prefill(scheduled: list[ScheduledSequence],
-                      capped: list[ScheduledSequence]) -> bool:
-    """Some prompt besides the capped long ones is prefilled in this step: its first (or next)
-    token waits for the step to end, so the long prefills are not topped up."""
-    capped_ids = {id(item) for item in capped}
-    return any(id(item) not in capped_ids and not item.group.is_decode_phase()
-               for item in scheduled)
-
-
 def top_up(block_manager: BlockManager, capped: list[ScheduledSequence],
            num_tokens_left: int) -> tuple[list[tuple[int, int]], int]:
     """Give the tokens the step left to the capped single-sequence prefills, in order, as far as

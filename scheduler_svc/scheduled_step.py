@@ -55,6 +55,12 @@ class StepDraft:
     num_long_prefills: int = 0
     is_long_limit_lifted: bool = False  # the second pass: the budget left goes to deferred ones
     capped: list[ScheduledSequence] = field(default_factory=list)  # long chunks, topped up last
+    # a prompt besides the capped long ones is prefilled: its first (or next) token waits for
+    # the step to end, so the long prefills are not topped up
+    has_other_prefill: bool = False
+    # a pass may have left a prefill out (deferred, or short of budget or room): only then does
+    # the second pass look for one
+    may_leave_prefills: bool = False
 
     @property
     def has_work(self) -> bool:
@@ -65,9 +71,7 @@ class StepDraft:
                 previous_step_id: int, finished_seq_ids: list[int],
                 preempted_seq_ids: list[int]) -> StepPlan:
         """Records in each sequence what its worker mirror will hold."""
-        new_seqs, running_seqs = sequence_deltas(
-            [(i.group, i.seq, i.num_scheduled_tokens, i.num_samples, i.is_sampling,
-              i.draft_token_ids or []) for i in self.scheduled], block_manager)
+        new_seqs, running_seqs = sequence_deltas(self.scheduled, block_manager)
         return StepPlan(
             scheduler_epoch=scheduler_epoch, step_id=step_id, previous_step_id=previous_step_id,
             new_seqs=new_seqs, running_seqs=running_seqs, finished_seq_ids=finished_seq_ids,

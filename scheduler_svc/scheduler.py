@@ -11,7 +11,6 @@ from collections import deque
 
 from pagedserve.scheduler_svc.block_manager import AllocStatus, BlockManager
 from pagedserve.scheduler_svc.prefill_fairness import (
-    has_other_prefill,
     long_prefill_cap,
     long_prefill_threshold,
     top_up,
@@ -177,9 +176,10 @@ class Scheduler:
             self._schedule_swapped(budget, step)
             if chunked:
                 self._schedule_waiting(budget, step)
-        if not has_other_prefill(step.scheduled, step.capped):  # else the step stays short
+        if not step.has_other_prefill:  # else the step stays short
             self._top_up(budget, step)
-            if chunked and not step.has_preempted and budget.remaining_tokens > 0:
+            if (chunked and step.may_leave_prefills and not step.has_preempted
+                    and budget.remaining_tokens > 0):
                 self._schedule_deferred_long(budget, step)
         return self._build(step)
 
@@ -188,18 +188,24 @@ class Scheduler:
 
     def _schedule_running(self, budget: TokenBudget, step: StepDraft) -> None:
         decodes, prefills = [], []
+        num_decoding_seqs = 0
         for group in self.running:
-            (decodes if group.is_decode_phase() else prefills).append(group)
-        decoding = {id(group) for group in decodes}
+            if group.is_decode_phase():
+                decodes.append(group)
+                num_decoding_seqs += len(group.seqs)
+            else:
+                prefills.append(group)
+        decoding = set(map(id, decodes))
         # decodes run first and take a block per sequence at most: while the pool holds one for
         # every decoding sequence, none needs checking (drafts may take more: checked then)
         decodes_fit = self.speculator is None and self.block_manager.can_append_decodes(
-            sum(len(group.seqs) for group in decodes))
-        pending = decodes + prefills
+            num_decoding_seqs)
+        step.may_leave_prefills = bool(prefills)
+        pending = deque(decodes + prefills)
         skipped: list[SequenceGroup] = []  # running, not scheduled this step, still preemptible
         kept: list[SequenceGroup] = []
         while pending:
-            group = pending.pop(0)
+            group = pending.popleft()
             if group.is_paused:
                 skipped.append(group)
                 continue
@@ -208,6 +214,9 @@ class Scheduler:
                 kept.append(group)
                 continue
             is_decode = id(group) in decoding
+            if is_decode and decodes_fit:  # no room check, no preemption, no drafts
+                (kept if self._add_decode(group, live, budget, step) else skipped).append(group)
+                continue
             if is_decode:  # no prefill: no cap, no deferral
                 cap = None
                 assignment = assign_decode(live, budget)
@@ -220,8 +229,8 @@ class Scheduler:
             if assignment is None:
                 skipped.append(group)
                 continue
-            while not (is_decode and decodes_fit) and not self._can_append(assignment):
-                candidates = pending + skipped
+            while not self._can_append(assignment):
+                candidates = [*pending, *skipped]
                 victim = max(candidates, key=self._preemption_key) if candidates else group
                 if victim is group and not kept:  # alone on the device, it still cannot grow
                     self._fail(group, step, "its sequences need more KV-cache blocks than the "
@@ -233,7 +242,7 @@ class Scheduler:
                 if victim is group:
                     break
             else:
-                self._add(group, assignment, budget, step, is_long=cap is not None)
+                self._add(group, assignment, budget, step, is_decode, is_long=cap is not None)
                 kept.append(group)
         self.running = deque(kept + skipped)
 
@@ -264,8 +273,9 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
             if not self._can_append(assignment):
+                step.may_leave_prefills = True
                 continue  # back on the device; it runs next step (or is preempted again)
-            self._add(group, assignment, budget, step)
+            self._add(group, assignment, budget, step, group.is_decode_phase())
 
     def _schedule_waiting(self, budget: TokenBudget, step: StepDraft) -> None:
         """Long prompts that find every long-prefill slot taken keep their place in `waiting`;
@@ -291,6 +301,7 @@ class Scheduler:
                 continue
             cap = self._long_prefill_cap(group)
             if self._is_deferred(cap, step):
+                step.may_leave_prefills = True
                 passed.append(self.waiting.popleft())
                 continue
             if budget.remaining_seqs < len(live):
@@ -330,7 +341,8 @@ class Scheduler:
             for seq in live:
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
-            self._add(group, assignment, budget, step, is_long=cap is not None)
+            self._add(group, assignment, budget, step, group.is_decode_phase(),
+                      is_long=cap is not None)
 
     def _free_finishing(self) -> bool:
         """Frees the blocks of the running groups whose last tokens the step in flight draws,
@@ -369,7 +381,7 @@ class Scheduler:
                 continue
             assignment = assign_tokens(group, budget, self.config.enable_chunked_prefill)
             if assignment is not None and self._can_append(assignment):
-                self._add(group, assignment, budget, step)
+                self._add(group, assignment, budget, step, is_decode=False)
         self._schedule_waiting(budget, step)
 
     def _preempt_paused(self, step: StepDraft) -> bool:
@@ -427,7 +439,8 @@ class Scheduler:
              for seq, n in assignment])
 
     def _add(self, group: SequenceGroup, assignment: list[tuple[Sequence, int]],
-             budget: TokenBudget, step: StepDraft, is_long: bool = False) -> None:
+             budget: TokenBudget, step: StepDraft, is_decode: bool, is_long: bool = False) -> None:
+        """`is_decode`: the group is in its decode phase (`is_decode_phase`)."""
         num_samples = group.num_samples()
         for seq, num_tokens in assignment:
             drafts = None if self.speculator is None else self._propose(group, seq, num_tokens,
@@ -440,10 +453,30 @@ class Scheduler:
                                                     is_sampling, drafts))
             budget.num_tokens += num_scheduled
         budget.num_seqs += len(assignment)
+        is_capped = is_long and len(group.live_seqs()) == 1  # groups of several stop one short
         if is_long:
             step.num_long_prefills += 1
-            if len(group.live_seqs()) == 1:  # groups of several stop one token short
+            if is_capped:
                 step.capped.append(step.scheduled[-1])
+        if not (is_decode or is_capped):
+            step.has_other_prefill = True
+
+    def _add_decode(self, group: SequenceGroup, live: list[Sequence], budget: TokenBudget,
+                    step: StepDraft) -> bool:
+        """`_add` for a decoding group whose room is known and that proposes no drafts: its live
+        sequences a token each. False: they do not fit the budget."""
+        num_seqs = len(live)
+        if not budget.fits(num_seqs, num_seqs):
+            return False
+        num_samples = group.num_samples()
+        append_slots = self.block_manager.append_slots
+        scheduled = step.scheduled
+        for seq in live:  # each computed up to its last token: this one, which it samples
+            step.blocks_to_copy += append_slots(seq.seq_id, len(seq.token_ids))
+            scheduled.append(ScheduledSequence(group, seq, 1, num_samples, True))
+        budget.num_tokens += num_seqs
+        budget.num_seqs += num_seqs
+        return True
 
     def _propose(self, group: SequenceGroup, seq: Sequence, num_tokens: int,
                  budget: TokenBudget) -> list[int] | None:

@@ -243,9 +243,10 @@ class SequenceGroup:
         return True
 
     def num_samples(self) -> int:
-        if self.is_beam_search:
-            return 2 * self.beam_width
-        return 1 if self.has_forked else self.sampling.num_candidates
+        sampling = self.sampling
+        if sampling.use_beam_search:
+            return 2 * sampling.num_candidates
+        return 1 if self.has_forked else sampling.num_candidates
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         for seq in self.live_seqs():

@@ -23,6 +23,10 @@ class TokenBudget:
     def remaining_seqs(self) -> int:
         return self.max_num_seqs - self.num_seqs
 
+    def fits(self, num_seqs: int, num_tokens: int) -> bool:
+        return (self.num_seqs + num_seqs <= self.max_num_seqs
+                and self.num_tokens + num_tokens <= self.max_num_tokens)
+
 
 def assign_tokens(group: SequenceGroup, budget: TokenBudget, is_chunked: bool,
                   cap: int | None = None) -> list[tuple[Sequence, int]] | None:
@@ -52,6 +56,4 @@ def assign_tokens(group: SequenceGroup, budget: TokenBudget, is_chunked: bool,
 
 def assign_decode(live: list[Sequence], budget: TokenBudget) -> list[tuple[Sequence, int]] | None:
     """A decoding group's live sequences, one token each; None if they do not all fit."""
-    if len(live) > budget.remaining_seqs or len(live) > budget.remaining_tokens:
-        return None
-    return [(seq, 1) for seq in live]
+    return [(seq, 1) for seq in live] if budget.fits(len(live), len(live)) else None

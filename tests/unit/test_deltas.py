@@ -6,6 +6,7 @@ import random
 
 from pagedserve.scheduler_svc.block_manager import BlockManager
 from pagedserve.scheduler_svc.deltas import sequence_deltas
+from pagedserve.scheduler_svc.scheduled_step import ScheduledSequence
 from pagedserve.scheduler_svc.sequence import SequenceGroup, SequenceStatus
 from pagedserve.services.common.sampling_params import SamplingParams
 
@@ -14,7 +15,7 @@ BS = 4
 
 def _plan(group, bm, num_tokens=1):
     seq = group.seqs[-1]
-    return sequence_deltas([(group, seq, num_tokens, 1, True, [])], bm)
+    return sequence_deltas([ScheduledSequence(group, seq, num_tokens, 1, True)], bm)
 
 
 def test_a_known_sequence_sends_its_changed_blocks_and_its_mirror_copy_follows():
@@ -131,7 +132,7 @@ def test_a_steady_decode_sends_its_last_delta_again_until_something_changes():
     seq.append_token(7, 0.0)
     seq.num_computed_tokens = len(seq.token_ids) - 1
     bm.append_slots(0, len(seq.token_ids))
-    sampling_two = sequence_deltas([(group, seq, 1, 2, True, [])], bm)[1][0]
+    sampling_two = sequence_deltas([ScheduledSequence(group, seq, 1, 2, True)], bm)[1][0]
     assert sampling_two is not steady and sampling_two.num_samples == 2
     seq.num_worker_tokens -= 1  # a token the worker does not hold yet goes with the delta
     with_token = _plan(group, bm)[1][0]

@@ -114,3 +114,19 @@ def test_a_short_request_arriving_mid_7k_prefill_runs_in_the_next_step_planned()
     report, = [r for r in h.processor.report(h.take_in(planned)) if r.request_id == "short"]
     assert report.outputs[0].token_ids  # its first token, two steps after it arrived
     assert [s.scheduled.plan.num_scheduled_tokens for s in (running, sent)] == [2048, 2048]
+
+
+def test_a_running_long_prefill_the_limit_defers_takes_what_the_step_leaves():
+    """The second pass also serves running long prefills the limit deferred, with no waiting
+    prompt to send the scheduler there."""
+    h = _harness(max_num_batched_tokens=2048, max_long_partial_prefills=2)  # threshold 655
+    h.add("a", 3000, LONG)
+    h.add("b", 3000, LONG)
+    out, _ = h.step()
+    assert sorted(scheduled_ids(out)) == ["a", "b"]
+    h.scheduler.config.max_long_partial_prefills = 1  # now b is deferred behind a
+    out, _ = h.step()
+    assert not h.scheduler.waiting
+    assert h.groups["a"].is_finished  # capped, then topped up to the end of its prompt
+    assert sorted(scheduled_ids(out)) == ["a", "b"]
+    assert out.plan.num_scheduled_tokens == 2048
