@@ -25,9 +25,13 @@ def _penalties(states, counts, logits):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_kept_counts_give_the_logits_of_counting_from_scratch(seed):
+    check_kept_counts(seed, torch.device("cpu"))
+
+
+def check_kept_counts(seed: int, device: torch.device) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    counts = PenaltyCounts(VOCAB, torch.device("cpu"))
+    counts = PenaltyCounts(VOCAB, device)
     live: dict[int, SimpleNamespace] = {}
     next_id = peak = 0
     for step in range(60):
@@ -50,7 +54,8 @@ def test_kept_counts_give_the_logits_of_counting_from_scratch(seed):
                                                   token_ids=drafted.token_ids + drafts[:j])
                                   for j in (1, 2)] + states[1:]
         if states:
-            out, expected = _penalties(states, counts, torch.randn(len(states), VOCAB) * 3)
+            out, expected = _penalties(states, counts,
+                                       torch.randn(len(states), VOCAB, device=device) * 3)
             assert torch.equal(out, expected), step
         for seq in live.values():  # each draws a token, appended to its history in place
             seq.token_ids.append(rng.randrange(VOCAB))
