@@ -41,9 +41,11 @@ def test_smoke_run_on_cpu_reaches_decode_and_samples_the_model_thread(tmp_path, 
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     out = step_profile.main(["--models", "tiny-llama", "--device", "cpu", "--batch-size", "2",
                              "--prompt-len", "16", "--warm-steps", "1", "--steps", "4",
-                             "--dtype", "float32", "--tag", "test"])
+                             "--dtype", "float32", "--top", "1000", "--tag", "test"])
     result = out["results"][0]
     assert result["batch_size"] == 2 and result["median_step_ms"] > 0
+    # every op kept: among the 40 with the most self time, a small one's place is the host's
+    # timing (the embedding of 2 rows fell out of them once in CI)
     assert any(op["name"] == "aten::embedding"  # on the model thread
                for op in result["host_ops"]), [op["name"] for op in result["host_ops"]]
     threads = result["host"]["threads"]
