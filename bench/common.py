@@ -151,6 +151,12 @@ def machine_info() -> dict:
     return info
 
 
+def sync_device(device: torch.device) -> None:
+    """Waits for the work queued on a CUDA device; nothing to wait for on the others."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Timer:
     def __enter__(self) -> Timer:
         self.start = time.perf_counter()

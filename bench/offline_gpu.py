@@ -41,7 +41,15 @@ import transformers
 from pagedserve.services.common.gc_tuning import raised_thresholds
 from pagedserve.worker_svc.sim.roofline import resolve_gpu
 
-from bench.common import Timer, Workload, finish, hf_generate, make_workload, quiet_logging
+from bench.common import (
+    Timer,
+    Workload,
+    finish,
+    hf_generate,
+    make_workload,
+    quiet_logging,
+    sync_device,
+)
 from bench.hf_sim import SimulatedHF
 from bench.kernels_gpu import peak_gbps
 from bench.step_anatomy import StepRecorder, is_decode_step
@@ -231,7 +239,7 @@ def hf_measured(wl: Workload, warm: Workload, config: transformers.PretrainedCon
 def _timed_generate(hf: torch.nn.Module, prompts: list[list[int]], num_new_tokens: int) -> float:
     with Timer() as t:
         hf_generate(hf, prompts, num_new_tokens)
-        _sync(hf.device)
+        sync_device(hf.device)
     return t.elapsed_s
 
 
@@ -241,9 +249,6 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,29 +19,23 @@ import argparse
 import itertools
 import random
 import statistics
-import time
 from types import SimpleNamespace
 
 import torch
 from pagedserve.worker_svc.host_to_device import to_device
 from pagedserve.worker_svc.penalties import PenaltyCounts, apply_penalties
 
-from bench.common import finish
+from bench.common import Timer, finish, sync_device
 
 CASES = ((26, 1000, 151936), (256, 300, 49152), (8, 4000, 49152))  # rows, tokens, vocab
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(fn, device: torch.device) -> tuple[float, object]:
-    _sync(device)
-    start = time.perf_counter()
-    out = fn()
-    _sync(device)
-    return time.perf_counter() - start, out
+    sync_device(device)
+    with Timer() as timer:
+        out = fn()
+        sync_device(device)
+    return timer.elapsed_s, out
 
 
 def run_case(num_rows: int, num_tokens: int, vocab_size: int, steps: int,
