@@ -174,7 +174,7 @@ class SequenceGroup:
 
     def __post_init__(self) -> None:
         sampling = self.sampling
-        self.is_streamed = not sampling.use_beam_search and sampling.num_candidates == sampling.n
+        self.is_streamed = not self.is_beam_search and sampling.num_candidates == sampling.n
 
     @classmethod
     def from_prompt(cls, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -231,8 +231,9 @@ class SequenceGroup:
                 return False
         return True
 
-    # the scheduler asks these of every running group several times a step: the statuses are
-    # read inline rather than through the properties, in loops rather than all() over generators
+    # the scheduler asks these of every running group in every step: the statuses and sampling
+    # fields are read inline rather than through the properties, in loops rather than all()
+    # over generators
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if s.status not in FINISH_REASONS]
 
