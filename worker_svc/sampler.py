@@ -133,17 +133,15 @@ class Sampler:
         logits = logits[:, :self.vocab_size]
         if token_bitmask is not None:
             logits = token_bitmask.apply(logits)
-        processed = self._process(logits, seqs)  # [num_seqs, vocab_size]
+        processed, random_rows = self._process(logits, seqs)  # [num_seqs, vocab_size]
 
         num_samples = [s.num_samples for s in seqs]
         offsets = list(itertools.accumulate(num_samples, initial=0))
         greedy_rows = [i for i, s in enumerate(seqs)
                        if s.sampling.is_greedy and not s.sampling.use_beam_search]
         beam_rows: list[int] = []
-        random_rows: list[int] = []
         if len(greedy_rows) < len(seqs):
             beam_rows = [i for i, s in enumerate(seqs) if s.sampling.use_beam_search]
-            random_rows = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy]
         top_rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs]
 
         logprobs = torch.log_softmax(processed, dim=-1)  # [num_seqs, vocab_size]
@@ -183,7 +181,8 @@ class Sampler:
     ) -> torch.Tensor:  # [num_seqs, vocab_size]
         """The log-distribution each row's draw comes from (every processing step applied)."""
         self._verify(logits, seqs)
-        return torch.log_softmax(self._process(logits[:, :self.vocab_size], seqs), dim=-1)
+        processed, _ = self._process(logits[:, :self.vocab_size], seqs)
+        return torch.log_softmax(processed, dim=-1)
 
     def _verify(self, logits: torch.Tensor, seqs: list[SamplingState]) -> None:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
@@ -203,7 +202,9 @@ class Sampler:
                 raise ValueError(f"seq {s.seq_id}: prompt_len={s.prompt_len} outside "
                                  f"[0, {len(s.token_ids)}]")
 
-    def _process(self, logits: torch.Tensor, seqs: list[SamplingState]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor,
+                 seqs: list[SamplingState]) -> tuple[torch.Tensor, list[int]]:
+        """The processed logits [num_seqs, vocab_size] and the rows drawn at random."""
         penalty_rows = [i for i, s in enumerate(seqs) if _has_penalty(s.sampling)]
         edits = self._token_edits(seqs)
         mask_rows, mask_ids = edits.mask_rows, edits.mask_ids
@@ -215,7 +216,7 @@ class Sampler:
         min_p_rows = [i for i in random_rows if seqs[i].sampling.min_p > 0.0]
         if not (penalty_rows or mask_rows or allowed_rows or bias_rows or has_temperature
                 or top_rows or min_p_rows):
-            return logits.float()
+            return logits.float(), random_rows
 
         processed = logits.to(torch.float32, copy=True)  # [num_seqs, vocab_size]
         # vLLM V1's order: allowed ids, bad words, min_tokens, logit bias, then penalties
@@ -245,7 +246,7 @@ class Sampler:
         if min_p_rows:
             processed = _on_rows(processed, min_p_rows, lambda sub, rows: apply_min_p(
                 sub, self._tensor([seqs[i].sampling.min_p for i in rows], torch.float32)))
-        return processed
+        return processed, random_rows
 
     def _token_edits(self, seqs: list[SamplingState]) -> _TokenEdits:
         """Per row: tokens hidden (min_tokens, bad words), kept (allowed ids), biased."""
