@@ -52,7 +52,7 @@ from bench.common import (
 )
 from bench.hf_sim import SimulatedHF
 from bench.kernels_gpu import peak_gbps
-from bench.step_anatomy import StepRecorder, is_decode_step
+from bench.step_anatomy import StepRecorder, decode_step_seq_ids
 from pagedserve.llm_engine import LLMEngine
 
 log = logging.getLogger("bench.offline_gpu")
@@ -130,12 +130,13 @@ def run_pagedserve(engine: LLMEngine, wl: Workload) -> tuple[float, float, list[
             if plan is None:
                 continue
             forward_s += record["timings"].forward_ns / 1e9
-            if not is_decode_step(plan, len(plan.running_seqs)):
+            seq_ids = decode_step_seq_ids(plan)
+            if not seq_ids:
                 continue
             mirror = worker.runner.mirrors.seqs
-            num_kv_tokens = sum(mirror[s.seq_id].num_computed_tokens for s in plan.running_seqs
-                                if s.seq_id in mirror)
-            steps.append({"batch_size": len(plan.running_seqs), "step_s": record["step_ns"] / 1e9,
+            num_kv_tokens = sum(mirror[seq_id].num_computed_tokens for seq_id in seq_ids
+                                if seq_id in mirror)
+            steps.append({"batch_size": len(seq_ids), "step_s": record["step_ns"] / 1e9,
                           "forward_s": record["timings"].forward_ns / 1e9,
                           "cpu_s": record["step_cpu_ns"] / 1e9,
                           "kv_bytes": num_kv_tokens * kv_bytes_per_token})

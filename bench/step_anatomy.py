@@ -153,9 +153,11 @@ def phases_ms(record: dict[str, Any], is_sim: bool) -> dict[str, float]:
     return {name: value / 1e6 for name, value in ns.items()}
 
 
-def is_decode_step(plan: StepPlan, batch_size: int) -> bool:
-    return (not plan.new_seqs and len(plan.running_seqs) == batch_size
-            and all(s.num_scheduled_tokens == 1 for s in plan.running_seqs))
+def decode_step_seq_ids(plan: StepPlan) -> list[int]:
+    """A decode-only step's sequences, each computing one token; [] for any other step."""
+    if plan.new_seqs or any(s.num_scheduled_tokens != 1 for s in plan.running_seqs):
+        return []
+    return [s.seq_id for s in plan.running_seqs] + plan.decode_seq_ids
 
 
 def measure(recorder: StepRecorder, batch_size: int, repeat: int,
@@ -168,7 +170,7 @@ def measure(recorder: StepRecorder, batch_size: int, repeat: int,
     samples, request_bytes = [], []
     while core.has_unfinished_requests():
         record = recorder.step()
-        if "plan" in record and is_decode_step(record["plan"], batch_size):
+        if "plan" in record and len(decode_step_seq_ids(record["plan"])) == batch_size:
             samples.append(phases_ms(record, args.device == "sim"))
             request_bytes.append(step_plan_to_proto(record["plan"]).ByteSize())
     samples = samples[args.skip_steps:]

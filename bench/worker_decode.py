@@ -4,10 +4,10 @@ with a 512-token vocabulary on CPU, fp32), so what is left is the host work
 a step costs on any device: the mirror's deltas, the inputs, the sampler's launch and its result.
 
 `--batch-size` greedy sequences of `--prompt-len` tokens are prefilled in one step, then every
-step is a decode of all of them (each sequence holds its blocks from the start, so the deltas
-carry no block ids), driven through `Worker.execute_step` as the in-process engine does, plus the
-plan's and the output's conversions to and from the wire as the servicer does (`--no-convert`
-leaves them out). The forward's own CPU time is taken out: the figure is the rest of the step.
+step is a decode of all of them (each sequence holds its blocks from the start, so each decode
+goes packed, as the scheduler sends a plain decode), driven through `Worker.execute_step` as the
+in-process engine does, plus the plan's and the output's conversions to and from the wire as the
+servicer does (`--no-convert` leaves them out). The forward's own CPU time is taken out: the figure is the rest of the step.
 Compare two code versions alternated (A B B A).
 
     python -m bench.worker_decode --tag after
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pagedserve.services.common.cdiv import cdiv
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import NewSequence, RunningSequence, StepPlan
+from pagedserve.services.common.step_plan import NewSequence, StepPlan
 from pagedserve.services.rpc.convert_worker import (
     step_output_to_proto,
     step_plan_from_proto,
@@ -65,8 +65,9 @@ def run_once(args: argparse.Namespace, model_dir: Path) -> tuple[float, float]:
                             num_computed_tokens=0, num_scheduled_tokens=args.prompt_len,
                             sampling=greedy) for i in range(args.batch_size)]
     worker.execute_step(StepPlan(epoch, 1, new_seqs=new_seqs))
-    decodes = [RunningSequence(i, [], num_blocks, [], 1) for i in range(args.batch_size)]
-    plans = [StepPlan(epoch, step_id, running_seqs=decodes, previous_step_id=step_id - 1)
+    seq_ids = list(range(args.batch_size))
+    plans = [StepPlan(epoch, step_id, previous_step_id=step_id - 1, decode_seq_ids=seq_ids,
+                      decode_block_ids_start=[num_blocks] * args.batch_size)
              for step_id in range(2, args.steps + 2)]
     raw = [step_plan_to_proto(plan).SerializeToString() for plan in plans]
     forward_s = [0.0]

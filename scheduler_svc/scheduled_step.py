@@ -71,9 +71,12 @@ class StepDraft:
                 previous_step_id: int, finished_seq_ids: list[int],
                 preempted_seq_ids: list[int]) -> StepPlan:
         """Records in each sequence what its worker mirror will hold."""
-        new_seqs, running_seqs = sequence_deltas(self.scheduled, block_manager)
+        deltas = sequence_deltas(self.scheduled, block_manager)
         return StepPlan(
             scheduler_epoch=scheduler_epoch, step_id=step_id, previous_step_id=previous_step_id,
-            new_seqs=new_seqs, running_seqs=running_seqs, finished_seq_ids=finished_seq_ids,
+            new_seqs=deltas.new_seqs, running_seqs=deltas.running_seqs,
+            decode_seq_ids=deltas.decode_seq_ids,
+            decode_block_ids_start=deltas.decode_block_ids_start,
+            finished_seq_ids=finished_seq_ids,
             preempted_seq_ids=preempted_seq_ids, blocks_to_swap_out=self.blocks_to_swap_out,
             blocks_to_swap_in=self.blocks_to_swap_in, blocks_to_copy=self.blocks_to_copy)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.services.common.outputs import FinishReason
 from pagedserve.services.common.sampling_params import SamplingParams
-from pagedserve.services.common.step_plan import RunningSequence, TokenIdLogprob
+from pagedserve.services.common.step_plan import TokenIdLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -68,9 +68,6 @@ class Sequence:
     # the worker's mirror: None = the worker does not know this sequence (send it whole)
     worker_block_ids: list[int] | None = None
     num_worker_tokens: int = 0
-    # the delta last sent while nothing changed but the worker's own sampled token: frozen and
-    # never changed by its readers, the same object goes in each plan while that holds
-    steady_delta: RunningSequence | None = None
     num_emitted_tokens: int = 0
     is_finish_reported: bool = False
     has_placeholder: bool = False

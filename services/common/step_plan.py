@@ -68,8 +68,9 @@ class StepPlan:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (device, device)
     previous_step_id: int = 0  # the step that runs right before this one; 0 = first of the epoch
-    # plain decodes, packed, after running_seqs (the wire's form; a large decode batch is mostly
-    # these): each the RunningSequence(seq_id, [], block_ids_start, [], 1) at the same position
+    # plain decodes, packed (a large decode batch is mostly these), run after running_seqs: each
+    # as the RunningSequence(seq_id, [], block_ids_start, [], 1) would. The scheduler sends every
+    # plain decode this way
     decode_seq_ids: list[int] = field(default_factory=list)
     decode_block_ids_start: list[int] = field(default_factory=list)
 

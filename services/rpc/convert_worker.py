@@ -107,24 +107,14 @@ def running_sequence_from_proto(msg: worker_pb2.RunningSequence) -> RunningSeque
         draft_token_ids=list(msg.draft_token_ids), num_lookahead_slots=msg.num_lookahead_slots)
 
 
-def _is_plain_decode(seq: RunningSequence) -> bool:
-    return (seq.num_scheduled_tokens == 1 and seq.num_samples == 1 and not seq.new_token_ids
-            and not seq.block_ids)
-
-
 def step_plan_to_proto(plan: StepPlan) -> worker_pb2.ExecuteStepRequest:
-    """Plain decodes go packed, after the other running sequences."""
-    plain = [s for s in plan.running_seqs if _is_plain_decode(s)]
-    others = plan.running_seqs if not plain else [
-        s for s in plan.running_seqs if not _is_plain_decode(s)]
     msg = worker_pb2.ExecuteStepRequest(
         scheduler_epoch=plan.scheduler_epoch, step_id=plan.step_id,
         previous_step_id=plan.previous_step_id,
         new_seqs=[new_sequence_to_proto(s) for s in plan.new_seqs],
-        running_seqs=[running_sequence_to_proto(s) for s in others],
+        running_seqs=[running_sequence_to_proto(s) for s in plan.running_seqs],
         finished_seq_ids=plan.finished_seq_ids, preempted_seq_ids=plan.preempted_seq_ids,
-        decode_seq_ids=[s.seq_id for s in plain] + plan.decode_seq_ids,
-        decode_block_ids_start=[s.block_ids_start for s in plain] + plan.decode_block_ids_start)
+        decode_seq_ids=plan.decode_seq_ids, decode_block_ids_start=plan.decode_block_ids_start)
     block_pairs_to_proto(plan.blocks_to_swap_out, msg.blocks_to_swap_out)
     block_pairs_to_proto(plan.blocks_to_swap_in, msg.blocks_to_swap_in)
     block_pairs_to_proto(plan.blocks_to_copy, msg.blocks_to_copy)

@@ -54,6 +54,7 @@ PLAN = StepPlan(
         RunningSequence(seq_id=12, new_token_ids=[], block_ids_start=0, block_ids=[],
                         num_scheduled_tokens=1),
     ],
+    decode_seq_ids=[BIG + 2, 13], decode_block_ids_start=[3, 0],
     finished_seq_ids=[3, BIG],
     preempted_seq_ids=[5],
     blocks_to_swap_out=[(1, 100), (2, 101)],
@@ -110,22 +111,6 @@ def test_proto_mirrors_the_dataclass(cls, message):
     assert _field_names(cls) == set(message.DESCRIPTOR.fields_by_name) - PACKED
 
 
-def test_plain_decodes_travel_packed_after_the_other_running_sequences():
-    plain = [RunningSequence(seq_id=BIG + i, new_token_ids=[], block_ids_start=i,
-                             block_ids=[], num_scheduled_tokens=1) for i in range(3)]
-    delta = PLAN.running_seqs[0]
-    plan = dataclasses.replace(PLAN, running_seqs=[plain[0], delta, *plain[1:]])
-    msg = _wire(step_plan_to_proto(plan))
-    assert [s.seq_id for s in msg.running_seqs] == [delta.seq_id]
-    assert list(msg.decode_seq_ids) == [BIG, BIG + 1, BIG + 2]
-    assert list(msg.decode_block_ids_start) == [0, 1, 2]
-    back = step_plan_from_proto(msg)  # and stay packed in the worker
-    assert back.running_seqs == [delta]
-    assert (back.decode_seq_ids, back.decode_block_ids_start) == ([BIG, BIG + 1, BIG + 2],
-                                                                   [0, 1, 2])
-    assert step_plan_from_proto(_wire(step_plan_to_proto(back))) == back
-
-
 def test_single_samples_travel_packed():
     output = dataclasses.replace(OUTPUT, sampled_seq_ids=[BIG + 5], sampled_token_ids=[3],
                                  sampled_logprobs=[-0.5])
@@ -153,11 +138,8 @@ def test_packed_lists_of_unequal_lengths_are_refused(convert, field, match):
 
 
 def test_step_plan_round_trip_keeps_every_field():
-    # PLAN's last running sequence is a plain decode: it comes back packed
-    packed = dataclasses.replace(PLAN, running_seqs=PLAN.running_seqs[:1], decode_seq_ids=[12],
-                                 decode_block_ids_start=[0])
-    assert step_plan_from_proto(_wire(step_plan_to_proto(PLAN))) == packed
-    assert step_plan_from_proto(_wire(step_plan_to_proto(packed))) == packed
+    # a plain decode that came as a RunningSequence (seq 12) goes as one: the scheduler packs
+    assert step_plan_from_proto(_wire(step_plan_to_proto(PLAN))) == PLAN
 
 
 def test_empty_step_plan_round_trip():

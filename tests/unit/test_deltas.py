@@ -9,6 +9,7 @@ from pagedserve.scheduler_svc.deltas import sequence_deltas
 from pagedserve.scheduler_svc.scheduled_step import ScheduledSequence
 from pagedserve.scheduler_svc.sequence import SequenceGroup, SequenceStatus
 from pagedserve.services.common.sampling_params import SamplingParams
+from pagedserve.services.common.step_plan import RunningSequence
 
 BS = 4
 
@@ -18,25 +19,35 @@ def _plan(group, bm, num_tokens=1):
     return sequence_deltas([ScheduledSequence(group, seq, num_tokens, 1, True)], bm)
 
 
+def _running(deltas):
+    """The one known sequence's delta, a packed plain decode as its RunningSequence."""
+    if deltas.decode_seq_ids:
+        assert not deltas.running_seqs and len(deltas.decode_seq_ids) == 1
+        return RunningSequence(deltas.decode_seq_ids[0], [], deltas.decode_block_ids_start[0],
+                               [], 1)
+    running, = deltas.running_seqs
+    return running
+
+
 def test_a_known_sequence_sends_its_changed_blocks_and_its_mirror_copy_follows():
     bm = BlockManager(BS, 8, 4, watermark=0.0)
     group = SequenceGroup.from_prompt("r", [1, 2, 3, 4], SamplingParams(max_tokens=8), 0)
     seq = group.seqs[0]
     seq.status = SequenceStatus.RUNNING
     bm.allocate(0, seq.token_ids)
-    new_seqs, _ = _plan(group, bm, num_tokens=4)
+    new_seqs = _plan(group, bm, num_tokens=4).new_seqs
     new_seqs[0].block_ids.append(99)  # the plan's list is its own
     assert seq.worker_block_ids == bm.block_table(0) and len(seq.worker_block_ids) == 1
 
     seq.num_computed_tokens = 4
     seq.append_token(5, 0.0)
     bm.append_slots(0, 5)
-    _, running = _plan(group, bm)
+    running = _plan(group, bm).running_seqs
     assert (running[0].block_ids_start, running[0].block_ids) == (1, bm.block_table(0)[1:])
     running[0].block_ids.append(99)
     assert seq.worker_block_ids == bm.block_table(0) and len(seq.worker_block_ids) == 2
 
-    _, running = _plan(group, bm)  # nothing changed: an empty tail
+    running = _plan(group, bm).running_seqs  # nothing changed: an empty tail
     assert (running[0].block_ids_start, running[0].block_ids) == (2, [])
 
     child = seq.fork(1, 1, None)  # sharing both blocks: writing the last one copies it
@@ -45,7 +56,7 @@ def test_a_known_sequence_sends_its_changed_blocks_and_its_mirror_copy_follows()
     child.worker_block_ids = list(seq.worker_block_ids)
     copies = bm.append_slots(1, 6)
     assert copies and bm.block_table(1)[1] != seq.worker_block_ids[1]
-    _, running = _plan(group, bm)
+    running = _plan(group, bm).running_seqs
     assert (running[0].block_ids_start, running[0].block_ids) == (1, bm.block_table(1)[1:])
     assert child.worker_block_ids == bm.block_table(1)
     assert seq.worker_block_ids == bm.block_table(0)
@@ -93,13 +104,13 @@ def test_deltas_match_a_full_compare_through_copies_trims_and_swaps():
             bm.swap_in([0])
             seq.worker_block_ids = None
         before = None if seq.worker_block_ids is None else list(seq.worker_block_ids)
-        new_seqs, running = _plan(group, bm, num_tokens=1)
+        deltas = _plan(group, bm, num_tokens=1)
         table = bm.block_table(0)
         if before is None:
-            assert new_seqs[0].block_ids == table
+            assert deltas.new_seqs[0].block_ids == table
             mirror = list(table)
         else:
-            delta = running[0]
+            delta = _running(deltas)
             assert delta.block_ids_start == _reference_start(before, table), kind
             mirror[delta.block_ids_start:] = delta.block_ids
             kinds.add(kind)
@@ -107,7 +118,7 @@ def test_deltas_match_a_full_compare_through_copies_trims_and_swaps():
     assert kinds == {"decode", "drafts", "share"}
 
 
-def test_a_steady_decode_sends_its_last_delta_again_until_something_changes():
+def test_a_decode_goes_packed_while_the_mirror_needs_nothing_else():
     bm = BlockManager(BS, 8, 4, watermark=0.0)
     group = SequenceGroup.from_prompt("r", [1, 2, 3], SamplingParams(max_tokens=8), 0)
     seq = group.seqs[0]
@@ -116,24 +127,22 @@ def test_a_steady_decode_sends_its_last_delta_again_until_something_changes():
     _plan(group, bm, num_tokens=3)
     seq.num_computed_tokens = 3
 
-    def decode_step():
+    def decode_step(num_samples=1):
         seq.append_token(7, 0.0)  # what the worker appended itself
         bm.append_slots(0, len(seq.token_ids))
         seq.num_computed_tokens = len(seq.token_ids) - 1
-        return _plan(group, bm)[1][0]
+        return sequence_deltas([ScheduledSequence(group, seq, 1, num_samples, True)], bm)
 
     first = decode_step()  # 4 tokens fill the first block: nothing new for the worker
-    assert (first.block_ids_start, first.block_ids, first.new_token_ids) == (1, [], [])
-    grown = decode_step()  # the 5th takes a second block
-    assert grown is not first and grown.block_ids == bm.block_table(0)[1:]
-    steady = decode_step()
-    assert steady is not grown and (steady.block_ids_start, steady.block_ids) == (2, [])
-    assert decode_step() is steady  # 7 tokens: the same delta
-    seq.append_token(7, 0.0)
-    seq.num_computed_tokens = len(seq.token_ids) - 1
-    bm.append_slots(0, len(seq.token_ids))
-    sampling_two = sequence_deltas([ScheduledSequence(group, seq, 1, 2, True)], bm)[1][0]
-    assert sampling_two is not steady and sampling_two.num_samples == 2
+    assert (first.running_seqs, first.decode_seq_ids, first.decode_block_ids_start) == (
+        [], [0], [1])
+    grown, = decode_step().running_seqs  # the 5th takes a second block
+    assert grown == RunningSequence(0, [], 1, bm.block_table(0)[1:], 1)
+    assert decode_step().decode_block_ids_start == [2]
+    sampling_two, = decode_step(num_samples=2).running_seqs
+    assert sampling_two == RunningSequence(0, [], 2, [], 1, 2)
     seq.num_worker_tokens -= 1  # a token the worker does not hold yet goes with the delta
-    with_token = _plan(group, bm)[1][0]
-    assert with_token.new_token_ids == [7] and with_token.block_ids_start == 2
+    with_token, = _plan(group, bm).running_seqs
+    assert with_token == RunningSequence(0, [7], 2, [], 1)
+    chunk, = _plan(group, bm, num_tokens=2).running_seqs  # a prompt's next chunk
+    assert chunk == RunningSequence(0, [], 2, [], 2)

@@ -151,8 +151,8 @@ def test_decodes_run_before_prefill_chunks():
     out, _ = h.step()
     assert scheduled_ids(out) == ["a", "b"]
     assert [i.num_scheduled_tokens for i in out.scheduled] == [1, 5]
-    decode, = out.plan.running_seqs
-    assert decode.new_token_ids == [] and decode.num_scheduled_tokens == 1  # the worker has 10
+    assert out.plan.running_seqs == []
+    assert out.plan.decode_seq_ids == [out.scheduled[0].seq.seq_id]  # packed: the worker has 10
 
 
 def test_without_chunked_prefill_a_step_is_all_prompts_or_all_decodes():
