@@ -272,9 +272,11 @@ class Scheduler:
             for seq in group.live_seqs():
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
+            # back on the device; it runs next step (or is preempted again). No prefill is left
+            # out here: a prompt's blocks are all allocated at admission, so a group that cannot
+            # grow is decoding, which the second pass for prefills does not look at
             if not self._can_append(assignment):
-                step.may_leave_prefills = True
-                continue  # back on the device; it runs next step (or is preempted again)
+                continue
             self._add(group, assignment, budget, step, group.is_decode_phase())
 
     def _schedule_waiting(self, budget: TokenBudget, step: StepDraft) -> None:
