@@ -130,4 +130,4 @@ image:
 	$(ENGINE) build -f Dockerfile.cpu -t $(IMAGE):$(VERSION)-cpu .
 
 clean:
-	rm -rf $(VENV) services/rpc/v1 build *.egg-info examples/node/node_modules
+	rm -rf $(VENV) services/rpc/v1 services/rpc/v1.tmp services/rpc/internal build *.egg-info examples/node/node_modules
