@@ -5,6 +5,7 @@ HF transformers runs the same weights as the reference, so every parity test nee
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -58,6 +59,19 @@ def make_served_model(path: Path, vocab_size: int = 512) -> Path:
     make_tiny_model("llama", path, vocab_size=vocab_size)
     byte_level_bpe().hf_tokenizer.save_pretrained(path)
     return Path(path)
+
+
+def split_tokenizer(model_dir: Path, root: Path) -> tuple[Path, Path]:
+    """model_dir's config and weights in root/model, its tokenizer files in root/tokenizer: a
+    model folder without a tokenizer, served with --tokenizer."""
+    model, tokenizer = root / "model", root / "tokenizer"
+    model.mkdir(parents=True)
+    tokenizer.mkdir(parents=True)
+    for path in Path(model_dir).iterdir():
+        is_model_file = path.name in ("config.json", "generation_config.json") or \
+            path.suffix == ".safetensors"
+        shutil.copy(path, (model if is_model_file else tokenizer) / path.name)
+    return model, tokenizer
 
 
 def load_hf(path: Path) -> transformers.PreTrainedModel:

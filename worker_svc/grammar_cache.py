@@ -23,12 +23,13 @@ logger = logging.getLogger(__name__)
 MAX_CACHED_GRAMMARS = 512
 
 
-def llguidance_tokenizer(model_path: str, vocab_size: int, eos_token_ids: list[int]) -> Any:
-    """The model's tokenizer as llguidance sees it: the bytes of each of the logits' columns."""
+def llguidance_tokenizer(tokenizer_path: str, vocab_size: int,
+                         eos_token_ids: list[int]) -> Any:
+    """The served tokenizer as llguidance sees it: the bytes of each of the logits' columns."""
     import llguidance.hf
     from transformers import AutoTokenizer
 
-    hf_tokenizer = AutoTokenizer.from_pretrained(model_path)
+    hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                         eos_token=eos_token_ids or None)
 

@@ -71,10 +71,11 @@ class GrammarMatchers:
         self._ahead: Future[_RowsAhead] | None = None
 
     @classmethod
-    def for_model(cls, model_path: str, vocab_size: int,
+    def for_model(cls, tokenizer_path: str, vocab_size: int,
                   eos_token_ids: list[int]) -> GrammarMatchers:
-        """With the tokenizer of the model folder, read from now on the compile pool."""
-        cache = GrammarCache(functools.partial(llguidance_tokenizer, model_path, vocab_size,
+        """With the tokenizer of that folder (--tokenizer, else the model folder), read from now
+        on the compile pool."""
+        cache = GrammarCache(functools.partial(llguidance_tokenizer, tokenizer_path, vocab_size,
                                                eos_token_ids))
         cache.read_tokenizer()
         return cls(cache, vocab_size, eos_token_ids)

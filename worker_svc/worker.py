@@ -151,8 +151,8 @@ class Worker:
                                   self.kv_spec.block_size, max_model_len, self.device, self.tp,
                                   drafter=drafter)
         if self.rank == 0:  # the rank that samples
-            self.runner.grammars = GrammarMatchers.for_model(model_config.model, vocab_size,
-                                                             eos_ids)
+            self.runner.grammars = GrammarMatchers.for_model(model_config.tokenizer_path,
+                                                             vocab_size, eos_ids)
         self.info = WorkerInfo(
             rank=self.rank, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             architecture=architecture, vocab_size=vocab_size, max_model_len=max_model_len,

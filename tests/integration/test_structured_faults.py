@@ -83,6 +83,14 @@ def test_constrained_outputs_are_those_of_an_undisturbed_run(model_dir, one_at_a
     assert (num_preemptions > 0) == ("preemption_mode" in kw)
 
 
+def test_grammars_compile_against_the_tokenizer_flag(model_dir, one_at_a_time, tmp_path):
+    """A model folder without a tokenizer, served with --tokenizer: the worker's grammars use
+    that tokenizer, so the constrained outputs are those of the folder that has both."""
+    weights, tokenizer = tiny_models.split_tokenizer(model_dir, tmp_path)
+    outputs, _ = _generate(weights, 128, tokenizer=str(tokenizer), async_scheduling=False)
+    assert outputs == one_at_a_time
+
+
 def test_a_resumed_constrained_request_continues_token_identically(model_dir, one_at_a_time):
     """What the scheduler a gateway fails over to is given: the outputs already streamed."""
     with LLM(str(model_dir), device="cpu", attention_backend="torch", num_threads=1,

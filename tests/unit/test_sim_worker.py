@@ -26,8 +26,10 @@ from pagedserve.worker_svc.sim.sampler import SimSampler, sim_token
 from pagedserve.worker_svc.sim.timeline import GpuTimeline
 from pagedserve.worker_svc.sim.worker import SimWorker
 from pagedserve.worker_svc.worker import create_worker
+from transformers import AutoTokenizer
 
 from pagedserve.llm_engine import LLMEngine
+from tests import tiny_models
 from tests.sim_tokens import expected_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -254,6 +256,22 @@ def test_constrained_draws_on_sim_follow_their_schema_and_the_others_stay_sim_to
         text = tokenizer.decode(outputs[request_id], skip_special_tokens=True)
         jsonschema.validate(json.loads(text), schema)
     assert outputs["free"] == expected_greedy(PROMPTS[0], 20, engine.core.vocab_size)
+
+
+def test_constrained_draws_on_sim_use_the_tokenizer_flag(tmp_path):
+    """A served folder without a tokenizer, its tokenizer given by --tokenizer: the sim worker's
+    grammars compile against that one."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    weights, tokenizer = tiny_models.split_tokenizer(
+        tiny_models.make_served_model(tmp_path / "served"), tmp_path / "split")
+    engine = sim_engine(weights, tokenizer=str(tokenizer))
+    sampling = SamplingParams(temperature=1.0, seed=3, max_tokens=30,
+                              structured_outputs=StructuredOutputsParams(json_schema=schema))
+    outputs = run(engine, [PROMPTS[0]], sampling)["r0"][0]
+    text = AutoTokenizer.from_pretrained(tokenizer).decode(outputs, skip_special_tokens=True)
+    jsonschema.validate(json.loads(text), schema)
 
 
 def test_swaps_report_their_modelled_time_by_direction(tiny_model_dir):

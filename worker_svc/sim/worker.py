@@ -100,16 +100,17 @@ class SimWorker(Worker):
         self.runner = ModelRunner(model, sampler,
                                   vocab_size, self.kv_spec.block_size, max_model_len, self.device,
                                   new_fence=self.timeline.fence, drafter=drafter)
-        # the real matchers on the served folder's tokenizer: their host time is real
-        self.runner.grammars = GrammarMatchers.for_model(model_config.model, vocab_size, eos_ids)
+        # the real matchers on the served tokenizer: their host time is real
+        self.runner.grammars = GrammarMatchers.for_model(model_config.tokenizer_path, vocab_size,
+                                                         eos_ids)
         architecture = resolve_architecture(getattr(hf_config, "architectures", None) or [])
         self.info = WorkerInfo(
             rank=self.rank, device=f"sim:{gpu.name}", dtype=str(self.dtype).removeprefix("torch."),
             architecture=architecture, vocab_size=vocab_size, max_model_len=max_model_len,
             eos_token_ids=eos_ids, num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
             head_size=shape.head_size, attention_backend="sim")
-        logger.info("simulating %s on %s (%s); vocabulary and tokenizer of %s", shape.name,
-                    gpu.name, self.info.dtype, model_config.model)
+        logger.info("simulating %s on %s (%s); vocabulary of %s, tokenizer of %s", shape.name,
+                    gpu.name, self.info.dtype, model_config.model, model_config.tokenizer_path)
         return self.info
 
     def _sim_model(self, shape: ModelShape, gpu: GpuSpec, name: str, hf_config: Any,
