@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 from pagedserve.log_format import configure_logging
 from pagedserve.services.common.config import (
     EngineConfig,
+    MetricsConfig,
+    PublicTlsConfig,
     SchedulerServiceConfig,
     ShutdownConfig,
     TracingConfig,
@@ -54,11 +56,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# `gateway` flags that `serve` takes as they are and hands to each of its gateway processes (its
+# --host, --port, --num-grpc-servers and --metrics-port have meanings of their own there; it sets
+# the scheduler addresses, the internal TLS and --reuse-port itself)
+SERVE_GATEWAY_FIELDS = ("rpc_timeout_s", "max_concurrent_requests", "num_tokenizer_threads",
+                        "num_tokenize_api_threads")
+SERVE_METRICS_FIELDS = ("metrics_max_connections", "metrics_timeout_s")  # every child's
+
 
 def _serve(args: argparse.Namespace) -> int:
     from pagedserve.supervisor import serve_stack
 
     config = from_args(EngineConfig, args)
+    gateway = from_args(GatewayConfig, args)  # its gateways' flags, checked as `gateway` does
     if config.model.model == default_model_dir():
         from pagedserve.model_prep import prepare_default_model
 
@@ -66,18 +76,10 @@ def _serve(args: argparse.Namespace) -> int:
     if not (Path(config.model.model) / "config.json").is_file():
         raise InvalidRequest(f"model must be a Hugging Face model folder, got "
                              f"{config.model.model!r} (no config.json)")
-    return asyncio.run(serve_stack(config, args.host, args.port, args.scheduler_port,
-                                   args.worker_port, args.startup_timeout_s,
-                                   from_args(ShutdownConfig, args).drain_timeout_s,
-                                   from_args(TracingConfig, args), args.internal_tls,
-                                   args.metrics_port, args.log_format,
-                                   from_args(RequestLimitsConfig, args), from_args(HttpConfig, args),
-                                   admin=from_args(AdminConfig, args),
+    return asyncio.run(serve_stack(config, gateway, args.scheduler_port, args.worker_port,
+                                   args.startup_timeout_s, args.internal_tls, args.log_format,
                                    data_parallel_size=args.data_parallel_size,
-                                   connections=from_args(ConnectionLimitsConfig, args),
-                                   routing=from_args(RoutingConfig, args),
                                    api_server_count=args.api_server_count,
-                                   num_grpc_servers=args.num_grpc_servers,
                                    roles=_disaggregated_roles(args)))
 
 
@@ -299,6 +301,9 @@ def _add_serve(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     add_arguments(serve, ConnectionLimitsConfig)
     add_arguments(serve, AdminConfig)
     add_arguments(serve, RoutingConfig)
+    add_arguments(serve, PublicTlsConfig)
+    add_arguments(serve, MetricsConfig, SERVE_METRICS_FIELDS)
+    add_arguments(serve, GatewayConfig, SERVE_GATEWAY_FIELDS)
     gateway = GatewayConfig()
     serve.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     serve.add_argument("--port", type=int, default=gateway.port,

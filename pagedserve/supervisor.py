@@ -29,8 +29,13 @@ from typing import Any
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.certificates import ThrowAwayCertificates
-from pagedserve.services.common.config import TlsConfig
-from pagedserve.services.gateway.config import ADMIN_TOKEN_ENV, API_KEY_ENV
+from pagedserve.services.common.config import MetricsConfig, TlsConfig
+from pagedserve.services.gateway.config import (
+    ADMIN_TOKEN_ENV,
+    API_KEY_ENV,
+    GatewayConfig,
+    HttpConfig,
+)
 from pagedserve.services.rpc.roles import ROLES
 from pagedserve.services.rpc.tls import internal_aio_channel, is_loopback
 
@@ -238,20 +243,26 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
 
 
-def example_commands(address: str, http_url: str | None = None) -> list[str]:
+def example_commands(address: str, http_url: str | None = None, is_tls: bool = False
+                     ) -> list[str]:
+    """`is_tls`: the gateway's public port speaks TLS; CA.pem stands for the CA that signed
+    its certificate."""
     prompt = "The capital of France is"
     request = json.dumps({"text": prompt, "sampling": {"max_tokens": 32, "temperature": 0}})
+    client_tls = " --tls-ca CA.pem" if is_tls else ""
     commands = [
-        f'pagedserve generate --address {address} "{prompt}" --max-tokens 32 --temperature 0',
-        f'pagedserve chat --address {address} "What is the capital of France?" --temperature 0',
-        f"grpcurl -plaintext -d '{request}' {address} "
+        f'pagedserve generate --address {address}{client_tls} "{prompt}" --max-tokens 32 '
+        '--temperature 0',
+        f'pagedserve chat --address {address}{client_tls} "What is the capital of France?" '
+        '--temperature 0',
+        f"grpcurl {'-cacert CA.pem' if is_tls else '-plaintext'} -d '{request}' {address} "
         "pagedserve.v1.GenerationService/GenerateStream",
     ]
     if http_url is not None:
         chat = json.dumps({"messages": [{"role": "user", "content": "What is the capital of "
                                          "France?"}], "temperature": 0})
-        commands.append(f"curl {http_url}/v1/chat/completions -H 'Content-Type: "
-                        f"application/json' -d '{chat}'")
+        commands.append(f"curl {'--cacert CA.pem ' if is_tls else ''}{http_url}/v1/chat/"
+                        f"completions -H 'Content-Type: application/json' -d '{chat}'")
     return commands
 
 
@@ -260,58 +271,58 @@ def replica_port(port: int, replica: int, host: str) -> int:
     return port + replica if port else free_port(host)
 
 
-async def serve_stack(config: Any, host: str, port: int, scheduler_port: int, worker_port: int,
-                      startup_timeout_s: float, drain_timeout_s: float,
-                      tracing: Any = None, internal_tls: bool = True, metrics_port: int = -1,
-                      log_format: str = "text", limits: Any = None, http: Any = None,
-                      data_parallel_size: int = 1, admin: Any = None, connections: Any = None,
-                      routing: Any = None, api_server_count: int = 1,
-                      num_grpc_servers: int = 1, roles: Sequence[str] = ()) -> int:
+async def serve_stack(config: Any, gateway: GatewayConfig, scheduler_port: int,
+                      worker_port: int, startup_timeout_s: float, internal_tls: bool = True,
+                      log_format: str = "text", data_parallel_size: int = 1,
+                      api_server_count: int = 1, roles: Sequence[str] = ()) -> int:
     """Run the stack until Ctrl-C or SIGTERM (0), or until a child keeps dying (1).
     `data_parallel_size` replicas, each a scheduler and tensor_parallel_size workers: replica r's
     scheduler listens on scheduler_port + r and its rank-0 worker on worker_port + r (free ports
-    when 0); the gateway gets every scheduler's address, comma-separated. With `internal_tls`
-    they all talk mutual TLS with certificates of one throw-away CA, removed when the stack
-    stops. `metrics_port` P serves /metrics on P (gateway), then per replica r, with
-    S = P + 1 + r * (1 + tensor_parallel_size): S (scheduler) and S + 1 + rank (workers); 0 on
-    free ports each; -1 not at all. `limits`: the gateway's RequestLimitsConfig, `routing` its
-    RoutingConfig, `connections` its ConnectionLimitsConfig. `http` is the gateway's HttpConfig;
-    an API key in it reaches the gateway through its environment, never its command line; so does
-    `admin`'s token (an AdminConfig). Neither, nor the same variables of our own environment, reach
-    the schedulers and workers. `api_server_count`, `num_grpc_servers`: _start_gateways;
+    when 0); the gateways get every scheduler's address, comma-separated.
+
+    `gateway` (`serve`'s gateway flags) configures every gateway process but for what the stack
+    sets: scheduler addresses, tokenizer (`config`'s), internal TLS, shared ports, a free HTTP
+    port for -1. Its host is every service's, its shutdown and tracing every child's. With
+    `internal_tls` the services talk mutual TLS with certificates of one throw-away CA, removed
+    when the stack stops. Its metrics_port P serves
+    /metrics on P (gateway), then per replica r, with S = P + 1 + r * (1 + tensor_parallel_size):
+    S (scheduler) and S + 1 + rank (workers); 0 on free ports each; -1 not at all; the other
+    metrics settings hold for every child. An API key or admin token in it reaches the gateways
+    through their environment, never their command line; neither, nor the same variables of our
+    own environment, reach the schedulers and workers. `api_server_count`: _start_gateways;
     `roles`: _replica_roles."""
     config, replica_roles = _replica_roles(config, data_parallel_size, roles)
-    connect = _connect_host(host)
-    port = port or free_port(host)
-    http_argv, http_url, gateway_secrets = _http_argv(http, admin, host, connect)
-    drain = ["--drain-timeout-s", str(drain_timeout_s), "--log-format", log_format,
-             *(config_to_argv(tracing) if tracing is not None else [])]
+    host, connect = gateway.host, _connect_host(gateway.host)
+    port = gateway.port or free_port(host)
+    http, http_url, gateway_secrets = _http_config(gateway, connect)
+    common = ["--drain-timeout-s", str(gateway.shutdown.drain_timeout_s),
+              "--log-format", log_format, *config_to_argv(gateway.tracing)]
     certificates = ThrowAwayCertificates(ROLES, [connect]) if internal_tls else None
 
     def service_argv(role: str, offset: int) -> list[str]:  # offset: of its metrics port
-        return [*drain, *_tls_argv(certificates, role), *_metrics_argv(metrics_port, offset)]
+        return [*common, *_tls_argv(certificates, role),
+                *config_to_argv(_metrics(gateway.metrics, offset))]
 
     watch_tls = None if certificates is None else certificates.tls("supervisor")
     logger.info("internal services: %s", "mutual TLS (a throw-away CA)" if internal_tls
                 else "plaintext on loopback only" if is_loopback(host) else f"plaintext on {host}")
-    supervisor = Supervisor(stop_timeout_s=drain_timeout_s + 10.0)
+    supervisor = Supervisor(stop_timeout_s=gateway.shutdown.drain_timeout_s + 10.0)
     try:
         scheduler_addresses = [
             await _start_replica(supervisor, replica, config, host, scheduler_port, worker_port,
                                  startup_timeout_s, service_argv, watch_tls, role)
             for replica, role in enumerate(replica_roles)]
-        gateway_argv = [
-            *drain, "--host", host, "--port", str(port),
-            "--scheduler-address", ",".join(scheduler_addresses),
-            "--tokenizer", config.model.tokenizer_path, *http_argv,
-            *(arg for part in (limits, routing, connections) if part is not None
-              for arg in config_to_argv(part)), *_tls_argv(certificates, "gateway")]
+        gateway = dataclasses.replace(
+            gateway, port=port, scheduler_address=",".join(scheduler_addresses),
+            tokenizer=config.model.tokenizer_path, http=http,
+            admin=dataclasses.replace(gateway.admin, admin_token=""),
+            tls=TlsConfig() if certificates is None else certificates.tls("gateway"))
         count = await _start_gateways(supervisor, resolve_api_server_count(
-            api_server_count, len(replica_roles)), f"{connect}:{port}", gateway_argv,
-            metrics_port, gateway_secrets, num_grpc_servers)
+            api_server_count, len(replica_roles)), gateway, log_format, gateway_secrets)
         if not await supervisor.wait_serving(startup_timeout_s):
             return 0
-        _print_serving(config.model.model, f"{connect}:{port}", http_url, len(replica_roles), count)
+        _print_serving(config.model.model, f"{connect}:{port}", http_url, len(replica_roles),
+                       count, gateway.public_tls.is_enabled)
         return await supervisor.run_until_stopped()
     except (RuntimeError, TimeoutError) as e:
         logger.error("%s", e)
@@ -334,25 +345,34 @@ def _replica_roles(config: Any, data_parallel_size: int, roles: Sequence[str]
         config.cache, enable_prefix_caching=True)), list(roles)
 
 
-async def _start_gateways(supervisor: Supervisor, count: int, address: str, argv: list[str],
-                          metrics_port: int, secrets: Mapping[str, str],
-                          num_grpc_servers: int = 1) -> int:
-    """`count` gateway processes on one address, sharing its gRPC and HTTP ports (SO_REUSEPORT)
-    when more than one: the first with /metrics on metrics_port, the others on free ports; each
-    with `num_grpc_servers` grpc.aio servers on the gRPC port."""
-    shared = [*(["--reuse-port"] if count > 1 else []),
-              *(["--num-grpc-servers", str(num_grpc_servers)] if num_grpc_servers > 1 else [])]
+async def _start_gateways(supervisor: Supervisor, count: int, gateway: GatewayConfig,
+                          log_format: str, secrets: Mapping[str, str]) -> int:
+    """`count` gateway processes of configuration `gateway`, sharing its gRPC and HTTP ports
+    (SO_REUSEPORT) when more than one: the first with /metrics on its metrics_port, the others
+    on free ports. The supervisor watches a gateway's health on its port, or, where that port
+    speaks public TLS (whose CA the supervisor lacks), on a plaintext health-only port of its
+    own."""
+    connect = _connect_host(gateway.host)
     for index in range(count):
-        metrics = _metrics_argv(metrics_port if index == 0 else min(metrics_port, 0), 0)
-        await supervisor.start("gateway", address, [*argv, *shared, *metrics],
+        tls = gateway.tls
+        if gateway.public_tls.is_enabled:
+            tls = dataclasses.replace(tls, health_port=free_port(gateway.host))
+        metrics = gateway.metrics
+        if index > 0:
+            metrics = dataclasses.replace(metrics, metrics_port=min(metrics.metrics_port, 0))
+        process = dataclasses.replace(gateway, reuse_port=count > 1, tls=tls, metrics=metrics)
+        watched = tls.health_port or gateway.port
+        await supervisor.start("gateway", f"{connect}:{watched}",
+                               [*config_to_argv(process), "--log-format", log_format],
                                restartable=True, secrets=secrets)
     return count
 
 
-def _metrics_argv(metrics_port: int, offset: int) -> list[str]:
-    if metrics_port < 0:
-        return []
-    return ["--metrics-port", str(metrics_port + offset if metrics_port else 0)]
+def _metrics(metrics: MetricsConfig, offset: int) -> MetricsConfig:
+    """A service's /metrics: `offset` ports after metrics_port, unless that is -1 (none) or 0
+    (free ports)."""
+    port = metrics.metrics_port
+    return dataclasses.replace(metrics, metrics_port=port + offset if port > 0 else port)
 
 
 def _tls_argv(certificates: ThrowAwayCertificates | None, role: str) -> list[str]:
@@ -360,24 +380,21 @@ def _tls_argv(certificates: ThrowAwayCertificates | None, role: str) -> list[str
         "--internal-tls-dir", certificates.tls(role).internal_tls_dir]
 
 
-def _http_argv(http: Any, admin: Any, host: str, connect: str
-               ) -> tuple[list[str], str | None, dict[str, str]]:
-    """The gateway's HTTP and admin flags, the HTTP API's URL (None: no HTTP API) and the
-    secrets only the gateway's environment gets."""
-    http_argv: list[str] = []
-    http_url = None
+def _http_config(gateway: GatewayConfig, connect: str
+                 ) -> tuple[HttpConfig, str | None, dict[str, str]]:
+    """The gateways' HTTP settings (a free port for -1, no API key: it goes to their
+    environment), the HTTP API's URL (None: no HTTP API) and the secrets only the gateways'
+    environment gets."""
+    http, admin = gateway.http, gateway.admin
     gateway_secrets = {name: os.environ[name] for name in GATEWAY_SECRETS if os.environ.get(name)}
-    if http is not None:
-        http_port = free_port(host) if http.http_port == -1 else http.http_port
-        if http.api_key:
-            gateway_secrets[API_KEY_ENV] = http.api_key
-        http_argv = config_to_argv(dataclasses.replace(http, http_port=http_port, api_key=""))
-        http_url = f"http://{connect}:{http_port}" if http_port else None
-    if admin is not None:
-        if admin.admin_token:
-            gateway_secrets[ADMIN_TOKEN_ENV] = admin.admin_token
-        http_argv += config_to_argv(dataclasses.replace(admin, admin_token=""))
-    return http_argv, http_url, gateway_secrets
+    if http.api_key:
+        gateway_secrets[API_KEY_ENV] = http.api_key
+    if admin.admin_token:
+        gateway_secrets[ADMIN_TOKEN_ENV] = admin.admin_token
+    http_port = free_port(gateway.host) if http.http_port == -1 else http.http_port
+    scheme = "https" if gateway.public_tls.is_enabled else "http"
+    http_url = f"{scheme}://{connect}:{http_port}" if http_port else None
+    return dataclasses.replace(http, http_port=http_port, api_key=""), http_url, gateway_secrets
 
 
 async def _start_replica(supervisor: Supervisor, replica: int, config: Any, host: str,
@@ -416,12 +433,15 @@ def resolve_api_server_count(api_server_count: int, data_parallel_size: int) -> 
 
 
 def _print_serving(model: str, address: str, http_url: str | None,
-                   data_parallel_size: int, api_server_count: int = 1) -> None:
+                   data_parallel_size: int, api_server_count: int = 1,
+                   is_tls: bool = False) -> None:
     replicas = f" ({data_parallel_size} replicas)" if data_parallel_size > 1 else ""
     if api_server_count > 1:
         replicas += f" through {api_server_count} gateway processes"
     print(f"\npagedserve is serving {model}{replicas} on {address}\n", flush=True)
     if http_url is not None:
         print(f"OpenAI-compatible HTTP API on {http_url}/v1\n", flush=True)
-    print("Try:\n  " + "\n  ".join(example_commands(address, http_url)), flush=True)
+    print("Try:\n  " + "\n  ".join(example_commands(address, http_url, is_tls)), flush=True)
+    if is_tls:
+        print("(CA.pem: the CA certificate that signed --public-tls-cert)", flush=True)
     print("\nCtrl-C stops it.\n", flush=True)

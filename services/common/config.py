@@ -14,6 +14,7 @@ import json
 import os
 import types
 import typing
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -455,10 +456,14 @@ def _base_type(tp: Any) -> Any:
     return tp
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per field of `cls` (nested config dataclasses are flattened)."""
+def add_arguments(parser: argparse.ArgumentParser, cls: type,
+                  names: Collection[str] | None = None) -> None:
+    """One flag per field of `cls` (nested config dataclasses are flattened); `names`: only
+    these fields of `cls` itself."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if names is not None and f.name not in names:
+            continue
         tp = _base_type(hints[f.name])
         if dataclasses.is_dataclass(tp):
             add_arguments(parser, tp)

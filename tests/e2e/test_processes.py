@@ -28,6 +28,7 @@ from pagedserve.services.rpc.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pagedserve.worker_svc.parallel import GROUP_BROKEN_EXIT_CODE
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedserve.certificates import ThrowAwayCertificates
 from pagedserve.llm import LLM
 from pagedserve.supervisor import free_port
 
@@ -186,6 +187,46 @@ def test_serve_passes_the_admin_token_to_its_gateway_outside_its_command_line(
     finally:
         if serve.poll() is None:
             serve.kill()
+
+
+def test_serve_hands_its_gateway_public_tls_and_the_request_limit(tiny_served_model_dir):
+    """The gateway takes --public-tls-cert and --max-concurrent-requests from serve; serve,
+    which lacks the certificate's CA, watches its health on a plaintext port of its own."""
+    certificates = ThrowAwayCertificates(("gateway",))
+    folder = certificates.folder / "gateway"
+    serve = pagedserve("serve", "--model", str(tiny_served_model_dir), "--port", "0",
+                       "--http-port", "-1", "--no-internal-tls",
+                       "--public-tls-cert", str(folder / "tls.crt"),
+                       "--public-tls-key", str(folder / "tls.key"),
+                       "--max-concurrent-requests", "1", *SMALL_CACHE,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = read_lines(serve.stdout), read_lines(serve.stderr)
+        address = wait_for_line(out, "pagedserve is serving", 180).split(" on ")[-1].strip()
+        http_url = wait_for_line(out, "OpenAI-compatible HTTP API on", 5).split(" on ")[-1].strip()
+        assert "--tls-ca CA.pem" in wait_for_line(out, "pagedserve generate", 5)
+        ca = (folder / "ca.crt").read_bytes()
+        assert httpx.get(f"{http_url}/models", verify=str(folder / "ca.crt"),
+                         timeout=30).status_code == 200
+        with grpc.secure_channel(address, grpc.ssl_channel_credentials(ca)) as channel:
+            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+            call = stub.GenerateStream(gateway_pb2.GenerateStreamRequest(
+                token_ids=common_pb2.TokenIds(token_ids=[1, 2, 3]),
+                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=480,
+                                                   ignore_eos=True)), timeout=120)
+            next(call)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Generate(gateway_pb2.GenerateRequest(
+                    token_ids=common_pb2.TokenIds(token_ids=[1, 2, 3]),
+                    sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+            call.cancel()
+        assert stop(serve, signal.SIGINT) == 0
+        rest(err)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+        certificates.remove()
 
 
 def test_serve_starts_a_killed_worker_again_and_the_streams_complete_unchanged(

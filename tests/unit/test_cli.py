@@ -8,6 +8,7 @@ from pagedserve.services.common.config import (
     EngineConfig,
     MetricsConfig,
     ModelConfig,
+    PublicTlsConfig,
     SchedulerConfig,
     SchedulerServiceConfig,
     TracingConfig,
@@ -50,12 +51,14 @@ class RecordingSupervisor:
     """Records the children `serve` would start; none serves, so serve returns at once."""
 
     started: dict[str, list[list[str]]] = {}
+    addresses: dict[str, list[str]] = {}  # what the supervisor watches the health of
 
     def __init__(self, stop_timeout_s: float) -> None:
-        RecordingSupervisor.started = {}
+        RecordingSupervisor.started, RecordingSupervisor.addresses = {}, {}
 
     async def start(self, role, address, argv, restartable=False, tls=None, secrets=None) -> None:
         self.started.setdefault(role, []).append(list(argv))
+        self.addresses.setdefault(role, []).append(address)
 
     async def wait_serving(self, timeout_s: float) -> bool:
         return False
@@ -86,6 +89,67 @@ def test_serve_hands_each_gateway_its_grpc_servers(tmp_path, monkeypatch):
     for argv in gateways:
         assert from_args(GatewayConfig, build_parser().parse_args(
             ["gateway", *argv])).num_grpc_servers == 4
+
+
+def test_serve_hands_every_gateway_process_the_gateway_flags(tmp_path, monkeypatch):
+    """Once `serve` refused them: its gateways kept 1024 requests in flight each."""
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(pagedserve.supervisor, "Supervisor", RecordingSupervisor)
+    assert main(["serve", "--model", str(tmp_path), "--no-internal-tls", "--device", "cpu",
+                 "--api-server-count", "2", "--max-concurrent-requests", "4096",
+                 "--num-tokenizer-threads", "3", "--num-tokenize-api-threads", "2",
+                 "--rpc-timeout-s", "2.5", "--public-tls-cert", "tls.crt",
+                 "--public-tls-key", "tls.key", "--public-tls-client-ca", "ca.crt",
+                 "--metrics-max-connections", "3", "--metrics-timeout-s", "4.5"]) == 0
+    gateways = [from_args(GatewayConfig, build_parser().parse_args(["gateway", *argv]))
+                for argv in RecordingSupervisor.started["gateway"]]
+    assert len(gateways) == 2
+    for gateway, address in zip(gateways, RecordingSupervisor.addresses["gateway"], strict=True):
+        assert (gateway.max_concurrent_requests, gateway.num_tokenizer_threads,
+                gateway.num_tokenize_api_threads, gateway.rpc_timeout_s) == (4096, 3, 2, 2.5)
+        assert gateway.public_tls == PublicTlsConfig("tls.crt", "tls.key", "ca.crt")
+        assert gateway.metrics.metrics_max_connections == 3
+        assert gateway.metrics.metrics_timeout_s == 4.5
+        assert gateway.reuse_port
+        # its port speaks TLS with a CA serve does not hold: health is watched on a port of its own
+        assert gateway.tls.health_port and address.endswith(f":{gateway.tls.health_port}")
+    for role in ("scheduler", "worker"):
+        [argv] = RecordingSupervisor.started[role]
+        metrics = from_args(MetricsConfig, build_parser().parse_args([role, *argv]))
+        assert (metrics.metrics_max_connections, metrics.metrics_timeout_s) == (3, 4.5)
+
+
+def test_serve_gateways_keep_the_gateway_defaults(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(pagedserve.supervisor, "Supervisor", RecordingSupervisor)
+    assert main(["serve", "--model", str(tmp_path), "--no-internal-tls", "--device", "cpu"]) == 0
+    [argv] = RecordingSupervisor.started["gateway"]
+    [address] = RecordingSupervisor.addresses["gateway"]
+    gateway = from_args(GatewayConfig, build_parser().parse_args(["gateway", *argv]))
+    defaults = GatewayConfig()
+    for name in ("max_concurrent_requests", "num_tokenizer_threads", "num_tokenize_api_threads",
+                 "rpc_timeout_s", "public_tls", "limits", "routing", "connections"):
+        assert getattr(gateway, name) == getattr(defaults, name), name
+    assert (gateway.metrics.metrics_max_connections, gateway.metrics.metrics_timeout_s) == (
+        defaults.metrics.metrics_max_connections, defaults.metrics.metrics_timeout_s)
+    assert not gateway.reuse_port and gateway.tls.health_port == 0
+    assert address == f"127.0.0.1:{gateway.port}"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--max-concurrent-requests", "0"], "max_concurrent_requests must be >= 1, got 0"),
+    (["--num-tokenizer-threads", "0"], "num_tokenizer_threads must be >= 1, got 0"),
+    (["--rpc-timeout-s", "0"], "rpc_timeout_s must be > 0, got 0.0"),
+    (["--public-tls-cert", "tls.crt"], "public_tls_cert and public_tls_key go together"),
+    (["--metrics-timeout-s", "0"], "metrics_timeout_s must be > 0, got 0.0"),
+])
+def test_serve_checks_the_gateway_flags_as_gateway_does(tmp_path, capsys, flags, message):
+    (tmp_path / "config.json").write_text("{}")
+    for command in (["gateway"], ["serve", "--model", str(tmp_path)]):
+        with pytest.raises(SystemExit) as info:
+            main([*command, *flags])
+        assert info.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 def test_sampling_flags_keep_vllm_defaults_for_the_rest():

@@ -7,8 +7,19 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from pagedserve.services.common.config import EngineConfig, ModelConfig, ParallelConfig
-from pagedserve.services.gateway.config import ADMIN_TOKEN_ENV, API_KEY_ENV, AdminConfig, HttpConfig
+from pagedserve.services.common.config import (
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    ShutdownConfig,
+)
+from pagedserve.services.gateway.config import (
+    ADMIN_TOKEN_ENV,
+    API_KEY_ENV,
+    AdminConfig,
+    GatewayConfig,
+    HttpConfig,
+)
 
 from pagedserve import supervisor
 from pagedserve.supervisor import (
@@ -61,6 +72,11 @@ class _Exited:
     returncode = 0
 
 
+def _gateway(**kw) -> GatewayConfig:
+    """serve's gateway flags: any free ports, a short drain."""
+    return GatewayConfig(port=0, shutdown=ShutdownConfig(drain_timeout_s=1.0), **kw)
+
+
 def test_only_the_gateway_gets_the_api_key_and_the_admin_token(monkeypatch):
     """Workers and schedulers once inherited both (serve put them in its own environment)."""
     monkeypatch.setenv(API_KEY_ENV, "inherited-key")
@@ -79,8 +95,9 @@ def test_only_the_gateway_gets_the_api_key_and_the_admin_token(monkeypatch):
     config = EngineConfig(model=ModelConfig(model="m"), parallel=ParallelConfig(
         tensor_parallel_size=2))
     assert asyncio.run(serve_stack(
-        config, "127.0.0.1", 0, 0, 0, 10.0, 1.0, internal_tls=False,
-        http=HttpConfig(api_key="flag-key"), admin=AdminConfig(admin_token="flag-token"))) == 0
+        config, _gateway(http=HttpConfig(api_key="flag-key"),
+                         admin=AdminConfig(admin_token="flag-token")),
+        0, 0, 10.0, internal_tls=False)) == 0
     assert set(envs) == {"worker", "scheduler", "gateway"}
     assert (envs["gateway"][API_KEY_ENV], envs["gateway"][ADMIN_TOKEN_ENV]) == (
         "flag-key", "flag-token")
@@ -91,8 +108,7 @@ def test_only_the_gateway_gets_the_api_key_and_the_admin_token(monkeypatch):
     assert supervisor.os.environ[API_KEY_ENV] == "inherited-key"  # our own stays as it was
 
     envs.clear()
-    asyncio.run(serve_stack(config, "127.0.0.1", 0, 0, 0, 10.0, 1.0, internal_tls=False,
-                            http=HttpConfig(), admin=AdminConfig()))
+    asyncio.run(serve_stack(config, _gateway(), 0, 0, 10.0, internal_tls=False))
     assert envs["gateway"][API_KEY_ENV] == "inherited-key"  # what the gateway read before
     assert API_KEY_ENV not in envs["scheduler"]
 
@@ -110,7 +126,7 @@ def test_serve_starts_prefill_and_decode_replicas_with_the_prefix_cache_on(monke
     monkeypatch.setattr(supervisor, "_spawn", spawn)
     monkeypatch.setattr(supervisor.Supervisor, "wait_serving", not_serving)
     config = EngineConfig(model=ModelConfig(model="m"))
-    assert asyncio.run(serve_stack(config, "127.0.0.1", 0, 0, 0, 10.0, 1.0, internal_tls=False,
+    assert asyncio.run(serve_stack(config, _gateway(), 0, 0, 10.0, internal_tls=False,
                                    roles=["prefill", "decode", "decode"])) == 0
     schedulers = [argv for role, _, argv in spawned if role == "scheduler"]
     assert [argv[argv.index("--role") + 1] for argv in schedulers] == [
