@@ -1,7 +1,8 @@
 """Sampler. vLLM V1's order: allowed ids → bad words → min_tokens → logit bias → penalties →
 temperature → top-k/top-p → min-p; logprobs are of the processed logits. Random rows race
 argmax(probs / Exponential(1)), with no host sync; a seeded draw's noise comes from (seed, length,
-sample index) alone (seeded_noise.py), so it survives batching and preemption."""
+sample index) alone (seeded_noise.py), so it survives batching and preemption; an unseeded draw's
+from a generator seeded with the engine's seed, so a fresh engine repeats it for the same steps."""
 
 from __future__ import annotations
 
@@ -108,10 +109,18 @@ class _TokenEdits:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device,
+                 seed: int | None = None) -> None:
+        """`seed`: the engine's, for the draws of rows without a seed of their own, so that a
+        fresh engine repeats them for the same steps; None = a random one."""
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device)  # unseeded rows' noise
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
         self._seeded_noise = SeededNoise(vocab_size, self.device)
         self._penalties = PenaltyCounts(vocab_size, self.device)
 
@@ -294,19 +303,21 @@ class Sampler:
     def race(self, probs: torch.Tensor, num_unseeded: int, keys: list[int]) -> torch.Tensor:
         """argmax(probs / Exponential(1)) of each row, a draw from it: [num_draws]. probs
         [num_draws, vocab_size] (unnormalized is fine) is overwritten; the first num_unseeded
-        rows take noise from the global RNG, the others from their keys (draw_keys)."""
+        rows take noise from the engine-seeded generator, the others from their keys
+        (draw_keys)."""
         if num_unseeded:
-            self._divide(probs[:num_unseeded],
-                         torch.empty_like(probs[:num_unseeded]).exponential_())
+            self._divide(probs[:num_unseeded], torch.empty_like(probs[:num_unseeded]).exponential_(
+                generator=self._generator))
         if keys:
             self._divide(probs[num_unseeded:],
                          self._seeded_noise.exponential(self._tensor(keys, torch.long)))
         return probs.argmax(dim=-1)
 
     def uniforms(self, num_unseeded: int, keys: list[int]) -> torch.Tensor:
-        """[num_unseeded + len(keys)] float64 in [0, 1): the first from the global RNG, the
-        others from their keys (draw_keys)."""
-        unseeded = torch.rand(num_unseeded, dtype=torch.float64, device=self.device)
+        """[num_unseeded + len(keys)] float64 in [0, 1): the first from the engine-seeded
+        generator, the others from their keys (draw_keys)."""
+        unseeded = torch.rand(num_unseeded, dtype=torch.float64, device=self.device,
+                              generator=self._generator)
         if not keys:
             return unseeded
         return torch.cat([unseeded, self._seeded_noise.uniforms(self._tensor(keys, torch.long))])

@@ -141,7 +141,7 @@ class Worker:
         vocab_size = int(hf_config.vocab_size)
         eos_ids = eos_token_ids(model_config.model, hf_config)
         speculative = self.config.scheduler.speculative
-        sampler = Sampler(vocab_size, eos_ids, self.device)
+        sampler = Sampler(vocab_size, eos_ids, self.device, model_config.seed)
         drafter = None
         if speculative is not None and speculative.method == "draft_model":
             drafter, self.kv_spec = load_draft_proposer(

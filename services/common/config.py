@@ -77,7 +77,8 @@ class ModelConfig:
     max_model_len: int = opt(0, "longest prompt + output in tokens; 0 = the model's own limit")
     load_format: Literal["auto", "safetensors", "pt", "dummy"] = opt(
         "auto", "weights format; dummy = random weights of the real shapes (benchmarks)")
-    seed: int = opt(0, "seed for dummy weights and unseeded sampling")
+    seed: int = opt(0, "seed for dummy weights and unseeded sampling: a fresh engine repeats the "
+                       "draws of requests without a seed of their own")
     pooling_type: Literal["last", "mean"] = opt(
         "last", "how an embedding request's prompt becomes one vector (vLLM's pooler "
         "pooling_type, L2-normalized): last = the final hidden state of its last token, mean = "

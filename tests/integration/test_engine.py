@@ -252,6 +252,19 @@ def test_a_worker_that_does_not_come_back_fails_every_request_until_it_does(llam
     assert generate(engine, prompts(0, [13, 29, 7, 21])) == reference
 
 
+def test_the_engine_seed_repeats_unseeded_samples_in_a_fresh_engine(llama_dir):
+    """vLLM's engine `seed`: requests without a seed of their own draw the same tokens in a
+    fresh engine of the same seed, and others under another seed."""
+    sampling = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+
+    def sampled(seed: int) -> dict[str, list[int]]:
+        return generate(make_engine(llama_dir, seed=seed), prompts(1, [9, 17, 5]), sampling)
+
+    first = sampled(3)
+    assert sampled(3) == first
+    assert sampled(4) != first
+
+
 def test_flat_options_build_the_config_tree_and_unknown_ones_are_rejected():
     config = engine_config_from_kwargs(model="m", block_size=32, max_num_seqs=7,
                                        enable_prefix_caching=True, attention_backend="torch")

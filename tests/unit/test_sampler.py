@@ -21,8 +21,8 @@ def seq(seq_id: int = 0, token_ids: list[int] | None = None, prompt_len: int | N
         num_samples=num_samples)
 
 
-def sampler(vocab_size: int = VOCAB) -> Sampler:
-    return Sampler(vocab_size=vocab_size, eos_token_ids=[EOS], device=CPU)
+def sampler(vocab_size: int = VOCAB, seed: int = 0) -> Sampler:
+    return Sampler(vocab_size=vocab_size, eos_token_ids=[EOS], device=CPU, seed=seed)
 
 
 def kept(logits: torch.Tensor) -> set[int]:  # [vocab] → ids that are not -inf
@@ -228,7 +228,7 @@ def test_seeded_sampling_repeats_whatever_the_batch():
     logits = torch.randn(3, VOCAB)
     a = seq(0, [1, 2, 3], seed=1234, num_samples=8)
     b = seq(1, [4, 5], seed=99, temperature=0.8, top_p=0.9)
-    c = seq(2, [7], temperature=1.3)  # unseeded: consumes the global RNG
+    c = seq(2, [7], temperature=1.3)  # unseeded: consumes the sampler's generator
     s = sampler()
     alone = s(logits[:1], [a])[0].token_ids
     mixed = s(logits, [a, b, c])
@@ -242,6 +242,20 @@ def test_seeded_sampling_repeats_whatever_the_batch():
     other_seed = seq(0, [1, 2, 3], seed=1235, num_samples=8)
     assert s(logits[:1], [longer])[0].token_ids != alone
     assert s(logits[:1], [other_seed])[0].token_ids != alone
+
+
+def test_unseeded_rows_draw_from_the_engine_seed_not_torchs_global_generator():
+    """vLLM's engine seed: a fresh engine repeats its unseeded draws for the same steps."""
+    logits = torch.zeros(1, VOCAB)
+    rows = [seq(temperature=1.0, num_samples=32)]
+    torch.manual_seed(1)
+    first = sampler(seed=3)(logits, rows)[0].token_ids
+    first_uniforms = sampler(seed=3).uniforms(4, []).tolist()  # the rejection sampler's
+    torch.manual_seed(2)  # whatever the global generator holds
+    assert sampler(seed=3)(logits, rows)[0].token_ids == first
+    assert sampler(seed=3).uniforms(4, []).tolist() == first_uniforms
+    assert sampler(seed=4)(logits, rows)[0].token_ids != first
+    assert sampler(seed=4).uniforms(4, []).tolist() != first_uniforms
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
