@@ -1,6 +1,6 @@
-"""Linear layers at decode batch sizes on CPU (csrc/skinny_linear_cpu.cpp): fp32, 2 to
-`MAX_ROWS` rows, weights read in place. One row (BLAS's matrix-vector product is as fast), larger
-inputs (prefills), other dtypes and devices, and hosts where the kernel cannot be built or has no
+"""Linear layers at decode batch sizes on CPU (csrc/skinny_linear_cpu.cpp): fp32, 1 to
+`MAX_ROWS` rows, weights read in place (`bench.cpu_linear` times both ways). Larger inputs
+(prefills), other dtypes and devices, and hosts where the kernel cannot be built or has no
 AVX-512 take F.linear."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def load() -> ModuleType | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """F.linear's contract. x: [num_rows, in_features]; weight: [out_features, in_features]."""
-    if (x.device.type != "cpu" or x.dim() != 2 or not 1 < x.shape[0] <= MAX_ROWS
+    if (x.device.type != "cpu" or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS
             or x.dtype != torch.float32 or weight.dtype != torch.float32
             or not weight.is_contiguous() or torch.is_grad_enabled()):
         return F.linear(x, weight, bias)

@@ -15,7 +15,7 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C++ toolchain or AV
 
 
 @needs_kernel
-@pytest.mark.parametrize("num_rows", [2, 3, 4, 7, 16, cpu_linear.MAX_ROWS])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 7, 16, cpu_linear.MAX_ROWS])
 @pytest.mark.parametrize(("out_features", "in_features"), [(576, 1536), (13, 40), (3, 576)])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_matches_f_linear(num_rows, out_features, in_features, has_bias):
@@ -44,9 +44,18 @@ def test_kernel_rejects_bad_shapes():
         KERNEL.skinny_linear(torch.empty(2, 3), torch.randn(2, 5), torch.randn(3, 4))
 
 
-@pytest.mark.parametrize("case", ["one_row", "many_rows", "bf16", "grad", "no_kernel"])
+@needs_kernel
+@pytest.mark.parametrize("num_rows", [1, cpu_linear.MAX_ROWS])
+def test_decode_rows_take_the_kernel(num_rows, monkeypatch):
+    monkeypatch.setattr(cpu_linear.F, "linear", None)  # any call fails
+    with torch.inference_mode():
+        assert cpu_linear.linear(torch.randn(num_rows, 48), torch.randn(10, 48)).shape == (
+            num_rows, 10)
+
+
+@pytest.mark.parametrize("case", ["no_rows", "many_rows", "bf16", "grad", "no_kernel"])
 def test_other_inputs_take_f_linear(case, monkeypatch):
-    num_rows = {"one_row": 1, "many_rows": cpu_linear.MAX_ROWS + 1}.get(case, 4)
+    num_rows = {"no_rows": 0, "many_rows": cpu_linear.MAX_ROWS + 1}.get(case, 4)
     dtype = torch.bfloat16 if case == "bf16" else torch.float32
     x = torch.randn(num_rows, 48, dtype=dtype)
     weight = torch.randn(10, 48, dtype=dtype)
