@@ -293,6 +293,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the GIL is let go while it runs, as torch's own ops do: the host's other threads go on
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention reading the paged KV cache in place (CPU)");
+        "decode attention reading the paged KV cache in place (CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }

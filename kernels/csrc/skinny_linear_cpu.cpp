@@ -104,5 +104,7 @@ void skinny_linear(torch::Tensor out, torch::Tensor x, torch::Tensor weight) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_vector_path", &has_vector_path, "whether this build has the AVX-512 kernel");
-  m.def("skinny_linear", &skinny_linear, "x @ weight^T for few rows of x (CPU, fp32)");
+  // the GIL is let go while it runs, as torch's own ops do: the host's other threads go on
+  m.def("skinny_linear", &skinny_linear, "x @ weight^T for few rows of x (CPU, fp32)",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -11,6 +11,7 @@ from pagedserve.kernels import cpu_decode, ref
 
 from tests.kernels.batch import make_batch
 from tests.kernels.conftest import TOLERANCES
+from tests.kernels.gil import python_runs_during
 
 KERNEL = cpu_decode.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ toolchain here")
@@ -46,6 +47,15 @@ def test_non_contiguous_query_and_block_table_rows():
                                             meta.block_tables[1:], meta.seq_lens[1:], 0.125)
     expected = ref.paged_attention(batch.query, batch.k_cache, batch.v_cache, meta, 0.125)[5:]
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+
+
+def test_other_threads_run_while_it_computes():
+    batch = make_batch([], [(2000, 1)] * 16, block_size=16, num_heads=4, num_kv_heads=4,
+                       head_size=128, dtype=torch.float32)  # 131 MB of K/V: milliseconds a call
+    meta = batch.meta
+    assert python_runs_during(lambda: cpu_decode.paged_decode_attention(
+        KERNEL, batch.query, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens,
+        0.1))
 
 
 def test_rejects_a_block_table_of_another_dtype():

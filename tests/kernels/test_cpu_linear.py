@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from pagedserve.kernels import cpu_linear
 
+from tests.kernels.gil import python_runs_during
+
 KERNEL = cpu_linear.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C++ toolchain or AVX-512 here")
 
@@ -36,6 +38,13 @@ def test_non_contiguous_input():
     with torch.inference_mode():
         torch.testing.assert_close(cpu_linear.linear(x, weight), F.linear(x, weight),
                                    rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_other_threads_run_while_it_computes():
+    x, weight = torch.randn(8, 4096), torch.randn(4096, 4096)  # 64 MB: milliseconds a call
+    out = torch.empty(8, 4096)
+    assert python_runs_during(lambda: KERNEL.skinny_linear(out, x, weight))
 
 
 @needs_kernel
