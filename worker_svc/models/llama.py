@@ -52,7 +52,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, variant: LlamaVariant, max_position: int,
+    def __init__(self, config: Any, variant: LlamaVariant, rotary_emb: RotaryEmbedding,
                  backend: ModuleType, tp: TensorParallel) -> None:
         super().__init__()
         hidden_size = config.hidden_size
@@ -69,11 +69,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_size, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_size, eps=config.rms_norm_eps)
         self.has_qk_norm = variant.qk_norm
-        rope_theta, rope_scaling = rope_settings(config)
         self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads,
-                              self.head_size ** -0.5, backend,
-                              RotaryEmbedding(self.head_size, max_position, rope_theta,
-                                              rope_scaling))
+                              self.head_size ** -0.5, backend, rotary_emb)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -83,10 +80,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, variant: LlamaVariant, max_position: int,
+    def __init__(self, config: Any, variant: LlamaVariant, rotary_emb: RotaryEmbedding,
                  backend: ModuleType, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, variant, max_position, backend, tp)
+        self.self_attn = LlamaAttention(config, variant, rotary_emb, backend, tp)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                             variant.mlp_bias, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -110,8 +107,13 @@ class LlamaModel(nn.Module):
                  backend: ModuleType, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
+        # one table for every layer, as they turn by the same positions (a table per layer was
+        # num_layers x max_position x head_size floats: 128 MB for Llama-3-8B)
+        head_size = (getattr(config, "head_dim", None)
+                     or config.hidden_size // config.num_attention_heads)
+        rotary_emb = RotaryEmbedding(head_size, max_position, *rope_settings(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, variant, max_position, backend, tp)
+            LlamaDecoderLayer(config, variant, rotary_emb, backend, tp)
             for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
