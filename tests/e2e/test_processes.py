@@ -85,6 +85,18 @@ def stop(process: subprocess.Popen, sig=signal.SIGTERM, timeout_s: float = 30) -
         raise
 
 
+def long_stream(stub, max_tokens: int, metadata=(), **fields):
+    """A greedy GenerateStream of [1, 2, 3] that runs max_tokens tokens, started (its first
+    response read): a request in flight while the test does something to the stack."""
+    call = stub.GenerateStream(gateway_pb2.GenerateStreamRequest(
+        token_ids=common_pb2.TokenIds(token_ids=[1, 2, 3]),
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                           ignore_eos=True), **fields),
+        timeout=120, metadata=metadata)
+    next(call)
+    return call
+
+
 def test_serve_runs_the_stack_and_ctrl_c_stops_it(tiny_served_model_dir):
     """With default settings the internal ports take mutual TLS only, with certificates in a
     private folder that is gone once the stack stops."""
@@ -168,12 +180,8 @@ def test_serve_passes_the_admin_token_to_its_gateway_outside_its_command_line(
             assert "0p3n-s3same" not in " ".join(child.cmdline())
         with grpc.insecure_channel(address) as channel:
             stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-            call = stub.GenerateStream(gateway_pb2.GenerateStreamRequest(
-                request_id="alices", token_ids=common_pb2.TokenIds(token_ids=[1, 2, 3]),
-                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=480,
-                                                   ignore_eos=True)),
-                timeout=120, metadata=[("authorization", "Bearer alice")])
-            next(call)
+            call = long_stream(stub, 480, metadata=[("authorization", "Bearer alice")],
+                               request_id="alices")
             for token in ("bob", "0p3n-s3sam"):
                 with pytest.raises(grpc.RpcError) as refused:
                     stub.Abort(gateway_pb2.AbortRequest(request_id="alices"), timeout=30,
@@ -210,11 +218,7 @@ def test_serve_hands_its_gateway_public_tls_and_the_request_limit(tiny_served_mo
                          timeout=30).status_code == 200
         with grpc.secure_channel(address, grpc.ssl_channel_credentials(ca)) as channel:
             stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-            call = stub.GenerateStream(gateway_pb2.GenerateStreamRequest(
-                token_ids=common_pb2.TokenIds(token_ids=[1, 2, 3]),
-                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=480,
-                                                   ignore_eos=True)), timeout=120)
-            next(call)
+            call = long_stream(stub, 480)
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Generate(gateway_pb2.GenerateRequest(
                     token_ids=common_pb2.TokenIds(token_ids=[1, 2, 3]),
@@ -290,11 +294,7 @@ def test_a_killed_scheduler_fails_open_calls_with_unavailable_within_5s(tiny_ser
         wait_serving(address, timeout_s=180)
         with grpc.insecure_channel(address) as channel:
             stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-            call = stub.GenerateStream(gateway_pb2.GenerateStreamRequest(
-                token_ids=common_pb2.TokenIds(token_ids=[1, 2, 3]),
-                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=500,
-                                                   ignore_eos=True)), timeout=120)
-            next(call)
+            call = long_stream(stub, 500)
             scheduler.kill()
             killed_at = time.monotonic()
             with pytest.raises(grpc.RpcError) as info:
