@@ -47,8 +47,7 @@ def build(name: str, source: Path) -> ModuleType | None:
         name, cflags = f"{name}_{features}", [*cflags, "-march=native"]
     import torch
     from torch.utils import cpp_extension
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    build_directory = Path(root) / _torch_build_key(torch.__version__, cpp_extension) / name
+    build_directory = Path(build_root()) / _torch_build_key(torch.__version__, cpp_extension) / name
     try:
         build_directory.mkdir(parents=True, exist_ok=True)
         with _only_builder(build_directory):
@@ -65,6 +64,14 @@ def build(name: str, source: Path) -> ModuleType | None:
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as exc:
         logger.warning("building %s failed (%s): torch ops stand in", name, exc)
         return None
+
+
+def build_root() -> str:
+    """Where the kernels are built and cached: TORCH_EXTENSIONS_DIR, else torch's default
+    under the user's cache folder."""
+    from torch.utils import cpp_extension
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
 
 
 def _torch_build_key(torch_version: str, cpp_extension: ModuleType) -> str:

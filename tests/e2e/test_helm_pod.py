@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagedserve.kernels import cpu_extension
+
 from pagedserve.supervisor import free_port
 from tests.unit.helm_render import FULLNAME, NAMESPACE, pod_specs, render
 
@@ -42,8 +44,11 @@ def _start(container: dict[str, Any], env: dict[str, str], log: Path) -> subproc
 def test_the_rendered_pods_serve_and_the_helm_test_hook_passes(tiny_served_model_dir, tmp_path):
     values = _values(tiny_served_model_dir)
     specs = pod_specs(render(values))
+    # a HOME of its own, but the CPU kernels this machine has built already (two workers
+    # compiling them again under an empty HOME took most of this test's time)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PATH=f"{VENV_BIN}:{os.environ['PATH']}",
-               HOME=str(tmp_path), TRITON_INTERPRET="1")
+               HOME=str(tmp_path), TRITON_INTERPRET="1",
+               TORCH_EXTENSIONS_DIR=cpu_extension.build_root())
     containers = [*specs["engine"]["containers"], *specs["gateway"]["containers"]]
     assert [c["name"] for c in containers] == ["scheduler", "worker-0", "worker-1", "gateway"]
     procs = [_start(c, env, tmp_path / f"{c['name']}.log") for c in containers]
