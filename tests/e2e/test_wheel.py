@@ -65,6 +65,14 @@ def test_a_user_imports_llm_and_sampling_params_and_runs_the_command(venv, tmp_p
     assert "serve" in _run(str(env_dir / "bin" / "pagedserve"), "--help", cwd=tmp_path)
 
 
+def test_the_wheel_carries_every_source_of_the_cpu_kernels(venv):
+    """They compile on first use from the installed package: a missing header there means a
+    failed build and the torch fallbacks."""
+    _, site = venv
+    shipped = {p.name for p in (site / "pagedserve" / "kernels" / "csrc").iterdir()}
+    assert shipped == {p.name for p in (REPO / "kernels" / "csrc").iterdir()}
+
+
 def test_hugging_face_kernels_beside_it_is_unharmed(venv):
     _, site = venv
     record = next(site.glob("kernels-*.dist-info")) / "RECORD"
