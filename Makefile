@@ -28,6 +28,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip download -q --no-deps -d $(VENV)/wheels kernels==0.17.2  # tests/e2e/test_wheel.py
 	$(VPY) -m pagedserve.kernels.cpu_decode  # compiles the CPU decode kernel once (needs c++, ninja)
 	$(VPY) -m pagedserve.kernels.cpu_linear  # and the one for linear layers at decode batch sizes
+	$(VPY) -m pagedserve.kernels.cpu_layer_ops  # and a layer's norms, activation and rotary
 	touch $@
 
 proto: $(GEN)

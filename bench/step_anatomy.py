@@ -97,7 +97,8 @@ class _TimedStep:
 class StepRecorder:
     """Wraps the engine's scheduler, output processor and rank 0's submit_step on the instance,
     so each step() call is timed without touching the engine's code. A record describes the
-    step whose outputs that call processed (`plan`, the worker's `timings`)."""
+    step whose outputs that call processed (`plan`, the worker's `timings`, the engine's
+    `outputs`)."""
 
     def __init__(self, core: EngineCore) -> None:
         self.core = core
@@ -129,7 +130,7 @@ class StepRecorder:
     def step(self) -> dict[str, Any]:
         self.current = {}
         cpu_start, start = time.process_time_ns(), time.perf_counter_ns()
-        self.core.step()
+        outputs = self.core.step()
         self.current["step_ns"] = time.perf_counter_ns() - start
         self.current["step_cpu_ns"] = time.process_time_ns() - cpu_start
         scheduled = self.core.last_scheduled
@@ -137,6 +138,7 @@ class StepRecorder:
             timings = self._timings.pop(scheduled.plan.step_id, None)
             if timings is not None:
                 self.current.update(plan=scheduled.plan, timings=timings)
+        self.current["outputs"] = outputs
         return self.current
 
 

@@ -62,8 +62,10 @@ def test_chunked_prefill_equals_single_prefill(arch_setup):
     chunked.add(0, prompt, sampling)
     for n in (12, 13, 12):
         chunked.step({0: n})
+    # fp32 rounding apart: the chunks' linears take the skinny kernel, the whole prompt's BLAS,
+    # each summing in its own order (4-12e-6 of logits ~4.4 in the three models)
     torch.testing.assert_close(chunked.recorder.logits[(0, 36)], whole.recorder.logits[(0, 36)],
-                               atol=1e-5, rtol=0)
+                               atol=2e-5, rtol=0)
     assert chunked.seqs[0].token_ids == whole.seqs[0].token_ids
     # prompt logprobs: one entry per prompt token after the first, whichever the chunking
     got, want = chunked.seqs[0].prompt_logprobs, whole.seqs[0].prompt_logprobs

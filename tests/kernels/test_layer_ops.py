@@ -158,7 +158,8 @@ def test_the_reference_rotary_is_the_layers():
 
 
 def test_cpu_keeps_the_torch_code_and_the_gpu_path_is_one_op_per_layer():
-    """CPU runs the layers' torch code; on meta (as on CUDA) each layer is one custom op."""
+    """CPU under autograd runs the layers' torch code (in inference, their C++ ops:
+    test_cpu_layer_ops.py); on meta (as on CUDA) each layer is one custom op."""
     norm, activation = RMSNorm(64), SiluAndMul()
     x = torch.randn(3, 64)
     assert not norm.is_fused(x) and not activation.is_fused(x)

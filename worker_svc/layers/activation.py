@@ -12,6 +12,9 @@ class SiluAndMul(FusedLayer):
         # x: [num_tokens, 2 * intermediate_size] → [num_tokens, intermediate_size]
         if self.is_fused(x):
             return layer_ops.silu_and_mul(x)
+        kernels = self.cpu_kernels(x)
+        if kernels is not None and x.dim() == 2:
+            return kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

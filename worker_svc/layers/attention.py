@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -32,12 +33,12 @@ class Attention(nn.Module):
         kernel where it is fused (both norms have the model's one rms_norm_eps)."""
         num_tokens = query.shape[0]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        if self.rotary_emb is not None and self.rotary_emb.is_fused(query):
+        rotary_write_kv = self._rotary_write_kv(query, k_cache)
+        if rotary_write_kv is not None:
             norms = () if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight,
                                                 qk_norm[0].eps)
-            query = layer_ops.rotary_write_kv(positions, query, key, value,
-                                              self.rotary_emb.cos_sin_cache, k_cache, v_cache,
-                                              meta.slot_mapping, *norms)
+            query = rotary_write_kv(positions, query, key, value, self.rotary_emb.cos_sin_cache,
+                                    k_cache, v_cache, meta.slot_mapping, *norms)
         else:
             if qk_norm is not None:
                 query = qk_norm[0](query.reshape(num_tokens, self.num_heads, self.head_size))
@@ -50,3 +51,15 @@ class Attention(nn.Module):
             self.backend.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         out = self.backend.paged_attention(query, k_cache, v_cache, meta, self.scale)
         return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def _rotary_write_kv(self, query: torch.Tensor, k_cache: torch.Tensor
+                         ) -> Callable[..., torch.Tensor] | None:
+        """The one-call rotary and K/V cache write for this step, or None for the torch code."""
+        if self.rotary_emb is None:
+            return None
+        if self.rotary_emb.is_fused(query):
+            return layer_ops.rotary_write_kv
+        kernels = self.rotary_emb.cpu_kernels(query)
+        if kernels is not None and query.dim() == 2 and k_cache.dtype == query.dtype:
+            return kernels.rotary_write_kv
+        return None

@@ -94,7 +94,7 @@ class QKVLinear(MergedLinear):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [num_tokens, hidden] → q [num_tokens, q_size], k, v [num_tokens, kv_size]."""
-        return super().forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return super().forward(x).split_with_sizes([self.q_size, self.kv_size, self.kv_size], -1)
 
 
 def kv_heads_of_rank(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:

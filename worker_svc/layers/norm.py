@@ -27,6 +27,11 @@ class RMSNorm(FusedLayer):
             if residual is None:
                 return layer_ops.rms_norm(x, self.weight, self.eps)
             return layer_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        kernels = self.cpu_kernels(x)
+        if kernels is not None and x.dim() == 2 and x.dtype == self.weight.dtype:
+            if residual is None:
+                return kernels.rms_norm(x, self.weight, self.eps)
+            return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual
