@@ -1,11 +1,12 @@
-"""A decode step's linear layers on CPU, fp32: `F.linear` (BLAS) against the skinny kernel
-(`kernels/cpu_linear.py`) at each of --rows rows, for the weights of one model shape: every
+"""A decode step's linear layers on CPU, fp32 or bf16 (--dtype): `F.linear` (BLAS, or oneDNN
+for bf16) against the skinny kernel (`kernels/cpu_linear.py`) at each of --rows rows, for the weights of one model shape: every
 layer's QKV, output, gate-up and down projections and the LM head, each fed a fresh input as a
 step feeds it. The two ways alternate (A B, then B A), --repeats times each; per way, the min
 and median ms of one step's linears. The outputs are checked close once per shape.
 
     python -m bench.cpu_linear
     python -m bench.cpu_linear --rows 1 2 8 --threads 1
+    python -m bench.cpu_linear --dtype bfloat16 --tag cpu-bf16
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ SHAPES = {"smollm2-135m": (576, 1536, 30, 9, 3, 64, 49152),
           "smollm2-360m": (960, 2560, 32, 15, 5, 64, 49152)}
 
 
-def step_weights(shape: str) -> list[torch.Tensor]:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def step_weights(shape: str, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     hidden, inter, layers, heads, kv_heads, head_size, vocab = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
     per_layer = [((heads + 2 * kv_heads) * head_size, hidden), (hidden, heads * head_size),
                  (2 * inter, hidden), (hidden, inter)]
-    return [torch.randn(out, inp, generator=gen) for _ in range(layers)
-            for out, inp in per_layer] + [torch.randn(vocab, hidden, generator=gen)]
+    return [torch.randn(out, inp, generator=gen).to(dtype) for _ in range(layers)
+            for out, inp in per_layer] + [torch.randn(vocab, hidden, generator=gen).to(dtype)]
 
 
 def _skinny(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -48,9 +52,10 @@ def time_step(way, weights: list[torch.Tensor], inputs: list[torch.Tensor]) -> f
 
 def run_rows(num_rows: int, weights: list[torch.Tensor], repeats: int) -> dict:
     gen = torch.Generator().manual_seed(num_rows)
-    inputs = [torch.randn(num_rows, w.shape[1], generator=gen) for w in weights]
+    inputs = [torch.randn(num_rows, w.shape[1], generator=gen).to(w.dtype) for w in weights]
+    tolerance = {} if weights[0].dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-3}
     for x, weight in zip(inputs[:5], weights[:5], strict=True):
-        torch.testing.assert_close(_skinny(x, weight), F.linear(x, weight), rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(_skinny(x, weight), F.linear(x, weight), **tolerance)
     ways = {"blas": F.linear, "skinny": _skinny}
     for way in ways.values():  # warm-up
         time_step(way, weights, inputs)
@@ -68,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--repeats", type=int, default=15, help="steps timed per way and rows")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = default")
     parser.add_argument("--note", default="")
     parser.add_argument("--tag", default="cpu")
@@ -75,12 +81,15 @@ def main(argv: list[str] | None = None) -> dict:
     quiet_logging()
     if cpu_linear.load() is None:
         raise SystemExit("the skinny kernel is not built on this host (no compiler or AVX-512)")
+    if DTYPES[args.dtype] not in cpu_linear.max_rows():
+        raise SystemExit(f"the skinny kernel takes no {args.dtype} on this host (no AVX512-BF16)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    weights = step_weights(args.shape)
+    weights = step_weights(args.shape, DTYPES[args.dtype])
     with torch.inference_mode():
         results = [run_rows(n, weights, args.repeats) for n in args.rows]
-    line = f"cpu_linear: {args.shape}, {torch.get_num_threads()} threads, a step's linears " + (
+    line = (f"cpu_linear: {args.shape} {args.dtype}, {torch.get_num_threads()} threads, "
+            "a step's linears ") + (
         "; ".join(f"{r['rows']} rows {r['blas_ms']['median']:.1f} (BLAS) / "
                   f"{r['skinny_ms']['median']:.1f} ms (skinny)" for r in results))
     return finish("cpu_linear", args, line, results, note=args.note,

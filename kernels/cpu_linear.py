@@ -1,7 +1,7 @@
-"""Linear layers at decode batch sizes on CPU (csrc/skinny_linear_cpu.cpp): fp32, 1 to
-`MAX_ROWS` rows, weights read in place (`bench.cpu_linear` times both ways). Larger inputs
-(prefills), other dtypes and devices, and hosts where the kernel cannot be built or has no
-AVX-512 take F.linear."""
+"""Linear layers at decode batch sizes on CPU (csrc/skinny_linear_cpu.cpp): fp32, and bf16 on
+CPUs with AVX512-BF16, 1 to `MAX_ROWS[dtype]` rows, weights read in place (`bench.cpu_linear` times
+both ways). Larger inputs (prefills), other dtypes and devices, and hosts where the kernel
+cannot be built or has no AVX-512 take F.linear."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "skinny_linear_cpu.cpp"
 EXTENSION_NAME = "pagedserve_skinny_linear_cpu"
-MAX_ROWS = 32  # past this, BLAS's packed product wins
+# past these, the library's product wins: BLAS's packed fp32 one, oneDNN's bf16 one (AMX where
+# the CPU has it) already past 12 rows (cpu_linear-cpu.json, cpu_linear-cpu-bf16.json)
+MAX_ROWS = {torch.float32: 32, torch.bfloat16: 8}
 
 
 @functools.cache
@@ -27,11 +29,20 @@ def load() -> ModuleType | None:
     return kernel if kernel is not None and kernel.has_vector_path() else None
 
 
+@functools.cache
+def max_rows() -> dict[torch.dtype, int]:
+    """The dtypes the kernel takes on this host, each with its most rows."""
+    kernel = load()
+    if kernel is None:
+        return {}
+    return MAX_ROWS if kernel.has_bf16_path() else {torch.float32: MAX_ROWS[torch.float32]}
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """F.linear's contract. x: [num_rows, in_features]; weight: [out_features, in_features]."""
-    if (x.device.type != "cpu" or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS
-            or x.dtype != torch.float32 or weight.dtype != torch.float32
+    if (not x.is_cpu or x.dim() != 2 or not 0 < x.shape[0] <= max_rows().get(x.dtype, 0)
+            or weight.dtype != x.dtype
             or not weight.is_contiguous() or torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
     kernel = load()

@@ -1,7 +1,8 @@
 """The CPU linear kernel for decode batch sizes against F.linear: row counts off its 4-row tile,
-output sizes off its 4-column tile, input sizes off its 16-lane stride, with and without bias;
-and the inputs it hands to F.linear. Kernel cases skip where it cannot be built (no compiler or
-no AVX-512): `linear` then is F.linear, which the fallback test covers."""
+output sizes off its 4-column tile, input sizes off its 16-lane (fp32) or 32-lane (bf16) stride,
+with and without bias; and the inputs it hands to F.linear. Kernel cases skip where it cannot be
+built (no compiler or no AVX-512), bf16 ones where the CPU has no AVX512-BF16: `linear` then is
+F.linear, which the fallback test covers."""
 
 from __future__ import annotations
 
@@ -14,21 +15,31 @@ from tests.kernels.gil import python_runs_during
 
 KERNEL = cpu_linear.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C++ toolchain or AVX-512 here")
+FP32_ROWS = cpu_linear.MAX_ROWS[torch.float32]
+BF16_ROWS = cpu_linear.MAX_ROWS[torch.bfloat16]
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    torch.bfloat16 not in cpu_linear.max_rows(), reason="no AVX512-BF16 here"))]
+# bf16: with a bias, the kernel rounds the product before adding it, oneDNN after
+TOLERANCES = {torch.float32: {"rtol": 1e-5, "atol": 1e-4},
+              torch.bfloat16: {"rtol": 1.6e-2, "atol": 0.1}}
 
 
 @needs_kernel
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 7, 16, cpu_linear.MAX_ROWS])
-@pytest.mark.parametrize(("out_features", "in_features"), [(576, 1536), (13, 40), (3, 576)])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 7, 16, FP32_ROWS])
+@pytest.mark.parametrize(("out_features", "in_features"), [(576, 1536), (13, 40), (3, 576),
+                                                           (5, 70)])
 @pytest.mark.parametrize("has_bias", [False, True])
-def test_matches_f_linear(num_rows, out_features, in_features, has_bias):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_f_linear(num_rows, out_features, in_features, has_bias, dtype, monkeypatch):
     gen = torch.Generator().manual_seed(num_rows * 7 + out_features + in_features)
-    x = torch.randn(num_rows, in_features, generator=gen)
-    weight = torch.randn(out_features, in_features, generator=gen)
-    bias = torch.randn(out_features, generator=gen) if has_bias else None
+    x = torch.randn(num_rows, in_features, generator=gen).to(dtype)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype) if has_bias else None
+    monkeypatch.setitem(cpu_linear.max_rows(), dtype, FP32_ROWS)  # every row count on the kernel
     with torch.inference_mode():
         out = cpu_linear.linear(x, weight, bias)
-    assert out.shape == (num_rows, out_features) and out.dtype == torch.float32
-    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    assert out.shape == (num_rows, out_features) and out.dtype == dtype
+    torch.testing.assert_close(out, F.linear(x, weight, bias), **TOLERANCES[dtype])
 
 
 @needs_kernel
@@ -54,18 +65,23 @@ def test_kernel_rejects_bad_shapes():
 
 
 @needs_kernel
-@pytest.mark.parametrize("num_rows", [1, cpu_linear.MAX_ROWS])
-def test_decode_rows_take_the_kernel(num_rows, monkeypatch):
+@pytest.mark.parametrize(("dtype", "num_rows"), [(torch.float32, 1), (torch.float32, FP32_ROWS),
+                                                 *((torch.bfloat16, n) for n in (1, BF16_ROWS))])
+def test_decode_rows_take_the_kernel(dtype, num_rows, monkeypatch):
+    if dtype not in cpu_linear.max_rows():
+        pytest.skip("no AVX512-BF16 here")
     monkeypatch.setattr(cpu_linear.F, "linear", None)  # any call fails
     with torch.inference_mode():
-        assert cpu_linear.linear(torch.randn(num_rows, 48), torch.randn(10, 48)).shape == (
-            num_rows, 10)
+        assert cpu_linear.linear(torch.randn(num_rows, 48, dtype=dtype),
+                                 torch.randn(10, 48, dtype=dtype)).shape == (num_rows, 10)
 
 
-@pytest.mark.parametrize("case", ["no_rows", "many_rows", "bf16", "grad", "no_kernel"])
+@pytest.mark.parametrize("case", ["no_rows", "many_rows", "many_bf16_rows", "fp16",
+                                  "grad", "no_kernel"])
 def test_other_inputs_take_f_linear(case, monkeypatch):
-    num_rows = {"no_rows": 0, "many_rows": cpu_linear.MAX_ROWS + 1}.get(case, 4)
-    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    num_rows = {"no_rows": 0, "many_rows": FP32_ROWS + 1,
+                "many_bf16_rows": BF16_ROWS + 1}.get(case, 4)
+    dtype = {"fp16": torch.float16, "many_bf16_rows": torch.bfloat16}.get(case, torch.float32)
     x = torch.randn(num_rows, 48, dtype=dtype)
     weight = torch.randn(10, 48, dtype=dtype)
     if case == "no_kernel":
