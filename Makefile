@@ -10,6 +10,8 @@ GEN     := services/rpc/v1/.stamp
 BUF     := tools/node_modules/.bin/buf
 MODEL_DIR ?= $(HOME)/.cache/pagedserve/models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
+# more `pagedserve serve` flags for make run, e.g. SERVE_ARGS="--dtype bfloat16"
+SERVE_ARGS ?=
 
 .PHONY: install proto model run test test-gpu test-gpu-kernels test-gpu-engine gpu-wheels gpu-check lint bench bench-gpu helm-test image clean fuzz node-example
 
@@ -47,7 +49,7 @@ model: $(STAMP)
 	$(VPY) -m pagedserve.model_prep --out $(MODEL_DIR)
 
 run: install proto model
-	$(VPY) -m pagedserve.cli serve --model $(MODEL_DIR)
+	$(VPY) -m pagedserve.cli serve --model $(MODEL_DIR) $(SERVE_ARGS)
 
 # the Node.js example client's packages, pinned in examples/node/package-lock.json (docs/api.md, Clients)
 NODE_EXAMPLE := examples/node/node_modules/.package-lock.json
