@@ -1,5 +1,6 @@
 """The images the chart runs (Dockerfile: CUDA, Dockerfile.cpu): multi-stage, the wheel with the
-extras each needs, a C compiler where Triton compiles kernels, a non-root user the chart's
+extras each needs, a C compiler where Triton compiles kernels and a C++ one with ninja where the
+CPU kernels compile, a non-root user the chart's
 security context matches, caches where the chart mounts its writable emptyDir, and hadolint
 clean. Building them needs a container engine (make image); this checks what they say."""
 
@@ -35,6 +36,7 @@ def test_the_image_builds_the_wheel_then_installs_it_as_a_non_root_user(flavor):
     assert "pip wheel" in runs and "COPY" in {op for op, _ in steps}
     assert ("[triton]" in runs) == (flavor == "cuda")
     assert ("gcc" in runs) == (flavor == "cuda")  # Triton's launchers at run time
+    assert ("g++ ninja-build" in runs) == (flavor == "cpu")  # kernels/csrc, on first start
     assert ("download.pytorch.org/whl/cpu" in runs) == (flavor == "cpu")
     (user,) = [arg for op, arg in steps if op == "USER"]
     security = yaml.safe_load((ROOT / "helm" / "pagedserve" / "values.yaml").read_text())
@@ -43,6 +45,7 @@ def test_the_image_builds_the_wheel_then_installs_it_as_a_non_root_user(flavor):
     assert gid == security["podSecurityContext"]["runAsGroup"]
     env = " ".join(arg for op, arg in steps if op == "ENV")
     assert "HOME=/cache" in env and "HF_HUB_OFFLINE=1" in env  # the chart's emptyDir
+    assert ("TORCH_EXTENSIONS_DIR=/cache/" in env) == (flavor == "cpu")
     assert [arg for op, arg in steps if op == "ENTRYPOINT"] == ['["pagedserve"]']
 
 
