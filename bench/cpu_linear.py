@@ -1,7 +1,7 @@
 """A decode step's linear layers on CPU, fp32 or bf16 (--dtype): `F.linear` (BLAS, or oneDNN
-for bf16) against the skinny kernel (`kernels/cpu_linear.py`) at each of --rows rows, for the weights of one model shape: every
-layer's QKV, output, gate-up and down projections and the LM head, each fed a fresh input as a
-step feeds it. The two ways alternate (A B, then B A), --repeats times each; per way, the min
+for bf16) against the skinny kernel (`kernels/cpu_linear.py`) at each of --rows rows, for the
+weights of one model shape: every layer's QKV, output, gate-up and down projections and the LM
+head, each fed a fresh input as a step feeds it. The two ways alternate (A B, then B A), --repeats times each; per way, the min
 and median ms of one step's linears. The outputs are checked close once per shape.
 
     python -m bench.cpu_linear
@@ -23,8 +23,6 @@ from bench.common import Timer, finish, quiet_logging
 # hidden, intermediate, layers, q heads, kv heads, head size, vocab (SmolLM2-135M by default)
 SHAPES = {"smollm2-135m": (576, 1536, 30, 9, 3, 64, 49152),
           "smollm2-360m": (960, 2560, 32, 15, 5, 64, 49152)}
-
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

@@ -32,6 +32,14 @@ void check_rows(const torch::Tensor& x, const char* name) {
               "contiguous features, got shape ", x.sizes(), " strides ", x.strides());
 }
 
+// an RMSNorm's weight for rows of n features of dtype
+void check_norm_weight(const torch::Tensor& weight, int64_t n, at::ScalarType dtype,
+                       const char* name) {
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == n && weight.scalar_type() == dtype,
+              name, " must be contiguous [", n, "] of dtype ", dtype, ", got shape ",
+              weight.sizes(), " of ", weight.scalar_type());
+}
+
 // out[r] = weight * T(x32[r] * rsqrt(mean(x32[r]^2) + eps)), x32 the row in float
 template <typename T>
 inline void norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
@@ -59,9 +67,7 @@ inline void norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) 
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_rows(x, "x");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type(),
-              "weight must be contiguous [features] of x's dtype");
+  check_norm_weight(weight, x.size(1), x.scalar_type(), "weight");
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   const int64_t n = x.size(1), stride = x.stride(0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
@@ -84,9 +90,7 @@ std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(torch::Tensor x,
   check_rows(residual, "residual");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
               "residual must have x's shape and dtype");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type(),
-              "weight must be contiguous [features] of x's dtype");
+  check_norm_weight(weight, x.size(1), x.scalar_type(), "weight");
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   auto sum = torch::empty({x.size(0), x.size(1)}, x.options());
   const int64_t n = x.size(1);
@@ -174,21 +178,21 @@ torch::Tensor rotary_write_kv(torch::Tensor positions, torch::Tensor query, torc
               "positions and slot_mapping must be contiguous int64 [tokens]");
   TORCH_CHECK(q_norm_weight.has_value() == k_norm_weight.has_value(),
               "q_norm_weight and k_norm_weight come together");
-  for (const auto& w : {q_norm_weight, k_norm_weight})
-    TORCH_CHECK(!w.has_value() || (w->is_contiguous() && w->numel() == head &&
-                                   w->scalar_type() == dtype),
-                "the q/k norm weights must be contiguous [head_size] of the query's dtype");
+  if (q_norm_weight.has_value()) {
+    check_norm_weight(*q_norm_weight, head, dtype, "q_norm_weight");
+    check_norm_weight(*k_norm_weight, head, dtype, "k_norm_weight");
+  }
   auto out = torch::empty({tokens, heads, head}, query.options());
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t max_position = cos_sin_cache.size(0);
-  for (int64_t t = 0; t < tokens; ++t)
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_position, "position ", pos[t], " of token ", t,
                 " is outside the rotary table's ", max_position);
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " of token ", t, " is outside the "
                 "cache's ", num_slots);
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "rotary_write_kv", [&] {
     const scalar_t* qp = query.data_ptr<scalar_t>();
     const scalar_t* kp = key.data_ptr<scalar_t>();
